@@ -1,0 +1,13 @@
+"""The code that runs inside Triton's Python backend.
+
+This package is copied into every model version folder as ``mf_backend/`` and
+imported by the stub there, so it uses only relative imports among itself and
+imports nothing else from ``model_factory``. Heavy dependencies (onnxruntime,
+tokenizers, tensorrt, cuda) are imported where used.
+
+Modules: ``model`` (Triton's entry points, thin), ``settings`` (config
+parameters), ``requests`` (per-request decoding and validation), ``tokenizer``,
+``executor`` (grouped execution), ``grouping`` (the cost model and the split),
+``engines/`` (one interface: ONNX Runtime, TensorRT), ``memory_pool``
+(cudaMallocAsync pools) and ``metrics``.
+"""

@@ -1,0 +1,134 @@
+"""Grouped execution of one window of requests.
+
+Items (one sequence each) from all requests of the window are sorted by length
+and split into groups by the cost model (``grouping.plan_groups``). Each group
+is padded only to its own longest item, run on the engine with the profile that
+covers its length, and its outputs are sliced back to each item. A group that
+fails (out of memory included) is split in halves and retried, down to single
+items; only the items that still fail get an error. The result is one entry
+per request, in order: a dict of outputs or the exception for that request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .grouping import CostModel, padding_ratio, plan_groups, profile_for_length
+from .requests import Item
+
+Engine = object  # anything with input_names, output_names and run(feeds, profile)
+
+
+@dataclass
+class WindowStats:
+    """What one execute() did, for the metrics."""
+
+    groups: list[int] = field(default_factory=list)  # items per group
+    padding_ratio: float = 1.0
+    retries: int = 0
+
+
+class GroupError(RuntimeError):
+    """An item could not be run even alone."""
+
+
+def pad_items(items: Sequence[Item], names: Sequence[str], seq_names: frozenset[str], length: int) -> dict[str, np.ndarray]:
+    """Stack items into one batch, padding sequence inputs with zeros up to ``length``."""
+    feeds = {}
+    for name in names:
+        first = items[0][name]
+        if name in seq_names:
+            out = np.zeros((len(items), length) + first.shape[1:], dtype=first.dtype)
+            for i, it in enumerate(items):
+                out[i, : it[name].shape[0]] = it[name]
+        else:
+            out = np.stack([it[name] for it in items])
+        feeds[name] = out
+    return feeds
+
+
+class GroupedExecutor:
+    """Plans and runs groups for a window of requests on one engine."""
+
+    def __init__(self, engine: Engine, cost: CostModel, *, max_batch: int, buckets: Sequence[int],
+                 seq_inputs: frozenset[str], seq_outputs: frozenset[str], mode: str = "cost_model",
+                 max_tokens: int | None = None, fill: Callable[[Item], Item] | None = None) -> None:
+        self.engine = engine
+        self.cost = cost
+        self.max_batch = max_batch
+        self.buckets = tuple(buckets)
+        self.seq_inputs = seq_inputs
+        self.seq_outputs = seq_outputs
+        self.mode = mode
+        self.max_tokens = max_tokens
+        self.fill = fill or (lambda item: item)
+
+    def _length(self, item: Item) -> int:
+        for name in self.seq_inputs:
+            if name in item:
+                return int(item[name].shape[0])
+        return 1
+
+    def run(self, requests: Sequence[Sequence[Item]], wanted: Sequence[Sequence[str]] | None = None
+            ) -> tuple[list[dict[str, np.ndarray] | Exception], WindowStats]:
+        """Run every item of every request; return per-request outputs (or the error) and stats."""
+        flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
+        stats = WindowStats()
+        if not flat:
+            return [], stats
+        lengths = [self._length(it) for _, it in flat]
+        groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode)
+        stats.groups = [len(g) for g in groups]
+        stats.padding_ratio = padding_ratio(groups, lengths)
+        per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
+        for group in groups:
+            self._run_group(group, flat, lengths, per_item, stats)
+        return self._assemble(requests, flat, per_item, wanted), stats
+
+    def _run_group(self, group: list[int], flat, lengths, per_item, stats: WindowStats) -> None:
+        length = max(lengths[i] for i in group)
+        try:
+            profile = profile_for_length(length, self.buckets)
+            feeds = pad_items([flat[i][1] for i in group], self.engine.input_names, self.seq_inputs, length)
+            outs = self.engine.run(feeds, profile)
+        except Exception as exc:  # the engine may raise anything (ORT, TensorRT, CUDA OOM)
+            if len(group) == 1:
+                per_item[group[0]] = GroupError(f"inference failed: {type(exc).__name__}: {exc}")
+                return
+            # Smaller groups need less memory and isolate a poisoned item.
+            stats.retries += 1
+            half = len(group) // 2
+            self._run_group(group[:half], flat, lengths, per_item, stats)
+            self._run_group(group[half:], flat, lengths, per_item, stats)
+            return
+        for row, i in enumerate(group):
+            per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs else val[row])
+                           for name, val in outs.items()}
+
+    def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:
+        results: list[dict[str, np.ndarray] | Exception] = []
+        pos = 0
+        for r, items in enumerate(requests):
+            chunk = per_item[pos: pos + len(items)]
+            pos += len(items)
+            err = next((c for c in chunk if isinstance(c, Exception)), None)
+            if err is not None:
+                results.append(err)
+                continue
+            names = list(wanted[r]) if wanted and wanted[r] else list(chunk[0].keys())
+            out = {}
+            for name in names:
+                parts = [c[name] for c in chunk]
+                if name in self.seq_outputs and len({p.shape[0] for p in parts}) > 1:
+                    width = max(p.shape[0] for p in parts)
+                    buf = np.zeros((len(parts), width) + parts[0].shape[1:], dtype=parts[0].dtype)
+                    for i, p in enumerate(parts):
+                        buf[i, : p.shape[0]] = p
+                    out[name] = buf
+                else:
+                    out[name] = np.ascontiguousarray(np.stack(parts))
+            results.append(out)
+        return results

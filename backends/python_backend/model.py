@@ -1,0 +1,120 @@
+"""Triton's entry points for model-factory models (kept thin: the logic lives in the modules beside it).
+
+``initialize()`` parses the configuration once, loads the engine (TensorRT when
+a plan, a GPU and TensorRT are there, else ONNX Runtime on the CPU), the
+tokenizer for text models, and fixes the cost model (measured by a warm-up over
+the optimization profiles unless given). ``execute()`` validates each request
+alone, runs the window through the grouped executor and returns exactly one
+response per request, in order: outputs, or an INVALID_ARG error for that
+request alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .executor import GroupedExecutor
+from .grouping import CostModel, measure_cost_model, profile_for_length
+from .loading import load_engine
+from .requests import RequestError, decode_texts, items_from_tensors, items_from_texts
+from .settings import parse_settings
+
+
+class TritonPythonModel:
+    """One model instance."""
+
+    def initialize(self, args: dict) -> None:
+        self.settings = s = parse_settings(args["model_config"])
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.engine, self.engine_info = load_engine(version_dir, s, args.get("model_instance_kind", "CPU"),
+                                                     int(args.get("model_instance_device_id", 0) or 0))
+        self.tokenizer = None
+        self.vocab_size = None
+        if s.input("text") is not None:
+            from .tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(version_dir / "tokenizer", s.max_sequence_length)
+            self.vocab_size = self.tokenizer.get_vocab_size()
+        seq_inputs = frozenset(i.name for i in s.inputs if i.dims and i.dims[0] == -1)
+        self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
+        cost = CostModel(*s.cost_model) if s.cost_model else measure_cost_model(
+            self._dummy_run(seq_inputs), s.sequence_buckets, s.max_batch_size, repeats=s.cost_model_repeats)
+        self.executor = GroupedExecutor(
+            self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
+            seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
+            max_tokens=s.max_group_tokens, fill=self._fill)
+        self.metrics = _make_metrics(s.model_name, cost, self.engine_info)
+        pb_utils.Logger.log_info(
+            f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
+            f"({self.engine_info['file']}), grouping={s.grouping}, cost model a={cost.a:.3g}s "
+            f"b={cost.b:.3g}s c={cost.c:.3g}s")
+
+    def _fill(self, item: dict) -> dict:
+        # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.
+        for name in self._zeros_for:
+            if name not in item:
+                item[name] = np.zeros_like(item["input_ids"])
+        return item
+
+    def _dummy_run(self, seq_inputs: frozenset):
+        names = self.engine.input_names
+
+        def run(n: int, length: int) -> None:
+            feeds = {k: np.ones((n, length), dtype=np.int64) if k in seq_inputs else np.ones((n, 1), dtype=np.int64)
+                     for k in names}
+            self.engine.run(feeds, profile_for_length(length, self.settings.sequence_buckets))
+
+        return run
+
+    def execute(self, requests: list) -> list:
+        start = time.perf_counter()
+        s = self.settings
+        batches, errors, wanted = [], {}, []
+        for idx, request in enumerate(requests):
+            try:
+                raw_text = pb_utils.get_input_tensor_by_name(request, "text") if self.tokenizer else None
+                if raw_text is not None:
+                    items = items_from_texts(decode_texts(raw_text.as_numpy()), self.tokenizer, self.engine.input_names)
+                else:
+                    tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
+                               for i in s.inputs if i.data_type != "TYPE_STRING"}
+                    items = items_from_tensors(tensors, s, self.vocab_size)
+            except RequestError as exc:
+                errors[idx] = str(exc)
+                items = []
+            batches.append(items)
+            wanted.append(tuple(request.requested_output_names()) or tuple(o.name for o in s.outputs))
+        results, stats = self.executor.run(batches, wanted)
+        responses = []
+        for idx, result in enumerate(results):
+            if idx in errors:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG)))
+            elif isinstance(result, Exception):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
+            else:
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
+        if self.metrics is not None:
+            self.metrics.observe_window(stats, time.perf_counter() - start)
+        return responses
+
+    def finalize(self) -> None:
+        self.engine.close()
+
+
+def _as_numpy(tensor) -> np.ndarray | None:
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _make_metrics(model_name: str, cost: CostModel, engine_info: dict):
+    try:
+        from .metrics import BackendMetrics
+    except ImportError:  # metrics are optional for the backend to run
+        return None
+    return BackendMetrics(pb_utils, model_name, cost, engine_info)

@@ -1,0 +1,120 @@
+"""Per-request decoding and validation: a bad request is answered alone.
+
+A request becomes a list of *items*, one per sequence (row of its batch axis):
+a dict of input name to an array without the batch axis. The executor groups
+items across requests; these functions never see Triton objects, so they are
+unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .settings import Settings
+
+Item = dict[str, np.ndarray]
+
+_NP = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
+       "TYPE_INT8": np.int8, "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_}
+
+
+class RequestError(ValueError):
+    """The request is malformed; the message says what and how to fix it (sent as INVALID_ARG)."""
+
+
+def item_length(item: Item, settings: Settings) -> int:
+    """The sequence length of an item (1 for models without a sequence axis)."""
+    for spec in settings.inputs:
+        if spec.dims and spec.dims[0] == -1 and spec.name in item:
+            return int(item[spec.name].shape[0])
+    return 1
+
+
+def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Settings, vocab_size: int | None = None) -> list[Item]:
+    """Validate the tensor inputs of one request and split them into items.
+
+    Checks what Triton does not: a batch axis present and equal across inputs,
+    equal sequence lengths across an item's inputs, 1 ≤ length ≤ the maximum,
+    token ids inside the vocabulary, and required inputs present.
+    """
+    given = {k: v for k, v in tensors.items() if v is not None}
+    if not given:
+        raise RequestError("the request has no inputs. Send 'text' or the token-id tensors")
+    for spec in settings.inputs:
+        if spec.data_type == "TYPE_STRING":
+            continue
+        if spec.name not in given and not spec.optional:
+            raise RequestError(f"input '{spec.name}' is missing")
+    rows = None
+    for name, arr in given.items():
+        spec = settings.input(name)
+        if spec is None:
+            raise RequestError(f"unknown input '{name}'")
+        want = _NP.get(spec.data_type)
+        if want is not None and want is not np.object_ and arr.dtype != want:
+            raise RequestError(f"input '{name}' has dtype {arr.dtype}, expected {np.dtype(want).name}")
+        if arr.ndim != len(spec.dims) + 1:
+            raise RequestError(f"input '{name}' has shape {list(arr.shape)}; expected [batch] + {list(spec.dims)}")
+        for axis, (got, dim) in enumerate(zip(arr.shape[1:], spec.dims), start=1):
+            if dim != -1 and got != dim:
+                raise RequestError(f"input '{name}' axis {axis} is {got}, expected {dim}")
+        if rows is None:
+            rows = arr.shape[0]
+        elif arr.shape[0] != rows:
+            raise RequestError(f"input '{name}' has batch {arr.shape[0]}, other inputs have {rows}")
+    assert rows is not None
+    if rows == 0:
+        raise RequestError("the request has an empty batch")
+    seq_names = [n for n in given if (s := settings.input(n)) is not None and s.dims and s.dims[0] == -1]
+    lengths = {given[n].shape[1] for n in seq_names}
+    if len(lengths) > 1:
+        raise RequestError(f"inputs {seq_names} have different sequence lengths {sorted(lengths)}")
+    if lengths:
+        length = lengths.pop()
+        if length == 0:
+            raise RequestError("the request has an empty sequence (length 0)")
+        if length > settings.max_sequence_length:
+            raise RequestError(f"sequence length {length} exceeds the maximum {settings.max_sequence_length}; "
+                               "truncate the input or send text, which is truncated for you")
+    ids = given.get("input_ids")
+    if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
+    mask = given.get("attention_mask")
+    if ids is not None and mask is None:
+        raise RequestError("input_ids were sent without attention_mask")
+    return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
+
+
+def decode_texts(raw: np.ndarray) -> list[str]:
+    """Decode a BYTES tensor of shape [batch, 1] into strings, refusing empty or undecodable ones."""
+    if raw.ndim != 2 or raw.shape[1] != 1:
+        raise RequestError(f"input 'text' has shape {list(raw.shape)}; expected [batch, 1]")
+    texts = []
+    for i, value in enumerate(raw[:, 0]):
+        if isinstance(value, str):
+            text = value
+        else:
+            try:
+                text = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"text[{i}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+        if not text.strip():
+            raise RequestError(f"text[{i}] is empty")
+        texts.append(text)
+    if not texts:
+        raise RequestError("the request has an empty batch")
+    return texts
+
+
+def items_from_texts(texts: Sequence[str], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
+    """Tokenize texts (truncated to the maximum length) into items with the model's id inputs."""
+    items = []
+    for enc in tokenizer.encode_batch(list(texts)):
+        item = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        if "token_type_ids" in input_names:
+            item["token_type_ids"] = np.asarray(enc.type_ids, dtype=np.int64)
+        items.append(item)
+    return items

@@ -1,0 +1,106 @@
+"""Backend settings, parsed once from the model configuration Triton hands to ``initialize()``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+class SettingsError(ValueError):
+    """A model configuration the backend cannot run with (raised at load: the model stays unavailable)."""
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """One input or output of the Triton model (dims exclude the batch axis)."""
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+    optional: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the backend reads from ``config.pbtxt``."""
+
+    model_name: str
+    max_batch_size: int
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+    max_sequence_length: int
+    sequence_buckets: tuple[int, ...]
+    grouping: str
+    cost_model: tuple[float, float, float] | None
+    max_group_tokens: int | None
+    onnx_file: str
+    engine: str
+    pool_release_threshold_mib: int
+    pool_initial_mib: int
+    task: str
+    cost_model_repeats: int
+
+    def input(self, name: str) -> IOSpec | None:
+        """The input spec called ``name``, if any."""
+        return next((s for s in self.inputs if s.name == name), None)
+
+    @property
+    def sequence_outputs(self) -> frozenset[str]:
+        """Outputs whose first non-batch axis is the sequence axis (sliced per request)."""
+        return frozenset(o.name for o in self.outputs if o.dims and o.dims[0] == -1)
+
+
+def _io(items: Any) -> tuple[IOSpec, ...]:
+    return tuple(IOSpec(i["name"], i["data_type"], tuple(int(d) for d in i.get("dims", [])), bool(i.get("optional", False)))
+                 for i in items or [])
+
+
+def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
+    """Parse Triton's JSON model configuration into :class:`Settings`."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
+    params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
+
+    def num(key: str, default: int) -> int:
+        raw = params.get(key, "")
+        try:
+            return int(raw) if raw != "" else default
+        except ValueError as exc:
+            raise SettingsError(f"parameter {key}={raw!r} is not a whole number") from exc
+
+    max_len = num("max_sequence_length", 128)
+    try:
+        buckets = tuple(int(b) for b in params.get("sequence_buckets", str(max_len)).split(","))
+    except ValueError as exc:
+        raise SettingsError(f"parameter sequence_buckets={params.get('sequence_buckets')!r} is not a list of lengths") from exc
+    cost = None
+    if params.get("cost_model"):
+        try:
+            a, b, c = (float(x) for x in params["cost_model"].split(","))
+        except ValueError as exc:
+            raise SettingsError("parameter cost_model must be 'a,b,c' (seconds)") from exc
+        cost = (a, b, c)
+    grouping = params.get("grouping", "cost_model")
+    if grouping not in ("cost_model", "pad_to_longest", "none"):
+        raise SettingsError(f"parameter grouping={grouping!r}: use cost_model, pad_to_longest or none")
+    engine = params.get("engine", "auto")
+    if engine not in ("auto", "onnxruntime", "tensorrt"):
+        raise SettingsError(f"parameter engine={engine!r}: use auto, onnxruntime or tensorrt")
+    max_tokens = num("max_group_tokens", 0)
+    return Settings(
+        model_name=cfg.get("name", "model"),
+        max_batch_size=int(cfg.get("max_batch_size", 0)),
+        inputs=_io(cfg.get("input")),
+        outputs=_io(cfg.get("output")),
+        max_sequence_length=max_len,
+        sequence_buckets=buckets,
+        grouping=grouping,
+        cost_model=cost,
+        max_group_tokens=max_tokens or None,
+        onnx_file=params.get("onnx_file", "model.onnx"),
+        engine=engine,
+        pool_release_threshold_mib=num("pool_release_threshold_mib", 256),
+        pool_initial_mib=num("pool_initial_mib", 0),
+        task=params.get("task", "embedding"),
+        cost_model_repeats=num("cost_model_repeats", 2),
+    )

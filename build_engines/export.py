@@ -1,0 +1,304 @@
+"""Export stage: a Hugging Face folder, a torch module or an ONNX file becomes ``model.onnx``.
+
+The exported graph has dynamic batch and sequence axes and is checked against
+the source framework on sample inputs (max abs error reported; over the
+recipe's tolerance the stage fails). Everything is written to a temporary
+folder first and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from model_factory.errors import FactoryError, require
+from model_factory.fileio import atomic_dir
+from model_factory.recipe import Recipe, TensorSpec
+
+SAMPLE_TEXTS = (
+    "A man is playing a guitar on the street.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Triton serves models.",
+    "Offline builds must never reach the network, not even for telemetry or tokenizer files.",
+)
+
+# Tokenizer files copied next to the model so the backend tokenizes with the model's own vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "merges.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "added_tokens.json")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What the export stage produced and how close it is to the source framework."""
+
+    onnx_path: Path
+    max_abs_error: float
+    tolerance: float
+    tokenizer_dir: Path | None
+    source_digest: str
+    opset: int
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+
+def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
+    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped)."""
+    ort = require("onnxruntime", "onnx")
+    # ORT 1.32 resolves a telemetry host during inference unless told not to.
+    if hasattr(ort, "disable_telemetry_events"):
+        ort.disable_telemetry_events()
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def digest_path(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (sorted relative paths and their digests)."""
+    h = hashlib.sha256()
+    if path.is_file():
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(path)).encode() + b"\0" + digest_path(p).encode() + b"\n")
+    return h.hexdigest()
+
+
+def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
+    """Run the export stage for ``recipe`` into ``out_dir`` (default: the recipe's work dir)."""
+    out_dir = Path(out_dir or recipe.work_dir / "export")
+    say = progress or (lambda _msg: None)
+    with atomic_dir(out_dir) as tmp:
+        if recipe.source.kind == "huggingface":
+            result = _export_huggingface(recipe, tmp, say)
+        elif recipe.source.kind == "torch":
+            result = _export_torch_factory(recipe, tmp, say)
+        else:
+            result = _import_onnx(recipe, tmp, say)
+        (tmp / "export.json").write_text(json.dumps({
+            "max_abs_error": result.max_abs_error, "tolerance": result.tolerance,
+            "source_digest": result.source_digest, "opset": result.opset,
+            "inputs": list(result.input_names), "outputs": list(result.output_names),
+        }, indent=2))
+    # Paths inside the result pointed into the temporary folder; re-base them.
+    return ExportResult(
+        onnx_path=out_dir / result.onnx_path.name,
+        max_abs_error=result.max_abs_error, tolerance=result.tolerance,
+        tokenizer_dir=(out_dir / "tokenizer") if result.tokenizer_dir else None,
+        source_digest=result.source_digest, opset=result.opset,
+        input_names=result.input_names, output_names=result.output_names,
+    )
+
+
+def _check_tolerance(err: float, recipe: Recipe) -> None:
+    if not np.isfinite(err) or err > recipe.export.tolerance:
+        raise FactoryError(
+            f"the exported ONNX differs from the source model by {err:.3g} (max abs), over the "
+            f"tolerance {recipe.export.tolerance:g}. Fix: check the model for ops that export badly, "
+            "or raise export.tolerance if this difference is acceptable")
+
+
+def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
+    """Wrap an HF encoder so one graph returns ``last_hidden_state`` and a pooled ``embedding``."""
+    torch = require("torch", "export")
+
+    class EmbeddingModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
+            hidden = self.model(**kwargs).last_hidden_state
+            if pooling == "cls":
+                emb = hidden[:, 0]
+            else:
+                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+                emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            if normalize:
+                emb = torch.nn.functional.normalize(emb, p=2.0, dim=1)
+            return hidden, emb
+
+    return EmbeddingModel().eval()
+
+
+def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
+    torch = require("torch", "export")
+    transformers = require("transformers", "export")
+    src = recipe.source.path
+    assert src is not None
+    # Air-gapped: never let transformers look for a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    say(f"loading {src}")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        hf = transformers.AutoModel.from_pretrained(str(src), local_files_only=True).eval()
+    except (OSError, ValueError) as exc:
+        raise FactoryError(f"cannot load a Hugging Face model from {src}: {exc}. Fix: point source.path "
+                           "at a folder with config.json, the weights and the tokenizer files") from exc
+    names = [s.name for s in recipe.inputs if s.dtype != "BYTES"]
+    use_tti = "token_type_ids" in names
+    wrapper = _embedding_module(hf, recipe.pooling, recipe.normalize)
+    batch = tok(list(SAMPLE_TEXTS), padding=True, truncation=True, max_length=recipe.shapes.max_sequence_length,
+                return_tensors="pt")
+    args = [batch["input_ids"], batch["attention_mask"]]
+    if use_tti:
+        args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
+    in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
+    out_names = ["last_hidden_state", "embedding"]
+    onnx_path = tmp / "model.onnx"
+    say("exporting to ONNX")
+    dyn = {n: {0: "batch", 1: "sequence"} for n in in_names}
+    dyn["last_hidden_state"] = {0: "batch", 1: "sequence"}
+    dyn["embedding"] = {0: "batch"}
+    _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
+    with torch.no_grad():
+        ref = [t.numpy() for t in wrapper(*args)]
+    err = _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in args))), out_names, ref)
+    say(f"max abs error vs torch: {err:.3g}")
+    _check_tolerance(err, recipe)
+    tok_dir = tmp / "tokenizer"
+    tok.save_pretrained(str(tok_dir))
+    return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), recipe.export.opset,
+                        tuple(in_names), tuple(out_names))
+
+
+def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: list[str], out_names: list[str],
+                  dynamic_axes: dict[str, dict[int, str]], recipe: Recipe) -> None:
+    try:
+        with torch.no_grad():
+            torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
+                              dynamic_axes=dynamic_axes, opset_version=recipe.export.opset,
+                              dynamo=recipe.export.dynamo, do_constant_folding=True)
+    except Exception as exc:  # torch raises many types here; all mean "this model did not export"
+        raise FactoryError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}. Fix: check the model's "
+                           "forward() runs on the example inputs, or try export.dynamo = true") from exc
+
+
+def _compare_with_ort(onnx_path: Path, feeds: dict[str, np.ndarray], out_names: list[str],
+                      reference: list[np.ndarray]) -> float:
+    sess = onnxruntime_session(onnx_path)
+    got = sess.run(out_names, feeds)
+    return float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) for g, r in zip(got, reference)))
+
+
+def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for s in specs:
+        ax = {0: "batch"}
+        for i, d in enumerate(s.dims, start=1):
+            if d == -1:
+                ax[i] = f"{s.name}_dim{i}"
+        axes[s.name] = ax
+    return axes
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """Resolve ``package.module:function``; a bad spec is a FactoryError naming the fix."""
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise FactoryError(f"source.factory: cannot import {mod_name!r} ({exc}). Fix: make the module "
+                           "importable (install it, or run from its folder)") from exc
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise FactoryError(f"source.factory: {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
+    torch = require("torch", "export")
+    assert recipe.source.factory is not None
+    produced = load_factory(recipe.source.factory)()
+    if not (isinstance(produced, tuple) and len(produced) == 2):
+        raise FactoryError("source.factory must return (torch.nn.Module, example_inputs) where example_inputs "
+                           "is a dict of input name to tensor")
+    module, example = produced
+    in_names = [s.name for s in recipe.inputs]
+    if isinstance(example, dict):
+        missing = [n for n in in_names if n not in example]
+        if missing:
+            raise FactoryError(f"the factory's example inputs lack {missing}. Fix: return a dict with every "
+                               "[[inputs]] name of the recipe")
+        args = tuple(example[n] for n in in_names)
+    else:
+        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    out_names = [s.name for s in recipe.outputs]
+    module = module.eval()
+    onnx_path = tmp / "model.onnx"
+    say("exporting to ONNX")
+    dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
+    _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe)
+    with torch.no_grad():
+        ref = module(*args)
+    ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+    err = _compare_with_ort(onnx_path, {n: a.numpy() for n, a in zip(in_names, args)}, out_names,
+                            [r.numpy() for r in ref])
+    say(f"max abs error vs torch: {err:.3g}")
+    _check_tolerance(err, recipe)
+    mod_file = getattr(importlib.import_module(recipe.source.factory.split(":")[0]), "__file__", None)
+    digest = digest_path(Path(mod_file)) if mod_file else hashlib.sha256(recipe.source.factory.encode()).hexdigest()
+    return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
+                        tuple(in_names), tuple(out_names))
+
+
+def check_onnx_file(path: Path) -> Any:
+    """Load and check an ONNX file; a broken one is a FactoryError naming the problem."""
+    onnx = require("onnx", "onnx")
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except Exception as exc:  # onnx raises DecodeError, ValidationError, ...: all mean "broken file"
+        raise FactoryError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {str(exc)[:300]}). "
+                           "Fix: re-export it, or point the recipe at the right file") from exc
+    return model
+
+
+def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
+    src = recipe.source.path
+    assert src is not None
+    say(f"checking {src}")
+    model = check_onnx_file(src)
+    graph_inputs = [i.name for i in model.graph.input if i.name not in {init.name for init in model.graph.initializer}]
+    graph_outputs = [o.name for o in model.graph.output]
+    want_in = [s.name for s in recipe.inputs if s.dtype != "BYTES"]
+    want_out = [s.name for s in recipe.outputs]
+    if sorted(graph_inputs) != sorted(want_in) or not set(want_out) <= set(graph_outputs):
+        raise FactoryError(f"the ONNX graph has inputs {graph_inputs} and outputs {graph_outputs}, but the recipe "
+                           f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
+                           "match the graph's tensor names")
+    onnx_path = tmp / "model.onnx"
+    shutil.copyfile(src, onnx_path)
+    # No source framework to compare with: run it once on zeros to prove it executes.
+    feeds = {}
+    for s in recipe.inputs:
+        if s.dtype == "BYTES":
+            continue
+        shape = (2,) + tuple(4 if d == -1 else d for d in s.dims)
+        feeds[s.name] = np.zeros(shape, dtype=_NP_DTYPES[s.dtype])
+    try:
+        onnxruntime_session(onnx_path).run(want_out, feeds)
+    except Exception as exc:  # ORT raises its own exception types
+        raise FactoryError(f"ONNX Runtime cannot run {src}: {exc}. Fix: check the graph's dtypes and shapes "
+                           "against the recipe") from exc
+    return ExportResult(onnx_path, 0.0, recipe.export.tolerance, None, digest_path(src), recipe.export.opset,
+                        tuple(want_in), tuple(want_out))
+
+
+_NP_DTYPES = {"FP32": np.float32, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32, "INT8": np.int8,
+              "BOOL": np.bool_}

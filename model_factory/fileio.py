@@ -1,0 +1,56 @@
+"""Atomic output: write into a temporary sibling, then rename into place.
+
+An interrupted or failed stage leaves the previous output intact and no
+half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder that replaces ``target`` when the block succeeds.
+
+    The temporary folder is a sibling of ``target`` (same filesystem, so the
+    rename is atomic). On error it is removed and ``target`` is untouched. When
+    ``target`` already exists it is moved aside first and deleted only after the
+    new folder is in place.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(target: Path, mode: str = "w") -> Iterator:
+    """Open a temporary sibling of ``target`` for writing; rename it into place on success."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(name, target)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise

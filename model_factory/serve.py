@@ -1,0 +1,248 @@
+"""Find, start, watch and stop a real ``tritonserver`` on a model repository.
+
+The server is the ``tritonserver`` on ``PATH`` (NVIDIA's containers) or, when
+there is none, the one bundled in the ``nvidia-pytriton`` wheel. Models are
+loaded with explicit model control, so the caller decides which models load
+(``serve`` loads only those that passed verification).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from model_factory.errors import FactoryError
+
+_SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How to start the server. A port of 0 picks a free one."""
+
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    startup_timeout_s: float = 180.0
+    exit_timeout_s: int = 10
+    host: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TritonInstallation:
+    """A ``tritonserver`` binary, its backend folder and the environment it needs."""
+
+    binary: Path
+    backend_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    bundled: bool = False
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python_env() -> dict[str, str]:
+    # The Python-backend stub runs the first python3 on PATH: make it ours (numpy<2, onnxruntime,
+    # tokenizers), whatever the shell had first.
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def find_tritonserver(work_dir: Path) -> TritonInstallation:
+    """Locate ``tritonserver``: PATH first, else the nvidia-pytriton bundle (set up under ``work_dir``)."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        binary = Path(on_path).resolve()
+        backends = binary.parent.parent / "backends"
+        return TritonInstallation(binary, backends if backends.is_dir() else _SYSTEM_BACKENDS, _python_env())
+    try:
+        import pytriton  # noqa: F401  (only to find the bundled server)
+    except ImportError as exc:
+        raise FactoryError("no tritonserver on PATH and nvidia-pytriton is not installed. Fix: pip install "
+                           "'model-factory[serve]', or run inside NVIDIA's Triton container") from exc
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not binary.is_file() or not stub.is_file():
+        raise FactoryError(f"the nvidia-pytriton bundle lacks tritonserver or a Python {ver} stub ({root}). "
+                           "Fix: reinstall nvidia-pytriton==0.7.0 on Python 3.8-3.13")
+    # The bundled python backend expects its stub beside libtriton_python.so: assemble a backend folder.
+    backend_dir = work_dir / "backends"
+    py = backend_dir / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for src in (root / "backends" / "python" / "libtriton_python.so",
+                root / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        dst = py / src.name
+        if not dst.exists():
+            shutil.copy2(src, dst)
+    libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+    env = _python_env()
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    return TritonInstallation(binary, backend_dir, env, bundled=True)
+
+
+class TritonServer:
+    """A running ``tritonserver`` process; use as a context manager or call start()/stop()."""
+
+    def __init__(self, repository: Path, models: Sequence[str] | None = None,
+                 options: ServerOptions | None = None, log_file: Path | None = None) -> None:
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise FactoryError(f"model repository {self.repository} does not exist. Fix: run model-factory build first")
+        self.models = list(models) if models is not None else discover_models(self.repository)
+        opts = options or ServerOptions()
+        self.options = ServerOptions(
+            http_port=opts.http_port or free_port(), grpc_port=opts.grpc_port or free_port(),
+            metrics_port=opts.metrics_port or free_port(), log_verbose=opts.log_verbose,
+            startup_timeout_s=opts.startup_timeout_s, exit_timeout_s=opts.exit_timeout_s, host=opts.host,
+            extra_args=opts.extra_args)
+        self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
+        self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def command(self, install: TritonInstallation) -> list[str]:
+        """The tritonserver command line."""
+        o = self.options
+        cmd = [str(install.binary), f"--model-repository={self.repository}",
+               f"--backend-directory={install.backend_dir}",
+               f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
+               f"--http-address={o.host}", f"--grpc-address={o.host}",
+               "--model-control-mode=explicit", f"--exit-timeout-secs={o.exit_timeout_s}",
+               f"--log-verbose={o.log_verbose}", "--strict-readiness=true", "--allow-metrics=true"]
+        # No --load-model: models are loaded one by one after start, so a model that fails to
+        # load is reported with its reason instead of taking the whole server down.
+        return cmd + list(o.extra_args)
+
+    def start(self) -> "TritonServer":
+        """Start the server and wait until it and every requested model are ready."""
+        install = find_tritonserver(self._work)
+        self._log = self.log_file.open("wb")
+        self.process = subprocess.Popen(self.command(install), env=install.env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+            self.load_errors = {}
+            for name in self.models:
+                error = self.load_model(name)
+                if error:
+                    self.load_errors[name] = error
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def load_model(self, name: str) -> str | None:
+        """Ask the server to load one model; return None when it is ready, else the reason."""
+        url = f"http://{self.http_url}/v2/repository/models/{name}/load"
+        req = urllib.request.Request(url, data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.options.startup_timeout_s):
+                return None
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            try:
+                return json.loads(body).get("error", body)
+            except ValueError:
+                return body or f"HTTP {e.code}"
+
+    @property
+    def ready_models(self) -> list[str]:
+        """Requested models that loaded."""
+        return [m for m in self.models if m not in getattr(self, "load_errors", {})]
+
+    def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        url = f"http://{self.http_url}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:  # loopback only
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+            return 0, b""
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise FactoryError(f"tritonserver exited with code {self.process.returncode} while starting. "
+                                   f"Its log ({self.log_file}) ends with:\n{self.log_tail()}")
+            status, _ = self._get("/v2/health/ready")
+            if status == 200:
+                return
+            time.sleep(0.2)
+        raise FactoryError(f"tritonserver was not ready within {self.options.startup_timeout_s:.0f} s. "
+                           f"Log tail:\n{self.log_tail()}")
+
+    def model_status(self) -> list[dict]:
+        """The repository index: name, version, state and reason of every model."""
+        url = f"http://{self.http_url}/v2/repository/index"
+        req = urllib.request.Request(url, data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server log."""
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the server and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        rc = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                rc = self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                rc = self.process.wait()
+        elif self.process is not None:
+            rc = self.process.returncode
+        if getattr(self, "_log", None):
+            self._log.close()
+        return rc
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def discover_models(repository: Path) -> list[str]:
+    """Model folders in a repository (folders holding a config.pbtxt)."""
+    return sorted(p.name for p in Path(repository).iterdir() if (p / "config.pbtxt").is_file())
