@@ -246,3 +246,48 @@ class TritonServer:
 def discover_models(repository: Path) -> list[str]:
     """Model folders in a repository (folders holding a config.pbtxt)."""
     return sorted(p.name for p in Path(repository).iterdir() if (p / "config.pbtxt").is_file())
+
+
+@dataclass(frozen=True)
+class ServeReport:
+    """Which models were verified and loaded, and why the others were refused."""
+
+    served: tuple[str, ...]
+    refused: dict[str, str]
+
+
+def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
+                          allow_unsigned: bool = False, log_file: Path | None = None) -> tuple[TritonServer, ServeReport]:
+    """Verify the repository against ``policy``, then start Triton loading only verified models.
+
+    Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
+    says so explicitly. A model that fails verification is refused with its
+    reason; a model that fails to load is reported too.
+    """
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise FactoryError(f"model repository {repository} does not exist. Fix: run model-factory build first")
+    models = discover_models(repository)
+    if not models:
+        raise FactoryError(f"{repository} holds no model folders with a config.pbtxt. Fix: run model-factory build")
+    refused: dict[str, str] = {}
+    if policy is not None:
+        from model_factory.signing import load_policy, verify_repository
+
+        results = verify_repository(repository, load_policy(policy))
+        for r in results:
+            if not r.ok:
+                refused[r.model] = "verification failed: " + "; ".join(r.reasons)
+        verified = {r.model for r in results if r.ok}
+        for m in models:
+            if m not in verified and m not in refused:
+                refused[m] = "verification failed: no verified version"
+    elif not allow_unsigned:
+        raise FactoryError("refusing to serve without verification. Fix: pass --policy POLICY.toml "
+                           "(see model-factory verify), or --allow-unsigned for a local experiment")
+    to_load = [m for m in models if m not in refused]
+    if not to_load:
+        raise FactoryError("no model passed verification:\n" + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
+    server = TritonServer(repository, to_load, options, log_file=log_file).start()
+    refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
+    return server, ServeReport(tuple(server.ready_models), refused)

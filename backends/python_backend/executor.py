@@ -77,12 +77,10 @@ class GroupedExecutor:
         """Run every item of every request; return per-request outputs (or the error) and stats."""
         flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
         stats = WindowStats()
-        if not flat:
-            return [], stats
         lengths = [self._length(it) for _, it in flat]
-        groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode)
+        groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode) if flat else []
         stats.groups = [len(g) for g in groups]
-        stats.padding_ratio = padding_ratio(groups, lengths)
+        stats.padding_ratio = padding_ratio(groups, lengths) if flat else 1.0
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
         for group in groups:
             self._run_group(group, flat, lengths, per_item, stats)
@@ -114,6 +112,9 @@ class GroupedExecutor:
         for r, items in enumerate(requests):
             chunk = per_item[pos: pos + len(items)]
             pos += len(items)
+            if not chunk:  # the request was refused before execution (validation); the caller answers it
+                results.append(ValueError("request has no valid items"))
+                continue
             err = next((c for c in chunk if isinstance(c, Exception)), None)
             if err is not None:
                 results.append(err)

@@ -1,0 +1,3 @@
+"""Benchmark commands (filled in with the grouped-batching benchmark)."""
+
+COMMANDS: list = []

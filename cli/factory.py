@@ -1,0 +1,135 @@
+"""Commands for the artifact pipeline and serving: export, package, build, serve, demo."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import click
+
+from model_factory.cli.common import (progress_printer, recipe_argument, recipe_overrides, repository_option,
+                                      user_errors)
+
+
+@click.command()
+@recipe_argument
+@repository_option
+@user_errors
+def export(recipe: str, repository: str | None) -> None:
+    """Export the recipe's model to ONNX and check it against the source framework.
+
+    \b
+    Example:
+      model-factory export examples/minilm.toml
+    """
+    from model_factory.build_engines.export import export_model
+    from model_factory.recipe import load_recipe
+
+    res = export_model(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
+    click.echo(f"wrote {res.onnx_path} (max abs error vs source {res.max_abs_error:.3g}, "
+               f"tolerance {res.tolerance:g})")
+
+
+@click.command()
+@recipe_argument
+@repository_option
+@user_errors
+def package(recipe: str, repository: str | None) -> None:
+    """Lay out the Triton repository from the artifacts already built for RECIPE.
+
+    \b
+    Example:
+      model-factory package examples/minilm.toml -r model_repository
+    """
+    from model_factory.pipeline import package_existing
+    from model_factory.recipe import load_recipe
+
+    res = package_existing(load_recipe(recipe, recipe_overrides(repository)))
+    click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name})")
+
+
+@click.command()
+@recipe_argument
+@repository_option
+@click.option("--key", type=click.Path(exists=True, dir_okay=False), help="Private key (PEM) to sign with.")
+@click.option("--cert-chain", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Signing certificate, then intermediates (repeat). Omit for key mode.")
+@click.option("--min-accuracy", type=float, default=None, help="Override quantization.min_accuracy.")
+@click.option("--engines/--no-engines", default=None, help="Build TensorRT engines (default: the recipe's tensorrt.enabled).")
+@user_errors
+def build(recipe: str, repository: str | None, key: str | None, cert_chain: tuple[str, ...],
+          min_accuracy: float | None, engines: bool | None) -> None:
+    """Run export → quantize → build-engine → package (→ sign) for RECIPE.
+
+    \b
+    Example:
+      model-factory build examples/minilm.toml --key keys/signing.key
+    """
+    from model_factory.pipeline import build as run_build
+    from model_factory.recipe import load_recipe
+
+    signer = None
+    if key:
+        from model_factory.signing import SignerConfig
+
+        signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
+    res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
+                    min_accuracy=min_accuracy, engines=engines)
+    click.echo(f"built {res.version_dir}")
+    for name in sorted(res.artifacts):
+        click.echo(f"  {name}")
+    if res.signature:
+        click.echo(f"signed: {res.signature}")
+
+
+@click.command()
+@click.argument("repository", type=click.Path(file_okay=False))
+@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy to verify against.")
+@click.option("--allow-unsigned", is_flag=True, help="Serve without verification (local experiments only).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 in a container).")
+@click.option("--http-port", default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--grpc-port", default=8001, show_default=True)
+@click.option("--metrics-port", default=8002, show_default=True)
+@click.option("--log-verbose", default=0, show_default=True, help="tritonserver --log-verbose level.")
+@user_errors
+def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
+          metrics_port: int, log_verbose: int) -> None:
+    """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
+
+    \b
+    Example:
+      model-factory serve --policy policy.toml model_repository
+    """
+    from model_factory.serve import ServerOptions, start_verified_server
+
+    opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                         log_verbose=log_verbose, host=host)
+    server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None, allow_unsigned)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(f"serving {', '.join(report.served)}")
+    for name, why in report.refused.items():
+        click.echo(f"refused {name}: {why}", err=True)
+    click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
+    click.echo("Ctrl-C to stop.")
+    while not stop.wait(0.5):
+        if server.process is not None and server.process.poll() is not None:
+            raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+    rc = server.stop()
+    click.echo(f"tritonserver stopped (exit code {rc})")
+
+
+@click.command()
+@click.option("--workdir", type=click.Path(file_okay=False), default="model-factory-demo", show_default=True,
+              help="Where the demo writes keys, the build and the repository.")
+@user_errors
+def demo(workdir: str) -> None:
+    """Build the packaged MiniLM example, sign, verify, serve it and query it over HTTP and gRPC."""
+    from model_factory.demo import run_demo
+
+    run_demo(Path(workdir), progress=progress_printer(), echo=click.echo)
+
+
+COMMANDS = [export, package, build, serve, demo]

@@ -1,0 +1,46 @@
+"""Small helpers over the standard Triton clients (``tritonclient.http`` / ``tritonclient.grpc``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from model_factory.errors import require
+
+
+def _module(protocol: str):
+    if protocol not in ("http", "grpc"):
+        raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+    return require(f"tritonclient.{protocol}", "client")
+
+
+def embed_texts(url: str, model: str, texts: Sequence[str], protocol: str = "http",
+                output: str = "embedding") -> np.ndarray:
+    """Send one request with ``texts`` as a BYTES [n, 1] input and return the ``output`` tensor."""
+    tc = _module(protocol)
+    client = tc.InferenceServerClient(url)
+    try:
+        inp = tc.InferInput("text", [len(texts), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))
+        result = client.infer(model, [inp], outputs=[tc.InferRequestedOutput(output)])
+        return result.as_numpy(output)
+    finally:
+        client.close()
+
+
+def infer_ids(url: str, model: str, input_ids: np.ndarray, attention_mask: np.ndarray, protocol: str = "http",
+              outputs: Sequence[str] = ("embedding",)) -> dict[str, np.ndarray]:
+    """Send token ids ([n, L] int64) and return the requested outputs."""
+    tc = _module(protocol)
+    client = tc.InferenceServerClient(url)
+    try:
+        inputs = []
+        for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            t = tc.InferInput(name, list(arr.shape), "INT64")
+            t.set_data_from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+            inputs.append(t)
+        result = client.infer(model, inputs, outputs=[tc.InferRequestedOutput(o) for o in outputs])
+        return {o: result.as_numpy(o) for o in outputs}
+    finally:
+        client.close()

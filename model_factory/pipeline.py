@@ -1,0 +1,148 @@
+"""The build pipeline: export → quantize → build-engine → package → sign, composed from the stages.
+
+Each stage is a library function that a test can call alone; this module only
+wires them together in order and hands each the part of the recipe it needs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from model_factory.errors import FactoryError
+from model_factory.recipe import Recipe
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What ``build`` produced."""
+
+    model_dir: Path
+    version_dir: Path
+    artifacts: dict[str, Path]
+    accuracy: dict[str, Any] | None
+    engines: tuple[str, ...]
+    signature: Path | None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[], Any]) -> Any:
+    say(f"[{name}] started")
+    t0 = time.perf_counter()
+    out = fn()
+    seconds[name] = round(time.perf_counter() - t0, 2)
+    say(f"[{name}] done in {seconds[name]:.1f} s")
+    return out
+
+
+def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = None,
+          min_accuracy: float | None = None, engines: bool | None = None,
+          parameters: dict[str, str] | None = None) -> BuildResult:
+    """Run every stage for ``recipe``.
+
+    ``engines`` forces TensorRT engine builds on (True) or off (False); by
+    default they are built when the recipe enables them. ``signer`` (a
+    ``model_factory.signing.SignerConfig``) signs the packaged version.
+    """
+    from model_factory.build_engines.export import export_model
+    from model_factory.repository import package_model
+
+    say = progress or (lambda _m: None)
+    seconds: dict[str, float] = {}
+    exported = _timed(seconds, "export", say, lambda: export_model(recipe, progress=say))
+    say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
+    artifacts: dict[str, Path] = {"model.onnx": exported.onnx_path}
+    extra: list[Path] = [exported.onnx_path.parent / "export.json"]
+    accuracy = None
+    models = {"fp32": exported.onnx_path}
+    build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset},
+                                  "source_digest": exported.source_digest}
+    if set(recipe.precisions) - {"fp32"}:
+        from model_factory.build_engines.quantize import quantize_model
+
+        q = _timed(seconds, "quantize", say, lambda: quantize_model(recipe, exported, progress=say,
+                                                                     min_accuracy=min_accuracy))
+        models = dict(q.models)
+        for precision, path in q.models.items():
+            if precision != "fp32":
+                artifacts[f"model.{precision}.onnx"] = path
+        extra.append(q.report_path)
+        accuracy = q.report.to_dict() if hasattr(q.report, "to_dict") else None
+        build_info["quantization"] = {"float_nodes": list(q.float_nodes),
+                                      "calibration_digest": q.calibration_digest}
+    built_engines: list[str] = []
+    if engines if engines is not None else recipe.tensorrt.enabled:
+        from model_factory.build_engines.tensorrt import build_engines
+
+        results = _timed(seconds, "build-engine", say, lambda: build_engines(recipe, models, progress=say))
+        for e in results:
+            artifacts[e.plan_path.name] = e.plan_path
+            artifacts[e.metadata_path.name] = e.metadata_path
+            built_engines.append(e.precision)
+    build_info["stage_seconds"] = seconds
+    packaged = _timed(seconds, "package", say, lambda: package_model(
+        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
+        parameters=parameters, build_info=build_info))
+    signature = None
+    if signer is not None:
+        from model_factory.signing import sign_model_version
+
+        provenance = provenance_for(recipe, build_info, accuracy)
+        signature = _timed(seconds, "sign", say, lambda: sign_model_version(
+            packaged.model_dir, recipe.version, signer, provenance=provenance))
+    return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines),
+                       signature, seconds)
+
+
+def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None) -> dict[str, Any]:
+    """The facts the signed provenance statement records for one build."""
+    from model_factory.repository import tool_versions
+
+    calib = recipe.quantization.calibration_data
+    if calib is not None and not Path(calib).is_file():
+        raise FactoryError(f"calibration data {calib} vanished during the build")
+    return {
+        "model": recipe.name,
+        "version": recipe.version,
+        "source": {"kind": recipe.source.kind, "digest": build_info.get("source_digest"),
+                   "path": str(recipe.source.path) if recipe.source.path else recipe.source.factory},
+        "calibration_digest": (build_info.get("quantization") or {}).get("calibration_digest"),
+        "recipe": dict(recipe.raw),
+        "precisions": list(recipe.precisions),
+        "accuracy": accuracy,
+        "tools": tool_versions(),
+    }
+
+
+def package_existing(recipe: Recipe) -> Any:
+    """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
+    from model_factory.repository import package_model
+
+    export_dir = recipe.work_dir / "export"
+    onnx = export_dir / "model.onnx"
+    if not onnx.is_file():
+        raise FactoryError(f"{onnx} is missing. Fix: run model-factory export on the recipe first")
+    artifacts: dict[str, Path] = {"model.onnx": onnx}
+    extra = [p for p in (export_dir / "export.json",) if p.is_file()]
+    quant_dir = recipe.work_dir / "quantize"
+    for precision in recipe.precisions:
+        if precision == "fp32":
+            continue
+        path = quant_dir / f"model.{precision}.onnx"
+        if not path.is_file():
+            raise FactoryError(f"{path} is missing. Fix: run model-factory quantize on the recipe first")
+        artifacts[path.name] = path
+    extra += sorted(quant_dir.glob("*.json")) if quant_dir.is_dir() else []
+    engine_dir = recipe.work_dir / "engines"
+    if engine_dir.is_dir():
+        for plan in sorted(engine_dir.glob("model.*.plan")):
+            artifacts[plan.name] = plan
+            meta = plan.with_name(plan.name + ".json")
+            if meta.is_file():
+                artifacts[meta.name] = meta
+    tok = export_dir / "tokenizer"
+    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra)

@@ -1,0 +1,89 @@
+"""Per-request validation: each problem is named, and good requests become one item per row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_factory.backend.requests import RequestError, decode_texts, items_from_tensors, items_from_texts
+from model_factory.backend.settings import SettingsError, parse_settings
+
+CONFIG = {
+    "name": "m", "max_batch_size": 8,
+    "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+              {"name": "attention_mask", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+              {"name": "text", "data_type": "TYPE_STRING", "dims": [1], "optional": True}],
+    "output": [{"name": "last_hidden_state", "data_type": "TYPE_FP32", "dims": [-1, 4]},
+               {"name": "embedding", "data_type": "TYPE_FP32", "dims": [4]}],
+    "parameters": {"max_sequence_length": {"string_value": "16"}, "sequence_buckets": {"string_value": "8,16"}},
+}
+
+
+@pytest.fixture
+def settings():
+    return parse_settings(CONFIG)
+
+
+def ids(n: int, length: int) -> dict[str, np.ndarray]:
+    return {"input_ids": np.arange(n * length, dtype=np.int64).reshape(n, length) % 50,
+            "attention_mask": np.ones((n, length), dtype=np.int64)}
+
+
+def test_settings_parse(settings) -> None:
+    assert settings.sequence_buckets == (8, 16) and settings.max_sequence_length == 16
+    assert settings.sequence_outputs == frozenset({"last_hidden_state"})
+    assert settings.grouping == "cost_model" and settings.cost_model is None
+
+
+def test_bad_settings_are_refused_at_load() -> None:
+    bad = dict(CONFIG, parameters={"grouping": {"string_value": "random"}})
+    with pytest.raises(SettingsError, match="grouping"):
+        parse_settings(bad)
+    with pytest.raises(SettingsError, match="cost_model"):
+        parse_settings(dict(CONFIG, parameters={"cost_model": {"string_value": "1,2"}}))
+
+
+def test_rows_become_items(settings) -> None:
+    items = items_from_tensors(ids(3, 5), settings, vocab_size=100)
+    assert len(items) == 3 and all(it["input_ids"].shape == (5,) for it in items)
+    np.testing.assert_array_equal(items[1]["input_ids"], ids(3, 5)["input_ids"][1])
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({}, "no inputs"),
+    ({"input_ids": np.zeros((1, 4), np.int64)}, "without attention_mask"),
+    ({"input_ids": np.zeros((1, 4), np.int32), "attention_mask": np.ones((1, 4), np.int64)}, "dtype int32"),
+    ({"input_ids": np.zeros((4,), np.int64), "attention_mask": np.ones((4,), np.int64)}, "shape"),
+    ({"input_ids": np.zeros((1, 4), np.int64), "attention_mask": np.ones((1, 5), np.int64)}, "different sequence lengths"),
+    ({"input_ids": np.zeros((2, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}, "batch"),
+    ({"input_ids": np.zeros((1, 17), np.int64), "attention_mask": np.ones((1, 17), np.int64)}, "exceeds the maximum 16"),
+    ({"input_ids": np.zeros((1, 0), np.int64), "attention_mask": np.ones((1, 0), np.int64)}, "empty sequence"),
+    ({"input_ids": np.full((1, 4), 100, np.int64), "attention_mask": np.ones((1, 4), np.int64)}, "outside"),
+])
+def test_bad_tensor_requests(settings, tensors, message) -> None:
+    with pytest.raises(RequestError, match=message):
+        items_from_tensors(tensors, settings, vocab_size=100)
+
+
+def test_text_decoding() -> None:
+    assert decode_texts(np.array([[b"hi"], ["there"]], dtype=object)) == ["hi", "there"]
+    with pytest.raises(RequestError, match="not valid UTF-8"):
+        decode_texts(np.array([[b"\xff\xfe"]], dtype=object))
+    with pytest.raises(RequestError, match="empty"):
+        decode_texts(np.array([[b"   "]], dtype=object))
+    with pytest.raises(RequestError, match=r"\[batch, 1\]"):
+        decode_texts(np.array([b"a", b"b"], dtype=object))
+
+
+def test_text_items_use_the_tokenizer() -> None:
+    class FakeEncoding:
+        def __init__(self, n: int) -> None:
+            self.ids, self.attention_mask, self.type_ids = list(range(n)), [1] * n, [0] * n
+
+    class FakeTokenizer:
+        def encode_batch(self, texts):
+            return [FakeEncoding(len(t.split()) + 2) for t in texts]
+
+    items = items_from_texts(["a b c", "a"], FakeTokenizer(), ("input_ids", "attention_mask", "token_type_ids"))
+    assert [it["input_ids"].shape[0] for it in items] == [5, 3]
+    assert items[0]["token_type_ids"].dtype == np.int64

@@ -1,0 +1,130 @@
+"""Recipe validation: good recipes parse into dataclasses, bad ones name the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model_factory.errors import FactoryError
+from model_factory.recipe import load_recipe, parse_recipe
+
+ONNX_RECIPE = """
+[model]
+name = "tiny"
+version = 2
+task = "generic"
+
+[source]
+kind = "onnx"
+path = "tiny.onnx"
+
+[[inputs]]
+name = "x"
+dtype = "fp32"
+dims = [-1]
+
+[[outputs]]
+name = "y"
+dtype = "FP32"
+dims = [-1]
+
+[shapes]
+max_batch = 8
+max_sequence_length = 64
+sequence_buckets = [16, 64]
+"""
+
+
+@pytest.fixture
+def onnx_recipe_dir(tmp_path: Path) -> Path:
+    (tmp_path / "tiny.onnx").write_bytes(b"placeholder")  # parse checks existence only
+    (tmp_path / "recipe.toml").write_text(ONNX_RECIPE)
+    return tmp_path
+
+
+def test_onnx_recipe_parses_with_paths_relative_to_recipe(onnx_recipe_dir: Path) -> None:
+    r = load_recipe(onnx_recipe_dir / "recipe.toml")
+    assert r.name == "tiny" and r.version == 2 and r.task == "generic"
+    assert r.source.path == onnx_recipe_dir / "tiny.onnx"
+    assert r.inputs[0].dtype == "FP32" and r.inputs[0].dims == (-1,)
+    assert r.shapes.sequence_buckets == (16, 64)
+    assert r.repository.path == onnx_recipe_dir / "model_repository"
+    assert r.precisions == ("fp32",)
+    with pytest.raises(AttributeError):
+        r.name = "other"  # frozen
+
+
+def test_example_recipe_infers_hf_inputs_and_outputs() -> None:
+    r = load_recipe(Path(__file__).resolve().parents[1] / "model_factory" / "examples" / "minilm.toml")
+    names = [s.name for s in r.inputs]
+    assert names[:2] == ["input_ids", "attention_mask"] and "text" in names
+    assert {o.name: o.dims for o in r.outputs} == {"last_hidden_state": (-1, 384), "embedding": (384,)}
+    assert r.is_text_model
+
+
+def _data() -> dict:
+    return {"model": {"name": "m"}, "source": {"kind": "onnx", "path": "tiny.onnx"},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+
+
+@pytest.mark.parametrize("mutate, field, fix", [
+    (lambda d: d["model"].update(name="bad name!"), "model.name", "letters"),
+    (lambda d: d["model"].update(version=0), "model.version", "greater than 0"),
+    (lambda d: d["model"].update(colour="red"), "model.colour", "remove it"),
+    (lambda d: d["source"].update(kind="tflite"), "source.kind", "huggingface"),
+    (lambda d: d["source"].update(path="missing.onnx"), "source.path", "existing .onnx"),
+    (lambda d: d.update(shapes={"max_batch": -1}), "shapes.max_batch", "greater than 0"),
+    (lambda d: d.update(shapes={"max_batch": True}), "shapes.max_batch", "number"),
+    (lambda d: d.update(shapes={"max_sequence_length": 128, "sequence_buckets": [64, 32, 128]}),
+     "shapes.sequence_buckets", "smallest first"),
+    (lambda d: d.update(shapes={"max_sequence_length": 128, "sequence_buckets": [32, 64]}),
+     "shapes.sequence_buckets", "end the list"),
+    (lambda d: d.update(precisions=["fp16"]), "precisions", "keep \"fp32\""),
+    (lambda d: d.update(precisions=["fp32", "int4"]), "precisions", "one of"),
+    (lambda d: d.update(precisions=["fp32", "int8"]), "quantization.calibration_data", "local"),
+    (lambda d: d.update(quantization={"min_accuracy": 1.5}), "quantization.min_accuracy", "(0, 1]"),
+    (lambda d: d.update(inputs=[{"name": "x", "dtype": "FP32", "dims": [0]}]), "inputs[0].dims", "positive"),
+    (lambda d: d.update(inputs=[{"name": "x", "dims": [-1]}]), "inputs[0].dtype", "add dtype"),
+    (lambda d: d.update(batching={"preferred_batch_sizes": [64]}), "batching.preferred_batch_sizes", "max_batch"),
+    (lambda d: d.update(export={"opset": 9}), "export.opset", "between 13 and 21"),
+    (lambda d: d.update(tensorrt={"optimization_level": 9}), "tensorrt.optimization_level", "0..5"),
+])
+def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
+    data = _data()
+    mutate(data)
+    with pytest.raises(FactoryError) as info:
+        parse_recipe(data, onnx_recipe_dir)
+    msg = str(info.value)
+    assert f"'{field}'" in msg and "Fix:" in msg and fix in msg
+
+
+def test_torch_source_requires_declared_io(tmp_path: Path) -> None:
+    with pytest.raises(FactoryError, match="'inputs'.*declared"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"}}, tmp_path)
+
+
+def test_torch_factory_needs_colon(tmp_path: Path) -> None:
+    with pytest.raises(FactoryError, match="source.factory"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod.make"}}, tmp_path)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(FactoryError, match="does not exist"):
+        load_recipe(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nname = 1")
+    with pytest.raises(FactoryError, match="not valid TOML"):
+        load_recipe(bad)
+
+
+def test_hf_folder_without_config_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    with pytest.raises(FactoryError, match="config.json"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "huggingface", "path": "model"}}, tmp_path)
+
+
+def test_overrides_apply(onnx_recipe_dir: Path) -> None:
+    r = load_recipe(onnx_recipe_dir / "recipe.toml", {"repository.path": "/tmp/elsewhere", "model.version": 7})
+    assert r.repository.path == Path("/tmp/elsewhere") and r.version == 7

@@ -1,0 +1,95 @@
+"""config.pbtxt through Triton's protobuf, and the atomic, version-preserving repository layout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from model_factory.errors import FactoryError
+from model_factory.fileio import atomic_dir
+from model_factory.repository import (config_dict, config_parameters, config_to_pbtxt, package_model, parse_config,
+                                      read_config)
+
+
+def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
+    text = config_to_pbtxt(config_dict(minilm_recipe, {"grouping": "cost_model"}))
+    cfg = parse_config(text)
+    assert cfg.name == "minilm" and cfg.backend == "python"
+    assert cfg.max_batch_size == minilm_recipe.shapes.max_batch
+    by_name = {i.name: i for i in cfg.input}
+    assert by_name["input_ids"].allow_ragged_batch and by_name["input_ids"].optional
+    assert list(by_name["input_ids"].dims) == [-1]
+    from tritonclient.grpc import model_config_pb2
+
+    assert by_name["text"].data_type == model_config_pb2.TYPE_STRING
+    assert not by_name["text"].allow_ragged_batch  # fixed dims: nothing to be ragged about
+    assert [o.name for o in cfg.output] == ["last_hidden_state", "embedding"]
+    assert list(cfg.dynamic_batching.preferred_batch_size) == list(minilm_recipe.batching.preferred_batch_sizes)
+    assert config_parameters(cfg) == {"grouping": "cost_model"}
+    # Rendering the parsed message again gives the same text: nothing lost in the round trip.
+    from google.protobuf import text_format
+
+    assert text_format.MessageToString(cfg) == text
+
+
+def test_invalid_config_is_refused() -> None:
+    with pytest.raises(FactoryError, match="invalid Triton model config"):
+        config_to_pbtxt({"name": "m", "max_batch_size": "many"})
+    with pytest.raises(FactoryError, match="does not parse"):
+        parse_config('name: "m"\nmax_batch_sise: 4\n')
+
+
+def test_atomic_dir_keeps_old_content_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as tmp:
+            (tmp / "half.txt").write_text("half-written")
+            raise RuntimeError("interrupted")
+    assert (target / "keep.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left behind
+    with atomic_dir(target) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+
+
+def _fake_artifacts(tmp_path: Path) -> dict[str, Path]:
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"onnx bytes")
+    return {"model.onnx": onnx}
+
+
+def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> None:
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    res = package_model(recipe, _fake_artifacts(tmp_path), build_info={"note": "test"})
+    v = res.version_dir
+    assert (v / "model.py").is_file() and (v / "mf_backend" / "model.py").is_file()
+    assert not list(v.rglob("__pycache__"))
+    meta = json.loads((v / "metadata.json").read_text())
+    assert meta["model"] == "minilm" and meta["build"] == {"note": "test"}
+    assert "model-factory" in meta["tools"] and "python" in meta["tools"]
+    import hashlib
+
+    assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
+    assert meta["files"]["mf_backend/executor.py"]
+    assert read_config(res.model_dir).name == "minilm"
+
+
+def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    v1 = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=repo))
+    package_model(v1, _fake_artifacts(tmp_path))
+    v2 = replace(v1, version=2)
+    package_model(v2, _fake_artifacts(tmp_path))
+    assert (repo / "minilm" / "1" / "model.onnx").is_file() and (repo / "minilm" / "2" / "model.onnx").is_file()
+    before = (repo / "minilm" / "config.pbtxt").read_text()
+    with pytest.raises(FactoryError, match="missing"):
+        package_model(replace(v1, version=3), {"model.onnx": tmp_path / "model.onnx",
+                                               "model.int8.onnx": tmp_path / "absent.onnx"})
+    assert (repo / "minilm" / "config.pbtxt").read_text() == before
+    assert not (repo / "minilm" / "3").exists()
+    assert sorted(p.name for p in repo.iterdir()) == ["minilm"]
