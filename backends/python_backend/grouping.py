@@ -279,14 +279,15 @@ def profile_for_length(length: int, buckets: Sequence[int]) -> int:
 
 
 def sweep_points(
-    buckets: Sequence[int], max_batch: int, max_tokens: int | None = None
+    buckets: Sequence[int], max_batch: int, max_tokens: int | None = None, sweep_batch: int = 16
 ) -> list[tuple[int, int]]:
     """The ``(n, length)`` points :func:`measure_cost_model` times.
 
     For each profile (bucket), three lengths inside its range (just above the
     previous bucket, the middle, the bucket itself) times three batch sizes
-    (1, half, ``max_batch``), skipping points over ``max_tokens``. Points are
-    grouped by profile, in bucket order.
+    (1, half, ``min(max_batch, sweep_batch)``), skipping points over ``max_tokens``.
+    Points are grouped by profile, in bucket order. The cost is linear in ``n``, so
+    timing batches beyond ``sweep_batch`` adds load time without telling more.
     """
     _check_limits(max_batch, max_tokens)
     if not buckets:
@@ -294,7 +295,8 @@ def sweep_points(
     ordered = sorted(set(int(b) for b in buckets))
     if ordered[0] < 1:
         raise ValueError(f"buckets must be >= 1, got {ordered[0]}")
-    batches = sorted({1, max(1, max_batch // 2), max_batch})
+    top = max(1, min(max_batch, sweep_batch))
+    batches = sorted({1, max(1, top // 2), top})
     points: list[tuple[int, int]] = []
     previous = 0
     for bucket in ordered:

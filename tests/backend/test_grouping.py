@@ -286,8 +286,9 @@ def test_sweep_points_cover_each_profile_and_respect_budget():
     points = sweep_points([32, 128], max_batch=32, max_tokens=2048)
     assert {profile_for_length(length, [32, 128]) for _, length in points} == {0, 1}
     assert all(n * length <= 2048 for n, length in points)
-    assert {n for n, _ in points} == {1, 16, 32}
+    assert {n for n, _ in points} == {1, 8, 16}  # capped at sweep_batch=16: cost is linear in n
     assert len({length for _, length in points}) >= 4  # enough lengths to separate b from c
+    assert {n for n, _ in sweep_points([32, 128], max_batch=32, sweep_batch=64)} == {1, 16, 32}
 
 
 def test_time_points_warms_up_and_takes_the_median():

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install model-factory with every extra the demo and the tests use.
+# Idempotent: a second run only re-checks the install.
+#   PYTHON=python3.11 scripts/setup.sh          choose the interpreter
+#   WHEELHOUSE=/media/wheels scripts/setup.sh   install offline from a wheelhouse (see docs/deployment.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if [ -n "${WHEELHOUSE:-}" ]; then
+  PIP+=(--no-index --find-links "$WHEELHOUSE")
+fi
+# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build. 2.13.0 is the CPU build these
+# machines keep on local disk; on a GPU host set TORCH_SPEC to the build you want.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+fi
+"${PIP[@]}" -e ".[all]"
