@@ -365,3 +365,48 @@ class TensorRTPoolAllocator:
     def reallocate(self, address: int, alignment: int, new_size: int) -> int:
         # Resizing in place is not supported by a stream-ordered pool: 0 tells TensorRT so.
         return 0
+
+
+class IdleTrimmer:
+    """Trim a pool back to its initial reservation once the instance has been idle for a while.
+
+    Bursts keep their memory (up to the release threshold) for reuse; a quiet
+    instance gives it back to the driver for other instances and models. A
+    daemon thread checks every ``idle_seconds / 4``; ``touch()`` marks activity.
+    """
+
+    def __init__(self, pool: "MemoryPool", keep_bytes: int = 0, idle_seconds: float = 10.0,
+                 on_trim: Any = None) -> None:
+        import time
+
+        self._time = time.monotonic
+        self._pool = pool
+        self._keep = int(keep_bytes)
+        self._idle = float(idle_seconds)
+        self._on_trim = on_trim
+        self._last = self._time()
+        self._trimmed = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mf-pool-trimmer", daemon=True)
+        self._thread.start()
+
+    def touch(self) -> None:
+        """Record activity (call after each execute)."""
+        self._last = self._time()
+        self._trimmed = False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._idle / 4):
+            if not self._trimmed and self._time() - self._last >= self._idle and not self._pool.closed:
+                try:
+                    self._pool.trim(self._keep)
+                except CudaError:
+                    continue  # a pool closing under us; the next tick sees closed
+                self._trimmed = True
+                if self._on_trim is not None:
+                    self._on_trim(self._pool)
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout=2)

@@ -49,6 +49,12 @@ class TritonPythonModel:
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
             max_tokens=s.max_group_tokens, fill=self._fill)
         self.metrics = _make_metrics(s.model_name, cost, self.engine_info)
+        self.pool = getattr(self.engine, "pool", None)  # the TensorRT engine's cudaMallocAsync pool
+        self.trimmer = None
+        if self.pool is not None:
+            from .memory_pool import IdleTrimmer
+
+            self.trimmer = IdleTrimmer(self.pool, keep_bytes=s.pool_initial_mib << 20, on_trim=self._publish_pool)
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}), grouping={s.grouping}, cost model a={cost.a:.3g}s "
@@ -102,9 +108,20 @@ class TritonPythonModel:
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
+        if self.trimmer is not None:
+            self.trimmer.touch()
+            self._publish_pool(self.pool)
         return responses
 
+    def _publish_pool(self, pool) -> None:
+        if self.metrics is not None:
+            self.metrics.set_pool_stats(pool.stats())
+
     def finalize(self) -> None:
+        if self.trimmer is not None:
+            self.trimmer.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.engine.close()
 
 

@@ -224,3 +224,35 @@ def test_adapter_on_a_real_pool(cuda_device):
         assert pool.live_allocations == 1
         assert alloc.deallocate_async(ptr, 0) is True
         assert pool.live_allocations == 0
+
+
+def test_idle_trimmer_trims_once_after_idle_and_not_while_busy():
+    """The trimmer's timing logic, on a stand-in pool (no GPU needed)."""
+    import time
+
+    from model_factory.backend.memory_pool import IdleTrimmer
+
+    class FakePool:
+        closed = False
+
+        def __init__(self):
+            self.trims = []
+
+        def trim(self, keep):
+            self.trims.append(keep)
+
+    pool = FakePool()
+    seen = []
+    trimmer = IdleTrimmer(pool, keep_bytes=123, idle_seconds=0.2, on_trim=seen.append)
+    try:
+        time.sleep(0.4)
+        assert pool.trims == []  # nothing ran yet: nothing to give back
+        trimmer.touch()
+        deadline = time.monotonic() + 10
+        while not pool.trims and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.trims == [123] and seen == [pool]  # trimmed once, to the reservation
+        time.sleep(0.3)
+        assert pool.trims == [123]  # and not again while still idle
+    finally:
+        trimmer.close()
