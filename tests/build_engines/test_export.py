@@ -1,0 +1,124 @@
+"""Export stage: HF folder, torch factory and ONNX sources, checked against the source framework."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model_factory.build_engines.export import export_model, onnxruntime_session
+from model_factory.errors import FactoryError
+from model_factory.recipe import parse_recipe
+
+TINY_FACTORY = '''
+import torch
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, noisy=False):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.noisy = noisy
+
+    def forward(self, x):
+        y = self.proj(x).sum(dim=1)
+        if self.noisy:
+            # Random numbers differ between eager torch and the exported graph: a bad export.
+            y = y + torch.rand_like(y)
+        return y
+
+
+def make():
+    torch.manual_seed(0)
+    return Scale(), {"x": torch.randn(2, 5, 4)}
+
+
+def make_noisy():
+    torch.manual_seed(0)
+    return Scale(noisy=True), {"x": torch.randn(2, 5, 4)}
+
+
+def make_wrong():
+    return Scale()
+'''
+
+
+def torch_recipe(tmp_path: Path, factory: str) -> dict:
+    return {"model": {"name": "tiny", "task": "generic"},
+            "source": {"kind": "torch", "factory": factory},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1, 4]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [3]}],
+            "shapes": {"max_batch": 4, "max_sequence_length": 16, "sequence_buckets": [16]}}
+
+
+@pytest.fixture
+def factory_module(tmp_path: Path, monkeypatch) -> str:
+    name = f"tiny_factory_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(TINY_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_hf_export_matches_torch_with_dynamic_axes(minilm_export, minilm_recipe) -> None:
+    assert minilm_export.max_abs_error < minilm_recipe.export.tolerance
+    assert minilm_export.input_names == ("input_ids", "attention_mask", "token_type_ids")
+    assert (minilm_export.tokenizer_dir / "tokenizer.json").is_file()
+    report = json.loads((minilm_export.onnx_path.parent / "export.json").read_text())
+    assert report["max_abs_error"] == minilm_export.max_abs_error
+    sess = onnxruntime_session(minilm_export.onnx_path)
+    dims = {i.name: i.shape for i in sess.get_inputs()}
+    assert all(isinstance(d, str) for d in dims["input_ids"])  # batch and sequence are dynamic
+    for batch, length in ((1, 3), (5, 40)):
+        ids = np.ones((batch, length), np.int64)
+        hidden, emb = sess.run(None, {"input_ids": ids, "attention_mask": ids, "token_type_ids": 0 * ids})
+        assert hidden.shape == (batch, length, 384) and emb.shape == (batch, 384)
+
+
+def test_torch_factory_export(tmp_path: Path, factory_module: str) -> None:
+    recipe = parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path)
+    res = export_model(recipe)
+    assert res.max_abs_error < 1e-4 and res.tokenizer_dir is None
+    out = onnxruntime_session(res.onnx_path).run(None, {"x": np.ones((3, 7, 4), np.float32)})[0]
+    assert out.shape == (3, 3)
+
+
+def test_bad_export_fails_over_tolerance_and_writes_nothing(tmp_path: Path, factory_module: str) -> None:
+    recipe = parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make_noisy"), tmp_path)
+    with pytest.raises(FactoryError, match="over the tolerance"):
+        export_model(recipe)
+    assert not (recipe.work_dir / "export").exists()
+    assert not any(p.name.startswith(".export") for p in recipe.work_dir.iterdir())
+
+
+def test_factory_errors_name_the_fix(tmp_path: Path, factory_module: str) -> None:
+    with pytest.raises(FactoryError, match=r"must return \(torch.nn.Module, example_inputs\)"):
+        export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make_wrong"), tmp_path))
+    with pytest.raises(FactoryError, match="has no function"):
+        export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:absent"), tmp_path))
+    with pytest.raises(FactoryError, match="cannot import"):
+        export_model(parse_recipe(torch_recipe(tmp_path, "no_such_module_xyz:make"), tmp_path))
+
+
+def test_onnx_source_is_checked_and_copied(tmp_path: Path, factory_module: str) -> None:
+    first = export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path))
+    data = torch_recipe(tmp_path, "")
+    data["source"] = {"kind": "onnx", "path": str(first.onnx_path)}
+    data["model"]["name"] = "tiny_onnx"
+    res = export_model(parse_recipe(data, tmp_path))
+    assert res.onnx_path.read_bytes() == first.onnx_path.read_bytes()
+    data["outputs"][0]["name"] = "not_in_graph"
+    with pytest.raises(FactoryError, match="make \\[\\[inputs\\]\\]/\\[\\[outputs\\]\\] match"):
+        export_model(parse_recipe(data, tmp_path))
+
+
+def test_broken_onnx_file_is_named(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"\x08\x07garbage that is not a protobuf")
+    data = {"model": {"name": "b"}, "source": {"kind": "onnx", "path": str(broken)},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+    with pytest.raises(FactoryError, match="is not a valid ONNX model.*Fix"):
+        export_model(parse_recipe(data, tmp_path))
