@@ -19,3 +19,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
 "${PIP[@]}" -e ".[all]"
+# Optional: Debian's docker-compose validates docker-compose.yml without an engine (a test uses it
+# and skips without it). Best effort: only as root, only where apt works.
+if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${WHEELHOUSE:-}" ]; then
+  (apt-get install -y -q docker-compose >/dev/null 2>&1 \
+   || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; }) \
+   || echo "note: docker-compose not installed; the compose 'config' test will skip" >&2
+fi
