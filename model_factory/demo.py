@@ -67,13 +67,31 @@ def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str
     return timings
 
 
+def write_key_policy(path: Path, public_keys: list[Path], require_provenance: bool = True) -> Path:
+    """Write a trust policy that trusts ``public_keys`` (paths stored relative to the policy)."""
+    import os
+
+    lines = ["version = 1", ""]
+    for key in public_keys:
+        rel = os.path.relpath(Path(key).resolve(), Path(path).resolve().parent)
+        lines += ["[[keys]]", f'name = "{Path(key).stem}"', f'path = "{rel}"', ""]
+    lines += ["[provenance]", f"required = {'true' if require_provenance else 'false'}", ""]
+    Path(path).write_text("\n".join(lines))
+    return Path(path)
+
+
 def _demo_keys(workdir: Path, progress: Callable[[str], None]):
-    """A fresh demo key pair and a trust policy trusting it (None, None if signing is not installed)."""
-    try:
-        from model_factory.signing import SignerConfig, generate_keypair, write_key_policy
-    except ImportError:
-        progress("signing is not available in this install: serving without verification")
-        return None, None
-    keys = generate_keypair(workdir / "keys", curve="P-256")
-    policy = write_key_policy(workdir / "policy.toml", [keys.public_key])
-    return SignerConfig(private_key=keys.private_key, password=None), policy
+    """A demo key pair (made once per workdir) and a trust policy trusting it."""
+    from model_factory.signing import SignerConfig, generate_keypair
+    from model_factory.signing.keys import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE
+
+    key_dir = workdir / "keys"
+    private = key_dir / PRIVATE_KEY_FILE
+    if private.is_file():
+        public = key_dir / PUBLIC_KEY_FILE
+    else:
+        progress(f"generating a P-256 demo signing key in {key_dir}")
+        keys = generate_keypair(key_dir, curve="P-256")
+        private, public = keys.private_key, keys.public_key
+    policy = write_key_policy(workdir / "policy.toml", [public])
+    return SignerConfig(private_key=private, password=None), policy

@@ -51,7 +51,10 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     from model_factory.build_engines.export import export_model
     from model_factory.repository import package_model
 
+    import datetime as dt
+
     say = progress or (lambda _m: None)
+    started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     seconds: dict[str, float] = {}
     exported = _timed(seconds, "export", say, lambda: export_model(recipe, progress=say))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
@@ -91,31 +94,36 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     if signer is not None:
         from model_factory.signing import sign_model_version
 
-        provenance = provenance_for(recipe, build_info, accuracy)
+        provenance = provenance_for(recipe, build_info, accuracy, started_on)
         signature = _timed(seconds, "sign", say, lambda: sign_model_version(
             packaged.model_dir, recipe.version, signer, provenance=provenance))
     return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines),
                        signature, seconds)
 
 
-def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None) -> dict[str, Any]:
-    """The facts the signed provenance statement records for one build."""
+def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
+                   started_on: str | None = None) -> dict[str, Any]:
+    """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys)."""
+    import datetime as dt
+
     from model_factory.repository import tool_versions
 
-    calib = recipe.quantization.calibration_data
-    if calib is not None and not Path(calib).is_file():
-        raise FactoryError(f"calibration data {calib} vanished during the build")
-    return {
-        "model": recipe.name,
-        "version": recipe.version,
-        "source": {"kind": recipe.source.kind, "digest": build_info.get("source_digest"),
-                   "path": str(recipe.source.path) if recipe.source.path else recipe.source.factory},
-        "calibration_digest": (build_info.get("quantization") or {}).get("calibration_digest"),
+    facts: dict[str, Any] = {
+        "source_model_digest": build_info["source_digest"],
+        "source_model": str(recipe.source.path) if recipe.source.path else recipe.source.factory,
         "recipe": dict(recipe.raw),
+        "tool_versions": tool_versions(),
         "precisions": list(recipe.precisions),
-        "accuracy": accuracy,
-        "tools": tool_versions(),
+        "finished_on": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    calibration = (build_info.get("quantization") or {}).get("calibration_digest")
+    if calibration:
+        facts["calibration_data_digest"] = calibration
+    if accuracy:
+        facts["accuracy_report"] = accuracy
+    if started_on:
+        facts["started_on"] = started_on
+    return facts
 
 
 def package_existing(recipe: Recipe) -> Any:

@@ -26,6 +26,8 @@ from typing import Sequence
 from model_factory.errors import FactoryError
 
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
+# Read by the Python backend (backends/python_backend/integrity.py).
+VERIFIED_DIGESTS_ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class TritonServer:
     """A running ``tritonserver`` process; use as a context manager or call start()/stop()."""
 
     def __init__(self, repository: Path, models: Sequence[str] | None = None,
-                 options: ServerOptions | None = None, log_file: Path | None = None) -> None:
+                 options: ServerOptions | None = None, log_file: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.repository = Path(repository).resolve()
         if not self.repository.is_dir():
             raise FactoryError(f"model repository {self.repository} does not exist. Fix: run model-factory build first")
@@ -119,6 +122,8 @@ class TritonServer:
         self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
+        self.extra_env = dict(env or {})
+        self.work_dir = self._work
 
     @property
     def http_url(self) -> str:
@@ -149,7 +154,7 @@ class TritonServer:
         """Start the server and wait until it and every requested model are ready."""
         install = find_tritonserver(self._work)
         self._log = self.log_file.open("wb")
-        self.process = subprocess.Popen(self.command(install), env=install.env, stdout=self._log,
+        self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_ready()
@@ -274,7 +279,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     if policy is not None:
         from model_factory.signing import load_policy, verify_repository
 
-        results = verify_repository(repository, load_policy(policy))
+        trust = load_policy(policy)
+        results = verify_repository(repository, trust)
         for r in results:
             if not r.ok:
                 refused[r.model] = "verification failed: " + "; ".join(r.reasons)
@@ -288,6 +294,24 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     to_load = [m for m in models if m not in refused]
     if not to_load:
         raise FactoryError("no model passed verification:\n" + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
-    server = TritonServer(repository, to_load, options, log_file=log_file).start()
+    server = TritonServer(repository, to_load, options, log_file=log_file)
+    if policy is not None:
+        # The verified digests go to a file outside the repository; the backend checks the bytes it
+        # loads against them, so a file swapped after this verification is refused at load.
+        digests_file = server.work_dir / "verified-digests.json"
+        digests_file.write_text(json.dumps(_verified_digests(repository, results, trust)))
+        server.extra_env[VERIFIED_DIGESTS_ENV] = str(digests_file)
+    server.start()
     refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
     return server, ServeReport(tuple(server.ready_models), refused)
+
+
+def _verified_digests(repository: Path, results: list, policy: object) -> dict[str, dict[str, dict[str, str]]]:
+    """``model -> version -> relpath -> sha256`` for every version that passed verification."""
+    from model_factory.signing import signed_digests
+
+    table: dict[str, dict[str, dict[str, str]]] = {}
+    for r in results:
+        if r.ok and r.version is not None:
+            table.setdefault(r.model, {})[str(r.version)] = signed_digests(repository / r.model, r.version, policy)
+    return table

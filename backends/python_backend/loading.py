@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .integrity import read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
@@ -17,7 +18,14 @@ def _gpu_plan(version_dir: Path) -> Path | None:
 
 
 def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int):
-    """Return ``(engine, info)``: TensorRT on a GPU instance with a plan, else ONNX Runtime."""
+    """Return ``(engine, info)``: TensorRT on a GPU instance with a plan, else ONNX Runtime.
+
+    The engine is built from bytes read once and checked against the verified
+    digests (when the server was started with verification), never re-read from disk.
+    """
+    version_dir = Path(version_dir)
+    model_dir, version = version_dir.parent, version_dir.name
+    digests = verified_digests(model_dir.name, version)
     plan = _gpu_plan(version_dir)
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and instance_kind == "GPU" and plan)
     if want_trt:
@@ -25,11 +33,13 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan")
         from .engines.tensorrt import TensorRTEngine
 
-        engine = TensorRTEngine(plan, device_id=device_id, settings=settings)
-        return engine, {"flavour": "tensorrt", "file": plan.name}
+        data = read_checked(model_dir, f"{version}/{plan.name}", digests)
+        engine = TensorRTEngine(data, device_id=device_id, settings=settings)
+        return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
     from .engines.onnxruntime import OnnxRuntimeEngine
 
     path = version_dir / settings.onnx_file
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")
-    return OnnxRuntimeEngine(path), {"flavour": "onnxruntime", "file": path.name}
+    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
+    return OnnxRuntimeEngine(data), {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}

@@ -38,7 +38,7 @@ class TritonPythonModel:
         if s.input("text") is not None:
             from .tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(version_dir / "tokenizer", s.max_sequence_length)
+            self.tokenizer = load_tokenizer(version_dir, s.max_sequence_length)
             self.vocab_size = self.tokenizer.get_vocab_size()
         seq_inputs = frozenset(i.name for i in s.inputs if i.dims and i.dims[0] == -1)
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]

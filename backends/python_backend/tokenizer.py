@@ -5,18 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .integrity import read_checked, verified_digests
 
-def load_tokenizer(folder: Path, max_length: int) -> Any:
+
+def load_tokenizer(version_dir: Path, max_length: int) -> Any:
     """A fast ``tokenizers.Tokenizer`` truncating to ``max_length`` and never padding.
 
-    Padding is the executor's job: each group is padded only to its own longest item.
+    Padding is the executor's job: each group is padded only to its own longest
+    item. The file is checked against the verified digests like the engine.
     """
     from tokenizers import Tokenizer  # imported here: only text models need it
 
-    path = Path(folder) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the model was packaged without a fast tokenizer")
-    tok = Tokenizer.from_file(str(path))
+    version_dir = Path(version_dir)
+    relpath = f"{version_dir.name}/tokenizer/tokenizer.json"
+    if not (version_dir.parent / relpath).is_file():
+        raise FileNotFoundError(f"{relpath} is missing: the model was packaged without a fast tokenizer")
+    data = read_checked(version_dir.parent, relpath, verified_digests(version_dir.parent.name, version_dir.name))
+    tok = Tokenizer.from_str(data.decode("utf-8"))
     tok.no_padding()
     tok.enable_truncation(max_length=max_length)
     return tok

@@ -87,3 +87,28 @@ def test_text_items_use_the_tokenizer() -> None:
     items = items_from_texts(["a b c", "a"], FakeTokenizer(), ("input_ids", "attention_mask", "token_type_ids"))
     assert [it["input_ids"].shape[0] for it in items] == [5, 3]
     assert items[0]["token_type_ids"].dtype == np.int64
+
+
+def test_integrity_reads_once_and_refuses_changed_bytes(tmp_path, monkeypatch) -> None:
+    """The backend's load-time check: verified digests from outside the repository."""
+    import hashlib
+    import json
+
+    from model_factory.backend.integrity import ENV, IntegrityError, read_checked, verified_digests
+
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.onnx").write_bytes(b"engine bytes")
+    table = tmp_path / "verified.json"
+    table.write_text(json.dumps({"m": {"1": {"1/model.onnx": hashlib.sha256(b"engine bytes").hexdigest()}}}))
+    monkeypatch.delenv(ENV, raising=False)
+    assert verified_digests("m", "1") is None  # served without verification: no check
+    monkeypatch.setenv(ENV, str(table))
+    digests = verified_digests("m", "1")
+    assert read_checked(tmp_path / "m", "1/model.onnx", digests) == b"engine bytes"
+    (tmp_path / "m" / "1" / "model.onnx").write_bytes(b"swapped bytes")
+    with pytest.raises(IntegrityError, match="changed after verification"):
+        read_checked(tmp_path / "m", "1/model.onnx", digests)
+    with pytest.raises(IntegrityError, match="not covered"):
+        read_checked(tmp_path / "m", "1/other.onnx", digests)
+    with pytest.raises(IntegrityError, match="was not verified"):
+        verified_digests("other", "1")

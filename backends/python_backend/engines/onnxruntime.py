@@ -12,7 +12,7 @@ class OnnxRuntimeEngine:
 
     flavour = "onnxruntime"
 
-    def __init__(self, path: Path, threads: int | None = None) -> None:
+    def __init__(self, model: Path | bytes, threads: int | None = None) -> None:
         import onnxruntime as ort  # imported here: the backend package must import without it
 
         # Air-gapped product: ORT otherwise resolves a telemetry host during inference.
@@ -22,7 +22,9 @@ class OnnxRuntimeEngine:
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
-        self._session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        # Bytes come from the integrity check: the session is built from exactly what was hashed.
+        source = model if isinstance(model, bytes) else str(model)
+        self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self._session.get_inputs())
         self.output_names = tuple(o.name for o in self._session.get_outputs())
 

@@ -1,0 +1,57 @@
+"""Load-time integrity: the bytes the backend loads must be the bytes that were verified.
+
+``model-factory serve`` verifies the repository with the installed package
+(outside the repository, so code in the repository cannot vouch for itself),
+then writes the verified ``relpath -> sha256`` maps to a file outside the
+repository and names it in ``MODEL_FACTORY_VERIFIED_DIGESTS`` for the server.
+Here, each file the engine loads is read once, its bytes hashed and compared,
+and those same bytes are used: a file swapped after verification is refused.
+Standard library only: this runs inside Triton's stub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
+
+
+class IntegrityError(RuntimeError):
+    """A file differs from what was verified, or the model was never verified."""
+
+
+def verified_digests(model: str, version: str) -> dict[str, str] | None:
+    """The verified digests of one model version, or None when the server runs without verification."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise IntegrityError(f"cannot read the verified digests {path}: {exc}") from exc
+    digests = table.get(model, {}).get(str(version))
+    if digests is None:
+        raise IntegrityError(f"{model} version {version} was not verified before the server started; "
+                             "refusing to load it")
+    return digests
+
+
+def read_checked(model_dir: Path, relpath: str, digests: dict[str, str] | None) -> bytes:
+    """Read ``model_dir/relpath`` once; with ``digests``, refuse bytes that differ from the verified ones."""
+    path = Path(model_dir) / relpath
+    if digests is not None:
+        if relpath not in digests:
+            raise IntegrityError(f"{relpath} is not covered by the verified signature")
+        if path.is_symlink():
+            raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+    data = path.read_bytes()
+    if digests is not None:
+        expected = digests[relpath]
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
+                                 f"{expected[:16]}…); refusing to load it")
+    return data

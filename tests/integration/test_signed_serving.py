@@ -1,0 +1,74 @@
+"""Fail-closed serving: only verified models load, and the backend refuses bytes that changed after verification."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def signed_repo(tmp_path_factory, minilm_recipe, minilm_export):
+    """Two signed copies of MiniLM (``good`` and ``tampered``) and a policy trusting the key."""
+    from model_factory.demo import write_key_policy
+    from model_factory.pipeline import provenance_for
+    from model_factory.repository import package_model
+    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+
+    root = tmp_path_factory.mktemp("signed")
+    repo = root / "repo"
+    keys = generate_keypair(root / "keys")
+    signer = SignerConfig(private_key=keys.private_key, password=None)
+    for name in ("good", "tampered"):
+        recipe = replace(minilm_recipe, name=name, repository=replace(minilm_recipe.repository, path=repo))
+        package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
+                      parameters={"cost_model": "0.002,1e-6,1e-9"})
+        sign_model_version(repo / name, 1, signer, provenance=provenance_for(
+            recipe, {"source_digest": minilm_export.source_digest}, accuracy=None))
+    policy = write_key_policy(root / "policy.toml", [keys.public_key])
+    return repo, policy
+
+
+def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
+    from model_factory.client import embed_texts
+    from model_factory.serve import ServerOptions, start_verified_server
+
+    repo, policy = signed_repo
+    onnx = repo / "tampered" / "1" / "model.onnx"
+    data = bytearray(onnx.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    onnx.write_bytes(bytes(data))
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
+    try:
+        assert report.served == ("good",)
+        assert "verification failed" in report.refused["tampered"] and "1/model.onnx" in report.refused["tampered"]
+        assert embed_texts(server.http_url, "good", ["still served"]).shape == (1, 384)
+        index = {m["name"]: m.get("state") for m in server.model_status()}
+        assert index.get("good") == "READY" and index.get("tampered") != "READY"
+    finally:
+        assert server.stop() == 0
+
+
+def test_backend_refuses_bytes_swapped_after_verification(signed_repo, tmp_path: Path) -> None:
+    """The real backend in the real server: its engine bytes differ from the verified digests."""
+    from model_factory.serve import VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer
+    from model_factory.signing import signed_digests
+
+    repo, _ = signed_repo
+    copy = tmp_path / "repo"
+    shutil.copytree(repo / "good", copy / "good")
+    digests = signed_digests(copy / "good", 1)
+    # As if model.onnx were replaced between `verify` and the load: the verified digest no longer matches.
+    digests["1/model.onnx"] = "0" * 64
+    table = tmp_path / "verified.json"
+    table.write_text(json.dumps({"good": {"1": digests}}))
+    server = TritonServer(copy, ["good"], ServerOptions(0, 0, 0), env={VERIFIED_DIGESTS_ENV: str(table)}).start()
+    try:
+        assert "changed after verification" in server.load_errors["good"]
+    finally:
+        server.stop()
