@@ -1,0 +1,71 @@
+"""Offline signing and verification of Triton model repositories.
+
+One signature per model version, in OpenSSF model_signing v1.0's format
+(Sigstore bundle v0.3 JSON, DSSE envelope, in-toto statement with per-file
+sha256), so ``model_signing`` verifies what we sign and we verify what it
+signs. No transparency log and no network: trust comes from a local policy
+file (public keys and/or in-house CA roots, CRLs, allowed identities).
+
+Layers, from the bottom up:
+
+* ``digests``      parallel sha256 of files and byte ranges (stdlib only)
+* ``layout``       what one version's signature covers, and where it lives
+* ``manifest``     the signed file list as an in-toto statement, and its diff
+* ``keys``         ECDSA P-256/P-384 keys, keygen, CSRs
+* ``bundle``       Sigstore bundle / DSSE envelope, sign and parse
+* ``certificates`` X.509 chain at verification time, CRLs, identities
+* ``policy``       the trust policy TOML, as frozen dataclasses
+* ``provenance``   the signed SLSA build provenance
+* ``sign`` / ``verify``  the operations
+* ``runtime``      load-time digest checks for the Python backend (stdlib only)
+
+The whole package needs only the standard library and ``cryptography``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Re-exports are resolved on first use, so that ``import model_factory.signing.runtime``
+# (inside Triton's stub) loads only the standard library, not this whole package.
+_EXPORTS = {
+    "BuildProvenance": "provenance",
+    "KeyPaths": "keys",
+    "SignerConfig": "sign",
+    "TrustPolicy": "policy",
+    "VerificationResult": "verify",
+    "generate_keypair": "keys",
+    "load_policy": "policy",
+    "parse_policy": "policy",
+    "provenance_path": "layout",
+    "sign_model_version": "sign",
+    "sign_repository": "sign",
+    "signature_path": "layout",
+    "signed_digests": "verify",
+    "verify_model_version": "verify",
+    "verify_repository": "verify",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; noqa: F401 below
+    from model_factory.signing.keys import KeyPaths, generate_keypair
+    from model_factory.signing.layout import provenance_path, signature_path
+    from model_factory.signing.policy import TrustPolicy, load_policy, parse_policy
+    from model_factory.signing.provenance import BuildProvenance
+    from model_factory.signing.sign import SignerConfig, sign_model_version, sign_repository
+    from model_factory.signing.verify import (VerificationResult, signed_digests, verify_model_version,
+                                              verify_repository)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
