@@ -145,6 +145,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     say(f"loading {src}")
+    transformers.utils.logging.disable_progress_bar()
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
         hf = transformers.AutoModel.from_pretrained(str(src), local_files_only=True).eval()

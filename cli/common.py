@@ -29,7 +29,8 @@ def progress_printer() -> Callable[[str], None]:
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False)
-        return lambda msg: console.log(msg)
+        # markup=False: stage tags like [export] are text, not rich markup.
+        return lambda msg: console.log(msg, markup=False)
     except ImportError:  # rich is a dependency, but keep the CLI usable without it
         return lambda msg: click.echo(msg, err=True)
 
