@@ -1,0 +1,258 @@
+"""Accuracy of reduced-precision models against FP32, and the gate.
+
+Every FP16/INT8 model is scored against the FP32 export on *held-out* inputs
+(never the calibration set):
+
+* embeddings and generic outputs: cosine similarity per sample (mean and min)
+  and the largest absolute difference;
+* classifiers: top-1 agreement with FP32 and the largest absolute difference
+  of the logits.
+
+The report is written beside the artifacts as ``accuracy.json`` and rendered
+for the terminal with rich. ``quantization.min_accuracy`` turns it into a gate:
+a precision scoring below it fails the build with the report in the message.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from model_factory.build_engines.calibration import Feeds, batches
+from model_factory.errors import FactoryError, require
+from model_factory.fileio import atomic_file
+
+REPORT_NAME = "accuracy.json"
+EVAL_BATCH = 16
+
+
+class AccuracyGateError(FactoryError):
+    """A reduced-precision model scored below ``quantization.min_accuracy``; the message holds the report."""
+
+    def __init__(self, message: str, report: "AccuracyReport", report_path: Path) -> None:
+        super().__init__(message)
+        self.report = report
+        self.report_path = report_path
+
+
+@dataclass(frozen=True)
+class PrecisionAccuracy:
+    """How one precision compares with FP32 on the held-out set."""
+
+    precision: str
+    metric: str  # "cosine" (embeddings, generic) or "top1" (classification)
+    score: float  # mean cosine, or top-1 agreement
+    max_abs_error: float
+    samples: int
+    min_cosine: float | None = None
+    float_nodes: tuple[str, ...] = ()  # INT8 only: quantizable nodes kept in float
+    int8_nodes: int = 0
+    candidates: int = 0
+
+    @property
+    def mean_cosine(self) -> float | None:
+        return self.score if self.metric == "cosine" else None
+
+
+@dataclass(frozen=True)
+class AccuracyReport:
+    """The accuracy of every reduced precision of one model, and whether the gate passed."""
+
+    model: str
+    task: str
+    output: str
+    heldout_source: str
+    heldout_samples: int
+    heldout_note: str
+    calibration_source: str | None
+    calibration_samples: int
+    calibration_method: str | None
+    overlap: int  # samples in both calibration and held-out sets (0 by construction)
+    min_accuracy: float | None
+    results: tuple[PrecisionAccuracy, ...] = ()
+    search: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)  # mixed-precision steps
+    scoring: str = ("ONNX Runtime CPU; INT8 with Q/DQ simulated in float, as TensorRT computes it "
+                    "(not ORT's int8 kernels)")
+
+    @property
+    def failures(self) -> tuple[PrecisionAccuracy, ...]:
+        if self.min_accuracy is None:
+            return ()
+        return tuple(r for r in self.results if not (r.score >= self.min_accuracy))  # NaN fails too
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def result(self, precision: str) -> PrecisionAccuracy:
+        for r in self.results:
+            if r.precision == precision:
+                return r
+        raise KeyError(precision)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; a non-finite number (an FP16 overflow, say) becomes the string "inf"/"nan"."""
+        d = asdict(self)
+        d["results"] = [_finite(asdict(r)) | {"float_nodes": list(r.float_nodes)} for r in self.results]
+        d["search"] = [_finite(dict(s)) for s in self.search]
+        d["passed"] = self.passed
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AccuracyReport":
+        fields = {k: v for k, v in d.items() if k not in ("results", "search", "passed")}
+        results = []
+        for r in d.get("results", ()):
+            r = dict(r) | {"float_nodes": tuple(r.get("float_nodes", ()))}
+            for key in ("score", "max_abs_error", "min_cosine"):
+                if isinstance(r.get(key), str):
+                    r[key] = float(r[key])
+            results.append(PrecisionAccuracy(**r))
+        return cls(**fields, results=tuple(results), search=tuple(d.get("search", ())))
+
+    def write(self, path: Path) -> Path:
+        with atomic_file(path) as f:
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
+            f.write("\n")
+        path.chmod(0o644)  # a report is for everyone to read (mkstemp creates 0600)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> "AccuracyReport":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise FactoryError(f"cannot read the accuracy report {path}: {exc}. Fix: re-run the quantize stage") from exc
+
+    def render(self, width: int = 110) -> str:
+        """The report as terminal text (rich table), also used in the gate's error message."""
+        from rich.console import Console
+        from rich.table import Table
+
+        title = f"Accuracy of {self.model} vs FP32 ({self.output}, {self.heldout_samples} held-out samples)"
+        table = Table(title=title, title_justify="left")
+        table.add_column("precision")
+        table.add_column("mean cos" if self.task != "classification" else "top-1 agree", justify="right")
+        table.add_column("min cos", justify="right")
+        table.add_column("max abs err", justify="right")
+        table.add_column("INT8 nodes", justify="right")
+        table.add_column("gate", justify="center")
+        for r in self.results:
+            ok = "-" if self.min_accuracy is None else ("pass" if r.score >= self.min_accuracy else "FAIL")
+            table.add_row(r.precision, f"{r.score:.6f}", "-" if r.min_cosine is None else f"{r.min_cosine:.6f}",
+                          f"{r.max_abs_error:.3g}", f"{r.int8_nodes}/{r.candidates}" if r.candidates else "-", ok)
+        console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
+        console.print(table)
+        lines = [f"held-out: {self.heldout_note}", f"scored with: {self.scoring}"]
+        if self.calibration_source:
+            lines.append(f"calibration: {self.calibration_samples} samples of {self.calibration_source} "
+                         f"({self.calibration_method}); overlap with held-out: {self.overlap}")
+        for r in self.results:
+            if r.float_nodes:
+                lines.append(f"{r.precision}: kept in float ({len(r.float_nodes)}): " + ", ".join(r.float_nodes))
+        if self.min_accuracy is not None:
+            lines.append(f"gate: min_accuracy {self.min_accuracy:g} -> " + ("passed" if self.passed else "FAILED"))
+        for line in lines:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+        return console.export_text().rstrip()
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v) for k, v in d.items()}
+
+
+def ort_session(path: Path, simulate_qdq: bool = False) -> Any:
+    """An ONNX Runtime CPU session (telemetry off) to score a model with.
+
+    ``simulate_qdq`` keeps Q/DQ nodes as float arithmetic (basic graph optimizations only), which is what
+    TensorRT's INT8 GEMMs compute. With ORT's extended optimizations the Q/DQ pairs fuse into ORT's own
+    int8 CPU kernels, which on AVX2 machines without VNNI saturate 16-bit intermediate sums (u8s8) and
+    score a model lower than the engine it will become.
+    """
+    from model_factory.build_engines.export import onnxruntime_session
+
+    if not simulate_qdq:
+        return onnxruntime_session(path)
+    ort = require("onnxruntime", "onnx")
+    if hasattr(ort, "disable_telemetry_events"):  # as onnxruntime_session does: we are air-gapped
+        ort.disable_telemetry_events()
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def primary_output(task: str, output_names: Sequence[str]) -> str:
+    """The output the report scores: ``embedding`` for embedding models, else the first output."""
+    if task == "embedding" and "embedding" in output_names:
+        return "embedding"
+    return output_names[0]
+
+
+def run_outputs(session: Any, feeds: Feeds, output: str, batch_size: int = EVAL_BATCH,
+                extra_feeds: Feeds | None = None) -> np.ndarray:
+    """Run ``session`` over ``feeds`` in batches and stack one output (float64).
+
+    ``extra_feeds`` are passed unchanged with every batch (e.g. the switches of a search model).
+    """
+    extra = extra_feeds or {}
+    outs = [np.asarray(session.run([output], b | extra)[0], dtype=np.float64) for b in batches(feeds, batch_size)]
+    return np.concatenate(outs, axis=0)
+
+
+def compare(reference: np.ndarray, candidate: np.ndarray, task: str) -> tuple[str, float, float | None, float]:
+    """``(metric, score, min_cosine, max_abs_error)`` of ``candidate`` against ``reference``."""
+    if reference.shape != candidate.shape:
+        raise FactoryError(f"the reduced-precision model's output has shape {candidate.shape}, FP32 gives "
+                           f"{reference.shape}. Fix: this is a conversion bug; keep this precision out of the recipe")
+    max_abs = float(np.max(np.abs(reference - candidate))) if reference.size else 0.0
+    if not np.isfinite(candidate).all():
+        max_abs = float("inf")
+    if task == "classification":
+        agree = float(np.mean(np.argmax(reference, axis=-1) == np.argmax(candidate, axis=-1)))
+        return "top1", agree, None, max_abs
+    ref = reference.reshape(reference.shape[0], -1)
+    cand = candidate.reshape(candidate.shape[0], -1)
+    ref_n, cand_n = np.linalg.norm(ref, axis=1), np.linalg.norm(cand, axis=1)
+    with np.errstate(all="ignore"):
+        cos = np.sum(ref * cand, axis=1) / (ref_n * cand_n)
+    cos = np.where((ref_n == 0) | (cand_n == 0), np.where((ref_n == 0) & (cand_n == 0), 1.0, 0.0), cos)
+    # A sample with NaN/inf in the candidate counts as the worst possible cosine.
+    cos = np.where(np.isfinite(cand).all(axis=1) & np.isfinite(cos), np.clip(cos, -1.0, 1.0), -1.0)
+    return "cosine", float(np.mean(cos)), float(np.min(cos)), max_abs
+
+
+class Evaluator:
+    """Scores models against FP32 on one fixed feed set; the FP32 outputs are computed once."""
+
+    def __init__(self, reference_session: Any, feeds: Feeds, task: str, output: str) -> None:
+        self.feeds = feeds
+        self.task = task
+        self.output = output
+        self.reference = run_outputs(reference_session, feeds, output)
+
+    @property
+    def samples(self) -> int:
+        return int(self.reference.shape[0])
+
+    def score(self, session: Any, precision: str, extra_feeds: Feeds | None = None, **extra: Any) -> PrecisionAccuracy:
+        got = run_outputs(session, self.feeds, self.output, extra_feeds=extra_feeds)
+        metric, score, min_cos, max_abs = compare(self.reference, got, self.task)
+        return PrecisionAccuracy(precision, metric, score, max_abs, self.samples, min_cos, **extra)
+
+
+def check_gate(report: AccuracyReport, report_path: Path) -> None:
+    """Raise :class:`AccuracyGateError` with the rendered report when a precision misses the gate."""
+    if report.passed:
+        return
+    worst = ", ".join(f"{r.precision} {r.score:.5f}" for r in report.failures)
+    raise AccuracyGateError(
+        f"accuracy gate failed: {worst} below quantization.min_accuracy {report.min_accuracy:g} "
+        f"(report: {report_path}).\n{report.render()}\nFix: enable quantization.mixed_precision, try "
+        "quantization.method = \"percentile\" or \"entropy\", give more representative calibration data, or drop "
+        "the failing precision from the recipe", report, report_path)

@@ -1,0 +1,69 @@
+"""Commands for reduced precision and engines: ``quantize`` and ``build-engine``.
+
+Each command parses its options, calls one library function and prints; a
+FactoryError (an accuracy gate that fails included) becomes a clean message
+and exit status 1.
+"""
+
+from __future__ import annotations
+
+import click
+
+from model_factory.cli.common import progress_printer, recipe_argument, recipe_overrides, repository_option, user_errors
+
+
+@click.command()
+@recipe_argument
+@repository_option
+@click.option("--min-accuracy", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Override quantization.min_accuracy (mean cosine, or top-1 agreement for classifiers).")
+@user_errors
+def quantize(recipe: str, repository: str | None, min_accuracy: float | None) -> None:
+    """Make the recipe's FP16/INT8 models from its ONNX export and score them against FP32.
+
+    Reads the export in the recipe's work folder (run `model-factory export`
+    first), calibrates INT8 on quantization.calibration_data, scores every
+    precision on held-out data and writes accuracy.json beside the models.
+    A precision below --min-accuracy fails the command with the report.
+
+    \b
+    Example:
+      model-factory export examples/minilm.toml
+      model-factory quantize examples/minilm.toml --min-accuracy 0.99
+    """
+    from model_factory.build_engines.quantize import quantize_existing
+    from model_factory.recipe import load_recipe
+
+    res = quantize_existing(load_recipe(recipe, recipe_overrides(repository)), min_accuracy=min_accuracy,
+                            progress=progress_printer())
+    click.echo(res.report.render())
+    for precision, path in res.models.items():
+        click.echo(f"{precision}: {path}")
+    click.echo(f"report: {res.report_path}")
+
+
+@click.command("build-engine")
+@recipe_argument
+@repository_option
+@user_errors
+def build_engine(recipe: str, repository: str | None) -> None:
+    """Compile TensorRT plans (one per precision) from the recipe's ONNX models.
+
+    Uses tensorrt when installed, else TensorRT-RTX, which compiles on a
+    machine without a GPU. Each model.<precision>.plan gets a .plan.json with
+    the profiles, versions and the input digest; the timing cache is reused
+    across builds.
+
+    \b
+    Example:
+      pip install 'model-factory[tensorrt-rtx]'
+      model-factory build-engine examples/minilm.toml
+    """
+    from model_factory.build_engines.tensorrt import build_engines_existing
+    from model_factory.recipe import load_recipe
+
+    for r in build_engines_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer()):
+        click.echo(f"{r.precision}: {r.plan_path} ({r.size_bytes / 2**20:.1f} MiB, {r.build_seconds:.1f} s)")
+
+
+COMMANDS = [quantize, build_engine]
