@@ -29,8 +29,15 @@ def progress_printer() -> Callable[[str], None]:
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False)
-        # markup=False: stage tags like [export] are text, not rich markup.
-        return lambda msg: console.log(msg, markup=False)
+        def show(msg: str) -> None:
+            # markup=False: stage tags like [export] are text, not rich markup. Tables (the
+            # accuracy report) print unwrapped, without the log column squeezing them.
+            if "\n" in msg:
+                console.print(msg, markup=False, highlight=False, soft_wrap=True)
+            else:
+                console.log(msg, markup=False)
+
+        return show
     except ImportError:  # rich is a dependency, but keep the CLI usable without it
         return lambda msg: click.echo(msg, err=True)
 

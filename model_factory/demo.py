@@ -37,7 +37,9 @@ def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str
     t0 = time.perf_counter()
     workdir = Path(workdir).resolve()
     repo = workdir / "model_repository"
-    recipe = load_recipe(example_recipe_path(), {"repository.path": str(repo)})
+    # The packaged recipe's relative outputs would land in site-packages: keep them in the workdir.
+    recipe = load_recipe(example_recipe_path(), {"repository.path": str(repo),
+                                                 "tensorrt.timing_cache": str(workdir / "build" / "timing.cache")})
     signer, policy = _demo_keys(workdir, progress)
     result = build(recipe, progress=progress, signer=signer)
     timings = dict(result.seconds)

@@ -26,6 +26,8 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # mkdtemp makes 0700 folders; the output is an ordinary folder (Triton in a container reads it).
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
     except BaseException:
@@ -41,6 +43,12 @@ def atomic_dir(target: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_file(target: Path, mode: str = "w") -> Iterator:
     """Open a temporary sibling of ``target`` for writing; rename it into place on success."""
@@ -50,6 +58,7 @@ def atomic_file(target: Path, mode: str = "w") -> Iterator:
     try:
         with os.fdopen(fd, mode) as f:
             yield f
+        os.chmod(name, 0o666 & ~_umask())  # mkstemp makes 0600 files
         os.replace(name, target)
     except BaseException:
         Path(name).unlink(missing_ok=True)

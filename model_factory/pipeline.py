@@ -74,6 +74,7 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
             if precision != "fp32":
                 artifacts[f"model.{precision}.onnx"] = path
         extra.append(q.report_path)
+        say(q.report.render())
         accuracy = q.report.to_dict() if hasattr(q.report, "to_dict") else None
         build_info["quantization"] = {"float_nodes": list(q.float_nodes),
                                       "calibration_digest": q.calibration_digest}
@@ -130,20 +131,15 @@ def package_existing(recipe: Recipe) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
     from model_factory.repository import package_model
 
+    from model_factory.build_engines.quantize import quantized_models
+
     export_dir = recipe.work_dir / "export"
-    onnx = export_dir / "model.onnx"
-    if not onnx.is_file():
-        raise FactoryError(f"{onnx} is missing. Fix: run model-factory export on the recipe first")
-    artifacts: dict[str, Path] = {"model.onnx": onnx}
+    # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
+    models = quantized_models(recipe)
+    artifacts: dict[str, Path] = {("model.onnx" if p == "fp32" else f"model.{p}.onnx"): path
+                                  for p, path in models.items()}
     extra = [p for p in (export_dir / "export.json",) if p.is_file()]
     quant_dir = recipe.work_dir / "quantize"
-    for precision in recipe.precisions:
-        if precision == "fp32":
-            continue
-        path = quant_dir / f"model.{precision}.onnx"
-        if not path.is_file():
-            raise FactoryError(f"{path} is missing. Fix: run model-factory quantize on the recipe first")
-        artifacts[path.name] = path
     extra += sorted(quant_dir.glob("*.json")) if quant_dir.is_dir() else []
     engine_dir = recipe.work_dir / "engines"
     if engine_dir.is_dir():

@@ -369,6 +369,9 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     if "int8" in precisions and calib is None:
         raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
                    "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
+    if "fp16" in precisions and calib is None and heldout is None:
+        raise _err("quantization.heldout_data", "fp16 is scored against fp32 on held-out data and none is set",
+                   "point heldout_data (or calibration_data) at a local .txt/.jsonl/.npz of your inputs")
     for where, p in (("quantization.calibration_data", calib), ("quantization.heldout_data", heldout)):
         if p is not None and not p.is_file():
             raise _err(where, f"{p} does not exist", "point it at an existing local file")

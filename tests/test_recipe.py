@@ -85,6 +85,7 @@ def _data() -> dict:
     (lambda d: d.update(precisions=["fp32", "int4"]), "precisions", "one of"),
     (lambda d: d.update(precisions=["fp32", "int8"]), "quantization.calibration_data", "local"),
     (lambda d: d.update(quantization={"min_accuracy": 1.5}), "quantization.min_accuracy", "(0, 1]"),
+    (lambda d: d.update(precisions=["fp32", "fp16"]), "quantization.heldout_data", "local"),
     (lambda d: d.update(inputs=[{"name": "x", "dtype": "FP32", "dims": [0]}]), "inputs[0].dims", "positive"),
     (lambda d: d.update(inputs=[{"name": "x", "dims": [-1]}]), "inputs[0].dtype", "add dtype"),
     (lambda d: d.update(batching={"preferred_batch_sizes": [64]}), "batching.preferred_batch_sizes", "max_batch"),

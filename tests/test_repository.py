@@ -55,6 +55,7 @@ def test_atomic_dir_keeps_old_content_on_failure(tmp_path: Path) -> None:
     with atomic_dir(target) as tmp:
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+    assert target.stat().st_mode & 0o755 == 0o755  # an ordinary folder, not mkdtemp's 0700
 
 
 def _fake_artifacts(tmp_path: Path) -> dict[str, Path]:

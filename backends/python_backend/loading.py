@@ -31,15 +31,27 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     if want_trt:
         if plan is None:
             raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan")
-        from .engines.tensorrt import TensorRTEngine
-
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
-        engine = TensorRTEngine(data, device_id=device_id, settings=settings)
-        return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+        try:
+            from .engines.tensorrt import TensorRTEngine
+
+            engine = TensorRTEngine(data, device_id=device_id, settings=settings)
+            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+        except Exception as exc:  # no TensorRT here, or a plan this GPU/TensorRT cannot run
+            if settings.engine == "tensorrt":
+                raise
+            # engine=auto: a plan built for another GPU or flavour (TensorRT-RTX refuses compute
+            # capability 9.0) must not take the model down when the ONNX model can serve it.
+            fallback_reason = f"{type(exc).__name__}: {exc}"
+    else:
+        fallback_reason = None
     from .engines.onnxruntime import OnnxRuntimeEngine
 
     path = version_dir / settings.onnx_file
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")
     data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    return OnnxRuntimeEngine(data), {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
+    if fallback_reason:
+        info["fallback_from_tensorrt"] = fallback_reason
+    return OnnxRuntimeEngine(data), info

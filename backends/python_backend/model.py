@@ -55,6 +55,9 @@ class TritonPythonModel:
             from .memory_pool import IdleTrimmer
 
             self.trimmer = IdleTrimmer(self.pool, keep_bytes=s.pool_initial_mib << 20, on_trim=self._publish_pool)
+        if "fallback_from_tensorrt" in self.engine_info:
+            pb_utils.Logger.log_warn("model-factory backend: TensorRT engine not usable here, serving the ONNX "
+                                     f"model with ONNX Runtime instead: {self.engine_info['fallback_from_tensorrt']}")
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}), grouping={s.grouping}, cost model a={cost.a:.3g}s "

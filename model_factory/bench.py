@@ -1,0 +1,473 @@
+"""Benchmark a served model: an async load generator at fixed concurrency, and its statistics.
+
+The request stream is drawn once, with a fixed seed, from lines of real text, so
+its length mix is that of the text (``benchmarks/texts.txt``: sentences and
+paragraphs, mean ~31 MiniLM tokens, up to 128). Each request carries one
+sequence, sent either as token ids (``input_ids`` + ``attention_mask``, [1, L],
+tokenized here with the model's own tokenizer) or as ``text`` (the backend
+tokenizes). Token ids isolate batching from tokenization, and only ids give
+Triton different shapes to batch (a ``text`` request is always [1, 1]).
+
+Requests go through ``tritonclient``'s asyncio clients (HTTP or gRPC), with a
+fixed number in flight. A warm-up run is made first and left out of the numbers.
+The result (:class:`BenchResult`) holds the throughput in sequences per second,
+latency percentiles and the padding ratio, read from the model-factory backend's
+own metrics on Triton's metrics port (``model_factory_padding_ratio``, see
+``docs/metrics.md``), together with the mean number of requests per model
+execution from Triton's ``nv_inference_count``/``nv_inference_exec_count``.
+
+Nothing here starts a server: point it at one (``model-factory serve``, or
+:class:`model_factory.serve.TritonServer` in a benchmark script).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import numpy as np
+
+from model_factory.errors import FactoryError, require
+
+PROTOCOLS = ("http", "grpc")
+SEND_MODES = ("ids", "text")
+PADDING_METRIC = "model_factory_padding_ratio"
+
+
+# --------------------------------------------------------------------------- request stream
+
+
+@dataclass(frozen=True, eq=False)
+class Payload:
+    """One request: one sequence, as text and (when tokenized) as token ids."""
+
+    text: str
+    input_ids: np.ndarray | None = None  # int64 [L]
+    attention_mask: np.ndarray | None = None  # int64 [L]
+
+    @property
+    def length(self) -> int | None:
+        """Tokens in the sequence, when tokenized here (None for text-only payloads)."""
+        return None if self.input_ids is None else int(self.input_ids.shape[0])
+
+
+def load_texts(path: str | Path) -> list[str]:
+    """Non-empty lines of a UTF-8 text file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FactoryError(f"text file {path} does not exist. Fix: pass a file with one sentence or paragraph "
+                           "per line (e.g. benchmarks/texts.txt)")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise FactoryError(f"text file {path} has no non-empty lines. Fix: one sentence or paragraph per line")
+    return lines
+
+
+def draw_texts(texts: Sequence[str], count: int, seed: int = 0) -> list[str]:
+    """``count`` texts drawn with replacement from ``texts`` (seeded: the same stream every run)."""
+    if count < 1:
+        raise FactoryError(f"the number of requests must be at least 1, got {count}")
+    if not texts:
+        raise FactoryError("no texts to draw requests from")
+    return random.Random(seed).choices(list(texts), k=count)
+
+
+def load_tokenizer(folder: str | Path, max_length: int) -> Any:
+    """The model's fast tokenizer (``tokenizer.json``), truncating to ``max_length``, never padding.
+
+    This is what the backend does for ``text`` requests, so ids sent from here are
+    the ids the backend would have made.
+    """
+    tokenizers = require("tokenizers", "serve")
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise FactoryError(f"{path} does not exist. Fix: pass the folder that holds the model's tokenizer.json "
+                           "(the tokenizer/ folder of a packaged model version)")
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    tok.no_padding()
+    tok.enable_truncation(max_length=max_length)
+    return tok
+
+
+def make_payloads(texts: Sequence[str], tokenizer: Any = None) -> list[Payload]:
+    """Payloads for ``texts``; tokenized when a tokenizer is given."""
+    if tokenizer is None:
+        return [Payload(t) for t in texts]
+    encodings = tokenizer.encode_batch(list(texts))
+    return [Payload(t, np.asarray(e.ids, dtype=np.int64), np.asarray(e.attention_mask, dtype=np.int64))
+            for t, e in zip(texts, encodings)]
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between closest ranks (numpy's default); NaN when empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    data = sorted(float(v) for v in values)
+    if not data:
+        return math.nan
+    pos = (len(data) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (pos - low)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured run (warm-up excluded).
+
+    ``throughput`` is sequences answered without error per second of the measured
+    run. ``padding_ratio`` is computed tokens over real tokens, the mean over the
+    backend's ``execute()`` windows (``padding_source`` says where it came from:
+    ``backend metrics``, ``shapes`` or ``n/a``). ``mean_batch`` is Triton's mean
+    requests per model execution. The counters behind the ratios are kept so runs
+    can be merged (:func:`merge_results`).
+    """
+
+    label: str
+    protocol: str
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    sequences: int
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    padding_ratio: float | None = None
+    padding_source: str = "n/a"
+    mean_batch: float | None = None
+    padding_sum: float = 0.0
+    padding_windows: int = 0
+    inferences: int = 0
+    executions: int = 0
+    real_tokens: int = 0
+    error_messages: tuple[str, ...] = ()
+    latencies_ms: tuple[float, ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The headline numbers (no raw latencies), for reports."""
+        return {k: getattr(self, k) for k in ("label", "protocol", "concurrency", "requests", "errors", "seconds",
+                                              "sequences", "throughput", "p50_ms", "p99_ms", "mean_ms",
+                                              "padding_ratio", "padding_source", "mean_batch")}
+
+
+def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, label: str = "", protocol: str = "",
+              concurrency: int = 1, sequences_per_request: int = 1, real_tokens: int = 0,
+              error_messages: Sequence[str] = ()) -> BenchResult:
+    """A :class:`BenchResult` from the latencies (seconds) of the requests that succeeded."""
+    if seconds <= 0:
+        raise ValueError(f"the run must last a positive time, got {seconds}")
+    if errors < 0:
+        raise ValueError(f"errors must be >= 0, got {errors}")
+    ms = tuple(float(x) * 1e3 for x in latencies_s)
+    sequences = len(ms) * sequences_per_request
+    return BenchResult(
+        label=label, protocol=protocol, concurrency=concurrency, requests=len(ms) + errors, errors=errors,
+        seconds=float(seconds), sequences=sequences, throughput=sequences / seconds,
+        p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
+        mean_ms=float(sum(ms) / len(ms)) if ms else math.nan, real_tokens=real_tokens,
+        error_messages=tuple(error_messages)[:5], latencies_ms=ms)
+
+
+def with_counters(result: BenchResult, *, padding_sum: float = 0.0, padding_windows: int = 0,
+                  inferences: int = 0, executions: int = 0, padding_source: str | None = None) -> BenchResult:
+    """``result`` with the server-side counters of its run, and the ratios they give."""
+    ratio = padding_sum / padding_windows if padding_windows > 0 else None
+    return replace(result, padding_sum=padding_sum, padding_windows=padding_windows, inferences=inferences,
+                   executions=executions, padding_ratio=ratio,
+                   padding_source=padding_source or ("backend metrics" if ratio is not None else "n/a"),
+                   mean_batch=inferences / executions if executions > 0 else None)
+
+
+def merge_results(results: Sequence[BenchResult], label: str | None = None) -> BenchResult:
+    """Pool several runs of one configuration: totals add up, percentiles over all latencies."""
+    if not results:
+        raise ValueError("merge_results needs at least one result")
+    first = results[0]
+    if len({(r.protocol, r.concurrency) for r in results}) > 1:
+        raise ValueError("merge_results: the runs differ in protocol or concurrency")
+    ms = tuple(x for r in results for x in r.latencies_ms)
+    seconds = sum(r.seconds for r in results)
+    sequences = sum(r.sequences for r in results)
+    merged = BenchResult(
+        label=first.label if label is None else label, protocol=first.protocol, concurrency=first.concurrency,
+        requests=sum(r.requests for r in results), errors=sum(r.errors for r in results), seconds=seconds,
+        sequences=sequences, throughput=sequences / seconds, p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
+        mean_ms=float(sum(ms) / len(ms)) if ms else math.nan, real_tokens=sum(r.real_tokens for r in results),
+        error_messages=tuple(m for r in results for m in r.error_messages)[:5], latencies_ms=ms)
+    sources = {r.padding_source for r in results if r.padding_windows}
+    return with_counters(merged, padding_sum=sum(r.padding_sum for r in results),
+                         padding_windows=sum(r.padding_windows for r in results),
+                         inferences=sum(r.inferences for r in results),
+                         executions=sum(r.executions for r in results),
+                         padding_source=sources.pop() if len(sources) == 1 else None)
+
+
+def batches_padding_ratio(batches: Sequence[Sequence[int]]) -> float:
+    """Computed over real tokens for batches of sequence lengths, each padded to its longest (1.0 if empty)."""
+    computed = sum(len(b) * max(b) for b in batches if b)
+    real = sum(sum(b) for b in batches if b)
+    return computed / real if real else 1.0
+
+
+# --------------------------------------------------------------------------- metrics port
+
+_SAMPLE_RE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\d+)?$')
+_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One Prometheus sample: metric name, labels and value."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Parse Prometheus text exposition format (comments skipped; unparsable lines ignored)."""
+    samples = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        labels = {k: bytes(v, "utf-8").decode("unicode_escape") for k, v in _LABEL_RE.findall(m.group(3) or "")}
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        samples.append(Sample(m.group(1), labels, value))
+    return samples
+
+
+def metric_total(samples: Sequence[Sample], name: str, **labels: str) -> float | None:
+    """Sum of the samples called ``name`` whose labels include ``labels``; None when there is none."""
+    values = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(values) if values else None
+
+
+def scrape_metrics(url: str, timeout: float = 5.0) -> list[Sample]:
+    """Read and parse a metrics endpoint (``http://host:8002/metrics``)."""
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # loopback / the user's own server
+            return parse_prometheus(r.read().decode("utf-8", errors="replace"))
+    except (urllib.error.URLError, OSError) as exc:
+        raise FactoryError(f"cannot read metrics from {url}: {exc}. Fix: pass Triton's metrics URL, "
+                           "e.g. http://localhost:8002/metrics (started with --allow-metrics=true)") from exc
+
+
+def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str) -> dict[str, float]:
+    """What the server did for ``model`` between two scrapes: padding sum/windows, inferences, executions."""
+    def delta(name: str) -> float:
+        a = metric_total(after, name, model=model)
+        b = metric_total(before, name, model=model)
+        return (a or 0.0) - (b or 0.0)
+
+    return {"padding_sum": delta(PADDING_METRIC + "_sum"),
+            "padding_windows": int(round(delta(PADDING_METRIC + "_count"))),
+            "inferences": int(round(delta("nv_inference_count"))),
+            "executions": int(round(delta("nv_inference_exec_count")))}
+
+
+def cost_model_from_metrics(samples: Sequence[Sample], model: str) -> tuple[float, float, float] | None:
+    """The cost-model constants (a, b, c seconds) the backend published, if any."""
+    values = [metric_total(samples, f"model_factory_cost_model_{k}_seconds", model=model) for k in "abc"]
+    return None if any(v is None for v in values) else tuple(values)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- load generation
+
+
+@dataclass
+class _Tally:
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    messages: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+
+
+async def drive(send: Callable[[int], Awaitable[Any]], count: int, concurrency: int) -> tuple[_Tally, float]:
+    """Call ``send(i)`` for i in 0..count-1 with at most ``concurrency`` calls in flight.
+
+    Returns the tally (latency of each call that returned, errors for each that
+    raised, the most calls seen in flight) and the wall time of the whole run.
+    """
+    if concurrency < 1:
+        raise FactoryError(f"concurrency must be at least 1, got {concurrency}")
+    tally = _Tally()
+    next_index = iter(range(count))
+
+    async def worker() -> None:
+        for i in next_index:  # shared iterator: each index is taken once
+            tally.in_flight += 1
+            tally.most_in_flight = max(tally.most_in_flight, tally.in_flight)
+            start = time.perf_counter()
+            try:
+                await send(i)
+            except Exception as exc:  # a failed request is counted, not fatal
+                tally.errors += 1
+                if len(tally.messages) < 5:
+                    tally.messages.append(f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                tally.latencies.append(time.perf_counter() - start)
+            finally:
+                tally.in_flight -= 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, max(count, 1)))))
+    return tally, time.perf_counter() - start
+
+
+def _client_module(protocol: str) -> Any:
+    if protocol not in PROTOCOLS:
+        raise FactoryError(f"protocol {protocol!r} is not one of: {', '.join(PROTOCOLS)}")
+    return require(f"tritonclient.{protocol}.aio", "client")
+
+
+def _inputs_for(tc: Any, payload: Payload, send: str) -> list[Any]:
+    if send == "text":
+        t = tc.InferInput("text", [1, 1], "BYTES")
+        t.set_data_from_numpy(np.array([[payload.text.encode("utf-8")]], dtype=np.object_))
+        return [t]
+    if payload.input_ids is None or payload.attention_mask is None:
+        raise FactoryError("sending token ids needs a tokenizer. Fix: pass the tokenizer folder, or send text")
+    inputs = []
+    for name, arr in (("input_ids", payload.input_ids), ("attention_mask", payload.attention_mask)):
+        t = tc.InferInput(name, [1, int(arr.shape[0])], "INT64")
+        t.set_data_from_numpy(np.ascontiguousarray(arr[None, :], dtype=np.int64))
+        inputs.append(t)
+    return inputs
+
+
+async def _settled_scrape(url: str, pause_s: float = 0.1) -> list[Sample]:
+    await asyncio.sleep(pause_s)
+    return scrape_metrics(url)
+
+
+def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str = "http", concurrency: int = 8,
+             warmup: int = 32, send: str = "ids", metrics_url: str | None = None, label: str | None = None,
+             output: str = "embedding", timeout_s: float = 120.0) -> BenchResult:
+    """Send ``payloads`` (one request each) to ``model`` at ``url`` and measure.
+
+    ``warmup`` requests (the stream's first ones, cycled) are sent first and not
+    counted. With ``metrics_url``, the padding ratio and Triton's mean batch are
+    read from the counters' change over the measured run.
+    """
+    if send not in SEND_MODES:
+        raise FactoryError(f"send mode {send!r} is not one of: {', '.join(SEND_MODES)}")
+    if not payloads:
+        raise FactoryError("no requests to send")
+    if warmup < 0:
+        raise FactoryError(f"warm-up must be >= 0 requests, got {warmup}")
+    aio = _client_module(protocol)
+    inputs = [_inputs_for(aio, p, send) for p in payloads]
+    outputs = [aio.InferRequestedOutput(output)]
+
+    async def session() -> tuple[_Tally, float, list[Sample] | None, list[Sample] | None]:
+        if protocol == "http":
+            client = aio.InferenceServerClient(url, conn_limit=max(concurrency, 1), conn_timeout=timeout_s)
+        else:
+            client = aio.InferenceServerClient(url)
+        try:
+            try:
+                live = await client.is_server_live()
+            except Exception as exc:  # connection refused, DNS, TLS: the server is not there
+                raise FactoryError(f"cannot reach a Triton server at {url} over {protocol}: {exc}. Fix: check "
+                                   "--url and --protocol (HTTP port 8000, gRPC 8001 by default)") from exc
+            try:
+                ready = live and await client.is_model_ready(model)
+            except Exception:  # some clients raise for an unknown model instead of answering False
+                ready = False
+            if not ready:
+                raise FactoryError(f"model {model!r} is not ready on {url}. Fix: check the model name "
+                                   "(GET /v2/models) and that it loaded")
+
+            async def one(i: int) -> None:
+                if protocol == "http":  # the client-side limit is conn_timeout; `timeout` would be the server's
+                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs)
+                else:
+                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs, client_timeout=timeout_s)
+
+            if warmup:
+                await drive(one, warmup, concurrency)
+            # Triton counts an execution just after the responses leave: let the counters settle.
+            before = await _settled_scrape(metrics_url) if metrics_url else None
+            tally, seconds = await drive(one, len(inputs), concurrency)
+            after = await _settled_scrape(metrics_url) if metrics_url else None
+            return tally, seconds, before, after
+        finally:
+            await client.close()
+
+    tally, seconds, before, after = asyncio.run(session())
+    if not tally.latencies:
+        raise FactoryError(f"every one of the {tally.errors} requests to {model!r} failed; the first: "
+                           f"{tally.messages[0] if tally.messages else 'no message'}")
+    real = sum(p.length or 0 for p in payloads)
+    result = summarize(tally.latencies, tally.errors, seconds, label=label or model, protocol=protocol,
+                       concurrency=concurrency, real_tokens=real, error_messages=tally.messages)
+    if before is not None and after is not None:
+        result = with_counters(result, **counter_deltas(before, after, model))
+    return result
+
+
+def run_bench(url: str, model: str, texts_file: str | Path, *, protocol: str = "http", concurrency: int = 8,
+              requests: int = 1000, warmup: int = 32, seed: int = 0, tokenizer_dir: str | Path | None = None,
+              max_length: int = 128, metrics_url: str | None = None, output: str = "embedding") -> BenchResult:
+    """The ``model-factory bench`` command: draw a stream from ``texts_file`` and run it at ``concurrency``.
+
+    With ``tokenizer_dir`` the texts are tokenized here and sent as token ids;
+    without, they are sent as ``text``.
+    """
+    texts = draw_texts(load_texts(texts_file), requests, seed)
+    tokenizer = load_tokenizer(tokenizer_dir, max_length) if tokenizer_dir else None
+    payloads = make_payloads(texts, tokenizer)
+    return run_load(url, model, payloads, protocol=protocol, concurrency=concurrency, warmup=warmup,
+                    send="ids" if tokenizer is not None else "text", metrics_url=metrics_url, output=output)
+
+
+# --------------------------------------------------------------------------- reporting
+
+_COLUMNS = (("config", "label", "{}"), ("conc.", "concurrency", "{}"), ("seq/s", "throughput", "{:.1f}"),
+            ("p50_ms", "p50_ms", "{:.1f}"), ("p99_ms", "p99_ms", "{:.1f}"), ("padding", "padding_ratio", "{:.3f}"),
+            ("batch", "mean_batch", "{:.2f}"), ("requests", "requests", "{}"), ("errors", "errors", "{}"))
+
+
+def _cells(result: BenchResult) -> list[str]:
+    out = []
+    for _, attr, fmt in _COLUMNS:
+        value = getattr(result, attr)
+        out.append("n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value))
+    return out
+
+
+def format_table(results: Sequence[BenchResult], markdown: bool = False) -> str:
+    """The results as an aligned text table, or a Markdown table."""
+    header = [c[0] for c in _COLUMNS]
+    rows = [_cells(r) for r in results]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
