@@ -52,6 +52,12 @@ def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
         assert index.get("good") == "READY" and index.get("tampered") != "READY"
     finally:
         assert server.stop() == 0
+    # Serving wrote nothing into the repository (no bytecode caches): it still verifies, so the
+    # next start serves it again.
+    from model_factory.signing import load_policy, verify_repository
+
+    assert [r.ok for r in verify_repository(repo, load_policy(policy)) if r.model == "good"] == [True]
+    assert not list((repo / "good").rglob("__pycache__"))
 
 
 def test_backend_refuses_bytes_swapped_after_verification(signed_repo, tmp_path: Path) -> None:
