@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file.py is beside this script
+import results_file  # noqa: E402
+
 from model_factory.signing.digests import default_workers, file_tasks, hash_tasks
 
 MIB = 1 << 20
@@ -135,16 +138,9 @@ def render(size_mib: int, n_files: int, scenarios: list[tuple[str, int, dict[str
     return "\n".join(lines)
 
 
-def write_section(results: Path, section: str) -> None:
-    """Replace our section between the markers, or append it; other sections stay as they are."""
-    text = results.read_text() if results.exists() else "# Benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    results.write_text(text)
+def write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section of RESULTS.md; other sections stay as they are."""
+    results_file.write_section(path, START, END, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file.py is beside this script
+import results_file  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "model_factory" / "examples"
 START, END = "<!-- precision:start -->", "<!-- precision:end -->"
@@ -207,15 +210,8 @@ def render(env: dict[str, Any], runs: dict[str, dict[str, Any]], speed: dict[str
 
 
 def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (create the file, or append, when missing)."""
-    text = path.read_text() if path.is_file() else "# Benchmark results\n\nEach section is written by one script in benchmarks/.\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    """Replace this benchmark's section of RESULTS.md; other sections stay as they are."""
+    results_file.write_section(path, START, END, section)
 
 
 def notes(env: dict[str, Any], speed: dict[str, Any], runs: dict[str, Any], ort_int8: dict[str, float]) -> list[str]:

@@ -1,0 +1,18 @@
+"""benchmarks/RESULTS.md: each benchmark script owns one section between its own markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HEADER = "# Benchmark results\n\nEach section is written by one script in benchmarks/ from a real run.\n"
+
+
+def write_section(path: Path, start: str, end: str, section: str) -> None:
+    """Replace the text between ``start`` and ``end`` (markers included in ``section``), or append it."""
+    text = path.read_text() if path.is_file() else HEADER
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
