@@ -37,9 +37,8 @@ def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str
     t0 = time.perf_counter()
     workdir = Path(workdir).resolve()
     repo = workdir / "model_repository"
-    # The packaged recipe's relative outputs would land in site-packages: keep them in the workdir.
-    recipe = load_recipe(example_recipe_path(), {"repository.path": str(repo),
-                                                 "tensorrt.timing_cache": str(workdir / "build" / "timing.cache")})
+    # The build folder (ONNX, plans, timing cache, reports) sits beside the repository, in the workdir.
+    recipe = load_recipe(example_recipe_path(), {"repository.path": str(repo)})
     signer, policy = _demo_keys(workdir, progress)
     result = build(recipe, progress=progress, signer=signer)
     timings = dict(result.seconds)

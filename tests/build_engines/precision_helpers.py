@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,10 @@ def write_recipe(root: Path, precisions: list[str], export_dir: Path | None = No
     When ``export_dir`` is given it is linked in as the recipe's export stage output, so stand-alone
     commands find it without exporting again.
     """
-    text = EXAMPLE.read_text()
+    # The example's own precisions and [quantization] table (paths relative to the example) are
+    # replaced by this test's.
+    text = re.sub(r"(?m)^precisions = .*$", "", EXAMPLE.read_text())
+    text = re.sub(r"(?ms)^\[quantization\]$.*?(?=^\[)", "", text)
     recipe = root / "recipe.toml"
     recipe.write_text(
         f"precisions = {precisions!r}\n".replace("'", '"') + text
