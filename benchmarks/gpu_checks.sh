@@ -7,7 +7,10 @@
 # Exits non-zero if any check failed.
 #
 # Expects on that machine: python3 with cuda-bindings (and torch with CUDA for the
-# cost-model check; pytest for the gpu-marked unit tests, skipped without it).
+# cost-model check; pytest for the gpu-marked unit tests, skipped without it). The Triton
+# check needs .whl/ from benchmarks/prepare_gpu_wheels.sh (run on a CPU machine first):
+#
+#   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"], timeout_s 560
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,10 +40,49 @@ else
 fi
 
 # ============================================================================
-# LEAD: Triton 256-concurrent-requests check goes here.
-# (Needs the numpy<2 wheel carried in .whl/ for the stub's Python; see
-# ENVIRONMENT.md. Append its output to "$LOG" and set rc=1 on failure.)
+# Triton: 256 concurrent mixed-length requests through the real server on this machine, every
+# output checked against a PyTorch reference (benchmarks/gpu_checks.py triton).
+# Needs what benchmarks/prepare_gpu_wheels.sh put into .whl/ on a CPU machine (carry ".whl"):
+#   .whl/numpy-1.26.4-cp312-*.whl           the stub's Python must have numpy<2 (ENVIRONMENT.md)
+#   .whl/tritonserver-2.51.0-slim.tar.xz    tritonserver, the Python backend, the 3.12 stub, libs
+#   .whl/gpu_triton/                        the packaged tiny model (KIND_GPU) and refs.npz
 # ============================================================================
+section "Triton: 256 concurrent mixed-length requests, every output checked (gpu_checks.py triton)"
+BUNDLE=$(ls .whl/tritonserver-*-slim.tar.xz 2>/dev/null | head -1)
+NUMPY_WHL=$(ls .whl/numpy-1.26.4-cp3*-*.whl 2>/dev/null | head -1)
+if [ -z "$BUNDLE" ] || [ -z "$NUMPY_WHL" ] || [ ! -f .whl/gpu_triton/refs.npz ]; then
+    echo "SKIP .whl/ lacks the Triton bundle, the numpy 1.26.4 wheel or gpu_triton/: run" \
+         "benchmarks/prepare_gpu_wheels.sh on a CPU machine and carry .whl" | tee -a "$LOG"
+else
+    (
+        set -e
+        T=${TMPDIR:-/tmp}/mf-gpu-triton
+        rm -rf "$T" && mkdir -p "$T"
+        # A venv over the system site-packages (torch, onnxruntime, cuda-bindings stay visible), with
+        # numpy 1.26.4 in front of the system's numpy 2: the stub runs the first python3 on PATH.
+        "$PY" -m venv --system-site-packages --without-pip "$T/venv"
+        SITE=$("$T/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$NUMPY_WHL"
+        "$T/venv/bin/python" -c 'import numpy, onnxruntime; print("stub python: numpy", numpy.__version__, "onnxruntime", onnxruntime.__version__)'
+        # The Triton bundle keeps the wheel's layout, so the binaries' RUNPATHs find nvidia_pytriton.libs.
+        tar -xJf "$BUNDLE" -C "$T"
+        BACKEND="$T/pytriton/tritonserver/backends/python"
+        cp "$T/pytriton/tritonserver/python_backend_stubs/3.12/triton_python_backend_stub" "$BACKEND/"
+        # model_factory as one import package, mapped as pyproject.toml maps it (no install needed).
+        PKG="$T/pkg/model_factory"
+        mkdir -p "$PKG"
+        cp -r model_factory/. "$PKG/"
+        cp -r cli "$PKG/cli"
+        cp -r build_engines "$PKG/build_engines"
+        cp -r backends/python_backend "$PKG/backend"
+        PATH="$T/pytriton/tritonserver/bin:$PATH" \
+        LD_LIBRARY_PATH="$T/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        PYTHONPATH="$T/pkg" \
+            timeout 420 "$T/venv/bin/python" benchmarks/gpu_checks.py triton --out .whl/gpu_triton \
+                --log-dir "${OUT:-$T}"
+    ) 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
 
 section "gpu_checks.sh: $([ "$rc" -eq 0 ] && echo 'all passed' || echo 'FAILED')"
 exit "$rc"

@@ -1,3 +1,58 @@
-"""Benchmark commands (filled in with the grouped-batching benchmark)."""
+"""``model-factory bench``: load a running server at fixed concurrency and print throughput and latency."""
 
-COMMANDS: list = []
+from __future__ import annotations
+
+import click
+
+from model_factory.cli.common import user_errors
+
+
+@click.command("bench")
+@click.option("--url", default="localhost:8000", show_default=True,
+              help="Triton's HTTP (default port 8000) or gRPC (8001) address, host:port.")
+@click.option("--model", "-m", required=True, help="Model name on the server.")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests kept in flight.")
+@click.option("--requests", "-n", "requests", type=click.IntRange(min=1), default=500, show_default=True,
+              help="Measured requests (one sequence each).")
+@click.option("--warmup", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Requests sent first and not counted.")
+@click.option("--texts", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="Text file, one sentence or paragraph per line; requests are drawn from it.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the draw (same stream every run).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Folder with the model's tokenizer.json: send token ids instead of text.")
+@click.option("--max-length", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Truncation length when tokenizing here.")
+@click.option("--metrics-url", default=None,
+              help="Triton's metrics endpoint (e.g. http://localhost:8002/metrics) for the padding ratio "
+                   "and the mean batch.")
+@click.option("--output", default="embedding", show_default=True, help="Output tensor to request.")
+@user_errors
+def bench(url: str, model: str, protocol: str, concurrency: int, requests: int, warmup: int, texts: str,
+          seed: int, tokenizer_dir: str | None, max_length: int, metrics_url: str | None, output: str) -> None:
+    """Benchmark a served model with the asyncio Triton client at fixed concurrency.
+
+    Requests are drawn (seeded) from TEXTS, one line per request, sent as text, or as
+    token ids with --tokenizer. Prints throughput (sequences/s), p50/p99 latency and,
+    with --metrics-url, the padding ratio from the model-factory backend's metrics.
+
+    \b
+    Example:
+      model-factory bench --url localhost:8001 --protocol grpc -m minilm \\
+          --texts benchmarks/texts.txt -c 16 -n 1000 \\
+          --metrics-url http://localhost:8002/metrics
+    """
+    from model_factory.bench import format_table, run_bench
+
+    result = run_bench(url, model, texts, protocol=protocol, concurrency=concurrency, requests=requests,
+                       warmup=warmup, seed=seed, tokenizer_dir=tokenizer_dir, max_length=max_length,
+                       metrics_url=metrics_url, output=output)
+    click.echo(format_table([result]))
+    if result.errors:
+        click.echo(f"{result.errors} of {result.requests} requests failed; first: {result.error_messages[0]}",
+                   err=True)
+
+
+COMMANDS = [bench]

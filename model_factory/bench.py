@@ -129,8 +129,8 @@ class BenchResult:
 
     ``throughput`` is sequences answered without error per second of the measured
     run. ``padding_ratio`` is computed tokens over real tokens, the mean over the
-    backend's ``execute()`` windows (``padding_source`` says where it came from:
-    ``backend metrics``, ``shapes`` or ``n/a``). ``mean_batch`` is Triton's mean
+    backend's ``execute()`` windows (``padding_source``: ``backend metrics``, or
+    ``n/a`` without a metrics URL or a model-factory backend). ``mean_batch`` is Triton's mean
     requests per model execution. The counters behind the ratios are kept so runs
     can be merged (:func:`merge_results`).
     """

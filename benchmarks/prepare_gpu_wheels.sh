@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Prepare, on a CPU machine, what benchmarks/gpu_checks.sh needs on the GPU machine for its Triton
+# check ("256 concurrent mixed-length requests through the real Triton server, every output checked
+# against a reference"), into .whl/ (git-ignored), then carry it:
+#
+#   bash benchmarks/prepare_gpu_wheels.sh            # here, from anywhere; a few minutes
+#   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"], timeout_s 560
+#
+# The GPU machine (see shared/ENVIRONMENT.md) has Python 3.12, numpy 2.x, torch cu130, onnx and
+# onnxruntime (CPU build), but no tritonclient, tokenizers, transformers or Triton, and numpy 2
+# silently breaks Triton 2.51's Python-backend stub. A device call carries at most 64 MiB, the
+# working tree included. What goes into .whl/:
+#
+#   numpy-1.26.4-cp312-...whl            ~18 MB  installed into a venv for the stub's Python
+#   tritonserver-2.51.0-slim.tar.xz      Triton from the nvidia-pytriton 0.7.0 wheel (55 MB as a
+#                                        wheel, over the budget with the rest): only tritonserver,
+#                                        the Python backend, the Python 3.12 stub and the shared
+#                                        libraries, without the other stubs and libpython3.13 (32 MB,
+#                                        used only by the 3.13 stub), in the wheel's own layout so
+#                                        the binaries' RUNPATHs resolve; xz-compressed
+#   gpu_triton/                          a tiny BERT-shaped encoder (MiniLM's vocabulary, 2 layers,
+#                                        hidden 32, random weights: ~4 MB of ONNX where MiniLM's is
+#                                        90 MB) exported and packaged by the project's own pipeline
+#                                        as a KIND_GPU model with token-id inputs, and refs.npz: 256
+#                                        requests of real-text lengths and their PyTorch outputs
+#
+# Not carried, on purpose: nvidia-pytriton as a wheel (the slim bundle replaces it), tritonclient
+# and its dependencies (the check's client uses the stdlib over HTTP/JSON), tokenizers (requests
+# are token ids, tokenized here), MiniLM itself (too big to carry with the rest; the real-model
+# numbers come from benchmarks/bench_batching.py on the CPU).
+#
+# Downloads use pip against the configured index; when that is unreachable, the Triton bundle is
+# cut from the nvidia-pytriton 0.7.0 already installed in the venv (the same files), and a numpy
+# wheel must already be in .whl/. The script ends by checking the 64 MiB budget.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+W=.whl
+BUDGET=$((64 * 1024 * 1024))
+mkdir -p "$W"
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+
+echo "== numpy 1.26.4 for Python 3.12"
+if ls "$W"/numpy-1.26.4-cp312-*.whl >/dev/null 2>&1; then
+    echo "already there"
+else
+    "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" numpy==1.26.4
+fi
+ls -l "$W"/numpy-1.26.4-cp312-*.whl
+
+echo "== slim Triton bundle from nvidia-pytriton 0.7.0"
+BUNDLE="$W/tritonserver-2.51.0-slim.tar.xz"
+if [ -f "$BUNDLE" ]; then
+    echo "already there"
+else
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    SRC=""
+    if "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$tmp" nvidia-pytriton==0.7.0; then
+        SRC=$(ls "$tmp"/nvidia_pytriton-0.7.0-*.whl)
+    else
+        echo "pip download failed: cutting the bundle from the installed nvidia-pytriton 0.7.0"
+        SRC=$("$PY" -c 'import importlib.metadata as m, pathlib; d = m.distribution("nvidia-pytriton"); assert d.version == "0.7.0", d.version; print(pathlib.Path(d.locate_file("pytriton")).parent)')
+    fi
+    "$PY" - "$SRC" "$BUNDLE" <<'PYEOF'
+"""Copy the parts of the pytriton bundle that serve one Python 3.12 model into a tar.xz, same layout."""
+import io
+import lzma
+import os
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def wanted(name: str) -> bool:
+    if name.startswith("pytriton/tritonserver/bin/tritonserver"):
+        return True
+    if name.startswith("pytriton/tritonserver/backends/python/") and "__pycache__" not in name:
+        return True
+    if name.startswith("pytriton/tritonserver/python_backend_stubs/3.12/"):
+        return True
+    # libpython3.13 is needed only by the 3.13 stub; everything else there is tritonserver's or the backend's.
+    return name.startswith("nvidia_pytriton.libs/") and "libpython3" not in name
+
+
+def members():
+    if src.is_file():  # the wheel
+        with zipfile.ZipFile(src) as z:
+            for info in z.infolist():
+                if not info.is_dir() and wanted(info.filename):
+                    mode = (info.external_attr >> 16) & 0o777 or 0o644
+                    yield info.filename, z.read(info), mode
+    else:  # an installed site-packages folder
+        for path in sorted(src.rglob("*")):
+            rel = path.relative_to(src).as_posix()
+            if path.is_file() and wanted(rel):
+                yield rel, path.read_bytes(), path.stat().st_mode & 0o777
+
+
+# Executables must stay executable (a wheel may not record modes).
+count = total = 0
+tmp = dest.with_suffix(".part")
+with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+    for name, data, mode in members():
+        if name.endswith(("/tritonserver", "triton_python_backend_stub")) or ".so" in name:
+            mode |= 0o755
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), mode
+        tar.addfile(info, io.BytesIO(data))
+        count, total = count + 1, total + len(data)
+os.replace(tmp, dest)
+print(f"{dest}: {count} files, {total / 2**20:.0f} MiB unpacked, {dest.stat().st_size / 2**20:.1f} MiB packed")
+PYEOF
+fi
+
+echo "== tiny model, packaged, and 256 references (PyTorch)"
+"$PY" benchmarks/gpu_checks.py prepare --out "$W/gpu_triton"
+
+echo "== budget: what a device call carries (working tree + .whl) must stay under 64 MiB"
+TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
+WHL=$(du -sb "$W" | cut -f1)
+echo "working tree ${TREE} bytes + .whl ${WHL} bytes = $((TREE + WHL)) of ${BUDGET}"
+du -sh "$W"/* | sort -h
+if [ $((TREE + WHL)) -gt "$BUDGET" ]; then
+    echo "OVER BUDGET: the Triton check cannot be carried as is; see the comments at the top" >&2
+    exit 1
+fi
+echo "fits"
