@@ -52,6 +52,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file.py is beside this script
+import results_file  # noqa: E402
+
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,15 +387,8 @@ def notes(merged: dict[tuple[str, int], bench.BenchResult], summaries: dict[int,
 
 
 def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (create the file, or append, when missing)."""
-    text = path.read_text() if path.is_file() else "# Benchmark results\n\nEach section is written by one script in benchmarks/.\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    """Replace this benchmark's section of RESULTS.md; other sections stay as they are."""
+    results_file.write_section(path, START, END, section)
 
 
 # --------------------------------------------------------------------------- main
