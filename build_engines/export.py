@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from model_factory.errors import FactoryError, require
-from model_factory.fileio import atomic_dir
+from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe, TensorSpec
 
 SAMPLE_TEXTS = (
@@ -61,19 +61,6 @@ def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-
-
-def digest_path(path: Path) -> str:
-    """sha256 of a file, or of a folder's files (sorted relative paths and their digests)."""
-    h = hashlib.sha256()
-    if path.is_file():
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(str(p.relative_to(path)).encode() + b"\0" + digest_path(p).encode() + b"\n")
-    return h.hexdigest()
 
 
 def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:

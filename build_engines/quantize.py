@@ -69,7 +69,8 @@ from model_factory.build_engines.calibration import (
     sample_count,
     split_data,
 )
-from model_factory.build_engines.export import ExportResult, check_onnx_file, digest_path, onnxruntime_session
+from model_factory.build_engines.export import ExportResult, check_onnx_file, onnxruntime_session
+from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError, InternalError, require
 from model_factory.fileio import atomic_dir
 from model_factory.recipe import Recipe

@@ -30,7 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from model_factory.build_engines.export import check_onnx_file, digest_path
+from model_factory.build_engines.export import check_onnx_file
+from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
 from model_factory.recipe import PRECISIONS, Recipe

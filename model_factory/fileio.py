@@ -1,4 +1,4 @@
-"""Atomic output: write into a temporary sibling, then rename into place.
+"""Output files: atomic writes (a temporary sibling, then a rename) and content digests.
 
 An interrupted or failed stage leaves the previous output intact and no
 half-written folder behind.
@@ -6,6 +6,7 @@ half-written folder behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -63,3 +64,16 @@ def atomic_file(target: Path, mode: str = "w") -> Iterator:
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
+
+
+def digest_path(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (sorted relative paths and their digests)."""
+    h = hashlib.sha256()
+    if path.is_file():
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(path)).encode() + b"\0" + digest_path(p).encode() + b"\n")
+    return h.hexdigest()

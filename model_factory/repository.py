@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 from model_factory import __version__
 from model_factory.errors import FactoryError, require
-from model_factory.fileio import atomic_dir
+from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe, TensorSpec
 
 BACKEND_PACKAGE = "mf_backend"
@@ -145,15 +145,6 @@ def config_parameters(config: Any) -> dict[str, str]:
 # --------------------------------------------------------------------------- metadata
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 hex digest of one file."""
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tool_versions() -> dict[str, str]:
     """Versions of model-factory, Python and the libraries that shaped the artifacts."""
     out = {"model-factory": __version__, "python": platform.python_version()}
@@ -166,7 +157,7 @@ def tool_versions() -> dict[str, str]:
 
 
 def _file_digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): sha256_file(p)
+    return {str(p.relative_to(root)): digest_path(p)
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != METADATA_FILE}
 
 
