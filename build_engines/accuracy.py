@@ -116,10 +116,10 @@ class AccuracyReport:
         return cls(**fields, results=tuple(results), search=tuple(d.get("search", ())))
 
     def write(self, path: Path) -> Path:
+        """Write the report as JSON, atomically."""
         with atomic_file(path) as f:
             json.dump(self.to_dict(), f, indent=2, allow_nan=False)
             f.write("\n")
-        path.chmod(0o644)  # a report is for everyone to read (mkstemp creates 0600)
         return path
 
     @classmethod
