@@ -102,5 +102,5 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         pool_release_threshold_mib=num("pool_release_threshold_mib", 256),
         pool_initial_mib=num("pool_initial_mib", 0),
         task=params.get("task", "embedding"),
-        cost_model_repeats=num("cost_model_repeats", 2),
+        cost_model_repeats=num("cost_model_repeats", 3),
     )

@@ -291,16 +291,16 @@ def test_sweep_points_cover_each_profile_and_respect_budget():
     assert {n for n, _ in sweep_points([32, 128], max_batch=32, sweep_batch=64)} == {1, 16, 32}
 
 
-def test_time_points_warms_up_and_takes_the_median():
+def test_time_points_warms_up_and_takes_the_fastest():
     calls = []
-    ticks = iter([0.0, 1.0, 1.0, 4.0, 4.0, 6.0])  # durations 1, 3, 2 -> median 2
+    ticks = iter([0.0, 3.0, 3.0, 4.0, 4.0, 6.0])  # durations 3, 1, 2 -> fastest 1
 
     def run(n, length):
         calls.append((n, length))
 
     samples = time_points(run, [(2, 8)], repeats=3, clock=lambda: next(ticks))
     assert calls == [(2, 8)] * 4  # one warm-up + three timed
-    assert samples == [(2, 8, 2.0)]
+    assert samples == [(2, 8, 1.0)]
 
 
 def test_measure_cost_model_recovers_a_simulated_engine():
