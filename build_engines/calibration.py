@@ -29,6 +29,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from model_factory.errors import FactoryError, require
+from model_factory.fileio import digest_path
 from model_factory.recipe import QuantizationSpec
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".npz")
@@ -89,14 +90,6 @@ class DataSplit:
     overlap: int = 0  # samples common to both sets after the split; always 0, recorded for the report
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_samples(path: Path, what: str = "calibration data") -> Samples:
     """Read a .txt, .jsonl or .npz file of samples; every problem is a FactoryError naming the fix."""
     path = Path(path)
@@ -107,7 +100,7 @@ def read_samples(path: Path, what: str = "calibration data") -> Samples:
     if suffix not in SUPPORTED_SUFFIXES:
         raise FactoryError(f"{what}: {path} has the suffix {suffix!r}, which is not read. Fix: give a .txt (one "
                            "sample per line), .jsonl (field \"text\") or .npz (input tensors) file")
-    digest = _file_digest(path)
+    digest = digest_path(path)
     if suffix == ".npz":
         samples = _read_npz(path, digest, what)
     else:

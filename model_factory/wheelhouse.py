@@ -41,7 +41,6 @@ place once complete, so a failed or interrupted build leaves no half wheelhouse.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -56,6 +55,7 @@ from email.parser import HeaderParser
 from typing import Any, Sequence
 
 from model_factory.errors import FactoryError
+from model_factory.fileio import digest_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -165,14 +165,6 @@ def target_platforms(platform: str | None) -> tuple[str, ...]:
         if minor <= glibc_minor:
             tags.append(f"{alias}_{arch}")
     return tuple(dict.fromkeys(tags))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_project(project_dir: Path) -> tuple[str, set[str]]:
@@ -301,7 +293,7 @@ def _index(folder: Path) -> tuple[WheelEntry, ...]:
             raise FactoryError(f"{path.name} in the wheelhouse is not a wheel. Fix: remove it; an offline "
                                "install can only use wheels")
         name, version = parse_wheel_filename(path.name)
-        entries.append(WheelEntry(path.name, name, version, _sha256(path), path.stat().st_size))
+        entries.append(WheelEntry(path.name, name, version, digest_path(path), path.stat().st_size))
     return tuple(entries)
 
 
@@ -585,7 +577,7 @@ def check_wheelhouse(path: Path) -> WheelhouseReport:
     problems += [f"not in the manifest: {name}" for name in sorted(present - set(listed))]
     entries = []
     for name in sorted(set(listed) & present):
-        digest = _sha256(path / name)
+        digest = digest_path(path / name)
         if digest != listed[name]["sha256"]:
             problems.append(f"sha256 mismatch: {name}")
         pname, version = parse_wheel_filename(name)
