@@ -307,7 +307,12 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
 
 
 def _verified_digests(repository: Path, results: list, policy: object) -> dict[str, dict[str, dict[str, str]]]:
-    """``model -> version -> relpath -> sha256`` for every version that passed verification."""
+    """``model -> version -> relpath -> sha256`` for every version that passed verification.
+
+    Each map comes from a full verification against the policy (so files are hashed twice at start):
+    reading the signature files again without the policy would let a self-consistent but unsigned
+    bundle swapped in after the first pass through.
+    """
     from model_factory.signing import signed_digests
 
     table: dict[str, dict[str, dict[str, str]]] = {}
