@@ -64,7 +64,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 
     \b
     Example:
-      model-factory build examples/minilm.toml --key keys/signing.key
+      model-factory build examples/minilm.toml --key keys/signing-key.pem
     """
     from model_factory.pipeline import build as run_build
     from model_factory.recipe import load_recipe

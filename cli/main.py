@@ -29,7 +29,7 @@ def main() -> None:
 
     \b
     Typical use:
-      model-factory build recipe.toml --key keys/signing.key
+      model-factory build recipe.toml --key keys/signing-key.pem
       model-factory verify --policy policy.toml model_repository
       model-factory serve --policy policy.toml model_repository
     """
