@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+from model_factory.errors import FactoryError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 
 @contextmanager
@@ -77,3 +85,14 @@ def digest_path(path: Path) -> str:
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
         h.update(str(p.relative_to(path)).encode() + b"\0" + digest_path(p).encode() + b"\n")
     return h.hexdigest()
+
+
+def read_toml(path: Path, what: str, missing_fix: str) -> dict[str, Any]:
+    """Read a TOML file (a recipe, a trust policy); a missing or malformed one is a FactoryError."""
+    path = Path(path)
+    if not path.is_file():
+        raise FactoryError(f"{what} {path} does not exist. Fix: {missing_fix}")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise FactoryError(f"{what} {path} is not valid TOML: {exc}. Fix: correct the syntax at that line") from exc

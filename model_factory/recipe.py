@@ -11,17 +11,12 @@ field (``section.key``) and the fix.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from model_factory.errors import FactoryError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+from model_factory.fileio import read_toml
 
 SOURCE_KINDS = ("huggingface", "torch", "onnx")
 TASKS = ("embedding", "classification", "generic")
@@ -449,13 +444,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
     """Read and validate a recipe file. ``overrides`` maps ``section.key`` to a value."""
     path = Path(path)
-    if not path.is_file():
-        raise FactoryError(f"recipe {path} does not exist. Fix: pass the path of a .toml recipe "
-                           "(see examples/minilm.toml)")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise FactoryError(f"recipe {path} is not valid TOML: {exc}. Fix: correct the syntax at that line") from exc
+    data = read_toml(path, "recipe", "pass the path of a .toml recipe (see examples/minilm.toml)")
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.rpartition(".")
         target = data.setdefault(section, {}) if section else data

@@ -118,6 +118,9 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("[model\nname = 1")
     with pytest.raises(FactoryError, match="not valid TOML"):
         load_recipe(bad)
+    bad.write_bytes(b"[model]\nname = \"\xff\xfe\"\n")  # not UTF-8: a clean error, not a traceback
+    with pytest.raises(FactoryError, match="not valid TOML"):
+        load_recipe(bad)
 
 
 def test_hf_folder_without_config_is_rejected(tmp_path: Path) -> None:

@@ -29,7 +29,6 @@ CA ever issued should be a decision written down, not a default.
 from __future__ import annotations
 
 import datetime as dt
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -38,13 +37,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from model_factory.errors import FactoryError
+from model_factory.fileio import read_toml
 from model_factory.signing.certificates import LoadedCRL, load_certificates, load_crl
 from model_factory.signing.keys import key_hint, load_public_key, parse_subject
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 _SAN_PREFIXES = ("email:", "uri:", "dns:")
 
@@ -202,11 +197,5 @@ def parse_policy(data: Mapping[str, Any], base_dir: Path, source: Path | None = 
 def load_policy(path: str | Path) -> TrustPolicy:
     """Read and validate a trust policy TOML file."""
     path = Path(path)
-    if not path.is_file():
-        raise FactoryError(f"trust policy {path} does not exist. Fix: pass the policy file with --policy "
-                           "(see docs/signing.md for the format)")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FactoryError(f"trust policy {path} is not valid TOML: {exc}. Fix: correct the syntax") from exc
+    data = read_toml(path, "trust policy", "pass the policy file with --policy (see docs/signing.md for the format)")
     return parse_policy(data, path.resolve().parent, path.resolve())
