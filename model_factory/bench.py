@@ -12,9 +12,10 @@ Requests go through ``tritonclient``'s asyncio clients (HTTP or gRPC), with a
 fixed number in flight. A warm-up run is made first and left out of the numbers.
 The result (:class:`BenchResult`) holds the throughput in sequences per second,
 latency percentiles and the padding ratio, read from the model-factory backend's
-own metrics on Triton's metrics port (``model_factory_padding_ratio``, see
-``docs/metrics.md``), together with the mean number of requests per model
-execution from Triton's ``nv_inference_count``/``nv_inference_exec_count``.
+own counters on Triton's metrics port (``model_factory_computed_tokens_total`` over
+``model_factory_real_tokens_total``, see ``docs/metrics.md``), together with the
+mean number of requests per model execution from Triton's
+``nv_inference_count``/``nv_inference_exec_count``.
 
 Nothing here starts a server: point it at one (``model-factory serve``, or
 :class:`model_factory.serve.TritonServer` in a benchmark script).
@@ -39,7 +40,9 @@ from model_factory.errors import FactoryError, require
 
 PROTOCOLS = ("http", "grpc")
 SEND_MODES = ("ids", "text")
-PADDING_METRIC = "model_factory_padding_ratio"
+COMPUTED_TOKENS_METRIC = "model_factory_computed_tokens_total"
+REAL_TOKENS_METRIC = "model_factory_real_tokens_total"
+EXECUTIONS_METRIC = "model_factory_executions_total"
 
 
 # --------------------------------------------------------------------------- request stream
@@ -128,8 +131,8 @@ class BenchResult:
     """One measured run (warm-up excluded).
 
     ``throughput`` is sequences answered without error per second of the measured
-    run. ``padding_ratio`` is computed tokens over real tokens, the mean over the
-    backend's ``execute()`` windows (``padding_source``: ``backend metrics``, or
+    run. ``padding_ratio`` is computed tokens over real tokens over the whole run,
+    from the backend's counters (``padding_source``: ``backend metrics``, or
     ``n/a`` without a metrics URL or a model-factory backend). ``mean_batch`` is Triton's mean
     requests per model execution. The counters behind the ratios are kept so runs
     can be merged (:func:`merge_results`).
@@ -149,8 +152,8 @@ class BenchResult:
     padding_ratio: float | None = None
     padding_source: str = "n/a"
     mean_batch: float | None = None
-    padding_sum: float = 0.0
-    padding_windows: int = 0
+    computed_tokens: int = 0  # server side, padding included
+    served_tokens: int = 0  # server side, real tokens
     inferences: int = 0
     executions: int = 0
     real_tokens: int = 0
@@ -182,11 +185,11 @@ def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, labe
         error_messages=tuple(error_messages)[:5], latencies_ms=ms)
 
 
-def with_counters(result: BenchResult, *, padding_sum: float = 0.0, padding_windows: int = 0,
+def with_counters(result: BenchResult, *, computed_tokens: int = 0, served_tokens: int = 0,
                   inferences: int = 0, executions: int = 0, padding_source: str | None = None) -> BenchResult:
     """``result`` with the server-side counters of its run, and the ratios they give."""
-    ratio = padding_sum / padding_windows if padding_windows > 0 else None
-    return replace(result, padding_sum=padding_sum, padding_windows=padding_windows, inferences=inferences,
+    ratio = computed_tokens / served_tokens if served_tokens > 0 else None
+    return replace(result, computed_tokens=computed_tokens, served_tokens=served_tokens, inferences=inferences,
                    executions=executions, padding_ratio=ratio,
                    padding_source=padding_source or ("backend metrics" if ratio is not None else "n/a"),
                    mean_batch=inferences / executions if executions > 0 else None)
@@ -208,9 +211,9 @@ def merge_results(results: Sequence[BenchResult], label: str | None = None) -> B
         sequences=sequences, throughput=sequences / seconds, p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
         mean_ms=float(sum(ms) / len(ms)) if ms else math.nan, real_tokens=sum(r.real_tokens for r in results),
         error_messages=tuple(m for r in results for m in r.error_messages)[:5], latencies_ms=ms)
-    sources = {r.padding_source for r in results if r.padding_windows}
-    return with_counters(merged, padding_sum=sum(r.padding_sum for r in results),
-                         padding_windows=sum(r.padding_windows for r in results),
+    sources = {r.padding_source for r in results if r.served_tokens}
+    return with_counters(merged, computed_tokens=sum(r.computed_tokens for r in results),
+                         served_tokens=sum(r.served_tokens for r in results),
                          inferences=sum(r.inferences for r in results),
                          executions=sum(r.executions for r in results),
                          padding_source=sources.pop() if len(sources) == 1 else None)
@@ -276,14 +279,14 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> list[Sample]:
 
 
 def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str) -> dict[str, float]:
-    """What the server did for ``model`` between two scrapes: padding sum/windows, inferences, executions."""
+    """What the server did for ``model`` between two scrapes: computed/real tokens, inferences, executions."""
     def delta(name: str) -> float:
         a = metric_total(after, name, model=model)
         b = metric_total(before, name, model=model)
         return (a or 0.0) - (b or 0.0)
 
-    return {"padding_sum": delta(PADDING_METRIC + "_sum"),
-            "padding_windows": int(round(delta(PADDING_METRIC + "_count"))),
+    return {"computed_tokens": int(round(delta(COMPUTED_TOKENS_METRIC))),
+            "served_tokens": int(round(delta(REAL_TOKENS_METRIC))),
             "inferences": int(round(delta("nv_inference_count"))),
             "executions": int(round(delta("nv_inference_exec_count")))}
 
@@ -359,9 +362,19 @@ def _inputs_for(tc: Any, payload: Payload, send: str) -> list[Any]:
     return inputs
 
 
-async def _settled_scrape(url: str, pause_s: float = 0.1) -> list[Sample]:
+async def _settled_scrape(url: str, model: str, pause_s: float = 0.1, timeout_s: float = 5.0) -> list[Sample]:
+    """A scrape once the counters agree: Triton counts an execution just after the responses leave, and
+    the model-factory backend sends its counters about once a second; until its executions equal
+    Triton's, its counters lag. (A backend without our counters is scraped after ``pause_s``.)"""
+    deadline = time.monotonic() + timeout_s
     await asyncio.sleep(pause_s)
-    return scrape_metrics(url)
+    while True:
+        samples = scrape_metrics(url)
+        ours = metric_total(samples, EXECUTIONS_METRIC, model=model)
+        if ours is None or ours >= (metric_total(samples, "nv_inference_exec_count", model=model) or 0) \
+                or time.monotonic() > deadline:
+            return samples
+        await asyncio.sleep(0.1)
 
 
 def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str = "http", concurrency: int = 8,
@@ -411,9 +424,9 @@ def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str
             if warmup:
                 await drive(one, warmup, concurrency)
             # Triton counts an execution just after the responses leave: let the counters settle.
-            before = await _settled_scrape(metrics_url) if metrics_url else None
+            before = await _settled_scrape(metrics_url, model) if metrics_url else None
             tally, seconds = await drive(one, len(inputs), concurrency)
-            after = await _settled_scrape(metrics_url) if metrics_url else None
+            after = await _settled_scrape(metrics_url, model) if metrics_url else None
             return tally, seconds, before, after
         finally:
             await client.close()

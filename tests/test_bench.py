@@ -50,7 +50,7 @@ def test_summarize_counts_only_successes_in_throughput_and_latency() -> None:
 
 def test_with_counters_gives_the_ratios() -> None:
     r = bench.summarize([0.01], errors=0, seconds=1.0)
-    c = bench.with_counters(r, padding_sum=3.3, padding_windows=3, inferences=30, executions=6)
+    c = bench.with_counters(r, computed_tokens=330, served_tokens=300, inferences=30, executions=6)
     assert c.padding_ratio == pytest.approx(1.1)
     assert c.mean_batch == pytest.approx(5.0)
     assert c.padding_source == "backend metrics"
@@ -60,15 +60,15 @@ def test_with_counters_gives_the_ratios() -> None:
 
 def test_merge_results_pools_latencies_and_weights_counters() -> None:
     r1 = bench.with_counters(bench.summarize([0.01, 0.02], 0, 1.0, concurrency=2),
-                             padding_sum=1.0, padding_windows=1, inferences=2, executions=1)
+                             computed_tokens=10, served_tokens=10, inferences=2, executions=1)
     r2 = bench.with_counters(bench.summarize([0.03, 0.04, 0.05, 0.06], 1, 3.0, concurrency=2),
-                             padding_sum=6.0, padding_windows=3, inferences=5, executions=4)
+                             computed_tokens=60, served_tokens=30, inferences=5, executions=4)
     m = bench.merge_results([r1, r2], label="both")
     assert m.label == "both"
     assert (m.requests, m.errors, m.sequences) == (7, 1, 6)
     assert m.throughput == pytest.approx(6 / 4.0)
     assert m.p50_ms == pytest.approx(float(np.percentile([10, 20, 30, 40, 50, 60], 50)))
-    assert m.padding_ratio == pytest.approx(7.0 / 4)  # weighted by windows, not the mean of the two ratios
+    assert m.padding_ratio == pytest.approx(70 / 40)  # weighted by tokens, not the mean of the two ratios
     assert m.mean_batch == pytest.approx(7 / 5)
     with pytest.raises(ValueError):
         bench.merge_results([r1, dataclasses.replace(r2, concurrency=3)])
@@ -90,11 +90,15 @@ METRICS = """\
 nv_inference_count{model="minilm",version="1"} 120
 nv_inference_count{model="other",version="1"} 7
 nv_inference_exec_count{model="minilm",version="1"} 30
-# TYPE model_factory_padding_ratio histogram
-model_factory_padding_ratio_bucket{engine="onnxruntime",model="minilm",le="1.05"} 20
-model_factory_padding_ratio_bucket{engine="onnxruntime",model="minilm",le="+Inf"} 30
-model_factory_padding_ratio_sum{engine="onnxruntime",model="minilm"} 33.5
-model_factory_padding_ratio_count{engine="onnxruntime",model="minilm"} 30
+# TYPE model_factory_computed_tokens_total counter
+model_factory_computed_tokens_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 3350
+model_factory_computed_tokens_total{engine="onnxruntime",instance="minilm_1",model="minilm"} 1000
+model_factory_real_tokens_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 3000
+model_factory_real_tokens_total{engine="onnxruntime",instance="minilm_1",model="minilm"} 1000
+model_factory_executions_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 30
+# TYPE some_histogram histogram
+some_histogram_bucket{le="1.05"} 20
+some_histogram_bucket{le="+Inf"} 30
 model_factory_cost_model_a_seconds{engine="onnxruntime",model="minilm",profile="all"} 0.002
 model_factory_cost_model_b_seconds{engine="onnxruntime",model="minilm",profile="all"} 3e-05
 model_factory_cost_model_c_seconds{engine="onnxruntime",model="minilm",profile="all"} 1.5e-08
@@ -110,7 +114,7 @@ def test_parse_prometheus_and_totals() -> None:
     assert bench.metric_total(samples, "nv_inference_count", model="absent") is None
     odd = [s for s in samples if s.name == "odd_metric"][0]
     assert odd.labels == {"note": 'a, "quoted" value'}
-    buckets = [s for s in samples if s.name == "model_factory_padding_ratio_bucket"]
+    buckets = [s for s in samples if s.name == "some_histogram_bucket"]
     assert [s.labels["le"] for s in buckets] == ["1.05", "+Inf"]
     assert bench.cost_model_from_metrics(samples, "minilm") == (0.002, 3e-05, 1.5e-08)
     assert bench.cost_model_from_metrics(samples, "other") is None
@@ -119,9 +123,10 @@ def test_parse_prometheus_and_totals() -> None:
 def test_counter_deltas_between_scrapes() -> None:
     before = bench.parse_prometheus(METRICS)
     after = bench.parse_prometheus(METRICS.replace("} 120", "} 184").replace("} 30\n", "} 46\n")
-                                   .replace("} 33.5", "} 51.1"))
+                                   .replace("} 3350", "} 4230").replace("} 3000", "} 3800"))
     d = bench.counter_deltas(before, after, "minilm")
-    assert d == {"padding_sum": pytest.approx(17.6), "padding_windows": 16, "inferences": 64, "executions": 16}
+    # Summed over the instances: only minilm_0 moved here.
+    assert d == {"computed_tokens": 880, "served_tokens": 800, "inferences": 64, "executions": 16}
     r = bench.with_counters(bench.summarize([0.01], 0, 1.0), **d)
     assert r.padding_ratio == pytest.approx(1.1) and r.mean_batch == pytest.approx(4.0)
 
@@ -194,7 +199,7 @@ def test_payloads_tokenized_with_the_model_tokenizer() -> None:
 
 def test_format_table_text_and_markdown() -> None:
     r = bench.with_counters(bench.summarize([0.01, 0.03], 0, 0.5, label="minilm", concurrency=8),
-                            padding_sum=2.2, padding_windows=2, inferences=2, executions=1)
+                            computed_tokens=22, served_tokens=20, inferences=2, executions=1)
     none = bench.summarize([0.01], 1, 1.0, label="other", concurrency=1)
     text = bench.format_table([r, none])
     lines = text.splitlines()
@@ -274,10 +279,11 @@ def test_library_run_sends_text_over_http_and_reads_the_counters(bench_server) -
                             concurrency=4, warmup=2, send="text", metrics_url=server.metrics_url, label="text")
     assert (result.requests, result.errors, result.sequences) == (16, 0, 16)
     assert len(result.latencies_ms) == 16 and result.p50_ms <= result.p99_ms
-    # Every request went through the backend: Triton counted 16 inferences in >= 1 executions,
-    # and the backend recorded one padding ratio per execute() window.
+    # Every request went through the backend: Triton counted 16 inferences in >= 1 executions, and
+    # the backend's token counters (sent by its flusher thread, waited for) saw every real token.
     assert result.inferences == 16 and 1 <= result.executions <= 16
-    assert result.padding_windows == result.executions and result.padding_ratio >= 1.0
+    assert result.served_tokens > 0 and result.computed_tokens >= result.served_tokens
+    assert result.padding_ratio >= 1.0
 
 
 @pytest.mark.integration

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .grouping import CostModel, padding_ratio, plan_groups, profile_for_length
+from .grouping import CostModel, plan_groups, profile_for_length, token_counts
 from .requests import Item
 
 Engine = object  # anything with input_names, output_names and run(feeds, profile)
@@ -24,11 +24,27 @@ Engine = object  # anything with input_names, output_names and run(feeds, profil
 
 @dataclass
 class WindowStats:
-    """What one execute() did, for the metrics."""
+    """What one execute() did, for the metrics (counted as planned; retries re-run the same tokens)."""
 
     groups: list[int] = field(default_factory=list)  # items per group
-    padding_ratio: float = 1.0
+    real_tokens: int = 0
+    computed_tokens: int = 0  # each group padded to its longest item
     retries: int = 0
+
+    @property
+    def sequences(self) -> int:
+        """Items run in this window."""
+        return sum(self.groups)
+
+    @property
+    def group_count(self) -> int:
+        """Engine launches planned for this window."""
+        return len(self.groups)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Computed over real tokens (1.0 for an empty window)."""
+        return self.computed_tokens / self.real_tokens if self.real_tokens else 1.0
 
 
 class GroupError(RuntimeError):
@@ -80,7 +96,7 @@ class GroupedExecutor:
         lengths = [self._length(it) for _, it in flat]
         groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode) if flat else []
         stats.groups = [len(g) for g in groups]
-        stats.padding_ratio = padding_ratio(groups, lengths) if flat else 1.0
+        stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
         for group in groups:
             self._run_group(group, flat, lengths, per_item, stats)

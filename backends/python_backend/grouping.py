@@ -209,12 +209,8 @@ def plan_cost(groups: Sequence[Sequence[int]], lengths: Sequence[int], cost: Cos
     return sum(cost.cost(len(g), max(lengths[i] for i in g)) for g in groups if g)
 
 
-def padding_ratio(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """Computed tokens over real tokens: 1.0 means no padding at all.
-
-    Each group is padded to its longest member. With no real tokens (an empty
-    window, or only empty sequences) nothing is wasted and the ratio is 1.0.
-    """
+def token_counts(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> tuple[int, int]:
+    """``(computed, real)`` tokens of ``groups``, each padded to its longest member."""
     computed = 0
     real = 0
     for g in groups:
@@ -223,9 +219,17 @@ def padding_ratio(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> fl
         group_lens = [int(lengths[i]) for i in g]
         computed += len(group_lens) * max(group_lens)
         real += sum(group_lens)
-    if real == 0:
-        return 1.0
-    return computed / real
+    return computed, real
+
+
+def padding_ratio(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
+    """Computed tokens over real tokens: 1.0 means no padding at all.
+
+    Each group is padded to its longest member. With no real tokens (an empty
+    window, or only empty sequences) nothing is wasted and the ratio is 1.0.
+    """
+    computed, real = token_counts(groups, lengths)
+    return computed / real if real else 1.0
 
 
 def pad_group(arrays: list[np.ndarray], pad_value, *, length: int | None = None) -> np.ndarray:

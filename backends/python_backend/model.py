@@ -34,7 +34,8 @@ class TritonPythonModel:
         self.engine, self.engine_info = load_engine(version_dir, s, args.get("model_instance_kind", "CPU"),
                                                      int(args.get("model_instance_device_id", 0) or 0))
         self.tokenizer = None
-        self.vocab_size = None
+        # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
+        self.vocab_size = getattr(s, "vocab_size", None)
         if s.input("text") is not None:
             from .tokenizer import load_tokenizer
 
@@ -48,8 +49,12 @@ class TritonPythonModel:
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
             max_tokens=s.max_group_tokens, fill=self._fill)
-        self.metrics = _make_metrics(s.model_name, cost, self.engine_info)
         self.pool = getattr(self.engine, "pool", None)  # the TensorRT engine's cudaMallocAsync pool
+        # Pool gauges: our cudaMallocAsync pool, else what the engine reports of its own (torch's allocator).
+        pool_source = self.pool.stats if self.pool is not None else getattr(self.engine, "memory_stats", None)
+        # One label per instance: each instance has its own pool, and counters sum across instances anyway.
+        self.metrics = _make_metrics(s.model_name, cost, self.engine_info, pool_source,
+                                     {"instance": str(args.get("model_instance_name", ""))})
         self.trimmer = None
         if self.pool is not None:
             from .memory_pool import IdleTrimmer
@@ -113,7 +118,6 @@ class TritonPythonModel:
             self.metrics.observe_window(stats, time.perf_counter() - start)
         if self.trimmer is not None:
             self.trimmer.touch()
-            self._publish_pool(self.pool)
         return responses
 
     def _publish_pool(self, pool) -> None:
@@ -132,9 +136,9 @@ def _as_numpy(tensor) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _make_metrics(model_name: str, cost: CostModel, engine_info: dict):
+def _make_metrics(model_name: str, cost: CostModel, engine_info: dict, pool_source=None, labels=None):
     try:
         from .metrics import BackendMetrics
     except ImportError:  # metrics are optional for the backend to run
         return None
-    return BackendMetrics(pb_utils, model_name, cost, engine_info)
+    return BackendMetrics(pb_utils, model_name, cost, engine_info, extra_labels=labels, pool_source=pool_source)

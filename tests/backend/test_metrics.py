@@ -1,40 +1,47 @@
-"""Backend metrics against a fake ``pb_utils`` that enforces Triton's rules."""
+"""Backend metrics against a fake ``pb_utils`` that enforces Triton's rules and counts its round trips."""
 
 from __future__ import annotations
 
 import gc
 import re
+import threading
+import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from model_factory.backend.grouping import CostModel
 from model_factory.backend.memory_pool import PoolStats
+from model_factory.backend.executor import WindowStats
 from model_factory.backend.metrics import FAMILIES, PREFIX, BackendMetrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 class FakeMetric:
-    def __init__(self, family, labels, buckets):
-        self.family, self.labels, self.buckets = family, labels, buckets
+    calls = 0  # every call is one stub-to-server round trip in Triton
+
+    def __init__(self, family, labels):
+        self.family, self.labels = family, labels
         self.value = 0.0
-        self.observations: list[float] = []
+        self.thread_names: set[str] = set()
+
+    def _call(self):
+        FakeMetric.calls += 1
+        self.thread_names.add(threading.current_thread().name)
+        assert self.family.alive, "a metric used after its family was deleted"
 
     def increment(self, value):
+        self._call()
         assert self.family.kind == FakeMetricFamily.COUNTER, "increment on a non-counter"
         assert value >= 0
         self.value += value
 
     def set(self, value):
+        self._call()
         assert self.family.kind == FakeMetricFamily.GAUGE, "set on a non-gauge"
         self.value = value
-
-    def observe(self, value):
-        assert self.family.kind == FakeMetricFamily.HISTOGRAM, "observe on a non-histogram"
-        self.observations.append(value)
 
 
 class FakeMetricFamily:
@@ -46,14 +53,12 @@ class FakeMetricFamily:
         assert description
         self.name, self.description, self.kind = name, description, kind
         self.metrics: list[FakeMetric] = []
+        self.alive = True
         FakeMetricFamily.created.append(weakref.ref(self))
 
     def Metric(self, labels, buckets=None):  # noqa: N802 - Triton's name
-        if self.kind == "histogram":
-            assert isinstance(buckets, list) and buckets == sorted(buckets), "histograms need sorted buckets"
-        else:
-            assert buckets is None, "buckets only for histograms"
-        metric = FakeMetric(self, labels, buckets)
+        assert buckets is None, "no histograms here"
+        metric = FakeMetric(self, labels)
         self.metrics.append(metric)
         return metric
 
@@ -62,25 +67,17 @@ class FakePbUtils:
     MetricFamily = FakeMetricFamily
 
 
-class OldMetricFamily:
-    """A Triton without histograms: no HISTOGRAM kind at all."""
-
-    COUNTER, GAUGE = FakeMetricFamily.COUNTER, FakeMetricFamily.GAUGE
-    __init__ = FakeMetricFamily.__init__
-    Metric = FakeMetricFamily.Metric
-
-
-@dataclass
-class Window:
-    groups: list
-    padding_ratio: float
-    retries: int = 0
+def window(groups, lengths, retries=0):
+    """A WindowStats as the executor makes it: groups of items with these lengths."""
+    computed = sum(len(g) * max(g) for g in lengths)
+    return WindowStats(groups=groups, real_tokens=sum(map(sum, lengths)), computed_tokens=computed, retries=retries)
 
 
 @pytest.fixture
 def metrics():
     FakeMetricFamily.created = []
-    m = BackendMetrics(FakePbUtils, "minilm", CostModel(2e-3, 1e-7, 0.0), {"flavour": "onnxruntime"})
+    m = BackendMetrics(FakePbUtils, "minilm", CostModel(2e-3, 1e-7, 0.0), {"flavour": "onnxruntime"},
+                       interval_s=None)
     yield m
     m.close()
 
@@ -103,11 +100,17 @@ def test_families_are_created_and_kept_alive(metrics):
 
 
 def test_labels_on_every_metric(metrics):
-    metrics.observe_window(Window([3, 1], 1.2), seconds=0.01)
+    metrics.observe_window(window([2, 1], [[3, 5], [4]]), seconds=0.01)
+    metrics.flush()
     for family in metrics._families.values():
         for metric in family.metrics:
             assert metric.labels["model"] == "minilm"
             assert metric.labels["engine"] == "onnxruntime"
+
+
+def test_counters_exist_at_zero_before_any_traffic(metrics):
+    for short in ("executions_total", "real_tokens_total", "computed_tokens_total", "groups_total"):
+        assert _only(metrics, short).value == 0
 
 
 def test_cost_model_constants_per_profile(metrics):
@@ -118,39 +121,96 @@ def test_cost_model_constants_per_profile(metrics):
     assert _only(metrics, "cost_model_c_seconds", profile="all").value == 0.0
 
 
-def test_window_records_groups_sizes_padding_and_time(metrics):
-    metrics.observe_window(Window([4, 2, 1], 1.25, retries=2), seconds=0.03)
-    metrics.observe_window(Window([8], 2.0), seconds=0.01)
-    assert _only(metrics, "groups_per_execute").observations == [3, 1]
-    assert _only(metrics, "group_size").observations == [4, 2, 1, 8]
-    assert _only(metrics, "padding_ratio").observations == [1.25, 2.0]
-    assert _only(metrics, "execute_seconds").observations == [0.03, 0.01]
+def test_windows_are_summed_and_sent_on_flush(metrics):
+    metrics.observe_window(window([2, 1], [[3, 5], [4]], retries=2), seconds=0.03)
+    metrics.observe_window(window([1], [[8]]), seconds=0.01)
+    assert _only(metrics, "executions_total").value == 0, "nothing is sent before a flush"
+    metrics.flush()
+    assert _only(metrics, "executions_total").value == 2
+    assert _only(metrics, "sequences_total").value == 4
+    assert _only(metrics, "groups_total").value == 3
+    assert _only(metrics, "real_tokens_total").value == 3 + 5 + 4 + 8
+    assert _only(metrics, "computed_tokens_total").value == 2 * 5 + 4 + 8
     assert _only(metrics, "group_retries_total").value == 2
+    assert _only(metrics, "execute_seconds_total").value == pytest.approx(0.04)
+    # The exact padding ratio of all traffic is the ratio of the two token counters.
+    ratio = _only(metrics, "computed_tokens_total").value / _only(metrics, "real_tokens_total").value
+    assert ratio == pytest.approx(22 / 20)
 
 
-def test_empty_window_records_nothing(metrics):
-    metrics.observe_window(Window([], 1.0))
-    assert _family(metrics, "groups_per_execute").metrics == []
+def test_one_round_trip_per_counter_per_flush_not_per_window(metrics):
+    FakeMetric.calls = 0
+    for _ in range(100):
+        metrics.observe_window(window([2, 1], [[3, 5], [4]]), seconds=0.001)
+    assert FakeMetric.calls == 0, "execute() must not pay a round trip per metric"
+    metrics.flush()
+    assert FakeMetric.calls == 6  # executions, sequences, groups, real and computed tokens, seconds
+    metrics.flush()
+    assert FakeMetric.calls == 6, "an idle flush sends nothing"
 
 
-def test_queue_time_and_pool_stats(metrics):
-    metrics.observe_queue_time(0.004)
-    metrics.observe_queue_time(-1e-6)  # clock skew never goes negative
-    assert _only(metrics, "queue_seconds").observations == [0.004, 0.0]
-    metrics.set_pool_stats(PoolStats(reserved=300, used=100, high_water=500, used_high_water=200))
-    assert _only(metrics, "pool_reserved_bytes").value == 300
-    assert _only(metrics, "pool_used_bytes").value == 100
-    assert _only(metrics, "pool_high_water_bytes").value == 500
+def test_background_thread_flushes_and_close_sends_the_rest():
+    FakeMetricFamily.created = []
+    m = BackendMetrics(FakePbUtils, "m", interval_s=0.05)
+    try:
+        m.observe_window(window([1], [[7]]), seconds=0.001)
+        deadline = time.monotonic() + 5
+        while _only(m, "real_tokens_total").value != 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _only(m, "real_tokens_total").value == 7
+        assert _only(m, "real_tokens_total").thread_names == {"model-factory-metrics"}
+        m.observe_window(window([1], [[5]]), seconds=0.001)
+        metric = _only(m, "real_tokens_total")
+    finally:
+        m.close()
+    assert metric.value == 12, "close() flushes what is pending before dropping the metrics"
+    assert not any(t.name == "model-factory-metrics" for t in threading.enumerate())
 
 
-def test_histograms_fall_back_to_gauges_on_old_triton():
-    class OldPbUtils:
-        MetricFamily = OldMetricFamily
+def test_pool_stats_from_a_source_published_on_flush_only_when_changed():
+    FakeMetricFamily.created = []
+    stats = {"reserved": 300, "used": 100, "high_water": 500}
+    m = BackendMetrics(FakePbUtils, "m", interval_s=None, pool_source=lambda: stats)
+    try:
+        m.flush()
+        assert _only(m, "pool_reserved_bytes").value == 300
+        assert _only(m, "pool_used_bytes").value == 100
+        assert _only(m, "pool_high_water_bytes").value == 500
+        FakeMetric.calls = 0
+        m.flush()
+        assert FakeMetric.calls == 0, "unchanged pool bytes are not re-sent"
+        m.set_pool_stats(PoolStats(reserved=400, used=0, high_water=500, used_high_water=200))
+        assert _only(m, "pool_reserved_bytes").value == 400
+    finally:
+        m.close()
 
-    m = BackendMetrics(OldPbUtils, "m")
-    m.observe_window(Window([2, 2], 1.5))
-    assert m._families["padding_ratio"].kind == OldMetricFamily.GAUGE
-    assert [x.value for x in m._families["padding_ratio"].metrics] == [1.5]
+
+def test_no_pool_no_pool_gauges():
+    FakeMetricFamily.created = []
+    m = BackendMetrics(FakePbUtils, "m", interval_s=None, pool_source=lambda: {})
+    m.flush()
+    assert _family(m, "pool_used_bytes").metrics == []
+    m.close()
+
+
+def test_a_failing_flush_does_not_stop_the_flusher():
+    FakeMetricFamily.created = []
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("IPC hiccup")
+        return {"reserved": 1, "used": 1, "high_water": 1}
+
+    m = BackendMetrics(FakePbUtils, "m", interval_s=0.02, pool_source=flaky)
+    try:
+        deadline = time.monotonic() + 5
+        while not _family(m, "pool_used_bytes").metrics and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _only(m, "pool_used_bytes").value == 1
+    finally:
+        m.close()
 
 
 def test_every_metric_is_documented():

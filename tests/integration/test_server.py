@@ -115,7 +115,7 @@ def test_metrics_endpoint_is_up(triton) -> None:
         body = r.read().decode()
     assert 'nv_inference_request_success{model="minilm"' in body
     # Our backend's own metrics (docs/metrics.md), after the requests of the earlier tests.
-    for name in ("model_factory_padding_ratio", "model_factory_groups_per_execute",
+    for name in ("model_factory_computed_tokens_total", "model_factory_groups_total",
                  "model_factory_cost_model_a_seconds"):
         assert name in body, name
 
