@@ -292,8 +292,12 @@ def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str
 
 
 def cost_model_from_metrics(samples: Sequence[Sample], model: str) -> tuple[float, float, float] | None:
-    """The cost-model constants (a, b, c seconds) the backend published, if any."""
-    values = [metric_total(samples, f"model_factory_cost_model_{k}_seconds", model=model) for k in "abc"]
+    """The cost-model constants (a, b, c seconds) the backend published for all profiles at once, if any
+    (None too for a model with one cost model per optimization profile)."""
+    # One instance's constants (each instance publishes its own; they are not to be summed).
+    values = [next((x.value for x in samples if x.name == f"model_factory_cost_model_{k}_seconds"
+                    and x.labels.get("model") == model and x.labels.get("profile") == "all"), None)
+              for k in "abc"]
     return None if any(v is None for v in values) else tuple(values)  # type: ignore[return-value]
 
 

@@ -56,6 +56,32 @@ class CostModel:
         return self.a + self.b * tokens + self.c * tokens * length
 
 
+@dataclass(frozen=True)
+class ProfileCostModel:
+    """One :class:`CostModel` per engine optimization profile.
+
+    A launch padded to ``length`` runs on the profile that covers ``length`` (the
+    smallest bucket at least that long), so it costs what that profile's kernels
+    cost: TensorRT tunes each profile for its own shapes, and one model fitted over
+    all of them misprices the short ones.
+    """
+
+    buckets: tuple[int, ...]
+    models: tuple[CostModel, ...]
+
+    def __post_init__(self) -> None:
+        if not self.buckets or len(self.buckets) != len(self.models):
+            raise ValueError(f"need one cost model per bucket, got {len(self.models)} for buckets {self.buckets}")
+
+    def for_length(self, length: int) -> CostModel:
+        """The cost model of the profile that covers ``length``."""
+        return self.models[profile_for_length(length, self.buckets)]
+
+    def cost(self, n: int, length: int) -> float:
+        """Modelled seconds for one launch of ``n`` sequences padded to ``length``."""
+        return self.for_length(length).cost(n, length)
+
+
 # --------------------------------------------------------------------------- fitting
 
 
@@ -129,7 +155,7 @@ def _fits(n: int, padded: int, max_batch: int, max_tokens: int | None) -> bool:
 
 def plan_groups(
     lengths: Sequence[int],
-    cost: CostModel,
+    cost: CostModel | ProfileCostModel,
     max_batch: int,
     max_tokens: int | None = None,
     mode: str = "cost_model",
@@ -186,11 +212,13 @@ def plan_groups(
     cut = [0] * (count + 1)
     for j in range(1, count + 1):
         padded = sorted_lens[j - 1]
+        # Every group ending at j is padded to the same length: look its profile's model up once.
+        model = cost.for_length(padded) if isinstance(cost, ProfileCostModel) else cost
         lowest = max(0, j - max_batch)
         if max_tokens is not None and padded > 0:
             lowest = max(lowest, j - max_tokens // padded)
         for i in range(j - 1, lowest - 1, -1):
-            total = best[i] + cost.cost(j - i, padded)
+            total = best[i] + model.cost(j - i, padded)
             if total < best[j]:
                 best[j] = total
                 cut[j] = i
@@ -204,7 +232,7 @@ def plan_groups(
     return groups
 
 
-def plan_cost(groups: Sequence[Sequence[int]], lengths: Sequence[int], cost: CostModel) -> float:
+def plan_cost(groups: Sequence[Sequence[int]], lengths: Sequence[int], cost: CostModel | ProfileCostModel) -> float:
     """Total modelled seconds of running ``groups`` (each padded to its longest)."""
     return sum(cost.cost(len(g), max(lengths[i] for i in g)) for g in groups if g)
 
@@ -348,13 +376,22 @@ def measure_cost_model(
     repeats: int = 3,
     *,
     max_tokens: int | None = None,
+    per_profile: bool = False,
     clock: Callable[[], float] = time.perf_counter,
-) -> CostModel:
-    """Time ``run`` over :func:`sweep_points` and fit one :class:`CostModel`.
+) -> CostModel | ProfileCostModel:
+    """Time ``run`` over :func:`sweep_points` and fit the cost model.
 
     ``run(n, length)`` runs the engine on ``n`` dummy sequences of ``length`` tokens
-    and returns once the outputs are on the host. For one model per profile, call
-    :func:`time_points` once and :func:`fit_cost_model` on each profile's samples.
+    and returns once the outputs are on the host. With ``per_profile`` (an engine
+    with one optimization profile per bucket, as TensorRT's), each profile's points
+    are fitted on their own into a :class:`ProfileCostModel`; else one
+    :class:`CostModel` is fitted over all points (an engine that takes any shape).
     """
     samples = time_points(run, sweep_points(buckets, max_batch, max_tokens), repeats, clock)
-    return fit_cost_model(samples)
+    ordered = tuple(sorted(set(int(b) for b in buckets)))
+    if not per_profile or len(ordered) < 2:
+        return fit_cost_model(samples)
+    by_profile: dict[int, list[tuple[int, int, float]]] = {}
+    for sample in samples:
+        by_profile.setdefault(profile_for_length(sample[1], ordered), []).append(sample)
+    return ProfileCostModel(ordered, tuple(fit_cost_model(by_profile[i]) for i in range(len(ordered))))

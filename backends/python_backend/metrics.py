@@ -58,8 +58,9 @@ class BackendMetrics:
     """The backend's custom metrics for one model instance.
 
     ``labels`` (model, plus the engine flavour from ``engine_info`` and anything in
-    ``extra_labels``) are put on every metric. ``cost`` (a CostModel), when given,
-    is published at once under profile label ``all``. Window counters are summed
+    ``extra_labels``) are put on every metric. ``cost``, when given, is published
+    at once: a CostModel under profile label ``all``, a ProfileCostModel under each
+    profile's index. Window counters are summed
     in-process and sent by :meth:`flush`, which a background thread calls every
     ``interval_s`` seconds while there is something new (``interval_s=None``: no
     thread, the caller flushes). ``pool_source``, when given, is read at each flush
@@ -97,7 +98,12 @@ class BackendMetrics:
         for short in ("executions_total", "execute_seconds_total", *_WINDOW_COUNTERS):
             self._metric(short)
         if cost is not None:
-            self.set_cost_model(cost)
+            models = getattr(cost, "models", None)
+            if models is not None:  # a ProfileCostModel: one set of constants per optimization profile
+                for profile, model in enumerate(models):
+                    self.set_cost_model(model, profile)
+            else:
+                self.set_cost_model(cost)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None

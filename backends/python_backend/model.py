@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .executor import GroupedExecutor
-from .grouping import CostModel, measure_cost_model, profile_for_length
+from .grouping import CostModel, ProfileCostModel, measure_cost_model, profile_for_length
 from .loading import load_engine
 from .requests import RequestError, decode_texts, items_from_tensors, items_from_texts
 from .settings import parse_settings
@@ -43,8 +43,11 @@ class TritonPythonModel:
             self.vocab_size = self.tokenizer.get_vocab_size()
         seq_inputs = frozenset(i.name for i in s.inputs if i.dims and i.dims[0] == -1)
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
+        # An engine with one optimization profile per bucket (TensorRT) gets a cost model per profile.
+        per_profile = int(getattr(self.engine, "num_profiles", 1) or 1) > 1
         cost = CostModel(*s.cost_model) if s.cost_model else measure_cost_model(
-            self._dummy_run(seq_inputs), s.sequence_buckets, s.max_batch_size, repeats=s.cost_model_repeats)
+            self._dummy_run(seq_inputs), s.sequence_buckets, s.max_batch_size, repeats=s.cost_model_repeats,
+            max_tokens=s.max_group_tokens, per_profile=per_profile)
         self.executor = GroupedExecutor(
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
@@ -65,8 +68,7 @@ class TritonPythonModel:
                                      f"model with ONNX Runtime instead: {self.engine_info['fallback_from_tensorrt']}")
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
-            f"({self.engine_info['file']}), grouping={s.grouping}, cost model a={cost.a:.3g}s "
-            f"b={cost.b:.3g}s c={cost.c:.3g}s")
+            f"({self.engine_info['file']}), grouping={s.grouping}, cost model {_cost_text(cost)}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.
@@ -136,7 +138,16 @@ def _as_numpy(tensor) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _make_metrics(model_name: str, cost: CostModel, engine_info: dict, pool_source=None, labels=None):
+def _cost_text(cost) -> str:
+    def one(m: CostModel) -> str:
+        return f"a={m.a:.3g}s b={m.b:.3g}s c={m.c:.3g}s"
+
+    if isinstance(cost, ProfileCostModel):
+        return "; ".join(f"profile {i} (<= {b} tokens): {one(m)}" for i, (b, m) in enumerate(zip(cost.buckets, cost.models)))
+    return one(cost)
+
+
+def _make_metrics(model_name: str, cost, engine_info: dict, pool_source=None, labels=None):
     try:
         from .metrics import BackendMetrics
     except ImportError:  # metrics are optional for the backend to run

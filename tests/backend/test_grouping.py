@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from model_factory.backend.grouping import (
+    ProfileCostModel,
     CostModel,
     fit_cost_model,
     measure_cost_model,
@@ -319,3 +320,42 @@ def test_measure_cost_model_recovers_a_simulated_engine():
     assert fitted.a == pytest.approx(truth.a, rel=1e-6)
     assert fitted.b == pytest.approx(truth.b, rel=1e-6)
     assert fitted.c == pytest.approx(truth.c, rel=1e-6)
+
+
+def test_measure_per_profile_fits_each_profile_on_its_own_points():
+    """Two profiles with different kernels: one model each, recovered exactly; one model over both cannot."""
+    short, long_ = CostModel(a=1e-3, b=1e-7, c=0.0), CostModel(a=4e-3, b=3e-7, c=2e-9)
+    truth = ProfileCostModel((32, 128), (short, long_))
+    clock = [0.0]
+
+    def run(n, length):
+        clock[0] += truth.cost(n, length)
+
+    fitted = measure_cost_model(run, [32, 128], max_batch=16, repeats=1, per_profile=True, clock=lambda: clock[0])
+    assert isinstance(fitted, ProfileCostModel) and fitted.buckets == (32, 128)
+    for got, want in zip(fitted.models, (short, long_)):
+        assert (got.a, got.b, got.c) == pytest.approx((want.a, want.b, want.c), rel=1e-6, abs=1e-15)
+    assert fitted.for_length(32) is fitted.models[0] and fitted.for_length(33) is fitted.models[1]
+    one = measure_cost_model(run, [32, 128], max_batch=16, repeats=1, clock=lambda: clock[0])
+    assert isinstance(one, CostModel)
+    # A single bucket has nothing to split by: one model even when asked per profile.
+    assert isinstance(measure_cost_model(run, [128], max_batch=4, repeats=1, per_profile=True,
+                                         clock=lambda: clock[0]), CostModel)
+
+
+def test_sweep_respects_the_token_budget_when_measuring():
+    seen = []
+    measure_cost_model(lambda n, length: seen.append(n * length), [32, 128], max_batch=16, repeats=1,
+                       max_tokens=512, clock=iter(range(10**6)).__next__)
+    assert seen and max(seen) <= 512
+
+
+def test_plan_groups_prices_each_group_on_its_own_profile():
+    """Profile 0 (<= 32 tokens) is cheap per launch, profile 1 dear: short requests split, long ones pad together."""
+    model = ProfileCostModel((32, 128), (CostModel(a=1e-5, b=1e-4, c=0.0), CostModel(a=1.0, b=1e-4, c=0.0)))
+    lengths = [10, 20, 30, 40, 100, 128]
+    groups = plan_groups(lengths, model, max_batch=8)
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[10], [20], [30], [40, 100, 128]]
+    assert plan_cost(groups, lengths, model) < plan_cost([[0, 1, 2, 3, 4, 5]], lengths, model)
+    with pytest.raises(ValueError, match="one cost model per bucket"):
+        ProfileCostModel((32, 128), (CostModel(0, 0, 0),))

@@ -217,3 +217,17 @@ def test_every_metric_is_documented():
     text = DOCS.read_text()
     for short in FAMILIES:
         assert f"`{PREFIX}{short}`" in text, f"{PREFIX}{short} is not in docs/metrics.md"
+
+
+def test_a_cost_model_per_profile_is_published_per_profile():
+    from model_factory.backend.grouping import ProfileCostModel
+
+    FakeMetricFamily.created = []
+    cost = ProfileCostModel((32, 128), (CostModel(1e-3, 1e-7, 0.0), CostModel(4e-3, 3e-7, 2e-9)))
+    m = BackendMetrics(FakePbUtils, "m", cost, interval_s=None)
+    try:
+        assert _only(m, "cost_model_a_seconds", profile="0").value == 1e-3
+        assert _only(m, "cost_model_c_seconds", profile="1").value == 2e-9
+        assert not [x for x in _family(m, "cost_model_a_seconds").metrics if x.labels["profile"] == "all"]
+    finally:
+        m.close()
