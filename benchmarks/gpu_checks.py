@@ -312,16 +312,19 @@ def main() -> int:
 # Python-backend stub of Triton 2.51, see ENVIRONMENT.md), and only 64 MiB travel with a call. So:
 #   here   `gpu_checks.py prepare` builds a tiny BERT-shaped encoder with random weights (MiniLM's
 #          vocabulary and tokenizer, 2 layers, hidden 32: a 4 MB ONNX instead of MiniLM's 90 MB),
-#          exports and packages it with the project's own pipeline (KIND_GPU instance, token-id
-#          inputs), draws 256 requests of real-text lengths from benchmarks/texts.txt and computes
+#          exports it (ONNX and, with export.torchscript = true, model.torchscript.pt) and packages it
+#          with the project's own pipeline (KIND_GPU instance, token-id inputs, engine=torch: torch with
+#          CUDA is the GPU executor there, since no TensorRT runs on it), draws 256 requests of real-text lengths from benchmarks/texts.txt and computes
 #          every expected output with PyTorch;
 #   there  `gpu_checks.sh` makes a venv over the system site-packages with the carried numpy 1.26.4,
 #          unpacks the carried Triton bundle, and `gpu_checks.py triton` starts the server on the
-#          packaged repository and sends all 256 requests at once over plain HTTP/JSON (stdlib only),
-#          checking each answer against its reference.
+#          packaged repository, checks from the server log and metadata.json that the torch engine
+#          served on CUDA (not an ONNX Runtime fallback), and sends all 256 requests at once over plain
+#          HTTP/JSON (stdlib only), checking each answer against its reference.
 
 TRITON_MODEL = "tiny"
 TRITON_REQUESTS = 256
+TORCHSCRIPT = "model.torchscript.pt"
 
 
 def prepare_main(out: Path) -> int:
@@ -361,6 +364,7 @@ def prepare_main(out: Path) -> int:
         "model": {"name": TRITON_MODEL, "version": 1},
         "source": {"kind": "huggingface", "path": str(src)},
         "embedding": {"pooling": "mean", "normalize": True, "text_input": False},
+        "export": {"torchscript": True},
         "shapes": {"max_batch": 64, "max_sequence_length": 128, "sequence_buckets": [32, 128]},
         "batching": {"preferred_batch_sizes": [16, 32, 64], "max_queue_delay_us": 2000, "grouping": "cost_model"},
         "repository": {"path": str(work / "model_repository"), "instance_kind": "gpu"},
@@ -371,7 +375,11 @@ def prepare_main(out: Path) -> int:
     out.mkdir(parents=True)
     recipe = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository,
                                                                         path=out / "model_repository"))
-    package_model(recipe, {"model.onnx": exported.onnx_path})
+    if exported.torchscript_path is None:
+        raise RuntimeError("the export made no model.torchscript.pt")
+    # engine=torch, not auto: a torch that cannot serve on the GPU must fail the load loudly here.
+    package_model(recipe, {"model.onnx": exported.onnx_path, TORCHSCRIPT: exported.torchscript_path},
+                  parameters={"engine": "torch"})
 
     tok = bench.load_tokenizer(minilm, 128)
     texts = bench.draw_texts(bench.load_texts(ROOT / "benchmarks" / "texts.txt"), TRITON_REQUESTS, seed=5)
@@ -391,7 +399,9 @@ def prepare_main(out: Path) -> int:
                         last_hidden_state=np.concatenate(hidden).astype(np.float32))
     info = {"model": TRITON_MODEL, "requests": TRITON_REQUESTS, "mean_length": float(lengths.mean()),
             "max_length": int(lengths.max()), "onnx_bytes": exported.onnx_path.stat().st_size,
-            "export_max_abs_error": exported.max_abs_error}
+            "torchscript_bytes": exported.torchscript_path.stat().st_size, "torch": torch.__version__,
+            "export_max_abs_error": exported.max_abs_error,
+            "torchscript_max_abs_error": exported.torchscript_max_abs_error}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     print(f"prepared {out}: {json.dumps(info)}")
@@ -415,6 +425,28 @@ def _post_json(url: str, body: dict, timeout: float) -> tuple[int, dict]:
             return e.code, {}
 
 
+def _check_torch_served(server, repo: Path) -> list[str]:
+    """From the server log and metadata.json: the torch engine served, on CUDA, with no fallback."""
+    import json
+
+    problems = []
+    meta = json.loads((repo / TRITON_MODEL / "1" / "metadata.json").read_text())
+    if TORCHSCRIPT not in meta.get("engines", []) or TORCHSCRIPT not in meta.get("files", {}):
+        problems.append(f"metadata.json does not record {TORCHSCRIPT}: engines {meta.get('engines')}")
+    log = Path(server.log_file).read_text(errors="replace")
+    lines = [ln.strip() for ln in log.splitlines()
+             if "model-factory backend:" in ln or "model-factory torch engine" in ln]
+    for ln in lines:
+        print(f"log: {ln[:240]}", flush=True)
+    if f"{TRITON_MODEL} on torch ({TORCHSCRIPT})" not in log:
+        problems.append("the server log does not say the model loaded on the torch engine")
+    if "TorchScript on cuda:" not in log:
+        problems.append("the server log does not say the torch engine runs on CUDA")
+    if "on onnxruntime (" in log or "with ONNX Runtime instead" in log:
+        problems.append("the server log shows the model on ONNX Runtime (a fallback), not torch")
+    return problems
+
+
 def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
     """Start the real Triton on ``repo`` and check 256 concurrent mixed-length requests (GPU machine)."""
     import threading
@@ -434,8 +466,10 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     n = len(lengths)
     # One request carries an out-of-vocabulary id: it alone must fail, the others must not notice.
-    # (This token-id model ships no tokenizer, so the backend does not know the vocabulary size and the
-    # engine itself rejects the id: an error response, HTTP 500 rather than 400.)
+    # (The package writes vocab_size from the model's config.json: the backend refuses the id before it
+    # reaches the GPU, where an out-of-range embedding index would be a device-side assert that breaks
+    # the CUDA context for every later request. HTTP 400 from request validation, or 500 from the
+    # torch engine's own host-side check.)
     bad = n // 2
 
     log = (log_dir / "triton_gpu.log") if log_dir else None
@@ -447,6 +481,7 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
         if server.load_errors:
             print(server.log_tail(60))
             return 1
+        problems += _check_torch_served(server, repo)
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{TRITON_MODEL}/config", timeout=10) as r:
             import json
 
@@ -503,18 +538,28 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
         latencies = sorted(a[2] for a in answers)
         from model_factory import bench
 
-        samples = bench.scrape_metrics(server.metrics_url)
+        # The backend sends its counters about once a second: wait until they caught up with Triton's.
+        deadline = time.monotonic() + 5
+        while True:
+            samples = bench.scrape_metrics(server.metrics_url)
+            executions = bench.metric_total(samples, "nv_inference_exec_count", model=TRITON_MODEL) or 0
+            ours = bench.metric_total(samples, "model_factory_executions_total", model=TRITON_MODEL) or 0
+            if ours >= executions or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         inferences = bench.metric_total(samples, "nv_inference_count", model=TRITON_MODEL) or 0
-        executions = bench.metric_total(samples, "nv_inference_exec_count", model=TRITON_MODEL) or 0
-        pad_sum = bench.metric_total(samples, "model_factory_padding_ratio_sum", model=TRITON_MODEL)
-        pad_count = bench.metric_total(samples, "model_factory_padding_ratio_count", model=TRITON_MODEL)
+        computed = bench.metric_total(samples, "model_factory_computed_tokens_total", model=TRITON_MODEL)
+        real = bench.metric_total(samples, "model_factory_real_tokens_total", model=TRITON_MODEL)
         print(f"{n} concurrent requests (lengths {int(lengths.min())}..{int(lengths.max())}, mean "
               f"{lengths.mean():.1f}) in {wall:.2f} s; latency p50 {bench.percentile(latencies, 50) * 1e3:.0f} ms, "
               f"p99 {bench.percentile(latencies, 99) * 1e3:.0f} ms", flush=True)
+        pool = bench.metric_total(samples, "model_factory_pool_high_water_bytes", model=TRITON_MODEL)
+        print(f"torch engine CUDA memory high water (model_factory_pool_high_water_bytes): "
+              f"{'not published' if pool is None else f'{pool / MIB:.1f} MiB'}", flush=True)
         print(f"{checked} outputs checked against PyTorch: worst max abs error {worst_abs:.3g}, worst cosine "
               f"{worst_cos:.7f}; Triton: {inferences:.0f} inferences in {executions:.0f} executions; backend "
-              f"padding ratio (mean per window) "
-              f"{(pad_sum / pad_count) if pad_sum is not None and pad_count else float('nan'):.3f}", flush=True)
+              f"padding ratio (computed / real tokens) "
+              f"{(computed / real) if computed is not None and real else float('nan'):.3f}", flush=True)
         if checked != n - 1:
             problems.append(f"only {checked} of {n - 1} good requests were answered correctly")
         if executions and executions >= inferences:

@@ -33,55 +33,93 @@ timeout 300 "$PY" benchmarks/gpu_checks.py 2>&1 | tee -a "$LOG"
 section "gpu-marked unit tests (tests/backend)"
 if "$PY" -c "import pytest" 2>/dev/null; then
     PYTHONPATH="$PWD" timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-        tests/backend/test_memory_pool.py 2>&1 | tee -a "$LOG"
+        tests/backend/test_memory_pool.py tests/backend/test_torch_engine.py 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 else
     echo "SKIP pytest is not installed here" | tee -a "$LOG"
 fi
 
 # ============================================================================
-# Triton: 256 concurrent mixed-length requests through the real server on this machine, every
-# output checked against a PyTorch reference (benchmarks/gpu_checks.py triton).
+# Triton: 256 concurrent mixed-length requests through the real server on this machine, served by
+# the torch engine on the GPU (the log must say so: no ONNX Runtime fallback), every output checked
+# against a PyTorch reference (benchmarks/gpu_checks.py triton).
 # Needs what benchmarks/prepare_gpu_wheels.sh put into .whl/ on a CPU machine (carry ".whl"):
 #   .whl/numpy-1.26.4-cp312-*.whl           the stub's Python must have numpy<2 (ENVIRONMENT.md)
 #   .whl/tritonserver-2.51.0-slim.tar.xz    tritonserver, the Python backend, the 3.12 stub, libs
-#   .whl/gpu_triton/                        the packaged tiny model (KIND_GPU) and refs.npz
+#   .whl/gpu_triton/                        the packaged tiny model (KIND_GPU, engine=torch: ONNX and
+#                                           model.torchscript.pt) and refs.npz
 # ============================================================================
-section "Triton: 256 concurrent mixed-length requests, every output checked (gpu_checks.py triton)"
+# Triton, its stub's Python and model_factory, set up once for the two Triton sections below.
+T=${TMPDIR:-/tmp}/mf-gpu-triton
+triton_env() {
+    set -e
+    rm -rf "$T" && mkdir -p "$T"
+    # A venv over the system site-packages (torch, onnxruntime, cuda-bindings stay visible), with
+    # numpy 1.26.4 in front of the system's numpy 2: the stub runs the first python3 on PATH.
+    "$PY" -m venv --system-site-packages --without-pip "$T/venv"
+    SITE=$("$T/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$NUMPY_WHL"
+    TC_WHL=$(ls .whl/tritonclient-*.whl 2>/dev/null | head -1)
+    if [ -n "$TC_WHL" ]; then  # the batching benchmark's client (pure Python)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TC_WHL"
+    fi
+    "$T/venv/bin/python" -c 'import numpy, onnxruntime; print("stub python: numpy", numpy.__version__, "onnxruntime", onnxruntime.__version__)'
+    # The Triton bundle keeps the wheel's layout, so the binaries' RUNPATHs find nvidia_pytriton.libs.
+    tar -xJf "$BUNDLE" -C "$T"
+    BACKEND="$T/pytriton/tritonserver/backends/python"
+    cp "$T/pytriton/tritonserver/python_backend_stubs/3.12/triton_python_backend_stub" "$BACKEND/"
+    # model_factory as one import package, mapped as pyproject.toml maps it (no install needed).
+    PKG="$T/pkg/model_factory"
+    mkdir -p "$PKG"
+    cp -r model_factory/. "$PKG/"
+    cp -r cli "$PKG/cli"
+    cp -r build_engines "$PKG/build_engines"
+    cp -r backends/python_backend "$PKG/backend"
+}
+in_triton_env() {
+    PATH="$T/pytriton/tritonserver/bin:$PATH" \
+    LD_LIBRARY_PATH="$T/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    PYTHONPATH="$T/pkg" "$@"
+}
+
 BUNDLE=$(ls .whl/tritonserver-*-slim.tar.xz 2>/dev/null | head -1)
 NUMPY_WHL=$(ls .whl/numpy-1.26.4-cp3*-*.whl 2>/dev/null | head -1)
-if [ -z "$BUNDLE" ] || [ -z "$NUMPY_WHL" ] || [ ! -f .whl/gpu_triton/refs.npz ]; then
-    echo "SKIP .whl/ lacks the Triton bundle, the numpy 1.26.4 wheel or gpu_triton/: run" \
+TRITON_OK=0
+if [ -z "$BUNDLE" ] || [ -z "$NUMPY_WHL" ]; then
+    echo "SKIP .whl/ lacks the Triton bundle or the numpy 1.26.4 wheel: run" \
          "benchmarks/prepare_gpu_wheels.sh on a CPU machine and carry .whl" | tee -a "$LOG"
+    rc=1
+elif (triton_env) 2>&1 | tee -a "$LOG"; then  # pipefail: fails when triton_env does
+    TRITON_OK=1
 else
-    (
-        set -e
-        T=${TMPDIR:-/tmp}/mf-gpu-triton
-        rm -rf "$T" && mkdir -p "$T"
-        # A venv over the system site-packages (torch, onnxruntime, cuda-bindings stay visible), with
-        # numpy 1.26.4 in front of the system's numpy 2: the stub runs the first python3 on PATH.
-        "$PY" -m venv --system-site-packages --without-pip "$T/venv"
-        SITE=$("$T/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$NUMPY_WHL"
-        "$T/venv/bin/python" -c 'import numpy, onnxruntime; print("stub python: numpy", numpy.__version__, "onnxruntime", onnxruntime.__version__)'
-        # The Triton bundle keeps the wheel's layout, so the binaries' RUNPATHs find nvidia_pytriton.libs.
-        tar -xJf "$BUNDLE" -C "$T"
-        BACKEND="$T/pytriton/tritonserver/backends/python"
-        cp "$T/pytriton/tritonserver/python_backend_stubs/3.12/triton_python_backend_stub" "$BACKEND/"
-        # model_factory as one import package, mapped as pyproject.toml maps it (no install needed).
-        PKG="$T/pkg/model_factory"
-        mkdir -p "$PKG"
-        cp -r model_factory/. "$PKG/"
-        cp -r cli "$PKG/cli"
-        cp -r build_engines "$PKG/build_engines"
-        cp -r backends/python_backend "$PKG/backend"
-        PATH="$T/pytriton/tritonserver/bin:$PATH" \
-        LD_LIBRARY_PATH="$T/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        PYTHONPATH="$T/pkg" \
-            timeout 420 "$T/venv/bin/python" benchmarks/gpu_checks.py triton --out .whl/gpu_triton \
-                --log-dir "${OUT:-$T}"
-    ) 2>&1 | tee -a "$LOG"
+    echo "FAIL setting up Triton and its stub's Python" | tee -a "$LOG"
+    rc=1
+fi
+
+section "Triton: 256 concurrent mixed-length requests, every output checked (gpu_checks.py triton)"
+if [ "$TRITON_OK" -eq 1 ] && [ -f .whl/gpu_triton/refs.npz ]; then
+    in_triton_env timeout 300 "$T/venv/bin/python" benchmarks/gpu_checks.py triton --out .whl/gpu_triton \
+        --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+else
+    echo "SKIP no Triton set up, or .whl/gpu_triton/refs.npz is missing (prepare_gpu_wheels.sh)" | tee -a "$LOG"
+fi
+
+# ============================================================================
+# Grouped batching on the GPU (issue 5's "≥ 0.95x the better of (b) and (c) on a GPU machine"):
+# bench_batching.py with the torch engine on a KIND_GPU instance, MiniLM's architecture with random
+# weights (.whl/minilm_hf: config and tokenizer), 3 interleaved rounds at 1/8/64 in flight. Its
+# RESULTS.md section comes back as $OUT/RESULTS-gpu.md, to paste into benchmarks/RESULTS.md.
+# ============================================================================
+section "GPU batching benchmark: (a) ours vs (b) equal shapes vs (c) padded, torch on CUDA (bench_batching.py)"
+if [ "$TRITON_OK" -eq 1 ] && [ -f .whl/minilm_hf/config.json ] && ls .whl/tritonclient-*.whl >/dev/null 2>&1; then
+    in_triton_env timeout "${BENCH_TIMEOUT_S:-270}" "$T/venv/bin/python" benchmarks/bench_batching.py \
+        --kind gpu --engine torch --source .whl/minilm_hf --random-weights --rounds 3 --what-if-delay-us -1 \
+        --work "$T/bench" --results "${OUT:-$T}/RESULTS-gpu.md" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+else
+    echo "SKIP no Triton set up, or .whl/ lacks minilm_hf/ or the tritonclient wheel (prepare_gpu_wheels.sh)" \
+        | tee -a "$LOG"
 fi
 
 section "gpu_checks.sh: $([ "$rc" -eq 0 ] && echo 'all passed' || echo 'FAILED')"

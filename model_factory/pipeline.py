@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError
 from model_factory.recipe import Recipe
 
@@ -64,6 +65,11 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     models = {"fp32": exported.onnx_path}
     build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset},
                                   "source_digest": exported.source_digest}
+    if exported.torchscript_path is not None:
+        # The torch engine's file (export.torchscript = true) travels like the other engine files.
+        artifacts[exported.torchscript_path.name] = exported.torchscript_path
+        build_info["export"]["torchscript"] = {"file": exported.torchscript_path.name,
+                                               "max_abs_error": exported.torchscript_max_abs_error}
     if set(recipe.precisions) - {"fp32"}:
         from model_factory.build_engines.quantize import quantize_model
 
@@ -139,6 +145,9 @@ def package_existing(recipe: Recipe) -> Any:
     artifacts: dict[str, Path] = {("model.onnx" if p == "fp32" else f"model.{p}.onnx"): path
                                   for p, path in models.items()}
     extra = [p for p in (export_dir / "export.json",) if p.is_file()]
+    torchscript = export_dir / TORCHSCRIPT_FILE
+    if torchscript.is_file():
+        artifacts[torchscript.name] = torchscript
     quant_dir = recipe.work_dir / "quantize"
     extra += sorted(quant_dir.glob("*.json")) if quant_dir.is_dir() else []
     engine_dir = recipe.work_dir / "engines"

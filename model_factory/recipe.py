@@ -69,6 +69,7 @@ class ExportSpec:
     opset: int = 17
     tolerance: float = 1e-3
     dynamo: bool = False
+    torchscript: bool = False  # also save model.torchscript.pt (a torch.jit.trace) for the torch engine
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class BatchingSpec:
     """Triton dynamic batching plus our grouped split inside ``execute()``."""
 
     preferred_batch_sizes: tuple[int, ...] = (8, 16, 32)
-    max_queue_delay_us: int = 2000
+    max_queue_delay_us: int = 0  # as Triton: what queues while the instance is busy batches anyway
     grouping: str = "cost_model"
     ragged: bool = True
 
@@ -340,14 +341,19 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         raise _err("shapes.sequence_buckets", f"the last bucket {buckets[-1]} differs from max_sequence_length {max_len}",
                    "end the list with max_sequence_length")
 
-    ex = _take(top.get("export", {}), "export", {"opset", "tolerance", "dynamo"})
+    ex = _take(top.get("export", {}), "export", {"opset", "tolerance", "dynamo", "torchscript"})
     opset = _positive(ex.get("opset", 17), "export.opset")
     if not 13 <= opset <= 21:
         raise _err("export.opset", f"{opset} is outside 13..21", "use an opset between 13 and 21 (17 is a safe default)")
     tol = _typed(ex.get("tolerance", 1e-3), "export.tolerance", (int, float), "give a positive number like 1e-3")
     if tol <= 0:
         raise _err("export.tolerance", "must be positive", "give a positive number like 1e-3")
-    export = ExportSpec(opset, float(tol), bool(ex.get("dynamo", False)))
+    torchscript = _typed(ex.get("torchscript", False), "export.torchscript", bool, "write true or false")
+    if torchscript and kind == "onnx":
+        raise _err("export.torchscript", "an onnx source has no torch module to trace",
+                   "set export.torchscript = false, or build from the huggingface folder or torch factory "
+                   "the ONNX file came from")
+    export = ExportSpec(opset, float(tol), bool(ex.get("dynamo", False)), torchscript)
 
     precisions = top.get("precisions", ["fp32"])
     if not isinstance(precisions, list) or not precisions:
@@ -409,7 +415,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     if any(p > max_batch for p in pref):
         raise _err("batching.preferred_batch_sizes", f"{list(pref)} exceeds shapes.max_batch {max_batch}",
                    "keep every preferred size at or below max_batch")
-    delay = b.get("max_queue_delay_us", 2000)
+    delay = b.get("max_queue_delay_us", 0)
     _typed(delay, "batching.max_queue_delay_us", int, "give microseconds as a whole number >= 0")
     if delay < 0:
         raise _err("batching.max_queue_delay_us", "must be >= 0", "give microseconds as a whole number >= 0")

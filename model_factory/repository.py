@@ -11,6 +11,7 @@ Layout of one model::
     <repo>/<model>/<version>/mf_backend/       the Python backend package
     <repo>/<model>/<version>/model.onnx        (+ model.fp16.onnx, model.int8.onnx)
     <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
+    <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from model_factory import __version__
+from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe, TensorSpec
@@ -156,6 +158,22 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
+def hf_vocab_size(recipe: Recipe) -> int | None:
+    """``vocab_size`` from a Hugging Face source's config.json (the backend refuses token ids at or above it)."""
+    if recipe.source.kind != "huggingface" or recipe.source.path is None:
+        return None
+    cfg_file = Path(recipe.source.path) / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise FactoryError(f"cannot read {cfg_file} ({exc}). Fix: point source.path at a folder saved with "
+                           "save_pretrained()") from exc
+    size = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        return None  # not every config names it; the backend then checks ids against the tokenizer, if any
+    return size
+
+
 def _file_digests(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): digest_path(p)
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != METADATA_FILE}
@@ -219,6 +237,9 @@ def package_model(
         "pooling": recipe.pooling,
         "normalize": str(recipe.normalize).lower(),
     }
+    vocab_size = hf_vocab_size(recipe)
+    if vocab_size is not None:
+        params["vocab_size"] = str(vocab_size)
     params.update(parameters or {})
     pbtxt = config_to_pbtxt(config_dict(recipe, params))
     with atomic_dir(model_dir) as tmp:
@@ -254,6 +275,8 @@ def package_model(
             "build": dict(build_info or {}),
             "tools": tool_versions(),
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()},
+            # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
+            "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)

@@ -91,6 +91,9 @@ def _data() -> dict:
     (lambda d: d.update(batching={"preferred_batch_sizes": [64]}), "batching.preferred_batch_sizes", "max_batch"),
     (lambda d: d.update(export={"opset": 9}), "export.opset", "between 13 and 21"),
     (lambda d: d.update(tensorrt={"optimization_level": 9}), "tensorrt.optimization_level", "0..5"),
+    (lambda d: d.update(export={"torchscript": "yes"}), "export.torchscript", "true or false"),
+    (lambda d: d.update(export={"torchscript": 1}), "export.torchscript", "true or false"),
+    (lambda d: d.update(export={"torchscript": True}), "export.torchscript", "export.torchscript = false"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -132,3 +135,14 @@ def test_hf_folder_without_config_is_rejected(tmp_path: Path) -> None:
 def test_overrides_apply(onnx_recipe_dir: Path) -> None:
     r = load_recipe(onnx_recipe_dir / "recipe.toml", {"repository.path": "/tmp/elsewhere", "model.version": 7})
     assert r.repository.path == Path("/tmp/elsewhere") and r.version == 7
+
+
+def test_export_torchscript_option(tmp_path: Path) -> None:
+    torch_source = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+                    "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                    "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+    assert parse_recipe(torch_source, tmp_path).export.torchscript is False  # default: off
+    on = parse_recipe({**torch_source, "export": {"torchscript": True}}, tmp_path)
+    assert on.export.torchscript is True and on.export.opset == 17
+    off = parse_recipe({**torch_source, "export": {"torchscript": False, "dynamo": True}}, tmp_path)
+    assert off.export.torchscript is False and off.export.dynamo is True

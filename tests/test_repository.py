@@ -94,3 +94,49 @@ def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe
     assert (repo / "minilm" / "config.pbtxt").read_text() == before
     assert not (repo / "minilm" / "3").exists()
     assert sorted(p.name for p in repo.iterdir()) == ["minilm"]
+
+
+def _backend_settings(model_dir: Path):
+    """The settings the backend would parse from this config.pbtxt (Triton hands initialize() its JSON form)."""
+    from google.protobuf import json_format
+
+    from model_factory.backend.settings import parse_settings
+
+    as_json = json_format.MessageToDict(read_config(model_dir), preserving_proto_field_name=True)
+    return parse_settings(json.dumps(as_json))
+
+
+def test_hf_source_writes_vocab_size_and_torchscript_is_packaged(minilm_recipe, tmp_path: Path) -> None:
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    artifacts = _fake_artifacts(tmp_path)
+    ts = tmp_path / "model.torchscript.pt"
+    ts.write_bytes(b"torchscript bytes")
+    res = package_model(recipe, {**artifacts, "model.torchscript.pt": ts})
+    want = json.loads((minilm_recipe.source.path / "config.json").read_text())["vocab_size"]
+    assert config_parameters(read_config(res.model_dir))["vocab_size"] == str(want) == "30522"
+    settings = _backend_settings(res.model_dir)
+    assert settings.vocab_size == 30522 and settings.engine == "auto"
+    assert settings.torchscript_file == "model.torchscript.pt"
+    assert (res.version_dir / "model.torchscript.pt").read_bytes() == b"torchscript bytes"
+    meta = json.loads((res.version_dir / "metadata.json").read_text())
+    assert meta["engines"] == ["model.torchscript.pt"]
+    import hashlib
+
+    assert meta["files"]["model.torchscript.pt"] == hashlib.sha256(b"torchscript bytes").hexdigest()
+    # An explicit parameter wins over the one read from config.json.
+    res = package_model(recipe, artifacts, parameters={"vocab_size": "100", "engine": "torch"})
+    settings = _backend_settings(res.model_dir)
+    assert settings.vocab_size == 100 and settings.engine == "torch"
+    assert json.loads((res.version_dir / "metadata.json").read_text())["engines"] == []
+
+
+def test_non_hf_sources_write_no_vocab_size(tmp_path: Path) -> None:
+    from model_factory.recipe import parse_recipe
+
+    recipe = parse_recipe({"model": {"name": "g", "task": "generic"},
+                           "source": {"kind": "torch", "factory": "pkg.mod:make"},
+                           "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                           "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}, tmp_path)
+    res = package_model(recipe, _fake_artifacts(tmp_path))
+    assert "vocab_size" not in config_parameters(read_config(res.model_dir))
+    assert _backend_settings(res.model_dir).vocab_size is None

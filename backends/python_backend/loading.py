@@ -1,10 +1,22 @@
-"""Choosing and loading the engine for one model instance."""
+"""Choosing and loading the engine for one model instance.
+
+``engine`` (config parameter) decides:
+
+- ``tensorrt``: the TensorRT plan, or the model does not load;
+- ``torch``: the TorchScript file on the instance's device (``cuda:<id>`` for a GPU
+  instance, ``cpu`` for a CPU instance), or the model does not load;
+- ``onnxruntime``: the ONNX model on the CPU;
+- ``auto`` (default): on a GPU instance the TensorRT plan if there is one and it
+  loads, else the TorchScript file if there is one and torch has CUDA, else ONNX
+  Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
+  ``fallback_from_torch``); on a CPU instance ONNX Runtime.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .integrity import read_checked, verified_digests
+from .integrity import IntegrityError, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
@@ -17,8 +29,37 @@ def _gpu_plan(version_dir: Path) -> Path | None:
     return None
 
 
+def instance_device(instance_kind: str, device_id: int) -> str:
+    """The torch device of an instance: ``cuda:<id>`` for a GPU instance, else ``cpu``."""
+    return f"cuda:{int(device_id)}" if instance_kind == "GPU" else "cpu"
+
+
+def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dict[str, str] | None):
+    from .engines.torch import TorchEngine
+
+    model_dir, version = version_dir.parent, version_dir.name
+    data = read_checked(model_dir, f"{version}/{settings.torchscript_file}", digests)
+    engine_inputs = [i.name for i in settings.inputs if i.data_type != "TYPE_STRING"]
+    engine = TorchEngine(data, device, vocab_size=settings.vocab_size)
+    # The names come from the file (written by the export); they must fit the model configuration.
+    if settings.inputs:
+        unknown = [n for n in engine.input_names if n not in engine_inputs]
+        missing = [o.name for o in settings.outputs if o.name not in engine.output_names]
+        if unknown or missing:
+            engine.close()
+            raise SettingsError(
+                f"{settings.torchscript_file} takes {list(engine.input_names)} and returns "
+                f"{list(engine.output_names)}, which does not fit config.pbtxt (inputs not declared: "
+                f"{unknown or 'none'}, outputs not produced: {missing or 'none'}): repackage the model")
+    info = {"flavour": "torch", "file": settings.torchscript_file, "device": device,
+            "verified": digests is not None}
+    if engine.allocator_backend:
+        info["allocator"] = engine.allocator_backend
+    return engine, info
+
+
 def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int):
-    """Return ``(engine, info)``: TensorRT on a GPU instance with a plan, else ONNX Runtime.
+    """Return ``(engine, info)`` as the module docstring describes.
 
     The engine is built from bytes read once and checked against the verified
     digests (when the server was started with verification), never re-read from disk.
@@ -26,8 +67,16 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     version_dir = Path(version_dir)
     model_dir, version = version_dir.parent, version_dir.name
     digests = verified_digests(model_dir.name, version)
+    gpu = instance_kind == "GPU"
+    torchscript = version_dir / settings.torchscript_file
+    if settings.engine == "torch":
+        if not torchscript.is_file():
+            raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
+                                "export.torchscript = true in its recipe (or use engine=auto)")
+        return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
+    fallback: dict[str, str] = {}
     plan = _gpu_plan(version_dir)
-    want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and instance_kind == "GPU" and plan)
+    want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
             raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan")
@@ -41,17 +90,31 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             if settings.engine == "tensorrt":
                 raise
             # engine=auto: a plan built for another GPU or flavour (TensorRT-RTX refuses compute
-            # capability 9.0) must not take the model down when the ONNX model can serve it.
-            fallback_reason = f"{type(exc).__name__}: {exc}"
-    else:
-        fallback_reason = None
+            # capability 9.0) must not take the model down when another engine can serve it.
+            fallback["fallback_from_tensorrt"] = f"{type(exc).__name__}: {exc}"
+    if settings.engine == "auto" and gpu:
+        if not torchscript.is_file():
+            fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
+                                               "export.torchscript = true to serve with torch on the GPU)")
+        else:
+            from .engines.torch import cuda_unavailable_reason
+
+            why = cuda_unavailable_reason(device_id)
+            if why is None:
+                try:
+                    engine, info = _load_torch(version_dir, settings, instance_device(instance_kind, device_id),
+                                               digests)
+                    return engine, {**info, **fallback}
+                except (SettingsError, IntegrityError):
+                    raise  # a file changed after verification, or a package that does not fit its config
+                except Exception as exc:  # torch cannot load this file here: ONNX Runtime still can serve
+                    why = f"{type(exc).__name__}: {exc}"
+            fallback["fallback_from_torch"] = why
     from .engines.onnxruntime import OnnxRuntimeEngine
 
     path = version_dir / settings.onnx_file
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")
     data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
-    if fallback_reason:
-        info["fallback_from_tensorrt"] = fallback_reason
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None, **fallback}
     return OnnxRuntimeEngine(data), info

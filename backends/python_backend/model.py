@@ -66,9 +66,14 @@ class TritonPythonModel:
         if "fallback_from_tensorrt" in self.engine_info:
             pb_utils.Logger.log_warn("model-factory backend: TensorRT engine not usable here, serving the ONNX "
                                      f"model with ONNX Runtime instead: {self.engine_info['fallback_from_tensorrt']}")
+        if "fallback_from_torch" in self.engine_info:
+            pb_utils.Logger.log_warn("model-factory backend: torch engine not usable here, serving the ONNX "
+                                     f"model with ONNX Runtime instead: {self.engine_info['fallback_from_torch']}")
+        device = self.engine_info.get("device")
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
-            f"({self.engine_info['file']}), grouping={s.grouping}, cost model {_cost_text(cost)}")
+            f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
+            f"cost model {_cost_text(cost)}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
+
 
 class SettingsError(ValueError):
     """A model configuration the backend cannot run with (raised at load: the model stays unavailable)."""
@@ -40,6 +42,10 @@ class Settings:
     pool_initial_mib: int
     task: str
     cost_model_repeats: int
+    # The TorchScript file for engine=torch (and engine=auto on GPU instances), in the version folder.
+    torchscript_file: str = "model.torchscript.pt"
+    # The model's vocabulary size (Hugging Face config.json "vocab_size"): token ids must be below it.
+    vocab_size: int | None = None
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -84,8 +90,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if grouping not in ("cost_model", "pad_to_longest", "none"):
         raise SettingsError(f"parameter grouping={grouping!r}: use cost_model, pad_to_longest or none")
     engine = params.get("engine", "auto")
-    if engine not in ("auto", "onnxruntime", "tensorrt"):
-        raise SettingsError(f"parameter engine={engine!r}: use auto, onnxruntime or tensorrt")
+    if engine not in ENGINES:
+        raise SettingsError(f"parameter engine={engine!r}: use {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
+    vocab_size = num("vocab_size", 0) if params.get("vocab_size", "") != "" else None
+    if vocab_size is not None and vocab_size <= 0:
+        raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
+    torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
     max_tokens = num("max_group_tokens", 0)
     return Settings(
         model_name=cfg.get("name", "model"),
@@ -103,4 +113,6 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         pool_initial_mib=num("pool_initial_mib", 0),
         task=params.get("task", "embedding"),
         cost_model_repeats=num("cost_model_repeats", 3),
+        torchscript_file=torchscript_file,
+        vocab_size=vocab_size,
     )

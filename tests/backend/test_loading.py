@@ -50,3 +50,118 @@ def test_gpu_instance_falls_back_when_the_plan_cannot_run(version_dir: Path) -> 
 def test_forced_tensorrt_fails_loudly(version_dir: Path) -> None:
     with pytest.raises(Exception):
         load_engine(version_dir, settings("tensorrt"), "GPU", 0)
+
+
+# --------------------------------------------------------------------------- the torch engine
+
+
+def _torchscript(path: Path) -> None:
+    """y = x, traced, with the export's name file (the ONNX model above computes the same)."""
+    import io
+    import json
+
+    import torch
+
+    from model_factory.backend.engines.torch import IO_EXTRA_FILE
+
+    class Same(torch.nn.Module):
+        def forward(self, x):  # noqa: ANN001
+            return x * 1.0
+
+    traced = torch.jit.trace(Same(), (torch.ones(2, 3),))
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf, _extra_files={IO_EXTRA_FILE: json.dumps({"inputs": ["x"], "outputs": ["y"]})})
+    path.write_bytes(buf.getvalue())
+
+
+@pytest.fixture
+def torch_version_dir(version_dir: Path) -> Path:
+    _torchscript(version_dir / "model.torchscript.pt")
+    return version_dir
+
+
+def _cuda_available() -> bool:
+    from model_factory.backend.engines.torch import cuda_unavailable_reason
+
+    return cuda_unavailable_reason(0) is None
+
+
+def test_engine_torch_on_a_cpu_instance(torch_version_dir: Path) -> None:
+    engine, info = load_engine(torch_version_dir, settings("torch"), "CPU", 0)
+    assert info == {"flavour": "torch", "file": "model.torchscript.pt", "device": "cpu", "verified": False}
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ort, _ = load_engine(torch_version_dir, settings("onnxruntime"), "CPU", 0)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], ort.run({"x": x})["y"])
+
+
+def test_engine_torch_without_the_file_names_the_fix(version_dir: Path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="model.torchscript.pt is missing.*export.torchscript = true"):
+        load_engine(version_dir, settings("torch"), "CPU", 0)
+
+
+def test_auto_on_a_cpu_instance_stays_on_onnxruntime(torch_version_dir: Path) -> None:
+    _, info = load_engine(torch_version_dir, settings(), "CPU", 0)
+    assert info["flavour"] == "onnxruntime" and not any(k.startswith("fallback") for k in info)
+
+
+def test_auto_on_a_gpu_instance_without_cuda_falls_back_with_both_reasons(torch_version_dir: Path) -> None:
+    if _cuda_available():
+        pytest.skip("torch has CUDA here: auto serves with torch")
+    _, info = load_engine(torch_version_dir, settings(), "GPU", 0)
+    assert info["flavour"] == "onnxruntime"
+    assert info["fallback_from_tensorrt"] and "no usable CUDA" in info["fallback_from_torch"]
+
+
+def test_auto_on_a_gpu_instance_without_torchscript_says_so(version_dir: Path) -> None:
+    _, info = load_engine(version_dir, settings(), "GPU", 0)
+    assert info["flavour"] == "onnxruntime" and "export.torchscript = true" in info["fallback_from_torch"]
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """No GPU here: make "torch with CUDA is available" true and map the GPU instance to the CPU device.
+
+    Unavoidable to reach auto's torch branch on a CPU machine; the real CUDA path is the gpu test in
+    test_torch_engine.py and the Triton check of benchmarks/gpu_checks.py.
+    """
+    from model_factory.backend import loading
+    from model_factory.backend.engines import torch as torch_engine
+
+    monkeypatch.setattr(torch_engine, "cuda_unavailable_reason", lambda device_id=0: None)
+    monkeypatch.setattr(loading, "instance_device", lambda kind, device_id: "cpu")
+
+
+def test_auto_on_a_gpu_instance_prefers_torch_over_onnxruntime(torch_version_dir: Path, pretend_cuda) -> None:
+    engine, info = load_engine(torch_version_dir, settings(), "GPU", 0)
+    # The plan here is garbage: TensorRT is tried first and its failure recorded.
+    assert info["flavour"] == "torch" and info["fallback_from_tensorrt"] and "fallback_from_torch" not in info
+    np.testing.assert_array_equal(engine.run({"x": np.ones((1, 3), np.float32)})["y"], np.ones((1, 3)))
+
+
+def test_auto_does_not_fall_back_over_a_changed_file(torch_version_dir: Path, pretend_cuda, tmp_path: Path,
+                                                     monkeypatch) -> None:
+    import hashlib
+    import json
+
+    from model_factory.backend.integrity import ENV, IntegrityError
+
+    v = torch_version_dir
+    digests = {f"1/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in v.iterdir()}
+    digests["1/model.torchscript.pt"] = "0" * 64  # swapped after verification
+    table = tmp_path / "verified.json"
+    table.write_text(json.dumps({"m": {"1": digests}}))
+    monkeypatch.setenv(ENV, str(table))
+    with pytest.raises(IntegrityError, match="model.torchscript.pt changed after verification"):
+        load_engine(v, settings(), "GPU", 0)
+
+
+def test_torch_engine_must_fit_the_model_config(torch_version_dir: Path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    cfg = {"name": "m", "parameters": {"engine": {"string_value": "torch"}},
+           "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}],
+           "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [3]}]}
+    with pytest.raises(SettingsError, match=r"inputs not declared: \['x'\]"):
+        load_engine(torch_version_dir, parse_settings(cfg), "CPU", 0)

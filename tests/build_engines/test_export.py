@@ -122,3 +122,101 @@ def test_broken_onnx_file_is_named(tmp_path: Path) -> None:
             "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
     with pytest.raises(FactoryError, match="is not a valid ONNX model.*Fix"):
         export_model(parse_recipe(data, tmp_path))
+
+
+# --------------------------------------------------------------------------- TorchScript (export.torchscript)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory, minilm_recipe) -> Path:
+    from tiny_torch_models import save_tiny_bert
+
+    return save_tiny_bert(tmp_path_factory.mktemp("ts") / "tiny-bert", minilm_recipe.source.path)
+
+
+def _torchscript_outputs(path: Path, feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+    import torch
+
+    module = torch.jit.load(str(path), map_location="cpu")
+    with torch.no_grad():
+        outs = module(*(torch.from_numpy(feeds[n]) for n in names))
+    return [o.numpy() for o in outs]
+
+
+def test_hf_torchscript_export_matches_onnxruntime(tiny_bert: Path, tmp_path: Path) -> None:
+    import torch
+
+    recipe = parse_recipe({"model": {"name": "tiny"}, "source": {"kind": "huggingface", "path": str(tiny_bert)},
+                           "export": {"torchscript": True},
+                           "shapes": {"max_batch": 8, "max_sequence_length": 64, "sequence_buckets": [64]}}, tmp_path)
+    res = export_model(recipe)
+    assert res.torchscript_path == res.onnx_path.parent / "model.torchscript.pt" and res.torchscript_path.is_file()
+    assert res.torchscript_max_abs_error is not None and res.torchscript_max_abs_error <= recipe.export.tolerance
+    report = json.loads((res.onnx_path.parent / "export.json").read_text())
+    assert report["torchscript"]["file"] == "model.torchscript.pt"
+    assert report["torchscript"]["torch"] == torch.__version__
+    # The names travel inside the file, in forward()'s positional order.
+    extra = {"model_factory_io.json": b""}
+    torch.jit.load(str(res.torchscript_path), _extra_files=extra)
+    assert json.loads(extra["model_factory_io.json"]) | {"torch": None} == {
+        "format": 1, "inputs": ["input_ids", "attention_mask", "token_type_ids"],
+        "outputs": ["last_hidden_state", "embedding"], "torch": None}
+    sess = onnxruntime_session(res.onnx_path)
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 3), (5, 40)):  # shapes other than the traced one
+        ids = rng.integers(0, 30522, (batch, length))
+        mask = np.ones_like(ids)
+        mask[0, length // 2:] = 0
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        want = sess.run(list(res.output_names), feeds)
+        got = _torchscript_outputs(res.torchscript_path, feeds, list(res.input_names))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_default_export_makes_no_torchscript(tmp_path: Path, factory_module: str) -> None:
+    res = export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path))
+    assert res.torchscript_path is None and not (res.onnx_path.parent / "model.torchscript.pt").exists()
+    assert json.loads((res.onnx_path.parent / "export.json").read_text())["torchscript"] is None
+
+
+def test_torch_factory_torchscript_export(tmp_path: Path, monkeypatch) -> None:
+    from tiny_torch_models import encoder_recipe, write_factory
+
+    name = write_factory(tmp_path, monkeypatch)
+    res = export_model(parse_recipe(encoder_recipe(f"{name}:make", torchscript=True), tmp_path))
+    assert res.torchscript_path.is_file()
+    feeds = {"input_ids": np.arange(12).reshape(2, 6) % 50, "attention_mask": np.ones((2, 6), np.int64)}
+    want = onnxruntime_session(res.onnx_path).run(list(res.output_names), feeds)
+    got = _torchscript_outputs(res.torchscript_path, feeds, list(res.input_names))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_trace_that_bakes_a_shape_in_fails_with_the_fix(tmp_path: Path, monkeypatch) -> None:
+    from tiny_torch_models import encoder_recipe, write_factory
+
+    name = write_factory(tmp_path, monkeypatch)
+    recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
+    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
+        export_model(recipe)
+    assert not (recipe.work_dir / "export").exists()
+
+
+def test_onnx_source_cannot_make_torchscript(tmp_path: Path, factory_module: str) -> None:
+    from dataclasses import replace
+
+    first = export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path))
+    data = torch_recipe(tmp_path, "")
+    data["source"] = {"kind": "onnx", "path": str(first.onnx_path)}
+    data["model"]["name"] = "tiny_onnx"
+    data["export"] = {"torchscript": True}
+    with pytest.raises(FactoryError, match="export.torchscript.*no torch module to trace.*Fix"):
+        parse_recipe(data, tmp_path)
+    # A recipe built in code (not parsed) is refused by the stage too.
+    del data["export"]
+    recipe = parse_recipe(data, tmp_path)
+    recipe = replace(recipe, export=replace(recipe.export, torchscript=True))
+    with pytest.raises(FactoryError, match="no torch module to trace. Fix: set export.torchscript = false"):
+        export_model(recipe)

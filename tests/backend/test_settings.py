@@ -1,0 +1,43 @@
+"""Backend settings from Triton's model configuration: the engine choice, the TorchScript file, vocab_size."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_factory.backend.settings import SettingsError, parse_settings
+
+
+def _settings(**params: str):
+    return parse_settings({"name": "m", "max_batch_size": 4,
+                           "parameters": {k: {"string_value": v} for k, v in params.items()}})
+
+
+def test_defaults() -> None:
+    s = _settings()
+    assert s.engine == "auto" and s.torchscript_file == "model.torchscript.pt" and s.vocab_size is None
+
+
+@pytest.mark.parametrize("engine", ["auto", "onnxruntime", "tensorrt", "torch"])
+def test_every_engine_is_accepted(engine: str) -> None:
+    assert _settings(engine=engine).engine == engine
+
+
+def test_unknown_engine_names_the_choices() -> None:
+    with pytest.raises(SettingsError, match="engine='cuda'.*auto, onnxruntime, tensorrt or torch"):
+        _settings(engine="cuda")
+
+
+def test_torchscript_file_parameter() -> None:
+    assert _settings(torchscript_file="other.pt").torchscript_file == "other.pt"
+    assert _settings(torchscript_file="").torchscript_file == "model.torchscript.pt"
+
+
+def test_vocab_size() -> None:
+    assert _settings(vocab_size="30522").vocab_size == 30522
+    assert _settings(vocab_size="").vocab_size is None
+    for bad in ("many", "3.5", "1e4"):
+        with pytest.raises(SettingsError, match=f"vocab_size={bad!r} is not a whole number"):
+            _settings(vocab_size=bad)
+    for bad in ("0", "-5"):
+        with pytest.raises(SettingsError, match="vocab_size.*greater than 0"):
+            _settings(vocab_size=bad)
