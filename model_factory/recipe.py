@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 DTYPES = ("FP32", "FP16", "INT64", "INT32", "INT8", "BOOL", "BYTES")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
+ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
 GROUPING_MODES = ("cost_model", "pad_to_longest", "none")
 PACKAGE_PREFIX = "package:"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -114,6 +115,7 @@ class RepositorySpec:
     path: Path
     instance_count: int = 1
     instance_kind: str = "auto"
+    engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")
     memory_pool_release_threshold_mib: int = 256
     memory_pool_initial_mib: int = 0
 
@@ -423,11 +425,21 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                             bool(b.get("ragged", True)))
 
     r = _take(top.get("repository", {}), "repository",
-              {"path", "instance_count", "instance_kind", "memory_pool_release_threshold_mib", "memory_pool_initial_mib"})
+              {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
+               "memory_pool_initial_mib"})
+    engine = _choice(r.get("engine", "auto"), "repository.engine", ENGINES)
+    # An engine the package will not have files for would leave the model unavailable at load: say so now.
+    if engine == "torch" and not export.torchscript:
+        raise _err("repository.engine", "torch serves model.torchscript.pt, which this recipe does not make",
+                   "set export.torchscript = true, or engine = \"auto\"")
+    if engine == "tensorrt" and not trt.enabled:
+        raise _err("repository.engine", "tensorrt serves a TensorRT plan, which this recipe does not build",
+                   "set tensorrt.enabled = true, or engine = \"auto\"")
     repo = RepositorySpec(
         path=_path(r.get("path", "model_repository"), "repository.path", base_dir),
         instance_count=_positive(r.get("instance_count", 1), "repository.instance_count"),
         instance_kind=_choice(r.get("instance_kind", "auto"), "repository.instance_kind", INSTANCE_KINDS),
+        engine=engine,
         memory_pool_release_threshold_mib=_positive(r.get("memory_pool_release_threshold_mib", 256),
                                                     "repository.memory_pool_release_threshold_mib"),
         memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),

@@ -94,6 +94,9 @@ def _data() -> dict:
     (lambda d: d.update(export={"torchscript": "yes"}), "export.torchscript", "true or false"),
     (lambda d: d.update(export={"torchscript": 1}), "export.torchscript", "true or false"),
     (lambda d: d.update(export={"torchscript": True}), "export.torchscript", "export.torchscript = false"),
+    (lambda d: d.update(repository={"engine": "tflite"}), "repository.engine", "one of"),
+    (lambda d: d.update(repository={"engine": "torch"}), "repository.engine", "export.torchscript = true"),
+    (lambda d: d.update(repository={"engine": "tensorrt"}), "repository.engine", "tensorrt.enabled = true"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -146,3 +149,14 @@ def test_export_torchscript_option(tmp_path: Path) -> None:
     assert on.export.torchscript is True and on.export.opset == 17
     off = parse_recipe({**torch_source, "export": {"torchscript": False, "dynamo": True}}, tmp_path)
     assert off.export.torchscript is False and off.export.dynamo is True
+
+
+def test_repository_engine_option(tmp_path: Path) -> None:
+    torch_source = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+                    "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                    "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+    assert parse_recipe(torch_source, tmp_path).repository.engine == "auto"
+    on = parse_recipe({**torch_source, "export": {"torchscript": True}, "repository": {"engine": "torch"}}, tmp_path)
+    assert on.repository.engine == "torch"
+    trt = parse_recipe({**torch_source, "tensorrt": {"enabled": True}, "repository": {"engine": "tensorrt"}}, tmp_path)
+    assert trt.repository.engine == "tensorrt"

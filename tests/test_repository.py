@@ -128,6 +128,9 @@ def test_hf_source_writes_vocab_size_and_torchscript_is_packaged(minilm_recipe, 
     settings = _backend_settings(res.model_dir)
     assert settings.vocab_size == 100 and settings.engine == "torch"
     assert json.loads((res.version_dir / "metadata.json").read_text())["engines"] == []
+    # The recipe's [repository] engine is what the backend reads.
+    onnx_only = replace(recipe, repository=replace(recipe.repository, engine="onnxruntime"))
+    assert _backend_settings(package_model(onnx_only, artifacts).model_dir).engine == "onnxruntime"
 
 
 def test_non_hf_sources_write_no_vocab_size(tmp_path: Path) -> None:
