@@ -106,6 +106,9 @@ class BatchingSpec:
     max_queue_delay_us: int = 0  # as Triton: what queues while the instance is busy batches anyway
     grouping: str = "cost_model"
     ragged: bool = True
+    # Padded tokens (sequences x padded length) one launch may hold: the memory budget a group splits at.
+    # 0: no budget beyond max_batch (the engine's profiles bound the shapes anyway).
+    max_group_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -409,7 +412,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         version_compatible=bool(t.get("version_compatible", False)),
     )
 
-    b = _take(top.get("batching", {}), "batching", {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged"})
+    b = _take(top.get("batching", {}), "batching",
+              {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens"})
     pref = b.get("preferred_batch_sizes", [s for s in (8, 16, 32) if s <= max_batch] or [max_batch])
     if not isinstance(pref, list):
         raise _err("batching.preferred_batch_sizes", "expected a list", "e.g. preferred_batch_sizes = [8, 16, 32]")
@@ -421,8 +425,14 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     _typed(delay, "batching.max_queue_delay_us", int, "give microseconds as a whole number >= 0")
     if delay < 0:
         raise _err("batching.max_queue_delay_us", "must be >= 0", "give microseconds as a whole number >= 0")
+    max_tokens = b.get("max_group_tokens", 0)
+    _typed(max_tokens, "batching.max_group_tokens", int, "give a whole number of tokens (0: no budget)")
+    # A budget under the longest request would leave that request no group to run in.
+    if max_tokens != 0 and max_tokens < max_len:
+        raise _err("batching.max_group_tokens", f"{max_tokens} is below shapes.max_sequence_length {max_len}",
+                   f"use 0 (no budget) or at least {max_len}")
     batching = BatchingSpec(pref, delay, _choice(b.get("grouping", "cost_model"), "batching.grouping", GROUPING_MODES),
-                            bool(b.get("ragged", True)))
+                            bool(b.get("ragged", True)), max_tokens)
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",

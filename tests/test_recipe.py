@@ -94,6 +94,8 @@ def _data() -> dict:
     (lambda d: d.update(export={"torchscript": "yes"}), "export.torchscript", "true or false"),
     (lambda d: d.update(export={"torchscript": 1}), "export.torchscript", "true or false"),
     (lambda d: d.update(export={"torchscript": True}), "export.torchscript", "export.torchscript = false"),
+    (lambda d: d.update(batching={"max_group_tokens": 10}), "batching.max_group_tokens", "at least 128"),
+    (lambda d: d.update(batching={"max_group_tokens": "lots"}), "batching.max_group_tokens", "whole number"),
     (lambda d: d.update(repository={"engine": "tflite"}), "repository.engine", "one of"),
     (lambda d: d.update(repository={"engine": "torch"}), "repository.engine", "export.torchscript = true"),
     (lambda d: d.update(repository={"engine": "tensorrt"}), "repository.engine", "tensorrt.enabled = true"),

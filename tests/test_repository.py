@@ -128,7 +128,10 @@ def test_hf_source_writes_vocab_size_and_torchscript_is_packaged(minilm_recipe, 
     settings = _backend_settings(res.model_dir)
     assert settings.vocab_size == 100 and settings.engine == "torch"
     assert json.loads((res.version_dir / "metadata.json").read_text())["engines"] == []
-    # The recipe's [repository] engine is what the backend reads.
+    # The recipe's memory budget per launch and [repository] engine are what the backend reads.
+    budget = replace(recipe, batching=replace(recipe.batching, max_group_tokens=2048))
+    assert _backend_settings(package_model(budget, artifacts).model_dir).max_group_tokens == 2048
+    assert settings.max_group_tokens is None  # 0 in the recipe: no budget
     onnx_only = replace(recipe, repository=replace(recipe.repository, engine="onnxruntime"))
     assert _backend_settings(package_model(onnx_only, artifacts).model_dir).engine == "onnxruntime"
 

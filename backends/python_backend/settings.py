@@ -97,6 +97,11 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
     torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
     max_tokens = num("max_group_tokens", 0)
+    if max_tokens < 0:
+        raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
+    if max_tokens and max_tokens < max_len:  # the longest request allowed could not be placed in any group
+        raise SettingsError(f"parameter max_group_tokens={max_tokens} is below max_sequence_length={max_len}: "
+                            "use 0 (no budget) or at least max_sequence_length")
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),

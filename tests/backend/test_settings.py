@@ -1,4 +1,4 @@
-"""Backend settings from Triton's model configuration: the engine choice, the TorchScript file, vocab_size."""
+"""Backend settings from Triton's model configuration: engine choice, TorchScript file, vocab_size, token budget."""
 
 from __future__ import annotations
 
@@ -41,3 +41,13 @@ def test_vocab_size() -> None:
     for bad in ("0", "-5"):
         with pytest.raises(SettingsError, match="vocab_size.*greater than 0"):
             _settings(vocab_size=bad)
+
+
+def test_max_group_tokens_is_a_budget_every_allowed_request_fits() -> None:
+    assert _settings().max_group_tokens is None
+    assert _settings(max_group_tokens="0").max_group_tokens is None
+    assert _settings(max_sequence_length="128", max_group_tokens="4096").max_group_tokens == 4096
+    with pytest.raises(SettingsError, match="max_group_tokens=64 is below max_sequence_length=128"):
+        _settings(max_sequence_length="128", max_group_tokens="64")
+    with pytest.raises(SettingsError, match="max_group_tokens=-1 must be 0"):
+        _settings(max_group_tokens="-1")
