@@ -8,8 +8,10 @@ loaded with explicit model control, so the caller decides which models load
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,9 +58,34 @@ class TritonInstallation:
 
 def free_port() -> int:
     """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports free on loopback right now, none of them in ``avoid``.
+
+    The sockets are held open together while the ports are read: asked for one at a time, the
+    kernel may hand out the same port twice (seen in CI: Triton then refused to put HTTP and gRPC
+    on one port).
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in avoid and port not in ports:
+                ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    return ports
+
+
+# What tritonserver logs when a port it was given cannot be had (taken between our pick and its bind).
+_PORT_TROUBLE = re.compile(r"already in use|same address and port|failed to bind|address in use", re.IGNORECASE)
 
 
 def _python_env() -> dict[str, str]:
@@ -114,16 +141,20 @@ class TritonServer:
             raise FactoryError(f"model repository {self.repository} does not exist. Fix: run model-factory build first")
         self.models = list(models) if models is not None else discover_models(self.repository)
         opts = options or ServerOptions()
-        self.options = ServerOptions(
-            http_port=opts.http_port or free_port(), grpc_port=opts.grpc_port or free_port(),
-            metrics_port=opts.metrics_port or free_port(), log_verbose=opts.log_verbose,
-            startup_timeout_s=opts.startup_timeout_s, exit_timeout_s=opts.exit_timeout_s, host=opts.host,
-            extra_args=opts.extra_args)
+        self._requested = opts  # ports left at 0 are ours to pick (again, if one is taken before Triton binds)
+        self.options = self._pick_ports(opts)
         self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self.extra_env = dict(env or {})
         self.work_dir = self._work
+
+    @staticmethod
+    def _pick_ports(opts: ServerOptions) -> ServerOptions:
+        given = [p for p in (opts.http_port, opts.grpc_port, opts.metrics_port) if p]
+        auto = iter(free_ports(3 - len(given), avoid=given))
+        return dataclasses.replace(opts, http_port=opts.http_port or next(auto),
+                                   grpc_port=opts.grpc_port or next(auto), metrics_port=opts.metrics_port or next(auto))
 
     @property
     def http_url(self) -> str:
@@ -153,11 +184,23 @@ class TritonServer:
     def start(self) -> "TritonServer":
         """Start the server and wait until it and every requested model are ready."""
         install = find_tritonserver(self._work)
-        self._log = self.log_file.open("wb")
-        self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env}, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        for attempt in (1, 2):
+            self._log = self.log_file.open("wb")
+            self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env},
+                                            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self._wait_ready()
+                break
+            except BaseException as exc:
+                picked = (self._requested.http_port, self._requested.grpc_port, self._requested.metrics_port)
+                retry = (isinstance(exc, FactoryError) and attempt == 1 and self.process.poll() is not None
+                         and 0 in picked and _PORT_TROUBLE.search(self.log_tail()) is not None)
+                self.stop()
+                if not retry:
+                    raise
+                # Another process took a port we picked before tritonserver could bind it: pick again, once.
+                self.options = self._pick_ports(self._requested)
         try:
-            self._wait_ready()
             self.load_errors = {}
             for name in self.models:
                 error = self.load_model(name)
