@@ -437,6 +437,24 @@ def render(env: dict[str, Any], configs: Sequence[Config], merged: dict[tuple[st
         rounds = ", ".join(format(v["throughput"], ".1f") for v in xs)
         med = statistics.median(v["throughput"] for v in xs)
         out.append(f"| {conc} | {x['window']} | {x['launches']} | {x['padding_ratio']:.3f} | {med:.1f} | {rounds} |")
+    splits = {conc: bench.time_split(merged[("a", conc)]) for conc in concs if ("a", conc) in merged}
+    if any(splits.values()):
+        out += ["", "Where (a)'s time goes, mean ms per request from the client inwards (Triton's own duration "
+                "counters and the backend's `model_factory_execute_seconds_total`, over all rounds): *client* as "
+                "the client saw it; *Triton* from arrival to response sent; *queue* in the scheduler; *infer* the "
+                "backend's execution as Triton times it (a batched request counts its whole execution); "
+                "*execute()* our own wall time per execution; *bare* the bare engine's time per request at "
+                "window 1 (one request in flight only). client − Triton is the client and gRPC; Triton − queue "
+                "− infer is Triton's front end and tensor copies; infer − execute() is the Python backend's "
+                "IPC around `execute()`.", "",
+                "| regime | client | Triton | queue | infer | execute() | bare |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for conc, sp in splits.items():
+            if not sp:
+                continue
+            xs = bare.get(conc) or []
+            bare_ms = (1e3 / statistics.median(x["throughput"] for x in xs)) if xs and xs[-1]["window"] == 1 else None
+            out.append(f"| {conc} | {sp['client']:.2f} | {sp['triton']:.2f} | {sp['queue']:.2f} | {sp['infer']:.2f} | "
+                       f"{sp['execute']:.2f} | {fmt(bare_ms)} |")
     if bare_extra:
         out += ["", "Context, same stream on bare ORT in-process, one pass each after the rounds (noisy): "
                 + "; ".join(f"{k}: {v['throughput']:.1f} seq/s (padding {v['padding_ratio']:.3f}, "

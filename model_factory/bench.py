@@ -43,6 +43,8 @@ SEND_MODES = ("ids", "text")
 COMPUTED_TOKENS_METRIC = "model_factory_computed_tokens_total"
 REAL_TOKENS_METRIC = "model_factory_real_tokens_total"
 EXECUTIONS_METRIC = "model_factory_executions_total"
+EXECUTE_SECONDS_METRIC = "model_factory_execute_seconds_total"
+SERVER_TIMES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 # --------------------------------------------------------------------------- request stream
@@ -156,6 +158,11 @@ class BenchResult:
     served_tokens: int = 0  # server side, real tokens
     inferences: int = 0
     executions: int = 0
+    # Where the time went on the server (sums over the run, from the counters): Triton's per-request
+    # durations (µs; a batched request counts its whole execution) and the backend's execute() seconds.
+    successes: int = 0
+    server_us: dict[str, float] = field(default_factory=dict)  # request, queue, compute_input/infer/output
+    execute_s: float = 0.0
     real_tokens: int = 0
     error_messages: tuple[str, ...] = ()
     latencies_ms: tuple[float, ...] = field(default=(), repr=False)
@@ -186,10 +193,13 @@ def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, labe
 
 
 def with_counters(result: BenchResult, *, computed_tokens: int = 0, served_tokens: int = 0,
-                  inferences: int = 0, executions: int = 0, padding_source: str | None = None) -> BenchResult:
+                  inferences: int = 0, executions: int = 0, padding_source: str | None = None,
+                  successes: int = 0, server_us: Mapping[str, float] | None = None,
+                  execute_s: float = 0.0) -> BenchResult:
     """``result`` with the server-side counters of its run, and the ratios they give."""
     ratio = computed_tokens / served_tokens if served_tokens > 0 else None
-    return replace(result, computed_tokens=computed_tokens, served_tokens=served_tokens, inferences=inferences,
+    return replace(result, successes=successes, server_us=dict(server_us or {}), execute_s=execute_s,
+                   computed_tokens=computed_tokens, served_tokens=served_tokens, inferences=inferences,
                    executions=executions, padding_ratio=ratio,
                    padding_source=padding_source or ("backend metrics" if ratio is not None else "n/a"),
                    mean_batch=inferences / executions if executions > 0 else None)
@@ -216,6 +226,9 @@ def merge_results(results: Sequence[BenchResult], label: str | None = None) -> B
                          served_tokens=sum(r.served_tokens for r in results),
                          inferences=sum(r.inferences for r in results),
                          executions=sum(r.executions for r in results),
+                         successes=sum(r.successes for r in results),
+                         server_us={k: sum(r.server_us.get(k, 0.0) for r in results) for k in SERVER_TIMES},
+                         execute_s=sum(r.execute_s for r in results),
                          padding_source=sources.pop() if len(sources) == 1 else None)
 
 
@@ -288,7 +301,28 @@ def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str
     return {"computed_tokens": int(round(delta(COMPUTED_TOKENS_METRIC))),
             "served_tokens": int(round(delta(REAL_TOKENS_METRIC))),
             "inferences": int(round(delta("nv_inference_count"))),
-            "executions": int(round(delta("nv_inference_exec_count")))}
+            "executions": int(round(delta("nv_inference_exec_count"))),
+            "successes": int(round(delta("nv_inference_request_success"))),
+            "server_us": {k: delta(f"nv_inference_{k}_duration_us") for k in SERVER_TIMES},
+            "execute_s": delta(EXECUTE_SECONDS_METRIC)}
+
+
+def time_split(result: BenchResult) -> dict[str, float] | None:
+    """Mean milliseconds per request, from the client inwards, for a run with server counters.
+
+    ``client``: latency the client saw; ``triton``: Triton's request duration (arrival to response
+    sent); ``queue``: in the scheduler's queue; ``infer``: the backend's execution as Triton times it
+    (per request; a batched request counts its whole execution), ``execute``: the backend's own
+    ``execute()`` wall time per execution. client - triton is the client and the network; triton -
+    queue - infer is Triton's front end and the input/output copies; infer - execute is the Python
+    backend's IPC around ``execute()``.
+    """
+    if not result.successes or not result.server_us or not result.executions:
+        return None
+    per = {k: v / result.successes / 1e3 for k, v in result.server_us.items()}
+    return {"client": result.mean_ms, "triton": per["request"], "queue": per["queue"],
+            "input": per["compute_input"], "infer": per["compute_infer"], "output": per["compute_output"],
+            "execute": result.execute_s / result.executions * 1e3}
 
 
 def cost_model_from_metrics(samples: Sequence[Sample], model: str) -> tuple[float, float, float] | None:

@@ -90,6 +90,13 @@ METRICS = """\
 nv_inference_count{model="minilm",version="1"} 120
 nv_inference_count{model="other",version="1"} 7
 nv_inference_exec_count{model="minilm",version="1"} 30
+nv_inference_request_success{model="minilm",version="1"} 120
+nv_inference_request_duration_us{model="minilm",version="1"} 1200000
+nv_inference_queue_duration_us{model="minilm",version="1"} 120000
+nv_inference_compute_input_duration_us{model="minilm",version="1"} 12000
+nv_inference_compute_infer_duration_us{model="minilm",version="1"} 960000
+nv_inference_compute_output_duration_us{model="minilm",version="1"} 60000
+model_factory_execute_seconds_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 0.2
 # TYPE model_factory_computed_tokens_total counter
 model_factory_computed_tokens_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 3350
 model_factory_computed_tokens_total{engine="onnxruntime",instance="minilm_1",model="minilm"} 1000
@@ -122,13 +129,33 @@ def test_parse_prometheus_and_totals() -> None:
 
 def test_counter_deltas_between_scrapes() -> None:
     before = bench.parse_prometheus(METRICS)
-    after = bench.parse_prometheus(METRICS.replace("} 120", "} 184").replace("} 30\n", "} 46\n")
-                                   .replace("} 3350", "} 4230").replace("} 3000", "} 3800"))
-    d = bench.counter_deltas(before, after, "minilm")
+    moved = {  # what the server counted during the run, by metric (minilm_0 only)
+        'nv_inference_count{model="minilm",version="1"} 120': 184,
+        'nv_inference_exec_count{model="minilm",version="1"} 30': 46,
+        'nv_inference_request_success{model="minilm",version="1"} 120': 184,
+        'nv_inference_request_duration_us{model="minilm",version="1"} 1200000': 2480000,
+        'nv_inference_compute_infer_duration_us{model="minilm",version="1"} 960000': 1984000,
+        'model_factory_computed_tokens_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 3350': 4230,
+        'model_factory_real_tokens_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 3000': 3800,
+        'model_factory_executions_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 30': 46,
+        'model_factory_execute_seconds_total{engine="onnxruntime",instance="minilm_0",model="minilm"} 0.2': 0.36,
+    }
+    text = METRICS
+    for line, value in moved.items():
+        assert line in text, line
+        text = text.replace(line, line.rsplit(" ", 1)[0] + f" {value}")
+    d = bench.counter_deltas(before, bench.parse_prometheus(text), "minilm")
     # Summed over the instances: only minilm_0 moved here.
-    assert d == {"computed_tokens": 880, "served_tokens": 800, "inferences": 64, "executions": 16}
-    r = bench.with_counters(bench.summarize([0.01], 0, 1.0), **d)
+    assert {k: d[k] for k in ("computed_tokens", "served_tokens", "inferences", "executions", "successes")} == \
+        {"computed_tokens": 880, "served_tokens": 800, "inferences": 64, "executions": 16, "successes": 64}
+    assert d["server_us"]["request"] == pytest.approx(1_280_000) and d["server_us"]["queue"] == 0
+    assert d["execute_s"] == pytest.approx(0.16)
+    r = bench.with_counters(bench.summarize([0.025] * 64, 0, 1.0), **d)
     assert r.padding_ratio == pytest.approx(1.1) and r.mean_batch == pytest.approx(4.0)
+    split = bench.time_split(r)
+    assert split["client"] == pytest.approx(25.0) and split["triton"] == pytest.approx(20.0)
+    assert split["infer"] == pytest.approx(16.0) and split["execute"] == pytest.approx(10.0)
+    assert bench.time_split(bench.summarize([0.01], 0, 1.0)) is None  # no server counters
 
 
 def test_scrape_metrics_unreachable_is_a_user_error() -> None:
