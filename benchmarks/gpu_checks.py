@@ -539,14 +539,8 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
         from model_factory import bench
 
         # The backend sends its counters about once a second: wait until they caught up with Triton's.
-        deadline = time.monotonic() + 5
-        while True:
-            samples = bench.scrape_metrics(server.metrics_url)
-            executions = bench.metric_total(samples, "nv_inference_exec_count", model=TRITON_MODEL) or 0
-            ours = bench.metric_total(samples, "model_factory_executions_total", model=TRITON_MODEL) or 0
-            if ours >= executions or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        samples = bench.settled_scrape(server.metrics_url, TRITON_MODEL)
+        executions = bench.metric_total(samples, "nv_inference_exec_count", model=TRITON_MODEL) or 0
         inferences = bench.metric_total(samples, "nv_inference_count", model=TRITON_MODEL) or 0
         computed = bench.metric_total(samples, "model_factory_computed_tokens_total", model=TRITON_MODEL)
         real = bench.metric_total(samples, "model_factory_real_tokens_total", model=TRITON_MODEL)

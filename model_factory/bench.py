@@ -400,19 +400,26 @@ def _inputs_for(tc: Any, payload: Payload, send: str) -> list[Any]:
     return inputs
 
 
-async def _settled_scrape(url: str, model: str, pause_s: float = 0.1, timeout_s: float = 5.0) -> list[Sample]:
-    """A scrape once the counters agree: Triton counts an execution just after the responses leave, and
-    the model-factory backend sends its counters about once a second; until its executions equal
-    Triton's, its counters lag. (A backend without our counters is scraped after ``pause_s``.)"""
+def settled_scrape(url: str, model: str, pause_s: float = 0.1, timeout_s: float = 5.0) -> list[Sample]:
+    """A scrape of ``url`` once the counters for ``model`` agree (or after ``timeout_s``).
+
+    Triton counts an execution just after the responses leave, and the model-factory backend sends
+    its counters about once a second: until its executions equal Triton's, its counters lag. (A
+    backend without our counters is scraped after ``pause_s``.)
+    """
     deadline = time.monotonic() + timeout_s
-    await asyncio.sleep(pause_s)
+    time.sleep(pause_s)
     while True:
         samples = scrape_metrics(url)
         ours = metric_total(samples, EXECUTIONS_METRIC, model=model)
         if ours is None or ours >= (metric_total(samples, "nv_inference_exec_count", model=model) or 0) \
                 or time.monotonic() > deadline:
             return samples
-        await asyncio.sleep(0.1)
+        time.sleep(0.1)
+
+
+async def _settled_scrape(url: str, model: str) -> list[Sample]:
+    return await asyncio.to_thread(settled_scrape, url, model)
 
 
 def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str = "http", concurrency: int = 8,

@@ -35,7 +35,7 @@ class TritonPythonModel:
                                                      int(args.get("model_instance_device_id", 0) or 0))
         self.tokenizer = None
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
-        self.vocab_size = getattr(s, "vocab_size", None)
+        self.vocab_size = s.vocab_size
         if s.input("text") is not None:
             from .tokenizer import load_tokenizer
 
@@ -52,9 +52,9 @@ class TritonPythonModel:
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
             max_tokens=s.max_group_tokens, fill=self._fill)
-        self.pool = getattr(self.engine, "pool", None)  # the TensorRT engine's cudaMallocAsync pool
-        # Pool gauges: our cudaMallocAsync pool, else what the engine reports of its own (torch's allocator).
-        pool_source = self.pool.stats if self.pool is not None else getattr(self.engine, "memory_stats", None)
+        # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
+        self.pool = getattr(self.engine, "pool", None)
+        pool_source = self.pool.stats if self.pool is not None else None
         # One label per instance: each instance has its own pool, and counters sum across instances anyway.
         self.metrics = _make_metrics(s.model_name, cost, self.engine_info, pool_source,
                                      {"instance": str(args.get("model_instance_name", ""))})
