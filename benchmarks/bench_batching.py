@@ -552,6 +552,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.random_weights and args.source is None:
         ap.error("--random-weights needs --source (a folder with config.json and the tokenizer files)")
     setup = Setup(args.kind, args.engine, args.source, args.random_weights)
+    if setup.engine == "torch" and setup.kind == "gpu":
+        # Before anything imports torch here: the bare replay then runs on the same cudaMallocAsync
+        # allocator as the served engine (torch fixes its allocator backend at import).
+        from model_factory.backend.engines.torch import configure_cuda_allocator
+
+        configure_cuda_allocator()
     if args.quick:
         args.requests, args.warmup, args.rounds, args.concurrency, args.no_write = 40, 8, 1, "8", True
     concs = [int(c) for c in args.concurrency.split(",")]
