@@ -260,14 +260,28 @@ def resolve_package_model(package: str) -> Path:
     return path
 
 
-def _hf_io_from_folder(folder: Path, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """A Hugging Face model folder's ``config.json``, as a dict (one reader for the recipe and packaging)."""
     import json
 
-    cfg_file = folder / "config.json"
+    cfg_file = Path(folder) / "config.json"
     if not cfg_file.is_file():
         raise _err("source.path", f"{folder} has no config.json, so it is not a Hugging Face model folder",
                    "point source.path at a folder saved with save_pretrained()")
-    cfg = json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise FactoryError(f"cannot read {cfg_file} ({exc}). Fix: point source.path at a folder saved with "
+                           "save_pretrained()") from exc
+    if not isinstance(cfg, dict):
+        raise FactoryError(f"{cfg_file} is not a JSON object. Fix: point source.path at a folder saved with "
+                           "save_pretrained()")
+    return cfg
+
+
+def _hf_io_from_folder(folder: Path, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    cfg_file = folder / "config.json"
+    cfg = read_hf_config(folder)
     hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("dim")
     if not isinstance(hidden, int):
         raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",

@@ -33,7 +33,7 @@ from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
-from model_factory.recipe import Recipe, TensorSpec
+from model_factory.recipe import Recipe, TensorSpec, read_hf_config
 
 BACKEND_PACKAGE = "mf_backend"
 METADATA_FILE = "metadata.json"
@@ -162,13 +162,7 @@ def hf_vocab_size(recipe: Recipe) -> int | None:
     """``vocab_size`` from a Hugging Face source's config.json (the backend refuses token ids at or above it)."""
     if recipe.source.kind != "huggingface" or recipe.source.path is None:
         return None
-    cfg_file = Path(recipe.source.path) / "config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise FactoryError(f"cannot read {cfg_file} ({exc}). Fix: point source.path at a folder saved with "
-                           "save_pretrained()") from exc
-    size = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    size = read_hf_config(recipe.source.path).get("vocab_size")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         return None  # not every config names it; the backend then checks ids against the tokenizer, if any
     return size

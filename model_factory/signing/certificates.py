@@ -46,13 +46,17 @@ class ChainCheck:
         return not self.problems
 
 
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise FactoryError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
 def load_certificates(path: Path) -> list[x509.Certificate]:
     """All certificates in a PEM file (or one DER certificate)."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise FactoryError(f"cannot read certificate file {path}: {exc.strerror or exc}") from exc
+    data = _read(path, "certificate file")
     try:
         if b"-----BEGIN" in data:
             certs = x509.load_pem_x509_certificates(data)
@@ -67,10 +71,7 @@ def load_certificates(path: Path) -> list[x509.Certificate]:
 def load_crl(path: Path) -> LoadedCRL:
     """A PEM or DER certificate revocation list."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise FactoryError(f"cannot read CRL file {path}: {exc.strerror or exc}") from exc
+    data = _read(path, "CRL file")
     try:
         crl = (x509.load_pem_x509_crl(data) if b"-----BEGIN" in data else x509.load_der_x509_crl(data))
     except ValueError as exc:
