@@ -58,6 +58,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "factory": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
                             "gpuProducts": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]}},
     "factory-certificates": {"factory": {"enabled": True, "recipes": ["minilm.toml"], "certificateMode": True}},
+    "factory-rollback": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
+                                     "action": "rollback"}},
 }
 
 

@@ -91,6 +91,7 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"ports": {"http": 70000}}, "/ports/http"),
     ({"factory": {"recipes": ["minilm.yaml"]}}, "/factory/recipes/0"),
     ({"serve": {"accept": "yes"}}, "/serve/accept"),
+    ({"factory": {"action": "delete"}}, "/factory/action"),
     ({"replicas": 3}, "'replicas' not allowed"),
 ])
 def test_wrong_values_are_refused_with_their_path(values: dict, path: str) -> None:
@@ -328,7 +329,7 @@ def test_factory_jobs_are_indexed_over_recipes_one_per_gpu_product() -> None:
         products.append(product)
         build = podspec["containers"][0]
         env = {e["name"]: e.get("value") for e in build["env"]}
-        assert env["FACTORY_RECIPES"] == "minilm.toml bge-small.toml"
+        assert env["FACTORY_RECIPES"] == "minilm.toml bge-small.toml" and env["FACTORY_ACTION"] == "build"
         assert env["FACTORY_GPU_PRODUCT"] == product and env["FACTORY_TENSORRT_VERSION"] == "10.13"
         assert env["FACTORY_POLICY"] == "/etc/model-factory/trust/policy.toml"
         assert "FACTORY_CERT_CHAIN" not in env
@@ -351,6 +352,11 @@ def test_factory_jobs_are_indexed_over_recipes_one_per_gpu_product() -> None:
     cert = {e["name"]: e.get("value") for e in find(objects("factory-certificates"), "Job")["spec"]["template"]["spec"]
             ["containers"][0]["env"]}
     assert cert["FACTORY_CERT_CHAIN"] == "/run/secrets/model-factory/cert-chain.pem"
+    rollback = [d for d in objects("factory-rollback") if d["kind"] == "Job"]
+    assert [j["spec"]["completions"] for j in rollback] == [1]
+    assert rollback[0]["metadata"]["name"].startswith(f"{FULLNAME}-rollback-")
+    assert {e["name"]: e.get("value") for e in rollback[0]["spec"]["template"]["spec"]["containers"][0]["env"]}[
+        "FACTORY_ACTION"] == "rollback"
 
 
 def test_factory_needs_recipes() -> None:

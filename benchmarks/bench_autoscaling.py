@@ -1,0 +1,165 @@
+"""The autoscaling signal, proven on the real server: Triton's queue-to-compute ratio at rising load.
+
+    .venv/bin/python benchmarks/bench_autoscaling.py            # ~3 min on 2 cores, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_autoscaling.py --quick    # a smoke run, RESULTS.md untouched
+
+MiniLM (FP32 ONNX, the shipped recipe's batching) is packaged and served by the real Triton
+server (the one bundled in nvidia-pytriton) through model-factory's Python backend, one
+instance: one replica as the Helm chart runs it. The load is closed-loop (each of N clients
+sends its next request when the previous answer arrives), with N rising step by step. Around
+each step Triton's /metrics is scraped, and the prometheus-adapter rule shipped in the chart
+(rendered by the real Helm engine from deploy/helm/model-factory, the rule's ``metricsQuery``
+parsed by model_factory.scaling) is evaluated on the two scrapes, as Prometheus would over a
+window spanning the step. The HPA's target (``autoscaling.targetQueueComputeRatio`` in the
+chart's values) is read from the same rendering.
+
+The result replaces the ``<!-- autoscaling:start -->`` section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "model-factory"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+TEXTS = Path(__file__).resolve().parent / "texts.txt"
+START, END = "<!-- autoscaling:start -->", "<!-- autoscaling:end -->"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def chart_rule() -> tuple[str, float]:
+    """The adapter rule's metricsQuery and the HPA's target, from the chart rendered with its defaults."""
+    import yaml
+    from helm_python import chart
+
+    out = chart.Chart.load(CHART).render({}, name="mf", namespace="models")
+    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    rules = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("adapter-rules"))
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    query = yaml.safe_load(rules["data"]["config.yaml"])["rules"][0]["metricsQuery"]
+    target = hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"]
+    return query, quantity(target)
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity as the HPA reads it ("1" -> 1.0, "500m" -> 0.5)."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def step(server, rule, payloads, concurrency: int, requests: int) -> dict:
+    """Drive ``concurrency`` clients for ``requests`` requests; the rule's value between the scrapes."""
+    from model_factory.bench import run_load, settled_scrape
+    from model_factory.scaling import evaluate
+
+    metrics = server.metrics_url
+    before = settled_scrape(metrics, "minilm")
+    t0 = time.monotonic()
+    result = run_load(server.http_url, "minilm", payloads[:requests], concurrency=concurrency, warmup=0)
+    after = settled_scrape(metrics, "minilm")
+    seconds = time.monotonic() - t0
+    return {"concurrency": concurrency, "ratio": evaluate(rule, before, after, seconds),
+            "throughput": result.throughput, "p50_ms": result.p50_ms, "p99_ms": result.p99_ms,
+            "requests": result.requests, "errors": result.errors}
+
+
+def serve_minilm(work: Path):
+    """Export and package the shipped MiniLM recipe (FP32), then start the real server on it."""
+    from model_factory.build_engines.export import export_model
+    from model_factory.recipe import load_recipe
+    from model_factory.repository import package_model
+    from model_factory.serve import ServerOptions, TritonServer
+
+    recipe = load_recipe(ROOT / "model_factory" / "examples" / "minilm.toml",
+                         {"repository.path": str(work / "model_repository"), "precisions": ["fp32"]})
+    exported = export_model(recipe)
+    package_model(recipe, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir)
+    server = TritonServer(recipe.repository.path, options=ServerOptions(0, 0, 0)).start()
+    return server, exported.tokenizer_dir, recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few steps and requests; RESULTS.md untouched")
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64,128,256", help="client concurrency per step")
+    ap.add_argument("--seconds", type=float, default=8.0, help="about this long per step (sets the request count)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_file import write_section
+
+    from model_factory.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load
+    from model_factory.scaling import parse_ratio_rule
+
+    query, target = chart_rule()
+    rule = parse_ratio_rule(query)
+    levels = [1, 16, 128] if args.quick else [int(x) for x in args.levels.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-autoscaling-") as tmp:
+        server, tokenizer_dir, recipe = serve_minilm(Path(tmp))
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir, recipe.shapes.max_sequence_length)
+            payloads = make_payloads(draw_texts(load_texts(TEXTS), 20000, seed=0), tokenizer)
+            # Warm-up (not measured), and the rate at full load to size each step to about --seconds.
+            probe = run_load(server.http_url, "minilm", payloads[:400], concurrency=64, warmup=64)
+            rows = []
+            for c in levels:
+                count = max(c * 4, int(min(probe.throughput, 1000 / max(probe.p50_ms, 1) * c) * args.seconds))
+                if args.quick:
+                    count = max(c * 2, 60)
+                row = step(server, rule, payloads, c, min(count, len(payloads)))
+                rows.append(row)
+                print(f"concurrency {c:4d}: ratio {row['ratio']:.3f} (target {target:g})  "
+                      f"{row['throughput']:.1f} seq/s  p50 {row['p50_ms']:.1f} ms  p99 {row['p99_ms']:.1f} ms  "
+                      f"errors {row['errors']}", flush=True)
+        finally:
+            rc = server.stop()
+    assert rc == 0, f"tritonserver exited with {rc}"
+    if args.quick:
+        return 0
+    write_section(RESULTS, START, END, report(rows, query, target, recipe))
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+def report(rows: list[dict], query: str, target: float, recipe) -> str:
+    peak = max(r["throughput"] for r in rows)
+    first_over = next((r["concurrency"] for r in rows if r["ratio"] > target), None)
+    lines = [
+        START,
+        "## Autoscaling signal (Helm chart's prometheus-adapter rule on the real server)",
+        "",
+        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, a machine shared with other work (absolute figures vary; the shape is what counts). "
+        "`benchmarks/bench_autoscaling.py`: MiniLM FP32 on ONNX Runtime (CPU), one instance "
+        f"(max batch {recipe.shapes.max_batch}, queue delay {recipe.batching.max_queue_delay_us} µs), served by the "
+        "bundled Triton 2.51 through our Python backend; closed-loop clients sending token ids, rising step by step. "
+        "Each step is scraped before and after, and the chart's rule, rendered by the real Helm engine, is "
+        "evaluated on the two scrapes (rate = increase over the step):",
+        "",
+        f"`{query}`",
+        "",
+        f"HPA target (`autoscaling.targetQueueComputeRatio`): **{target:g}**.",
+        "",
+        "| clients | queue/compute ratio | vs target | seq/s | share of peak | p50 ms | p99 ms | requests | errors |",
+        "| ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['ratio']:.3f} | {'over' if r['ratio'] > target else 'under'} | "
+                     f"{r['throughput']:.1f} | {r['throughput'] / peak:.0%} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                     f"{r['requests']} | {r['errors']} |")
+    lines += ["", (f"The ratio first exceeds the target at {first_over} clients." if first_over else
+                   "The ratio never exceeded the target in this run."), END]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
