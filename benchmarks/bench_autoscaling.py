@@ -108,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tokenizer = load_tokenizer(tokenizer_dir, recipe.shapes.max_sequence_length)
             payloads = make_payloads(draw_texts(load_texts(TEXTS), 20000, seed=0), tokenizer)
-            # Warm-up (not measured), and the rate at full load to size each step to about --seconds.
-            probe = run_load(server.http_url, "minilm", payloads[:400], concurrency=64, warmup=64)
+            # Warm-up (not measured); then the rate at full load and the latency of one client size each
+            # step to about --seconds.
+            run_load(server.http_url, "minilm", payloads[:128], concurrency=64, warmup=64)
+            peak = run_load(server.http_url, "minilm", payloads[:256], concurrency=64, warmup=0).throughput
+            alone_s = run_load(server.http_url, "minilm", payloads[:20], concurrency=1, warmup=0).p50_ms / 1000
             rows = []
             for c in levels:
-                count = max(c * 4, int(min(probe.throughput, 1000 / max(probe.p50_ms, 1) * c) * args.seconds))
+                count = int(max(c * 4, 20, min(peak, c / max(alone_s, 1e-3)) * args.seconds))
                 if args.quick:
                     count = max(c * 2, 60)
                 row = step(server, rule, payloads, c, min(count, len(payloads)))
@@ -149,13 +152,15 @@ def report(rows: list[dict], query: str, target: float, recipe) -> str:
         "",
         f"HPA target (`autoscaling.targetQueueComputeRatio`): **{target:g}**.",
         "",
-        "| clients | queue/compute ratio | vs target | seq/s | share of peak | p50 ms | p99 ms | requests | errors |",
-        "| ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| clients | queue/compute ratio | vs target | seq/s | share of peak | p50 ms | p50 / p50 at 1 client | "
+        "p99 ms | requests | errors |",
+        "| ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    base = rows[0]["p50_ms"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['ratio']:.3f} | {'over' if r['ratio'] > target else 'under'} | "
-                     f"{r['throughput']:.1f} | {r['throughput'] / peak:.0%} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                     f"{r['requests']} | {r['errors']} |")
+                     f"{r['throughput']:.1f} | {r['throughput'] / peak:.0%} | {r['p50_ms']:.1f} | "
+                     f"{r['p50_ms'] / base:.1f}x | {r['p99_ms']:.1f} | {r['requests']} | {r['errors']} |")
     lines += ["", (f"The ratio first exceeds the target at {first_over} clients." if first_over else
                    "The ratio never exceeded the target in this run."), END]
     return "\n".join(lines)
