@@ -79,6 +79,9 @@ max_batch = 8
 calibration_data = "images.npz"
 min_accuracy = 0.99
 
+[tensorrt]
+enabled = {trt}
+
 [repository]
 path = "{repo}"
 '''
@@ -103,6 +106,9 @@ sequence_buckets = [8, 32]
 calibration_data = "calib.npz"
 heldout_data = "heldout.npz"
 min_accuracy = 0.99
+
+[tensorrt]
+enabled = {trt}
 
 [repository]
 path = "{repo}"
@@ -137,8 +143,11 @@ def make_two_input_onnx(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """Both models built by the console script (as a user runs it) into one repository, served by one Triton."""
+    from model_factory.build_engines.tensorrt import tensorrt_available
     from model_factory.serve import ServerOptions, TritonServer
 
+    # TensorRT-RTX compiles engines on a CPU (ahead of time); serving here falls back to ONNX Runtime.
+    trt = "true" if tensorrt_available() else "false"
     root = tmp_path_factory.mktemp("zoo-generic")
     repo = root / "model_repository"
     rng = np.random.default_rng(1)
@@ -147,14 +156,14 @@ def zoo(tmp_path_factory):
     (cnn_dir / "tiny_cnn.py").write_text(TINY_CNN)
     (cnn_dir / "tiny_cnn_layers.py").write_text(TINY_CNN_LAYERS)
     np.savez(cnn_dir / "images.npz", pixels=rng.random((40, 3, 64, 64), dtype=np.float32))
-    (cnn_dir / "cnn.toml").write_text(CNN_RECIPE.format(repo=repo))
+    (cnn_dir / "cnn.toml").write_text(CNN_RECIPE.format(repo=repo, trt=trt))
     onnx_dir = root / "onnx"
     onnx_dir.mkdir()
     make_two_input_onnx(onnx_dir / "two_inputs.onnx")
     for name, n in (("calib", 32), ("heldout", 12)):
         np.savez(onnx_dir / f"{name}.npz", a=rng.normal(size=(n, 12, 8)).astype(np.float32),
                  b=rng.normal(size=(n, 8)).astype(np.float32))
-    (onnx_dir / "two.toml").write_text(ONNX_RECIPE.format(repo=repo))
+    (onnx_dir / "two.toml").write_text(ONNX_RECIPE.format(repo=repo, trt=trt))
     # The console script, run from elsewhere with no PYTHONPATH: the factory module beside the recipe imports.
     cli = Path(sys.executable).parent / "model-factory"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -163,7 +172,7 @@ def zoo(tmp_path_factory):
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
-    yield {"server": server, "repo": repo, "cnn_dir": cnn_dir, "onnx": onnx_dir / "two_inputs.onnx"}
+    yield {"server": server, "repo": repo, "cnn_dir": cnn_dir, "onnx": onnx_dir / "two_inputs.onnx", "trt": trt}
     server.stop()
 
 
@@ -195,6 +204,10 @@ def test_both_models_load_and_every_precision_passed_its_gate(zoo) -> None:
         assert all(r["metric"] == "cosine" and r["score"] >= 0.99 for r in report["results"])
         int8 = next(r for r in report["results"] if r["precision"] == "int8")
         assert int8["int8_nodes"] >= 1  # Conv/Gemm (CNN), MatMul (ONNX) really run in INT8
+        if zoo["trt"] == "true":
+            plans = {p: json.loads((version / f"model.{p}.plan.json").read_text()) for p in ("fp32", "fp16", "int8")}
+            # A fixed-shape model gets one profile; the sequence model one per bucket.
+            assert {len(m["profiles"]) for m in plans.values()} == {1 if model == "tiny-cnn" else 2}
     config = (repo / "two-inputs" / "config.pbtxt").read_text()
     assert 'key: "pad_sequences"' in config and 'string_value: "false"' in config
 
