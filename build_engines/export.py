@@ -287,32 +287,41 @@ def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
 
 
 @contextlib.contextmanager
-def factory_import_path(folder: Path | None) -> Iterator[None]:
+def factory_import_path(folder: Path | None, module: str = "") -> Iterator[None]:
     """The recipe's folder first on the import path while a torch source is imported, called and exported.
 
     A factory module beside the recipe (``tiny_cnn.py`` for ``factory = "tiny_cnn:build"``) imports as a
     user expects, from any working directory and from the console script. Afterwards ``sys.path`` is as it
     was, and the modules imported from that folder are forgotten, so they leak into nothing else in the
-    process (another recipe may have its own ``model.py``).
+    process (another recipe may have its own ``model.py``). A module of the same name (``module``) that
+    was imported from elsewhere before is set aside meanwhile, so the one beside the recipe wins, and put
+    back afterwards.
     """
     if folder is None:
         yield
         return
-    root = str(Path(folder).resolve())
+    root = Path(folder).resolve()
+    top = module.split(".")[0]
+    shadowed = {}
+    if top and ((root / f"{top}.py").is_file() or (root / top / "__init__.py").is_file()):
+        shadowed = {n: m for n, m in sys.modules.items() if n == top or n.startswith(top + ".")}
+        for name in shadowed:
+            del sys.modules[name]
     before = set(sys.modules)
-    sys.path.insert(0, root)
+    sys.path.insert(0, str(root))
     importlib.invalidate_caches()
     try:
         yield
     finally:
         try:
-            sys.path.remove(root)
+            sys.path.remove(str(root))
         except ValueError:  # the factory itself edited sys.path; nothing of ours is left to remove
             pass
         for name in set(sys.modules) - before:
             origin = getattr(sys.modules.get(name), "__file__", None)
             if origin and Path(origin).resolve().is_relative_to(root):
                 del sys.modules[name]
+        sys.modules.update(shadowed)
 
 
 def load_factory(spec: str, folder: Path | None = None) -> tuple[Callable[[], Any], Path | None]:
@@ -360,7 +369,7 @@ def _call_factory(fn: Callable[[], Any], spec: str) -> tuple[Any, Any]:
 
 def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
     assert recipe.source.factory is not None
-    with factory_import_path(recipe.source.base_dir):
+    with factory_import_path(recipe.source.base_dir, recipe.source.factory.partition(":")[0]):
         return _export_torch_module(recipe, tmp, say)
 
 

@@ -87,7 +87,7 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
     mask = given.get("attention_mask")
-    if ids is not None and mask is None:
+    if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
 

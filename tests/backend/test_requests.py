@@ -142,3 +142,11 @@ def test_padding_follows_the_parameter_or_an_attention_mask() -> None:
     assert parse_settings(dict(GENERIC, parameters={"pad_sequences": {"string_value": "true"}})).pad_sequences
     with pytest.raises(SettingsError, match="pad_sequences"):
         parse_settings(dict(GENERIC, parameters={"pad_sequences": {"string_value": "yes"}}))
+
+
+def test_ids_without_a_mask_are_fine_for_a_model_that_takes_no_mask() -> None:
+    s = parse_settings({"name": "ids-only", "max_batch_size": 4,
+                        "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}],
+                        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [2]}]})
+    items = items_from_tensors({"input_ids": np.ones((2, 5), np.int64)}, s)
+    assert len(items) == 2 and items[0]["input_ids"].shape == (5,)

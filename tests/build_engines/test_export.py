@@ -138,6 +138,19 @@ def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path
     assert res.max_abs_error < 1e-4
     assert sys.path == path_before
     assert "user_cnn_factory" not in sys.modules and "cnn_layers" not in sys.modules
+    # A module of the same name imported from elsewhere does not shadow the one beside the recipe, and stays.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "user_cnn_factory.py").write_text("def build():\n    raise AssertionError('the wrong module')\n")
+    sys.path.insert(0, str(other))
+    try:
+        import user_cnn_factory  # noqa: F401 - imported to be shadowed
+
+        assert export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder)).max_abs_error < 1e-4
+        assert sys.modules["user_cnn_factory"].__file__ == str(other / "user_cnn_factory.py")
+    finally:
+        sys.path.remove(str(other))
+        sys.modules.pop("user_cnn_factory", None)
     # The module's own missing dependency is named as such, not as a missing factory module.
     (folder / "cnn_layers.py").write_text("import not_installed_dep_xyz\n")
     with pytest.raises(FactoryError, match="importing 'user_cnn_factory' failed.*pip install the package that "
