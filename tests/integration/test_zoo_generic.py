@@ -89,6 +89,14 @@ max_batch = 8
 max_sequence_length = 32
 sequence_buckets = [8, 32]
 
+# y is computed per position and g from b alone, so zeros padded along seq change neither: requests of
+# different lengths may share a launch (a model without that property keeps the default, false).
+# A window gathers for 100 ms and is padded to its longest, so the test sees padded launches sliced back.
+[batching]
+pad_sequences = true
+grouping = "pad_to_longest"
+max_queue_delay_us = 100000
+
 [quantization]
 calibration_data = "calib.npz"
 heldout_data = "heldout.npz"
@@ -195,8 +203,9 @@ def test_both_models_load_and_every_precision_passed_its_gate(zoo) -> None:
             plans = {p: json.loads((version / f"model.{p}.plan.json").read_text()) for p in ("fp32", "fp16", "int8")}
             # A fixed-shape model gets one profile; the sequence model one per bucket.
             assert {len(m["profiles"]) for m in plans.values()} == {1 if model == "tiny-cnn" else 2}
-    config = (repo / "two-inputs" / "config.pbtxt").read_text()
-    assert 'key: "pad_sequences"' in config and 'string_value: "false"' in config
+    for model, pad in (("two-inputs", "true"), ("tiny-cnn", "false")):
+        config = (repo / model / "config.pbtxt").read_text()
+        assert re.search(r'key: "pad_sequences"\s+value \{\s+string_value: "%s"' % pad, config), config
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -233,6 +242,27 @@ def test_two_input_onnx_answers_like_onnxruntime(zoo, protocol: str) -> None:
         assert got["y"].shape == want_y.shape and got["g"].shape == want_g.shape
         np.testing.assert_allclose(got["y"], want_y, atol=1e-5)
         np.testing.assert_allclose(got["g"], want_g, atol=1e-5)
+    # The answers above came from launches padded along seq (more tokens computed than sent), sliced back.
+    computed, real = _tokens(server, "two-inputs")
+    assert computed > real > 0
+
+
+def _tokens(server, model: str) -> tuple[float, float]:
+    """The backend's computed and real token counters for ``model`` (sent about once a second)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + 5
+    while True:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+            body = r.read().decode()
+        values = {}
+        for name in ("computed", "real"):
+            m = re.search(rf'^model_factory_{name}_tokens_total{{[^}}]*model="{model}"[^}}]*}} (\S+)$', body, re.M)
+            values[name] = float(m.group(1)) if m else 0.0
+        if values["computed"] > values["real"] or time.monotonic() > deadline:
+            return values["computed"], values["real"]
+        time.sleep(0.2)
 
 
 def _status(exc: Exception) -> str:
