@@ -192,15 +192,18 @@ def test_both_models_load_and_every_precision_passed_its_gate(zoo) -> None:
     log = server.log_file.read_text(errors="replace")
     assert "Unexpected input data type" not in log
     for model in ("tiny-cnn", "two-inputs"):
-        version = repo / model / "1"
-        assert {"model.onnx", "model.fp16.onnx", "model.int8.onnx"} <= {p.name for p in version.iterdir()}
-        report = json.loads((version / "accuracy.json").read_text())
+        # What each stage built (the version folder holds what the deployment serves).
+        work = repo.parent / "build" / model
+        assert {p.name for p in (work / "quantize").glob("model.*.onnx")} == {"model.fp16.onnx", "model.int8.onnx"}
+        assert (repo / model / "1" / "model.onnx").is_file()
+        report = json.loads((work / "quantize" / "accuracy.json").read_text())
         assert report["passed"] and {r["precision"] for r in report["results"]} == {"fp16", "int8"}
         assert all(r["metric"] == "cosine" and r["score"] >= 0.99 for r in report["results"])
         int8 = next(r for r in report["results"] if r["precision"] == "int8")
         assert int8["int8_nodes"] >= 1  # Conv/Gemm (CNN), MatMul (ONNX) really run in INT8
         if zoo["trt"] == "true":
-            plans = {p: json.loads((version / f"model.{p}.plan.json").read_text()) for p in ("fp32", "fp16", "int8")}
+            plans = {p: json.loads((work / "engines" / f"model.{p}.plan.json").read_text())
+                     for p in ("fp32", "fp16", "int8")}
             # A fixed-shape model gets one profile; the sequence model one per bucket.
             assert {len(m["profiles"]) for m in plans.values()} == {1 if model == "tiny-cnn" else 2}
     for model, pad in (("two-inputs", "true"), ("tiny-cnn", "false")):
