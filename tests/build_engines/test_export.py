@@ -284,3 +284,18 @@ def test_onnx_source_cannot_make_torchscript(tmp_path: Path, factory_module: str
     recipe = replace(recipe, export=replace(recipe.export, torchscript=True))
     with pytest.raises(FactoryError, match="no torch module to trace. Fix: set export.torchscript = false"):
         export_model(recipe)
+
+
+def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    recipe = tmp_path / "cnn.toml"
+    recipe.write_text('[model]\nname = "cnn"\n[source]\nkind = "torch"\nfactory = "tiny_cnn:build"\n'
+                      '[[inputs]]\nname = "pixels"\ndtype = "FP32"\ndims = [3, 8, 8]\n'
+                      '[[outputs]]\nname = "logits"\ndtype = "FP32"\ndims = [10]\n')
+    result = CliRunner().invoke(main, ["export", str(recipe)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert f"no module 'tiny_cnn' beside the recipe ({tmp_path}) or installed. Fix: put tiny_cnn.py beside the " \
+           "recipe" in result.output
