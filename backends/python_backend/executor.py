@@ -116,11 +116,11 @@ class GroupedExecutor:
         stats = WindowStats()
         lengths = [self._length(it) for _, it in flat]
         groups = []
+        # Within a partition every item has the same shape apart (when padding is allowed) from its length.
+        # Without padding (a fixed-shape model, or one that must not be padded) they are plain batches.
+        padded = self.pad_sequences and bool(self.seq_inputs)
+        mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
         for members in self._partitions(flat).values():
-            # Within a partition every item has the same shape apart (when padding is allowed) from its length.
-            # Without padding (a fixed-shape model, or one that must not be padded) they are plain batches.
-            padded = self.pad_sequences and bool(self.seq_inputs)
-            mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
             planned = plan_groups([lengths[i] for i in members], self.cost, self.max_batch, self.max_tokens, mode)
             groups.extend([members[k] for k in g] for g in planned)
         stats.groups = [len(g) for g in groups]
