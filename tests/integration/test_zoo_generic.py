@@ -1,4 +1,5 @@
-"""Model zoo, generic tensor models: a torch CNN and an ONNX file with two float inputs, end to end.
+"""Model zoo, generic tensor models: a torch CNN and an ONNX file with two float inputs, end to end
+(and a third ONNX file, FP32 only, whose INT32, BOOL and FP16 inputs cross the server).
 
 Each model is made here (random init, no downloads), built at FP32/FP16/INT8 with the accuracy gate
 (calibration from an .npz), packaged into one repository and served by one real Triton. Answers over
@@ -135,6 +136,28 @@ def make_two_input_onnx(path: Path) -> Path:
     return path
 
 
+def make_mixed_dtype_onnx(path: Path) -> Path:
+    """``ids`` INT32 [batch, seq], ``keep`` BOOL [batch, seq], ``scale`` FP16 [batch, 1] ->
+    ``y`` FP32 [batch, seq] = ids * keep * scale: the other dtypes a recipe may declare, through the server."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cast", ["ids"], ["idf"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["keep"], ["kf"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["scale"], ["sf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["idf", "kf"], ["p"]), helper.make_node("Mul", ["p", "sf"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "mixed",
+        [helper.make_tensor_value_info("ids", TensorProto.INT32, ["batch", "seq"]),
+         helper.make_tensor_value_info("keep", TensorProto.BOOL, ["batch", "seq"]),
+         helper.make_tensor_value_info("scale", TensorProto.FLOAT16, ["batch", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """Both models built by the console script (as a user runs it) into one repository, served by one Triton."""
@@ -159,15 +182,20 @@ def zoo(tmp_path_factory):
         np.savez(onnx_dir / f"{name}.npz", a=rng.normal(size=(n, 12, 8)).astype(np.float32),
                  b=rng.normal(size=(n, 8)).astype(np.float32))
     (onnx_dir / "two.toml").write_text(ONNX_RECIPE.format(repo=repo, trt=trt))
+    make_mixed_dtype_onnx(onnx_dir / "mixed.onnx")
+    (onnx_dir / "mixed.toml").write_text(f'[model]\nname = "mixed-dtypes"\ntask = "generic"\n[source]\nkind = "onnx"\n'
+                                         f'path = "mixed.onnx"\n[shapes]\nmax_batch = 8\nmax_sequence_length = 16\n'
+                                         f'sequence_buckets = [16]\n[repository]\npath = "{repo}"\n')
     # The console script, run from elsewhere with no PYTHONPATH: the factory module beside the recipe imports.
     cli = Path(sys.executable).parent / "model-factory"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for recipe in (cnn_dir / "cnn.toml", onnx_dir / "two.toml"):
+    for recipe in (cnn_dir / "cnn.toml", onnx_dir / "two.toml", onnx_dir / "mixed.toml"):
         done = subprocess.run([str(cli), "build", str(recipe)], cwd=root, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
-    yield {"server": server, "repo": repo, "cnn_dir": cnn_dir, "onnx": onnx_dir / "two_inputs.onnx", "trt": trt}
+    yield {"server": server, "repo": repo, "cnn_dir": cnn_dir, "onnx": onnx_dir / "two_inputs.onnx",
+           "mixed": onnx_dir / "mixed.onnx", "trt": trt}
     server.stop()
 
 
@@ -188,7 +216,7 @@ def _torch_cnn(cnn_dir: Path):
 
 def test_both_models_load_and_every_precision_passed_its_gate(zoo) -> None:
     server, repo = zoo["server"], zoo["repo"]
-    assert sorted(server.ready_models) == ["tiny-cnn", "two-inputs"], server.log_tail()
+    assert sorted(server.ready_models) == ["mixed-dtypes", "tiny-cnn", "two-inputs"], server.log_tail()
     log = server.log_file.read_text(errors="replace")
     assert "Unexpected input data type" not in log
     for model in ("tiny-cnn", "two-inputs"):
@@ -266,6 +294,23 @@ def _tokens(server, model: str) -> tuple[float, float]:
         if values["computed"] > values["real"] or time.monotonic() > deadline:
             return values["computed"], values["real"]
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_int32_bool_fp16_inputs_answer_like_onnxruntime(zoo, protocol: str) -> None:
+    from model_factory.build_engines.export import onnxruntime_session
+    from model_factory.client import infer_tensors
+
+    server = zoo["server"]
+    url = server.http_url if protocol == "http" else server.grpc_url
+    source = onnxruntime_session(zoo["mixed"])
+    rng = np.random.default_rng(5)
+    requests = [{"ids": rng.integers(-50, 50, (n, length)).astype(np.int32), "keep": rng.random((n, length)) > 0.3,
+                 "scale": rng.normal(size=(n, 1)).astype(np.float16)} for n, length in ((1, 4), (2, 9), (1, 4), (3, 16))]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # no attention mask: only equal lengths share a launch
+        answers = list(pool.map(lambda f: infer_tensors(url, "mixed-dtypes", f, protocol), requests))
+    for feeds, got in zip(requests, answers):
+        np.testing.assert_array_equal(got["y"], source.run(["y"], feeds)[0])
 
 
 def _status(exc: Exception) -> str:
