@@ -41,6 +41,7 @@ exports (see ENVIRONMENT.md).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import tempfile
@@ -470,7 +471,7 @@ class SwitchScorer:
         on = set(int8_nodes)
         flags = {sw: np.array(node in on) for node, sw in self.switches.items()}
         self.calls += 1
-        return self.evaluator.score(self.session, "int8", extra_feeds=flags).score
+        return self.evaluator.score(self.session, "int8", extra_feeds=flags).gate_score
 
 
 def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]], float], target: float,
@@ -570,8 +571,14 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         return QuantizeResult(models, report, out_dir / REPORT_NAME, (), None)
 
     encoder = InputEncoder(_input_types(ref_session), export.tokenizer_dir, recipe.shapes.max_sequence_length)
+    check_task_data(recipe.task, split)
     say(f"held-out: {split.note}")
-    evaluator = Evaluator(ref_session, encoder.encode(split.heldout), recipe.task, output)
+    evaluator = Evaluator(ref_session, encoder.encode(split.heldout), recipe.task, output, split.heldout.groups())
+    if recipe.task == "reranker" and evaluator.groups is not None and not any(
+            evaluator.groups.count(g) > 1 for g in set(evaluator.groups)):
+        raise FactoryError(f"quantization.heldout_data: no query in {split.heldout.source} has two passages, so the "
+                           "ranking per query cannot be scored. Fix: give several passages per query in the held-out "
+                           ".jsonl (one {\"query\": ..., \"passage\": ...} per line)")
     results: list[PrecisionAccuracy] = []
     float_nodes: tuple[str, ...] = ()
     search_steps: list[dict[str, Any]] = []
@@ -605,10 +612,27 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         }, indent=2) + "\n")
     report_path = out_dir / REPORT_NAME
     say("accuracy vs FP32: " + "; ".join(
-        f"{r.precision} {r.metric} {r.score:.5f}" + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)"
-                                                     if r.float_nodes else "") for r in report.results))
+        f"{r.precision} {r.metric} {r.score:.5f}" + "".join(f", {k} {v:.5f}" for k, v in r.extra)
+        + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)" if r.float_nodes else "")
+        for r in report.results))
     check_gate(report, report_path)
     return QuantizeResult(models, report, report_path, float_nodes, calibration_digest)
+
+
+def check_task_data(task: str, split: DataSplit) -> None:
+    """Refuse data of the wrong kind for the task: a reranker is calibrated and scored on (query, passage) pairs."""
+    for what, samples in (("quantization.calibration_data", split.calibration),
+                          ("quantization.heldout_data", split.heldout)):
+        if samples is None or not samples.is_text:
+            continue
+        if task == "reranker" and not samples.is_pairs:
+            raise FactoryError(f"{what}: a reranker scores (query, passage) pairs, but {samples.source.name} holds "
+                               "single texts. Fix: give a .jsonl with one {\"query\": ..., \"passage\": ...} per "
+                               "line")
+        if task != "reranker" and samples.is_pairs:
+            raise FactoryError(f"{what}: {samples.source.name} holds (query, passage) pairs, which only a reranker "
+                               "reads. Fix: give single texts (.txt, or .jsonl with \"text\"), or set "
+                               "model.task = \"reranker\"")
 
 
 def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder: InputEncoder,
@@ -639,7 +663,9 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
         if q.mixed_precision:
             target = search_target(gate if gate is not None else DEFAULT_TARGET)
             search_feeds = {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()}
-            search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output)
+            groups = split.calibration.groups()
+            search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output,
+                                    None if groups is None else groups[:SEARCH_SAMPLES])
             scorer = SwitchScorer(builder, search_eval, work)
             kept, steps = search_mixed_precision(names, scorer, target, say)
             steps.insert(0, {"step": "search", "gate": gate, "target": target, "scored_on":
@@ -651,8 +677,7 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
     _save(final, path)
     check_onnx_file(path)
     res = evaluator.score(ort_session(path, simulate_qdq=True), "int8")
-    res = PrecisionAccuracy(res.precision, res.metric, res.score, res.max_abs_error, res.samples, res.min_cosine,
-                            float_nodes=tuple(kept), int8_nodes=len(names) - len(kept), candidates=len(names))
+    res = dataclasses.replace(res, float_nodes=tuple(kept), int8_nodes=len(names) - len(kept), candidates=len(names))
     if skipped:
         steps.insert(0, {"step": "not candidates", "nodes": skipped})
     return res, tuple(kept), steps
