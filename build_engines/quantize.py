@@ -74,6 +74,7 @@ from model_factory.build_engines.export import ExportResult, check_onnx_file, on
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError, InternalError, require
 from model_factory.fileio import atomic_dir
+from model_factory.progress import Steps
 from model_factory.recipe import Recipe
 
 DEFAULT_TARGET = 0.99
@@ -206,13 +207,16 @@ def _with_outputs(model: Any, tensors: Iterable[str]) -> bytes:
     return m.SerializeToString()
 
 
-def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None]) -> None:
+def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None],
+               steps: Steps | None = None) -> None:
     path = work / "calibrate.onnx"
     path.write_bytes(_with_outputs(model, tensors))
     sess = onnxruntime_session(path)
     for batch in batches(feeds, CALIB_BATCH):
         for name, value in zip(tensors, sess.run(tensors, batch)):
             fn(name, np.abs(np.asarray(value, dtype=np.float32)))
+        if steps is not None:
+            steps.step(sample_count(batch))
     del sess
     path.unlink()
 
@@ -246,7 +250,8 @@ def _entropy_threshold(hist: np.ndarray, edges: np.ndarray, levels: int = INT8_M
     return float(edges[best_i])
 
 
-def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, work: Path) -> dict[str, float]:
+def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, work: Path,
+              say: Callable[[str], None] = lambda _m: None) -> dict[str, float]:
     """Per-tensor |x| ranges of ``tensors`` over ``feeds`` with ``method`` (minmax, percentile or entropy)."""
     if method not in ("minmax", "percentile", "entropy"):
         raise FactoryError(f"unknown calibration method {method!r}. Fix: use minmax, percentile or entropy")
@@ -260,7 +265,8 @@ def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, wor
         if value.size:
             amax[name] = max(amax[name], float(value.max()))
 
-    _run_extra(model, tensors, feeds, work, take_max)
+    n = sample_count(feeds)
+    _run_extra(model, tensors, feeds, work, take_max, Steps(say, "calibration ranges, samples", n, reports=4))
     if method == "minmax":
         return amax
     hists = {t: np.zeros(HIST_BINS, dtype=np.int64) for t in tensors}
@@ -269,7 +275,8 @@ def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, wor
         top = amax[name] or 1.0
         hists[name] += np.histogram(value, bins=HIST_BINS, range=(0.0, top))[0]
 
-    _run_extra(model, tensors, feeds, work, take_hist)
+    _run_extra(model, tensors, feeds, work, take_hist, Steps(say, f"calibration histograms ({method}), samples", n,
+                                                             reports=4))
     out = {}
     for t in tensors:
         edges = np.linspace(0.0, amax[t] or 1.0, HIST_BINS + 1)
@@ -494,7 +501,11 @@ def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]]
         return [], steps
     all_int8 = current
     say(f"all-INT8 scores {all_int8:.5f} < {target:g}: measuring the sensitivity of {len(names)} nodes")
-    gain = {n: score([x for x in names if x != n]) - all_int8 for n in names}
+    steps_done = Steps(say, "  sensitivity, nodes measured", len(names))
+    gain = {}
+    for n in names:
+        gain[n] = score([x for x in names if x != n]) - all_int8
+        steps_done.step()
     ranked = sorted(names, key=lambda n: (-gain[n], names.index(n)))
     steps.append({"step": "sensitivity", "gain": {n: gain[n] for n in ranked}})
     kept: list[str] = []
@@ -654,7 +665,7 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
         work = Path(work_s)
         t0 = time.perf_counter()
         say(f"calibrating {len(candidates)} nodes on {n} samples ({q.method})")
-        amax = calibrate(model, [a for c in candidates for a in c.activations], calib_feeds, q.method, work)
+        amax = calibrate(model, [a for c in candidates for a in c.activations], calib_feeds, q.method, work, say)
         say(f"calibrated in {time.perf_counter() - t0:.1f}s")
         builder = QdqBuilder(model, candidates, amax)
         names = [c.node for c in candidates]
