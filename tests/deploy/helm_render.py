@@ -49,7 +49,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "existing-claim": {"repository": {"pvc": {"existingClaim": "shared-models"}, "subPath": "fleet/a"},
                        "trust": {"existingConfigMap": "corp-policy", "existingSecret": "corp-trust"}},
     "trust-files": {"trust": {"files": {"release.pub": "-----BEGIN PUBLIC KEY-----\nMFkw\n-----END PUBLIC KEY-----\n"}}},
-    "admin-and-accept": {"serve": {"accept": True, "adminKey": {"enabled": True, "value": "s3cret"},
+    "admin-and-accept": {"serve": {"accept": True, "adminKey": {"enabled": True, "value": "0123456789abcdef-admin"},
                                    "extraArgs": ["--log-verbose", "1"]}},
     "admin-existing-secret": {"serve": {"adminKey": {"enabled": True, "existingSecret": "triton-admin"}}},
     "cpu-only": {"gpu": {"count": 0}, "networkPolicy": {"enabled": False}},

@@ -92,6 +92,7 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"factory": {"recipes": ["minilm.yaml"]}}, "/factory/recipes/0"),
     ({"serve": {"accept": "yes"}}, "/serve/accept"),
     ({"factory": {"action": "delete"}}, "/factory/action"),
+    ({"serve": {"adminKey": {"enabled": True, "value": "short"}}}, "/serve/adminKey/value"),
     ({"replicas": 3}, "'replicas' not allowed"),
 ])
 def test_wrong_values_are_refused_with_their_path(values: dict, path: str) -> None:
@@ -109,6 +110,11 @@ def test_the_default_values_pass_the_schema() -> None:
 
 
 def test_every_image_is_pinned_by_digest() -> None:
+    for path in sorted(KSERVE.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = doc["spec"]
+            for c in spec.get("containers", []) + [spec.get("container", {})]:
+                assert not c or DIGEST_IMAGE.match(c["image"]), (path.name, c["image"])
     for name in VALUE_SETS:
         for doc in objects(name):
             spec = doc.get("spec", {}).get("template", {}).get("spec")
@@ -174,7 +180,7 @@ def test_accept_and_the_admin_key_switches() -> None:
     assert mounts(container(spec, "server"))["/etc/model-factory/admin"]["readOnly"] is True
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["admin-key"]["secret"]["secretName"] == f"{FULLNAME}-admin-key"
-    assert find(objects("admin-and-accept"), "Secret", f"{FULLNAME}-admin-key")["stringData"] == {"admin-key": "s3cret"}
+    assert find(objects("admin-and-accept"), "Secret", f"{FULLNAME}-admin-key")["stringData"] == {"admin-key": "0123456789abcdef-admin"}
     other = {v["name"]: v for v in pod("admin-existing-secret")["volumes"]}
     assert other["admin-key"]["secret"]["secretName"] == "triton-admin"
     assert "--accept" not in container(pod(), "server")["command"]

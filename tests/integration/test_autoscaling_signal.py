@@ -49,5 +49,5 @@ def test_queue_to_compute_ratio_crosses_the_target_only_when_the_replica_saturat
 
     low = ratio(1, 40)
     # Closed loop: 3x the max batch of clients keeps two batches' worth of requests waiting.
-    saturated = ratio(192, 576)
+    saturated = ratio(192, 384)
     assert low < target < saturated, (low, target, saturated)
