@@ -40,11 +40,30 @@ def mounts(c: dict) -> dict[str, dict]:
 # --------------------------------------------------------------------------- the engine and the validators
 
 
-def test_helm_lint_passes() -> None:
+@pytest.mark.parametrize("values_set", ["default", "factory", "s3"])
+def test_helm_lint_passes_strictly(values_set: str) -> None:
     from helm_python import chart
 
-    result = chart.lint(CHART)
+    result = chart.lint(CHART, VALUE_SETS[values_set], strict=True, kube_version=KUBE_VERSIONS[0])
     assert result["errors"] == [] and not [m for m in result["messages"] if m["severity"] > 1], result
+
+
+def test_the_pod_extras_reach_the_pod() -> None:
+    docs = objects("pod-extras")
+    dep = find(docs, "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["metadata"]["name"] == "encoders"
+    assert spec["imagePullSecrets"] == [{"name": "registry-internal"}]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "inference"}
+    assert dep["spec"]["template"]["metadata"]["labels"]["team"] == "search"
+    assert spec["affinity"]["nodeAffinity"] and spec["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+    server = container(spec, "server")
+    assert {"name": "OMP_NUM_THREADS", "value": "4"} in server["env"]
+    assert server["startupProbe"]["periodSeconds"] == 15
+    assert {v["name"]: v for v in spec["volumes"]}["shm"]["emptyDir"]["sizeLimit"] == "4Gi"
+    assert find(docs, "Service")["spec"]["type"] == "LoadBalancer"
+    assert find(docs, "PersistentVolumeClaim")["spec"]["storageClassName"] == "nfs-ro"
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("adapter-rules")]
 
 
 @pytest.mark.parametrize("values_set", sorted(VALUE_SETS))
