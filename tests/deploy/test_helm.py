@@ -396,3 +396,30 @@ def test_max_replicas_below_min_is_refused() -> None:
 
     with pytest.raises(Exception, match="autoscaling.maxReplicas must be at least autoscaling.minReplicas"):
         render({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}})
+
+
+def test_the_kubernetes_validate_command_accepts_the_default_rendering(tmp_path) -> None:
+    """The CLI itself (``kubernetes-validate --strict -k VERSION``) on the built-in kinds of the default rendering."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .helm_render import CRD_SCHEMAS
+
+    cli = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
+    if cli is None:
+        pytest.skip("pip install 'model-factory[test]' (kubernetes-validate)")
+    docs = [d for d in objects("default") if (d["apiVersion"], d["kind"]) not in CRD_SCHEMAS]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    for version in KUBE_VERSIONS:
+        proc = subprocess.run([cli, "--strict", "-k", version, str(manifest)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("INFO") == len(docs), proc.stdout
+    bad = [*docs, {**docs[0], "spek": {}}]
+    manifest.write_text(yaml.safe_dump_all(bad))
+    proc = subprocess.run([cli, "--strict", "-k", KUBE_VERSIONS[0], str(manifest)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "spek" in proc.stdout + proc.stderr
