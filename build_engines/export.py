@@ -318,10 +318,23 @@ def factory_import_path(folder: Path | None, module: str = "") -> Iterator[None]
         except ValueError:  # the factory itself edited sys.path; nothing of ours is left to remove
             pass
         for name in set(sys.modules) - before:
-            origin = getattr(sys.modules.get(name), "__file__", None)
-            if origin and Path(origin).resolve().is_relative_to(root):
+            if _imported_from(sys.modules.get(name), name, root):
                 del sys.modules[name]
         sys.modules.update(shadowed)
+
+
+def _imported_from(module: Any, name: str, root: Path) -> bool:
+    """Whether ``module`` (called ``name``) was imported from the folder ``root`` itself.
+
+    Only ``root/a/b.py`` or ``root/a/b/__init__.py`` for ``a.b`` counts: a module found through another
+    import-path entry that happens to lie below ``root`` (a virtual environment inside the project
+    folder, say) is not the recipe's and stays imported.
+    """
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return False
+    base = root.joinpath(*name.split("."))
+    return Path(origin).resolve() in (base.with_name(base.name + ".py"), base / "__init__.py")
 
 
 def load_factory(spec: str, folder: Path | None = None) -> tuple[Callable[[], Any], Path | None]:

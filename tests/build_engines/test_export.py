@@ -151,6 +151,19 @@ def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path
     finally:
         sys.path.remove(str(other))
         sys.modules.pop("user_cnn_factory", None)
+    # A recipe folder that holds an import-path entry of its own (a virtual environment in the project,
+    # say): what is imported through that entry is not the recipe's and stays imported.
+    (folder / "venv_lib" / "vendored_dep_xyz").mkdir(parents=True)
+    (folder / "venv_lib" / "vendored_dep_xyz" / "__init__.py").write_text("VALUE = 1\n")
+    (folder / "user_cnn_factory.py").write_text("import vendored_dep_xyz\n" + FACTORY_WITH_SIBLING)
+    sys.path.append(str(folder / "venv_lib"))
+    try:
+        export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
+        assert "vendored_dep_xyz" in sys.modules and "user_cnn_factory" not in sys.modules
+    finally:
+        sys.path.remove(str(folder / "venv_lib"))
+        sys.modules.pop("vendored_dep_xyz", None)
+    (folder / "user_cnn_factory.py").write_text(FACTORY_WITH_SIBLING)
     # The module's own missing dependency is named as such, not as a missing factory module.
     (folder / "cnn_layers.py").write_text("import not_installed_dep_xyz\n")
     with pytest.raises(FactoryError, match="importing 'user_cnn_factory' failed.*pip install the package that "
