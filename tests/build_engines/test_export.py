@@ -276,7 +276,9 @@ def test_trace_that_bakes_a_shape_in_fails_with_the_fix(tmp_path: Path, monkeypa
 
     name = write_factory(tmp_path, monkeypatch)
     recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
-    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
+    # The ONNX export bakes the branch in too; it is now checked at a second batch size and fails first.
+    with pytest.raises(FactoryError, match="matches the source at the example's batch size 3 but differs by .* at "
+                                           "batch size 1: the export baked the batch size in .* Fix: remove"):
         export_model(recipe)
     assert not (recipe.work_dir / "export").exists()
 
@@ -312,3 +314,22 @@ def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert f"no module 'tiny_cnn' beside the recipe ({tmp_path}) or installed. Fix: put tiny_cnn.py beside the " \
            "recipe" in result.output
+
+
+def test_torchscript_check_catches_a_baked_shape_on_its_own(tmp_path: Path, monkeypatch) -> None:
+    """The trace's own check (kept for exports whose ONNX graph did not bake the shape in)."""
+    import importlib
+
+    from tiny_torch_models import encoder_recipe, write_factory
+
+    import torch
+
+    from model_factory.build_engines.export import _save_torchscript
+
+    name = write_factory(tmp_path, monkeypatch)
+    module, example = importlib.import_module(name).make_branchy()
+    args = (example["input_ids"], example["attention_mask"])
+    recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
+    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
+        _save_torchscript(torch, module, [args, tuple(a[:1] for a in args)], tmp_path,
+                          ["input_ids", "attention_mask"], ["last_hidden_state", "embedding"], recipe, lambda _m: None)
