@@ -320,9 +320,8 @@ def test_torchscript_check_catches_a_baked_shape_on_its_own(tmp_path: Path, monk
     """The trace's own check (kept for exports whose ONNX graph did not bake the shape in)."""
     import importlib
 
-    from tiny_torch_models import encoder_recipe, write_factory
-
     import torch
+    from tiny_torch_models import encoder_recipe, write_factory
 
     from model_factory.build_engines.export import _save_torchscript
 
