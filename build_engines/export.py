@@ -144,6 +144,74 @@ def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
     return EmbeddingModel().eval()
 
 
+# The transformers class each task loads: the export keeps the head the task serves.
+AUTO_CLASSES = {"classification": "AutoModelForSequenceClassification",
+                "token-classification": "AutoModelForTokenClassification",
+                "reranker": "AutoModelForSequenceClassification"}
+# Query/passage pairs a reranker export is traced and checked on.
+SAMPLE_PAIRS = ((SAMPLE_TEXTS[2], "Triton Inference Server serves models over HTTP and gRPC."),
+                (SAMPLE_TEXTS[0], SAMPLE_TEXTS[1]),
+                ("who serves models?", SAMPLE_TEXTS[3]),
+                (SAMPLE_TEXTS[1], SAMPLE_TEXTS[2]))
+
+
+def _head_module(model: Any, task: str, probabilities: bool) -> Any:
+    """Wrap an HF model with a task head so the graph returns the task's outputs.
+
+    ``classification`` and ``token-classification`` return ``logits`` (and softmax ``probabilities``
+    over the labels), ``reranker`` one relevance ``score`` per pair (the head's single logit).
+    """
+    torch = require("torch", "export")
+
+    class HeadModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
+            logits = self.model(**kwargs).logits
+            if task == "reranker":
+                return logits[:, :1]
+            if probabilities:
+                return logits, torch.softmax(logits, dim=-1)
+            return logits
+
+    return HeadModel().eval()
+
+
+def _load_hf(transformers: Any, src: Path, task: str) -> tuple[Any, Any]:
+    """The tokenizer and the model with the task's head; a folder without that head is refused."""
+    from model_factory.recipe import check_hf_task, read_hf_config
+
+    check_hf_task(read_hf_config(src), task, src)
+    cls_name = AUTO_CLASSES.get(task, "AutoModel")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        model, info = getattr(transformers, cls_name).from_pretrained(str(src), local_files_only=True,
+                                                                      output_loading_info=True)
+    except (OSError, ValueError) as exc:
+        raise FactoryError(f"cannot load a Hugging Face model from {src}: {exc}. Fix: point source.path "
+                           "at a folder with config.json, the weights and the tokenizer files") from exc
+    missing = list(info.get("missing_keys") or [])
+    if task in AUTO_CLASSES and missing:
+        # transformers would initialise them at random: the served head would be noise.
+        raise FactoryError(f"recipe field 'model.task': the weights in {src} lack {len(missing)} tensor(s) of the "
+                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head "
+                           f"({cls_name}.save_pretrained), or set task = \"embedding\"")
+    return tok, model.eval()
+
+
+def _hf_samples(tok: Any, task: str, texts: Any, max_length: int) -> Any:
+    if task == "reranker":
+        pairs = list(texts)
+        return tok([q for q, _ in pairs], [p for _, p in pairs], padding=True, truncation=True,
+                   max_length=max_length, return_tensors="pt")
+    return tok(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+
+
 def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
     torch = require("torch", "export")
     transformers = require("transformers", "export")
@@ -154,37 +222,39 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     say(f"loading {src}")
     transformers.utils.logging.disable_progress_bar()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-        hf = transformers.AutoModel.from_pretrained(str(src), local_files_only=True).eval()
-    except (OSError, ValueError) as exc:
-        raise FactoryError(f"cannot load a Hugging Face model from {src}: {exc}. Fix: point source.path "
-                           "at a folder with config.json, the weights and the tokenizer files") from exc
+    task = recipe.task
+    tok, hf = _load_hf(transformers, src, task)
     names = [s.name for s in recipe.inputs if s.dtype != "BYTES"]
     use_tti = "token_type_ids" in names
-    wrapper = _embedding_module(hf, recipe.pooling, recipe.normalize)
-    batch = tok(list(SAMPLE_TEXTS), padding=True, truncation=True, max_length=recipe.shapes.max_sequence_length,
-                return_tensors="pt")
+    if task in AUTO_CLASSES:
+        wrapper = _head_module(hf, task, recipe.probabilities)
+        out_names = [s.name for s in recipe.outputs]
+    else:
+        wrapper = _embedding_module(hf, recipe.pooling, recipe.normalize)
+        out_names = ["last_hidden_state", "embedding"]
+    samples = SAMPLE_PAIRS if task == "reranker" else SAMPLE_TEXTS
+    max_len = recipe.shapes.max_sequence_length
+    batch = _hf_samples(tok, task, samples, max_len)
     args = [batch["input_ids"], batch["attention_mask"]]
     if use_tti:
         args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
-    out_names = ["last_hidden_state", "embedding"]
     onnx_path = tmp / "model.onnx"
-    say("exporting to ONNX")
+    say(f"exporting to ONNX ({task}: {', '.join(out_names)})")
     dyn = {n: {0: "batch", 1: "sequence"} for n in in_names}
-    dyn["last_hidden_state"] = {0: "batch", 1: "sequence"}
-    dyn["embedding"] = {0: "batch"}
+    for spec in recipe.outputs:
+        if spec.name in out_names:
+            dyn[spec.name] = {0: "batch", 1: "sequence"} if spec.dims and spec.dims[0] == -1 else {0: "batch"}
     _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
     # Check at the traced shape and at another batch size and length: dynamic axes must hold.
-    single = tok([SAMPLE_TEXTS[2]], truncation=True, max_length=recipe.shapes.max_sequence_length, return_tensors="pt")
+    single = _hf_samples(tok, task, samples[2:3], max_len)
     single_args = [single["input_ids"], single["attention_mask"]]
     if use_tti:
         single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
     err = 0.0
     for sample in (args, single_args):
         with torch.no_grad():
-            ref = [t.numpy() for t in wrapper(*sample)]
+            ref = [t.numpy() for t in _as_outputs(torch, wrapper(*sample))]
         err = max(err, _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in sample))), out_names, ref))
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)

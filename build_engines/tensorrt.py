@@ -34,6 +34,7 @@ from model_factory.build_engines.export import check_onnx_file
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
+from model_factory.progress import heartbeat
 from model_factory.recipe import PRECISIONS, Recipe
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
@@ -294,7 +295,8 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
 
     say(f"building {precision} engine with {flavour} {_version(trt)} ({len(profiles)} profiles)")
     t0 = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
+    with heartbeat(say, f"building the {precision} engine"):
+        serialized = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
     if serialized is None or serialized.nbytes == 0:
         errors = [m for m in logger.messages if m.startswith(("[ERROR]", "[INTERNAL_ERROR]"))] or logger.messages

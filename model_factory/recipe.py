@@ -19,7 +19,10 @@ from model_factory.errors import FactoryError, require
 from model_factory.fileio import read_toml
 
 SOURCE_KINDS = ("huggingface", "torch", "onnx")
-TASKS = ("embedding", "classification", "generic")
+TASKS = ("embedding", "classification", "token-classification", "reranker", "generic")
+# The Hugging Face head each task exports (config.json "architectures" must end with it).
+TASK_HEADS = {"classification": "ForSequenceClassification", "token-classification": "ForTokenClassification",
+              "reranker": "ForSequenceClassification"}
 PRECISIONS = ("fp32", "fp16", "int8")
 DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
 # ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
@@ -150,6 +153,7 @@ class Recipe:
     pooling: str = "mean"
     normalize: bool = True
     text_input: bool = True
+    probabilities: bool = False  # classification heads: also return softmax probabilities
     recipe_path: Path | None = None
     work_dir: Path = field(default_factory=lambda: Path("build"))
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -228,11 +232,18 @@ def _tensor_specs(items: Any, section: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The Triton I/O of a Hugging Face encoder served for embeddings.
+def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: bool, task: str = "embedding",
+                    num_labels: int = 0, probabilities: bool = False
+                    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The Triton I/O of a Hugging Face encoder served for ``task``.
 
     Token ids are optional when the model also accepts raw text: a request sends
-    either ``text`` or the id tensors.
+    either the text (``text``, or ``query`` + ``passage`` for a reranker) or the id tensors.
+
+    * ``embedding``: ``last_hidden_state`` [L, hidden] and the pooled ``embedding`` [hidden];
+    * ``classification``: ``logits`` [labels] (and ``probabilities``);
+    * ``token-classification``: ``logits`` [L, labels] per token (and ``probabilities``);
+    * ``reranker``: one relevance ``score`` [1] per (query, passage) pair.
     """
     optional_ids = text_input
     inputs = [
@@ -241,13 +252,24 @@ def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: boo
     ]
     if with_token_type_ids:
         inputs.append(TensorSpec("token_type_ids", "INT64", (-1,), True))
-    if text_input:
+    if text_input and task == "reranker":
+        inputs += [TensorSpec("query", "BYTES", (1,), True), TensorSpec("passage", "BYTES", (1,), True)]
+    elif text_input:
         inputs.append(TensorSpec("text", "BYTES", (1,), True))
-    outputs = (
-        TensorSpec("last_hidden_state", "FP32", (-1, hidden_size)),
-        TensorSpec("embedding", "FP32", (hidden_size,)),
-    )
-    return tuple(inputs), outputs
+    if task == "classification":
+        outputs = [TensorSpec("logits", "FP32", (num_labels,))]
+        if probabilities:
+            outputs.append(TensorSpec("probabilities", "FP32", (num_labels,)))
+    elif task == "token-classification":
+        outputs = [TensorSpec("logits", "FP32", (-1, num_labels))]
+        if probabilities:
+            outputs.append(TensorSpec("probabilities", "FP32", (-1, num_labels)))
+    elif task == "reranker":
+        outputs = [TensorSpec("score", "FP32", (1,))]
+    else:
+        outputs = [TensorSpec("last_hidden_state", "FP32", (-1, hidden_size)),
+                   TensorSpec("embedding", "FP32", (hidden_size,))]
+    return tuple(inputs), tuple(outputs)
 
 
 def resolve_package_model(package: str) -> Path:
@@ -286,16 +308,56 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def _hf_io_from_folder(folder: Path, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def hf_labels(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The class labels of a Hugging Face config (``id2label`` in index order; ``num_labels`` as a fallback)."""
+    id2label = cfg.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            pairs = sorted((int(k), str(v)) for k, v in id2label.items())
+        except (TypeError, ValueError):
+            pairs = []
+        if [k for k, _ in pairs] == list(range(len(pairs))):
+            return tuple(v for _, v in pairs)
+    n = cfg.get("num_labels")
+    return tuple(f"LABEL_{i}" for i in range(n)) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else ()
+
+
+def check_hf_task(cfg: Mapping[str, Any], task: str, folder: Path) -> None:
+    """Refuse a folder whose saved architecture has no head for ``task`` (never export it as something else)."""
+    head = TASK_HEADS.get(task)
+    if head is None:
+        return
+    archs = cfg.get("architectures") or []
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    what = {"classification": "a sequence-classification head", "token-classification": "a token-classification head",
+            "reranker": "a cross-encoder (sequence-classification) head with one output"}[task]
+    if not any(a.endswith(head) for a in archs):
+        holds = ", ".join(archs) if archs else "no architectures entry"
+        raise _err("model.task", f"{task!r} needs {what}, but {folder}/config.json holds {holds}",
+                   f"save the model with its head (e.g. AutoModel{head}.save_pretrained(...)), or set "
+                   "task = \"embedding\" to serve the encoder's embeddings")
+    labels = hf_labels(cfg)
+    if task == "reranker" and len(labels) != 1:
+        raise _err("model.task", f"a reranker returns one relevance score, but {folder}/config.json has "
+                   f"{len(labels)} labels", "use a cross-encoder saved with num_labels=1, or set "
+                   "task = \"classification\" to serve its logits per label")
+    if task != "reranker" and not labels:
+        raise _err("model.task", f"{folder}/config.json names no labels (id2label / num_labels)",
+                   "save the model with its config (save_pretrained writes id2label)")
+
+
+def _hf_io_from_folder(folder: Path, text_input: bool, task: str = "embedding", probabilities: bool = False
+                       ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     cfg_file = folder / "config.json"
     cfg = read_hf_config(folder)
+    check_hf_task(cfg, task, folder)
     hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("dim")
     if not isinstance(hidden, int):
         raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",
                    "declare [[outputs]] in the recipe")
     # BERT-like models take token_type_ids; the ONNX export keeps only the inputs the model uses.
     with_tti = cfg.get("type_vocab_size", 0) > 0
-    return hf_tensor_specs(hidden, with_tti, text_input)
+    return hf_tensor_specs(hidden, with_tti, text_input, task, len(hf_labels(cfg)), probabilities)
 
 
 def onnx_tensor_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -336,7 +398,7 @@ def onnx_tensor_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorS
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     top = _take(data, "", {"model", "source", "inputs", "outputs", "shapes", "export", "precisions",
-                           "quantization", "tensorrt", "batching", "repository", "embedding"})
+                           "quantization", "tensorrt", "batching", "repository", "embedding", "classification"})
     if "model" not in top:
         raise _err("model", "missing", "add a [model] table with name and version")
     model = _take(top["model"], "model", {"name", "version", "task"})
@@ -387,12 +449,18 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     normalize = bool(emb.get("normalize", True))
     text_input = bool(emb.get("text_input", kind == "huggingface"))
 
+    cls = _take(top.get("classification", {}), "classification", {"probabilities"})
+    probabilities = _typed(cls.get("probabilities", False), "classification.probabilities", bool, "write true or false")
+    if probabilities and task not in ("classification", "token-classification"):
+        raise _err("classification.probabilities", f"task {task!r} has no class logits to turn into probabilities",
+                   "remove it, or set model.task = \"classification\" or \"token-classification\"")
+
     if "inputs" in top or "outputs" in top:
         inputs = _tensor_specs(top.get("inputs"), "inputs")
         outputs = _tensor_specs(top.get("outputs"), "outputs")
         text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
     elif kind == "huggingface":
-        inputs, outputs = _hf_io_from_folder(path, text_input)
+        inputs, outputs = _hf_io_from_folder(path, text_input, task, probabilities)
     elif kind == "onnx":
         inputs, outputs = onnx_tensor_specs(path)
     else:
@@ -531,7 +599,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         shapes=ShapeSpec(max_batch, max_len, buckets),
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,
         batching=batching, repository=repo, pooling=pooling, normalize=normalize,
-        text_input=text_input, recipe_path=recipe_path,
+        text_input=text_input, probabilities=probabilities, recipe_path=recipe_path,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,
         raw=data,

@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import CostModel, ProfileCostModel, measure_cost_model, profile_for_length
 from .loading import load_engine
-from .requests import RequestError, decode_texts, items_from_tensors, items_from_texts
+from .requests import RequestError, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
 
@@ -37,7 +37,9 @@ class TritonPythonModel:
         self.tokenizer = None
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
-        if s.input("text") is not None:
+        # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
+        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING")
+        if self.text_inputs:
             from .tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(version_dir, s.max_sequence_length)
@@ -103,9 +105,10 @@ class TritonPythonModel:
         batches, errors, wanted = [], {}, []
         for idx, request in enumerate(requests):
             try:
-                raw_text = pb_utils.get_input_tensor_by_name(request, "text") if self.tokenizer else None
-                if raw_text is not None:
-                    items = items_from_texts(decode_texts(raw_text.as_numpy()), self.tokenizer, self.engine.input_names)
+                raw = {n: _as_numpy(pb_utils.get_input_tensor_by_name(request, n)) for n in self.text_inputs}
+                raw = {n: v for n, v in raw.items() if v is not None}
+                if raw:
+                    items = items_from_text_inputs(raw, self.tokenizer, self.engine.input_names)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
