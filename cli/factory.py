@@ -157,7 +157,9 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     finally:
         if watch is not None:
             watch.stop()
-    # tritonserver on SIGTERM: new requests are refused, those in flight finish (up to its exit timeout).
+    # New requests refused, those in flight answered, then tritonserver stopped.
+    if not server.drain():
+        click.echo("requests were still in flight when the exit timeout expired", err=True)
     rc = server.stop()
     click.echo(f"tritonserver stopped (exit code {rc})")
     if rc != 0:

@@ -302,6 +302,30 @@ class TritonServer:
         """Ask the server to unload one model; return None when done, else the reason."""
         return self._admin_post(f"/v2/repository/models/{name}/unload")
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop taking requests and let those in flight finish: unload every served model and wait until
+        none is left loaded (Triton unloads a model once its in-flight requests are answered; new ones are
+        refused at once). Returns True when all drained within ``timeout_s`` (default: the exit timeout).
+
+        Triton's own SIGTERM path waits first for every open HTTP connection (a keep-alive client that keeps
+        sending keeps it waiting) and only then for in-flight requests, out of one exit timeout: draining
+        first is what lets a rolling update lose nothing and still exit 0.
+        """
+        if self.process is None or self.process.poll() is not None:
+            return True
+        for name in self.ready_models:
+            self.unload_model(name)
+        deadline = time.monotonic() + (self.options.exit_timeout_s if timeout_s is None else timeout_s)
+        while time.monotonic() < deadline:
+            try:
+                busy = [m for m in self.model_status() if m.get("state") in ("READY", "UNLOADING", "LOADING")]
+            except (OSError, ValueError):
+                return False
+            if not busy:
+                return True
+            time.sleep(0.05)
+        return False
+
     def _admin_post(self, path: str) -> str | None:
         req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST",
                                      headers=self.admin_headers)

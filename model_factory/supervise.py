@@ -130,7 +130,7 @@ class StubWatch:
         counts = self._counts()
         if not counts and not self.expected:
             return done
-        for model, want in self.expected.items():
+        for model, want in list(self.expected.items()):
             if self._stop.is_set():
                 break
             if counts.get(model, 0) < want:

@@ -133,7 +133,7 @@ def _kill_stub(server) -> int:
 
 def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_copy) -> None:
     from model_factory.serve import ServerOptions, start_verified_server
-    from model_factory.supervise import StubWatch
+    from model_factory.supervise import StubWatch, stub_processes
 
     repo, policy = repo_copy
     server, _ = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
@@ -171,8 +171,7 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
         assert 400 in seen_not_ready, "the model must read not ready while it is healed"
         assert _status(ready_url) == 200
         np.testing.assert_allclose(_embed(server.http_url, ["a stub dies", "and comes back"]), expected, atol=1e-6)
-        new = [s.pid for s in __import__("model_factory.supervise", fromlist=["x"]).stub_processes(
-            server.process.pid, server.repository)]
+        new = [s.pid for s in stub_processes(server.process.pid, server.repository)]
         assert new and dead not in new
         assert watch.check() == []  # healthy again: nothing to do
 
