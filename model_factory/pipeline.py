@@ -94,9 +94,12 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
     build_info["stage_seconds"] = seconds
+    cost = measure_onnx_cost_model(exported.onnx_path, recipe) if recipe.batching.max_queue_size is None else None
+    if cost is not None:
+        build_info["queue_cost_model"] = list(cost)
     packaged = _timed(seconds, "package", say, lambda: package_model(
         recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-        parameters=parameters, build_info=build_info))
+        parameters=parameters, build_info=build_info, cost_model=cost))
     signature = None
     if signer is not None:
         from model_factory.signing import sign_model_version
@@ -159,3 +162,37 @@ def package_existing(recipe: Recipe) -> Any:
                 artifacts[meta.name] = meta
     tok = export_dir / "tokenizer"
     return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra)
+
+
+def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:
+    """The cost model ``(a, b, c)`` of the FP32 ONNX on this machine's CPU, for the default queue bound.
+
+    Timed as the backend times its engine at load (the same sweep, one repeat), on ONNX Runtime; None for a
+    model whose inputs are not all ``[batch, sequence]`` integer tensors, or when ONNX Runtime is missing.
+    The backend measures its own engine again at load; this figure only sizes the queue.
+    """
+    try:
+        import numpy as np
+        import onnxruntime  # noqa: F401  (the engine below needs it)
+
+        from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
+        from model_factory.backend.grouping import measure_cost_model
+    except ImportError:
+        return None
+    engine = OnnxRuntimeEngine(Path(onnx_path))
+    try:
+        inputs = engine._session.get_inputs()
+        if not all(i.type in ("tensor(int64)", "tensor(int32)") and len(i.shape) == 2 for i in inputs):
+            return None
+        dtypes = {i.name: np.int64 if i.type == "tensor(int64)" else np.int32 for i in inputs}
+
+        def run(n: int, length: int) -> None:
+            engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()})
+
+        model = measure_cost_model(run, recipe.shapes.sequence_buckets or (recipe.shapes.max_sequence_length,),
+                                   recipe.shapes.max_batch, repeats=1)
+        return (float(model.a), float(model.b), float(model.c))
+    except Exception:  # a model the sweep cannot run: the fallback bound applies
+        return None
+    finally:
+        engine.close()
