@@ -28,12 +28,13 @@ import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
-from model_factory.fileio import atomic_dir, digest_path
+from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
+from model_factory.locking import exclusive
 from model_factory.recipe import Recipe, TensorSpec, read_hf_config
 
 BACKEND_PACKAGE = "mf_backend"
@@ -254,6 +255,7 @@ def package_model(
     parameters: Mapping[str, str] | None = None,
     build_info: Mapping[str, Any] | None = None,
     cost_model: Sequence[float] | None = None,
+    sign: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
     """Write ``<repo>/<model>/`` for ``recipe`` atomically.
 
@@ -295,6 +297,17 @@ def package_model(
         except ValueError:
             cost_model = None
     pbtxt = config_to_pbtxt(config_dict(recipe, params, default_queue_size(recipe, cost_model)))
+    # One writer per model at a time (a second is refused), and what a killed one left is cleared first.
+    with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
+        remove_stale_staging(model_dir.parent, model_dir.name)
+        metadata = _stage_model(recipe, model_dir, version, pbtxt, artifacts, tokenizer_dir, extra_files,
+                                build_info, sign)
+    return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
+
+
+def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
+                 tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
+                 sign: Callable[[Path], Any] | None) -> dict[str, Any]:
     with atomic_dir(model_dir) as tmp:
         if model_dir.is_dir():
             for entry in model_dir.iterdir():
@@ -332,4 +345,8 @@ def package_model(
             "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-    return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
+        if sign is not None:
+            # Signed while staged (the staged folder bears the model's name): the repository never
+            # holds this version unsigned, even for an instant.
+            sign(tmp)
+    return metadata

@@ -406,8 +406,9 @@ class TritonServer:
 
 
 def discover_models(repository: Path) -> list[str]:
-    """Model folders in a repository (folders holding a config.pbtxt)."""
-    return sorted(p.name for p in Path(repository).iterdir() if (p / "config.pbtxt").is_file())
+    """Model folders in a repository (folders holding a config.pbtxt; hidden ones, a build's staging, are not)."""
+    return sorted(p.name for p in Path(repository).iterdir()
+                  if (p / "config.pbtxt").is_file() and not p.name.startswith("."))
 
 
 @dataclass(frozen=True)

@@ -311,3 +311,44 @@ def test_sigterm_under_load_completes_in_flight_requests_refuses_new_ones_and_ex
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --------------------------------------------------------------------------- overload
+
+
+def test_a_full_queue_sheds_requests_at_once_with_unavailable(minilm_recipe, minilm_export, tmp_path: Path) -> None:
+    """A tiny queue (2) under 24 concurrent long requests: some are rejected (503 / UNAVAILABLE, fast), the
+    accepted ones are answered correctly, and bench counts the rejections apart from errors."""
+    import concurrent.futures
+
+    from model_factory.bench import is_rejection
+    from model_factory.repository import package_model, read_config
+    from model_factory.serve import ServerOptions, TritonServer
+
+    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"),
+                     batching=replace(minilm_recipe.batching, max_queue_size=2))
+    res = package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
+                        parameters={"cost_model": "0.002,1e-6,1e-9"})
+    assert read_config(res.model_dir).dynamic_batching.default_queue_policy.max_queue_size == 2
+    server = TritonServer(tmp_path / "repo", [MODEL], ServerOptions(0, 0, 0)).start()
+    try:
+        reference = _embed(server.http_url, ["overload " * 60])
+
+        def one(_: int) -> tuple[str, float, np.ndarray | None]:
+            start = time.monotonic()
+            try:
+                out = _embed(server.http_url, ["overload " * 60])
+                return "ok", time.monotonic() - start, out
+            except Exception as exc:  # the shed ones
+                return str(exc), time.monotonic() - start, None
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(one, range(48)))
+        ok = [r for r in results if r[0] == "ok"]
+        shed = [r for r in results if r[0] != "ok"]
+        assert ok and shed, [r[0] for r in results]
+        assert all(is_rejection(RuntimeError(r[0])) and "[503]" in r[0] for r in shed), shed[0][0]
+        for _, _, out in ok:
+            np.testing.assert_allclose(out, reference, atol=1e-5)
+    finally:
+        server.stop()
