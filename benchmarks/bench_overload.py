@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=600, help="measured requests per overload run")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sweep", default="4,8,16,32,64", help="concurrencies tried to find what the replica serves")
+    ap.add_argument("--sweep", default="1,2,4,8,16,32", help="concurrencies tried to find what the replica serves")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")

@@ -182,7 +182,10 @@ def package_existing(recipe: Recipe) -> Any:
             if meta.is_file():
                 artifacts[meta.name] = meta
     tok = export_dir / "tokenizer"
-    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra)
+    cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
+        if recipe.batching.max_queue_size is None and "model.onnx" in artifacts else None
+    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra,
+                         cost_model=cost)
 
 
 def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:

@@ -103,7 +103,7 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     With a cost model ``(a, b, c)`` (seconds; one launch of ``n`` sequences padded to ``L`` takes
     ``a + b·n·L + c·n·L²``) the rate is that of full batches (``shapes.max_batch``) of the first
     sequence bucket's length, times the instance count; the queue then holds about the budget's worth
-    of work, and never less than one full batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches
+    of work, and never less than the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches
     per instance.
     """
     n = recipe.shapes.max_batch
@@ -116,7 +116,8 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     if not seconds > 0:
         return FALLBACK_QUEUE_BATCHES * n * instances
     per_second = n / seconds * instances
-    return max(n, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
+    floor = min(recipe.batching.preferred_batch_sizes or (n,))
+    return max(floor, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
 
 
 def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:

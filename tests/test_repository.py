@@ -44,10 +44,11 @@ def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm
     length = minilm_recipe.shapes.sequence_buckets[0]
     seconds = 0.001 + 1e-5 * max_batch * length
     size = default_queue_size(minilm_recipe, (0.001, 1e-5, 0.0))
-    assert size == max(max_batch, math.ceil(max_batch / seconds * minilm_recipe.batching.queue_budget_ms / 1000.0))
+    smallest = min(minilm_recipe.batching.preferred_batch_sizes)
+    assert size == max(smallest, math.ceil(max_batch / seconds * minilm_recipe.batching.queue_budget_ms / 1000.0))
     faster = default_queue_size(minilm_recipe, (0.001, 1e-7, 0.0))
     assert faster > size  # a faster instance clears more in the same budget
-    assert default_queue_size(minilm_recipe, (10.0, 0.0, 0.0)) == max_batch  # never below one full batch
+    assert default_queue_size(minilm_recipe, (10.0, 0.0, 0.0)) == smallest  # never below the smallest batch
     assert default_queue_size(minilm_recipe, None) == FALLBACK_QUEUE_BATCHES * max_batch
     two = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=2))
     assert default_queue_size(two, (0.001, 1e-5, 0.0)) >= 2 * size - 1
