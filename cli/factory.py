@@ -96,6 +96,9 @@ class _Interrupted(Exception):
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--log-verbose", default=0, show_default=True, help="tritonserver --log-verbose level.")
+@click.option("--gpu-product", metavar="LABEL",
+              help="Load only TensorRT plans built on this GPU product (the nvidia.com/gpu.product node label, "
+                   "e.g. NVIDIA-H100-80GB-HBM3); others fall back as if absent.")
 @click.option("--admin-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File whose first line is the key of the restricted admin APIs (model repository, shared "
                    "memory, logging, trace), sent as header 'model-factory-admin-key'. Default: "
@@ -104,7 +107,8 @@ class _Interrupted(Exception):
               help="Seconds between checks of the backend stubs (a dead one is healed); 0: no watch.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
-          metrics_port: int, log_verbose: int, admin_key_file: str | None, watch_interval: float) -> None:
+          metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
+          watch_interval: float) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -121,7 +125,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     from model_factory.supervise import StubWatch
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                         log_verbose=log_verbose, host=host,
+                         log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     stop = threading.Event()
     starting = True

@@ -32,6 +32,8 @@ from model_factory.errors import FactoryError
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
 # Read by the Python backend (backends/python_backend/integrity.py).
 VERIFIED_DIGESTS_ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
+# Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
+GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
 # caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
@@ -55,6 +57,9 @@ class ServerOptions:
     exit_timeout_s: int = 10
     host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
+    # The GPU product this server runs on (the nvidia.com/gpu.product node label): the backend then
+    # loads only TensorRT plans whose metadata says they were built on it. None: any plan.
+    gpu_product: str | None = None
     # The key of the restricted admin APIs: None generates one per run (held by this process only);
     # an operator's fleet passes its own (admin_key_from). restrict_admin=False opens them (tests only).
     admin_key: str | None = field(default=None, repr=False)
@@ -212,6 +217,8 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self.extra_env = dict(env or {})
+        if opts.gpu_product:
+            self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         self.work_dir = self._work
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
 
