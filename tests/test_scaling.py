@@ -35,6 +35,14 @@ def test_the_rule_the_chart_renders_is_the_one_evaluated() -> None:
                                                 "nv_inference_compute_infer_duration_us", "1m", 1.0)
 
 
+def test_the_mean_queue_time_rule_has_the_same_shape() -> None:
+    rule = parse_ratio_rule(SHIPPED.replace("nv_inference_compute_infer_duration_us", "nv_inference_request_success"))
+    assert rule.denominator == "nv_inference_request_success"
+    before = [Sample("nv_inference_queue_duration_us", {}, 0.0), Sample("nv_inference_request_success", {}, 10.0)]
+    after = [Sample("nv_inference_queue_duration_us", {}, 3e6), Sample("nv_inference_request_success", {}, 70.0)]
+    assert evaluate(rule, before, after, 30.0) == pytest.approx(50_000.0)  # 60 requests waited 3 s: 50 ms each
+
+
 def test_other_shapes_are_refused() -> None:
     with pytest.raises(FactoryError, match="is not 'sum"):
         parse_ratio_rule("avg(nv_inference_queue_duration_us)")

@@ -103,6 +103,8 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"gpu": {"product": "NVIDIA H100 80GB HBM3"}}, "/gpu/product"),
     ({"autoscaling": {"mode": "vpa"}}, "/autoscaling/mode"),
     ({"autoscaling": {"targetQueueComputeRatio": "high"}}, "/autoscaling/targetQueueComputeRatio"),
+    ({"autoscaling": {"targetQueueComputeRatio": "500m"}}, "/autoscaling/targetQueueComputeRatio"),
+    ({"autoscaling": {"targetMeanQueueMicroseconds": "50ms"}}, "/autoscaling/targetMeanQueueMicroseconds"),
     ({"podSecurity": {"runAsUser": 0}}, "/podSecurity/runAsUser"),
     ({"repository": {"source": "nfs"}}, "/repository/source"),
     ({"repository": {"subPath": "../other-tenant"}}, "/repository/subPath"),
@@ -314,6 +316,20 @@ def test_hpa_targets_the_queue_to_compute_ratio_served_by_the_shipped_adapter_ru
     assert "nv_inference_queue_duration_us" in rule["metricsQuery"]
     assert "nv_inference_compute_infer_duration_us" in rule["metricsQuery"]
     assert not [d for d in objects("keda") if d["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_the_optional_mean_queue_time_metric() -> None:
+    docs = objects("queue-time")
+    metrics = find(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in metrics] == [
+        ("triton_queue_compute_ratio", "0.8"), ("triton_mean_queue_us", "50000")]
+    rules = yaml.safe_load(find(docs, "ConfigMap", f"{FULLNAME}-prometheus-adapter-rules")["data"]["config.yaml"])
+    assert [r["name"]["as"] for r in rules["rules"]] == ["triton_queue_compute_ratio", "triton_mean_queue_us"]
+    assert "nv_inference_request_success" in rules["rules"][1]["metricsQuery"]
+    triggers = find(objects("keda-queue-time"), "ScaledObject")["spec"]["triggers"]
+    assert [t["metadata"]["threshold"] for t in triggers] == ["1", "50000"]
+    assert "nv_inference_request_success" in triggers[1]["metadata"]["query"]
+    assert len(find(objects("default"), "HorizontalPodAutoscaler")["spec"]["metrics"]) == 1
 
 
 def test_keda_scaled_object_queries_the_same_ratio() -> None:
