@@ -39,15 +39,19 @@ def test_queue_to_compute_ratio_crosses_the_target_only_when_the_replica_saturat
     payloads = make_payloads(draw_texts(load_texts(TEXTS), 600, seed=1), load_tokenizer(minilm_export.tokenizer_dir, 128))
     run_load(triton.http_url, "minilm", payloads[:32], concurrency=8, warmup=0)  # load-time warm-up done
 
-    def ratio(concurrency: int, count: int) -> float:
+    def ratio(concurrency: int, count: int, gap_s: float = 0.0) -> float:
         before = settled_scrape(triton.metrics_url, "minilm")
         t0 = time.monotonic()
-        result = run_load(triton.http_url, "minilm", payloads[:count], concurrency=concurrency, warmup=0)
+        if gap_s:  # low load: one client pausing after each answer, so each request finds the instance idle
+            for i in range(count):
+                assert run_load(triton.http_url, "minilm", payloads[i:i + 1], concurrency=1, warmup=0).errors == 0
+                time.sleep(gap_s)
+        else:
+            assert run_load(triton.http_url, "minilm", payloads[:count], concurrency=concurrency, warmup=0).errors == 0
         after = settled_scrape(triton.metrics_url, "minilm")
-        assert result.errors == 0
         return evaluate(rule, before, after, time.monotonic() - t0)
 
-    low = ratio(1, 40)
+    low = ratio(1, 20, gap_s=0.05)
     # Closed loop: 3x the max batch of clients keeps two batches' worth of requests waiting.
     saturated = ratio(192, 384)
     assert low < target < saturated, (low, target, saturated)
