@@ -179,7 +179,8 @@ def report(rows: list[dict], query: str, target: float, queue_query: str, recipe
         "## Autoscaling signal (Helm chart's prometheus-adapter rule on the real server)",
         "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, a machine shared with other work (absolute figures vary; the shape is what counts). "
+        f"{os.cpu_count()} CPUs, a machine shared with other work (load average {os.getloadavg()[1]:.1f} over the "
+        "last 5 minutes of the run; absolute figures vary, the shape is what counts). "
         "`benchmarks/bench_autoscaling.py`: MiniLM FP32 on ONNX Runtime (CPU), one instance "
         f"(max batch {recipe.shapes.max_batch}, queue delay {recipe.batching.max_queue_delay_us} µs), served by the "
         "bundled Triton 2.51 through our Python backend; closed-loop clients sending token ids, rising step by step. "
@@ -207,7 +208,12 @@ def report(rows: list[dict], query: str, target: float, queue_query: str, recipe
     near_peak = next(r["concurrency"] for r in rows[1:] if r["throughput"] >= 0.9 * peak)
     lines += ["", (f"The ratio first exceeds the target at {first_over} clients" if first_over else
                    "The ratio never exceeded the target in this run") +
-              f"; throughput first reached 90% of its peak at {near_peak} clients.", END]
+              f"; throughput first reached 90% of its peak at {near_peak} clients.", "",
+              "The first row is the low-load reference: one client that pauses 50 ms after each answer, so every "
+              "request finds the instance idle. A closed-loop client sends its next request the moment an answer "
+              "arrives, while the instance may still be finishing the execution that answered it; on a loaded "
+              "machine that tail shows up as queue time even at one client (compare the first two rows). "
+              "docs/fleet.md discusses picking the target.", END]
     return "\n".join(lines)
 
 
