@@ -162,3 +162,73 @@ def test_repository_engine_option(tmp_path: Path) -> None:
     assert on.repository.engine == "torch"
     trt = parse_recipe({**torch_source, "tensorrt": {"enabled": True}, "repository": {"engine": "tensorrt"}}, tmp_path)
     assert trt.repository.engine == "tensorrt"
+
+
+# --------------------------------------------------------------------------- Hugging Face tasks
+
+HF_TASK_RECIPE = """
+[model]
+name = "m"
+task = "{task}"
+
+[source]
+kind = "huggingface"
+path = "hf"
+{extra}
+"""
+
+
+def _hf_folder(tmp_path: Path, architectures: list[str], **cfg) -> Path:
+    import json
+
+    folder = tmp_path / "hf"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": architectures, "hidden_size": 32,
+                                                    "type_vocab_size": 2, **cfg}))
+    return folder
+
+
+def _task_recipe(tmp_path: Path, task: str, extra: str = ""):
+    (tmp_path / "r.toml").write_text(HF_TASK_RECIPE.format(task=task, extra=extra))
+    return load_recipe(tmp_path / "r.toml")
+
+
+def test_classification_outputs_logits_and_probabilities_with_labels(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["DistilBertForSequenceClassification"], id2label={"0": "neg", "1": "pos"})
+    r = _task_recipe(tmp_path, "classification", "[classification]\nprobabilities = true\n")
+    assert [(o.name, o.dims) for o in r.outputs] == [("logits", (2,)), ("probabilities", (2,))]
+    assert {i.name for i in r.inputs} == {"input_ids", "attention_mask", "token_type_ids", "text"}
+
+
+def test_token_classification_outputs_per_token_logits(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertForTokenClassification"], id2label={str(i): f"L{i}" for i in range(5)})
+    r = _task_recipe(tmp_path, "token-classification")
+    assert [(o.name, o.dims) for o in r.outputs] == [("logits", (-1, 5))]
+
+
+def test_reranker_takes_query_and_passage_and_returns_one_score(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertForSequenceClassification"], id2label={"0": "LABEL_0"})
+    r = _task_recipe(tmp_path, "reranker")
+    assert [(o.name, o.dims) for o in r.outputs] == [("score", (1,))]
+    assert [i.name for i in r.inputs if i.dtype == "BYTES"] == ["query", "passage"]
+    assert "token_type_ids" in [i.name for i in r.inputs]
+
+
+@pytest.mark.parametrize("task, archs, cfg, needle", [
+    ("classification", ["BertModel"], {}, "needs a sequence-classification head"),
+    ("token-classification", ["BertForSequenceClassification"], {"id2label": {"0": "a", "1": "b"}},
+     "needs a token-classification head"),
+    ("reranker", ["BertForSequenceClassification"], {"id2label": {"0": "a", "1": "b"}}, "has 2 labels"),
+    ("classification", [], {}, "no architectures entry"),
+])
+def test_folder_without_the_tasks_head_is_refused(tmp_path: Path, task, archs, cfg, needle) -> None:
+    _hf_folder(tmp_path, archs, **cfg)
+    with pytest.raises(FactoryError, match=needle) as info:
+        _task_recipe(tmp_path, task)
+    assert "'model.task'" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_probabilities_only_for_classifiers(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertModel"])
+    with pytest.raises(FactoryError, match="classification.probabilities"):
+        _task_recipe(tmp_path, "embedding", "[classification]\nprobabilities = true\n")
