@@ -150,6 +150,8 @@ def profile_shapes(recipe: Recipe, input_dims: Mapping[str, tuple[int, ...]]) ->
 
     Axis 0 of an input, when dynamic, is the batch (1..max_batch, opt = the largest preferred batch size);
     any other dynamic axis is the sequence (previous bucket + 1 .. bucket, opt = bucket). Static axes stay.
+    A model whose inputs are fixed apart from the batch (an image CNN) gets one profile: more would be
+    identical copies.
     """
     shapes = recipe.shapes
     preferred = [b for b in recipe.batching.preferred_batch_sizes if b <= shapes.max_batch]
@@ -173,6 +175,8 @@ def profile_shapes(recipe: Recipe, input_dims: Mapping[str, tuple[int, ...]]) ->
             per_input[name] = {"min": lo, "opt": opt, "max": hi}
         profiles.append({"bucket": bucket, "sequence": [prev + 1, bucket], "inputs": per_input})
         prev = bucket
+    if not any(d < 0 for dims in input_dims.values() for d in dims[1:]):
+        return profiles[:1]
     return profiles
 
 

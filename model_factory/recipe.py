@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from model_factory.errors import FactoryError
+from model_factory.errors import FactoryError, require
 from model_factory.fileio import read_toml
 
 SOURCE_KINDS = ("huggingface", "torch", "onnx")
@@ -24,7 +24,9 @@ TASKS = ("embedding", "classification", "token-classification", "reranker", "gen
 TASK_HEADS = {"classification": "ForSequenceClassification", "token-classification": "ForTokenClassification",
               "reranker": "ForSequenceClassification"}
 PRECISIONS = ("fp32", "fp16", "int8")
-DTYPES = ("FP32", "FP16", "INT64", "INT32", "INT8", "BOOL", "BYTES")
+DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
+# ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
+ONNX_DTYPES = {1: "FP32", 10: "FP16", 11: "FP64", 7: "INT64", 6: "INT32", 5: "INT16", 3: "INT8", 2: "UINT8", 9: "BOOL"}
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
@@ -48,13 +50,15 @@ class SourceSpec:
     """Where the model comes from.
 
     ``path`` is a local folder (huggingface), an ONNX file (onnx) or unused (torch);
-    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``.
+    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``, its module
+    found in ``base_dir`` (the recipe's folder) first, then on the import path.
     """
 
     kind: str
     path: Path | None = None
     factory: str | None = None
     package: str | None = None  # a Python package that ships the model folder
+    base_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class BatchingSpec:
     # Padded tokens (sequences x padded length) one launch may hold: the memory budget a group splits at.
     # 0: no budget beyond max_batch (the engine's profiles bound the shapes anyway).
     max_group_tokens: int = 0
+    # May requests of different lengths be padded into one launch? Only for a model that ignores padding
+    # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
+    pad_sequences: bool = True
 
 
 @dataclass(frozen=True)
@@ -353,6 +360,41 @@ def _hf_io_from_folder(folder: Path, text_input: bool, task: str = "embedding", 
     return hf_tensor_specs(hidden, with_tti, text_input, task, len(hf_labels(cfg)), probabilities)
 
 
+def onnx_tensor_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The inputs and outputs of an ONNX graph as Triton sees them (the batch axis dropped, ``-1`` dynamic).
+
+    Reads the graph only (external weight files are not loaded). Axis 0 of every tensor must be the batch
+    axis, dynamic; an axis with a symbolic or unknown size is dynamic.
+    """
+    onnx = require("onnx", "onnx")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others: all mean "not an ONNX file"
+        raise _err("source.path", f"{path} is not a readable ONNX model ({type(exc).__name__})",
+                   "point it at an .onnx file saved by torch.onnx.export or onnx.save") from exc
+    inits = {i.name for i in model.graph.initializer}
+
+    def specs(values: Any, section: str) -> tuple[TensorSpec, ...]:
+        out = []
+        for v in values:
+            if v.name in inits:
+                continue
+            t = v.type.tensor_type
+            dtype = ONNX_DTYPES.get(t.elem_type)
+            if dtype is None or not t.HasField("shape"):
+                raise _err(section, f"the graph's tensor {v.name!r} has an element type or shape that cannot be "
+                           "read", f"declare [[{section}]] with name, dtype and dims for every graph {section[:-1]}")
+            dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.shape.dim]
+            if not dims or dims[0] != -1:
+                raise _err(section, f"the graph's tensor {v.name!r} has shape {dims}: axis 0 is not a dynamic batch "
+                           "axis", "export the model with a dynamic batch axis (torch.onnx.export(..., "
+                           "dynamic_axes={name: {0: 'batch'}}))")
+            out.append(TensorSpec(v.name, dtype, tuple(dims[1:])))
+        return tuple(out)
+
+    return specs(model.graph.input, "inputs"), specs(model.graph.output, "outputs")
+
+
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     top = _take(data, "", {"model", "source", "inputs", "outputs", "shapes", "export", "precisions",
@@ -390,9 +432,17 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         if not path.is_file():
             raise _err("source.path", f"{path} does not exist", "point it at an existing .onnx file")
     else:
-        factory = _typed(src.get("factory"), "source.factory", str, "set factory = \"package.module:function\"")
-        if ":" not in factory:
-            raise _err("source.factory", f"{factory!r} has no ':'", "write it as \"package.module:function\"")
+        if "factory" not in src:
+            raise _err("source.factory", "missing" + (" (a torch source takes factory, not path)" if "path" in src
+                                                      else ""),
+                       "set factory = \"module:function\", a function returning (torch.nn.Module, example_inputs); "
+                       "its module may sit beside the recipe")
+        factory = _typed(src.get("factory"), "source.factory", str, "set factory = \"module:function\"")
+        mod_name, _, fn_name = factory.partition(":")
+        if not fn_name or not all(part.isidentifier() for part in mod_name.split(".") + [fn_name]):
+            raise _err("source.factory", f"{factory!r} is not module:function",
+                       "write it as \"module:function\", e.g. factory = \"tiny_cnn:build\" for build() in "
+                       "tiny_cnn.py beside the recipe")
 
     emb = _take(top.get("embedding", {}), "embedding", {"pooling", "normalize", "text_input"})
     pooling = _choice(emb.get("pooling", "mean"), "embedding.pooling", ("mean", "cls"))
@@ -411,6 +461,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
     elif kind == "huggingface":
         inputs, outputs = _hf_io_from_folder(path, text_input, task, probabilities)
+    elif kind == "onnx":
+        inputs, outputs = onnx_tensor_specs(path)
     else:
         raise _err("inputs", f"a {kind} source needs its inputs and outputs declared",
                    "add [[inputs]] and [[outputs]] tables with name, dtype and dims")
@@ -495,7 +547,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     )
 
     b = _take(top.get("batching", {}), "batching",
-              {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens"})
+              {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens",
+               "pad_sequences"})
     pref = b.get("preferred_batch_sizes", [s for s in (8, 16, 32) if s <= max_batch] or [max_batch])
     if not isinstance(pref, list):
         raise _err("batching.preferred_batch_sizes", "expected a list", "e.g. preferred_batch_sizes = [8, 16, 32]")
@@ -513,8 +566,10 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     if max_tokens != 0 and max_tokens < max_len:
         raise _err("batching.max_group_tokens", f"{max_tokens} is below shapes.max_sequence_length {max_len}",
                    f"use 0 (no budget) or at least {max_len}")
+    pad = _typed(b.get("pad_sequences", any(s.name == "attention_mask" for s in inputs)), "batching.pad_sequences",
+                 bool, "write true (the model ignores padding: it reads an attention mask) or false")
     batching = BatchingSpec(pref, delay, _choice(b.get("grouping", "cost_model"), "batching.grouping", GROUPING_MODES),
-                            bool(b.get("ragged", True)), max_tokens)
+                            bool(b.get("ragged", True)), max_tokens, pad)
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
@@ -539,7 +594,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     return Recipe(
         name=name, version=version, task=task,
-        source=SourceSpec(kind, path, factory, package),
+        source=SourceSpec(kind, path, factory, package, base_dir),
         inputs=inputs, outputs=outputs,
         shapes=ShapeSpec(max_batch, max_len, buckets),
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,

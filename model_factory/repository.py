@@ -257,6 +257,7 @@ def package_model(
         "sequence_buckets": ",".join(map(str, recipe.shapes.sequence_buckets)),
         "grouping": recipe.batching.grouping,
         "max_group_tokens": str(recipe.batching.max_group_tokens),
+        "pad_sequences": str(recipe.batching.pad_sequences).lower(),
         "engine": recipe.repository.engine,
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),

@@ -12,12 +12,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .samples import NUMPY_DTYPES
 from .settings import Settings
 
 Item = dict[str, np.ndarray]
 
-_NP = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
-       "TYPE_INT8": np.int8, "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_}
+_NP = NUMPY_DTYPES
+
+
+# The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
+TEXT_INPUTS = ("text", "query", "passage")
 
 
 class RequestError(ValueError):
@@ -41,7 +45,10 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     """
     given = {k: v for k, v in tensors.items() if v is not None}
     if not given:
-        raise RequestError("the request has no inputs. Send 'text' or the token-id tensors")
+        if settings.input("text") is not None:
+            raise RequestError("the request has no inputs. Send 'text' or the token-id tensors")
+        names = ", ".join(f"'{i.name}'" for i in settings.inputs if not i.optional)
+        raise RequestError(f"the request has no inputs. Send {names}")
     for spec in settings.inputs:
         if spec.data_type == "TYPE_STRING":
             continue
@@ -60,6 +67,8 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
         for axis, (got, dim) in enumerate(zip(arr.shape[1:], spec.dims), start=1):
             if dim != -1 and got != dim:
                 raise RequestError(f"input '{name}' axis {axis} is {got}, expected {dim}")
+            if got == 0 and axis > 1:  # axis 1 of a sequence input is reported as an empty sequence below
+                raise RequestError(f"input '{name}' has an empty axis {axis}")
         if rows is None:
             rows = arr.shape[0]
         elif arr.shape[0] != rows:
@@ -82,7 +91,7 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
     mask = given.get("attention_mask")
-    if ids is not None and mask is None:
+    if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
 
