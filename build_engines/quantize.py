@@ -86,6 +86,9 @@ PERCENTILE = 99.99
 HIST_BINS = 2048
 CALIB_BATCH = 8
 SEARCH_SAMPLES = 16
+# A reranker's search scores rankings per query: 16 pairs are only four queries of four passages, too few
+# to tell a node that flips a ranking from one that does not. Pairs are short and cheap to score.
+SEARCH_SAMPLES_RERANKER = 64
 # The search never sees the held-out set, so it aims a little above the gate: a fifth of the way from the
 # target to a perfect score (0.99 -> 0.992). Without it a search that just crosses 0.99 on 16 samples
 # passes or fails the held-out gate by chance.
@@ -673,10 +676,11 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
         steps: list[dict[str, Any]] = []
         if q.mixed_precision:
             target = search_target(gate if gate is not None else DEFAULT_TARGET)
-            search_feeds = {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()}
+            n_search = SEARCH_SAMPLES_RERANKER if recipe.task == "reranker" else SEARCH_SAMPLES
+            search_feeds = {k: v[:n_search] for k, v in calib_feeds.items()}
             groups = split.calibration.groups()
             search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output,
-                                    None if groups is None else groups[:SEARCH_SAMPLES])
+                                    None if groups is None else groups[:n_search])
             scorer = SwitchScorer(builder, search_eval, work)
             kept, steps = search_mixed_precision(names, scorer, target, say)
             steps.insert(0, {"step": "search", "gate": gate, "target": target, "scored_on":

@@ -58,7 +58,7 @@ def zoo(tmp_path_factory, minilm_recipe):
     models = {}
     for make in zoo_models.MAKERS:
         member = make(root, tokenizer_source)
-        recipe = load_recipe(member.recipe)
+        recipe = load_recipe(member.recipe, member.overrides)
         result = build(recipe, parameters=FIXED_COST)
         assert result.accuracy is not None and result.accuracy["passed"], result.accuracy
         for precision in ("fp16", "int8"):
@@ -145,7 +145,7 @@ def _close(got: np.ndarray, want: np.ndarray, precision: str) -> None:
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-classifier", "zoo-tagger", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "sentiment", "ner", "reranker"])
 def test_text_requests_match_transformers(zoo, name, precision, protocol) -> None:
     """One request per sample (the tagger's logits come back at each request's own length, unpadded)."""
     member, recipe, _ = zoo.models[name]
@@ -168,7 +168,7 @@ def test_text_requests_match_transformers(zoo, name, precision, protocol) -> Non
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "reranker"])
 def test_token_ids_with_token_type_ids(zoo, name, protocol) -> None:
     """The id path: input_ids + attention_mask + token_type_ids (a reranker's pair tokenized by the client)."""
     member, _, _ = zoo.models[name]
@@ -196,12 +196,12 @@ def test_token_ids_with_token_type_ids(zoo, name, protocol) -> None:
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_classification_extension_returns_labels(zoo, protocol) -> None:
     """class_count on the classifier's logits: Triton answers score:index:label from the packaged label file."""
-    member, _, _ = zoo.models["zoo-classifier"]
+    member, _, _ = zoo.models["sentiment"]
     ref = _reference(member, TEXTS[:1])["logits"][0]
-    assert (zoo.repo / "zoo-classifier" / "labels.txt").read_text().split() == list(zoo_models.SENTIMENT)
+    assert (zoo.repo / "sentiment" / "labels.txt").read_text().split() == list(zoo_models.SENTIMENT)
     module, client = _client(protocol, zoo)
     try:
-        result = client.infer("zoo-classifier", _text_inputs(module, "classification", TEXTS[:1]),
+        result = client.infer("sentiment", _text_inputs(module, "classification", TEXTS[:1]),
                               outputs=[module.InferRequestedOutput("logits", class_count=2)])
         top = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("logits").ravel()]
     finally:
@@ -216,11 +216,11 @@ def test_classification_extension_returns_labels(zoo, protocol) -> None:
 
 def test_a_batch_of_texts_per_request(zoo) -> None:
     """Several texts in one request: the tagger pads only to the request's longest text, the rest are exact."""
-    member, _, _ = zoo.models["zoo-tagger"]
+    member, _, _ = zoo.models["ner"]
     ref = _reference(member, TEXTS)
     module, client = _client("http", zoo)
     try:
-        got = client.infer("zoo-tagger", _text_inputs(module, "token-classification", TEXTS)).as_numpy("logits")
+        got = client.infer("ner", _text_inputs(module, "token-classification", TEXTS)).as_numpy("logits")
     finally:
         client.close()
     lengths = [len(ids) for ids in ref["input_ids"]]
@@ -239,15 +239,15 @@ def _ids_inputs(module, ids: np.ndarray) -> list:
 
 
 BAD = {  # one malformed request per model, and the message the client gets
-    "zoo-encoder": (lambda m: [_bytes_input(m, "text", [""])], "empty"),
-    "zoo-classifier": (lambda m: [_bytes_input(m, "text", ["ok", "  "])], "empty"),
-    "zoo-tagger": (lambda m: _ids_inputs(m, np.ones((1, 65), np.int64)), "exceeds the maximum 64"),
-    "zoo-reranker": (lambda m: [_bytes_input(m, "query", ["only a query"])], "passage"),
+    "encoder": (lambda m: [_bytes_input(m, "text", [""])], "empty"),
+    "sentiment": (lambda m: [_bytes_input(m, "text", ["ok", "  "])], "empty"),
+    "ner": (lambda m: _ids_inputs(m, np.ones((1, 65), np.int64)), "exceeds the maximum 64"),
+    "reranker": (lambda m: [_bytes_input(m, "query", ["only a query"])], "passage"),
 }
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-classifier", "zoo-tagger", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "sentiment", "ner", "reranker"])
 def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
     from tritonclient.utils import InferenceServerException
 
