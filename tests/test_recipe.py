@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,32 @@ def test_torch_source_with_path_instead_of_factory_says_so(tmp_path: Path) -> No
                       "inputs": [{"name": "pixels", "dtype": "UINT8", "dims": [3, 64, 64]}],
                       "outputs": [{"name": "logits", "dtype": "FP32", "dims": [10]}]}, tmp_path)
     assert r.source.base_dir == tmp_path and r.inputs[0].dtype == "UINT8"
+
+
+def test_readme_recipes_for_every_hugging_face_task_parse(tmp_path: Path) -> None:
+    """README's short recipes (built verbatim by the zoo) parse, each with its task's outputs."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zoo_models import readme_recipe
+
+    heads = {"embedding": ["BertModel"], "classification": ["DistilBertForSequenceClassification"],
+             "token-classification": ["BertForTokenClassification"], "reranker": ["BertForSequenceClassification"]}
+    outputs = {"embedding": ["last_hidden_state", "embedding"], "classification": ["logits", "probabilities"],
+               "token-classification": ["logits"], "reranker": ["score"]}
+    for task, archs in heads.items():
+        text = readme_recipe(task)
+        folder = tmp_path / task
+        folder.mkdir()
+        path = re.search(r'^path = "([^"]+)"', text, re.M).group(1)
+        (folder / path).mkdir()
+        labels = {"0": "only"} if task == "reranker" else {"0": "a", "1": "b"}
+        (folder / path / "config.json").write_text(json.dumps({"architectures": archs, "hidden_size": 8,
+                                                               "id2label": labels}))
+        for name in ("calib.txt", "heldout.txt", "pairs.jsonl", "heldout_pairs.jsonl"):
+            (folder / name).write_text("x\n")
+        (folder / "r.toml").write_text(text)
+        recipe = load_recipe(folder / "r.toml")
+        assert recipe.task == task and [o.name for o in recipe.outputs] == outputs[task]
+        assert recipe.precisions == ("fp32", "fp16", "int8") and recipe.quantization.min_accuracy == 0.99
