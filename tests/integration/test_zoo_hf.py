@@ -274,3 +274,22 @@ def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
     if message:
         assert message in info.value.message()
     assert outcomes == [None] * len(samples)
+
+
+def test_label_file_is_signed_with_the_model(zoo, tmp_path) -> None:
+    """labels.txt sits beside config.pbtxt, inside the signed unit: a changed label fails verification."""
+    import shutil
+
+    from model_factory.demo import write_key_policy
+    from model_factory.signing import SignerConfig, generate_keypair, load_policy, sign_model_version
+    from model_factory.signing import verify_repository
+
+    repo = tmp_path / "repo"
+    shutil.copytree(zoo.repo / "sentiment", repo / "sentiment")
+    keys = generate_keypair(tmp_path / "keys")
+    sign_model_version(repo / "sentiment", 1, SignerConfig(private_key=keys.private_key, password=None))
+    policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False))
+    assert [r.ok for r in verify_repository(repo, policy)] == [True]
+    (repo / "sentiment" / "labels.txt").write_text("positive\nnegative\n")  # labels swapped
+    [result] = verify_repository(repo, policy)
+    assert not result.ok and "labels.txt changed" in " ".join(result.reasons)
