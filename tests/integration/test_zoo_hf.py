@@ -12,6 +12,7 @@ and sent a bad request that is answered 400 for itself alone.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import dataclasses
 import sys
 from pathlib import Path
@@ -293,3 +294,18 @@ def test_label_file_is_signed_with_the_model(zoo, tmp_path) -> None:
     (repo / "sentiment" / "labels.txt").write_text("positive\nnegative\n")  # labels swapped
     [result] = verify_repository(repo, policy)
     assert not result.ok and "labels.txt changed" in " ".join(result.reasons)
+
+
+def test_token_classifier_int8_engine_builds(zoo, tmp_path) -> None:
+    """The heads go through the engine stage too: the tagger's INT8 Q/DQ graph with its per-token output
+    becomes a strongly typed plan (ahead of time on this CPU with TensorRT-RTX; running it needs a GPU)."""
+    from model_factory.build_engines.tensorrt import build_engines, plan_header_problems, tensorrt_available
+
+    if tensorrt_available() is None:
+        pytest.skip("neither tensorrt nor tensorrt_rtx is installed (pip install 'model-factory[tensorrt-rtx]')")
+    _, recipe, result = zoo.models["ner"]
+    [engine] = build_engines(recipe, {"int8": result.artifacts["model.int8.onnx"]}, out_dir=tmp_path / "engines")
+    meta = json.loads(engine.metadata_path.read_text())
+    assert meta["precision"] == "int8" and meta["strongly_typed"]
+    assert {o["name"] for o in meta["outputs"]} == {"logits"} and len(meta["profiles"]) == 2
+    assert plan_header_problems(engine.plan_path) in ([], None)
