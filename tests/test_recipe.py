@@ -321,3 +321,21 @@ def test_readme_recipes_for_every_hugging_face_task_parse(tmp_path: Path) -> Non
         recipe = load_recipe(folder / "r.toml")
         assert recipe.task == task and [o.name for o in recipe.outputs] == outputs[task]
         assert recipe.precisions == ("fp32", "fp16", "int8") and recipe.quantization.min_accuracy == 0.99
+
+
+def test_every_readme_recipe_is_toml_with_known_tables() -> None:
+    """README's recipe blocks are valid TOML, with every key in the table the recipe reads it from."""
+    import tomllib
+
+    from model_factory.errors import FactoryError as _Err
+    from model_factory.recipe import parse_recipe as _parse
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(r"```toml\n(.*?)```", readme.read_text(), re.S)
+    assert len(blocks) >= 6
+    for block in blocks:
+        data = tomllib.loads(block)
+        try:
+            _parse(data, Path("/nonexistent"))
+        except _Err as exc:  # the files the recipe names are not here; a misplaced key fails before them
+            assert "unknown key" not in str(exc), (str(exc), block)
