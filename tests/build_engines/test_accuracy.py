@@ -111,6 +111,9 @@ def test_primary_output():
     assert primary_output("embedding", ["last_hidden_state", "embedding"]) == "embedding"
     assert primary_output("classification", ["logits", "embedding"]) == "logits"
     assert primary_output("embedding", ["out"]) == "out"
+    assert primary_output("token-classification", ["logits", "probabilities"]) == "logits"
+    assert primary_output("reranker", ["score"]) == "score"
+    assert primary_output("generic", ["y", "logits"]) == "y"  # a generic model is scored on its first output
 
 
 def test_report_round_trips_through_json(tmp_path):
