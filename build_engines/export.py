@@ -199,8 +199,9 @@ def _load_hf(transformers: Any, src: Path, task: str) -> tuple[Any, Any]:
     if task in AUTO_CLASSES and missing:
         # transformers would initialise them at random: the served head would be noise.
         raise FactoryError(f"recipe field 'model.task': the weights in {src} lack {len(missing)} tensor(s) of the "
-                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head "
-                           f"({cls_name}.save_pretrained), or set task = \"embedding\"")
+                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head (the "
+                           "save_pretrained() of the model with the head writes its weights), or set "
+                           "task = \"embedding\"")
     return tok, model.eval()
 
 
