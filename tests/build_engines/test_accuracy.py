@@ -167,3 +167,8 @@ def test_unreadable_report(tmp_path):
     p.write_text("{")
     with pytest.raises(FactoryError, match="re-run the quantize stage"):
         AccuracyReport.read(p)
+
+
+def test_rendered_report_has_no_trailing_spaces():
+    """The report goes into build logs: no line padded out to the table's width."""
+    assert all(line == line.rstrip() for line in _report().render().splitlines())
