@@ -309,3 +309,17 @@ def test_token_classifier_int8_engine_builds(zoo, tmp_path) -> None:
     assert meta["precision"] == "int8" and meta["strongly_typed"]
     assert {o["name"] for o in meta["outputs"]} == {"logits"} and len(meta["profiles"]) == 2
     assert plan_header_problems(engine.plan_path) in ([], None)
+
+
+def test_readme_client_snippet_runs_against_the_zoo(zoo) -> None:
+    """README's standard-client example, run as written (only the server address differs)."""
+    import re
+
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", zoo_models.README.read_text(), re.S)
+                   if 'class_count=2' in b)
+    scope: dict = {}
+    exec(snippet.replace("localhost:8000", zoo.server.http_url.removeprefix("http://")), scope)  # noqa: S102
+    scope["client"].close()
+    top = [v.decode() for v in scope["top"].ravel()]
+    assert len(top) == 2 and {t.split(":")[2] for t in top} == set(zoo_models.SENTIMENT)
+    assert scope["scores"].shape == (2, 1) and scope["scores"].dtype == np.float32
