@@ -53,7 +53,7 @@ def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm
     two = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=2))
     assert default_queue_size(two, (0.001, 1e-5, 0.0)) >= 2 * size - 1
 
-    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, size)))
+    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=size)))
     policy = cfg.dynamic_batching.default_queue_policy
     assert policy.max_queue_size == size and policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
     assert cfg.dynamic_batching.priority_levels == 0
@@ -61,7 +61,7 @@ def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm
     declared = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=7,
                                                        queue_timeout_us=50_000, timeout_action="delay",
                                                        priority_levels=3, default_priority=2))
-    cfg = parse_config(config_to_pbtxt(config_dict(declared, {}, size)))
+    cfg = parse_config(config_to_pbtxt(config_dict(declared, {}, queue_size=size)))
     policy = cfg.dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds) == (7, 50_000)
     assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.DELAY
