@@ -329,7 +329,7 @@ def package_model(
         except ValueError:
             cost_model = None
     labels = class_labels(recipe)
-    pbtxt = config_to_pbtxt(config_dict(recipe, params, labels, default_queue_size(recipe, cost_model)))
+    pbtxt = config_to_pbtxt(config_dict(recipe, params, labels, queue_size=default_queue_size(recipe, cost_model)))
     # One writer per model at a time (a second is refused), and what a killed one left is cleared first.
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
