@@ -21,8 +21,10 @@ from typing import Any, Callable
 import numpy as np
 
 from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
+from model_factory.memory import release_memory
 from model_factory.recipe import Recipe, TensorSpec
 
 SAMPLE_TEXTS = (
@@ -169,27 +171,29 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
     out_names = ["last_hidden_state", "embedding"]
     onnx_path = tmp / "model.onnx"
+    # The check runs at the traced shape and at another batch size and length: dynamic axes must hold.
+    single = tok([SAMPLE_TEXTS[2]], truncation=True, max_length=recipe.shapes.max_sequence_length, return_tensors="pt")
+    single_args = [single["input_ids"], single["attention_mask"]]
+    if use_tti:
+        single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
+    samples = [(dict(zip(in_names, (a.numpy() for a in sample))), _reference(torch, wrapper, sample))
+               for sample in (args, single_args)]
     say("exporting to ONNX")
     dyn = {n: {0: "batch", 1: "sequence"} for n in in_names}
     dyn["last_hidden_state"] = {0: "batch", 1: "sequence"}
     dyn["embedding"] = {0: "batch"}
     _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
-    # Check at the traced shape and at another batch size and length: dynamic axes must hold.
-    single = tok([SAMPLE_TEXTS[2]], truncation=True, max_length=recipe.shapes.max_sequence_length, return_tensors="pt")
-    single_args = [single["input_ids"], single["attention_mask"]]
-    if use_tti:
-        single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
-    err = 0.0
-    for sample in (args, single_args):
-        with torch.no_grad():
-            ref = [t.numpy() for t in wrapper(*sample)]
-        err = max(err, _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in sample))), out_names, ref))
-    say(f"max abs error vs torch: {err:.3g}")
-    _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
         ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
                                             out_names, recipe, say)
+    # The torch model is done with: free it before ONNX Runtime loads its own copy of the weights.
+    del wrapper, hf
+    release_memory()
+    onnx_files.normalize(onnx_path)
+    err = _compare_with_ort(onnx_path, samples, out_names)
+    say(f"max abs error vs torch: {err:.3g}")
+    _check_tolerance(err, recipe)
     tok_dir = tmp / "tokenizer"
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), recipe.export.opset,
@@ -266,11 +270,23 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
     return path, err
 
 
-def _compare_with_ort(onnx_path: Path, feeds: dict[str, np.ndarray], out_names: list[str],
-                      reference: list[np.ndarray]) -> float:
+def _reference(torch: Any, module: Any, sample: Any) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*sample)
+    return [t.numpy() for t in _as_outputs(torch, out)]
+
+
+def _compare_with_ort(onnx_path: Path, samples: list[tuple[dict[str, np.ndarray], list[np.ndarray]]],
+                      out_names: list[str]) -> float:
+    """Max abs difference between ONNX Runtime on ``onnx_path`` and the references, over ``samples``."""
     sess = onnxruntime_session(onnx_path)
-    got = sess.run(out_names, feeds)
-    return float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) for g, r in zip(got, reference)))
+    err = 0.0
+    for feeds, reference in samples:
+        got = sess.run(out_names, feeds)
+        err = max(err, float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) if r.size else 0.0
+                                 for g, r in zip(got, reference))))
+    del sess
+    return err
 
 
 def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
@@ -320,14 +336,8 @@ def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None])
     onnx_path = tmp / "model.onnx"
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
+    reference = _reference(torch, module, args)
     _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe)
-    with torch.no_grad():
-        ref = module(*args)
-    ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
-    err = _compare_with_ort(onnx_path, {n: a.numpy() for n, a in zip(in_names, args)}, out_names,
-                            [r.numpy() for r in ref])
-    say(f"max abs error vs torch: {err:.3g}")
-    _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
         samples = [args]
@@ -335,6 +345,13 @@ def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None])
         if all(isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1 for a in args):
             samples.append(tuple(a[:1] for a in args))
         ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
+    feeds = {n: a.numpy() for n, a in zip(in_names, args)}
+    del module, produced
+    release_memory()
+    onnx_files.normalize(onnx_path)
+    err = _compare_with_ort(onnx_path, [(feeds, reference)], out_names)
+    say(f"max abs error vs torch: {err:.3g}")
+    _check_tolerance(err, recipe)
     mod_file = getattr(importlib.import_module(recipe.source.factory.split(":")[0]), "__file__", None)
     digest = digest_path(Path(mod_file)) if mod_file else hashlib.sha256(recipe.source.factory.encode()).hexdigest()
     return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
@@ -342,15 +359,13 @@ def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None])
 
 
 def check_onnx_file(path: Path) -> Any:
-    """Load and check an ONNX file; a broken one is a FactoryError naming the problem."""
-    onnx = require("onnx", "onnx")
-    try:
-        model = onnx.load(str(path))
-        onnx.checker.check_model(model)
-    except Exception as exc:  # onnx raises DecodeError, ValidationError, ...: all mean "broken file"
-        raise FactoryError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {str(exc)[:300]}). "
-                           "Fix: re-export it, or point the recipe at the right file") from exc
-    return model
+    """Check an ONNX file (and its external data); return its graph, weights left in their data file.
+
+    A broken file is a FactoryError naming the problem. The returned model is graph-only where the
+    file has external data (see :mod:`~model_factory.build_engines.onnx_files`).
+    """
+    onnx_files.check(path)
+    return onnx_files.load_graph(path)
 
 
 def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
@@ -367,7 +382,9 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
                            f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
                            "match the graph's tensor names")
     onnx_path = tmp / "model.onnx"
-    shutil.copyfile(src, onnx_path)
+    # Weights stream from the source's data files (if any) into this folder's layout, one tensor at a time.
+    onnx_files.save(model, onnx_path, base_dir=Path(src).parent, consume=True)
+    del model
     # No source framework to compare with: run it once on zeros to prove it executes.
     feeds = {}
     for s in recipe.inputs:
