@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -33,6 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+STAGE_RE = re.compile(r"\[([a-z-]+)\] started")
 START, END = "<!-- bench_large_models:start -->", "<!-- bench_large_models:end -->"
 
 # name -> (layers, hidden, heads, intermediate): BERT shapes, vocabulary 30522, 512 positions.
@@ -176,8 +178,9 @@ def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: st
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip())
-            if "] started" in line and "[" in line:
-                stage[0] = line.split("[", 1)[1].split("]", 1)[0]
+            found = STAGE_RE.search(line)
+            if found:
+                stage[0] = found.group(1)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

@@ -10,6 +10,11 @@
   loads, else the TorchScript file if there is one and torch has CUDA, else ONNX
   Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
   ``fallback_from_torch``); on a CPU instance ONNX Runtime.
+
+Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
+nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
+external-data file ``<onnx_file>.data`` when it has one, read from verified bytes as well), and the
+TorchScript trace, which is FP32, is used only when the precision is fp32.
 """
 
 from __future__ import annotations
@@ -20,13 +25,36 @@ from .integrity import IntegrityError, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
-def _gpu_plan(version_dir: Path) -> Path | None:
-    # Prefer the lowest precision that was built: INT8, then FP16, then FP32.
-    for precision in ("int8", "fp16", "fp32"):
-        plan = version_dir / f"model.{precision}.plan"
-        if plan.is_file():
-            return plan
-    return None
+DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
+
+
+def _gpu_plan(version_dir: Path, settings: Settings) -> Path | None:
+    """The served precision's plan, when it was built (never another precision's)."""
+    if not settings.plan_file:
+        return None
+    plan = version_dir / settings.plan_file
+    return plan if plan.is_file() else None
+
+
+def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None):
+    from .engines.onnxruntime import OnnxRuntimeEngine
+
+    model_dir, version = version_dir.parent, version_dir.name
+    path = version_dir / settings.onnx_file
+    if not path.is_file():
+        raise SettingsError(f"{path} is missing: repackage the model")
+    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
+    external = {}
+    data_name = settings.onnx_file + DATA_SUFFIX
+    if (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests):
+        external[data_name] = read_checked(model_dir, f"{version}/{data_name}", digests)
+    # INT8 runs with Q/DQ simulated in float, as it was scored for the accuracy gate (and as TensorRT
+    # computes it): ONNX Runtime's fused int8 CPU kernels saturate on AVX2 without VNNI.
+    engine = OnnxRuntimeEngine(data, external_data=external, simulate_qdq=settings.precision == "int8")
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
+    if external:
+        info["external_data"] = data_name
+    return engine, info
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:
@@ -70,22 +98,27 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     gpu = instance_kind == "GPU"
     torchscript = version_dir / settings.torchscript_file
     if settings.engine == "torch":
+        if settings.precision != "fp32":
+            raise SettingsError(f"engine=torch serves the FP32 TorchScript trace, but precision={settings.precision}: "
+                                "repackage with repository.serve = \"fp32\" or engine = \"auto\"")
         if not torchscript.is_file():
             raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
-    plan = _gpu_plan(version_dir)
+    plan = _gpu_plan(version_dir, settings)
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
-            raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan")
+            raise SettingsError(f"engine=tensorrt but {version_dir} has no {settings.precision} plan "
+                                f"({settings.plan_file or 'none was built'}): build engines for it, or use engine=auto")
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
             from .engines.tensorrt import TensorRTEngine
 
             engine = TensorRTEngine(data, device_id=device_id, settings=settings)
-            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None,
+                            "precision": settings.precision}
         except Exception as exc:  # no TensorRT here, or a plan this GPU/TensorRT cannot run
             if settings.engine == "tensorrt":
                 raise
@@ -93,7 +126,10 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             # capability 9.0) must not take the model down when another engine can serve it.
             fallback["fallback_from_tensorrt"] = f"{type(exc).__name__}: {exc}"
     if settings.engine == "auto" and gpu:
-        if not torchscript.is_file():
+        if settings.precision != "fp32":
+            fallback["fallback_from_torch"] = (f"the TorchScript trace is FP32 and this deployment serves "
+                                               f"{settings.precision}")
+        elif not torchscript.is_file():
             fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
                                                "export.torchscript = true to serve with torch on the GPU)")
         else:
@@ -104,17 +140,11 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                 try:
                     engine, info = _load_torch(version_dir, settings, instance_device(instance_kind, device_id),
                                                digests)
-                    return engine, {**info, **fallback}
+                    return engine, {**info, "precision": settings.precision, **fallback}
                 except (SettingsError, IntegrityError):
                     raise  # a file changed after verification, or a package that does not fit its config
                 except Exception as exc:  # torch cannot load this file here: ONNX Runtime still can serve
                     why = f"{type(exc).__name__}: {exc}"
             fallback["fallback_from_torch"] = why
-    from .engines.onnxruntime import OnnxRuntimeEngine
-
-    path = version_dir / settings.onnx_file
-    if not path.is_file():
-        raise SettingsError(f"{path} is missing: repackage the model")
-    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None, **fallback}
-    return OnnxRuntimeEngine(data), info
+    engine, info = _load_onnxruntime(version_dir, settings, digests)
+    return engine, {**info, "precision": settings.precision, **fallback}

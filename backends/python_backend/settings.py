@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class SettingsError(ValueError):
@@ -46,6 +47,9 @@ class Settings:
     torchscript_file: str = "model.torchscript.pt"
     # The model's vocabulary size (Hugging Face config.json "vocab_size"): token ids must be below it.
     vocab_size: int | None = None
+    # The precision this deployment serves (recipe repository.serve) and its TensorRT plan, if built.
+    precision: str = "fp32"
+    plan_file: str | None = None
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -96,6 +100,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if vocab_size is not None and vocab_size <= 0:
         raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
     torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
+    precision = params.get("precision", "") or "fp32"
+    if precision not in PRECISIONS:
+        raise SettingsError(f"parameter precision={precision!r}: use {', '.join(PRECISIONS)}")
     max_tokens = num("max_group_tokens", 0)
     if max_tokens < 0:
         raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
@@ -120,4 +127,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         cost_model_repeats=num("cost_model_repeats", 3),
         torchscript_file=torchscript_file,
         vocab_size=vocab_size,
+        precision=precision,
+        # Packages from before the precision parameter name no plan: the served precision's own, if any.
+        plan_file=params.get("plan_file") or (None if "precision" in params else f"model.{precision}.plan"),
     )
