@@ -99,6 +99,9 @@ def _data() -> dict:
     (lambda d: d.update(repository={"engine": "tflite"}), "repository.engine", "one of"),
     (lambda d: d.update(repository={"engine": "torch"}), "repository.engine", "export.torchscript = true"),
     (lambda d: d.update(repository={"engine": "tensorrt"}), "repository.engine", "tensorrt.enabled = true"),
+    (lambda d: d.update(repository={"serve": "int4"}), "repository.serve", "one of"),
+    (lambda d: d.update(repository={"serve": "int8"}), "repository.serve", "add \"int8\" to precisions"),
+    (lambda d: d.update(repository={"keep_all_precisions": "yes"}), "repository.keep_all_precisions", "true"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -162,3 +165,23 @@ def test_repository_engine_option(tmp_path: Path) -> None:
     assert on.repository.engine == "torch"
     trt = parse_recipe({**torch_source, "tensorrt": {"enabled": True}, "repository": {"engine": "tensorrt"}}, tmp_path)
     assert trt.repository.engine == "tensorrt"
+
+
+def test_served_precision_defaults_to_fp32_and_is_the_users_choice(onnx_recipe_dir: Path) -> None:
+    default = parse_recipe(_data(), onnx_recipe_dir).repository
+    assert default.serve == "fp32" and default.keep_all_precisions is False
+    data = _data() | {"precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "tiny.onnx"},
+                      "repository": {"serve": "fp16", "keep_all_precisions": True}}
+    chosen = parse_recipe(data, onnx_recipe_dir).repository
+    assert chosen.serve == "fp16" and chosen.keep_all_precisions is True
+
+
+def test_torch_engine_serves_only_fp32(tmp_path: Path) -> None:
+    data = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}],
+            "precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "held.npz"},
+            "export": {"torchscript": True}, "repository": {"engine": "torch", "serve": "fp16"}}
+    (tmp_path / "held.npz").write_bytes(b"")
+    with pytest.raises(FactoryError, match=r"'repository.serve'.*FP32 TorchScript.*Fix: set serve = \"fp32\""):
+        parse_recipe(data, tmp_path)
