@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from model_factory.errors import FactoryError, require
 
@@ -94,11 +94,16 @@ def tensor_array(tensor: Any, base_dir: Path) -> Any:
     return np.frombuffer(_external_bytes(tensor, base_dir), dtype=dtype).reshape(tuple(tensor.dims)).copy()
 
 
-def load_weights(model: Any, base_dir: Path) -> Any:
-    """Read every external tensor of ``model`` into the proto (in place); returns ``model``."""
+def load_weights(model: Any, base_dir: Path, convert: Mapping[str, Callable[[bytes], bytes]] | None = None) -> Any:
+    """Read every external tensor of ``model`` into the proto (in place); returns ``model``.
+
+    ``convert`` as in :func:`save`.
+    """
+    convert = convert or {}
     for tensor in _tensors(model):
         if tensor.data_location == _EXTERNAL:
-            tensor.raw_data = _external_bytes(tensor, base_dir)
+            raw = _external_bytes(tensor, base_dir)
+            tensor.raw_data = convert[tensor.name](raw) if tensor.name in convert else raw
             del tensor.external_data[:]
             tensor.data_location = 0  # DEFAULT
     return model
@@ -116,14 +121,17 @@ def tensor_bytes(model: Any) -> int:
 
 
 def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | None = None,
-         consume: bool = False) -> Path:
+         consume: bool = False, convert: Mapping[str, Callable[[bytes], bytes]] | None = None) -> Path:
     """Write ``model`` to ``path`` (plus :func:`data_file` for large models); returns ``path``.
 
     Tensors in memory and tensors that point at a data file (relative to ``base_dir``, the folder
     of the file ``model`` was loaded from) are streamed one at a time into the new data file.
     ``model`` itself is left as it was, unless ``consume`` (then its tensors are moved out as they are
     written: no second copy of the weights). ``external`` forces one layout; by default the size decides.
+    ``convert`` maps names of tensors in a data file to a function applied to their bytes on the way
+    (in chunks of whole elements), e.g. FP32 -> FP16 for a tensor whose type the graph already changed.
     """
+    convert = dict(convert or {})
     onnx = require("onnx", "onnx")
     path = Path(path)
     if external is None:
@@ -137,7 +145,7 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
         out.CopyFrom(model)
     if not external:
         if any(t.data_location == _EXTERNAL for t in _tensors(out)):
-            load_weights(out, Path(base_dir or path.parent))
+            load_weights(out, Path(base_dir or path.parent), convert)
         try:
             onnx.save_model(out, str(path))
         except ValueError as exc:  # over protobuf's 2 GB limit
@@ -157,17 +165,18 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
                             raise FactoryError(f"{src}, the external data of a tensor of the model, is missing. "
                                                "Fix: keep the .onnx file and its .data file together")
                         handle = sources[str(src)] = src.open("rb")
-                    offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
+                    offset, left = int(info.get("offset", 0)), int(info.get("length", 0))
                     start = _pad(sink)
                     handle.seek(offset)
-                    left = length
+                    change = convert.get(tensor.name)
                     while left:
                         chunk = handle.read(min(left, _CHUNK))
                         if not chunk:
                             raise FactoryError(f"{src} ends before tensor {tensor.name!r} does. Fix: re-export "
                                                "the model (its data file is truncated)")
-                        sink.write(chunk)
                         left -= len(chunk)
+                        sink.write(change(chunk) if change else chunk)
+                    length = sink.tell() - start
                 elif tensor.ByteSize() >= 1024:  # small ones stay in the graph, as onnx.save_model does
                     if not tensor.HasField("raw_data"):  # typed fields (float_data, ...) -> raw bytes
                         array = onnx.numpy_helper.to_array(tensor)
