@@ -13,15 +13,18 @@
 
 Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
 nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
-external-data file ``<onnx_file>.data`` when it has one, read from verified bytes as well), and the
+external-data file ``<onnx_file>.data`` when it has one, copied while hashed into a private folder
+and loaded from there), and the
 TorchScript trace, which is FP32, is used only when the precision is fp32.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
-from .integrity import IntegrityError, read_checked, verified_digests
+from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
@@ -43,18 +46,28 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     path = version_dir / settings.onnx_file
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")
-    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    external = {}
     data_name = settings.onnx_file + DATA_SUFFIX
-    if (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests):
-        external[data_name] = read_checked(model_dir, f"{version}/{data_name}", digests)
+    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
     # INT8 runs with Q/DQ simulated in float, as it was scored for the accuracy gate (and as TensorRT
     # computes it): ONNX Runtime's fused int8 CPU kernels saturate on AVX2 without VNNI.
-    engine = OnnxRuntimeEngine(data, external_data=external, simulate_qdq=settings.precision == "int8")
+    int8 = settings.precision == "int8"
     info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
-    if external:
-        info["external_data"] = data_name
-    return engine, info
+    if not has_data:
+        return OnnxRuntimeEngine(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests),
+                                 simulate_qdq=int8), info
+    info["external_data"] = data_name
+    if digests is None:  # no verification: ONNX Runtime reads the weights beside the graph itself
+        return OnnxRuntimeEngine(path, simulate_qdq=int8), info
+    # A model with external data (past protobuf's 2 GB limit) is loaded from a path. The graph and its
+    # data are copied, hashed on the way, into a private folder and loaded from there: the bytes loaded
+    # are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
+    private = Path(tempfile.mkdtemp(prefix="mf-verified-"))
+    try:
+        (private / settings.onnx_file).write_bytes(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests))
+        copy_checked(model_dir, f"{version}/{data_name}", digests, private / data_name)
+        return OnnxRuntimeEngine(private / settings.onnx_file, simulate_qdq=int8), info
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:

@@ -233,6 +233,11 @@ def test_tensorrt_refuses_when_the_served_precision_has_no_plan(precisions_dir: 
 def test_external_data_is_loaded_from_the_verified_bytes(precisions_dir: Path, tmp_path: Path, monkeypatch) -> None:
     import hashlib
     import json
+    import tempfile
+
+    private = tmp_path / "private"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where the checked copies go while loading
 
     from model_factory.backend.integrity import ENV, IntegrityError
 
@@ -244,6 +249,7 @@ def test_external_data_is_loaded_from_the_verified_bytes(precisions_dir: Path, t
     engine, info = load_engine(v, _precision_settings("int8"), "CPU", 0)
     assert info["verified"] and info["external_data"] == "model.int8.onnx.data"
     np.testing.assert_allclose(engine.run({"x": np.ones((1, 64), np.float32)})["y"], np.full((1, 64), 3.0))
+    assert list(private.iterdir()) == []  # the private copies are gone once the session holds the weights
     # The weights swapped after verification: refused, not loaded.
     data = v / "model.int8.onnx.data"
     raw = bytearray(data.read_bytes())
@@ -251,3 +257,4 @@ def test_external_data_is_loaded_from_the_verified_bytes(precisions_dir: Path, t
     data.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError, match="model.int8.onnx.data changed after verification"):
         load_engine(v, _precision_settings("int8"), "CPU", 0)
+    assert list(private.iterdir()) == []

@@ -12,9 +12,8 @@ class OnnxRuntimeEngine:
 
     flavour = "onnxruntime"
 
-    def __init__(self, model: Path | bytes, threads: int | None = None, external_data: dict[str, bytes] | None = None,
-                 simulate_qdq: bool = False) -> None:
-        """``external_data`` maps the data-file names the model refers to onto their (verified) bytes.
+    def __init__(self, model: Path | bytes, threads: int | None = None, simulate_qdq: bool = False) -> None:
+        """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
 
         ``simulate_qdq`` keeps Q/DQ pairs as float arithmetic (basic graph optimizations only).
         """
@@ -29,15 +28,6 @@ class OnnxRuntimeEngine:
             opts.intra_op_num_threads = threads
         if simulate_qdq:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        if external_data:
-            # A model past protobuf's 2 GB limit keeps its weights in a data file; they come from the same
-            # verified bytes as the graph, never re-read from disk (ONNX Runtime copies them in).
-            if not hasattr(opts, "add_external_initializers_from_files_in_memory"):
-                raise RuntimeError("this onnxruntime cannot load external data from memory (needs 1.20 or newer): "
-                                   "upgrade onnxruntime in the server's Python")
-            names = list(external_data)
-            buffers = [external_data[n] for n in names]
-            opts.add_external_initializers_from_files_in_memory(names, buffers, [len(b) for b in buffers])
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
