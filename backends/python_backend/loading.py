@@ -16,10 +16,18 @@ nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX mod
 external-data file ``<onnx_file>.data`` when it has one, copied while hashed into a private folder
 and loaded from there), and the
 TorchScript trace, which is FP32, is used only when the precision is fp32.
+
+When the server was started for one GPU product (``serve --gpu-product``, which sets
+``MODEL_FACTORY_GPU_PRODUCT``; the Helm chart does it for every pod), only plans whose
+``.plan.json`` says they were built on that product count as plans: a plan built
+for another product (or ahead of time without a GPU) is skipped as if absent.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,14 +37,43 @@ from .settings import Settings, SettingsError
 
 
 DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
+GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 
-def _gpu_plan(version_dir: Path, settings: Settings) -> Path | None:
-    """The served precision's plan, when it was built (never another precision's)."""
-    if not settings.plan_file:
+def product_label(device_name: str) -> str:
+    """A GPU's name as the ``nvidia.com/gpu.product`` node label spells it ("NVIDIA H100 80GB HBM3" -> "NVIDIA-H100-80GB-HBM3")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.strip()).strip("-")
+
+
+def _built_for(model_dir: Path, relpath: str, digests: dict[str, str] | None) -> str | None:
+    """The GPU product a plan was built on, from its (signed) ``.plan.json``; None when it names none."""
+    if not (model_dir / relpath).is_file():
         return None
+    try:
+        meta = json.loads(read_checked(model_dir, relpath, digests))
+    except ValueError:
+        return None
+    device = meta.get("device") if isinstance(meta, dict) else None
+    return product_label(device["name"]) if isinstance(device, dict) and device.get("name") else None
+
+
+def _gpu_plan(version_dir: Path, settings: Settings,
+              digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The served precision's plan (never another precision's) and, when a GPU product is set, the plan
+    skipped as built for another one."""
+    product = os.environ.get(GPU_PRODUCT_ENV, "").strip()
+    skipped: list[str] = []
+    if not settings.plan_file:
+        return None, skipped
     plan = version_dir / settings.plan_file
-    return plan if plan.is_file() else None
+    if not plan.is_file():
+        return None, skipped
+    if product:
+        built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
+        if built_for != product_label(product):
+            skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
+            return None, skipped
+    return plan, skipped
 
 
 def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None):
@@ -119,12 +156,17 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
-    plan = _gpu_plan(version_dir, settings)
+    plan, skipped = _gpu_plan(version_dir, settings, digests)
+    if skipped and plan is None and gpu:
+        fallback["fallback_from_tensorrt"] = (f"no plan built for GPU product {os.environ[GPU_PRODUCT_ENV]!r}: "
+                                              f"skipped {', '.join(skipped)}")
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
             raise SettingsError(f"engine=tensorrt but {version_dir} has no {settings.precision} plan "
-                                f"({settings.plan_file or 'none was built'}): build engines for it, or use engine=auto")
+                                f"({settings.plan_file or 'none was built'})"
+                                + (f" built for this GPU product ({fallback['fallback_from_tensorrt']})"
+                                   if skipped else ": build engines for it, or use engine=auto"))
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
             from .engines.tensorrt import TensorRTEngine
