@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import io
 import json
 import os
 import shutil
@@ -28,6 +29,9 @@ from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
 from model_factory.recipe import Recipe, TensorSpec, onnx_tensor_specs
+
+# From this many parameters on, a recipe that does not choose gets torch's dynamo exporter (see _torch_export).
+DYNAMO_MIN_PARAMETERS = 32_000_000
 
 SAMPLE_TEXTS = (
     "A man is playing a guitar on the street.",
@@ -255,7 +259,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     for spec in recipe.outputs:
         if spec.name in out_names:
             dyn[spec.name] = {0: "batch", 1: "sequence"} if spec.dims and spec.dims[0] == -1 else {0: "batch"}
-    _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
+    opset = _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe, say)
     if not recipe.export.torchscript:
         # The torch model is done with: free it before ONNX Runtime loads its own copy of the weights.
         del wrapper, hf
@@ -270,23 +274,48 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
                                             out_names, recipe, say)
     tok_dir = tmp / "tokenizer"
     tok.save_pretrained(str(tok_dir))
-    return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), recipe.export.opset,
+    return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 
+def use_dynamo(recipe: Recipe, parameters: int) -> bool:
+    """The exporter for a model of ``parameters`` parameters: the recipe's choice, else by size."""
+    if recipe.export.dynamo is not None:
+        return recipe.export.dynamo
+    return parameters >= DYNAMO_MIN_PARAMETERS
+
+
 def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: list[str], out_names: list[str],
-                  dynamic_axes: dict[str, dict[int, str]], recipe: Recipe) -> None:
+                  dynamic_axes: dict[str, dict[int, str]], recipe: Recipe, say: Callable[[str], None] = lambda _m: None
+                  ) -> int:
+    """Export ``module`` to ``path``; returns the opset written.
+
+    The TorchScript exporter holds the model, its constant-folded weights and the serialized proto at
+    once (about four copies of the weights at its peak); the dynamo exporter references the module's
+    tensors and streams them into the external-data file (measured: 3.2 vs 0.5 copies beyond the model,
+    BERT 53M). A recipe that leaves ``export.dynamo`` unset gets the dynamo exporter from
+    :data:`DYNAMO_MIN_PARAMETERS` parameters on (at opset 18 at least, which it needs).
+    """
+    parameters = sum(p.numel() for p in module.parameters())
+    dynamo = use_dynamo(recipe, parameters)
+    opset = max(recipe.export.opset, 18) if dynamo and recipe.export.dynamo is None else recipe.export.opset
+    if dynamo and recipe.export.dynamo is None:
+        say(f"{parameters / 1e6:.0f}M parameters: exporting with torch's dynamo exporter (opset {opset}), which "
+            "streams the weights")
     try:
         # The tracer warns about every Python-level branch in transformers' code; the exported
-        # graph is checked numerically against the source below, which is what decides.
-        with torch.no_grad(), warnings.catch_warnings():
+        # graph is checked numerically against the source below, which is what decides. The dynamo
+        # exporter prints its progress on stdout: kept out of the build's output.
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
+            extra = {"external_data": True} if dynamo else {"do_constant_folding": True}
             torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
-                              dynamic_axes=dynamic_axes, opset_version=recipe.export.opset,
-                              dynamo=recipe.export.dynamo, do_constant_folding=True)
+                              dynamic_axes=dynamic_axes, opset_version=opset, dynamo=dynamo, **extra)
     except Exception as exc:  # torch raises many types here; all mean "this model did not export"
+        other = "false" if dynamo else "true"
         raise FactoryError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}. Fix: check the model's "
-                           "forward() runs on the example inputs, or try export.dynamo = true") from exc
+                           f"forward() runs on the example inputs, or try export.dynamo = {other}") from exc
+    return opset
 
 
 def _as_outputs(torch: Any, value: Any) -> list[Any]:
@@ -505,7 +534,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     onnx_path = tmp / "model.onnx"
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
-    _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe)
+    opset = _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe, say)
     samples = [args]
     # A second batch size, as the HF export checks a second shape: the dynamic batch axis must hold.
     if all(a.dim() > 0 and a.shape[0] > 1 for a in args):
@@ -539,7 +568,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     if recipe.export.torchscript:
         ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
     digest = digest_path(mod_file) if mod_file else hashlib.sha256(factory.encode()).hexdigest()
-    return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
+    return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 

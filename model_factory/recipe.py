@@ -76,7 +76,9 @@ class ExportSpec:
 
     opset: int = 17
     tolerance: float = 1e-3
-    dynamo: bool = False
+    # torch's exporter: True the dynamo one, False the TorchScript one; None (unset) picks by size: the dynamo
+    # exporter for models of DYNAMO_MIN_PARAMETERS or more (it streams weights; the other holds ~3 copies).
+    dynamo: bool | None = None
     torchscript: bool = False  # also save model.torchscript.pt (a torch.jit.trace) for the torch engine
 
 
@@ -537,7 +539,11 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         raise _err("export.torchscript", "an onnx source has no torch module to trace",
                    "set export.torchscript = false, or build from the huggingface folder or torch factory "
                    "the ONNX file came from")
-    export = ExportSpec(opset, float(tol), bool(ex.get("dynamo", False)), torchscript)
+    dynamo = ex.get("dynamo")
+    if dynamo is not None:
+        _typed(dynamo, "export.dynamo", bool, "write true (dynamo exporter), false (TorchScript exporter), or leave "
+               "it out to choose by model size")
+    export = ExportSpec(opset, float(tol), dynamo, torchscript)
 
     precisions = top.get("precisions", ["fp32"])
     if not isinstance(precisions, list) or not precisions:
