@@ -222,6 +222,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="22M,45M,110M", help=f"comma-separated, from {', '.join(SHAPES)}")
     ap.add_argument("--baseline", default=None, help="git ref of the code to compare with (e.g. 470b894)")
+    ap.add_argument("--this", default=None, help="git ref of this branch's code to build with (unpacked like the "
+                    "baseline, so the checkout can change while the benchmark runs); default: the installed package")
     ap.add_argument("--baseline-max-params", type=int, default=120_000_000,
                     help="build the baseline only for models up to this many parameters (its peak is larger)")
     ap.add_argument("--no-engines", action="store_true", help="leave TensorRT engines out")
@@ -237,10 +239,12 @@ def main() -> None:
         tmp = Path(tmp_s)
         key = keygen(tmp / "keys")
         baseline = unpack_baseline(args.baseline, tmp / "baseline") if args.baseline else None
+        this = unpack_baseline(args.this, tmp / "this") if args.this else None
+        label = f"this branch ({args.this})" if args.this else "this branch"
         for size in args.sizes.split(","):
             model = tmp / f"bert-{size}"
             params = make_model(size, model)
-            codes = [("this branch", None)]
+            codes = [(label, this)]
             if baseline is not None and params <= args.baseline_max_params:
                 codes.insert(0, (f"baseline {args.baseline}", baseline))
             for code, path in codes:
