@@ -109,6 +109,7 @@ def _data() -> dict:
     (lambda d: d.update(repository={"serve": "int4"}), "repository.serve", "one of"),
     (lambda d: d.update(repository={"serve": "int8"}), "repository.serve", "add \"int8\" to precisions"),
     (lambda d: d.update(repository={"keep_all_precisions": "yes"}), "repository.keep_all_precisions", "true"),
+    (lambda d: d.update(export={"dynamo": "yes"}), "export.dynamo", "choose by model size"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -242,3 +243,14 @@ def test_torch_source_with_path_instead_of_factory_says_so(tmp_path: Path) -> No
                       "inputs": [{"name": "pixels", "dtype": "UINT8", "dims": [3, 64, 64]}],
                       "outputs": [{"name": "logits", "dtype": "FP32", "dims": [10]}]}, tmp_path)
     assert r.source.base_dir == tmp_path and r.inputs[0].dtype == "UINT8"
+
+
+def test_exporter_is_chosen_by_size_unless_the_recipe_says(onnx_recipe_dir: Path) -> None:
+    from model_factory.build_engines.export import DYNAMO_MIN_PARAMETERS, use_dynamo
+
+    unset = parse_recipe(_data(), onnx_recipe_dir)
+    assert unset.export.dynamo is None
+    assert not use_dynamo(unset, DYNAMO_MIN_PARAMETERS - 1) and use_dynamo(unset, DYNAMO_MIN_PARAMETERS)
+    for choice in (True, False):
+        chosen = parse_recipe(_data() | {"export": {"dynamo": choice}}, onnx_recipe_dir)
+        assert use_dynamo(chosen, 10) is choice and use_dynamo(chosen, 10**10) is choice
