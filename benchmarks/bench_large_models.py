@@ -167,10 +167,13 @@ def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: st
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     if python_path is not None:
         env["PYTHONPATH"] = str(python_path)
-    cmd = [sys.executable, "-c", "from model_factory.cli.main import main; main()", "build", str(recipe),
-           "--key", str(key)]
+    cmd = [sys.executable, "-c", "import model_factory, sys; print('code:', model_factory.__file__, flush=True); "
+           "from model_factory.cli.main import main; main()", "build", str(recipe), "--key", str(key)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Run from the recipe's folder: `python -c` puts the working directory first on sys.path, and the
+    # checkout's own model_factory/ folder would shadow the code on PYTHONPATH.
+    proc = subprocess.Popen(cmd, env=env, cwd=recipe.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     stage = ["start"]
     lines: list[str] = []
 
@@ -193,12 +196,14 @@ def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: st
         time.sleep(0.05)
     reader.join()
     seconds = time.perf_counter() - t0
+    imported = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("code:")), "?")
+    print(f"   ({code} imported {imported})", flush=True)
     return Run(code, size, params, seconds, peak, peak_stage, stage_peaks, proc.returncode, "\n".join(lines[-15:]))
 
 
 def keygen(folder: Path) -> Path:
     subprocess.run([sys.executable, "-c", "from model_factory.cli.main import main; main()", "keygen", str(folder)],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, cwd=folder.parent)
     return folder / "signing-key.pem"
 
 
