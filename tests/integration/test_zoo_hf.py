@@ -51,7 +51,7 @@ def zoo(tmp_path_factory, minilm_recipe):
     """Every zoo model built (FP32/FP16/INT8, gate per task), one deployment per precision, one server."""
     from model_factory.pipeline import build
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
+    from model_factory.repository import config_parameters, package_model, read_config
     from model_factory.serve import ServerOptions, TritonServer
 
     root = tmp_path_factory.mktemp("zoo")
@@ -62,10 +62,13 @@ def zoo(tmp_path_factory, minilm_recipe):
         recipe = load_recipe(member.recipe, member.overrides)
         result = build(recipe, parameters=FIXED_COST)
         assert result.accuracy is not None and result.accuracy["passed"], result.accuracy
-        for precision in ("fp16", "int8"):
-            package_model(dataclasses.replace(recipe, name=deployment(recipe.name, precision)), result.artifacts,
-                          tokenizer_dir=recipe.work_dir / "export" / "tokenizer",
-                          parameters=FIXED_COST | {"onnx_file": f"model.{precision}.onnx"})
+        for precision in ("fp16", "int8"):  # one deployment per precision: [repository] serve
+            served = dataclasses.replace(recipe, name=deployment(recipe.name, precision),
+                                         repository=dataclasses.replace(recipe.repository, serve=precision))
+            packaged = package_model(served, result.artifacts, tokenizer_dir=recipe.work_dir / "export" / "tokenizer",
+                                     parameters=FIXED_COST)
+            params = config_parameters(read_config(packaged.model_dir))
+            assert (params["precision"], params["onnx_file"]) == (precision, f"model.{precision}.onnx")
         models[member.name] = (member, recipe, result)
     repo = root / "model_repository"
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
