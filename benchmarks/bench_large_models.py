@@ -250,7 +250,15 @@ def main() -> None:
     ap.add_argument("--no-engines", action="store_true", help="leave TensorRT engines out")
     ap.add_argument("--results", type=Path, default=None, help="write the section into this RESULTS.md")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--render", type=Path, default=None,
+                    help="only rewrite the RESULTS.md section from a --json file of an earlier run (with its note)")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        from results_file import write_section
+
+        write_section(args.results, START, END, render([Run(**r) for r in saved["runs"]], saved["note"]))
+        return
     sys.path.insert(0, str(ROOT))
     from model_factory.build_engines.tensorrt import tensorrt_available
 
@@ -292,7 +300,7 @@ def main() -> None:
             f"{'TensorRT-RTX engines (fp32/fp16/int8), ' if engines else 'no engines, '}package, sign. Peak = largest "
             "sum of RSS over the build's process tree (sampled every 50 ms).")
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in runs], indent=2))
+        args.json.write_text(json.dumps({"note": note, "runs": [r.__dict__ for r in runs]}, indent=2))
     if args.results:
         from results_file import write_section
 
