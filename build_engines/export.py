@@ -14,7 +14,6 @@ import importlib
 import io
 import json
 import os
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
