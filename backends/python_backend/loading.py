@@ -11,6 +11,12 @@
   Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
   ``fallback_from_torch``); on a CPU instance ONNX Runtime.
 
+Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
+nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
+external-data file ``<onnx_file>.data`` when it has one, copied while hashed into a private folder
+and loaded from there), and the
+TorchScript trace, which is FP32, is used only when the precision is fp32.
+
 When the server was started for one GPU product (``serve --gpu-product``, which sets
 ``MODEL_FACTORY_GPU_PRODUCT``; the Helm chart does it for every pod), only plans whose
 ``.plan.json`` says they were built on that product count as plans: a plan built
@@ -22,12 +28,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
-from .integrity import IntegrityError, read_checked, verified_digests
+from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
+DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 
@@ -48,22 +57,54 @@ def _built_for(model_dir: Path, relpath: str, digests: dict[str, str] | None) ->
     return product_label(device["name"]) if isinstance(device, dict) and device.get("name") else None
 
 
-def _gpu_plan(version_dir: Path, digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
-    """The plan to load and, when a GPU product is set, the plans skipped as built for another one."""
+def _gpu_plan(version_dir: Path, settings: Settings,
+              digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The served precision's plan (never another precision's) and, when a GPU product is set, the plan
+    skipped as built for another one."""
     product = os.environ.get(GPU_PRODUCT_ENV, "").strip()
     skipped: list[str] = []
-    # Prefer the lowest precision that was built: INT8, then FP16, then FP32.
-    for precision in ("int8", "fp16", "fp32"):
-        plan = version_dir / f"model.{precision}.plan"
-        if not plan.is_file():
-            continue
-        if product:
-            built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
-            if built_for != product_label(product):
-                skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
-                continue
-        return plan, skipped
-    return None, skipped
+    if not settings.plan_file:
+        return None, skipped
+    plan = version_dir / settings.plan_file
+    if not plan.is_file():
+        return None, skipped
+    if product:
+        built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
+        if built_for != product_label(product):
+            skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
+            return None, skipped
+    return plan, skipped
+
+
+def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None):
+    from .engines.onnxruntime import OnnxRuntimeEngine
+
+    model_dir, version = version_dir.parent, version_dir.name
+    path = version_dir / settings.onnx_file
+    if not path.is_file():
+        raise SettingsError(f"{path} is missing: repackage the model")
+    data_name = settings.onnx_file + DATA_SUFFIX
+    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
+    # INT8 runs with Q/DQ simulated in float, as it was scored for the accuracy gate (and as TensorRT
+    # computes it): ONNX Runtime's fused int8 CPU kernels saturate on AVX2 without VNNI.
+    int8 = settings.precision == "int8"
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None}
+    if not has_data:
+        return OnnxRuntimeEngine(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests),
+                                 simulate_qdq=int8), info
+    info["external_data"] = data_name
+    if digests is None:  # no verification: ONNX Runtime reads the weights beside the graph itself
+        return OnnxRuntimeEngine(path, simulate_qdq=int8), info
+    # A model with external data (past protobuf's 2 GB limit) is loaded from a path. The graph and its
+    # data are copied, hashed on the way, into a private folder and loaded from there: the bytes loaded
+    # are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
+    private = Path(tempfile.mkdtemp(prefix="mf-verified-"))
+    try:
+        (private / settings.onnx_file).write_bytes(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests))
+        copy_checked(model_dir, f"{version}/{data_name}", digests, private / data_name)
+        return OnnxRuntimeEngine(private / settings.onnx_file, simulate_qdq=int8), info
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:
@@ -107,27 +148,32 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     gpu = instance_kind == "GPU"
     torchscript = version_dir / settings.torchscript_file
     if settings.engine == "torch":
+        if settings.precision != "fp32":
+            raise SettingsError(f"engine=torch serves the FP32 TorchScript trace, but precision={settings.precision}: "
+                                "repackage with repository.serve = \"fp32\" or engine = \"auto\"")
         if not torchscript.is_file():
             raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
-    plan, skipped = _gpu_plan(version_dir, digests)
+    plan, skipped = _gpu_plan(version_dir, settings, digests)
     if skipped and plan is None and gpu:
         fallback["fallback_from_tensorrt"] = (f"no plan built for GPU product {os.environ[GPU_PRODUCT_ENV]!r}: "
                                               f"skipped {', '.join(skipped)}")
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
-            raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan"
+            raise SettingsError(f"engine=tensorrt but {version_dir} has no {settings.precision} plan "
+                                f"({settings.plan_file or 'none was built'})"
                                 + (f" built for this GPU product ({fallback['fallback_from_tensorrt']})"
-                                   if skipped else ""))
+                                   if skipped else ": build engines for it, or use engine=auto"))
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
             from .engines.tensorrt import TensorRTEngine
 
             engine = TensorRTEngine(data, device_id=device_id, settings=settings)
-            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None,
+                            "precision": settings.precision}
         except Exception as exc:  # no TensorRT here, or a plan this GPU/TensorRT cannot run
             if settings.engine == "tensorrt":
                 raise
@@ -135,7 +181,10 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             # capability 9.0) must not take the model down when another engine can serve it.
             fallback["fallback_from_tensorrt"] = f"{type(exc).__name__}: {exc}"
     if settings.engine == "auto" and gpu:
-        if not torchscript.is_file():
+        if settings.precision != "fp32":
+            fallback["fallback_from_torch"] = (f"the TorchScript trace is FP32 and this deployment serves "
+                                               f"{settings.precision}")
+        elif not torchscript.is_file():
             fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
                                                "export.torchscript = true to serve with torch on the GPU)")
         else:
@@ -146,17 +195,11 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                 try:
                     engine, info = _load_torch(version_dir, settings, instance_device(instance_kind, device_id),
                                                digests)
-                    return engine, {**info, **fallback}
+                    return engine, {**info, "precision": settings.precision, **fallback}
                 except (SettingsError, IntegrityError):
                     raise  # a file changed after verification, or a package that does not fit its config
                 except Exception as exc:  # torch cannot load this file here: ONNX Runtime still can serve
                     why = f"{type(exc).__name__}: {exc}"
             fallback["fallback_from_torch"] = why
-    from .engines.onnxruntime import OnnxRuntimeEngine
-
-    path = version_dir / settings.onnx_file
-    if not path.is_file():
-        raise SettingsError(f"{path} is missing: repackage the model")
-    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None, **fallback}
-    return OnnxRuntimeEngine(data), info
+    engine, info = _load_onnxruntime(version_dir, settings, digests)
+    return engine, {**info, "precision": settings.precision, **fallback}
