@@ -92,24 +92,30 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--log-verbose", default=0, show_default=True, help="tritonserver --log-verbose level.")
+@click.option("--accept", "accept", is_flag=True,
+              help="Also run each model's acceptance data through its engine here; refuse models below their gate.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
-          metrics_port: int, log_verbose: int) -> None:
+          metrics_port: int, log_verbose: int, accept: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     \b
-    Example:
+    Examples:
       model-factory serve --policy policy.toml model_repository
+      model-factory serve --accept --policy policy.toml model_repository
     """
     from model_factory.serve import ServerOptions, start_verified_server
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host)
-    server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None, allow_unsigned)
+    server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None, allow_unsigned,
+                                           accept=accept)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     click.echo(f"serving {', '.join(report.served)}")
+    for name, where in report.engines.items():
+        click.echo(f"  {name}: {where}")
     for name, why in report.refused.items():
         click.echo(f"refused {name}: {why}", err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")

@@ -50,6 +50,7 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     ``model_factory.signing.SignerConfig``) signs the packaged version.
     """
     from model_factory.build_engines.export import export_model
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     import datetime as dt
@@ -94,9 +95,14 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
     build_info["stage_seconds"] = seconds
-    packaged = _timed(seconds, "package", say, lambda: package_model(
-        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-        parameters=parameters, build_info=build_info))
+
+    def package() -> Any:
+        golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir,
+                                       recipe.work_dir / "acceptance", progress=say)
+        return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
+                             parameters=parameters, build_info=build_info, acceptance_dir=golden)
+
+    packaged = _timed(seconds, "package", say, package)
     signature = None
     if signer is not None:
         from model_factory.signing import sign_model_version
@@ -133,8 +139,9 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
     return facts
 
 
-def package_existing(recipe: Recipe) -> Any:
+def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     from model_factory.build_engines.quantize import quantized_models
@@ -158,4 +165,7 @@ def package_existing(recipe: Recipe) -> Any:
             if meta.is_file():
                 artifacts[meta.name] = meta
     tok = export_dir / "tokenizer"
-    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra)
+    tokenizer_dir = tok if tok.is_dir() else None
+    golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
+                                   progress=progress)
+    return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra, acceptance_dir=golden)

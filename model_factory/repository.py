@@ -13,6 +13,7 @@ Layout of one model::
     <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
     <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
+    <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
 
@@ -31,6 +32,7 @@ from typing import Any, Iterable, Mapping
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe, TensorSpec, read_hf_config
@@ -204,6 +206,7 @@ def package_model(
     extra_files: Iterable[Path] = (),
     parameters: Mapping[str, str] | None = None,
     build_info: Mapping[str, Any] | None = None,
+    acceptance_dir: Path | None = None,
 ) -> PackageResult:
     """Write ``<repo>/<model>/`` for ``recipe`` atomically.
 
@@ -212,7 +215,9 @@ def package_model(
     Other versions already in the model folder are kept (hard-linked, not
     copied); the version being built and ``config.pbtxt`` are replaced. The
     whole model folder is swapped in with one rename, so an interrupted run
-    leaves the previous one intact.
+    leaves the previous one intact. ``acceptance_dir`` (golden inputs and FP32
+    outputs, ``build_engines/golden.py``) is copied to ``<version>/acceptance/``,
+    where the version's signature covers it.
     """
     if "model.onnx" not in artifacts:
         raise FactoryError("packaging needs the FP32 model.onnx. Fix: run model-factory export first")
@@ -227,6 +232,7 @@ def package_model(
         "grouping": recipe.batching.grouping,
         "max_group_tokens": str(recipe.batching.max_group_tokens),
         "engine": recipe.repository.engine,
+        "cpu_fallback": str(recipe.repository.allow_cpu_fallback).lower(),
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),
         "task": recipe.task,
@@ -256,6 +262,8 @@ def package_model(
             shutil.copyfile(src, vdir / name)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, vdir / "tokenizer")
+        if acceptance_dir is not None:
+            shutil.copytree(acceptance_dir, vdir / ACCEPTANCE_DIR)
         for extra in extra_files:
             shutil.copyfile(extra, vdir / Path(extra).name)
         metadata = {
@@ -272,6 +280,7 @@ def package_model(
             "tools": tool_versions(),
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()},
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
+            "acceptance": (f"{ACCEPTANCE_DIR}/{SPEC_FILE}" if acceptance_dir is not None else None),
             "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))

@@ -5,16 +5,25 @@
 - ``tensorrt``: the TensorRT plan, or the model does not load;
 - ``torch``: the TorchScript file on the instance's device (``cuda:<id>`` for a GPU
   instance, ``cpu`` for a CPU instance), or the model does not load;
-- ``onnxruntime``: the ONNX model on the CPU;
-- ``auto`` (default): on a GPU instance the TensorRT plan if there is one and it
-  loads, else the TorchScript file if there is one and torch has CUDA, else ONNX
-  Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
-  ``fallback_from_torch``); on a CPU instance ONNX Runtime.
+- ``onnxruntime``: the ONNX model with ONNX Runtime: on a GPU instance its CUDA provider
+  (``onnxruntime-gpu``), on a CPU instance the CPU provider;
+- ``auto`` (default): on a GPU instance TensorRT (a plan that loads), then ONNX Runtime
+  CUDA, then torch (a TorchScript file and torch with CUDA), each skip recorded with its
+  reason in ``info`` (``fallback_from_tensorrt``, ``fallback_from_onnxruntime_cuda``,
+  ``fallback_from_torch``); on a CPU instance ONNX Runtime on the CPU.
+
+A GPU instance never computes on the CPU by surprise: when no GPU engine loads (or
+``engine=onnxruntime`` finds no CUDA provider), the model is refused with every reason,
+unless the configuration parameter ``cpu_fallback`` is ``true`` (recipe
+``[repository] allow_cpu_fallback = true``); then ONNX Runtime runs on the CPU and ``info``
+says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``cpu``,
+``cuda:<id>``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .integrity import IntegrityError, read_checked, verified_digests
 from .settings import Settings, SettingsError
@@ -58,22 +67,29 @@ def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dic
     return engine, info
 
 
-def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int):
+_FROM_ENV = object()
+
+
+def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,
+                digests: Any = _FROM_ENV):
     """Return ``(engine, info)`` as the module docstring describes.
 
     The engine is built from bytes read once and checked against the verified
-    digests (when the server was started with verification), never re-read from disk.
+    digests (by default those ``serve`` handed to the server, see ``integrity``;
+    ``model-factory accept`` passes its own), never re-read from disk.
     """
     version_dir = Path(version_dir)
     model_dir, version = version_dir.parent, version_dir.name
-    digests = verified_digests(model_dir.name, version)
+    if digests is _FROM_ENV:
+        digests = verified_digests(model_dir.name, version)
     gpu = instance_kind == "GPU"
+    device = instance_device(instance_kind, device_id)
     torchscript = version_dir / settings.torchscript_file
     if settings.engine == "torch":
         if not torchscript.is_file():
             raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
                                 "export.torchscript = true in its recipe (or use engine=auto)")
-        return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
+        return _load_torch(version_dir, settings, device, digests)
     fallback: dict[str, str] = {}
     plan = _gpu_plan(version_dir)
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
@@ -85,13 +101,23 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             from .engines.tensorrt import TensorRTEngine
 
             engine = TensorRTEngine(data, device_id=device_id, settings=settings)
-            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+            return engine, {"flavour": "tensorrt", "file": plan.name, "device": f"cuda:{int(device_id)}",
+                            "verified": digests is not None}
         except Exception as exc:  # no TensorRT here, or a plan this GPU/TensorRT cannot run
             if settings.engine == "tensorrt":
                 raise
             # engine=auto: a plan built for another GPU or flavour (TensorRT-RTX refuses compute
             # capability 9.0) must not take the model down when another engine can serve it.
             fallback["fallback_from_tensorrt"] = f"{type(exc).__name__}: {exc}"
+    elif settings.engine == "auto" and gpu:
+        fallback["fallback_from_tensorrt"] = "no model.<precision>.plan in the version folder"
+    if gpu and settings.engine in ("auto", "onnxruntime"):
+        try:
+            return _load_onnxruntime_cuda(version_dir, settings, device_id, digests, fallback)
+        except (SettingsError, IntegrityError):
+            raise
+        except Exception as exc:  # no onnxruntime-gpu, no CUDA libraries, no GPU
+            fallback["fallback_from_onnxruntime_cuda"] = f"{type(exc).__name__}: {exc}"
     if settings.engine == "auto" and gpu:
         if not torchscript.is_file():
             fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
@@ -102,19 +128,45 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             why = cuda_unavailable_reason(device_id)
             if why is None:
                 try:
-                    engine, info = _load_torch(version_dir, settings, instance_device(instance_kind, device_id),
-                                               digests)
+                    engine, info = _load_torch(version_dir, settings, device, digests)
                     return engine, {**info, **fallback}
                 except (SettingsError, IntegrityError):
                     raise  # a file changed after verification, or a package that does not fit its config
-                except Exception as exc:  # torch cannot load this file here: ONNX Runtime still can serve
+                except Exception as exc:  # torch cannot load this file here
                     why = f"{type(exc).__name__}: {exc}"
             fallback["fallback_from_torch"] = why
+    if gpu and not settings.cpu_fallback:
+        reasons = "; ".join(f"{k[len('fallback_from_'):]}: {v}" for k, v in fallback.items())
+        raise SettingsError(
+            f"GPU instance of {settings.model_name}: no GPU engine loads here and this model does not allow "
+            f"serving on the CPU instead ({reasons}). Fix: install the engine the model was built for (TensorRT "
+            "bindings matching the plan, onnxruntime-gpu, or torch with CUDA), or set [repository] "
+            "allow_cpu_fallback = true in the recipe, or give the model a KIND_CPU instance group")
     from .engines.onnxruntime import OnnxRuntimeEngine
 
     path = version_dir / settings.onnx_file
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")
     data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None, **fallback}
+    info = {"flavour": "onnxruntime", "file": path.name, "device": "cpu", "verified": digests is not None,
+            **fallback}
+    if gpu:
+        info["cpu_fallback"] = "allowed by the recipe (allow_cpu_fallback = true)"
     return OnnxRuntimeEngine(data), info
+
+
+def _load_onnxruntime_cuda(version_dir: Path, settings: Settings, device_id: int, digests: dict[str, str] | None,
+                           fallback: dict[str, str]):
+    from .engines.onnxruntime import OnnxRuntimeCudaEngine, cuda_provider_unavailable_reason
+
+    why = cuda_provider_unavailable_reason()
+    if why:  # checked before reading the model's bytes
+        raise RuntimeError(why)
+    model_dir, version = version_dir.parent, version_dir.name
+    path = version_dir / settings.onnx_file
+    if not path.is_file():
+        raise SettingsError(f"{path} is missing: repackage the model")
+    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
+    engine = OnnxRuntimeCudaEngine(data, device_id=device_id, settings=settings)
+    return engine, {"flavour": "onnxruntime", "file": path.name, "device": f"cuda:{int(device_id)}",
+                    "provider": "CUDAExecutionProvider", "verified": digests is not None, **fallback}

@@ -46,6 +46,8 @@ class Settings:
     torchscript_file: str = "model.torchscript.pt"
     # The model's vocabulary size (Hugging Face config.json "vocab_size"): token ids must be below it.
     vocab_size: int | None = None
+    # A GPU instance may serve on the CPU (ONNX Runtime) when no GPU engine loads: only when the recipe says so.
+    cpu_fallback: bool = False
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -96,6 +98,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if vocab_size is not None and vocab_size <= 0:
         raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
     torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
+    cpu_fallback = params.get("cpu_fallback", "false").strip().lower()
+    if cpu_fallback not in ("true", "false"):
+        raise SettingsError(f"parameter cpu_fallback={params['cpu_fallback']!r}: use true or false")
     max_tokens = num("max_group_tokens", 0)
     if max_tokens < 0:
         raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
@@ -120,4 +125,5 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         cost_model_repeats=num("cost_model_repeats", 3),
         torchscript_file=torchscript_file,
         vocab_size=vocab_size,
+        cpu_fallback=cpu_fallback == "true",
     )
