@@ -39,8 +39,40 @@ def import_onnxruntime() -> ModuleType:
     return ort
 
 
+# Both wheels install the same ``onnxruntime/`` package: whichever was installed last overwrites the other's files.
+EXCLUSIVE_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+
+
+def onnxruntime_conflict(distributions) -> str | None:
+    """A message when ``distributions`` (project names) hold both the CPU and the GPU ONNX Runtime wheel."""
+    names = {str(n).lower().replace("_", "-") for n in distributions}
+    if all(d in names for d in EXCLUSIVE_DISTRIBUTIONS):
+        return ("both onnxruntime (CPU) and onnxruntime-gpu are present: they install the same onnxruntime "
+                "package and overwrite each other's files. Fix: keep one, in an environment of its own "
+                "(extras onnx/serve bring the CPU wheel, onnxruntime-gpu/serve-gpu the GPU one)")
+    return None
+
+
+def installed_onnxruntime_conflict() -> str | None:
+    """:func:`onnxruntime_conflict` for this environment's installed distributions."""
+    import importlib.metadata as md
+
+    present = []
+    for name in EXCLUSIVE_DISTRIBUTIONS:
+        try:
+            md.version(name)
+            present.append(name)
+        except md.PackageNotFoundError:
+            continue
+    return onnxruntime_conflict(present)
+
+
 def cuda_provider_unavailable_reason(ort: ModuleType | None = None) -> str | None:
     """Why ONNX Runtime cannot run the CUDA provider here, or None when it can."""
+    if ort is None:
+        clash = installed_onnxruntime_conflict()
+        if clash:
+            return clash
     try:
         ort = ort or import_onnxruntime()
     except ImportError as exc:
