@@ -144,6 +144,12 @@ class OnnxRuntimeCudaEngine:
         why = cuda_provider_unavailable_reason(ort)
         if why:
             raise EngineError(why)
+        preload = getattr(ort, "preload_dlls", None)
+        if callable(preload) and ort_module is None:
+            try:  # CUDA and cuDNN from the nvidia-* wheels (torch's cu130 ones included), when ORT finds them
+                preload()
+            except Exception:  # noqa: BLE001 - the session below names what is really missing
+                pass
         try:
             self._rt = rt = runtime or require_device(self.device_id)
         except CudaError as exc:
