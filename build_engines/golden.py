@@ -56,7 +56,7 @@ class AcceptanceSpec:
     """What ``acceptance.json`` says: how an engine's outputs are scored against the references."""
 
     task: str
-    metric: str  # "cosine" (embedding, generic) or "top1" (classification): accuracy.compare decides
+    metric: str  # the task's metric, as accuracy.task_metrics names it (cosine, top1, token_top1, ranking, ...)
     threshold: float
     primary_output: str
     outputs: tuple[str, ...]
@@ -67,6 +67,7 @@ class AcceptanceSpec:
     optimization_profile: int
     reference: str
     heldout: str
+    groups: tuple[str, ...] | None = None  # rerankers: the query of each sample, for the ranking agreement
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "metric": self.metric, "threshold": self.threshold,
@@ -74,7 +75,7 @@ class AcceptanceSpec:
                 "samples": self.samples, "iterations": self.iterations, "sequence_length": self.sequence_length,
                 "optimization_profile": self.optimization_profile, "reference": self.reference,
                 "heldout": self.heldout, "inputs_file": INPUTS_FILE, "outputs_file": OUTPUTS_FILE,
-                "reference_runner": REFERENCE_RUNNER}
+                "reference_runner": REFERENCE_RUNNER, "groups": None if self.groups is None else list(self.groups)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AcceptanceSpec":
@@ -82,7 +83,8 @@ class AcceptanceSpec:
             return cls(str(d["task"]), str(d["metric"]), float(d["threshold"]), str(d["primary_output"]),
                        tuple(d["outputs"]), tuple(d["inputs"]), int(d["samples"]), int(d["iterations"]),
                        None if d.get("sequence_length") is None else int(d["sequence_length"]),
-                       int(d.get("optimization_profile", 0)), str(d.get("reference", "")), str(d.get("heldout", "")))
+                       int(d.get("optimization_profile", 0)), str(d.get("reference", "")), str(d.get("heldout", "")),
+                       None if d.get("groups") is None else tuple(str(g) for g in d["groups"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise FactoryError(f"{SPEC_FILE} is malformed ({exc!r}). Fix: repackage the model with model-factory "
                                "package") from exc
@@ -108,7 +110,7 @@ def write_acceptance_data(recipe: Recipe, fp32_onnx: Path, tokenizer_dir: Path |
     ``heldout_data``) there is nothing held out to accept on: the caller packages without acceptance
     data and ``accept`` says so.
     """
-    from model_factory.build_engines.accuracy import compare, primary_output
+    from model_factory.build_engines.accuracy import primary_output, task_metrics
     from model_factory.build_engines.calibration import InputEncoder, split_data
     from model_factory.build_engines.export import onnxruntime_session
     from model_factory.build_engines.quantize import _input_types
@@ -139,10 +141,13 @@ def write_acceptance_data(recipe: Recipe, fp32_onnx: Path, tokenizer_dir: Path |
     primary = primary_output(recipe.task, outputs)
     ref = np.concatenate([np.asarray(r[primary].numpy() if hasattr(r[primary], "numpy") else r[primary])
                           for r in results])
-    metric = compare(ref.astype(np.float64), ref.astype(np.float64), recipe.task)[0]
+    groups = held.groups() if hasattr(held, "groups") else None
+    ref = ref.astype(np.float64)
+    metric = task_metrics(ref, ref, recipe.task, feeds.get("attention_mask"), groups)[0]
     spec = AcceptanceSpec(recipe.task, metric, gate_threshold(recipe), primary, tuple(outputs), tuple(feeds), n,
                           len(iterations), seq_len, _profile_for(seq_len, recipe.shapes.sequence_buckets),
-                          "FP32 ONNX (model.onnx) on ONNX Runtime CPU", f"{held.source.name}: {split.note}")
+                          "FP32 ONNX (model.onnx) on ONNX Runtime CPU", f"{held.source.name}: {split.note}",
+                          None if groups is None else tuple(groups))
     with atomic_dir(Path(out_dir)) as tmp:
         pg.json.save_json(iterations, str(tmp / INPUTS_FILE))
         pg.comparator.RunResults([(REFERENCE_RUNNER, results)]).save(str(tmp / OUTPUTS_FILE))

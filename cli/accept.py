@@ -14,9 +14,11 @@ from model_factory.cli.common import user_errors
 @click.argument("repository", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--model", help="Accept only this model (default: every model in REPOSITORY).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record per model.")
+@click.option("--gpu-product", metavar="LABEL",
+              help="As serve --gpu-product: only TensorRT plans built on this GPU product count.")
 @click.pass_context
 @user_errors
-def accept(ctx: click.Context, repository: Path, model: str | None, as_json: bool) -> None:
+def accept(ctx: click.Context, repository: Path, model: str | None, as_json: bool, gpu_product: str | None) -> None:
     """Check that each model's engine computes the right answer on this machine.
 
     Loads exactly the engine the backend would serve here (same loader, same choice:
@@ -32,7 +34,7 @@ def accept(ctx: click.Context, repository: Path, model: str | None, as_json: boo
     """
     from model_factory.acceptance import accept_repository, render
 
-    results = accept_repository(repository, model)
+    results = accept_repository(repository, model, gpu_product=gpu_product or None)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

@@ -5,8 +5,10 @@ answer *on this machine*. ``accept_model`` reads the configuration Triton would 
 the engine with the backend's own loader (``model_factory.backend.loading.load_engine``: same choice,
 same files, bytes checked against the verified digests when given), runs ``acceptance/inputs.json``
 through it, and scores every output against ``acceptance/outputs.json`` (the FP32 references, paired
-by exact output name) with the task's metric (``accuracy.compare``: one place, keyed by task). The gate
-is the primary output's score against the threshold in ``acceptance.json``.
+by exact output name) with the task's metrics (``accuracy.task_metrics``: one place, keyed by task, the
+same the quantize gate uses). The gate is the primary output's worst gated metric (its score and any
+further metric the task gates on, e.g. a classifier's logits cosine) against the threshold in
+``acceptance.json``.
 
 When the served engine is a reduced-precision ONNX model and it fails, the report also names the
 layers where it first departs from the FP32 graph (``build_engines/divergence.py``).
@@ -14,7 +16,9 @@ layers where it first departs from the FP32 graph (``build_engines/divergence.py
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -35,6 +39,13 @@ class OutputScore:
     score: float
     min_cosine: float | None
     max_abs_error: float
+    extra: tuple[tuple[str, float], ...] = ()  # further gated metrics of the task, (name, value)
+
+    @property
+    def gate_score(self) -> float:
+        """The worst of the task's gated metrics (NaN when any is NaN)."""
+        values = [self.score] + [v for _, v in self.extra]
+        return float("nan") if any(v != v for v in values) else min(values)
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,8 @@ class AcceptanceResult:
                 "file": self.file, "device": self.device, "metric": self.metric, "threshold": self.threshold,
                 "score": _num(self.score), "primary_output": self.primary_output, "samples": self.samples,
                 "outputs": [{"name": o.name, "metric": o.metric, "score": _num(o.score),
-                             "min_cosine": _num(o.min_cosine), "max_abs_error": _num(o.max_abs_error)}
+                             "min_cosine": _num(o.min_cosine), "max_abs_error": _num(o.max_abs_error),
+                             "extra": {k: _num(v) for k, v in o.extra}}
                             for o in self.outputs],
                 "reason": self.reason, "fallbacks": dict(self.fallbacks),
                 "departures": [dict(d) for d in self.departures]}
@@ -117,13 +129,33 @@ def _settings(config: Any) -> Any:
     return parse_settings(json_format.MessageToDict(config, preserving_proto_field_name=True))
 
 
+@contextlib.contextmanager
+def _gpu_product(product: str | None):
+    """The backend reads the GPU product the server was started for from its environment: set it alike."""
+    from model_factory.backend.loading import GPU_PRODUCT_ENV
+
+    if not product:
+        yield
+        return
+    old = os.environ.get(GPU_PRODUCT_ENV)
+    os.environ[GPU_PRODUCT_ENV] = product
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(GPU_PRODUCT_ENV, None)
+        else:
+            os.environ[GPU_PRODUCT_ENV] = old
+
+
 def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, instance_kind: str | None = None,
-                 device_id: int | None = None, layers: bool = True) -> AcceptanceResult:
+                 device_id: int | None = None, layers: bool = True, gpu_product: str | None = None) -> AcceptanceResult:
     """Accept the served version of ``model_dir`` on this machine (never raises for a failing engine).
 
     ``digests`` (``relpath -> sha256``, as ``serve`` hands to the backend) makes every file read here
     (acceptance data and engine) be checked against the verified bytes. ``instance_kind`` / ``device_id``
-    override what ``config.pbtxt`` says (``GPU``/``CPU``).
+    override what ``config.pbtxt`` says (``GPU``/``CPU``); ``gpu_product`` is ``serve --gpu-product``'s
+    (only plans built on that GPU product count).
     """
     from model_factory.backend.integrity import read_checked
     from model_factory.backend.loading import load_engine
@@ -150,7 +182,8 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     except Exception as exc:  # an unreadable or tampered file: refuse, with the reason
         return AcceptanceResult(name, version, False, reason=f"{type(exc).__name__}: {exc}")
     try:
-        engine, info = load_engine(model_dir / version, settings, kind, dev, digests=_d(digests))
+        with _gpu_product(gpu_product):
+            engine, info = load_engine(model_dir / version, settings, kind, dev, digests=_d(digests))
     except Exception as exc:  # the model would not load in Triton either: that is the verdict
         return AcceptanceResult(name, version, False, metric=spec.metric, threshold=spec.threshold,
                                 primary_output=spec.primary_output,
@@ -166,7 +199,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
                                 reason=f"the engine fails on the acceptance inputs: {type(exc).__name__}: {exc}")
     finally:
         engine.close()
-    result = score(name, version, spec, references, got, where)
+    result = score(name, version, spec, references, got, where, inputs)
     if not result.passed and layers and result.score is not None:
         result = _with_departures(result, model_dir / version, inputs, spec)
     return result
@@ -199,9 +232,10 @@ def _run(engine: Any, inputs: Sequence[Mapping[str, np.ndarray]], settings: Any,
 
 
 def score(model: str, version: str | None, spec: AcceptanceSpec, references: Sequence[Mapping[str, np.ndarray]],
-          got: Sequence[Mapping[str, np.ndarray]], where: Mapping[str, Any] | None = None) -> AcceptanceResult:
+          got: Sequence[Mapping[str, np.ndarray]], where: Mapping[str, Any] | None = None,
+          inputs_of: Sequence[Mapping[str, np.ndarray]] | None = None) -> AcceptanceResult:
     """Score ``got`` against ``references`` output by output (exact names) and apply the gate."""
-    from model_factory.build_engines.accuracy import compare
+    from model_factory.build_engines.accuracy import task_metrics
 
     where = dict(where or {})
     base = dict(metric=spec.metric, threshold=spec.threshold, primary_output=spec.primary_output,
@@ -209,6 +243,9 @@ def score(model: str, version: str | None, spec: AcceptanceSpec, references: Seq
     names = list(references[0]) if references else []
     produced = set(got[0]) if got else set()
     missing = [n for n in names if n not in produced]
+    mask = None
+    if spec.task == "token-classification" and references and "attention_mask" in (inputs_of or [{}])[0]:
+        mask = np.concatenate([np.asarray(i["attention_mask"]) for i in inputs_of])
     scores = []
     for n in names:
         if n in missing:
@@ -216,21 +253,24 @@ def score(model: str, version: str | None, spec: AcceptanceSpec, references: Seq
         ref = np.concatenate([np.asarray(r[n], np.float64) for r in references])
         cand = np.concatenate([np.asarray(g[n], np.float64) for g in got])
         try:
-            task = spec.task if n == spec.primary_output else "embedding"
-            metric, value, min_cos, max_abs = compare(ref, cand, task)
+            if n == spec.primary_output:
+                metric, value, min_cos, max_abs, extra = task_metrics(ref, cand, spec.task, mask,
+                                                                      None if spec.groups is None else list(spec.groups))
+            else:  # the other outputs are shown, compared by cosine, and not gated
+                metric, value, min_cos, max_abs, extra = task_metrics(ref, cand, "embedding")
         except FactoryError as exc:
             return AcceptanceResult(model, version, False, reason=f"output {n!r}: {exc}", **base)
-        scores.append(OutputScore(n, metric, value, min_cos, max_abs))
+        scores.append(OutputScore(n, metric, value, min_cos, max_abs, tuple(extra)))
     if spec.primary_output in missing:
         return AcceptanceResult(model, version, False, outputs=tuple(scores), reason=(
             f"the engine does not produce {spec.primary_output!r} (it gives {sorted(produced)}); outputs are "
             "paired by exact name"), **base)
     primary = next(s for s in scores if s.name == spec.primary_output)
-    passed = bool(primary.score >= spec.threshold)  # NaN fails
-    reason = None if passed else (f"{primary.metric} {primary.score:.6f} on {primary.name} is below the gate "
-                                  f"{spec.threshold:g}")
-    return AcceptanceResult(model, version, passed, score=primary.score, outputs=tuple(scores), reason=reason,
-                            **base)
+    gate = primary.gate_score
+    passed = bool(gate >= spec.threshold)  # NaN fails
+    shown = ", ".join([f"{primary.metric} {primary.score:.6f}"] + [f"{k} {v:.6f}" for k, v in primary.extra])
+    reason = None if passed else f"{shown} on {primary.name}: below the gate {spec.threshold:g}"
+    return AcceptanceResult(model, version, passed, score=gate, outputs=tuple(scores), reason=reason, **base)
 
 
 def _with_departures(result: AcceptanceResult, version_dir: Path, inputs: Sequence[Mapping[str, np.ndarray]],

@@ -7,6 +7,12 @@ covers its length, and its outputs are sliced back to each item. A group that
 fails (out of memory included) is split in halves and retried, down to single
 items; only the items that still fail get an error. The result is one entry
 per request, in order: a dict of outputs or the exception for that request.
+
+Items are first partitioned by shape: only items of one shape share a launch,
+apart from the length of the sequence axis when the model may be padded (it
+reads an attention mask). A fixed-shape model (an image CNN) thus runs plain
+batches split at the max batch, and a model that must not be padded batches
+only requests of equal length.
 """
 
 from __future__ import annotations
@@ -71,7 +77,8 @@ class GroupedExecutor:
 
     def __init__(self, engine: Engine, cost: CostModel, *, max_batch: int, buckets: Sequence[int],
                  seq_inputs: frozenset[str], seq_outputs: frozenset[str], mode: str = "cost_model",
-                 max_tokens: int | None = None, fill: Callable[[Item], Item] | None = None) -> None:
+                 max_tokens: int | None = None, fill: Callable[[Item], Item] | None = None,
+                 pad_sequences: bool = True) -> None:
         self.engine = engine
         self.cost = cost
         self.max_batch = max_batch
@@ -81,6 +88,20 @@ class GroupedExecutor:
         self.mode = mode
         self.max_tokens = max_tokens
         self.fill = fill or (lambda item: item)
+        self.pad_sequences = pad_sequences
+
+    def _partitions(self, flat: Sequence[tuple[int, Item]]) -> dict[tuple, list[int]]:
+        """Items that may share a launch, by shape: equal shapes, apart from the sequence axis when padding.
+
+        A fixed-shape model (an image CNN) has one partition, run as plain batches split at the max batch;
+        a model with other dynamic axes, or one that must not be padded, batches only equal shapes.
+        """
+        parts: dict[tuple, list[int]] = {}
+        for i, (_, item) in enumerate(flat):
+            key = tuple((name, item[name].shape[1:] if self.pad_sequences and name in self.seq_inputs
+                         else item[name].shape) for name in sorted(item))
+            parts.setdefault(key, []).append(i)
+        return parts
 
     def _length(self, item: Item) -> int:
         for name in self.seq_inputs:
@@ -94,7 +115,14 @@ class GroupedExecutor:
         flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
         stats = WindowStats()
         lengths = [self._length(it) for _, it in flat]
-        groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode) if flat else []
+        groups = []
+        # Within a partition every item has the same shape apart (when padding is allowed) from its length.
+        # Without padding (a fixed-shape model, or one that must not be padded) they are plain batches.
+        padded = self.pad_sequences and bool(self.seq_inputs)
+        mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
+        for members in self._partitions(flat).values():
+            planned = plan_groups([lengths[i] for i in members], self.cost, self.max_batch, self.max_tokens, mode)
+            groups.extend([members[k] for k in g] for g in planned)
         stats.groups = [len(g) for g in groups]
         stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
@@ -119,7 +147,9 @@ class GroupedExecutor:
             self._run_group(group[half:], flat, lengths, per_item, stats)
             return
         for row, i in enumerate(group):
-            per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs else val[row])
+            # Only a padded item's sequence outputs are cut back to its own length.
+            per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs and lengths[i] < length
+                                  else val[row])
                            for name, val in outs.items()}
 
     def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:

@@ -48,10 +48,19 @@ class Settings:
     vocab_size: int | None = None
     # A GPU instance may serve on the CPU (ONNX Runtime) when no GPU engine loads: only when the recipe says so.
     cpu_fallback: bool = False
+    # Whether requests of different lengths may be padded into one launch along the sequence axis. Only a
+    # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
+    # model is batched only with requests of exactly its shape.
+    pad_sequences: bool = True
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
         return next((s for s in self.inputs if s.name == name), None)
+
+    @property
+    def sequence_inputs(self) -> frozenset[str]:
+        """Inputs whose first non-batch axis is dynamic: the sequence axis requests are grouped along."""
+        return frozenset(i.name for i in self.inputs if i.dims and i.dims[0] == -1 and i.data_type != "TYPE_STRING")
 
     @property
     def sequence_outputs(self) -> frozenset[str]:
@@ -101,6 +110,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     cpu_fallback = params.get("cpu_fallback", "false").strip().lower()
     if cpu_fallback not in ("true", "false"):
         raise SettingsError(f"parameter cpu_fallback={params['cpu_fallback']!r}: use true or false")
+    inputs = _io(cfg.get("input"))
+    pad = params.get("pad_sequences", "")
+    if pad not in ("", "true", "false"):
+        raise SettingsError(f"parameter pad_sequences={pad!r}: use true or false")
+    # Older repositories do not say: an attention mask is what makes padding harmless.
+    pad_sequences = pad == "true" if pad else any(i.name == "attention_mask" for i in inputs)
     max_tokens = num("max_group_tokens", 0)
     if max_tokens < 0:
         raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
@@ -110,7 +125,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
-        inputs=_io(cfg.get("input")),
+        inputs=inputs,
         outputs=_io(cfg.get("output")),
         max_sequence_length=max_len,
         sequence_buckets=buckets,
@@ -126,4 +141,5 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         torchscript_file=torchscript_file,
         vocab_size=vocab_size,
         cpu_fallback=cpu_fallback == "true",
+        pad_sequences=pad_sequences,
     )
