@@ -340,13 +340,14 @@ def package_model(
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
         metadata = _stage_model(recipe, model_dir, version, pbtxt, artifacts, tokenizer_dir, extra_files,
-                                build_info, sign, labels)
+                                build_info, sign, labels, acceptance_dir)
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
 
 
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
-                 sign: Callable[[Path], Any] | None, labels: Sequence[str]) -> dict[str, Any]:
+                 sign: Callable[[Path], Any] | None, labels: Sequence[str],
+                 acceptance_dir: Path | None = None) -> dict[str, Any]:
     with atomic_dir(model_dir) as tmp:
         if model_dir.is_dir():
             for entry in model_dir.iterdir():
@@ -387,8 +388,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()}
             | ({f"../{LABELS_FILE}": digest_path(tmp / LABELS_FILE)} if labels else {}),
             "labels": list(labels) or None,
-            # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
             "acceptance": (f"{ACCEPTANCE_DIR}/{SPEC_FILE}" if acceptance_dir is not None else None),
+            # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
             "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))

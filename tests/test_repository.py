@@ -120,8 +120,9 @@ def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> N
     assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
     assert meta["files"]["mf_backend/executor.py"]
     assert read_config(res.model_dir).name == "minilm"
-    # GPU instances never fall back to the CPU unless the recipe says so; no acceptance data was given.
-    assert read_config(res.model_dir).parameters["cpu_fallback"].string_value == "false"
+    # GPU instances fall back to the CPU only when the recipe says so (the example does); no acceptance data given.
+    assert recipe.repository.allow_cpu_fallback is True
+    assert read_config(res.model_dir).parameters["cpu_fallback"].string_value == "true"
     assert meta["acceptance"] is None
 
 

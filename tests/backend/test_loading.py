@@ -217,7 +217,7 @@ def test_a_pod_pinned_to_a_product_loads_only_plans_built_on_it(version_dir: Pat
 def test_no_plan_for_the_product_falls_back_under_auto_and_fails_when_forced(version_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
     _plan_meta(version_dir, "model.fp16.plan", None)  # built ahead of time without a GPU
-    engine, info = load_engine(version_dir, settings(), "GPU", 0)
+    engine, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)  # the recipe allows the CPU
     assert info["flavour"] == "onnxruntime"
     assert info["fallback_from_tensorrt"] == ("no plan built for GPU product 'NVIDIA-H100-80GB-HBM3': skipped "
                                               "model.fp16.plan (built for no GPU product)")
