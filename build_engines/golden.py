@@ -39,9 +39,13 @@ MAX_SAMPLES = 32
 ITERATION_SAMPLES = 8
 
 
-def polygraphy() -> Any:
-    """Import polygraphy quietly (it logs every save at INFO and asks for the optional 'colored')."""
-    require("polygraphy", "onnx")
+def polygraphy(extra: str = "onnx") -> Any:
+    """Import polygraphy quietly (it logs every save at INFO and asks for the optional 'colored').
+
+    ``extra`` names the pip extra in the error when it is missing: ``onnx`` where the data is written
+    (the factory), ``serve`` where it is read (the serving machine).
+    """
+    require("polygraphy", extra)
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -166,14 +170,14 @@ def read_spec(data: bytes) -> AcceptanceSpec:
 
 def read_inputs(data: bytes) -> list[dict[str, np.ndarray]]:
     """Parse Polygraphy's inputs JSON (bytes) into a list of feed dicts."""
-    pg = polygraphy()
+    pg = polygraphy("serve")
     feeds = pg.json.from_json(data.decode())
     return [{k: np.asarray(v) for k, v in it.items()} for it in feeds]
 
 
 def read_outputs(data: bytes) -> list[dict[str, np.ndarray]]:
     """Parse Polygraphy ``RunResults`` JSON (bytes): the reference runner's outputs per iteration."""
-    pg = polygraphy()
+    pg = polygraphy("serve")
     results = pg.comparator.RunResults.from_json(data.decode())
     runs = [its for name, its in results.items() if name == REFERENCE_RUNNER]
     if not runs:

@@ -153,3 +153,58 @@ def test_polygraphy_cli_consumes_the_files(accept_repo) -> None:
         assert REFERENCE_RUNNER in log and "fuzzy" not in log.lower()
         if passes:
             assert "Passed: 4/4 iterations" in log
+
+
+def test_accept_runs_the_torch_engine_the_backend_would_load(tmp_path: Path, monkeypatch) -> None:
+    """A torch source exported with TorchScript, held-out data as .npz, engine=torch on a CPU instance."""
+    from tiny_torch_models import encoder_recipe, write_factory
+
+    from model_factory.build_engines.export import export_model
+    from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.recipe import parse_recipe
+    from model_factory.repository import package_model
+
+    module = write_factory(tmp_path, monkeypatch)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "heldout.npz", input_ids=rng.integers(0, 50, (12, 9)), attention_mask=np.ones((12, 9), np.int64))
+    data = encoder_recipe(f"{module}:make", torchscript=True) | {
+        "quantization": {"heldout_data": "heldout.npz"},
+        "repository": {"path": str(tmp_path / "repo"), "engine": "torch", "instance_kind": "cpu"}}
+    recipe = parse_recipe(data, tmp_path)
+    exported = export_model(recipe)
+    golden = write_acceptance_data(recipe, exported.onnx_path, None, tmp_path / "golden")
+    package_model(recipe, {"model.onnx": exported.onnx_path, "model.torchscript.pt": exported.torchscript_path},
+                  acceptance_dir=golden)
+    result = accept_model(tmp_path / "repo" / "enc")
+    assert result.passed, result.reason
+    assert (result.engine, result.file, result.device) == ("torch", "model.torchscript.pt", "cpu")
+    assert result.samples == 12 and result.score > 0.99999
+
+
+def test_accept_on_a_machine_where_the_tensorrt_plan_cannot_run_says_why(accept_repo, tmp_path: Path) -> None:
+    """engine=tensorrt on a KIND_GPU instance here (no GPU): refused with the loader's reason, not served elsewhere."""
+    from google.protobuf import text_format
+
+    from model_factory.repository import read_config
+
+    repo, _ = accept_repo
+    shutil.copytree(repo / "good", tmp_path / "good")
+    (tmp_path / "good" / "1" / "model.fp16.plan").write_bytes(b"a plan for another GPU")
+    config = read_config(tmp_path / "good")
+    config.parameters["engine"].string_value = "tensorrt"
+    config.instance_group[0].kind = type(config.instance_group[0]).KIND_GPU
+    (tmp_path / "good" / "config.pbtxt").write_text(text_format.MessageToString(config))
+    result = accept_model(tmp_path / "good")
+    assert not result.passed and result.engine is None
+    assert result.reason.startswith("the engine does not load here (GPU instance): EngineError")
+
+
+def test_a_missing_polygraphy_names_the_extra(monkeypatch) -> None:
+    import sys as _sys
+
+    from model_factory.build_engines.golden import read_inputs
+    from model_factory.errors import FactoryError
+
+    monkeypatch.setitem(_sys.modules, "polygraphy", None)
+    with pytest.raises(FactoryError, match=r"pip install 'model-factory\[serve\]'"):
+        read_inputs(b"[]")
