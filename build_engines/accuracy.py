@@ -43,6 +43,9 @@ class AccuracyGateError(FactoryError):
         self.report = report
         self.report_path = report_path
 
+    def __reduce__(self):  # noqa: ANN204 - pickled whole: the build runs the quantize stage in a child process
+        return (type(self), (str(self), self.report, self.report_path))
+
 
 @dataclass(frozen=True)
 class PrecisionAccuracy:

@@ -75,7 +75,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
-                    min_accuracy=min_accuracy, engines=engines)
+                    min_accuracy=min_accuracy, engines=engines, isolate=True)
     click.echo(f"built {res.version_dir}")
     for name in sorted(res.artifacts):
         click.echo(f"  {name}")

@@ -281,6 +281,10 @@ def _with_departures(result: AcceptanceResult, version_dir: Path, inputs: Sequen
     served = result.file or ""
     if result.engine != "onnxruntime" or served == "model.onnx" or not served.endswith(".onnx"):
         return result
+    if not (version_dir / "model.onnx").is_file():
+        return dataclasses.replace(result, reason=(
+            f"{result.reason} (no FP32 model.onnx in the version folder to compare layers with: package with "
+            "[repository] keep_all_precisions = true, or see the build's departures.json)"))
     try:
         from model_factory.build_engines.divergence import first_departures
 

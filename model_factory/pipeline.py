@@ -42,24 +42,26 @@ def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[],
 
 def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = None,
           min_accuracy: float | None = None, engines: bool | None = None,
-          parameters: dict[str, str] | None = None) -> BuildResult:
+          parameters: dict[str, str] | None = None, isolate: bool = False) -> BuildResult:
     """Run every stage for ``recipe``.
 
     ``engines`` forces TensorRT engine builds on (True) or off (False); by
     default they are built when the recipe enables them. ``signer`` (a
     ``model_factory.signing.SignerConfig``) signs the packaged version before
     it goes live. A second build of the same recipe (same work folder) while
-    one runs is refused at once (:mod:`model_factory.locking`).
+    one runs is refused at once (:mod:`model_factory.locking`). With ``isolate`` the heavy stages
+    (export, quantize, engines) each run in a child process (:mod:`model_factory.isolation`), so the
+    build's peak memory is its largest stage's: ``model-factory build`` does this.
     """
     from model_factory.locking import exclusive
 
     with exclusive(recipe.work_dir, f"a build of {recipe.name}"):
         return _build(recipe, progress=progress, signer=signer, min_accuracy=min_accuracy, engines=engines,
-                      parameters=parameters)
+                      parameters=parameters, isolate=isolate)
 
 
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
-           engines: bool | None, parameters: dict[str, str] | None) -> BuildResult:
+           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
@@ -67,9 +69,17 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     import datetime as dt
 
     say = progress or (lambda _m: None)
+
+    def stage(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if isolate:
+            from model_factory.isolation import run_isolated
+
+            return run_isolated(fn, *args, progress=say, what=f"{name} stage", **kwargs)
+        return fn(*args, progress=say, **kwargs)
+
     started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     seconds: dict[str, float] = {}
-    exported = _timed(seconds, "export", say, lambda: export_model(recipe, progress=say))
+    exported = _timed(seconds, "export", say, lambda: stage("export", export_model, recipe))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
     artifacts: dict[str, Path] = {"model.onnx": exported.onnx_path}
     extra: list[Path] = [exported.onnx_path.parent / "export.json"]
@@ -85,8 +95,8 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     if set(recipe.precisions) - {"fp32"}:
         from model_factory.build_engines.quantize import quantize_model
 
-        q = _timed(seconds, "quantize", say, lambda: quantize_model(recipe, exported, progress=say,
-                                                                     min_accuracy=min_accuracy))
+        q = _timed(seconds, "quantize", say, lambda: stage("quantize", quantize_model, recipe, exported,
+                                                           min_accuracy=min_accuracy))
         models = dict(q.models)
         for precision, path in q.models.items():
             if precision != "fp32":
@@ -100,7 +110,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     if engines if engines is not None else recipe.tensorrt.enabled:
         from model_factory.build_engines.tensorrt import build_engines
 
-        results = _timed(seconds, "build-engine", say, lambda: build_engines(recipe, models, progress=say))
+        results = _timed(seconds, "build-engine", say, lambda: stage("build-engine", build_engines, recipe, models))
         for e in results:
             artifacts[e.plan_path.name] = e.plan_path
             artifacts[e.metadata_path.name] = e.metadata_path

@@ -115,20 +115,21 @@ class StubWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # What "healthy" means: the stubs each model had once loaded.
-        self.expected = {m: n for m, n in self._counts().items() if m in set(models)}
+        self.expected = {m: n for m, n in (self._counts() or {}).items() if m in set(models)}
         self.healing: str | None = None
 
-    def _counts(self) -> dict[str, int]:
+    def _counts(self) -> dict[str, int] | None:
+        """Live stubs per model; None when the server itself is not running (nothing to heal then)."""
         process = getattr(self.server, "process", None)
         if process is None or process.poll() is not None:
-            return {}
+            return None
         return stub_counts(process.pid, self.server.repository, self.proc)
 
     def check(self) -> list[Recovery]:
         """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
-        done = []
+        done: list[Recovery] = []
         counts = self._counts()
-        if not counts and not self.expected:
+        if counts is None:  # the server is gone: serve reports that itself
             return done
         for model, want in list(self.expected.items()):
             if self._stop.is_set():

@@ -81,7 +81,7 @@ def accept_repo(tmp_path_factory, minilm_recipe, minilm_export):
 
     ``good``: the FP32 export (key A). ``swapped``: the golden data of ``good`` but a model.onnx with other
     weights, signed with key B, so it verifies. ``int8``: served from an INT8 model with clipped ranges
-    (``onnx_file = model.int8.onnx``), signed with key A. Cost models are fixed so Triton loads fast.
+    (``[repository] serve = "int8"``, every precision kept), signed with key A. Cost models are fixed so Triton loads fast.
     """
     from dataclasses import replace
 
@@ -97,15 +97,18 @@ def accept_repo(tmp_path_factory, minilm_recipe, minilm_export):
     key_a, key_b = generate_keypair(root / "key-a"), generate_keypair(root / "key-b")
     fp32 = minilm_export.onnx_path
     models = {
-        "good": ({"model.onnx": fp32}, {}, key_a),
-        "swapped": ({"model.onnx": _other_weights(fp32, root / "other.onnx")}, {}, key_b),
-        "int8": ({"model.onnx": fp32, "model.int8.onnx": _clipped_int8(fp32, root / "model.int8.onnx")},
-                 {"onnx_file": "model.int8.onnx"}, key_a),
+        "good": ({"model.onnx": fp32}, "fp32", key_a),
+        "swapped": ({"model.onnx": _other_weights(fp32, root / "other.onnx")}, "fp32", key_b),
+        "int8": ({"model.onnx": fp32, "model.int8.onnx": _clipped_int8(fp32, root / "model.int8.onnx")}, "int8",
+                 key_a),
     }
-    for name, (artifacts, params, key) in models.items():
-        recipe = replace(minilm_recipe, name=name, repository=replace(minilm_recipe.repository, path=repo))
+    for name, (artifacts, serve, key) in models.items():
+        # int8 serves model.int8.onnx and keeps model.onnx beside it (the FP32 graph the layer report compares with).
+        recipe = replace(minilm_recipe, name=name, precisions=tuple(sorted({"fp32", serve})),
+                         repository=replace(minilm_recipe.repository, path=repo, serve=serve,
+                                            keep_all_precisions=True))
         package_model(recipe, artifacts, tokenizer_dir=minilm_export.tokenizer_dir, acceptance_dir=golden,
-                      parameters={"cost_model": "0.002,1e-6,1e-9", **params})
+                      parameters={"cost_model": "0.002,1e-6,1e-9"})
         sign_model_version(repo / name, 1, SignerConfig(private_key=key.private_key, password=None),
                            provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},
                                                      accuracy=None))

@@ -106,6 +106,10 @@ def _data() -> dict:
     (lambda d: d.update(repository={"engine": "tflite"}), "repository.engine", "one of"),
     (lambda d: d.update(repository={"engine": "torch"}), "repository.engine", "export.torchscript = true"),
     (lambda d: d.update(repository={"engine": "tensorrt"}), "repository.engine", "tensorrt.enabled = true"),
+    (lambda d: d.update(repository={"serve": "int4"}), "repository.serve", "one of"),
+    (lambda d: d.update(repository={"serve": "int8"}), "repository.serve", "add \"int8\" to precisions"),
+    (lambda d: d.update(repository={"keep_all_precisions": "yes"}), "repository.keep_all_precisions", "true"),
+    (lambda d: d.update(export={"dynamo": "yes"}), "export.dynamo", "choose by model size"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -182,6 +186,24 @@ def test_repository_allow_cpu_fallback_option(tmp_path: Path) -> None:
     assert on.repository.allow_cpu_fallback is True
     with pytest.raises(FactoryError, match=r"'repository.allow_cpu_fallback'.*Fix: write true or false"):
         parse_recipe({**torch_source, "repository": {"allow_cpu_fallback": "yes"}}, tmp_path)
+def test_served_precision_defaults_to_fp32_and_is_the_users_choice(onnx_recipe_dir: Path) -> None:
+    default = parse_recipe(_data(), onnx_recipe_dir).repository
+    assert default.serve == "fp32" and default.keep_all_precisions is False
+    data = _data() | {"precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "tiny.onnx"},
+                      "repository": {"serve": "fp16", "keep_all_precisions": True}}
+    chosen = parse_recipe(data, onnx_recipe_dir).repository
+    assert chosen.serve == "fp16" and chosen.keep_all_precisions is True
+
+
+def test_torch_engine_serves_only_fp32(tmp_path: Path) -> None:
+    data = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}],
+            "precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "held.npz"},
+            "export": {"torchscript": True}, "repository": {"engine": "torch", "serve": "fp16"}}
+    (tmp_path / "held.npz").write_bytes(b"")
+    with pytest.raises(FactoryError, match=r"'repository.serve'.*FP32 TorchScript.*Fix: set serve = \"fp32\""):
+        parse_recipe(data, tmp_path)
 def _two_input_onnx(path: Path, batch="batch") -> Path:
     """a: FP32 [batch, seq, 4], b: FP32 [batch, 4] -> y = a + b (per position): one dynamic axis."""
     import onnx
@@ -232,3 +254,14 @@ def test_torch_source_with_path_instead_of_factory_says_so(tmp_path: Path) -> No
                       "inputs": [{"name": "pixels", "dtype": "UINT8", "dims": [3, 64, 64]}],
                       "outputs": [{"name": "logits", "dtype": "FP32", "dims": [10]}]}, tmp_path)
     assert r.source.base_dir == tmp_path and r.inputs[0].dtype == "UINT8"
+
+
+def test_exporter_is_chosen_by_size_unless_the_recipe_says(onnx_recipe_dir: Path) -> None:
+    from model_factory.build_engines.export import DYNAMO_MIN_PARAMETERS, use_dynamo
+
+    unset = parse_recipe(_data(), onnx_recipe_dir)
+    assert unset.export.dynamo is None
+    assert not use_dynamo(unset, DYNAMO_MIN_PARAMETERS - 1) and use_dynamo(unset, DYNAMO_MIN_PARAMETERS)
+    for choice in (True, False):
+        chosen = parse_recipe(_data() | {"export": {"dynamo": choice}}, onnx_recipe_dir)
+        assert use_dynamo(chosen, 10) is choice and use_dynamo(chosen, 10**10) is choice

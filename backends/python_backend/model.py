@@ -77,7 +77,7 @@ class TritonPythonModel:
                                      f"(ONNX Runtime): {self.engine_info['cpu_fallback']}")
         device = self.engine_info.get("device")
         pb_utils.Logger.log_info(
-            f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
+            f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
             f"cost model {_cost_text(cost)}")
 

@@ -161,7 +161,7 @@ def test_auto_on_a_gpu_instance_takes_onnxruntime_cuda_before_torch(tmp_path, mo
     monkeypatch.setattr(ort_engine, "cuda_provider_unavailable_reason", lambda ort=None: None)
     engine, info = loading.load_engine(v, parse_settings({"name": "m"}), "GPU", 0)
     assert made == [b"onnx bytes"] and info["device"] == "cuda:0" and info["provider"] == CUDA_PROVIDER
-    assert info["flavour"] == "onnxruntime" and "no model.<precision>.plan" in info["fallback_from_tensorrt"]
+    assert info["flavour"] == "onnxruntime" and "no fp32 plan" in info["fallback_from_tensorrt"]
     assert "fallback_from_torch" not in info
     engine.close()
 

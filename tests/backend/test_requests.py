@@ -52,6 +52,7 @@ def test_rows_become_items(settings) -> None:
 @pytest.mark.parametrize("tensors, message", [
     ({}, "no inputs"),
     ({"input_ids": np.zeros((1, 4), np.int64)}, "without attention_mask"),
+    ({"attention_mask": np.ones((1, 4), np.int64)}, "attention_mask sent without input_ids"),
     ({"input_ids": np.zeros((1, 4), np.int32), "attention_mask": np.ones((1, 4), np.int64)}, "dtype int32"),
     ({"input_ids": np.zeros((4,), np.int64), "attention_mask": np.ones((4,), np.int64)}, "shape"),
     ({"input_ids": np.zeros((1, 4), np.int64), "attention_mask": np.ones((1, 5), np.int64)}, "different sequence lengths"),

@@ -122,7 +122,7 @@ def test_int8_is_scored_as_tensorrt_computes_it(tiny, feeds, tmp_path):
     got = _run(q, feeds, "logits")
     # The same arithmetic in numpy: logits = fq(pooled) @ fq(w_head).T, per-tensor / per-row scales.
     float_path = tmp_path / "float.onnx"
-    float_path.write_bytes(_with_outputs(tiny, ["pooled"]))
+    float_path.write_bytes(_with_outputs(tiny, ["pooled"]).SerializeToString())
     pooled = ort_session(float_path).run(["pooled"], data)[0]
     s_act = amax["pooled"] / 127
     pooled_fq = np.clip(np.round(pooled / s_act), -128, 127) * s_act

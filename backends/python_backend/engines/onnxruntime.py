@@ -90,12 +90,18 @@ class OnnxRuntimeEngine:
     flavour = "onnxruntime"
     device = "cpu"
 
-    def __init__(self, model: Path | bytes, threads: int | None = None) -> None:
+    def __init__(self, model: Path | bytes, threads: int | None = None, simulate_qdq: bool = False) -> None:
+        """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
+
+        ``simulate_qdq`` keeps Q/DQ pairs as float arithmetic (basic graph optimizations only).
+        """
         ort = import_onnxruntime()
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
+        if simulate_qdq:
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
