@@ -40,10 +40,13 @@ class Departure:
 
 
 def _load(model: Path | bytes) -> Any:
+    """The model with its weights in the proto (read past onnx's loader: packaged data files are hard links)."""
     onnx = require("onnx", "onnx")
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
-    return onnx.load(str(model))
+    from model_factory.build_engines.onnx_files import load_graph, load_weights
+
+    return load_weights(load_graph(Path(model)), Path(model).parent)
 
 
 def _expose(model: Any, names: list[str]) -> bytes:

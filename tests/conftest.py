@@ -65,13 +65,13 @@ def _clipped_int8(src: Path, dst: Path) -> Path:
     """An INT8 Q/DQ model whose activation ranges are far too narrow: it scores well below any gate."""
     import onnx
 
-    from model_factory.build_engines.quantize import QdqBuilder, _node_names, _save, find_candidates
+    from model_factory.build_engines.quantize import QdqBuilder, _node_names, find_candidates
 
     model = onnx.load(str(src))
     _node_names(model)
     candidates, _ = find_candidates(model)
     amax = {a: 0.5 for c in candidates for a in c.activations}
-    _save(QdqBuilder(model, candidates, amax).build([c.node for c in candidates]), dst)
+    onnx.save(QdqBuilder(model, candidates, amax).build([c.node for c in candidates]), str(dst))
     return dst
 
 

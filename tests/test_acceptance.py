@@ -189,9 +189,10 @@ def test_accept_on_a_machine_where_the_tensorrt_plan_cannot_run_says_why(accept_
 
     repo, _ = accept_repo
     shutil.copytree(repo / "good", tmp_path / "good")
-    (tmp_path / "good" / "1" / "model.fp16.plan").write_bytes(b"a plan for another GPU")
+    (tmp_path / "good" / "1" / "model.fp32.plan").write_bytes(b"a plan for another GPU")
     config = read_config(tmp_path / "good")
     config.parameters["engine"].string_value = "tensorrt"
+    config.parameters["plan_file"].string_value = "model.fp32.plan"
     config.instance_group[0].kind = type(config.instance_group[0]).KIND_GPU
     (tmp_path / "good" / "config.pbtxt").write_text(text_format.MessageToString(config))
     result = accept_model(tmp_path / "good")
