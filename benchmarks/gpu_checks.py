@@ -443,7 +443,7 @@ def _check_served(server, repo: Path, model: str = TRITON_MODEL) -> list[str]:
     if ENGINES[model] == "onnxruntime":
         log = Path(server.log_file).read_text(errors="replace")
         problems = []
-        if f"{model} on onnxruntime (model.onnx) on cuda:" not in log:
+        if f"{model} serves fp32 on onnxruntime (model.onnx) on cuda:" not in log:
             problems.append("the server log does not say the model loaded on ONNX Runtime CUDA (cuda:<id>)")
         if "serving on the CPU" in log:
             problems.append("the server log shows a CPU fallback")
@@ -464,7 +464,7 @@ def _check_torch_served(server, repo: Path) -> list[str]:
              if "model-factory backend:" in ln or "model-factory torch engine" in ln]
     for ln in lines:
         print(f"log: {ln[:240]}", flush=True)
-    if f"{TRITON_MODEL} on torch ({TORCHSCRIPT})" not in log:
+    if f"{TRITON_MODEL} serves fp32 on torch ({TORCHSCRIPT})" not in log:  # model.py's load line
         problems.append("the server log does not say the model loaded on the torch engine")
     if "TorchScript on cuda:" not in log:
         problems.append("the server log does not say the torch engine runs on CUDA")
