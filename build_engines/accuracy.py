@@ -184,7 +184,7 @@ class AccuracyReport:
             lines.append(f"gate: min_accuracy {self.min_accuracy:g} -> " + ("passed" if self.passed else "FAILED"))
         for line in lines:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
-        return console.export_text().rstrip()
+        return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
 
 
 METRIC_LABELS = {"cosine": "mean cos", "top1": "top-1 agree", "token_top1": "token top-1",

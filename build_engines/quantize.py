@@ -89,6 +89,9 @@ PERCENTILE = 99.99
 HIST_BINS = 2048
 CALIB_BATCH = 8
 SEARCH_SAMPLES = 16
+# A reranker's search scores rankings per query: 16 pairs are only four queries of four passages, too few
+# to tell a node that flips a ranking from one that does not. Pairs are short and cheap to score.
+SEARCH_SAMPLES_RERANKER = 64
 # The search never sees the held-out set, so it aims a little above the gate: a fifth of the way from the
 # target to a perfect score (0.99 -> 0.992). Without it a search that just crosses 0.99 on 16 samples
 # passes or fails the held-out gate by chance.
@@ -635,9 +638,9 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         calib_feeds = encoder.encode(split.calibration)
         if q.mixed_precision:
             groups = split.calibration.groups()
-            search_eval = Evaluator(ref_session, {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()},
-                                    evaluator.task, evaluator.output,
-                                    None if groups is None else groups[:SEARCH_SAMPLES])
+            n_search = SEARCH_SAMPLES_RERANKER if recipe.task == "reranker" else SEARCH_SAMPLES
+            search_eval = Evaluator(ref_session, {k: v[:n_search] for k, v in calib_feeds.items()},
+                                    evaluator.task, evaluator.output, None if groups is None else groups[:n_search])
     # Every FP32 output the scores need is computed: the reference session's weights can go.
     del ref_session
     release_memory()

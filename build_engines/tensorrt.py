@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from model_factory.build_engines.export import check_onnx_file
+from model_factory.build_engines.onnx_files import data_file
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
@@ -323,6 +324,8 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
         "outputs": io_out,
         "input_onnx": onnx_path.name,
         "input_onnx_sha256": digest_path(onnx_path),
+        # The weights of a large model live beside the graph (ONNX external data): they shaped the plan too.
+        "input_onnx_data_sha256": digest_path(data_file(onnx_path)) if data_file(onnx_path).is_file() else None,
         "build_seconds": round(seconds, 3),
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "workspace_mib": spec.workspace_mib,

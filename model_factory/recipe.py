@@ -383,8 +383,8 @@ def check_hf_task(cfg: Mapping[str, Any], task: str, folder: Path) -> None:
     if not any(a.endswith(head) for a in archs):
         holds = ", ".join(archs) if archs else "no architectures entry"
         raise _err("model.task", f"{task!r} needs {what}, but {folder}/config.json holds {holds}",
-                   f"save the model with its head (e.g. AutoModel{head}.save_pretrained(...)), or set "
-                   "task = \"embedding\" to serve the encoder's embeddings")
+                   f"save the model with its head (save_pretrained() of a ...{head} model, e.g. "
+                   f"Bert{head}), or set task = \"embedding\" to serve the encoder's embeddings")
     labels = hf_labels(cfg)
     if task == "reranker" and len(labels) != 1:
         raise _err("model.task", f"a reranker returns one relevance score, but {folder}/config.json has "

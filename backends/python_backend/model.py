@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import CostModel, ProfileCostModel, measure_cost_model, profile_for_length
 from .loading import load_engine
-from .requests import RequestError, items_from_tensors, items_from_text_inputs
+from .requests import TEXT_INPUTS, RequestError, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
 
@@ -38,7 +38,7 @@ class TritonPythonModel:
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
-        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING")
+        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
         if self.text_inputs:
             from .tokenizer import load_tokenizer
 

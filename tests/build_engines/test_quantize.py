@@ -314,3 +314,21 @@ def test_quantize_command_errors_are_clean(tmp_path):
     assert "Error:" in res.output and "run model-factory export on the recipe first" in res.output
     assert "Traceback" not in res.output
     assert "Example" in quantize.get_help(quantize.make_context("quantize", [str(recipe)]))
+
+
+def test_reranker_data_must_be_pairs_and_pairs_only_for_rerankers(tmp_path) -> None:
+    from model_factory.build_engines.calibration import read_samples, DataSplit
+    from model_factory.build_engines.quantize import check_task_data
+
+    texts = tmp_path / "t.txt"
+    texts.write_text("one text\nanother\n")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"query": "q", "passage": "p"}\n')
+    text_split = DataSplit(read_samples(texts), read_samples(texts), "n")
+    pair_split = DataSplit(None, read_samples(pairs), "n")
+    with pytest.raises(FactoryError, match=r"calibration_data: a reranker scores \(query, passage\) pairs.*Fix:"):
+        check_task_data("reranker", text_split)
+    with pytest.raises(FactoryError, match="only a reranker reads.*Fix:"):
+        check_task_data("classification", pair_split)
+    check_task_data("reranker", pair_split)
+    check_task_data("embedding", text_split)
