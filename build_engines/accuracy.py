@@ -345,13 +345,14 @@ class Evaluator:
         return PrecisionAccuracy(precision, metric, score, max_abs, self.samples, min_cos, extra=more, **extra)
 
 
-def check_gate(report: AccuracyReport, report_path: Path) -> None:
-    """Raise :class:`AccuracyGateError` with the rendered report when a precision misses the gate."""
+def check_gate(report: AccuracyReport, report_path: Path, details: str = "") -> None:
+    """Raise :class:`AccuracyGateError` with the rendered report (and ``details``) when a precision misses the gate."""
     if report.passed:
         return
     worst = ", ".join(f"{r.precision} {r.gate_score:.5f}" for r in report.failures)
+    where = f"{details}\n" if details else ""
     raise AccuracyGateError(
         f"accuracy gate failed: {worst} below quantization.min_accuracy {report.min_accuracy:g} "
-        f"(report: {report_path}).\n{report.render()}\nFix: enable quantization.mixed_precision, try "
+        f"(report: {report_path}).\n{report.render()}\n{where}Fix: enable quantization.mixed_precision, try "
         "quantization.method = \"percentile\" or \"entropy\", give more representative calibration data, or drop "
         "the failing precision from the recipe", report, report_path)

@@ -176,6 +176,17 @@ def test_repository_engine_option(tmp_path: Path) -> None:
     assert trt.repository.engine == "tensorrt"
 
 
+def test_repository_allow_cpu_fallback_option(tmp_path: Path) -> None:
+    from model_factory.errors import FactoryError
+
+    torch_source = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+                    "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                    "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+    assert parse_recipe(torch_source, tmp_path).repository.allow_cpu_fallback is False  # default: refuse
+    on = parse_recipe({**torch_source, "repository": {"allow_cpu_fallback": True}}, tmp_path)
+    assert on.repository.allow_cpu_fallback is True
+    with pytest.raises(FactoryError, match=r"'repository.allow_cpu_fallback'.*Fix: write true or false"):
+        parse_recipe({**torch_source, "repository": {"allow_cpu_fallback": "yes"}}, tmp_path)
 # --------------------------------------------------------------------------- Hugging Face tasks
 
 HF_TASK_RECIPE = """

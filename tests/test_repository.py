@@ -120,6 +120,10 @@ def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> N
     assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
     assert meta["files"]["mf_backend/executor.py"]
     assert read_config(res.model_dir).name == "minilm"
+    # GPU instances fall back to the CPU only when the recipe says so (the example does); no acceptance data given.
+    assert recipe.repository.allow_cpu_fallback is True
+    assert read_config(res.model_dir).parameters["cpu_fallback"].string_value == "true"
+    assert meta["acceptance"] is None
 
 
 def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe, tmp_path: Path) -> None:

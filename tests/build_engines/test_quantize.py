@@ -251,6 +251,11 @@ def test_failed_gate_writes_the_report_then_raises(minilm_export, tmp_path):
     assert report.result("int8").score < 0.9999 and report.result("int8").float_nodes == ()
     msg = str(exc.value)
     assert "accuracy gate failed: int8" in msg and "FAIL" in msg and "Accuracy of minilm vs FP32" in msg
+    # The report names where the INT8 graph first departs from FP32, per layer, by exact tensor name.
+    assert "int8 first departs from FP32 at" in msg and "(MatMul) -> /model/encoder/layer." in msg
+    departures = json.loads((recipe.work_dir / "quantize" / "departures.json").read_text())["int8"]
+    assert departures and departures[0]["op"] == "MatMul" and departures[0]["cosine"] < 0.9999
+    assert [d["position"] for d in departures] == sorted(d["position"] for d in departures)
     (recipe.work_dir / "export").mkdir()
     (recipe.work_dir / "export" / "model.onnx").symlink_to(minilm_export.onnx_path)
     with pytest.raises(FactoryError, match="the int8 model failed the accuracy gate"):

@@ -280,6 +280,19 @@ def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
     assert outcomes == [None] * len(samples)
 
 
+def test_accept_scores_each_task_with_its_own_metric(zoo) -> None:
+    """Acceptance data written by build, replayed through the served engine, scored by the task's metrics."""
+    from model_factory.acceptance import accept_model
+
+    want = {"encoder": ("cosine", ()), "sentiment": ("top1", ("logits_cosine",)),
+            "ner": ("token_top1", ()), "reranker": ("ranking", ("correlation",))}
+    for name, (metric, extra) in want.items():
+        result = accept_model(zoo.repo / name)
+        assert result.passed, (name, result.reason)
+        primary = next(o for o in result.outputs if o.name == result.primary_output)
+        assert (result.metric, primary.metric) == (metric, metric), name
+        assert tuple(k for k, _ in primary.extra) == extra and result.score == primary.gate_score >= 0.999
+        assert (result.engine, result.device) == ("onnxruntime", "cpu")
 def test_label_file_is_signed_with_the_model(zoo, tmp_path) -> None:
     """labels.txt sits beside config.pbtxt, inside the signed unit: a changed label fails verification."""
     import shutil
