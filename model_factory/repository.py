@@ -10,11 +10,14 @@ Layout of one model::
     <repo>/<model>/labels.txt                  class labels of a classifier (Triton's label_filename)
     <repo>/<model>/<version>/model.py          thin shim Triton loads
     <repo>/<model>/<version>/mf_backend/       the Python backend package
-    <repo>/<model>/<version>/model.onnx        (+ model.fp16.onnx, model.int8.onnx)
-    <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
+    <repo>/<model>/<version>/model.onnx        the served precision's ONNX (model.onnx, model.fp16.onnx or
+                                               model.int8.onnx; every built one with keep_all_precisions),
+                                               with its external data (<file>.data) when it has one
+    <repo>/<model>/<version>/model.<p>.plan    the served precision's TensorRT engine, with .plan.json metadata
     <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
     <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
+    <repo>/<model>/<version>/export.json, accuracy.json   the export check and the accuracy report
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
 
