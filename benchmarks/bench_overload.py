@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each overload run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backoff-s", type=float, default=1.0, help="retry back-off of a rejected client (policy+backoff)")
     ap.add_argument("--sweep", default="1,2,4,8,16,32", help="concurrencies tried to find what the replica serves")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
@@ -123,19 +124,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             overload = 4 * serves
             # 4x what the replica serves; and, when that still fits the bound, twice the bound in flight.
             levels = sorted({overload, max(overload, 2 * size)})
-            # A rejected client retries elsewhere: away from this replica for about one unloaded request.
-            pause = unloaded.p50_ms / 1e3
+            # A rejected client retries elsewhere: away from this replica for about one unloaded request
+            # (policy), or for a client's retry back-off of --backoff-s (policy+backoff).
+            pauses = {"policy": unloaded.p50_ms / 1e3, "policy+backoff": args.backoff_s, "unbounded": 0.0}
             rounds: dict[tuple[str, int], list[soak.SoakReport]] = {}
             for i in range(args.rounds):
-                order = ("policy", "unbounded") if i % 2 == 0 else ("unbounded", "policy")
+                order = list(pauses) if i % 2 == 0 else list(reversed(pauses))
                 for level in levels:
                     for label in order:
-                        # The same wall time for both: rejections return at once, so a count of requests
+                        # The same wall time for all: rejections return at once, so a count of requests
                         # would leave (policy) with a handful of accepted ones.
-                        srv = servers[label]
+                        srv = servers["unbounded" if label == "unbounded" else "policy"]
                         r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
                                           concurrency=level, seconds=args.seconds, sample_s=3600,
-                                          reject_pause_s=pause)
+                                          reject_pause_s=pauses[label])
                         rounds.setdefault((label, level), []).append(r)
                         say(f"round {i + 1} {label} at {level}: {accepted(r) / r.seconds:.1f} seq/s accepted, "
                             f"p99 {r.p99_ms:.0f} ms, rejected {r.rejected}/{r.requests}, errors {r.errors}")
@@ -147,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = ["| in flight | config | queue bound | seq/s (accepted) | p50 ms | p99 ms (accepted) | "
             "p99 / unloaded p99 | rejected share | errors |", "|" + " --- |" * 9]
     for (label, level), r in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        bound = f"{size} requests" if label == "policy" else "none (0)"
+        bound = "none (0)" if label == "unbounded" else f"{size} requests"
         share = r.rejected / r.requests if r.requests else 0.0
         rows.append(f"| {level} | {label} | {bound} | {accepted(r) / r.seconds:.1f} | {r.p50_ms:.0f} | "
                     f"{r.p99_ms:.0f} | {r.p99_ms / unloaded.p99_ms:.1f}x | {share:.1%} | {r.errors} |")
@@ -164,8 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- Queue bound of (policy): {size} requests, from the cost model measured at packaging "
         f"(a, b, c = {', '.join(f'{x:.3g}' for x in cost) if cost else 'n/a'} s) and a 300 ms budget.",
         f"- {args.rounds} rounds of {args.seconds:.0f} s per configuration and level, alternating order, text and "
-        "token ids alternating (the soak's load loop); a rejected client waits one unloaded p50 before its next "
-        "request (it retried elsewhere); the rejected share is of attempts.", "",
+        "token ids alternating (the soak's load loop). A rejected client waits before its next request, as one "
+        f"that retried on another replica: one unloaded p50 in (policy), {args.backoff_s:g} s (a client's "
+        "retry back-off) in (policy+backoff). The rejected share is of attempts. Client and server share "
+        "these 2 cores: every rejection the client makes and the server answers takes CPU from the model.", "",
         *rows, "",
         "Rejected requests are answered 503 / UNAVAILABLE without waiting (counted by `model-factory bench` "
         "apart from errors); a client or load balancer retries them on another replica.", END])

@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import io
 import json
+import logging
 import os
 import sys
 import warnings
@@ -310,14 +311,56 @@ def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: li
         # exporter prints its progress on stdout: kept out of the build's output.
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            extra = {"external_data": True} if dynamo else {"do_constant_folding": True}
-            torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
-                              dynamic_axes=dynamic_axes, opset_version=opset, dynamo=dynamo, **extra)
+            if dynamo:
+                # Its registry warns about torchvision ops it cannot find (torchvision is not a dependency).
+                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+                # Output names are set afterwards: given to the dynamo exporter, a name that is also an
+                # internal value's ("embedding") is defined twice and ONNX Runtime refuses the model.
+                torch.onnx.export(module, args, str(path), input_names=in_names, opset_version=opset, dynamo=True,
+                                  external_data=True,
+                                  dynamic_axes={k: v for k, v in dynamic_axes.items() if k in in_names})
+            else:
+                torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
+                                  dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
+                                  do_constant_folding=True)
     except Exception as exc:  # torch raises many types here; all mean "this model did not export"
         other = "false" if dynamo else "true"
         raise FactoryError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}. Fix: check the model's "
                            f"forward() runs on the example inputs, or try export.dynamo = {other}") from exc
+    if dynamo:
+        _name_outputs(path, out_names)
     return opset
+
+
+def _name_outputs(path: Path, out_names: list[str]) -> None:
+    """Give the graph's outputs ``out_names`` (in order), renaming any internal value that holds one first."""
+    model = onnx_files.load_graph(path)
+    graph = model.graph
+    current = [o.name for o in graph.output]
+    if len(current) != len(out_names):
+        raise FactoryError(f"the exported graph has {len(current)} outputs but the recipe declares {len(out_names)} "
+                           f"{out_names}. Fix: make forward() return one tensor per [[outputs]] entry")
+    renames = {}
+    taken = ({x for n in graph.node for x in (*n.input, *n.output)} | {i.name for i in graph.initializer}
+             | {i.name for i in graph.input} | {v.name for v in graph.value_info})
+    for old, new in zip(current, out_names):
+        if old != new and new in taken:
+            renames[new] = f"{new}__internal"
+    renames.update({old: new for old, new in zip(current, out_names) if old != new})
+    if not renames:
+        return
+
+    def fix(names: Any) -> None:
+        for i, name in enumerate(names):
+            if name in renames:
+                names[i] = renames[name]
+
+    for node in graph.node:
+        fix(node.input)
+        fix(node.output)
+    for value in (*graph.output, *graph.value_info, *graph.initializer):
+        value.name = renames.get(value.name, value.name)
+    path.write_bytes(model.SerializeToString())  # the graph only: its weights stay in the data file
 
 
 def _as_outputs(torch: Any, value: Any) -> list[Any]:

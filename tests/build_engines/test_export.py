@@ -77,6 +77,33 @@ def test_hf_export_matches_torch_with_dynamic_axes(minilm_export, minilm_recipe)
         assert hidden.shape == (batch, length, 384) and emb.shape == (batch, 384)
 
 
+def test_minilm_weights_are_external_data_beside_the_graph(minilm_export) -> None:
+    # 90 MB of weights: over EXTERNAL_DATA_MIN_BYTES, so one data file beside a graph of a few hundred kB.
+    data = minilm_export.onnx_path.with_name("model.onnx.data")
+    assert data.stat().st_size > 80_000_000 and minilm_export.onnx_path.stat().st_size < 2_000_000
+    assert sorted(p.name for p in minilm_export.onnx_path.parent.glob("model.onnx*")) == ["model.onnx",
+                                                                                        "model.onnx.data"]
+
+
+def test_dynamo_exporter_names_outputs_and_streams_weights(tmp_path: Path, minilm_recipe) -> None:
+    """The exporter large models get by default (export.dynamo unset, >= 32M parameters), here asked for."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_torch_models import save_tiny_bert
+
+    folder = save_tiny_bert(tmp_path / "bert", minilm_recipe.source.path)
+    recipe = parse_recipe({"model": {"name": "tiny"}, "source": {"kind": "huggingface", "path": str(folder)},
+                           "export": {"dynamo": True, "opset": 18}, "shapes": {"max_sequence_length": 32}}, tmp_path)
+    result = export_model(recipe)
+    assert result.output_names == ("last_hidden_state", "embedding") and result.opset == 18
+    assert result.max_abs_error < recipe.export.tolerance
+    # The dynamo exporter names an internal value "embedding" too: outputs are named after export, uniquely.
+    sess = onnxruntime_session(result.onnx_path)
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "embedding"]
+    assert [p.name for p in result.onnx_path.parent.iterdir() if p.name.startswith("model.onnx")] == ["model.onnx"]
+
+
 def test_torch_factory_export(tmp_path: Path, factory_module: str) -> None:
     recipe = parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path)
     res = export_model(recipe)
