@@ -28,6 +28,7 @@ from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
+from model_factory.progress import heartbeat
 from model_factory.recipe import Recipe, TensorSpec, onnx_tensor_specs
 
 # From this many parameters on, a recipe that does not choose gets torch's dynamo exporter (see _torch_export).
@@ -205,8 +206,9 @@ def _load_hf(transformers: Any, src: Path, task: str) -> tuple[Any, Any]:
     if task in AUTO_CLASSES and missing:
         # transformers would initialise them at random: the served head would be noise.
         raise FactoryError(f"recipe field 'model.task': the weights in {src} lack {len(missing)} tensor(s) of the "
-                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head "
-                           f"({cls_name}.save_pretrained), or set task = \"embedding\"")
+                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head (the "
+                           "save_pretrained() of the model with the head writes its weights), or set "
+                           "task = \"embedding\"")
     return tok, model.eval()
 
 
@@ -259,7 +261,8 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     for spec in recipe.outputs:
         if spec.name in out_names:
             dyn[spec.name] = {0: "batch", 1: "sequence"} if spec.dims and spec.dims[0] == -1 else {0: "batch"}
-    opset = _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe, say)
+    with heartbeat(say, "exporting to ONNX", every=15.0):  # minutes for a large model: say it is alive
+        opset = _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe, say)
     if not recipe.export.torchscript:
         # The torch model is done with: free it before ONNX Runtime loads its own copy of the weights.
         del wrapper, hf

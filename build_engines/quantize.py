@@ -80,6 +80,7 @@ from model_factory.progress import Steps
 from model_factory.recipe import Recipe
 
 DEFAULT_TARGET = 0.99
+DEPARTURES_NAME = "departures.json"  # where a failing precision first departs from FP32, per layer
 QUANTIZABLE_OPS = ("MatMul", "Gemm", "Conv")
 # Kept in float32 inside FP16 models: normalisations and reductions accumulate over many values.
 FP16_FLOAT_OPS = ("LayerNormalization", "ReduceSum", "ReduceMean", "ReduceL2", "ReduceSumSquare", "Pow", "Sqrt",
@@ -88,6 +89,9 @@ PERCENTILE = 99.99
 HIST_BINS = 2048
 CALIB_BATCH = 8
 SEARCH_SAMPLES = 16
+# A reranker's search scores rankings per query: 16 pairs are only four queries of four passages, too few
+# to tell a node that flips a ranking from one that does not. Pairs are short and cheap to score.
+SEARCH_SAMPLES_RERANKER = 64
 # The search never sees the held-out set, so it aims a little above the gate: a fifth of the way from the
 # target to a perfect score (0.99 -> 0.992). Without it a search that just crosses 0.99 on 16 samples
 # passes or fails the held-out gate by chance.
@@ -634,9 +638,9 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         calib_feeds = encoder.encode(split.calibration)
         if q.mixed_precision:
             groups = split.calibration.groups()
-            search_eval = Evaluator(ref_session, {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()},
-                                    evaluator.task, evaluator.output,
-                                    None if groups is None else groups[:SEARCH_SAMPLES])
+            n_search = SEARCH_SAMPLES_RERANKER if recipe.task == "reranker" else SEARCH_SAMPLES
+            search_eval = Evaluator(ref_session, {k: v[:n_search] for k, v in calib_feeds.items()},
+                                    evaluator.task, evaluator.output, None if groups is None else groups[:n_search])
     # Every FP32 output the scores need is computed: the reference session's weights can go.
     del ref_session
     release_memory()
@@ -680,8 +684,29 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         f"{r.precision} {r.metric} {r.score:.5f}" + "".join(f", {k} {v:.5f}" for k, v in r.extra)
         + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)" if r.float_nodes else "")
         for r in report.results))
-    check_gate(report, report_path)
+    check_gate(report, report_path, _departure_report(report, export.onnx_path, out_dir, evaluator.feeds))
     return QuantizeResult(models, report, report_path, float_nodes, calibration_digest)
+
+
+def _departure_report(report: AccuracyReport, fp32: Path, out_dir: Path, feeds: Feeds) -> str:
+    """For each precision below the gate: the layers where it first departs from FP32 (also written as JSON)."""
+    if report.passed:
+        return ""
+    from model_factory.build_engines.divergence import first_departures, render_departures
+
+    texts, table = [], {}
+    for r in report.failures:
+        try:
+            found = first_departures(Path(fp32), out_dir / f"model.{r.precision}.onnx", feeds,
+                                     float(report.min_accuracy or DEFAULT_TARGET))
+        except Exception as exc:  # a diagnosis: failing to make it must not hide the gate's verdict
+            texts.append(f"{r.precision}: per-layer comparison failed ({type(exc).__name__}: {exc})")
+            continue
+        table[r.precision] = [d.to_dict() for d in found]
+        texts.append(render_departures(r.precision, found))
+    if table:
+        (out_dir / DEPARTURES_NAME).write_text(json.dumps(table, indent=2) + "\n")
+    return "\n".join(texts)
 
 
 def check_task_data(task: str, split: DataSplit) -> None:

@@ -63,6 +63,7 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     import datetime as dt
@@ -130,9 +131,14 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 
-    packaged = _timed(seconds, "package", say, lambda: package_model(
-        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-        parameters=parameters, build_info=build_info, cost_model=cost, sign=sign))
+    def package() -> Any:
+        golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir,
+                                       recipe.work_dir / "acceptance", progress=say)
+        return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
+                             parameters=parameters, build_info=build_info, cost_model=cost, sign=sign,
+                             acceptance_dir=golden)
+
+    packaged = _timed(seconds, "package", say, package)
     signature = None
     if signer is not None:
         from model_factory.signing.layout import signature_path
@@ -167,8 +173,9 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
     return facts
 
 
-def package_existing(recipe: Recipe) -> Any:
+def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     from model_factory.build_engines.quantize import quantized_models
@@ -194,8 +201,11 @@ def package_existing(recipe: Recipe) -> Any:
     tok = export_dir / "tokenizer"
     cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
         if recipe.batching.max_queue_size is None and "model.onnx" in artifacts else None
-    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra,
-                         cost_model=cost)
+    tokenizer_dir = tok if tok.is_dir() else None
+    golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
+                                   progress=progress)
+    return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra, cost_model=cost,
+                         acceptance_dir=golden)
 
 
 def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:

@@ -142,6 +142,8 @@ class RepositorySpec:
     engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")
     memory_pool_release_threshold_mib: int = 256
     memory_pool_initial_mib: int = 0
+    # A GPU instance with no GPU engine that loads is refused, unless this allows ONNX Runtime on the CPU.
+    allow_cpu_fallback: bool = False
     # The precision this deployment serves: its ONNX file (CPU) and its plan (GPU TensorRT), nothing else.
     serve: str = "fp32"
     # False: the version folder holds only the served precision's files; True: every built precision.
@@ -381,8 +383,8 @@ def check_hf_task(cfg: Mapping[str, Any], task: str, folder: Path) -> None:
     if not any(a.endswith(head) for a in archs):
         holds = ", ".join(archs) if archs else "no architectures entry"
         raise _err("model.task", f"{task!r} needs {what}, but {folder}/config.json holds {holds}",
-                   f"save the model with its head (e.g. AutoModel{head}.save_pretrained(...)), or set "
-                   "task = \"embedding\" to serve the encoder's embeddings")
+                   f"save the model with its head (save_pretrained() of a ...{head} model, e.g. "
+                   f"Bert{head}), or set task = \"embedding\" to serve the encoder's embeddings")
     labels = hf_labels(cfg)
     if task == "reranker" and len(labels) != 1:
         raise _err("model.task", f"a reranker returns one relevance score, but {folder}/config.json has "
@@ -626,7 +628,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
-               "memory_pool_initial_mib", "serve", "keep_all_precisions"})
+               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions"})
     engine = _choice(r.get("engine", "auto"), "repository.engine", ENGINES)
     # An engine the package will not have files for would leave the model unavailable at load: say so now.
     if engine == "torch" and not export.torchscript:
@@ -652,6 +654,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         memory_pool_release_threshold_mib=_positive(r.get("memory_pool_release_threshold_mib", 256),
                                                     "repository.memory_pool_release_threshold_mib"),
         memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),
+        allow_cpu_fallback=_typed(r.get("allow_cpu_fallback", False), "repository.allow_cpu_fallback", bool,
+                                  "write true or false"),
         serve=serve,
         keep_all_precisions=keep_all,
     )

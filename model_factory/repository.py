@@ -14,6 +14,7 @@ Layout of one model::
     <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
     <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
+    <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
 
@@ -33,6 +34,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
 from model_factory.build_engines.onnx_files import data_file
@@ -322,6 +324,7 @@ def package_model(
     extra_files: Iterable[Path] = (),
     parameters: Mapping[str, str] | None = None,
     build_info: Mapping[str, Any] | None = None,
+    acceptance_dir: Path | None = None,
     cost_model: Sequence[float] | None = None,
     sign: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
@@ -332,7 +335,9 @@ def package_model(
     Other versions already in the model folder are kept (hard-linked, not
     copied); the version being built and ``config.pbtxt`` are replaced. The
     whole model folder is swapped in with one rename, so an interrupted run
-    leaves the previous one intact.
+    leaves the previous one intact. ``acceptance_dir`` (golden inputs and FP32
+    outputs, ``build_engines/golden.py``) is copied to ``<version>/acceptance/``,
+    where the version's signature covers it.
     """
     serve = recipe.repository.serve
     onnx_name = onnx_file_for(serve)
@@ -354,6 +359,7 @@ def package_model(
         "max_group_tokens": str(recipe.batching.max_group_tokens),
         "pad_sequences": str(recipe.batching.pad_sequences).lower(),
         "engine": recipe.repository.engine,
+        "cpu_fallback": str(recipe.repository.allow_cpu_fallback).lower(),
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),
         "task": recipe.task,
@@ -382,13 +388,14 @@ def package_model(
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
         metadata = _stage_model(recipe, model_dir, version, pbtxt, files, tokenizer_dir, extra_files,
-                                build_info, sign, labels)
+                                build_info, sign, labels, acceptance_dir)
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
 
 
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
-                 sign: Callable[[Path], Any] | None, labels: Sequence[str]) -> dict[str, Any]:
+                 sign: Callable[[Path], Any] | None, labels: Sequence[str],
+                 acceptance_dir: Path | None = None) -> dict[str, Any]:
     files = artifacts  # already the version folder's selection (select_artifacts)
     serve = recipe.repository.serve
     onnx_name, plan_name = onnx_file_for(serve), f"model.{serve}.plan"
@@ -418,6 +425,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
                 shutil.copyfile(src, vdir / name)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, vdir / "tokenizer")
+        if acceptance_dir is not None:
+            shutil.copytree(acceptance_dir, vdir / ACCEPTANCE_DIR)
         for extra in extra_files:
             shutil.copyfile(extra, vdir / Path(extra).name)
         metadata = {
@@ -438,6 +447,7 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()}
             | ({f"../{LABELS_FILE}": digest_path(tmp / LABELS_FILE)} if labels else {}),
             "labels": list(labels) or None,
+            "acceptance": (f"{ACCEPTANCE_DIR}/{SPEC_FILE}" if acceptance_dir is not None else None),
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
             "engines": sorted(name for name in files if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }

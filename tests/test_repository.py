@@ -120,6 +120,10 @@ def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> N
     assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
     assert meta["files"]["mf_backend/executor.py"]
     assert read_config(res.model_dir).name == "minilm"
+    # GPU instances fall back to the CPU only when the recipe says so (the example does); no acceptance data given.
+    assert recipe.repository.allow_cpu_fallback is True
+    assert read_config(res.model_dir).parameters["cpu_fallback"].string_value == "true"
+    assert meta["acceptance"] is None
 
 
 def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe, tmp_path: Path) -> None:
@@ -191,6 +195,33 @@ def test_non_hf_sources_write_no_vocab_size(tmp_path: Path) -> None:
     assert _backend_settings(res.model_dir).vocab_size is None
 
 
+def test_classifier_labels_become_the_outputs_label_file(tmp_path: Path) -> None:
+    """id2label → <model>/labels.txt, named by the class outputs' label_filename (through the protobuf)."""
+    from model_factory.recipe import parse_recipe
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["BertForSequenceClassification"], "hidden_size": 8, "type_vocab_size": 2,
+        "vocab_size": 100, "id2label": {"1": "positive", "0": "negative", "2": "neutral"}}))
+    data = {"model": {"name": "cls", "task": "classification"}, "source": {"kind": "huggingface", "path": "hf"},
+            "classification": {"probabilities": True}, "repository": {"path": "repo"}}
+    recipe = parse_recipe(data, tmp_path)
+    res = package_model(recipe, _fake_artifacts(tmp_path))
+    assert (res.model_dir / "labels.txt").read_text() == "negative\npositive\nneutral\n"
+    config = read_config(res.model_dir)
+    assert {o.name: o.label_filename for o in config.output} == {"logits": "labels.txt",
+                                                                 "probabilities": "labels.txt"}
+    meta = json.loads((res.version_dir / "metadata.json").read_text())
+    assert meta["labels"] == ["negative", "positive", "neutral"] and "../labels.txt" in meta["files"]
+    # Rebuilt as an embedding model, the label file goes (no stale labels beside a config without them).
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "hidden_size": 8}))
+    res = package_model(parse_recipe(data | {"model": {"name": "cls", "task": "embedding"},
+                                            "classification": {}}, tmp_path), _fake_artifacts(tmp_path))
+    assert not (res.model_dir / "labels.txt").exists()
+    assert all(not o.label_filename for o in read_config(res.model_dir).output)
+
+
 def _all_precisions(tmp_path: Path) -> dict[str, Path]:
     """Artifacts of every precision as stages leave them; the FP32 and INT8 weights in data files."""
     build = tmp_path / "build"
@@ -247,3 +278,5 @@ def test_serving_a_precision_that_was_not_built_is_refused(minilm_recipe, tmp_pa
     del artifacts["model.int8.onnx"]
     with pytest.raises(FactoryError, match=r"serve = \"int8\".*not built. Fix: run model-factory quantize"):
         package_model(_recipe(minilm_recipe, tmp_path, serve="int8"), artifacts)
+
+

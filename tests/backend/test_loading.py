@@ -31,8 +31,9 @@ def version_dir(tmp_path: Path) -> Path:
     return v
 
 
-def settings(engine: str = "auto"):
-    return parse_settings({"name": "m", "parameters": {"engine": {"string_value": engine}}})
+def settings(engine: str = "auto", cpu_fallback: bool = False):
+    return parse_settings({"name": "m", "parameters": {"engine": {"string_value": engine},
+                                                       "cpu_fallback": {"string_value": str(cpu_fallback).lower()}}})
 
 
 def test_cpu_instance_uses_onnxruntime(version_dir: Path) -> None:
@@ -42,10 +43,24 @@ def test_cpu_instance_uses_onnxruntime(version_dir: Path) -> None:
     np.testing.assert_array_equal(out["y"], np.ones((2, 3)))
 
 
-def test_gpu_instance_falls_back_when_the_plan_cannot_run(version_dir: Path) -> None:
-    # No GPU here (and the plan is garbage): auto must still serve, and say why it fell back.
-    engine, info = load_engine(version_dir, settings(), "GPU", 0)
-    assert info["flavour"] == "onnxruntime" and info["fallback_from_tensorrt"]
+def test_gpu_instance_falls_back_to_the_cpu_only_when_the_recipe_allows_it(version_dir: Path) -> None:
+    # No GPU here (and the plan is garbage): with allow_cpu_fallback, auto serves on the CPU and says why.
+    engine, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)
+    assert info["flavour"] == "onnxruntime" and info["device"] == "cpu" and info["fallback_from_tensorrt"]
+    assert "CUDAExecutionProvider" in info["fallback_from_onnxruntime_cuda"] and "cpu_fallback" in info
+
+
+def test_gpu_instance_never_serves_on_the_cpu_by_surprise(version_dir: Path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    with pytest.raises(SettingsError) as exc:
+        load_engine(version_dir, settings(), "GPU", 0)
+    msg = str(exc.value)
+    # Every engine tried is named with its reason, then the fix.
+    assert "no GPU engine loads here" in msg and "tensorrt:" in msg and "onnxruntime_cuda:" in msg
+    assert "torch:" in msg and "allow_cpu_fallback = true" in msg
+    with pytest.raises(SettingsError, match="onnxruntime_cuda: .*no CUDAExecutionProvider"):
+        load_engine(version_dir, settings("onnxruntime"), "GPU", 0)  # explicit ORT on a GPU instance: CUDA or nothing
 
 
 def test_forced_tensorrt_fails_loudly(version_dir: Path) -> None:
@@ -110,13 +125,13 @@ def test_auto_on_a_cpu_instance_stays_on_onnxruntime(torch_version_dir: Path) ->
 def test_auto_on_a_gpu_instance_without_cuda_falls_back_with_both_reasons(torch_version_dir: Path) -> None:
     if _cuda_available():
         pytest.skip("torch has CUDA here: auto serves with torch")
-    _, info = load_engine(torch_version_dir, settings(), "GPU", 0)
+    _, info = load_engine(torch_version_dir, settings(cpu_fallback=True), "GPU", 0)
     assert info["flavour"] == "onnxruntime"
     assert info["fallback_from_tensorrt"] and "no usable CUDA" in info["fallback_from_torch"]
 
 
 def test_auto_on_a_gpu_instance_without_torchscript_says_so(version_dir: Path) -> None:
-    _, info = load_engine(version_dir, settings(), "GPU", 0)
+    _, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)
     assert info["flavour"] == "onnxruntime" and "export.torchscript = true" in info["fallback_from_torch"]
 
 
@@ -138,6 +153,7 @@ def test_auto_on_a_gpu_instance_prefers_torch_over_onnxruntime(torch_version_dir
     engine, info = load_engine(torch_version_dir, settings(), "GPU", 0)
     # The plan here is garbage: TensorRT is tried first and its failure recorded.
     assert info["flavour"] == "torch" and info["fallback_from_tensorrt"] and "fallback_from_torch" not in info
+    assert "CUDAExecutionProvider" in info["fallback_from_onnxruntime_cuda"]  # tried before torch
     np.testing.assert_array_equal(engine.run({"x": np.ones((1, 3), np.float32)})["y"], np.ones((1, 3)))
 
 
@@ -171,8 +187,8 @@ def test_torch_engine_must_fit_the_model_config(torch_version_dir: Path) -> None
 # --------------------------------------------------------------------------- served precision, external data
 
 
-def _precision_settings(precision: str, engine: str = "auto", plan: bool = True):
-    params = {"engine": engine, "precision": precision,
+def _precision_settings(precision: str, engine: str = "auto", plan: bool = True, cpu_fallback: bool = False):
+    params = {"engine": engine, "precision": precision, "cpu_fallback": str(cpu_fallback).lower(),
               "onnx_file": "model.onnx" if precision == "fp32" else f"model.{precision}.onnx"}
     if plan:
         params["plan_file"] = f"model.{precision}.plan"
@@ -216,8 +232,8 @@ def test_the_served_precision_and_only_it_is_loaded(precisions_dir: Path, precis
 
 
 def test_a_gpu_instance_tries_the_served_precisions_plan(precisions_dir: Path) -> None:
-    # No GPU here: the int8 plan is tried (and its failure recorded), then the int8 ONNX serves.
-    engine, info = load_engine(precisions_dir, _precision_settings("int8"), "GPU", 0)
+    # No GPU here: the int8 plan is tried (and its failure recorded), then the int8 ONNX serves (the CPU allowed).
+    engine, info = load_engine(precisions_dir, _precision_settings("int8", cpu_fallback=True), "GPU", 0)
     assert info["flavour"] == "onnxruntime" and info["file"] == "model.int8.onnx"
     assert info["fallback_from_tensorrt"] and "FP32" in info["fallback_from_torch"]
     np.testing.assert_allclose(engine.run({"x": np.ones((1, 64), np.float32)})["y"], np.full((1, 64), 3.0))
@@ -294,7 +310,7 @@ def test_a_pod_pinned_to_a_product_loads_only_plans_built_on_it(version_dir: Pat
 def test_no_plan_for_the_product_falls_back_under_auto_and_fails_when_forced(version_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
     _plan_meta(version_dir, "model.fp32.plan", None)  # built ahead of time without a GPU
-    engine, info = load_engine(version_dir, settings(), "GPU", 0)
+    engine, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)  # the recipe allows the CPU
     assert info["flavour"] == "onnxruntime"
     assert info["fallback_from_tensorrt"] == ("no plan built for GPU product 'NVIDIA-H100-80GB-HBM3': skipped "
                                               "model.fp32.plan (built for no GPU product)")

@@ -328,6 +328,45 @@ def test_onnx_source_cannot_make_torchscript(tmp_path: Path, factory_module: str
         export_model(recipe)
 
 
+# --------------------------------------------------------------------------- Hugging Face task heads
+
+
+def _task_recipe(folder: Path, task: str, tmp_path: Path):
+    data = {"model": {"name": "t", "task": task}, "source": {"kind": "huggingface", "path": str(folder)},
+            "shapes": {"max_sequence_length": 32, "sequence_buckets": [32]}, "repository": {"path": "repo"}}
+    return parse_recipe(data, tmp_path)
+
+
+def test_head_without_its_weights_is_refused(tiny_bert: Path, tmp_path: Path) -> None:
+    """config.json claims a classifier, the weights are the bare encoder: never export a random head."""
+    import shutil
+
+    folder = tmp_path / "claims-a-head"
+    shutil.copytree(tiny_bert, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"architectures": ["BertForSequenceClassification"],
+                                                           "id2label": {"0": "a", "1": "b"}}))
+    with pytest.raises(FactoryError, match=r"lack .* tensor\(s\) of the classification head.*Fix:"):
+        export_model(_task_recipe(folder, "classification", tmp_path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_classifier_exports_per_token_logits(tmp_path: Path, minilm_recipe) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import zoo_models
+
+    member = zoo_models.make_token_classifier(tmp_path, minilm_recipe.source.path)
+    res = export_model(_task_recipe(member.folder, "token-classification", tmp_path), tmp_path / "out")
+    assert res.output_names == ("logits",) and res.max_abs_error < 1e-3
+    sess = onnxruntime_session(res.onnx_path)
+    out = sess.run(["logits"], {"input_ids": np.full((2, 7), 1000, np.int64),
+                                "attention_mask": np.ones((2, 7), np.int64),
+                                "token_type_ids": np.zeros((2, 7), np.int64)})[0]
+    assert out.shape == (2, 7, len(zoo_models.NER_LABELS))
+
+
 def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
