@@ -137,7 +137,8 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
     if external is None:
         external = tensor_bytes(model) >= EXTERNAL_DATA_MIN_BYTES
     data_path = data_file(path)
-    data_path.unlink(missing_ok=True)  # never append to a stale file
+    # Written beside under another name, then renamed: the model may read its weights from the file it replaces.
+    writing = data_path.with_name(f".{data_path.name}.writing")
     if consume:
         out = model
     else:
@@ -148,13 +149,14 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
             load_weights(out, Path(base_dir or path.parent), convert)
         try:
             onnx.save_model(out, str(path))
+            data_path.unlink(missing_ok=True)  # a one-file model has no data file: a stale one would mislead
         except ValueError as exc:  # over protobuf's 2 GB limit
             raise FactoryError(f"cannot write {path} as one file ({exc}). Fix: this is a bug; large models are "
                                "written with external data") from exc
         return path
     sources: dict[str, Any] = {}
     try:
-        with data_path.open("wb") as sink:
+        with writing.open("wb") as sink:
             for tensor in _tensors(out):
                 if tensor.data_location == _EXTERNAL:
                     info = _external_info(tensor)
@@ -194,9 +196,13 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
                 for key, value in (("location", data_path.name), ("offset", str(start)), ("length", str(length))):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = key, value
+    except BaseException:
+        writing.unlink(missing_ok=True)
+        raise
     finally:
         for handle in sources.values():
             handle.close()
+    os.replace(writing, data_path)
     path.write_bytes(out.SerializeToString())
     return path
 

@@ -113,3 +113,11 @@ def test_fp16_of_a_graph_whose_weights_stay_on_disk_matches_the_in_memory_conver
     (tmp_path / "mem").mkdir()
     onnx_files.save(in_memory, tmp_path / "mem" / "model.onnx", external=False)
     np.testing.assert_array_equal(_run(out), _run(tmp_path / "mem" / "model.onnx"))
+
+
+def test_a_model_can_be_rewritten_over_the_files_it_reads_from(tmp_path: Path) -> None:
+    path = onnx_files.save(_model(), tmp_path / "model.onnx", external=True)
+    expected = _run(path)
+    onnx_files.save(onnx_files.load_graph(path), path, external=True)  # reads model.onnx.data while replacing it
+    np.testing.assert_allclose(_run(path), expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
