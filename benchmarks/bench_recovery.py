@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_factory.repository import package_model
     from model_factory.serve import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.supervise import StubWatch, stub_processes
+    from model_factory.supervise import SETTLE_S, StubWatch, stub_processes
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *table, "",
         f"Median kill → ready {statistics.median(r[1] for r in rows):.1f} s. Most of it is the reload: the backend "
         "measures its cost model again at every load (on this CPU, over a loaded machine), after the watch's "
-        f"{StubWatch(server, []).settle_s:g} s settle (the dead instance fails the requests it holds first). Detection "
+        f"{SETTLE_S:g} s settle (the dead instance fails the requests it holds first). Detection "
         "and the unload take well under a second; meanwhile requests are refused at once (404: no available "
         f"version). Triton 2.51 never finishes unloading the dead instance, so this server's exit took its exit "
         f"timeout (exit code {rc}).", END])
