@@ -43,6 +43,9 @@ class AccuracyGateError(FactoryError):
         self.report = report
         self.report_path = report_path
 
+    def __reduce__(self):  # noqa: ANN204 - pickled whole: the build runs the quantize stage in a child process
+        return (type(self), (str(self), self.report, self.report_path))
+
 
 @dataclass(frozen=True)
 class PrecisionAccuracy:
@@ -181,7 +184,7 @@ class AccuracyReport:
             lines.append(f"gate: min_accuracy {self.min_accuracy:g} -> " + ("passed" if self.passed else "FAILED"))
         for line in lines:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
-        return console.export_text().rstrip()
+        return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
 
 
 METRIC_LABELS = {"cosine": "mean cos", "top1": "top-1 agree", "token_top1": "token top-1",
@@ -342,13 +345,14 @@ class Evaluator:
         return PrecisionAccuracy(precision, metric, score, max_abs, self.samples, min_cos, extra=more, **extra)
 
 
-def check_gate(report: AccuracyReport, report_path: Path) -> None:
-    """Raise :class:`AccuracyGateError` with the rendered report when a precision misses the gate."""
+def check_gate(report: AccuracyReport, report_path: Path, details: str = "") -> None:
+    """Raise :class:`AccuracyGateError` with the rendered report (and ``details``) when a precision misses the gate."""
     if report.passed:
         return
     worst = ", ".join(f"{r.precision} {r.gate_score:.5f}" for r in report.failures)
+    where = f"{details}\n" if details else ""
     raise AccuracyGateError(
         f"accuracy gate failed: {worst} below quantization.min_accuracy {report.min_accuracy:g} "
-        f"(report: {report_path}).\n{report.render()}\nFix: enable quantization.mixed_precision, try "
+        f"(report: {report_path}).\n{report.render()}\n{where}Fix: enable quantization.mixed_precision, try "
         "quantization.method = \"percentile\" or \"entropy\", give more representative calibration data, or drop "
         "the failing precision from the recipe", report, report_path)

@@ -55,3 +55,26 @@ def read_checked(model_dir: Path, relpath: str, digests: dict[str, str] | None) 
             raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
                                  f"{expected[:16]}…); refusing to load it")
     return data
+
+
+def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: Path) -> None:
+    """Copy ``model_dir/relpath`` to ``dest`` while hashing it; refuse (and remove ``dest``) if it differs.
+
+    For files too large to hold twice in memory (an ONNX model's external data): ``dest`` lies in a
+    private folder of the loading process, so what is loaded from it is exactly what was hashed.
+    """
+    path = Path(model_dir) / relpath
+    if relpath not in digests:
+        raise IntegrityError(f"{relpath} is not covered by the verified signature")
+    if path.is_symlink():
+        raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+    h = hashlib.sha256()
+    with path.open("rb") as src, Path(dest).open("wb") as out:
+        for chunk in iter(lambda: src.read(1 << 24), b""):
+            h.update(chunk)
+            out.write(chunk)
+    actual = h.hexdigest()
+    if actual != digests[relpath]:
+        Path(dest).unlink(missing_ok=True)
+        raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
+                             f"{digests[relpath][:16]}…); refusing to load it")

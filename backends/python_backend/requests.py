@@ -20,6 +20,10 @@ Item = dict[str, np.ndarray]
 _NP = NUMPY_DTYPES
 
 
+# The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
+TEXT_INPUTS = ("text", "query", "passage")
+
+
 class RequestError(ValueError):
     """The request is malformed; the message says what and how to fix it (sent as INVALID_ARG)."""
 
