@@ -76,7 +76,7 @@ def test_package_and_sign_killed_at_random_instants_leave_a_verifying_repository
     work = tmp_path / "work"
     work.mkdir()
     rng = random.Random(12)
-    for _ in range(8):
+    for _ in range(6):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(EXAMPLE), str(repo), str(key), str(work)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         try:
