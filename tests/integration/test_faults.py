@@ -25,22 +25,16 @@ MODEL = "minilm"
 
 
 @pytest.fixture(scope="module")
-def signed_minilm(tmp_path_factory, minilm_recipe, minilm_export):
+def signed_minilm(tmp_path_factory, minilm_recipe, package_signed):
     """One signed MiniLM (fixed cost model: no measuring at each load) and a policy trusting its key."""
     from model_factory.demo import write_key_policy
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("faults")
     repo = root / "repo"
     keys = generate_keypair(root / "keys")
     recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=repo))
-    package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
-                  parameters={"cost_model": "0.002,1e-6,1e-9"})
-    sign_model_version(repo / MODEL, 1, SignerConfig(private_key=keys.private_key, password=None),
-                       provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},
-                                                 accuracy=None))
+    package_signed(recipe, keys)
     return repo, write_key_policy(root / "policy.toml", [keys.public_key])
 
 
