@@ -106,22 +106,26 @@ def sample(server_pid: int, repository: Path, at: float) -> Sample:
 def run_soak(url: str, model: str, payloads: Sequence[Payload], server_pid: int, repository: Path, *,
              concurrency: int = 8, seconds: float | None = None, requests: int | None = None,
              sample_s: float = 10.0, output: str = "embedding", timeout_s: float = 60.0,
-             reject_pause_s: float = 0.0) -> SoakReport:
+             reject_pause_s: float = 0.0, send: str = "mixed") -> SoakReport:
     """Load ``model`` at ``url`` (gRPC) with ``payloads`` cycled, for ``seconds`` or ``requests``.
 
-    Even-numbered requests go as ``text``, odd ones as token ids (the payloads must be tokenized).
+    ``send="mixed"``: even-numbered requests go as ``text``, odd ones as token ids (the payloads must be
+    tokenized). Triton batches only requests with the same input names, so a mixed stream runs almost
+    every request alone; ``send="ids"`` (or ``"text"``) sends one kind, which Triton batches.
     ``reject_pause_s``: a client whose request was rejected (full queue) waits this long before its
     next one, as a client that retried on another replica would be away from this one.
     """
     if (seconds is None) == (requests is None):
         raise FactoryError("give the soak a duration or a number of requests, not both")
+    if send not in ("mixed", "ids", "text"):
+        raise FactoryError(f"send={send!r}: use mixed, ids or text")
     if not payloads or any(p.input_ids is None for p in payloads):
         raise FactoryError("the soak needs tokenized payloads (it sends text and token ids)")
     grpc = require("tritonclient.grpc.aio", "client")
 
     def inputs(i: int) -> list[Any]:
         p = payloads[i % len(payloads)]
-        if i % 2 == 0:
+        if send == "text" or (send == "mixed" and i % 2 == 0):
             t = grpc.InferInput("text", [1, 1], "BYTES")
             t.set_data_from_numpy(np.array([[p.text.encode("utf-8")]], dtype=np.object_))
             return [t]
