@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_factory.repository import package_model
     from model_factory.serve import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.supervise import StubWatch, stub_processes
+    from model_factory.supervise import SETTLE_S, StubWatch, stub_processes
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
@@ -116,15 +116,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     t.join()
                     first_ok = min(ts for ts, ok in outcomes if ts > killed and ok)
                     failed = sum(1 for ts, ok in outcomes if ts > killed and not ok)
-                    rows.append((not_ready - killed, back - killed, first_ok - killed, failed))
+                    # The request in flight at the kill: the first answer after it.
+                    first_answer = min(ts for ts, _ in outcomes if ts > killed)
+                    rows.append((not_ready - killed, back - killed, first_ok - killed, failed,
+                                 first_answer - killed))
                     say(f"round {i + 1}: not ready after {rows[-1][0]:.2f} s, ready after {rows[-1][1]:.1f} s, "
                         f"first right answer after {rows[-1][2]:.1f} s, {failed} requests refused meanwhile")
         finally:
             rc = server.stop()
             say(f"tritonserver exit code {rc}")
-    table = ["| round | kill → not ready (s) | kill → ready (s) | kill → first right answer (s) | requests refused |",
-             "| --- | --- | --- | --- | --- |"]
-    table += [f"| {i + 1} | {a:.2f} | {b:.1f} | {c:.1f} | {n} |" for i, (a, b, c, n) in enumerate(rows)]
+    table = ["| round | kill → not ready (s) | kill → request in flight answered (s) | kill → ready (s) | "
+             "kill → first right answer (s) | requests refused meanwhile |", "| --- | --- | --- | --- | --- | --- |"]
+    table += [f"| {i + 1} | {a:.2f} | {f:.1f} | {b:.1f} | {c:.1f} | {n} |" for i, (a, b, c, n, f) in enumerate(rows)]
     section = "\n".join([
         START, "## Dead stub: time to recover (benchmarks/bench_recovery.py)", "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
@@ -132,10 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stub watch polling every 0.5 s; the stub SIGKILLed while a client sends requests.", "",
         *table, "",
         f"Median kill → ready {statistics.median(r[1] for r in rows):.1f} s. Most of it is the reload: the backend "
-        "measures its cost model again at every load (on this CPU, over a loaded machine); detection and the "
-        "unload take well under a second. While the model is down, requests get an error at once (Triton's "
-        "'not ready' / 'Stub process is not healthy'), never a hang. Triton 2.51 never finishes unloading the "
-        f"dead instance, so this server's exit took its exit timeout (exit code {rc}).", END])
+        "measures its cost model again at every load (on this CPU, over a loaded machine), after the watch's "
+        f"{SETTLE_S:g} s settle (the dead instance fails the requests it holds first). Detection "
+        "and the unload take well under a second; meanwhile requests are refused at once (404: no available "
+        f"version). Triton 2.51 never finishes unloading the dead instance, so this server's exit took its exit "
+        f"timeout (exit code {rc}).", END])
     print(section)
     if not args.no_write:
         sys.path.insert(0, str(HERE))

@@ -11,6 +11,12 @@
 # check needs .whl/ from benchmarks/prepare_gpu_wheels.sh (run on a CPU machine first):
 #
 #   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"], timeout_s 560
+#
+# Sections: the backend's CUDA checks; the gpu-marked unit tests; Triton with 256 requests on the torch
+# engine; `accept` on the torch engine (the packaged golden inputs, needs .whl/polygraphy-*.whl); ONNX
+# Runtime CUDA (engine test, accept, Triton with engine=onnxruntime) when onnxruntime-gpu was staged
+# (ORT_GPU=1 benchmarks/prepare_gpu_wheels.sh: .whl-ort/part-NN carried one per call first); the GPU
+# batching benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from model_factory.build_engines.calibration import Feeds, batches
-from model_factory.errors import FactoryError, require
+from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_file
 
 REPORT_NAME = "accuracy.json"
@@ -205,15 +205,7 @@ def ort_session(path: Path, simulate_qdq: bool = False) -> Any:
     """
     from model_factory.build_engines.export import onnxruntime_session
 
-    if not simulate_qdq:
-        return onnxruntime_session(path)
-    ort = require("onnxruntime", "onnx")
-    if hasattr(ort, "disable_telemetry_events"):  # as onnxruntime_session does: we are air-gapped
-        ort.disable_telemetry_events()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    return onnxruntime_session(path, basic_optimizations=simulate_qdq)
 
 
 def primary_output(task: str, output_names: Sequence[str]) -> str:

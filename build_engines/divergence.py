@@ -61,13 +61,9 @@ def _expose(model: Any, names: list[str]) -> bytes:
 
 
 def _session(data: bytes) -> Any:
-    ort = require("onnxruntime", "onnx")
-    if hasattr(ort, "disable_telemetry_events"):
-        ort.disable_telemetry_events()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(data, sess_options=opts, providers=["CPUExecutionProvider"])
+    from model_factory.build_engines.export import onnxruntime_session
+
+    return onnxruntime_session(data, basic_optimizations=True)
 
 
 def _cosine(ref: np.ndarray, cand: np.ndarray) -> float:

@@ -63,8 +63,12 @@ class ExportResult:
     torchscript_max_abs_error: float | None = None
 
 
-def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped)."""
+def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_optimizations: bool = False) -> Any:
+    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped).
+
+    ``model`` is a file or a serialized ModelProto; ``basic_optimizations`` stops at ORT's basic graph
+    optimizations (Q/DQ nodes stay float arithmetic, see :func:`accuracy.ort_session`).
+    """
     ort = require("onnxruntime", "onnx")
     # ORT 1.32 resolves a telemetry host during inference unless told not to.
     if hasattr(ort, "disable_telemetry_events"):
@@ -73,7 +77,10 @@ def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    if basic_optimizations:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    source = bytes(model) if isinstance(model, (bytes, bytearray)) else str(model)
+    return ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
@@ -125,6 +132,14 @@ def _check_tolerance(err: float, recipe: Recipe) -> None:
             "or raise export.tolerance if this difference is acceptable")
 
 
+def _encoder_inputs(input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> dict[str, Any]:
+    """The keyword arguments of an HF encoder's forward(): ``token_type_ids`` only when the graph has it."""
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if token_type_ids is not None:
+        kwargs["token_type_ids"] = token_type_ids
+    return kwargs
+
+
 def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
     """Wrap an HF encoder so one graph returns ``last_hidden_state`` and a pooled ``embedding``."""
     torch = require("torch", "export")
@@ -135,9 +150,7 @@ def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
             self.model = model
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids
+            kwargs = _encoder_inputs(input_ids, attention_mask, token_type_ids)
             hidden = self.model(**kwargs).last_hidden_state
             if pooling == "cls":
                 emb = hidden[:, 0]
@@ -176,9 +189,7 @@ def _head_module(model: Any, task: str, probabilities: bool) -> Any:
             self.model = model
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids
+            kwargs = _encoder_inputs(input_ids, attention_mask, token_type_ids)
             logits = self.model(**kwargs).logits
             if task == "reranker":
                 return logits[:, :1]

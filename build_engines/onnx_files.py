@@ -290,9 +290,9 @@ def link_into(onnx_path: Path, dest_dir: Path) -> Path:
     return target
 
 
-def hardlink_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst``; copy when a link cannot be made (another filesystem)."""
+def hardlink_or_copy(src: Path | str, dst: Path | str) -> None:
+    """Hard-link ``src`` to ``dst``; copy (with its times and mode) when a link cannot be made (another filesystem)."""
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copyfile(src, dst)
+        shutil.copy2(src, dst)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
-from model_factory.errors import FactoryError
 from model_factory.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -121,15 +120,17 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
     if cost is not None:
         build_info["queue_cost_model"] = list(cost)
-    sign = None
+    sign: Callable[[Path], Path] | None = None
     if signer is not None:
         from model_factory.signing import sign_model_version
 
-        def sign(staged: Path) -> Path:
+        def sign_staged(staged: Path) -> Path:
             # Signs the staged model folder before it replaces the old one (package_model).
             provenance = provenance_for(recipe, build_info, accuracy, started_on)
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
+
+        sign = sign_staged
 
     def package() -> Any:
         golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir,

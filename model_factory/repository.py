@@ -10,11 +10,14 @@ Layout of one model::
     <repo>/<model>/labels.txt                  class labels of a classifier (Triton's label_filename)
     <repo>/<model>/<version>/model.py          thin shim Triton loads
     <repo>/<model>/<version>/mf_backend/       the Python backend package
-    <repo>/<model>/<version>/model.onnx        (+ model.fp16.onnx, model.int8.onnx)
-    <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
+    <repo>/<model>/<version>/model.onnx        the served precision's ONNX (model.onnx, model.fp16.onnx or
+                                               model.int8.onnx; every built one with keep_all_precisions),
+                                               with its external data (<file>.data) when it has one
+    <repo>/<model>/<version>/model.<p>.plan    the served precision's TensorRT engine, with .plan.json metadata
     <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
     <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
+    <repo>/<model>/<version>/export.json, accuracy.json   the export check and the accuracy report
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
 
@@ -25,7 +28,6 @@ import hashlib
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
-from model_factory.build_engines.onnx_files import data_file
+from model_factory.build_engines.onnx_files import data_file, hardlink_or_copy
 from model_factory.locking import exclusive
 from model_factory.recipe import PRECISIONS, Recipe, TensorSpec, hf_labels, read_hf_config
 
@@ -275,13 +277,6 @@ def _copy_backend(dest: Path) -> None:
     (dest / "model.py").write_text(_SHIM)
 
 
-def _hardlink_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def artifact_precision(name: str) -> str | None:
     """The precision a version-folder file belongs to (``model.int8.onnx`` -> int8), None for shared files."""
     if name in ("model.onnx", "model.onnx.data", TORCHSCRIPT_FILE):
@@ -407,9 +402,9 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
                         or entry.name.startswith(f"{version}."):
                     continue
                 if entry.is_dir():
-                    shutil.copytree(entry, tmp / entry.name, copy_function=_hardlink_or_copy, symlinks=True)
+                    shutil.copytree(entry, tmp / entry.name, copy_function=hardlink_or_copy, symlinks=True)
                 else:
-                    _hardlink_or_copy(str(entry), str(tmp / entry.name))
+                    hardlink_or_copy(str(entry), str(tmp / entry.name))
         (tmp / "config.pbtxt").write_text(pbtxt)
         if labels:
             (tmp / LABELS_FILE).write_text("".join(f"{label}\n" for label in labels), encoding="utf-8")
@@ -420,7 +415,7 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             # Weights and engines are hard links, not copies: they exist once on disk (build dir and
             # repository). Small files (graphs, metadata) are copied, so editing one never reaches the other.
             if Path(src).stat().st_size >= LINK_MIN_BYTES:
-                _hardlink_or_copy(str(src), str(vdir / name))
+                hardlink_or_copy(str(src), str(vdir / name))
             else:
                 shutil.copyfile(src, vdir / name)
         if tokenizer_dir is not None:

@@ -489,11 +489,17 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
 
 def _accepted(repository: Path, models: list[str], table: dict | None, refused: dict[str, str],
               engines: dict[str, str], gpu_product: str | None = None) -> list[str]:
-    """The models that pass acceptance here; the others go to ``refused`` with the reason."""
-    from model_factory.acceptance import accept_model, served_version
+    """The models that pass acceptance here; the others go to ``refused`` with the reason.
+
+    Acceptance runs in a child process: the engines it loads (GPU memory, a CUDA context, torch's
+    cache) are gone before Triton loads the same models.
+    """
+    import multiprocessing
+
+    from model_factory.acceptance import served_version
     from model_factory.repository import read_config
 
-    passed = []
+    jobs = []
     for m in models:
         digests = None
         if table is not None:
@@ -501,13 +507,29 @@ def _accepted(repository: Path, models: list[str], table: dict | None, refused: 
             if digests is None:
                 refused[m] = "acceptance failed: the served version was not verified"
                 continue
-        result = accept_model(repository / m, digests=digests, gpu_product=gpu_product)
-        if result.passed:
+        jobs.append((str(repository / m), digests, gpu_product))
+    if not jobs:
+        return []
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        verdicts = pool.map(_accept_one, jobs)
+    passed = []
+    for (path, _, _), (ok, where, reason) in zip(jobs, verdicts):
+        m = Path(path).name
+        if ok:
             passed.append(m)
-            engines[m] = result.where
+            engines[m] = where
         else:
-            refused[m] = f"acceptance failed on this machine ({result.where}): {result.reason}"
+            refused[m] = f"acceptance failed on this machine ({where}): {reason}"
     return passed
+
+
+def _accept_one(job: tuple[str, dict | None, str | None]) -> tuple[bool, str, str | None]:
+    """One model's acceptance verdict (run in the child process of :func:`_accepted`)."""
+    from model_factory.acceptance import accept_model
+
+    path, digests, gpu_product = job
+    result = accept_model(Path(path), digests=digests, gpu_product=gpu_product)
+    return result.passed, result.where, result.reason
 
 
 def _engine_from_metrics(server: TritonServer, model: str) -> str:

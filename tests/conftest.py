@@ -43,6 +43,29 @@ def minilm_export(minilm_recipe):
     return export_model(minilm_recipe)
 
 
+@pytest.fixture(scope="session")
+def package_signed(minilm_export):
+    """A factory: ``package_signed(recipe, key, artifacts=None, **package_model_kwargs)`` packages the session's
+    MiniLM export (or ``artifacts``) as ``recipe`` says and signs it with ``key`` (a ``KeyPaths``) and provenance.
+
+    The cost model is fixed, so Triton loads the model without measuring it. Returns the model folder.
+    """
+    def package_signed(recipe, key, artifacts=None, **kwargs) -> Path:
+        from model_factory.pipeline import provenance_for
+        from model_factory.repository import package_model
+        from model_factory.signing import SignerConfig, sign_model_version
+
+        package_model(recipe, artifacts or {"model.onnx": minilm_export.onnx_path},
+                      tokenizer_dir=minilm_export.tokenizer_dir, parameters={"cost_model": "0.002,1e-6,1e-9"}, **kwargs)
+        model_dir = recipe.repository.path / recipe.name
+        sign_model_version(model_dir, recipe.version, SignerConfig(private_key=key.private_key, password=None),
+                           provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},
+                                                     accuracy=None))
+        return model_dir
+
+    return package_signed
+
+
 def _other_weights(src: Path, dst: Path) -> Path:
     """A copy of an ONNX model with three of its weight matrices changed (a model built with other weights)."""
     import numpy as np
@@ -76,7 +99,7 @@ def _clipped_int8(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def accept_repo(tmp_path_factory, minilm_recipe, minilm_export):
+def accept_repo(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
     """A signed repository with acceptance data and three MiniLM models, and a policy trusting two keys.
 
     ``good``: the FP32 export (key A). ``swapped``: the golden data of ``good`` but a model.onnx with other
@@ -86,9 +109,7 @@ def accept_repo(tmp_path_factory, minilm_recipe, minilm_export):
     from dataclasses import replace
 
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("accept")
     repo = root / "repo"
@@ -107,11 +128,7 @@ def accept_repo(tmp_path_factory, minilm_recipe, minilm_export):
         recipe = replace(minilm_recipe, name=name, precisions=tuple(sorted({"fp32", serve})),
                          repository=replace(minilm_recipe.repository, path=repo, serve=serve,
                                             keep_all_precisions=True))
-        package_model(recipe, artifacts, tokenizer_dir=minilm_export.tokenizer_dir, acceptance_dir=golden,
-                      parameters={"cost_model": "0.002,1e-6,1e-9"})
-        sign_model_version(repo / name, 1, SignerConfig(private_key=key.private_key, password=None),
-                           provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},
-                                                     accuracy=None))
+        package_signed(recipe, key, artifacts, acceptance_dir=golden)
     policy = root / "policy.toml"  # two trusted keys (write_key_policy names keys by file name: both alike)
     policy.write_text("version = 1\n" + "".join(f'[[keys]]\nname = "{n}"\npath = "{k.public_key}"\n'
                                                 for n, k in (("a", key_a), ("b", key_b)))

@@ -209,3 +209,26 @@ def test_a_missing_polygraphy_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(_sys.modules, "polygraphy", None)
     with pytest.raises(FactoryError, match=r"pip install 'model-factory\[serve\]'"):
         read_inputs(b"[]")
+
+
+def test_without_a_heldout_file_the_samples_are_the_held_out_split_never_calibration(minilm_recipe, minilm_export,
+                                                                                      tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from model_factory.build_engines.calibration import HELDOUT_EVERY
+    from model_factory.build_engines.golden import write_acceptance_data
+
+    calib = minilm_recipe.quantization.calibration_data
+    recipe = replace(minilm_recipe, quantization=replace(minilm_recipe.quantization, heldout_data=None))
+    golden = write_acceptance_data(recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir, tmp_path / "g")
+    spec = read_spec((golden / SPEC_FILE).read_bytes())
+    lines = [t for t in calib.read_text().splitlines() if t.strip()]
+    held = {t for i, t in enumerate(lines) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
+    assert spec.samples == min(len(held), 32) and "held out" in spec.heldout
+    tok = AutoTokenizer.from_pretrained(str(minilm_export.tokenizer_dir))
+    ids = np.concatenate([i["input_ids"] for i in read_inputs((golden / INPUTS_FILE).read_bytes())])
+    texts = {tok.decode(row, skip_special_tokens=True) for row in ids}
+    normalized = {tok.decode(tok(t)["input_ids"], skip_special_tokens=True): t for t in lines}
+    assert {normalized[t] for t in texts} <= held  # every sample is a held-out line, none a calibration one

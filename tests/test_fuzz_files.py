@@ -194,7 +194,6 @@ def test_a_broken_calibration_file_is_a_factory_error(tmp_path_factory, data: by
 def test_a_huge_file_is_refused_in_bounded_time_and_memory(tmp_path: Path) -> None:
     """64 MiB of junk where a recipe, a policy or a bundle should be: one clean error each (resource limits
     are set by the test process itself: 1 GiB of address space beyond what is mapped now)."""
-    import resource
     import subprocess
     import sys
 

@@ -79,7 +79,7 @@ def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_s
     verified: list[str] = []
     monkeypatch.setattr(serve, "reverify_model", lambda srv, model: verified.append(model))
     messages: list[str] = []
-    watch = StubWatch(server, ["a", "b"], echo=messages.append, proc=proc)
+    watch = StubWatch(server, ["a", "b"], echo=messages.append, proc=proc, settle_s=0)
     assert watch.expected == {"a": 1, "b": 1}
     assert watch.check() == [] and server.calls == []
 
@@ -111,6 +111,6 @@ def test_nothing_is_healed_when_the_server_itself_is_gone(tree) -> None:
     repo, proc = tree
     _proc(proc, 10, SERVER_PID, _stub(repo, "a"))
     server = FakeServer(repo)
-    watch = StubWatch(server, ["a"], proc=proc)
+    watch = StubWatch(server, ["a"], proc=proc, settle_s=0)
     server.alive = False
     assert watch.check() == [] and server.calls == []

@@ -39,21 +39,28 @@ def verified_digests(model: str, version: str) -> dict[str, str] | None:
     return digests
 
 
+def _check_covered(path: Path, relpath: str, digests: dict[str, str]) -> None:
+    if relpath not in digests:
+        raise IntegrityError(f"{relpath} is not covered by the verified signature")
+    if path.is_symlink():
+        raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+
+
+def _changed(relpath: str, actual: str, expected: str) -> IntegrityError:
+    return IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
+                          f"{expected[:16]}…); refusing to load it")
+
+
 def read_checked(model_dir: Path, relpath: str, digests: dict[str, str] | None) -> bytes:
     """Read ``model_dir/relpath`` once; with ``digests``, refuse bytes that differ from the verified ones."""
     path = Path(model_dir) / relpath
     if digests is not None:
-        if relpath not in digests:
-            raise IntegrityError(f"{relpath} is not covered by the verified signature")
-        if path.is_symlink():
-            raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+        _check_covered(path, relpath, digests)
     data = path.read_bytes()
     if digests is not None:
-        expected = digests[relpath]
         actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
-                                 f"{expected[:16]}…); refusing to load it")
+        if actual != digests[relpath]:
+            raise _changed(relpath, actual, digests[relpath])
     return data
 
 
@@ -64,10 +71,7 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
     private folder of the loading process, so what is loaded from it is exactly what was hashed.
     """
     path = Path(model_dir) / relpath
-    if relpath not in digests:
-        raise IntegrityError(f"{relpath} is not covered by the verified signature")
-    if path.is_symlink():
-        raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+    _check_covered(path, relpath, digests)
     h = hashlib.sha256()
     with path.open("rb") as src, Path(dest).open("wb") as out:
         for chunk in iter(lambda: src.read(1 << 24), b""):
@@ -76,5 +80,4 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
     actual = h.hexdigest()
     if actual != digests[relpath]:
         Path(dest).unlink(missing_ok=True)
-        raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
-                             f"{digests[relpath][:16]}…); refusing to load it")
+        raise _changed(relpath, actual, digests[relpath])

@@ -11,7 +11,6 @@ request alone.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 

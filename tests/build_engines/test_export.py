@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +171,7 @@ def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path
     (other / "user_cnn_factory.py").write_text("def build():\n    raise AssertionError('the wrong module')\n")
     sys.path.insert(0, str(other))
     try:
-        import user_cnn_factory  # noqa: F401 - imported to be shadowed
+        importlib.import_module("user_cnn_factory")  # imported to be shadowed
 
         assert export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder)).max_abs_error < 1e-4
         assert sys.modules["user_cnn_factory"].__file__ == str(other / "user_cnn_factory.py")

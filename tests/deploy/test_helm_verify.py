@@ -31,20 +31,15 @@ BIN = str(Path(sys.executable).parent)
 
 
 @pytest.fixture(scope="module")
-def signed(tmp_path_factory, minilm_recipe, minilm_export):
+def signed(tmp_path_factory, minilm_recipe, package_signed):
     """The session's MiniLM export packaged and signed with provenance, and the public key's PEM."""
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("fleet-signed")
     repo = root / "repository"
     keys = generate_keypair(root / "keys")
     recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=repo))
-    package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
-                  parameters={"cost_model": "0.002,1e-6,1e-9"})
-    sign_model_version(repo / recipe.name, recipe.version, SignerConfig(private_key=keys.private_key, password=None),
-                       provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest}, accuracy=None))
+    package_signed(recipe, keys)
     return repo, recipe.name, keys.public_key.read_text()
 
 

@@ -150,7 +150,7 @@ def _stubs(triton) -> list[int]:
     return [s.pid for s in stub_processes(triton.process.pid, triton.repository)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(bad=st.lists(bad_requests, min_size=1, max_size=4), good=st.lists(st.sampled_from(GOOD_TEXTS), min_size=2,
                                                                         max_size=3))
