@@ -7,16 +7,24 @@ covers its length, and its outputs are sliced back to each item. A group that
 fails (out of memory included) is split in halves and retried, down to single
 items; only the items that still fail get an error. The result is one entry
 per request, in order: a dict of outputs or the exception for that request.
+
+The split comes from an ``adaptive_planner.AdaptivePlanner``; every group that
+runs is timed (padding, the launch and slicing its outputs: what a split costs)
+and the timing goes back to the planner, whose estimator refits the cost model
+when it learns (``cost_estimator``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .grouping import CostModel, plan_groups, profile_for_length, token_counts
+from .adaptive_planner import AdaptivePlanner, PlanReport
+from .cost_estimator import CostEstimator
+from .grouping import CostModel, ProfileCostModel, profile_for_length, token_counts
 from .requests import Item
 
 Engine = object  # anything with input_names, output_names and run(feeds, profile)
@@ -30,6 +38,17 @@ class WindowStats:
     real_tokens: int = 0
     computed_tokens: int = 0  # each group padded to its longest item
     retries: int = 0
+    # The cost model's side (see adaptive_planner and cost_estimator).
+    plan: PlanReport = field(default_factory=PlanReport)
+    timings: int = 0  # launches timed and fed back to the estimator
+    outliers: int = 0  # of those, timings far (> 3x) from their cell's median
+    refits: int = 0
+    plan_changes: int = 0
+
+    @property
+    def explorations(self) -> int:
+        """1 when this window ran a split it had not timed (exploration), else 0."""
+        return int(self.plan.explored)
 
     @property
     def sequences(self) -> int:
@@ -69,11 +88,13 @@ def pad_items(items: Sequence[Item], names: Sequence[str], seq_names: frozenset[
 class GroupedExecutor:
     """Plans and runs groups for a window of requests on one engine."""
 
-    def __init__(self, engine: Engine, cost: CostModel, *, max_batch: int, buckets: Sequence[int],
-                 seq_inputs: frozenset[str], seq_outputs: frozenset[str], mode: str = "cost_model",
-                 max_tokens: int | None = None, fill: Callable[[Item], Item] | None = None) -> None:
+    def __init__(self, engine: Engine, cost: CostModel | ProfileCostModel | CostEstimator, *, max_batch: int,
+                 buckets: Sequence[int], seq_inputs: frozenset[str], seq_outputs: frozenset[str],
+                 mode: str = "cost_model", max_tokens: int | None = None,
+                 fill: Callable[[Item], Item] | None = None) -> None:
         self.engine = engine
-        self.cost = cost
+        self.planner = AdaptivePlanner(cost, max_batch=max_batch, max_tokens=max_tokens, mode=mode)
+        self.estimator = self.planner.estimator  # None with fixed constants
         self.max_batch = max_batch
         self.buckets = tuple(buckets)
         self.seq_inputs = seq_inputs
@@ -81,6 +102,11 @@ class GroupedExecutor:
         self.mode = mode
         self.max_tokens = max_tokens
         self.fill = fill or (lambda item: item)
+
+    @property
+    def cost(self) -> CostModel | ProfileCostModel:
+        """The cost model the next window is planned with (it changes as the estimator learns)."""
+        return self.planner.model
 
     def _length(self, item: Item) -> int:
         for name in self.seq_inputs:
@@ -94,16 +120,22 @@ class GroupedExecutor:
         flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
         stats = WindowStats()
         lengths = [self._length(it) for _, it in flat]
-        groups = plan_groups(lengths, self.cost, self.max_batch, self.max_tokens, self.mode) if flat else []
+        groups, stats.plan = self.planner.plan(lengths)
         stats.groups = [len(g) for g in groups]
         stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
+        est = self.estimator
+        before = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes) if est else None
         for group in groups:
             self._run_group(group, flat, lengths, per_item, stats)
+        if est is not None:
+            after = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes)
+            stats.timings, stats.outliers, stats.refits, stats.plan_changes = (x - y for x, y in zip(after, before))
         return self._assemble(requests, flat, per_item, wanted), stats
 
     def _run_group(self, group: list[int], flat, lengths, per_item, stats: WindowStats) -> None:
         length = max(lengths[i] for i in group)
+        start = time.perf_counter()
         try:
             profile = profile_for_length(length, self.buckets)
             feeds = pad_items([flat[i][1] for i in group], self.engine.input_names, self.seq_inputs, length)
@@ -121,6 +153,8 @@ class GroupedExecutor:
         for row, i in enumerate(group):
             per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs else val[row])
                            for name, val in outs.items()}
+        if self.estimator is not None:
+            self.planner.observe(len(group), max(1, length), time.perf_counter() - start)
 
     def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:
         results: list[dict[str, np.ndarray] | Exception] = []
