@@ -3,13 +3,18 @@
 The load-time warm-up gives a first guess of ``a + b·n·L + c·n·L²`` (see
 ``grouping``); this module keeps learning from every launch the executor times:
 
-- **Cells.** A timing ``(n, L, seconds)`` lands in the cell of its batch size and
-  length bin (lengths exact up to 16, then bins of 4 up to 64 and of 8 beyond), per
-  optimization profile. A cell keeps only its last ``cell_size`` timings and stands
-  for their **median**: one stall or GC pause in a cell moves nothing, and a cell
-  follows a real change once half of its recent timings show it.
-- **Recency.** A cell's weight halves every ``half_life`` timings the estimator has
-  seen since the cell was last updated, so the fit follows current traffic; cells
+- **Cells.** A timing ``(n, L, seconds)`` lands in the cell of its shape class (batch
+  size and padded length binned by powers of about 1.5, per optimization profile). A
+  cell keeps only its last ``cell_size`` timings and stands for one point, its median
+  shape, at the **median** of its timings, each first rescaled by the current model
+  from its own shape to that point (``t · M(point) / M(n, L)``, so shapes inside a
+  cell compare). One stall or GC pause in a cell moves nothing, and a cell follows a
+  real change once half of its recent timings show it; timings older than two
+  half-lives give way as soon as three newer ones are in the cell.
+- **Recency.** A cell weighs ``0.5 ** (age / half_life)`` (times the share of
+  ``cell_size`` it holds), ``age`` being the median age of the timings its median
+  stands for, counted in timings the estimator has seen since; so the fit follows
+  current traffic; cells
   from the warm-up (or from a cache of what this instance learned before) are the
   prior, kept at a small floor weight so that directions the traffic never explores
   stay anchored to what was measured.
@@ -45,7 +50,7 @@ class EstimatorConfig:
     """How the estimator weighs and refits (defaults tuned on MiniLM, 2 CPU cores)."""
 
     cell_size: int = 8  # timings kept per cell (the most recent); the cell stands for their median
-    half_life: float = 192.0  # timings seen since a cell's last update that halve its weight
+    half_life: float = 96.0  # timings seen since a timing that halve its weight
     prior_weight: float = 0.05  # floor weight of a prior cell (warm-up, cache), relative to a full live cell
     refit_every: int = 32  # timings between refits (a refit takes ~2 ms on 2 CPU cores)
     huber_k: float = 1.5  # Huber threshold, in robust standard deviations of the relative residuals
@@ -60,35 +65,56 @@ class EstimatorConfig:
 
 
 def length_bin(length: int) -> int:
-    """The upper end of ``length``'s bin: exact up to 16, then multiples of 4 up to 64, then of 8."""
+    """The upper end of ``length``'s bin: 8, 16, 24, 32, 48, 64, 96, 128, 192, ... (about 1.5x apart)."""
     length = int(length)
-    if length <= 16:
-        return length
-    step = 4 if length <= 64 else 8
-    return -(-length // step) * step
+    if length <= 32:
+        return max(8, -(-length // 8) * 8)
+    edge = 32
+    while edge < length:
+        edge = edge * 3 // 2 if (edge & (edge - 1)) == 0 else edge * 4 // 3  # 32, 48, 64, 96, 128, ...
+    return edge
+
+
+def size_bin(n: int) -> int:
+    """The upper end of ``n``'s bin: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, ..."""
+    n = int(n)
+    if n <= 4:
+        return n
+    edge = 4
+    while edge < n:
+        edge = edge * 3 // 2 if (edge & (edge - 1)) == 0 else edge * 4 // 3
+    return edge
 
 
 @dataclass
 class _Cell:
-    times: deque  # of (length, seconds)
+    times: deque  # of (n, length, seconds, stamp): stamp = the estimator's timing count then
     last: int  # the estimator's timing count when last updated
     prior: bool = False  # from the warm-up or the cache, not yet refreshed by live traffic
     live: int = 0  # live timings that reached this cell, ever
-    _point: tuple[float, float] | None = None
 
-    def append(self, length: int, seconds: float) -> None:
-        self.times.append((length, seconds))
-        self._point = None
+    def used(self, fresh_from: int) -> list:
+        """The timings the cell stands for: those from ``fresh_from`` on when there are three, else all."""
+        times = [x for x in self.times if x[3] >= fresh_from]
+        return times if len(times) >= min(3, len(self.times)) else list(self.times)
 
-    def clear(self) -> None:
-        self.times.clear()
-        self._point = None
+    def point(self, model: CostModel, fresh_from: int = 0) -> tuple[int, int, float]:
+        """``(n, length, seconds)``: the median shape, at the median of the timings rescaled to it by ``model``.
 
-    def point(self) -> tuple[float, float]:
-        """(median length, median seconds) of the kept timings."""
-        if self._point is None:
-            self._point = (_median(sorted(x[0] for x in self.times)), _median(sorted(x[1] for x in self.times)))
-        return self._point
+        Timings stamped before ``fresh_from`` are left out when at least three newer ones are there.
+        """
+        times = self.used(fresh_from)
+        n = int(_median(sorted(x[0] for x in times)))
+        length = int(_median(sorted(x[1] for x in times)))
+        here = model.cost(n, length)
+        scaled = []
+        for tn, tl, seconds, _ in times:
+            there = model.cost(tn, tl)
+            scaled.append(seconds * here / there if there > 0 and here > 0 else seconds)
+        return n, length, _median(sorted(scaled))
+
+    def median_seconds(self) -> float:
+        return _median(sorted(x[2] for x in self.times))
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -200,7 +226,7 @@ class CostEstimator:
         return profile_for_length(length, self.buckets) if self.per_profile else 0
 
     def _key(self, n: int, length: int) -> tuple[int, int, int]:
-        return (self._profile(length), int(n), length_bin(length))
+        return (self._profile(length), size_bin(n), length_bin(length))
 
     def _add(self, n: int, length: int, seconds: float, prior: bool) -> None:
         key = self._key(n, length)
@@ -209,14 +235,15 @@ class CostEstimator:
             cell = self._cells[key] = _Cell(deque(maxlen=self.config.cell_size), self._count, prior)
         elif cell.prior and not prior:
             # Live traffic replaces what the warm-up or the cache said about this cell.
-            cell.clear()
+            cell.times.clear()
             cell.prior = False
         if not prior and len(cell.times) >= 3:
-            median = cell.point()[1]
+            cn, cl, median = cell.point(self._models[key[0]], self._fresh_from())
+            expected = median * _ratio(self._models[key[0]], n, length, cn, cl)
             f = self.config.outlier_factor
-            if seconds > f * median or seconds * f < median:
+            if seconds > f * expected or seconds * f < expected:
                 self.stats.outliers += 1
-        cell.append(length, seconds)
+        cell.times.append((n, length, seconds, self._count))
         cell.last = self._count
         if not prior:
             cell.live += 1
@@ -243,9 +270,16 @@ class CostEstimator:
             return True
         return False
 
+    def _fresh_from(self) -> int:
+        """Timings older than this (two half-lives) give way to newer ones in their cell."""
+        return self._count - int(2 * self.config.half_life)
+
     def _weight(self, cell: _Cell) -> float:
-        age = max(0, self._count - cell.last)
-        w = 0.5 ** (age / self.config.half_life) * len(cell.times) / self.config.cell_size
+        # A cell counts by the age of the timings its median stands for: one refreshed by a new timing
+        # among seven old ones weighs as little as its old median deserves; one full of recent ones weighs 1.
+        used = cell.used(self._fresh_from())
+        age = _median(sorted(max(0, self._count - x[3]) for x in used))
+        w = 0.5 ** (age / self.config.half_life) * len(used) / self.config.cell_size
         if cell.prior:
             w = max(w, 1.0 / self.config.cell_size) * self.config.prior_weight
         return w
@@ -255,9 +289,10 @@ class CostEstimator:
         self._since_refit = 0
         self.stats.refits += 1
         groups: dict[int, list[tuple[float, float, float, float]]] = {}
-        for (profile, n, _), cell in self._cells.items():
-            length, seconds = cell.point()
-            groups.setdefault(profile, []).append((float(n), length, seconds, self._weight(cell)))
+        fresh = self._fresh_from()
+        for (profile, _, _), cell in self._cells.items():
+            n, length, seconds = cell.point(self._models[profile], fresh)
+            groups.setdefault(profile, []).append((float(n), float(length), seconds, self._weight(cell)))
         for profile, rows in groups.items():
             fitted = fit_robust(rows, self.config.huber_k)
             if fitted is not None:
@@ -268,9 +303,10 @@ class CostEstimator:
     def state(self) -> dict[str, Any]:
         """What was learned, as JSON-able data (the cells' points and the constants)."""
         cells = []
-        for (profile, n, _), cell in self._cells.items():
-            length, seconds = cell.point()
-            cells.append([n, round(length, 3), seconds, cell.live])
+        fresh = self._fresh_from()
+        for (profile, _, _), cell in self._cells.items():
+            n, length, seconds = cell.point(self._models[profile], fresh)
+            cells.append([n, length, seconds, cell.live])
         return {"version": STATE_VERSION, "buckets": list(self.buckets), "per_profile": self.per_profile,
                 "timings": self.learned_before + self.stats.timings, "constants": [[m.a, m.b, m.c] for m in self._models],
                 "cells": cells}
@@ -294,8 +330,15 @@ class CostEstimator:
         for n, length, seconds, _live in state.get("cells", []):
             samples.append((int(n), max(1, int(round(float(length)))), float(seconds)))
         est = cls(ordered, prior, per_profile=per_profile, prior_samples=samples, config=config)
+        est._models = list(models if len(models) > 1 else models * len(est._models))  # as saved, not refitted
         est.learned_before = int(state.get("timings", 0))
         return est
+
+
+def _ratio(model: CostModel, n: int, length: int, cn: int, cl: int) -> float:
+    """``model``'s cost at ``(n, length)`` over its cost at ``(cn, cl)`` (1 when undefined)."""
+    there = model.cost(cn, cl)
+    return model.cost(n, length) / there if there > 0 else 1.0
 
 
 def fit_robust(rows: Sequence[tuple[float, float, float, float]], huber_k: float = 1.5, iterations: int = 4
