@@ -75,13 +75,14 @@ def short_points(buckets: Sequence[int], max_batch: int, max_tokens: int | None 
 
 
 def time_short(run: Run, points: Sequence[tuple[int, int]], buckets: Sequence[int],
-               clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, int, float]]:
-    """Time each point once, after one untimed run per profile (first-use allocations, kernel choice)."""
+               clock: Callable[[], float] = time.perf_counter, per_profile: bool = False
+               ) -> list[tuple[int, int, float]]:
+    """Time each point once, after one untimed run (per profile with ``per_profile``: first-use allocations)."""
     ordered = sorted(set(int(b) for b in buckets))
     touched: set[int] = set()
     samples = []
     for n, length in points:
-        profile = profile_for_length(length, ordered)
+        profile = profile_for_length(length, ordered) if per_profile else 0
         if profile not in touched:
             touched.add(profile)
             run(n, length)
@@ -154,7 +155,7 @@ def start_cost_model(*, run: Run, buckets: Sequence[int], max_batch: int, max_to
                 why = f"{cache_file} does not fit this engine: {exc}"
             else:
                 previous = 0
-                for bucket in ordered:  # touch each profile once (first-use allocations), untimed
+                for bucket in ordered if per_profile else ordered[:1]:  # touch each profile once, untimed
                     run(1, previous + 1)
                     previous = bucket
                 seconds = clock() - t0
@@ -169,7 +170,7 @@ def start_cost_model(*, run: Run, buckets: Sequence[int], max_batch: int, max_to
         label = "warm-up sweep"
     else:
         samples = time_short(run, short_points(ordered, max_batch, max_tokens, per_profile=per_profile), ordered,
-                             clock)
+                             clock, per_profile)
         model = _fit(samples, ordered, per_profile)
         label = f"short warm-up ({len(samples)} launches timed)"
     seconds = clock() - t0
