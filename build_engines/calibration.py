@@ -3,7 +3,8 @@
 Three file kinds are read:
 
 * ``.txt`` — one sample per line (blank lines are skipped);
-* ``.jsonl`` — one JSON object per line with a ``"text"`` field;
+* ``.jsonl`` — one JSON object per line with a ``"text"`` field, or ``"query"``
+  and ``"passage"`` fields (a reranker's pairs, tokenized as pairs);
 * ``.npz`` — input tensors keyed by the model's input names, samples on axis 0.
 
 Text goes through the model's *own* tokenizer (the one the export stage saved
@@ -46,12 +47,21 @@ class Samples:
 
     source: Path
     digest: str
-    texts: tuple[str, ...] = ()
+    texts: tuple[str | tuple[str, str], ...] = ()  # (query, passage) tuples for a reranker's pairs
     tensors: Mapping[str, np.ndarray] | None = field(default=None, compare=False)
 
     @property
     def is_text(self) -> bool:
         return self.tensors is None
+
+    @property
+    def is_pairs(self) -> bool:
+        """True for (query, passage) pairs."""
+        return self.tensors is None and bool(self.texts) and isinstance(self.texts[0], tuple)
+
+    def groups(self) -> list[str] | None:
+        """The query of each pair (rerankers are scored per query); None for other samples."""
+        return [q.strip() for q, _ in self.texts] if self.is_pairs else None
 
     def __len__(self) -> int:
         if self.tensors is None:
@@ -61,7 +71,7 @@ class Samples:
     def keys(self) -> list[str]:
         """One identity per sample, used to prove calibration and held-out sets are disjoint."""
         if self.tensors is None:
-            return [t.strip() for t in self.texts]
+            return [t.strip() if isinstance(t, str) else "\0".join(x.strip() for x in t) for t in self.texts]
         names = sorted(self.tensors)
         out = []
         for i in range(len(self)):
@@ -120,8 +130,8 @@ def _read_txt(path: Path, what: str) -> list[str]:
     return [line.strip() for line in lines if line.strip()]
 
 
-def _read_jsonl(path: Path, what: str) -> list[str]:
-    texts = []
+def _read_jsonl(path: Path, what: str) -> list[str | tuple[str, str]]:
+    samples: list[str | tuple[str, str]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -130,12 +140,25 @@ def _read_jsonl(path: Path, what: str) -> list[str]:
         except json.JSONDecodeError as exc:
             raise FactoryError(f"{what}: {path} line {n} is not JSON ({exc.msg}). Fix: write one JSON object "
                                "per line, e.g. {\"text\": \"...\"}") from exc
-        text = obj.get("text") if isinstance(obj, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            raise FactoryError(f"{what}: {path} line {n} has no non-empty string field \"text\". Fix: write "
-                               "{\"text\": \"...\"} on every line")
-        texts.append(text.strip())
-    return texts
+        obj = obj if isinstance(obj, dict) else {}
+        if "query" in obj or "passage" in obj:
+            q, p = obj.get("query"), obj.get("passage")
+            if not (isinstance(q, str) and q.strip() and isinstance(p, str) and p.strip()):
+                raise FactoryError(f"{what}: {path} line {n} needs non-empty string fields \"query\" and "
+                                   "\"passage\". Fix: write {\"query\": \"...\", \"passage\": \"...\"} on every line")
+            sample: str | tuple[str, str] = (q.strip(), p.strip())
+        else:
+            text = obj.get("text")
+            if not isinstance(text, str) or not text.strip():
+                raise FactoryError(f"{what}: {path} line {n} has no non-empty string field \"text\". Fix: write "
+                                   "{\"text\": \"...\"} on every line ({\"query\": ..., \"passage\": ...} for a "
+                                   "reranker)")
+            sample = text.strip()
+        if samples and isinstance(samples[0], tuple) != isinstance(sample, tuple):
+            raise FactoryError(f"{what}: {path} line {n} mixes single texts and query/passage pairs. Fix: give "
+                               "one kind per file")
+        samples.append(sample)
+    return samples
 
 
 def _read_npz(path: Path, digest: str, what: str) -> Samples:
@@ -174,9 +197,10 @@ def split_data(spec: QuantizationSpec, need_calibration: bool) -> DataSplit:
     calib = read_samples(spec.calibration_data, "quantization.calibration_data") if spec.calibration_data else None
     if spec.heldout_data is not None:
         held = read_samples(spec.heldout_data, "quantization.heldout_data")
-        if calib is not None and calib.is_text != held.is_text:
-            raise FactoryError("calibration_data and heldout_data are of different kinds (text vs tensors). Fix: "
-                               "give both as text (.txt/.jsonl) or both as .npz")
+        if calib is not None and (calib.is_text != held.is_text or calib.is_pairs != held.is_pairs):
+            raise FactoryError("calibration_data and heldout_data are of different kinds (text, pairs or tensors). "
+                               "Fix: give both as text (.txt/.jsonl), both as query/passage pairs (.jsonl) or both "
+                               "as .npz")
         seen = set(calib.keys()) if calib is not None else set()
         keep = [i for i, k in enumerate(held.keys()) if k not in seen]
         dropped = len(held) - len(keep)
@@ -248,10 +272,14 @@ class InputEncoder:
                                f"{sorted(samples.tensors)}). Fix: save one array per input, named as in the model")
         return {n: np.asarray(samples.tensors[n]).astype(t, copy=False) for n, t in self.input_types.items()}
 
-    def _encode_texts(self, texts: list[str]) -> Feeds:
+    def _encode_texts(self, texts: list) -> Feeds:
         tok = self._tok()
         # padding=True pads every sample to the longest one: one length for the whole set.
-        enc = tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        if texts and isinstance(texts[0], tuple):  # (query, passage) pairs, tokenized as pairs (token_type_ids)
+            enc = tok([q for q, _ in texts], [p for _, p in texts], padding=True, truncation=True,
+                      max_length=self.max_length, return_tensors="np")
+        else:
+            enc = tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
         feeds: Feeds = {}
         for name, dtype in self.input_types.items():
             if name in enc:

@@ -8,22 +8,24 @@ folder first and renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
-from model_factory.recipe import Recipe, TensorSpec
+from model_factory.recipe import Recipe, TensorSpec, onnx_tensor_specs
 
 SAMPLE_TEXTS = (
     "A man is playing a guitar on the street.",
@@ -142,6 +144,74 @@ def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
     return EmbeddingModel().eval()
 
 
+# The transformers class each task loads: the export keeps the head the task serves.
+AUTO_CLASSES = {"classification": "AutoModelForSequenceClassification",
+                "token-classification": "AutoModelForTokenClassification",
+                "reranker": "AutoModelForSequenceClassification"}
+# Query/passage pairs a reranker export is traced and checked on.
+SAMPLE_PAIRS = ((SAMPLE_TEXTS[2], "Triton Inference Server serves models over HTTP and gRPC."),
+                (SAMPLE_TEXTS[0], SAMPLE_TEXTS[1]),
+                ("who serves models?", SAMPLE_TEXTS[3]),
+                (SAMPLE_TEXTS[1], SAMPLE_TEXTS[2]))
+
+
+def _head_module(model: Any, task: str, probabilities: bool) -> Any:
+    """Wrap an HF model with a task head so the graph returns the task's outputs.
+
+    ``classification`` and ``token-classification`` return ``logits`` (and softmax ``probabilities``
+    over the labels), ``reranker`` one relevance ``score`` per pair (the head's single logit).
+    """
+    torch = require("torch", "export")
+
+    class HeadModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
+            logits = self.model(**kwargs).logits
+            if task == "reranker":
+                return logits[:, :1]
+            if probabilities:
+                return logits, torch.softmax(logits, dim=-1)
+            return logits
+
+    return HeadModel().eval()
+
+
+def _load_hf(transformers: Any, src: Path, task: str) -> tuple[Any, Any]:
+    """The tokenizer and the model with the task's head; a folder without that head is refused."""
+    from model_factory.recipe import check_hf_task, read_hf_config
+
+    check_hf_task(read_hf_config(src), task, src)
+    cls_name = AUTO_CLASSES.get(task, "AutoModel")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        model, info = getattr(transformers, cls_name).from_pretrained(str(src), local_files_only=True,
+                                                                      output_loading_info=True)
+    except (OSError, ValueError) as exc:
+        raise FactoryError(f"cannot load a Hugging Face model from {src}: {exc}. Fix: point source.path "
+                           "at a folder with config.json, the weights and the tokenizer files") from exc
+    missing = list(info.get("missing_keys") or [])
+    if task in AUTO_CLASSES and missing:
+        # transformers would initialise them at random: the served head would be noise.
+        raise FactoryError(f"recipe field 'model.task': the weights in {src} lack {len(missing)} tensor(s) of the "
+                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head "
+                           f"({cls_name}.save_pretrained), or set task = \"embedding\"")
+    return tok, model.eval()
+
+
+def _hf_samples(tok: Any, task: str, texts: Any, max_length: int) -> Any:
+    if task == "reranker":
+        pairs = list(texts)
+        return tok([q for q, _ in pairs], [p for _, p in pairs], padding=True, truncation=True,
+                   max_length=max_length, return_tensors="pt")
+    return tok(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+
+
 def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
     torch = require("torch", "export")
     transformers = require("transformers", "export")
@@ -152,37 +222,39 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     say(f"loading {src}")
     transformers.utils.logging.disable_progress_bar()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-        hf = transformers.AutoModel.from_pretrained(str(src), local_files_only=True).eval()
-    except (OSError, ValueError) as exc:
-        raise FactoryError(f"cannot load a Hugging Face model from {src}: {exc}. Fix: point source.path "
-                           "at a folder with config.json, the weights and the tokenizer files") from exc
+    task = recipe.task
+    tok, hf = _load_hf(transformers, src, task)
     names = [s.name for s in recipe.inputs if s.dtype != "BYTES"]
     use_tti = "token_type_ids" in names
-    wrapper = _embedding_module(hf, recipe.pooling, recipe.normalize)
-    batch = tok(list(SAMPLE_TEXTS), padding=True, truncation=True, max_length=recipe.shapes.max_sequence_length,
-                return_tensors="pt")
+    if task in AUTO_CLASSES:
+        wrapper = _head_module(hf, task, recipe.probabilities)
+        out_names = [s.name for s in recipe.outputs]
+    else:
+        wrapper = _embedding_module(hf, recipe.pooling, recipe.normalize)
+        out_names = ["last_hidden_state", "embedding"]
+    samples = SAMPLE_PAIRS if task == "reranker" else SAMPLE_TEXTS
+    max_len = recipe.shapes.max_sequence_length
+    batch = _hf_samples(tok, task, samples, max_len)
     args = [batch["input_ids"], batch["attention_mask"]]
     if use_tti:
         args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
-    out_names = ["last_hidden_state", "embedding"]
     onnx_path = tmp / "model.onnx"
-    say("exporting to ONNX")
+    say(f"exporting to ONNX ({task}: {', '.join(out_names)})")
     dyn = {n: {0: "batch", 1: "sequence"} for n in in_names}
-    dyn["last_hidden_state"] = {0: "batch", 1: "sequence"}
-    dyn["embedding"] = {0: "batch"}
+    for spec in recipe.outputs:
+        if spec.name in out_names:
+            dyn[spec.name] = {0: "batch", 1: "sequence"} if spec.dims and spec.dims[0] == -1 else {0: "batch"}
     _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
     # Check at the traced shape and at another batch size and length: dynamic axes must hold.
-    single = tok([SAMPLE_TEXTS[2]], truncation=True, max_length=recipe.shapes.max_sequence_length, return_tensors="pt")
+    single = _hf_samples(tok, task, samples[2:3], max_len)
     single_args = [single["input_ids"], single["attention_mask"]]
     if use_tti:
         single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
     err = 0.0
     for sample in (args, single_args):
         with torch.no_grad():
-            ref = [t.numpy() for t in wrapper(*sample)]
+            ref = [t.numpy() for t in _as_outputs(torch, wrapper(*sample))]
         err = max(err, _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in sample))), out_names, ref))
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
@@ -284,28 +356,101 @@ def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
     return axes
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Resolve ``package.module:function``; a bad spec is a FactoryError naming the fix."""
+@contextlib.contextmanager
+def factory_import_path(folder: Path | None, module: str = "") -> Iterator[None]:
+    """The recipe's folder first on the import path while a torch source is imported, called and exported.
+
+    A factory module beside the recipe (``tiny_cnn.py`` for ``factory = "tiny_cnn:build"``) imports as a
+    user expects, from any working directory and from the console script. Afterwards ``sys.path`` is as it
+    was, and the modules imported from that folder are forgotten, so they leak into nothing else in the
+    process (another recipe may have its own ``model.py``). A module of the same name (``module``) that
+    was imported from elsewhere before is set aside meanwhile, so the one beside the recipe wins, and put
+    back afterwards.
+    """
+    if folder is None:
+        yield
+        return
+    root = Path(folder).resolve()
+    top = module.split(".")[0]
+    shadowed = {}
+    if top and ((root / f"{top}.py").is_file() or (root / top / "__init__.py").is_file()):
+        shadowed = {n: m for n, m in sys.modules.items() if n == top or n.startswith(top + ".")}
+        for name in shadowed:
+            del sys.modules[name]
+    before = set(sys.modules)
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(str(root))
+        except ValueError:  # the factory itself edited sys.path; nothing of ours is left to remove
+            pass
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules.get(name), "__file__", None)
+            if origin and Path(origin).resolve().is_relative_to(root):
+                del sys.modules[name]
+        sys.modules.update(shadowed)
+
+
+def load_factory(spec: str, folder: Path | None = None) -> tuple[Callable[[], Any], Path | None]:
+    """Resolve ``module:function`` (call inside :func:`factory_import_path`); return it and its module file.
+
+    Every problem is a FactoryError whose fix works: where the module was looked for, the dependency that
+    is missing, or the functions the module does have.
+    """
     mod_name, _, fn_name = spec.partition(":")
+    where = f"beside the recipe ({folder})" if folder is not None else "in the current folder"
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise FactoryError(f"source.factory: cannot import {mod_name!r} ({exc}). Fix: make the module "
-                           "importable (install it, or run from its folder)") from exc
+    except ModuleNotFoundError as exc:
+        if exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+            file_hint = mod_name.replace(".", "/") + ".py"
+            raise FactoryError(f"source.factory: no module {mod_name!r} {where} or installed. Fix: put "
+                               f"{file_hint} {where}, or pip install the package that provides it") from exc
+        raise FactoryError(f"source.factory: importing {mod_name!r} failed: {exc}. Fix: pip install the package "
+                           f"that provides {exc.name!r} into this environment") from exc
+    except Exception as exc:  # the user's module may raise anything while it is imported
+        raise FactoryError(f"source.factory: importing {mod_name!r} raised {type(exc).__name__}: {str(exc)[:300]}. "
+                           f"Fix: make `import {mod_name}` work when run {where}") from exc
+    mod_file = getattr(mod, "__file__", None)
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise FactoryError(f"source.factory: {mod_name!r} has no function {fn_name!r}")
-    return fn
+        found = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == mod.__name__ and not isinstance(v, type))
+        raise FactoryError(f"source.factory: {mod_name!r} ({mod_file}) has no function {fn_name!r}. Fix: define "
+                           f"{fn_name}() returning (torch.nn.Module, example_inputs), or name one of: "
+                           f"{', '.join(found) or 'none found'}")
+    return fn, Path(mod_file) if mod_file else None
+
+
+def _call_factory(fn: Callable[[], Any], spec: str) -> tuple[Any, Any]:
+    try:
+        produced = fn()
+    except Exception as exc:  # the user's factory may raise anything
+        raise FactoryError(f"source.factory: {spec}() raised {type(exc).__name__}: {str(exc)[:300]}. Fix: make it "
+                           "run with no arguments and return (torch.nn.Module, example_inputs)") from exc
+    if not (isinstance(produced, tuple) and len(produced) == 2):
+        raise FactoryError(f"source.factory: {spec}() returned {type(produced).__name__}. Fix: return "
+                           "(torch.nn.Module, example_inputs), example_inputs a dict of input name to tensor")
+    return produced
 
 
 def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
-    torch = require("torch", "export")
     assert recipe.source.factory is not None
-    produced = load_factory(recipe.source.factory)()
-    if not (isinstance(produced, tuple) and len(produced) == 2):
-        raise FactoryError("source.factory must return (torch.nn.Module, example_inputs) where example_inputs "
-                           "is a dict of input name to tensor")
-    module, example = produced
+    with factory_import_path(recipe.source.base_dir, recipe.source.factory.partition(":")[0]):
+        return _export_torch_module(recipe, tmp, say)
+
+
+def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
+    torch = require("torch", "export")
+    factory = recipe.source.factory
+    fn, mod_file = load_factory(factory, recipe.source.base_dir)
+    module, example = _call_factory(fn, factory)
+    if not isinstance(module, torch.nn.Module):
+        raise FactoryError(f"source.factory: {factory}() returned a {type(module).__name__} as the model. Fix: "
+                           "return (torch.nn.Module, example_inputs)")
     in_names = [s.name for s in recipe.inputs]
     if isinstance(example, dict):
         missing = [n for n in in_names if n not in example]
@@ -315,30 +460,51 @@ def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None])
         args = tuple(example[n] for n in in_names)
     else:
         args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    if len(args) != len(in_names) or not all(isinstance(a, torch.Tensor) for a in args):
+        raise FactoryError(f"the factory's example inputs are not {len(in_names)} tensors (one per [[inputs]] entry "
+                           f"{in_names}). Fix: return a dict of input name to tensor")
+    _check_example_inputs(recipe, dict(zip(in_names, args)))
     out_names = [s.name for s in recipe.outputs]
     module = module.eval()
     onnx_path = tmp / "model.onnx"
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
     _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe)
-    with torch.no_grad():
-        ref = module(*args)
-    ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
-    err = _compare_with_ort(onnx_path, {n: a.numpy() for n, a in zip(in_names, args)}, out_names,
-                            [r.numpy() for r in ref])
+    samples = [args]
+    # A second batch size, as the HF export checks a second shape: the dynamic batch axis must hold.
+    if all(a.dim() > 0 and a.shape[0] > 1 for a in args):
+        samples.append(tuple(a[:1] for a in args))
+    err = 0.0
+    for sample in samples:
+        with torch.no_grad():
+            ref = _as_outputs(torch, module(*sample))
+        if len(ref) != len(out_names):
+            raise FactoryError(f"the model returns {len(ref)} tensors but the recipe declares {len(out_names)} "
+                               f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry")
+        err = max(err, _compare_with_ort(onnx_path, {n: a.numpy() for n, a in zip(in_names, sample)}, out_names,
+                                         [r.numpy() for r in ref]))
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
-        samples = [args]
-        # A second batch size, as the HF export checks a second shape: the trace must not bake it in.
-        if all(isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1 for a in args):
-            samples.append(tuple(a[:1] for a in args))
         ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
-    mod_file = getattr(importlib.import_module(recipe.source.factory.split(":")[0]), "__file__", None)
-    digest = digest_path(Path(mod_file)) if mod_file else hashlib.sha256(recipe.source.factory.encode()).hexdigest()
+    digest = digest_path(mod_file) if mod_file else hashlib.sha256(factory.encode()).hexdigest()
     return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
+
+
+def _check_example_inputs(recipe: Recipe, example: dict[str, Any]) -> None:
+    """The factory's example tensors must have the declared dtypes and dims (batch axis first)."""
+    for spec in recipe.inputs:
+        t = example[spec.name]
+        want = _TORCH_DTYPES.get(spec.dtype)
+        if want is not None and str(t.dtype) != want:
+            raise FactoryError(f"the factory's example input {spec.name!r} is {t.dtype}, the recipe declares "
+                               f"{spec.dtype}. Fix: make them agree ([[inputs]] dtype, or the example tensor)")
+        shape = tuple(t.shape)
+        if len(shape) != len(spec.dims) + 1 or any(d not in (-1, g) for d, g in zip(spec.dims, shape[1:])):
+            raise FactoryError(f"the factory's example input {spec.name!r} has shape {list(shape)}, the recipe "
+                               f"declares [batch] + {list(spec.dims)}. Fix: make them agree (-1 for a dynamic axis)")
 
 
 def check_onnx_file(path: Path) -> Any:
@@ -351,6 +517,29 @@ def check_onnx_file(path: Path) -> Any:
         raise FactoryError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {str(exc)[:300]}). "
                            "Fix: re-export it, or point the recipe at the right file") from exc
     return model
+
+
+def check_declared_specs(recipe: Recipe, path: Path) -> None:
+    """Declared [[inputs]]/[[outputs]] must agree with the ONNX graph: dtype, rank, and every fixed size.
+
+    A size the graph leaves dynamic may be declared fixed (the server then refuses other sizes); a size the
+    graph fixes may not be declared dynamic.
+    """
+    graph_in, graph_out = onnx_tensor_specs(path)
+    graph = {s.name: s for s in graph_in + graph_out}
+    for section, declared in (("inputs", recipe.inputs), ("outputs", recipe.outputs)):
+        for spec in declared:
+            g = graph.get(spec.name)
+            if g is None or spec.dtype == "BYTES":
+                continue
+            if g.dtype != spec.dtype:
+                raise FactoryError(f"recipe [[{section}]] {spec.name!r} is {spec.dtype} but the ONNX graph's is "
+                                   f"{g.dtype}. Fix: declare dtype = \"{g.dtype}\" (or leave [[inputs]]/[[outputs]] "
+                                   "out: they are read from the graph)")
+            if len(g.dims) != len(spec.dims) or any(gd != -1 and gd != sd for gd, sd in zip(g.dims, spec.dims)):
+                raise FactoryError(f"recipe [[{section}]] {spec.name!r} has dims {list(spec.dims)} but the ONNX graph's "
+                                   f"are {list(g.dims)} (without the batch axis). Fix: declare dims = {list(g.dims)}, "
+                                   "or fixed sizes where the graph has -1")
 
 
 def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
@@ -366,6 +555,7 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
         raise FactoryError(f"the ONNX graph has inputs {graph_inputs} and outputs {graph_outputs}, but the recipe "
                            f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
                            "match the graph's tensor names")
+    check_declared_specs(recipe, src)
     onnx_path = tmp / "model.onnx"
     shutil.copyfile(src, onnx_path)
     # No source framework to compare with: run it once on zeros to prove it executes.
@@ -384,5 +574,8 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
                         tuple(want_in), tuple(want_out))
 
 
-_NP_DTYPES = {"FP32": np.float32, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32, "INT8": np.int8,
-              "BOOL": np.bool_}
+_NP_DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
+              "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+_TORCH_DTYPES = {"FP32": "torch.float32", "FP16": "torch.float16", "FP64": "torch.float64", "INT64": "torch.int64",
+                 "INT32": "torch.int32", "INT16": "torch.int16", "INT8": "torch.int8", "UINT8": "torch.uint8",
+                 "BOOL": "torch.bool"}

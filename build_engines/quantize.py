@@ -41,6 +41,7 @@ exports (see ENVIRONMENT.md).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import tempfile
@@ -73,6 +74,7 @@ from model_factory.build_engines.export import ExportResult, check_onnx_file, on
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError, InternalError, require
 from model_factory.fileio import atomic_dir
+from model_factory.progress import Steps
 from model_factory.recipe import Recipe
 
 DEFAULT_TARGET = 0.99
@@ -205,13 +207,16 @@ def _with_outputs(model: Any, tensors: Iterable[str]) -> bytes:
     return m.SerializeToString()
 
 
-def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None]) -> None:
+def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None],
+               steps: Steps | None = None) -> None:
     path = work / "calibrate.onnx"
     path.write_bytes(_with_outputs(model, tensors))
     sess = onnxruntime_session(path)
     for batch in batches(feeds, CALIB_BATCH):
         for name, value in zip(tensors, sess.run(tensors, batch)):
             fn(name, np.abs(np.asarray(value, dtype=np.float32)))
+        if steps is not None:
+            steps.step(sample_count(batch))
     del sess
     path.unlink()
 
@@ -245,7 +250,8 @@ def _entropy_threshold(hist: np.ndarray, edges: np.ndarray, levels: int = INT8_M
     return float(edges[best_i])
 
 
-def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, work: Path) -> dict[str, float]:
+def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, work: Path,
+              say: Callable[[str], None] = lambda _m: None) -> dict[str, float]:
     """Per-tensor |x| ranges of ``tensors`` over ``feeds`` with ``method`` (minmax, percentile or entropy)."""
     if method not in ("minmax", "percentile", "entropy"):
         raise FactoryError(f"unknown calibration method {method!r}. Fix: use minmax, percentile or entropy")
@@ -259,7 +265,8 @@ def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, wor
         if value.size:
             amax[name] = max(amax[name], float(value.max()))
 
-    _run_extra(model, tensors, feeds, work, take_max)
+    n = sample_count(feeds)
+    _run_extra(model, tensors, feeds, work, take_max, Steps(say, "calibration ranges, samples", n, reports=4))
     if method == "minmax":
         return amax
     hists = {t: np.zeros(HIST_BINS, dtype=np.int64) for t in tensors}
@@ -268,7 +275,8 @@ def calibrate(model: Any, tensors: Sequence[str], feeds: Feeds, method: str, wor
         top = amax[name] or 1.0
         hists[name] += np.histogram(value, bins=HIST_BINS, range=(0.0, top))[0]
 
-    _run_extra(model, tensors, feeds, work, take_hist)
+    _run_extra(model, tensors, feeds, work, take_hist, Steps(say, f"calibration histograms ({method}), samples", n,
+                                                             reports=4))
     out = {}
     for t in tensors:
         edges = np.linspace(0.0, amax[t] or 1.0, HIST_BINS + 1)
@@ -470,7 +478,7 @@ class SwitchScorer:
         on = set(int8_nodes)
         flags = {sw: np.array(node in on) for node, sw in self.switches.items()}
         self.calls += 1
-        return self.evaluator.score(self.session, "int8", extra_feeds=flags).score
+        return self.evaluator.score(self.session, "int8", extra_feeds=flags).gate_score
 
 
 def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]], float], target: float,
@@ -493,7 +501,11 @@ def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]]
         return [], steps
     all_int8 = current
     say(f"all-INT8 scores {all_int8:.5f} < {target:g}: measuring the sensitivity of {len(names)} nodes")
-    gain = {n: score([x for x in names if x != n]) - all_int8 for n in names}
+    steps_done = Steps(say, "  sensitivity, nodes measured", len(names))
+    gain = {}
+    for n in names:
+        gain[n] = score([x for x in names if x != n]) - all_int8
+        steps_done.step()
     ranked = sorted(names, key=lambda n: (-gain[n], names.index(n)))
     steps.append({"step": "sensitivity", "gain": {n: gain[n] for n in ranked}})
     kept: list[str] = []
@@ -570,8 +582,14 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         return QuantizeResult(models, report, out_dir / REPORT_NAME, (), None)
 
     encoder = InputEncoder(_input_types(ref_session), export.tokenizer_dir, recipe.shapes.max_sequence_length)
+    check_task_data(recipe.task, split)
     say(f"held-out: {split.note}")
-    evaluator = Evaluator(ref_session, encoder.encode(split.heldout), recipe.task, output)
+    evaluator = Evaluator(ref_session, encoder.encode(split.heldout), recipe.task, output, split.heldout.groups())
+    if recipe.task == "reranker" and evaluator.groups is not None and not any(
+            evaluator.groups.count(g) > 1 for g in set(evaluator.groups)):
+        raise FactoryError(f"quantization.heldout_data: no query in {split.heldout.source} has two passages, so the "
+                           "ranking per query cannot be scored. Fix: give several passages per query in the held-out "
+                           ".jsonl (one {\"query\": ..., \"passage\": ...} per line)")
     results: list[PrecisionAccuracy] = []
     float_nodes: tuple[str, ...] = ()
     search_steps: list[dict[str, Any]] = []
@@ -605,10 +623,27 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         }, indent=2) + "\n")
     report_path = out_dir / REPORT_NAME
     say("accuracy vs FP32: " + "; ".join(
-        f"{r.precision} {r.metric} {r.score:.5f}" + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)"
-                                                     if r.float_nodes else "") for r in report.results))
+        f"{r.precision} {r.metric} {r.score:.5f}" + "".join(f", {k} {v:.5f}" for k, v in r.extra)
+        + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)" if r.float_nodes else "")
+        for r in report.results))
     check_gate(report, report_path)
     return QuantizeResult(models, report, report_path, float_nodes, calibration_digest)
+
+
+def check_task_data(task: str, split: DataSplit) -> None:
+    """Refuse data of the wrong kind for the task: a reranker is calibrated and scored on (query, passage) pairs."""
+    for what, samples in (("quantization.calibration_data", split.calibration),
+                          ("quantization.heldout_data", split.heldout)):
+        if samples is None or not samples.is_text:
+            continue
+        if task == "reranker" and not samples.is_pairs:
+            raise FactoryError(f"{what}: a reranker scores (query, passage) pairs, but {samples.source.name} holds "
+                               "single texts. Fix: give a .jsonl with one {\"query\": ..., \"passage\": ...} per "
+                               "line")
+        if task != "reranker" and samples.is_pairs:
+            raise FactoryError(f"{what}: {samples.source.name} holds (query, passage) pairs, which only a reranker "
+                               "reads. Fix: give single texts (.txt, or .jsonl with \"text\"), or set "
+                               "model.task = \"reranker\"")
 
 
 def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder: InputEncoder,
@@ -630,7 +665,7 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
         work = Path(work_s)
         t0 = time.perf_counter()
         say(f"calibrating {len(candidates)} nodes on {n} samples ({q.method})")
-        amax = calibrate(model, [a for c in candidates for a in c.activations], calib_feeds, q.method, work)
+        amax = calibrate(model, [a for c in candidates for a in c.activations], calib_feeds, q.method, work, say)
         say(f"calibrated in {time.perf_counter() - t0:.1f}s")
         builder = QdqBuilder(model, candidates, amax)
         names = [c.node for c in candidates]
@@ -639,7 +674,9 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
         if q.mixed_precision:
             target = search_target(gate if gate is not None else DEFAULT_TARGET)
             search_feeds = {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()}
-            search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output)
+            groups = split.calibration.groups()
+            search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output,
+                                    None if groups is None else groups[:SEARCH_SAMPLES])
             scorer = SwitchScorer(builder, search_eval, work)
             kept, steps = search_mixed_precision(names, scorer, target, say)
             steps.insert(0, {"step": "search", "gate": gate, "target": target, "scored_on":
@@ -651,8 +688,7 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
     _save(final, path)
     check_onnx_file(path)
     res = evaluator.score(ort_session(path, simulate_qdq=True), "int8")
-    res = PrecisionAccuracy(res.precision, res.metric, res.score, res.max_abs_error, res.samples, res.min_cosine,
-                            float_nodes=tuple(kept), int8_nodes=len(names) - len(kept), candidates=len(names))
+    res = dataclasses.replace(res, float_nodes=tuple(kept), int8_nodes=len(names) - len(kept), candidates=len(names))
     if skipped:
         steps.insert(0, {"step": "not candidates", "nodes": skipped})
     return res, tuple(kept), steps

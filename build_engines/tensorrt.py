@@ -34,6 +34,7 @@ from model_factory.build_engines.export import check_onnx_file
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
+from model_factory.progress import heartbeat
 from model_factory.recipe import PRECISIONS, Recipe
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
@@ -149,6 +150,8 @@ def profile_shapes(recipe: Recipe, input_dims: Mapping[str, tuple[int, ...]]) ->
 
     Axis 0 of an input, when dynamic, is the batch (1..max_batch, opt = the largest preferred batch size);
     any other dynamic axis is the sequence (previous bucket + 1 .. bucket, opt = bucket). Static axes stay.
+    A model whose inputs are fixed apart from the batch (an image CNN) gets one profile: more would be
+    identical copies.
     """
     shapes = recipe.shapes
     preferred = [b for b in recipe.batching.preferred_batch_sizes if b <= shapes.max_batch]
@@ -172,6 +175,8 @@ def profile_shapes(recipe: Recipe, input_dims: Mapping[str, tuple[int, ...]]) ->
             per_input[name] = {"min": lo, "opt": opt, "max": hi}
         profiles.append({"bucket": bucket, "sequence": [prev + 1, bucket], "inputs": per_input})
         prev = bucket
+    if not any(d < 0 for dims in input_dims.values() for d in dims[1:]):
+        return profiles[:1]
     return profiles
 
 
@@ -290,7 +295,8 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
 
     say(f"building {precision} engine with {flavour} {_version(trt)} ({len(profiles)} profiles)")
     t0 = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
+    with heartbeat(say, f"building the {precision} engine"):
+        serialized = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
     if serialized is None or serialized.nbytes == 0:
         errors = [m for m in logger.messages if m.startswith(("[ERROR]", "[INTERNAL_ERROR]"))] or logger.messages

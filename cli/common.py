@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import sys
+import time
+from typing import IO, Any, Callable
 
 import click
 
@@ -23,23 +25,40 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def progress_printer() -> Callable[[str], None]:
-    """A progress callback that prints timestamped stage messages (rich when available)."""
-    try:
-        from rich.console import Console
+def progress_printer(stream: IO[str] | None = None) -> Callable[[str], None]:
+    """A progress callback that prints one timestamped line per stage message, like a tool's output.
 
-        console = Console(stderr=True, highlight=False)
-        def show(msg: str) -> None:
-            # markup=False: stage tags like [export] are text, not rich markup. Tables (the
-            # accuracy report) print unwrapped, without the log column squeezing them.
-            if "\n" in msg:
-                console.print(msg, markup=False, highlight=False, soft_wrap=True)
+    ``HH:MM:SS message``: no source-file column, and never wrapped by us. On a terminal the time is
+    dimmed (rich) and the terminal folds long lines; anywhere else (a pipe, a log file, CI) the lines
+    are plain text, so a path in a message stays whole on its line. Multi-line messages (the accuracy
+    report table) are printed as they are.
+    """
+    out = stream if stream is not None else sys.stderr
+    console = None
+    if out.isatty():
+        try:
+            from rich.console import Console
+
+            console = Console(file=out, highlight=False, soft_wrap=True)
+        except ImportError:  # rich is a dependency, but keep the CLI usable without it
+            console = None
+
+    def show(msg: str) -> None:
+        if "\n" in msg:
+            if console is not None:
+                console.print(msg, markup=False, highlight=False)
             else:
-                console.log(msg, markup=False)
+                click.echo(msg, file=out)
+            return
+        stamp = time.strftime("%H:%M:%S")
+        if console is not None:
+            from rich.text import Text
 
-        return show
-    except ImportError:  # rich is a dependency, but keep the CLI usable without it
-        return lambda msg: click.echo(msg, err=True)
+            console.print(Text.assemble((stamp, "dim"), " ", msg))
+        else:
+            click.echo(f"{stamp} {msg}", file=out)
+
+    return show
 
 
 recipe_argument = click.argument("recipe", type=click.Path(dir_okay=False, path_type=str))

@@ -92,13 +92,17 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--log-verbose", default=0, show_default=True, help="tritonserver --log-verbose level.")
+@click.option("--gpu-product", metavar="LABEL",
+              help="Load only TensorRT plans built on this GPU product (the nvidia.com/gpu.product node label, "
+                   "e.g. NVIDIA-H100-80GB-HBM3); others fall back as if absent.")
 @click.option("--cost-cache", type=click.Path(file_okay=False), default=None, envvar="MODEL_FACTORY_COST_CACHE",
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
                    "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
 @click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
-          metrics_port: int, log_verbose: int, cost_cache: str | None, no_cost_cache: bool) -> None:
+          metrics_port: int, log_verbose: int, gpu_product: str | None, cost_cache: str | None,
+          no_cost_cache: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     \b
@@ -108,7 +112,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     from model_factory.serve import ServerOptions, default_cost_cache, start_verified_server
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                         log_verbose=log_verbose, host=host)
+                         log_verbose=log_verbose, host=host, gpu_product=gpu_product or None)
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None, allow_unsigned,
                                            cost_cache=cache)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -44,3 +44,28 @@ def infer_ids(url: str, model: str, input_ids: np.ndarray, attention_mask: np.nd
         return {o: result.as_numpy(o) for o in outputs}
     finally:
         client.close()
+
+
+def infer_tensors(url: str, model: str, inputs: Mapping[str, np.ndarray], protocol: str = "http",
+                  outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """Send named tensors (any dtype, batch axis first) and return the requested outputs (all when empty)."""
+    tc = _module(protocol)
+    np_to_triton = require("tritonclient.utils", "client").np_to_triton_dtype
+    client = tc.InferenceServerClient(url)
+    try:
+        tensors = []
+        for name, arr in inputs.items():
+            arr = np.ascontiguousarray(arr)
+            t = tc.InferInput(name, list(arr.shape), np_to_triton(arr.dtype))
+            t.set_data_from_numpy(arr)
+            tensors.append(t)
+        wanted = list(outputs) or [o["name"] if isinstance(o, dict) else o.name for o in _output_specs(client, model)]
+        result = client.infer(model, tensors, outputs=[tc.InferRequestedOutput(o) for o in wanted])
+        return {o: result.as_numpy(o) for o in wanted}
+    finally:
+        client.close()
+
+
+def _output_specs(client, model: str) -> list:
+    meta = client.get_model_metadata(model)
+    return meta["outputs"] if isinstance(meta, dict) else list(meta.outputs)

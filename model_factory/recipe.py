@@ -15,13 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from model_factory.errors import FactoryError
+from model_factory.errors import FactoryError, require
 from model_factory.fileio import read_toml
 
 SOURCE_KINDS = ("huggingface", "torch", "onnx")
-TASKS = ("embedding", "classification", "generic")
+TASKS = ("embedding", "classification", "token-classification", "reranker", "generic")
+# The Hugging Face head each task exports (config.json "architectures" must end with it).
+TASK_HEADS = {"classification": "ForSequenceClassification", "token-classification": "ForTokenClassification",
+              "reranker": "ForSequenceClassification"}
 PRECISIONS = ("fp32", "fp16", "int8")
-DTYPES = ("FP32", "FP16", "INT64", "INT32", "INT8", "BOOL", "BYTES")
+DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
+# ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
+ONNX_DTYPES = {1: "FP32", 10: "FP16", 11: "FP64", 7: "INT64", 6: "INT32", 5: "INT16", 3: "INT8", 2: "UINT8", 9: "BOOL"}
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
@@ -45,13 +50,15 @@ class SourceSpec:
     """Where the model comes from.
 
     ``path`` is a local folder (huggingface), an ONNX file (onnx) or unused (torch);
-    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``.
+    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``, its module
+    found in ``base_dir`` (the recipe's folder) first, then on the import path.
     """
 
     kind: str
     path: Path | None = None
     factory: str | None = None
     package: str | None = None  # a Python package that ships the model folder
+    base_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,9 @@ class BatchingSpec:
     # Padded tokens (sequences x padded length) one launch may hold: the memory budget a group splits at.
     # 0: no budget beyond max_batch (the engine's profiles bound the shapes anyway).
     max_group_tokens: int = 0
+    # May requests of different lengths be padded into one launch? Only for a model that ignores padding
+    # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
+    pad_sequences: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,7 @@ class Recipe:
     pooling: str = "mean"
     normalize: bool = True
     text_input: bool = True
+    probabilities: bool = False  # classification heads: also return softmax probabilities
     recipe_path: Path | None = None
     work_dir: Path = field(default_factory=lambda: Path("build"))
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -221,11 +232,18 @@ def _tensor_specs(items: Any, section: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The Triton I/O of a Hugging Face encoder served for embeddings.
+def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: bool, task: str = "embedding",
+                    num_labels: int = 0, probabilities: bool = False
+                    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The Triton I/O of a Hugging Face encoder served for ``task``.
 
     Token ids are optional when the model also accepts raw text: a request sends
-    either ``text`` or the id tensors.
+    either the text (``text``, or ``query`` + ``passage`` for a reranker) or the id tensors.
+
+    * ``embedding``: ``last_hidden_state`` [L, hidden] and the pooled ``embedding`` [hidden];
+    * ``classification``: ``logits`` [labels] (and ``probabilities``);
+    * ``token-classification``: ``logits`` [L, labels] per token (and ``probabilities``);
+    * ``reranker``: one relevance ``score`` [1] per (query, passage) pair.
     """
     optional_ids = text_input
     inputs = [
@@ -234,13 +252,24 @@ def hf_tensor_specs(hidden_size: int, with_token_type_ids: bool, text_input: boo
     ]
     if with_token_type_ids:
         inputs.append(TensorSpec("token_type_ids", "INT64", (-1,), True))
-    if text_input:
+    if text_input and task == "reranker":
+        inputs += [TensorSpec("query", "BYTES", (1,), True), TensorSpec("passage", "BYTES", (1,), True)]
+    elif text_input:
         inputs.append(TensorSpec("text", "BYTES", (1,), True))
-    outputs = (
-        TensorSpec("last_hidden_state", "FP32", (-1, hidden_size)),
-        TensorSpec("embedding", "FP32", (hidden_size,)),
-    )
-    return tuple(inputs), outputs
+    if task == "classification":
+        outputs = [TensorSpec("logits", "FP32", (num_labels,))]
+        if probabilities:
+            outputs.append(TensorSpec("probabilities", "FP32", (num_labels,)))
+    elif task == "token-classification":
+        outputs = [TensorSpec("logits", "FP32", (-1, num_labels))]
+        if probabilities:
+            outputs.append(TensorSpec("probabilities", "FP32", (-1, num_labels)))
+    elif task == "reranker":
+        outputs = [TensorSpec("score", "FP32", (1,))]
+    else:
+        outputs = [TensorSpec("last_hidden_state", "FP32", (-1, hidden_size)),
+                   TensorSpec("embedding", "FP32", (hidden_size,))]
+    return tuple(inputs), tuple(outputs)
 
 
 def resolve_package_model(package: str) -> Path:
@@ -279,22 +308,97 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def _hf_io_from_folder(folder: Path, text_input: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def hf_labels(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The class labels of a Hugging Face config (``id2label`` in index order; ``num_labels`` as a fallback)."""
+    id2label = cfg.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            pairs = sorted((int(k), str(v)) for k, v in id2label.items())
+        except (TypeError, ValueError):
+            pairs = []
+        if [k for k, _ in pairs] == list(range(len(pairs))):
+            return tuple(v for _, v in pairs)
+    n = cfg.get("num_labels")
+    return tuple(f"LABEL_{i}" for i in range(n)) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else ()
+
+
+def check_hf_task(cfg: Mapping[str, Any], task: str, folder: Path) -> None:
+    """Refuse a folder whose saved architecture has no head for ``task`` (never export it as something else)."""
+    head = TASK_HEADS.get(task)
+    if head is None:
+        return
+    archs = cfg.get("architectures") or []
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    what = {"classification": "a sequence-classification head", "token-classification": "a token-classification head",
+            "reranker": "a cross-encoder (sequence-classification) head with one output"}[task]
+    if not any(a.endswith(head) for a in archs):
+        holds = ", ".join(archs) if archs else "no architectures entry"
+        raise _err("model.task", f"{task!r} needs {what}, but {folder}/config.json holds {holds}",
+                   f"save the model with its head (e.g. AutoModel{head}.save_pretrained(...)), or set "
+                   "task = \"embedding\" to serve the encoder's embeddings")
+    labels = hf_labels(cfg)
+    if task == "reranker" and len(labels) != 1:
+        raise _err("model.task", f"a reranker returns one relevance score, but {folder}/config.json has "
+                   f"{len(labels)} labels", "use a cross-encoder saved with num_labels=1, or set "
+                   "task = \"classification\" to serve its logits per label")
+    if task != "reranker" and not labels:
+        raise _err("model.task", f"{folder}/config.json names no labels (id2label / num_labels)",
+                   "save the model with its config (save_pretrained writes id2label)")
+
+
+def _hf_io_from_folder(folder: Path, text_input: bool, task: str = "embedding", probabilities: bool = False
+                       ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     cfg_file = folder / "config.json"
     cfg = read_hf_config(folder)
+    check_hf_task(cfg, task, folder)
     hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("dim")
     if not isinstance(hidden, int):
         raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",
                    "declare [[outputs]] in the recipe")
     # BERT-like models take token_type_ids; the ONNX export keeps only the inputs the model uses.
     with_tti = cfg.get("type_vocab_size", 0) > 0
-    return hf_tensor_specs(hidden, with_tti, text_input)
+    return hf_tensor_specs(hidden, with_tti, text_input, task, len(hf_labels(cfg)), probabilities)
+
+
+def onnx_tensor_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The inputs and outputs of an ONNX graph as Triton sees them (the batch axis dropped, ``-1`` dynamic).
+
+    Reads the graph only (external weight files are not loaded). Axis 0 of every tensor must be the batch
+    axis, dynamic; an axis with a symbolic or unknown size is dynamic.
+    """
+    onnx = require("onnx", "onnx")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others: all mean "not an ONNX file"
+        raise _err("source.path", f"{path} is not a readable ONNX model ({type(exc).__name__})",
+                   "point it at an .onnx file saved by torch.onnx.export or onnx.save") from exc
+    inits = {i.name for i in model.graph.initializer}
+
+    def specs(values: Any, section: str) -> tuple[TensorSpec, ...]:
+        out = []
+        for v in values:
+            if v.name in inits:
+                continue
+            t = v.type.tensor_type
+            dtype = ONNX_DTYPES.get(t.elem_type)
+            if dtype is None or not t.HasField("shape"):
+                raise _err(section, f"the graph's tensor {v.name!r} has an element type or shape that cannot be "
+                           "read", f"declare [[{section}]] with name, dtype and dims for every graph {section[:-1]}")
+            dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.shape.dim]
+            if not dims or dims[0] != -1:
+                raise _err(section, f"the graph's tensor {v.name!r} has shape {dims}: axis 0 is not a dynamic batch "
+                           "axis", "export the model with a dynamic batch axis (torch.onnx.export(..., "
+                           "dynamic_axes={name: {0: 'batch'}}))")
+            out.append(TensorSpec(v.name, dtype, tuple(dims[1:])))
+        return tuple(out)
+
+    return specs(model.graph.input, "inputs"), specs(model.graph.output, "outputs")
 
 
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     top = _take(data, "", {"model", "source", "inputs", "outputs", "shapes", "export", "precisions",
-                           "quantization", "tensorrt", "batching", "repository", "embedding"})
+                           "quantization", "tensorrt", "batching", "repository", "embedding", "classification"})
     if "model" not in top:
         raise _err("model", "missing", "add a [model] table with name and version")
     model = _take(top["model"], "model", {"name", "version", "task"})
@@ -328,21 +432,37 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         if not path.is_file():
             raise _err("source.path", f"{path} does not exist", "point it at an existing .onnx file")
     else:
-        factory = _typed(src.get("factory"), "source.factory", str, "set factory = \"package.module:function\"")
-        if ":" not in factory:
-            raise _err("source.factory", f"{factory!r} has no ':'", "write it as \"package.module:function\"")
+        if "factory" not in src:
+            raise _err("source.factory", "missing" + (" (a torch source takes factory, not path)" if "path" in src
+                                                      else ""),
+                       "set factory = \"module:function\", a function returning (torch.nn.Module, example_inputs); "
+                       "its module may sit beside the recipe")
+        factory = _typed(src.get("factory"), "source.factory", str, "set factory = \"module:function\"")
+        mod_name, _, fn_name = factory.partition(":")
+        if not fn_name or not all(part.isidentifier() for part in mod_name.split(".") + [fn_name]):
+            raise _err("source.factory", f"{factory!r} is not module:function",
+                       "write it as \"module:function\", e.g. factory = \"tiny_cnn:build\" for build() in "
+                       "tiny_cnn.py beside the recipe")
 
     emb = _take(top.get("embedding", {}), "embedding", {"pooling", "normalize", "text_input"})
     pooling = _choice(emb.get("pooling", "mean"), "embedding.pooling", ("mean", "cls"))
     normalize = bool(emb.get("normalize", True))
     text_input = bool(emb.get("text_input", kind == "huggingface"))
 
+    cls = _take(top.get("classification", {}), "classification", {"probabilities"})
+    probabilities = _typed(cls.get("probabilities", False), "classification.probabilities", bool, "write true or false")
+    if probabilities and task not in ("classification", "token-classification"):
+        raise _err("classification.probabilities", f"task {task!r} has no class logits to turn into probabilities",
+                   "remove it, or set model.task = \"classification\" or \"token-classification\"")
+
     if "inputs" in top or "outputs" in top:
         inputs = _tensor_specs(top.get("inputs"), "inputs")
         outputs = _tensor_specs(top.get("outputs"), "outputs")
         text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
     elif kind == "huggingface":
-        inputs, outputs = _hf_io_from_folder(path, text_input)
+        inputs, outputs = _hf_io_from_folder(path, text_input, task, probabilities)
+    elif kind == "onnx":
+        inputs, outputs = onnx_tensor_specs(path)
     else:
         raise _err("inputs", f"a {kind} source needs its inputs and outputs declared",
                    "add [[inputs]] and [[outputs]] tables with name, dtype and dims")
@@ -427,7 +547,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     )
 
     b = _take(top.get("batching", {}), "batching",
-              {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens"})
+              {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens",
+               "pad_sequences"})
     pref = b.get("preferred_batch_sizes", [s for s in (8, 16, 32) if s <= max_batch] or [max_batch])
     if not isinstance(pref, list):
         raise _err("batching.preferred_batch_sizes", "expected a list", "e.g. preferred_batch_sizes = [8, 16, 32]")
@@ -445,8 +566,10 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     if max_tokens != 0 and max_tokens < max_len:
         raise _err("batching.max_group_tokens", f"{max_tokens} is below shapes.max_sequence_length {max_len}",
                    f"use 0 (no budget) or at least {max_len}")
+    pad = _typed(b.get("pad_sequences", any(s.name == "attention_mask" for s in inputs)), "batching.pad_sequences",
+                 bool, "write true (the model ignores padding: it reads an attention mask) or false")
     batching = BatchingSpec(pref, delay, _choice(b.get("grouping", "cost_model"), "batching.grouping", GROUPING_MODES),
-                            bool(b.get("ragged", True)), max_tokens)
+                            bool(b.get("ragged", True)), max_tokens, pad)
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
@@ -471,12 +594,12 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     return Recipe(
         name=name, version=version, task=task,
-        source=SourceSpec(kind, path, factory, package),
+        source=SourceSpec(kind, path, factory, package, base_dir),
         inputs=inputs, outputs=outputs,
         shapes=ShapeSpec(max_batch, max_len, buckets),
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,
         batching=batching, repository=repo, pooling=pooling, normalize=normalize,
-        text_input=text_input, recipe_path=recipe_path,
+        text_input=text_input, probabilities=probabilities, recipe_path=recipe_path,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,
         raw=data,

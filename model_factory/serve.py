@@ -38,6 +38,8 @@ def default_cost_cache() -> Path:
     """``$XDG_CACHE_HOME/model-factory/cost-models`` (``~/.cache/...`` when unset): outside any repository."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "model-factory" / "cost-models"
+# Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
+GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ServerOptions:
     exit_timeout_s: int = 10
     host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
+    # The GPU product this server runs on (the nvidia.com/gpu.product node label): the backend then
+    # loads only TensorRT plans whose metadata says they were built on it. None: any plan.
+    gpu_product: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,8 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self.extra_env = dict(env or {})
+        if opts.gpu_product:
+            self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         self.work_dir = self._work
 
     @staticmethod

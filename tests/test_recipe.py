@@ -162,3 +162,55 @@ def test_repository_engine_option(tmp_path: Path) -> None:
     assert on.repository.engine == "torch"
     trt = parse_recipe({**torch_source, "tensorrt": {"enabled": True}, "repository": {"engine": "tensorrt"}}, tmp_path)
     assert trt.repository.engine == "tensorrt"
+
+
+def _two_input_onnx(path: Path, batch="batch") -> Path:
+    """a: FP32 [batch, seq, 4], b: FP32 [batch, 4] -> y = a + b (per position): one dynamic axis."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["b", "axes"], ["b3"]), helper.make_node("Add", ["a", "b3"], ["y"])], "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [batch, "seq", 4]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [batch, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, "seq", 4])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_onnx_io_is_read_from_the_graph_when_not_declared(tmp_path: Path) -> None:
+    _two_input_onnx(tmp_path / "m.onnx")
+    r = parse_recipe({"model": {"name": "m", "task": "generic"}, "source": {"kind": "onnx", "path": "m.onnx"}},
+                     tmp_path)
+    assert [(s.name, s.dtype, s.dims) for s in r.inputs] == [("a", "FP32", (-1, 4)), ("b", "FP32", (4,))]
+    assert [(s.name, s.dtype, s.dims) for s in r.outputs] == [("y", "FP32", (-1, 4))]
+    assert r.batching.pad_sequences is False  # no attention mask: requests are never padded
+    _two_input_onnx(tmp_path / "fixed.onnx", batch=1)
+    with pytest.raises(FactoryError, match="axis 0 is not a dynamic batch axis. Fix: export the model with a dynamic"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "onnx", "path": "fixed.onnx"}}, tmp_path)
+
+
+def test_declared_onnx_io_is_checked_against_the_graph(tmp_path: Path) -> None:
+    from model_factory.build_engines.export import export_model
+
+    _two_input_onnx(tmp_path / "m.onnx")
+    data = {"model": {"name": "m", "task": "generic"}, "source": {"kind": "onnx", "path": "m.onnx"},
+            "inputs": [{"name": "a", "dtype": "FP16", "dims": [-1, 4]}, {"name": "b", "dtype": "FP32", "dims": [4]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1, 4]}]}
+    with pytest.raises(FactoryError, match="'a' is FP16 but the ONNX graph's is FP32. Fix: declare dtype"):
+        export_model(parse_recipe(data, tmp_path))
+    data["inputs"][0] = {"name": "a", "dtype": "FP32", "dims": [-1, 5]}
+    with pytest.raises(FactoryError, match=r"dims \[-1, 5\] but the ONNX graph's are \[-1, 4\]"):
+        export_model(parse_recipe(data, tmp_path))
+    data["inputs"][0] = {"name": "a", "dtype": "FP32", "dims": [16, 4]}  # a fixed size where the graph is dynamic
+    assert export_model(parse_recipe(data, tmp_path)).input_names == ("a", "b")
+
+
+def test_torch_source_with_path_instead_of_factory_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FactoryError, match="a torch source takes factory, not path.*factory = \"module:function\""):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "torch", "path": "tiny_cnn.py"}}, tmp_path)
+    r = parse_recipe({"model": {"name": "m"}, "source": {"kind": "torch", "factory": "tiny_cnn:build"},
+                      "inputs": [{"name": "pixels", "dtype": "UINT8", "dims": [3, 64, 64]}],
+                      "outputs": [{"name": "logits", "dtype": "FP32", "dims": [10]}]}, tmp_path)
+    assert r.source.base_dir == tmp_path and r.inputs[0].dtype == "UINT8"

@@ -92,3 +92,11 @@ def test_no_second_retry_and_no_retry_for_ports_the_user_chose(fake_triton) -> N
     with pytest.raises(FactoryError, match="already in use"):
         TritonServer(repo, models=[], options=ServerOptions(*chosen, startup_timeout_s=20)).start()
     assert len(ports.read_text().split()) == 1, "a port the user chose is theirs to fix, not ours to move"
+
+
+def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path: Path) -> None:
+    from model_factory.backend.loading import GPU_PRODUCT_ENV as BACKEND_ENV
+
+    pinned = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, gpu_product="NVIDIA-L4"))
+    assert pinned.extra_env[serve.GPU_PRODUCT_ENV] == "NVIDIA-L4" and serve.GPU_PRODUCT_ENV == BACKEND_ENV
+    assert serve.GPU_PRODUCT_ENV not in TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0)).extra_env

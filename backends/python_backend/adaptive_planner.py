@@ -46,6 +46,13 @@ class PlanReport:
     singles: float = 0.0  # one launch per sequence
     explored: bool = False
 
+    @staticmethod
+    def total(reports: Sequence["PlanReport"]) -> "PlanReport":
+        """The reports of a window's parts (its shape partitions) added up."""
+        return PlanReport(sum(r.chosen for r in reports), sum(r.best for r in reports),
+                          sum(r.one_group for r in reports), sum(r.singles for r in reports),
+                          any(r.explored for r in reports))
+
 
 def _shifted_a(model: Model, uncertainty: Sequence, sign: int, spread: float = 2.0) -> Model:
     """``model`` with each launch cost ``a`` moved by ``spread`` standard errors (doubled or halved when unknown)."""
@@ -100,14 +107,17 @@ class AdaptivePlanner:
     def _plan(self, lengths: Sequence[int], model: Model, mode: str | None = None) -> list[list[int]]:
         return plan_groups(lengths, model, self.max_batch, self.max_tokens, mode or self.mode)
 
-    def plan(self, lengths: Sequence[int]) -> tuple[list[list[int]], PlanReport]:
-        """The split to run for ``lengths`` and its report."""
+    def plan(self, lengths: Sequence[int], mode: str | None = None) -> tuple[list[list[int]], PlanReport]:
+        """The split to run for ``lengths`` and its report (``mode``: this window's, else the planner's)."""
         if not lengths:
             return [], PlanReport()
         model = self.model
-        groups = self._plan(lengths, model)
-        if self.mode != "cost_model":
-            return groups, PlanReport(*(plan_cost(groups, lengths, model),) * 2)
+        mode = mode or self.mode
+        groups = self._plan(lengths, model, mode)
+        if mode != "cost_model":
+            cost = plan_cost(groups, lengths, model)
+            return groups, PlanReport(cost, cost, cost if mode == "pad_to_longest" else 0.0,
+                                      cost if mode == "none" else 0.0)
         best = plan_cost(groups, lengths, model)
         one = plan_cost(self._plan(lengths, model, "pad_to_longest"), lengths, model)
         singles = sum(model.cost(1, int(x)) for x in lengths)

@@ -8,6 +8,12 @@ fails (out of memory included) is split in halves and retried, down to single
 items; only the items that still fail get an error. The result is one entry
 per request, in order: a dict of outputs or the exception for that request.
 
+Items are first partitioned by shape: only items of one shape share a launch,
+apart from the length of the sequence axis when the model may be padded (it
+reads an attention mask). A fixed-shape model (an image CNN) thus runs plain
+batches split at the max batch, and a model that must not be padded batches
+only requests of equal length.
+
 The split comes from an ``adaptive_planner.AdaptivePlanner``; every group that
 runs is timed (padding, the launch and slicing its outputs: what a split costs)
 and the timing goes back to the planner, whose estimator refits the cost model
@@ -91,7 +97,7 @@ class GroupedExecutor:
     def __init__(self, engine: Engine, cost: CostModel | ProfileCostModel | CostEstimator, *, max_batch: int,
                  buckets: Sequence[int], seq_inputs: frozenset[str], seq_outputs: frozenset[str],
                  mode: str = "cost_model", max_tokens: int | None = None,
-                 fill: Callable[[Item], Item] | None = None) -> None:
+                 fill: Callable[[Item], Item] | None = None, pad_sequences: bool = True) -> None:
         self.engine = engine
         self.planner = AdaptivePlanner(cost, max_batch=max_batch, max_tokens=max_tokens, mode=mode)
         self.estimator = self.planner.estimator  # None with fixed constants
@@ -102,6 +108,20 @@ class GroupedExecutor:
         self.mode = mode
         self.max_tokens = max_tokens
         self.fill = fill or (lambda item: item)
+        self.pad_sequences = pad_sequences
+
+    def _partitions(self, flat: Sequence[tuple[int, Item]]) -> dict[tuple, list[int]]:
+        """Items that may share a launch, by shape: equal shapes, apart from the sequence axis when padding.
+
+        A fixed-shape model (an image CNN) has one partition, run as plain batches split at the max batch;
+        a model with other dynamic axes, or one that must not be padded, batches only equal shapes.
+        """
+        parts: dict[tuple, list[int]] = {}
+        for i, (_, item) in enumerate(flat):
+            key = tuple((name, item[name].shape[1:] if self.pad_sequences and name in self.seq_inputs
+                         else item[name].shape) for name in sorted(item))
+            parts.setdefault(key, []).append(i)
+        return parts
 
     @property
     def cost(self) -> CostModel | ProfileCostModel:
@@ -120,7 +140,17 @@ class GroupedExecutor:
         flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
         stats = WindowStats()
         lengths = [self._length(it) for _, it in flat]
-        groups, stats.plan = self.planner.plan(lengths)
+        groups = []
+        # Within a partition every item has the same shape apart (when padding is allowed) from its length.
+        # Without padding (a fixed-shape model, or one that must not be padded) they are plain batches.
+        padded = self.pad_sequences and bool(self.seq_inputs)
+        mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
+        reports = []
+        for members in self._partitions(flat).values():
+            planned, report = self.planner.plan([lengths[i] for i in members], mode)
+            reports.append(report)
+            groups.extend([members[k] for k in g] for g in planned)
+        stats.plan = PlanReport.total(reports)
         stats.groups = [len(g) for g in groups]
         stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
@@ -151,7 +181,9 @@ class GroupedExecutor:
             self._run_group(group[half:], flat, lengths, per_item, stats)
             return
         for row, i in enumerate(group):
-            per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs else val[row])
+            # Only a padded item's sequence outputs are cut back to its own length.
+            per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs and lengths[i] < length
+                                  else val[row])
                            for name, val in outs.items()}
         if self.estimator is not None:
             self.planner.observe(len(group), max(1, length), time.perf_counter() - start)

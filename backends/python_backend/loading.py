@@ -10,23 +10,60 @@
   loads, else the TorchScript file if there is one and torch has CUDA, else ONNX
   Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
   ``fallback_from_torch``); on a CPU instance ONNX Runtime.
+
+When the server was started for one GPU product (``serve --gpu-product``, which sets
+``MODEL_FACTORY_GPU_PRODUCT``; the Helm chart does it for every pod), only plans whose
+``.plan.json`` says they were built on that product count as plans: a plan built
+for another product (or ahead of time without a GPU) is skipped as if absent.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from pathlib import Path
 
 from .integrity import IntegrityError, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
-def _gpu_plan(version_dir: Path) -> Path | None:
+GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
+
+
+def product_label(device_name: str) -> str:
+    """A GPU's name as the ``nvidia.com/gpu.product`` node label spells it ("NVIDIA H100 80GB HBM3" -> "NVIDIA-H100-80GB-HBM3")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.strip()).strip("-")
+
+
+def _built_for(model_dir: Path, relpath: str, digests: dict[str, str] | None) -> str | None:
+    """The GPU product a plan was built on, from its (signed) ``.plan.json``; None when it names none."""
+    if not (model_dir / relpath).is_file():
+        return None
+    try:
+        meta = json.loads(read_checked(model_dir, relpath, digests))
+    except ValueError:
+        return None
+    device = meta.get("device") if isinstance(meta, dict) else None
+    return product_label(device["name"]) if isinstance(device, dict) and device.get("name") else None
+
+
+def _gpu_plan(version_dir: Path, digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The plan to load and, when a GPU product is set, the plans skipped as built for another one."""
+    product = os.environ.get(GPU_PRODUCT_ENV, "").strip()
+    skipped: list[str] = []
     # Prefer the lowest precision that was built: INT8, then FP16, then FP32.
     for precision in ("int8", "fp16", "fp32"):
         plan = version_dir / f"model.{precision}.plan"
-        if plan.is_file():
-            return plan
-    return None
+        if not plan.is_file():
+            continue
+        if product:
+            built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
+            if built_for != product_label(product):
+                skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
+                continue
+        return plan, skipped
+    return None, skipped
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:
@@ -75,11 +112,16 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
-    plan = _gpu_plan(version_dir)
+    plan, skipped = _gpu_plan(version_dir, digests)
+    if skipped and plan is None and gpu:
+        fallback["fallback_from_tensorrt"] = (f"no plan built for GPU product {os.environ[GPU_PRODUCT_ENV]!r}: "
+                                              f"skipped {', '.join(skipped)}")
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
-            raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan")
+            raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan"
+                                + (f" built for this GPU product ({fallback['fallback_from_tensorrt']})"
+                                   if skipped else ""))
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
             from .engines.tensorrt import TensorRTEngine

@@ -21,7 +21,8 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_engine
-from .requests import RequestError, decode_texts, items_from_tensors, items_from_texts
+from .requests import RequestError, items_from_tensors, items_from_text_inputs
+from .samples import sample_feeds
 from .settings import parse_settings
 
 
@@ -36,21 +37,26 @@ class TritonPythonModel:
         self.tokenizer = None
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
-        if s.input("text") is not None:
+        # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
+        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING")
+        if self.text_inputs:
             from .tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(version_dir, s.max_sequence_length)
             self.vocab_size = self.tokenizer.get_vocab_size()
-        seq_inputs = frozenset(i.name for i in s.inputs if i.dims and i.dims[0] == -1)
+        seq_inputs = s.sequence_inputs
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
         # An engine with one optimization profile per bucket (TensorRT) gets a cost model per profile.
         per_profile = int(getattr(self.engine, "num_profiles", 1) or 1) > 1
-        start, cache_file, cache_key = _start_cost(s, self._dummy_run(seq_inputs), per_profile, args, self.engine_info)
+        # A model without a sequence axis runs every request at "length" 1: its warm-up times batch sizes only.
+        buckets = s.sequence_buckets if seq_inputs else (1,)
+        start, cache_file, cache_key = _start_cost(s, self._dummy_run(), buckets, per_profile and bool(seq_inputs),
+                                                   args, self.engine_info)
         cost = start.cost
         self.executor = GroupedExecutor(
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
-            max_tokens=s.max_group_tokens, fill=self._fill)
+            max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences)
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None
@@ -87,12 +93,14 @@ class TritonPythonModel:
                 item[name] = np.zeros_like(item["input_ids"])
         return item
 
-    def _dummy_run(self, seq_inputs: frozenset):
+    def _dummy_run(self):
         names = self.engine.input_names
+        # Without a sequence axis the sweep's "length" is 1; other dynamic axes then take the first bucket.
+        fixed = None if self.settings.sequence_inputs else self.settings.sequence_buckets[0]
 
         def run(n: int, length: int) -> None:
-            feeds = {k: np.ones((n, length), dtype=np.int64) if k in seq_inputs else np.ones((n, 1), dtype=np.int64)
-                     for k in names}
+            # Inputs of the declared dtypes and dims (an image CNN gets FP32 images, an encoder token ids).
+            feeds = sample_feeds(self.settings, names, n, fixed or length)
             self.engine.run(feeds, profile_for_length(length, self.settings.sequence_buckets))
 
         return run
@@ -103,9 +111,10 @@ class TritonPythonModel:
         batches, errors, wanted = [], {}, []
         for idx, request in enumerate(requests):
             try:
-                raw_text = pb_utils.get_input_tensor_by_name(request, "text") if self.tokenizer else None
-                if raw_text is not None:
-                    items = items_from_texts(decode_texts(raw_text.as_numpy()), self.tokenizer, self.engine.input_names)
+                raw = {n: _as_numpy(pb_utils.get_input_tensor_by_name(request, n)) for n in self.text_inputs}
+                raw = {n: v for n, v in raw.items() if v is not None}
+                if raw:
+                    items = items_from_text_inputs(raw, self.tokenizer, self.engine.input_names)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
@@ -152,7 +161,7 @@ def _as_numpy(tensor) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _start_cost(s, run, per_profile: bool, args: dict, engine_info: dict):
+def _start_cost(s, run, buckets, per_profile: bool, args: dict, engine_info: dict):
     """``(CostStart, cache file or None, cache key parts)``: the starting cost model (cost_learning)."""
     from . import cost_cache
     from .cost_learning import start_cost_model
@@ -164,8 +173,8 @@ def _start_cost(s, run, per_profile: bool, args: dict, engine_info: dict):
                                                engine_info["file"]),
                "flavour": engine_info["flavour"], "device": cost_cache.device_description(engine_info, kind, device_id)}
         cache_file = cost_cache.cache_path(folder, s.model_name, cost_cache.cache_key(
-            key["engine_sha256"], key["flavour"], key["device"], s.sequence_buckets, per_profile))
-    start = start_cost_model(run=run, buckets=s.sequence_buckets, max_batch=s.max_batch_size,
+            key["engine_sha256"], key["flavour"], key["device"], buckets, per_profile))
+    start = start_cost_model(run=run, buckets=buckets, max_batch=s.max_batch_size,
                              max_tokens=s.max_group_tokens, per_profile=per_profile, given=s.cost_model,
                              online=s.cost_model_online, warmup=s.cost_model_warmup, repeats=s.cost_model_repeats,
                              cache_file=cache_file)

@@ -12,12 +12,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .samples import NUMPY_DTYPES
 from .settings import Settings
 
 Item = dict[str, np.ndarray]
 
-_NP = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
-       "TYPE_INT8": np.int8, "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_}
+_NP = NUMPY_DTYPES
 
 
 class RequestError(ValueError):
@@ -41,7 +41,10 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     """
     given = {k: v for k, v in tensors.items() if v is not None}
     if not given:
-        raise RequestError("the request has no inputs. Send 'text' or the token-id tensors")
+        if settings.input("text") is not None:
+            raise RequestError("the request has no inputs. Send 'text' or the token-id tensors")
+        names = ", ".join(f"'{i.name}'" for i in settings.inputs if not i.optional)
+        raise RequestError(f"the request has no inputs. Send {names}")
     for spec in settings.inputs:
         if spec.data_type == "TYPE_STRING":
             continue
@@ -60,6 +63,8 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
         for axis, (got, dim) in enumerate(zip(arr.shape[1:], spec.dims), start=1):
             if dim != -1 and got != dim:
                 raise RequestError(f"input '{name}' axis {axis} is {got}, expected {dim}")
+            if got == 0 and axis > 1:  # axis 1 of a sequence input is reported as an empty sequence below
+                raise RequestError(f"input '{name}' has an empty axis {axis}")
         if rows is None:
             rows = arr.shape[0]
         elif arr.shape[0] != rows:
@@ -82,15 +87,15 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
     mask = given.get("attention_mask")
-    if ids is not None and mask is None:
+    if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
 
 
-def decode_texts(raw: np.ndarray) -> list[str]:
+def decode_texts(raw: np.ndarray, name: str = "text") -> list[str]:
     """Decode a BYTES tensor of shape [batch, 1] into strings, refusing empty or undecodable ones."""
     if raw.ndim != 2 or raw.shape[1] != 1:
-        raise RequestError(f"input 'text' has shape {list(raw.shape)}; expected [batch, 1]")
+        raise RequestError(f"input '{name}' has shape {list(raw.shape)}; expected [batch, 1]")
     texts = []
     for i, value in enumerate(raw[:, 0]):
         if isinstance(value, str):
@@ -99,17 +104,21 @@ def decode_texts(raw: np.ndarray) -> list[str]:
             try:
                 text = bytes(value).decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise RequestError(f"text[{i}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+                raise RequestError(f"{name}[{i}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
         if not text.strip():
-            raise RequestError(f"text[{i}] is empty")
+            raise RequestError(f"{name}[{i}] is empty")
         texts.append(text)
     if not texts:
         raise RequestError("the request has an empty batch")
     return texts
 
 
-def items_from_texts(texts: Sequence[str], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
-    """Tokenize texts (truncated to the maximum length) into items with the model's id inputs."""
+def items_from_texts(texts: Sequence[str | tuple[str, str]], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
+    """Tokenize texts, or (query, passage) pairs, truncated to the maximum length, into items with the id inputs.
+
+    A pair is tokenized as a pair: ``[CLS] query [SEP] passage [SEP]`` with ``token_type_ids`` 0 then 1
+    (the model's own post-processor decides), which is what a cross-encoder was trained on.
+    """
     items = []
     for enc in tokenizer.encode_batch(list(texts)):
         item = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
@@ -118,3 +127,18 @@ def items_from_texts(texts: Sequence[str], tokenizer: Any, input_names: Sequence
             item["token_type_ids"] = np.asarray(enc.type_ids, dtype=np.int64)
         items.append(item)
     return items
+
+
+def items_from_text_inputs(raw: Mapping[str, np.ndarray], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
+    """Items from a request's BYTES inputs: ``text``, or ``query`` + ``passage`` (a reranker's pairs)."""
+    if "query" in raw or "passage" in raw:
+        missing = [n for n in ("query", "passage") if n not in raw]
+        if missing:
+            raise RequestError(f"input '{missing[0]}' is missing: a reranker scores pairs, send 'query' and "
+                               "'passage' together (one row each per pair)")
+        queries, passages = decode_texts(raw["query"], "query"), decode_texts(raw["passage"], "passage")
+        if len(queries) != len(passages):
+            raise RequestError(f"'query' has {len(queries)} rows and 'passage' {len(passages)}; send one query "
+                               "row per passage row")
+        return items_from_texts(list(zip(queries, passages)), tokenizer, input_names)
+    return items_from_texts(decode_texts(raw["text"]), tokenizer, input_names)

@@ -49,10 +49,19 @@ class Settings:
     # The cost model's start (short | sweep) and whether it keeps learning (None: yes unless constants are given).
     cost_model_warmup: str = "short"
     cost_model_online: bool | None = None
+    # Whether requests of different lengths may be padded into one launch along the sequence axis. Only a
+    # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
+    # model is batched only with requests of exactly its shape.
+    pad_sequences: bool = True
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
         return next((s for s in self.inputs if s.name == name), None)
+
+    @property
+    def sequence_inputs(self) -> frozenset[str]:
+        """Inputs whose first non-batch axis is dynamic: the sequence axis requests are grouped along."""
+        return frozenset(i.name for i in self.inputs if i.dims and i.dims[0] == -1 and i.data_type != "TYPE_STRING")
 
     @property
     def sequence_outputs(self) -> frozenset[str]:
@@ -99,6 +108,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if vocab_size is not None and vocab_size <= 0:
         raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
     torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
+    inputs = _io(cfg.get("input"))
+    pad = params.get("pad_sequences", "")
+    if pad not in ("", "true", "false"):
+        raise SettingsError(f"parameter pad_sequences={pad!r}: use true or false")
+    # Older repositories do not say: an attention mask is what makes padding harmless.
+    pad_sequences = pad == "true" if pad else any(i.name == "attention_mask" for i in inputs)
     max_tokens = num("max_group_tokens", 0)
     if max_tokens < 0:
         raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
@@ -114,7 +129,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
-        inputs=_io(cfg.get("input")),
+        inputs=inputs,
         outputs=_io(cfg.get("output")),
         max_sequence_length=max_len,
         sequence_buckets=buckets,
@@ -131,4 +146,5 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         vocab_size=vocab_size,
         cost_model_warmup=warmup,
         cost_model_online=None if online_text == "" else online_text == "true",
+        pad_sequences=pad_sequences,
     )

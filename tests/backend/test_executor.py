@@ -97,3 +97,72 @@ def test_window_of_only_refused_requests_still_answers_each() -> None:
     assert len(results) == 3 and isinstance(results[0], Exception) and isinstance(results[1], dict)
     results, _ = executor(SumEngine()).run([[]])
     assert len(results) == 1 and isinstance(results[0], Exception)
+
+
+class ImageEngine:
+    """A fixed-shape model: one score per image (the sum of its pixels); records launch batch sizes."""
+
+    input_names = ("pixels",)
+    output_names = ("logits",)
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[int, ...]] = []
+
+    def run(self, feeds, profile=0):
+        x = feeds["pixels"]
+        self.launches.append(x.shape)
+        return {"logits": x.reshape(x.shape[0], -1).sum(axis=1, keepdims=True).astype(np.float32)}
+
+
+def test_fixed_shape_inputs_run_as_plain_batches_split_at_max_batch() -> None:
+    engine = ImageEngine()
+    ex = GroupedExecutor(engine, CostModel(0.0, 1.0, 0.0), max_batch=4, buckets=(8,), seq_inputs=frozenset(),
+                         seq_outputs=frozenset())
+    reqs = [[{"pixels": np.full((3, 2, 2), r, np.float32)} for _ in range(n)] for r, n in enumerate((3, 2, 1))]
+    results, stats = ex.run(reqs)
+    assert sorted(s[0] for s in engine.launches) == [2, 4] and all(s[1:] == (3, 2, 2) for s in engine.launches)
+    assert [r["logits"].shape for r in results] == [(3, 1), (2, 1), (1, 1)]
+    np.testing.assert_array_equal(results[1]["logits"], [[12.0], [12.0]])
+    assert stats.padding_ratio == 1.0
+
+
+class RunningSumEngine:
+    """No mask: each position's output is the sum of the sequence so far, so padding would change nothing
+    here, but ``total`` (the sum of the whole row) would; records launch shapes."""
+
+    input_names = ("a", "b")
+    output_names = ("y", "total")
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[int, ...]] = []
+
+    def run(self, feeds, profile=0):
+        a, b = feeds["a"], feeds["b"]
+        self.launches.append(a.shape)
+        return {"y": np.cumsum(a, axis=1) + b[:, None, :], "total": a.sum(axis=1)}
+
+
+def test_unpaddable_model_batches_equal_lengths_only_and_returns_exact_outputs() -> None:
+    engine = RunningSumEngine()
+    ex = GroupedExecutor(engine, CostModel(1.0, 0.0, 0.0), max_batch=8, buckets=(16,), seq_inputs=frozenset({"a"}),
+                         seq_outputs=frozenset({"y"}), pad_sequences=False)
+
+    def req(length, value):
+        return [{"a": np.full((length, 2), value, np.float32), "b": np.zeros(2, np.float32)}]
+
+    results, _ = ex.run([req(3, 1.0), req(5, 1.0), req(3, 2.0)])
+    # Launches are free of cost here, yet lengths 3 and 5 never share one: the model must not be padded.
+    assert sorted(engine.launches) == [(1, 5, 2), (2, 3, 2)]
+    np.testing.assert_array_equal(results[0]["total"], [[3.0, 3.0]])
+    np.testing.assert_array_equal(results[1]["total"], [[5.0, 5.0]])
+    assert results[1]["y"].shape == (1, 5, 2) and results[2]["y"][0, -1, 0] == 6.0
+
+
+def test_other_dynamic_axes_batch_only_equal_shapes() -> None:
+    engine = ImageEngine()
+    ex = GroupedExecutor(engine, CostModel(1.0, 0.0, 0.0), max_batch=8, buckets=(64,), seq_inputs=frozenset(),
+                         seq_outputs=frozenset())
+    reqs = [[{"pixels": np.ones((3, h, h), np.float32)}] for h in (8, 16, 8)]
+    results, _ = ex.run(reqs)
+    assert sorted(engine.launches) == [(1, 3, 16, 16), (2, 3, 8, 8)]
+    assert [float(r["logits"][0, 0]) for r in results] == [192.0, 768.0, 192.0]

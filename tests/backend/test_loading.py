@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from model_factory.backend.loading import load_engine
-from model_factory.backend.settings import parse_settings
+from model_factory.backend.loading import GPU_PRODUCT_ENV, _gpu_plan, load_engine, product_label
+from model_factory.backend.settings import SettingsError, parse_settings
 
 
 def _identity_onnx(path: Path) -> None:
@@ -165,3 +166,55 @@ def test_torch_engine_must_fit_the_model_config(torch_version_dir: Path) -> None
            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [3]}]}
     with pytest.raises(SettingsError, match=r"inputs not declared: \['x'\]"):
         load_engine(torch_version_dir, parse_settings(cfg), "CPU", 0)
+
+
+# --------------------------------------------------------------------------- engines per GPU product
+
+
+def _plan_meta(version_dir: Path, plan: str, device_name: str | None) -> None:
+    device = {"name": device_name, "compute_capability": "9.0"} if device_name else "none (ahead-of-time build)"
+    (version_dir / f"{plan}.json").write_text(json.dumps({"plan": plan, "device": device}))
+
+
+def test_product_label_matches_gpu_feature_discovery() -> None:
+    assert product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert product_label(" Tesla T4 ") == "Tesla-T4"
+
+
+def test_without_a_gpu_product_every_plan_counts(version_dir: Path, monkeypatch) -> None:
+    monkeypatch.delenv(GPU_PRODUCT_ENV, raising=False)
+    _plan_meta(version_dir, "model.fp16.plan", "NVIDIA L4")
+    assert _gpu_plan(version_dir) == (version_dir / "model.fp16.plan", [])
+
+
+def test_a_pod_pinned_to_a_product_loads_only_plans_built_on_it(version_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
+    _plan_meta(version_dir, "model.fp16.plan", "NVIDIA H100 80GB HBM3")
+    (version_dir / "model.int8.plan").write_bytes(b"built on another GPU")
+    _plan_meta(version_dir, "model.int8.plan", "NVIDIA L4")
+    plan, skipped = _gpu_plan(version_dir)
+    # INT8 is preferred, but it was built on an L4: the H100 pod takes the FP16 plan built on its product.
+    assert plan == version_dir / "model.fp16.plan"
+    assert skipped == ["model.int8.plan (built for NVIDIA-L4)"]
+
+
+def test_no_plan_for_the_product_falls_back_under_auto_and_fails_when_forced(version_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
+    _plan_meta(version_dir, "model.fp16.plan", None)  # built ahead of time without a GPU
+    engine, info = load_engine(version_dir, settings(), "GPU", 0)
+    assert info["flavour"] == "onnxruntime"
+    assert info["fallback_from_tensorrt"] == ("no plan built for GPU product 'NVIDIA-H100-80GB-HBM3': skipped "
+                                              "model.fp16.plan (built for no GPU product)")
+    with pytest.raises(SettingsError, match="no model.<precision>.plan.*NVIDIA-H100-80GB-HBM3"):
+        load_engine(version_dir, settings("tensorrt"), "GPU", 0)
+    (version_dir / "model.fp16.plan.json").unlink()  # no metadata at all: not known to be for this product
+    assert _gpu_plan(version_dir) == (None, ["model.fp16.plan (built for no GPU product)"])
+
+
+def test_the_plan_metadata_is_read_through_the_verified_digests(version_dir: Path, monkeypatch) -> None:
+    from model_factory.backend.integrity import IntegrityError
+
+    monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-L4")
+    _plan_meta(version_dir, "model.fp16.plan", "NVIDIA L4")
+    with pytest.raises(IntegrityError, match="1/model.fp16.plan.json changed after verification"):
+        _gpu_plan(version_dir, {"1/model.fp16.plan.json": "0" * 64})

@@ -123,3 +123,41 @@ def test_integrity_reads_once_and_refuses_changed_bytes(tmp_path, monkeypatch) -
         read_checked(tmp_path / "m", "1/other.onnx", digests)
     with pytest.raises(IntegrityError, match="was not verified"):
         verified_digests("other", "1")
+
+
+GENERIC = {
+    "name": "g", "max_batch_size": 8,
+    "input": [{"name": "pixels", "data_type": "TYPE_FP32", "dims": [3, 4, 4]},
+              {"name": "flags", "data_type": "TYPE_BOOL", "dims": [2]}],
+    "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}],
+}
+
+
+def test_generic_inputs_are_checked_against_declared_dtypes_and_dims() -> None:
+    s = parse_settings(GENERIC)
+    good = {"pixels": np.zeros((2, 3, 4, 4), np.float32), "flags": np.zeros((2, 2), np.bool_)}
+    assert [sorted(i) for i in items_from_tensors(good, s)] == [["flags", "pixels"]] * 2
+    with pytest.raises(RequestError, match="dtype float64, expected float32"):
+        items_from_tensors(good | {"pixels": np.zeros((2, 3, 4, 4))}, s)
+    with pytest.raises(RequestError, match="axis 2 is 5, expected 4"):
+        items_from_tensors(good | {"pixels": np.zeros((2, 3, 5, 4), np.float32)}, s)
+    with pytest.raises(RequestError, match="dtype int64, expected bool"):
+        items_from_tensors(good | {"flags": np.zeros((2, 2), np.int64)}, s)
+    with pytest.raises(RequestError, match="Send 'pixels', 'flags'"):
+        items_from_tensors({}, s)
+    assert s.pad_sequences is False and s.sequence_inputs == frozenset()
+
+
+def test_padding_follows_the_parameter_or_an_attention_mask() -> None:
+    assert parse_settings(CONFIG).pad_sequences is True
+    assert parse_settings(dict(GENERIC, parameters={"pad_sequences": {"string_value": "true"}})).pad_sequences
+    with pytest.raises(SettingsError, match="pad_sequences"):
+        parse_settings(dict(GENERIC, parameters={"pad_sequences": {"string_value": "yes"}}))
+
+
+def test_ids_without_a_mask_are_fine_for_a_model_that_takes_no_mask() -> None:
+    s = parse_settings({"name": "ids-only", "max_batch_size": 4,
+                        "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}],
+                        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [2]}]})
+    items = items_from_tensors({"input_ids": np.ones((2, 5), np.int64)}, s)
+    assert len(items) == 2 and items[0]["input_ids"].shape == (5,)

@@ -14,6 +14,9 @@ from model_factory.build_engines.accuracy import (
     check_gate,
     compare,
     primary_output,
+    ranking_agreement,
+    score_correlation,
+    task_metrics,
 )
 from model_factory.errors import FactoryError
 
@@ -49,9 +52,47 @@ def test_cosine_flattens_each_sample():
 def test_top1_agreement_for_classifiers():
     ref = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
     cand = np.array([[0.2, 0.8], [0.4, 0.6], [0.3, 0.7], [0.9, 0.1]])
-    metric, score, min_cos, max_abs = compare(ref, cand, "classification")
-    assert (metric, score, min_cos) == ("top1", 0.75, None)
+    metric, score, min_cos, max_abs, extra = task_metrics(ref, cand, "classification")
+    assert (metric, score) == ("top1", 0.75)
     assert max_abs == pytest.approx(0.4)
+    # The cosine of the logits is reported and gated beside the top-1 agreement.
+    cos = (ref * cand).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1))
+    assert dict(extra) == {"logits_cosine": pytest.approx(cos.mean())} and min_cos == pytest.approx(cos.min())
+
+
+def test_gate_applies_to_every_metric_of_a_classifier(tmp_path):
+    # Top-1 agrees everywhere but the logits drifted: the cosine alone fails the gate.
+    result = PrecisionAccuracy("int8", "top1", 1.0, 0.5, 10, 0.9, extra=(("logits_cosine", 0.95),))
+    report = AccuracyReport("m", "classification", "logits", "h", 10, "n", None, 0, None, 0, 0.99, (result,))
+    assert report.failures == (result,) and result.gate_score == 0.95
+    text = report.render()
+    assert "top-1 agree" in text and "logits cos" in text and "FAIL" in text
+    again = AccuracyReport.read(report.write(tmp_path / "a.json"))
+    assert again.results[0].extra == (("logits_cosine", 0.95),) and not again.passed
+
+
+def test_token_top1_counts_real_tokens_only():
+    ref = np.zeros((2, 3, 2))
+    ref[..., 0] = 1.0  # label 0 everywhere
+    cand = ref.copy()
+    cand[0, 1] = [0.0, 1.0]  # a real token flips
+    cand[1, 2] = [0.0, 9.0]  # a padding token flips: not counted
+    mask = np.array([[1, 1, 1], [1, 1, 0]])
+    metric, score, _min_cos, max_abs, extra = task_metrics(ref, cand, "token-classification", mask=mask)
+    assert (metric, extra) == ("token_top1", ())
+    assert score == pytest.approx(4 / 5) and max_abs == pytest.approx(1.0)
+
+
+def test_reranker_ranking_per_query_and_correlation():
+    ref = np.array([[3.0], [2.0], [1.0], [5.0], [4.0], [0.5]])
+    cand = np.array([[3.1], [0.9], [1.0], [5.0], [4.2], [0.1]])  # query a: one of 3 pairs swapped
+    groups = ["a", "a", "a", "b", "b", "c"]  # c has one passage: not ranked
+    metric, score, min_cos, _max_abs, extra = task_metrics(ref, cand, "reranker", groups=groups)
+    assert metric == "ranking" and min_cos is None
+    assert score == pytest.approx((2 / 3 + 1.0) / 2)
+    assert dict(extra)["correlation"] == pytest.approx(np.corrcoef(ref.ravel(), cand.ravel())[0, 1])
+    assert ranking_agreement(ref, ref, groups) == 1.0 and ranking_agreement(ref, ref, list("abcdef")) is None
+    assert score_correlation(ref, np.full_like(ref, np.nan)) == -1.0
 
 
 def test_non_finite_output_scores_badly():

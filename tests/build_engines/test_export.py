@@ -94,12 +94,76 @@ def test_bad_export_fails_over_tolerance_and_writes_nothing(tmp_path: Path, fact
 
 
 def test_factory_errors_name_the_fix(tmp_path: Path, factory_module: str) -> None:
-    with pytest.raises(FactoryError, match=r"must return \(torch.nn.Module, example_inputs\)"):
+    with pytest.raises(FactoryError, match=r"returned Scale. Fix: return \(torch.nn.Module, example_inputs\)"):
         export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make_wrong"), tmp_path))
-    with pytest.raises(FactoryError, match="has no function"):
+    with pytest.raises(FactoryError, match="has no function 'absent'.*name one of: make, make_noisy, make_wrong"):
         export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:absent"), tmp_path))
-    with pytest.raises(FactoryError, match="cannot import"):
+    with pytest.raises(FactoryError, match=rf"no module 'no_such_module_xyz' beside the recipe \({tmp_path}\) or "
+                                           r"installed. Fix: put no_such_module_xyz.py beside the recipe"):
         export_model(parse_recipe(torch_recipe(tmp_path, "no_such_module_xyz:make"), tmp_path))
+
+
+FACTORY_WITH_SIBLING = '''
+import torch
+from cnn_layers import Block  # a sibling module beside the recipe, as a user writes it
+
+
+def build():
+    torch.manual_seed(0)
+    return Block(), {"x": torch.randn(2, 5, 4)}
+'''
+SIBLING = '''
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.proj(x).sum(dim=1)
+'''
+
+
+def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path) -> None:
+    import sys
+
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "user_cnn_factory.py").write_text(FACTORY_WITH_SIBLING)
+    (folder / "cnn_layers.py").write_text(SIBLING)
+    path_before = list(sys.path)
+    res = export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
+    assert res.max_abs_error < 1e-4
+    assert sys.path == path_before
+    assert "user_cnn_factory" not in sys.modules and "cnn_layers" not in sys.modules
+    # A module of the same name imported from elsewhere does not shadow the one beside the recipe, and stays.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "user_cnn_factory.py").write_text("def build():\n    raise AssertionError('the wrong module')\n")
+    sys.path.insert(0, str(other))
+    try:
+        import user_cnn_factory  # noqa: F401 - imported to be shadowed
+
+        assert export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder)).max_abs_error < 1e-4
+        assert sys.modules["user_cnn_factory"].__file__ == str(other / "user_cnn_factory.py")
+    finally:
+        sys.path.remove(str(other))
+        sys.modules.pop("user_cnn_factory", None)
+    # The module's own missing dependency is named as such, not as a missing factory module.
+    (folder / "cnn_layers.py").write_text("import not_installed_dep_xyz\n")
+    with pytest.raises(FactoryError, match="importing 'user_cnn_factory' failed.*pip install the package that "
+                                           "provides 'not_installed_dep_xyz'"):
+        export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
+    (folder / "cnn_layers.py").write_text(SIBLING)
+    (folder / "user_cnn_factory.py").write_text(FACTORY_WITH_SIBLING.replace("torch.randn(2, 5, 4)",
+                                                                             "torch.randn(2, 5, 4).double()"))
+    with pytest.raises(FactoryError, match="'x' is torch.float64, the recipe declares FP32"):
+        export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
+    (folder / "user_cnn_factory.py").write_text("def build():\n    raise RuntimeError('no weights file')\n")
+    with pytest.raises(FactoryError, match="build\\(\\) raised RuntimeError: no weights file. Fix: make it run"):
+        export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
 
 
 def test_onnx_source_is_checked_and_copied(tmp_path: Path, factory_module: str) -> None:
@@ -220,3 +284,18 @@ def test_onnx_source_cannot_make_torchscript(tmp_path: Path, factory_module: str
     recipe = replace(recipe, export=replace(recipe.export, torchscript=True))
     with pytest.raises(FactoryError, match="no torch module to trace. Fix: set export.torchscript = false"):
         export_model(recipe)
+
+
+def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    recipe = tmp_path / "cnn.toml"
+    recipe.write_text('[model]\nname = "cnn"\n[source]\nkind = "torch"\nfactory = "tiny_cnn:build"\n'
+                      '[[inputs]]\nname = "pixels"\ndtype = "FP32"\ndims = [3, 8, 8]\n'
+                      '[[outputs]]\nname = "logits"\ndtype = "FP32"\ndims = [10]\n')
+    result = CliRunner().invoke(main, ["export", str(recipe)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert f"no module 'tiny_cnn' beside the recipe ({tmp_path}) or installed. Fix: put tiny_cnn.py beside the " \
+           "recipe" in result.output

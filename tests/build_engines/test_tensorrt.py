@@ -70,6 +70,13 @@ def test_profiles_one_per_bucket(tmp_path):
     assert profiles[1]["inputs"]["static"] == {"min": [2, 3], "opt": [2, 3], "max": [2, 3]}
 
 
+def test_fixed_shape_model_gets_one_profile(tmp_path):
+    recipe = minilm_precision_recipe(tmp_path)
+    profiles = profile_shapes(recipe, {"pixels": (-1, 3, 64, 64)})
+    assert len(profiles) == 1 and profiles[0]["inputs"]["pixels"] == {"min": [1, 3, 64, 64], "opt": [64, 3, 64, 64],
+                                                                      "max": [64, 3, 64, 64]}
+
+
 # --------------------------------------------------------------------------- real builds
 
 

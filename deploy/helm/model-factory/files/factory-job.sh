@@ -1,0 +1,66 @@
+#!/bin/sh
+# One index of a factory Job: build one recipe for this Job's GPU product, sign it, verify it in a
+# staging folder, move it into <root>/<product>/trt-<version>/ with renames, and end with verify.
+#
+# The Job runs with no network (a deny-all NetworkPolicy) and the signing key from a read-only
+# Secret. The staging folder sits on the same volume as the repository, so each model folder is
+# swapped in with a rename: a serving pod that starts meanwhile sees the old signed model or the
+# new one, never a half-written or unsigned one. The FACTORY_* variables are set by the Job
+# (templates/factory-jobs.yaml); a test runs this script with a stand-in model-factory.
+set -eu
+
+fail() {
+    echo "factory-job: $*" >&2
+    exit 2
+}
+
+index=${JOB_COMPLETION_INDEX:?not an Indexed Job (JOB_COMPLETION_INDEX unset)}
+root=${FACTORY_REPOSITORY_ROOT:?}
+product=${FACTORY_GPU_PRODUCT:?}
+trt=${FACTORY_TENSORRT_VERSION:?}
+key=${FACTORY_SIGNING_KEY:?}
+policy=${FACTORY_POLICY:?}
+recipes_dir=${FACTORY_RECIPES_DIR:?}
+
+# shellcheck disable=SC2086  # the recipe list is space-separated on purpose
+set -- ${FACTORY_RECIPES:?}
+[ "$index" -lt "$#" ] || fail "index $index but only $# recipe(s) in FACTORY_RECIPES. Fix: completions must equal the number of recipes"
+shift "$index"
+recipe_file=$1
+recipe="$recipes_dir/$recipe_file"
+[ -r "$recipe" ] || fail "cannot read recipe $recipe. Fix: add $recipe_file to the recipes ConfigMap"
+[ -r "$key" ] || fail "cannot read the signing key $key. Fix: check factory.signingKeySecret"
+
+dest="$root/$product/trt-$trt"
+work="$root/.staging/$product/trt-$trt/${recipe_file%.toml}-${HOSTNAME:-$$}"
+staging="$work/repository"
+rm -rf "$work"
+mkdir -p "$staging" "$dest"
+
+set -- --key "$key"
+if [ -n "${FACTORY_CERT_CHAIN:-}" ]; then
+    [ -r "$FACTORY_CERT_CHAIN" ] || fail "cannot read the certificate chain $FACTORY_CERT_CHAIN"
+    set -- "$@" --cert-chain "$FACTORY_CERT_CHAIN"
+fi
+
+echo "factory-job: building $recipe_file for $product (TensorRT $trt) in $staging"
+model-factory build "$recipe" --repository "$staging" "$@"
+# The serving pods' own policy: what passes here is what they will load.
+model-factory verify --policy "$policy" "$staging"
+
+moved=0
+for model in "$staging"/*/; do
+    [ -d "$model" ] || continue
+    name=$(basename "$model")
+    if [ -e "$dest/$name" ]; then
+        mv "$dest/$name" "$work/previous-$name"
+    fi
+    mv "$model" "$dest/$name"
+    moved=$((moved + 1))
+    echo "factory-job: $name -> $dest/$name"
+done
+[ "$moved" -gt 0 ] || fail "model-factory build wrote no model into $staging"
+rm -rf "$work"
+
+model-factory verify --policy "$policy" --json "$dest"
+echo "factory-job: $recipe_file built, signed and verified in $dest"

@@ -1,0 +1,118 @@
+"""Render the Helm chart with the real Helm engine (helm-python-sdk embeds Helm v4's library), once per values set.
+
+Also: validation of rendered objects (built-in kinds with kubernetes-validate --strict, custom
+resources against the CRD schemas vendored in ``schemas/``), and the documented values sets.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "model-factory"
+KSERVE = ROOT / "deploy" / "kserve"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+RELEASE, NAMESPACE = "mf", "models"
+FULLNAME = "mf-model-factory"
+
+# At least two Kubernetes minor versions (OCI image volumes need 1.33 or later).
+KUBE_VERSIONS = ("1.33.0", "1.35.0")
+
+# Custom resources -> their published schema (datreeio/CRDs-catalog, see schemas/SOURCES.md).
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitor_v1.json.gz",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitor_v1.json.gz",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobject_v1alpha1.json.gz",
+    ("serving.kserve.io/v1beta1", "InferenceService"): "serving.kserve.io_inferenceservice_v1beta1.json.gz",
+    ("serving.kserve.io/v1alpha1", "ServingRuntime"): "serving.kserve.io_servingruntime_v1alpha1.json.gz",
+    ("serving.kserve.io/v1alpha1", "ClusterStorageContainer"): "serving.kserve.io_clusterstoragecontainer_v1alpha1.json.gz",
+}
+
+DIGEST = "sha256:" + "ab" * 32
+# Every documented option (values.yaml, docs/fleet.md), each rendered once per test session.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "keda": {"autoscaling": {"mode": "keda"}},
+    "fixed-replicas": {"autoscaling": {"mode": "none"}, "replicaCount": 3, "podDisruptionBudget": {"enabled": False}},
+    "pod-monitor": {"metrics": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True,
+                                                                                      "labels": {"release": "prom"}}}},
+    "image-volume": {"repository": {"source": "image", "image": {
+        "reference": f"registry.example.internal/model-factory/repository@{DIGEST}"}}},
+    "s3": {"repository": {"source": "s3", "s3": {"endpoint": "https://minio.models.svc:9000", "bucket": "models"}}},
+    "existing-claim": {"repository": {"pvc": {"existingClaim": "shared-models"}, "subPath": "fleet/a"},
+                       "trust": {"existingConfigMap": "corp-policy", "existingSecret": "corp-trust"}},
+    "trust-files": {"trust": {"files": {"release.pub": "-----BEGIN PUBLIC KEY-----\nMFkw\n-----END PUBLIC KEY-----\n"}}},
+    "admin-and-accept": {"serve": {"accept": True, "adminKey": {"enabled": True, "value": "s3cret"},
+                                   "extraArgs": ["--log-verbose", "1"]}},
+    "admin-existing-secret": {"serve": {"adminKey": {"enabled": True, "existingSecret": "triton-admin"}}},
+    "cpu-only": {"gpu": {"count": 0}, "networkPolicy": {"enabled": False}},
+    "clients-only": {"networkPolicy": {"clients": [{"podSelector": {"matchLabels": {"role": "frontend"}}}]},
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+    "factory": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
+                            "gpuProducts": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]}},
+    "factory-certificates": {"factory": {"enabled": True, "recipes": ["minilm.toml"], "certificateMode": True}},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _chart():
+    helm = pytest.importorskip("helm_python.chart", reason="pip install 'model-factory[test]' (helm-python-sdk)")
+    return helm, helm.Chart.load(CHART)
+
+
+def render(values: dict[str, Any]) -> dict[str, str]:
+    """template path -> rendered YAML, by the real Helm engine (values are checked against values.schema.json)."""
+    _helm, chart = _chart()
+    return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _render_set(name: str) -> str:
+    return json.dumps(render(VALUE_SETS[name]))
+
+
+def objects(name: str) -> list[dict]:
+    """Every object rendered for one values set (a fresh copy: tests may edit it)."""
+    out = []
+    for text in json.loads(_render_set(name)).values():
+        out += [d for d in yaml.safe_load_all(text) if d]
+    return out
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"{len(hits)} {kind} objects named {name}"
+    return hits[0]
+
+
+def schema_errors(values: dict[str, Any]) -> str:
+    """Helm's values.schema.json verdict on ``values`` merged over the defaults ('' when accepted)."""
+    helm, chart = _chart()
+    try:
+        chart.validate_schema(values)
+    except Exception as exc:  # HelmValuesError, from the native library
+        return str(exc)
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def crd_schema(file: str) -> dict:
+    return json.loads(gzip.decompress((SCHEMAS / file).read_bytes()))
+
+
+def validate_object(doc: dict, kube_version: str) -> None:
+    """kubernetes-validate --strict for built-in kinds; the vendored CRD schema for custom resources."""
+    key = (doc["apiVersion"], doc["kind"])
+    if key in CRD_SCHEMAS:
+        jsonschema = pytest.importorskip("jsonschema")
+        jsonschema.validate(doc, crd_schema(CRD_SCHEMAS[key]))
+        return
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install 'model-factory[test]' (kubernetes-validate)")
+    kv.validate(doc, kube_version, strict=True)

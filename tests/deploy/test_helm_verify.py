@@ -1,0 +1,170 @@
+"""The rendered verify steps, run for real: the chart's init container and the KServe storage container.
+
+The command, args, environment and mounts come from the rendered manifests; each mount path
+is mapped to a local folder (the volume's contents: the signed MiniLM repository at the
+chart's <product>/trt-<version> sub-path, the trust policy and key from the rendered
+ConfigMap and Secret). A good repository exits 0; one changed byte exits non-zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .helm_render import KSERVE, find, render
+
+pytest.importorskip("helm_python", reason="pip install 'model-factory[test]' (helm-python-sdk renders the chart)")
+pytestmark = pytest.mark.slow
+
+BIN = str(Path(sys.executable).parent)
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory, minilm_recipe, minilm_export):
+    """The session's MiniLM export packaged and signed with provenance, and the public key's PEM."""
+    from model_factory.pipeline import provenance_for
+    from model_factory.repository import package_model
+    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+
+    root = tmp_path_factory.mktemp("fleet-signed")
+    repo = root / "repository"
+    keys = generate_keypair(root / "keys")
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=repo))
+    package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
+                  parameters={"cost_model": "0.002,1e-6,1e-9"})
+    sign_model_version(repo / recipe.name, recipe.version, SignerConfig(private_key=keys.private_key, password=None),
+                       provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest}, accuracy=None))
+    return repo, recipe.name, keys.public_key.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _rendered(public_pem: str) -> str:
+    return yaml.safe_dump_all([d for text in render({"trust": {"files": {"release.pub": public_pem}}}).values()
+                               for d in yaml.safe_load_all(text) if d])
+
+
+def materialize_volumes(docs: list[dict], pod: dict, root: Path, repo: Path, repo_name: str) -> dict[str, Path]:
+    """volume name -> a local folder with what the volume would hold in the cluster."""
+    out: dict[str, Path] = {}
+    for vol in pod["volumes"]:
+        folder = root / "volumes" / vol["name"]
+        folder.mkdir(parents=True)
+        if "persistentVolumeClaim" in vol:
+            # The claim as the factory Jobs leave it: <product>/trt-<version>/<model>/...
+            sub = next(m["subPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == vol["name"])
+            shutil.copytree(repo / repo_name, folder / sub / repo_name)
+        for source in vol.get("projected", {}).get("sources", []):
+            if "configMap" in source:
+                data = find(docs, "ConfigMap", source["configMap"]["name"])["data"]
+                for item in source["configMap"]["items"]:
+                    (folder / item["path"]).write_text(data[item["key"]])
+            if "secret" in source:
+                for name, text in find(docs, "Secret", source["secret"]["name"])["stringData"].items():
+                    (folder / name).write_text(text)
+        out[vol["name"]] = folder
+    return out
+
+
+def run_container(container: dict, volumes: dict[str, Path], scratch: Path) -> subprocess.CompletedProcess:
+    """Run a rendered container's command/args here, its mount paths mapped onto the local volumes."""
+    mapping = {}
+    for m in container["volumeMounts"]:
+        mapping[m["mountPath"]] = volumes[m["name"]] / m.get("subPath", "")
+    mapping.setdefault("/tmp", scratch)
+
+    def local(arg: str) -> str:
+        for path in sorted(mapping, key=len, reverse=True):
+            if arg == path or arg.startswith(path + "/"):
+                return str(mapping[path]) + arg[len(path):]
+        return arg
+
+    argv = [local(a) for a in container["command"] + container.get("args", [])]
+    env = {e["name"]: local(e["value"]) for e in container.get("env", []) if "value" in e}
+    env["PATH"] = BIN + os.pathsep + os.environ.get("PATH", "")
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_init_container_command_passes_a_good_repository_and_fails_a_tampered_one(signed, tmp_path: Path) -> None:
+    repo, name, public_pem = signed
+    docs = list(yaml.safe_load_all(_rendered(public_pem)))
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    verify = next(c for c in pod["initContainers"] if c["name"] == "verify")
+    volumes = materialize_volumes(docs, pod, tmp_path, repo, name)
+
+    good = run_container(verify, volumes, tmp_path)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert '"ok": true' in good.stdout and f'"model": "{name}"' in good.stdout
+
+    onnx = next((volumes["models"]).rglob("1/model.onnx"))
+    data = bytearray(onnx.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    onnx.write_bytes(bytes(data))
+    bad = run_container(verify, volumes, tmp_path)
+    assert bad.returncode != 0
+    assert '"ok": false' in bad.stdout and "model.onnx" in bad.stdout
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # noqa: ANN002
+        pass
+
+
+@pytest.fixture
+def http_folder(tmp_path: Path):
+    """A plain HTTP server on loopback serving ``tmp_path / 'www'`` (the in-network store)."""
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(_Quiet, directory=str(www))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield www, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_kserve_storage_container_verifies_what_it_downloads(signed, tmp_path: Path, http_folder) -> None:
+    """KServe calls the storage container with (storageUri, /mnt/models): good -> models there; tampered -> none."""
+    repo, name, public_pem = signed
+    www, base = http_folder
+    csc = next(d for d in yaml.safe_load_all((KSERVE / "clusterstoragecontainer.yaml").read_text()))
+    container = dict(csc["spec"]["container"])
+    trust = tmp_path / "trust"
+    trust.mkdir()
+    docs = list(yaml.safe_load_all(_rendered(public_pem)))
+    (trust / "policy.toml").write_text(find(docs, "ConfigMap", "mf-model-factory-trust-policy")["data"]["policy.toml"])
+    (trust / "release.pub").write_text(public_pem)
+    with tarfile.open(www / "repository.tar", "w") as tar:
+        tar.add(repo / name, arcname=name)
+    tampered = www / "tampered.tar"
+    shutil.copy(www / "repository.tar", tampered)
+    with tarfile.open(tampered, "a") as tar:  # a later member with the same name replaces the config
+        extra = tmp_path / "config.pbtxt"
+        extra.write_text((repo / name / "config.pbtxt").read_text() + "\n# changed\n")
+        tar.add(extra, arcname=f"{name}/config.pbtxt")
+
+    for uri, ok in ((f"model-factory+{base}/repository.tar", True), (f"model-factory+{base}/tampered.tar", False)):
+        dest = tmp_path / ("mnt-good" if ok else "mnt-bad")
+        dest.mkdir()
+        container["args"] = [uri, "/mnt/models"]
+        volumes = {"model-factory-trust": trust, "kserve-provision-location": dest, "tmp": tmp_path}
+        container["volumeMounts"] = csc["spec"]["container"]["volumeMounts"] + [
+            {"name": "kserve-provision-location", "mountPath": "/mnt/models"}]
+        proc = run_container(container, volumes, tmp_path)
+        if ok:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert (dest / name / "config.pbtxt").is_file()
+        else:
+            assert proc.returncode != 0 and "failed verification" in proc.stderr
+            assert not any(dest.iterdir())
