@@ -92,6 +92,7 @@ class _Cell:
     last: int  # the estimator's timing count when last updated
     prior: bool = False  # from the warm-up or the cache, not yet refreshed by live traffic
     live: int = 0  # live timings that reached this cell, ever
+    _memo: tuple | None = None  # (key, point, median stamp) of the last point() (refits recompute only changes)
 
     def used(self, fresh_from: int) -> list:
         """The timings the cell stands for: those from ``fresh_from`` on when there are three, else all."""
@@ -103,7 +104,26 @@ class _Cell:
 
         Timings stamped before ``fresh_from`` are left out when at least three newer ones are there.
         """
+        return self._point(model, fresh_from)[0]
+
+    def stamp(self, model: CostModel, fresh_from: int) -> float:
+        """The median stamp of the timings :meth:`point` stands for (their age tells the cell's weight)."""
+        return self._point(model, fresh_from)[1]
+
+    def _point(self, model: CostModel, fresh_from: int) -> tuple[tuple[int, int, float], float]:
+        # Recomputed when the cell's timings (or those it stands for) change; a refit's new constants alone
+        # do not redo the rescaling inside a cell (its shapes are close: the old constants rescale them as well).
+        key = (self.last, len(self.times), sum(1 for x in self.times if x[3] >= fresh_from))
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1], self._memo[2]
         times = self.used(fresh_from)
+        stamp = _median(sorted(x[3] for x in times))
+        point = self._compute(times, model)
+        self._memo = (key, point, stamp)
+        return point, stamp
+
+    @staticmethod
+    def _compute(times: list, model: CostModel) -> tuple[int, int, float]:
         n = int(_median(sorted(x[0] for x in times)))
         length = int(_median(sorted(x[1] for x in times)))
         here = model.cost(n, length)
@@ -251,7 +271,7 @@ class CostEstimator:
             self._evict()
 
     def _evict(self) -> None:
-        live = [(self._weight(c), k) for k, c in self._cells.items() if not c.prior]
+        live = [(self._weight(c, k[0]), k) for k, c in self._cells.items() if not c.prior]
         live.sort()
         for _, k in live[: max(1, len(self._cells) - self.config.max_cells)]:
             del self._cells[k]
@@ -274,12 +294,13 @@ class CostEstimator:
         """Timings older than this (two half-lives) give way to newer ones in their cell."""
         return self._count - int(2 * self.config.half_life)
 
-    def _weight(self, cell: _Cell) -> float:
+    def _weight(self, cell: _Cell, profile: int) -> float:
         # A cell counts by the age of the timings its median stands for: one refreshed by a new timing
         # among seven old ones weighs as little as its old median deserves; one full of recent ones weighs 1.
-        used = cell.used(self._fresh_from())
-        age = _median(sorted(max(0, self._count - x[3]) for x in used))
-        w = 0.5 ** (age / self.config.half_life) * len(used) / self.config.cell_size
+        fresh = self._fresh_from()
+        model = self._models[profile]
+        age = max(0.0, self._count - cell.stamp(model, fresh))
+        w = 0.5 ** (age / self.config.half_life) * len(cell.used(fresh)) / self.config.cell_size
         if cell.prior:
             w = max(w, 1.0 / self.config.cell_size) * self.config.prior_weight
         return w
@@ -292,7 +313,7 @@ class CostEstimator:
         fresh = self._fresh_from()
         for (profile, _, _), cell in self._cells.items():
             n, length, seconds = cell.point(self._models[profile], fresh)
-            groups.setdefault(profile, []).append((float(n), float(length), seconds, self._weight(cell)))
+            groups.setdefault(profile, []).append((float(n), float(length), seconds, self._weight(cell, profile)))
         for profile, rows in groups.items():
             fitted = fit_robust(rows, self.config.huber_k)
             if fitted is not None:
@@ -388,12 +409,23 @@ def _standard_errors(xs: np.ndarray, resid: np.ndarray, weights: np.ndarray, coe
     if np.any(norms == 0):
         return Uncertainty(math.inf, math.inf, math.inf)
     xn = xs / norms  # the three columns differ by orders of magnitude: invert on unit columns
-    info = xn.T @ xn / total * eff  # Fisher information scaled to the effective count
-    try:
-        if np.linalg.cond(info) > 1e12:
-            raise np.linalg.LinAlgError("the points cannot tell the constants apart")
-        cov = s2 * np.linalg.inv(info)
-    except np.linalg.LinAlgError:
+    info = (xn.T @ xn / total * eff).tolist()  # Fisher information scaled to the effective count
+    diag = _inverse_diagonal(info)
+    if diag is None:  # the points cannot tell the constants apart
         return Uncertainty(math.inf, math.inf, math.inf)
-    se = np.sqrt(np.clip(np.diag(cov), 0.0, None)) / norms
+    se = [math.sqrt(max(0.0, s2 * d)) / float(nm) for d, nm in zip(diag, norms)]
     return Uncertainty(*(float(v) for v in se))
+
+
+def _inverse_diagonal(m: list) -> list[float] | None:
+    """The diagonal of the inverse of a symmetric 3x3 matrix, or None when it is (nearly) singular.
+
+    By cofactors in plain Python: numpy's LAPACK call costs milliseconds for a 3x3 on a busy machine.
+    """
+    (a, b, c), (_, e, f), (_, _, i) = m
+    cof = (e * i - f * f, a * i - c * c, a * e - b * b)
+    det = a * cof[0] - b * (b * i - c * f) + c * (b * f - c * e)
+    scale = max(abs(a), abs(e), abs(i), 1e-300) ** 3
+    if not math.isfinite(det) or abs(det) <= 1e-12 * scale:
+        return None
+    return [x / det for x in cof]
