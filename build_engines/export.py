@@ -340,9 +340,14 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
 
 def _compare_with_ort(onnx_path: Path, feeds: dict[str, np.ndarray], out_names: list[str],
                       reference: list[np.ndarray]) -> float:
+    """Max abs difference of ONNX Runtime's outputs from ``reference``; inf where a shape differs."""
     sess = onnxruntime_session(onnx_path)
-    got = sess.run(out_names, feeds)
-    return float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) for g, r in zip(got, reference)))
+    try:
+        got = sess.run(out_names, feeds)
+    except Exception:  # ORT raises its own types; a graph that cannot run these shapes differs without bound
+        return float("inf")
+    return float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) if g.shape == r.shape
+                     else np.inf for g, r in zip(got, reference)))
 
 
 def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
@@ -388,10 +393,23 @@ def factory_import_path(folder: Path | None, module: str = "") -> Iterator[None]
         except ValueError:  # the factory itself edited sys.path; nothing of ours is left to remove
             pass
         for name in set(sys.modules) - before:
-            origin = getattr(sys.modules.get(name), "__file__", None)
-            if origin and Path(origin).resolve().is_relative_to(root):
+            if _imported_from(sys.modules.get(name), name, root):
                 del sys.modules[name]
         sys.modules.update(shadowed)
+
+
+def _imported_from(module: Any, name: str, root: Path) -> bool:
+    """Whether ``module`` (called ``name``) was imported from the folder ``root`` itself.
+
+    Only ``root/a/b.py`` or ``root/a/b/__init__.py`` for ``a.b`` counts: a module found through another
+    import-path entry that happens to lie below ``root`` (a virtual environment inside the project
+    folder, say) is not the recipe's and stays imported.
+    """
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return False
+    base = root.joinpath(*name.split("."))
+    return Path(origin).resolve() in (base.with_name(base.name + ".py"), base / "__init__.py")
 
 
 def load_factory(spec: str, folder: Path | None = None) -> tuple[Callable[[], Any], Path | None]:
@@ -475,14 +493,22 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     if all(a.dim() > 0 and a.shape[0] > 1 for a in args):
         samples.append(tuple(a[:1] for a in args))
     err = 0.0
-    for sample in samples:
+    for k, sample in enumerate(samples):
         with torch.no_grad():
             ref = _as_outputs(torch, module(*sample))
         if len(ref) != len(out_names):
             raise FactoryError(f"the model returns {len(ref)} tensors but the recipe declares {len(out_names)} "
                                f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry")
-        err = max(err, _compare_with_ort(onnx_path, {n: a.numpy() for n, a in zip(in_names, sample)}, out_names,
-                                         [r.numpy() for r in ref]))
+        feeds = {n: a.numpy() for n, a in zip(in_names, sample)}
+        sample_err = _compare_with_ort(onnx_path, feeds, out_names, [r.numpy() for r in ref])
+        # Right at the example's batch size, wrong at another: a shape was baked in (not an op that exports badly).
+        if k and err <= recipe.export.tolerance and not (sample_err <= recipe.export.tolerance):
+            raise FactoryError(
+                f"the exported ONNX matches the source at the example's batch size {args[0].shape[0]} but differs by "
+                f"{sample_err:.3g} (max abs) at batch size {sample[0].shape[0]}: the export baked the batch size in "
+                "(Python control flow on a tensor's shape in forward()). Fix: remove that control flow, or try "
+                "export.dynamo = true")
+        err = max(err, sample_err)
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None

@@ -50,6 +50,9 @@ def bench(url: str, model: str, protocol: str, concurrency: int, requests: int, 
                        warmup=warmup, seed=seed, tokenizer_dir=tokenizer_dir, max_length=max_length,
                        metrics_url=metrics_url, output=output)
     click.echo(format_table([result]))
+    if result.rejected:
+        click.echo(f"{result.rejected} of {result.requests} requests were rejected by a full queue "
+                   "(UNAVAILABLE / 503: the replica shed load; a client retries elsewhere)", err=True)
     if result.errors:
         click.echo(f"{result.errors} of {result.requests} requests failed; first: {result.error_messages[0]}",
                    err=True)

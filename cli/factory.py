@@ -83,6 +83,10 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
         click.echo(f"signed: {res.signature}")
 
 
+class _Interrupted(Exception):
+    """SIGTERM or Ctrl-C arrived while the server was starting."""
+
+
 @click.command()
 @click.argument("repository", type=click.Path(file_okay=False))
 @click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy to verify against.")
@@ -95,40 +99,80 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 @click.option("--gpu-product", metavar="LABEL",
               help="Load only TensorRT plans built on this GPU product (the nvidia.com/gpu.product node label, "
                    "e.g. NVIDIA-H100-80GB-HBM3); others fall back as if absent.")
+@click.option("--admin-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File whose first line is the key of the restricted admin APIs (model repository, shared "
+                   "memory, logging, trace), sent as header 'model-factory-admin-key'. Default: "
+                   "$MODEL_FACTORY_ADMIN_KEY, else a key generated for this run and held by serve alone.")
+@click.option("--watch-interval", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds between checks of the backend stubs (a dead one is healed); 0: no watch.")
 @click.option("--cost-cache", type=click.Path(file_okay=False), default=None, envvar="MODEL_FACTORY_COST_CACHE",
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
                    "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
 @click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
-          metrics_port: int, log_verbose: int, gpu_product: str | None, cost_cache: str | None,
-          no_cost_cache: bool) -> None:
+          metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
+          watch_interval: float, cost_cache: str | None, no_cost_cache: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
+
+    Only this process (and operators holding --admin-key-file) may load, unload or list models:
+    ordinary clients get 403 / UNAVAILABLE from the admin APIs. A model whose backend stub dies
+    is marked not ready, verified again and reloaded. SIGTERM stops taking new requests, lets
+    those in flight finish and exits 0.
 
     \b
     Example:
       model-factory serve --policy policy.toml model_repository
+      model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
     """
-    from model_factory.serve import ServerOptions, default_cost_cache, start_verified_server
+    from model_factory.serve import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
+    from model_factory.supervise import StubWatch
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                         log_verbose=log_verbose, host=host, gpu_product=gpu_product or None)
+                         log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
+                         admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
-    server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None, allow_unsigned,
-                                           cost_cache=cache)
     stop = threading.Event()
+    starting = True
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        if starting:  # unwinds start-up: TritonServer.start stops the server it began
+            raise _Interrupted(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    try:
+        server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
+                                               allow_unsigned, cost_cache=cache)
+        starting = False
+    except _Interrupted as exc:
+        raise click.ClickException(f"interrupted by signal {exc.args[0]} while starting; tritonserver stopped")
+    if stop.is_set():  # a signal between the end of start-up and here
+        server.stop()
+        raise click.ClickException("interrupted while starting; tritonserver stopped")
     click.echo(f"serving {', '.join(report.served)}")
     for name, why in report.refused.items():
         click.echo(f"refused {name}: {why}", err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     click.echo("Ctrl-C to stop.")
-    while not stop.wait(0.5):
-        if server.process is not None and server.process.poll() is not None:
-            raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+    watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True)).start() \
+        if watch_interval > 0 else None
+    try:
+        while not stop.wait(0.5):
+            if server.process is not None and server.process.poll() is not None:
+                raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
+                                           f"{server.log_tail()}")
+    finally:
+        if watch is not None:
+            watch.stop()
+    # New requests refused, those in flight answered, then tritonserver stopped.
+    if not server.drain():
+        click.echo("requests were still in flight when the exit timeout expired", err=True)
     rc = server.stop()
     click.echo(f"tritonserver stopped (exit code {rc})")
+    if rc != 0:
+        raise click.ClickException(f"tritonserver exited with code {rc}:\n{server.log_tail(10)}")
 
 
 @click.command()

@@ -144,7 +144,7 @@ class BenchResult:
     protocol: str
     concurrency: int
     requests: int
-    errors: int
+    errors: int  # failures other than a rejection by a full queue
     seconds: float
     sequences: int
     throughput: float
@@ -166,26 +166,29 @@ class BenchResult:
     real_tokens: int = 0
     error_messages: tuple[str, ...] = ()
     latencies_ms: tuple[float, ...] = field(default=(), repr=False)
+    # Requests the server shed at once (queue full: UNAVAILABLE / 503), counted apart from errors.
+    rejected: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The headline numbers (no raw latencies), for reports."""
         return {k: getattr(self, k) for k in ("label", "protocol", "concurrency", "requests", "errors", "seconds",
                                               "sequences", "throughput", "p50_ms", "p99_ms", "mean_ms",
-                                              "padding_ratio", "padding_source", "mean_batch")}
+                                              "padding_ratio", "padding_source", "mean_batch", "rejected")}
 
 
 def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, label: str = "", protocol: str = "",
               concurrency: int = 1, sequences_per_request: int = 1, real_tokens: int = 0,
-              error_messages: Sequence[str] = ()) -> BenchResult:
+              error_messages: Sequence[str] = (), rejected: int = 0) -> BenchResult:
     """A :class:`BenchResult` from the latencies (seconds) of the requests that succeeded."""
     if seconds <= 0:
         raise ValueError(f"the run must last a positive time, got {seconds}")
-    if errors < 0:
-        raise ValueError(f"errors must be >= 0, got {errors}")
+    if errors < 0 or rejected < 0:
+        raise ValueError(f"errors and rejected must be >= 0, got {errors} and {rejected}")
     ms = tuple(float(x) * 1e3 for x in latencies_s)
     sequences = len(ms) * sequences_per_request
     return BenchResult(
-        label=label, protocol=protocol, concurrency=concurrency, requests=len(ms) + errors, errors=errors,
+        label=label, protocol=protocol, concurrency=concurrency, requests=len(ms) + errors + rejected, errors=errors,
+        rejected=rejected,
         seconds=float(seconds), sequences=sequences, throughput=sequences / seconds,
         p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
         mean_ms=float(sum(ms) / len(ms)) if ms else math.nan, real_tokens=real_tokens,
@@ -218,6 +221,7 @@ def merge_results(results: Sequence[BenchResult], label: str | None = None) -> B
     merged = BenchResult(
         label=first.label if label is None else label, protocol=first.protocol, concurrency=first.concurrency,
         requests=sum(r.requests for r in results), errors=sum(r.errors for r in results), seconds=seconds,
+        rejected=sum(r.rejected for r in results),
         sequences=sequences, throughput=sequences / seconds, p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
         mean_ms=float(sum(ms) / len(ms)) if ms else math.nan, real_tokens=sum(r.real_tokens for r in results),
         error_messages=tuple(m for r in results for m in r.error_messages)[:5], latencies_ms=ms)
@@ -338,10 +342,20 @@ def cost_model_from_metrics(samples: Sequence[Sample], model: str) -> tuple[floa
 # --------------------------------------------------------------------------- load generation
 
 
+# What Triton says when a model's queue is full (default_queue_policy.max_queue_size): a shed request.
+_REJECTED = re.compile(r"exceeds maximum queue size|\[503\]|StatusCode\.UNAVAILABLE", re.IGNORECASE)
+
+
+def is_rejection(exc: BaseException) -> bool:
+    """Whether a failed request was shed by a full queue (retry elsewhere) rather than failed."""
+    return _REJECTED.search(str(exc)) is not None
+
+
 @dataclass
 class _Tally:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
+    rejected: int = 0
     messages: list[str] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -366,6 +380,9 @@ async def drive(send: Callable[[int], Awaitable[Any]], count: int, concurrency: 
             try:
                 await send(i)
             except Exception as exc:  # a failed request is counted, not fatal
+                if is_rejection(exc):
+                    tally.rejected += 1
+                    continue
                 tally.errors += 1
                 if len(tally.messages) < 5:
                     tally.messages.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -478,11 +495,13 @@ def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str
 
     tally, seconds, before, after = asyncio.run(session())
     if not tally.latencies:
-        raise FactoryError(f"every one of the {tally.errors} requests to {model!r} failed; the first: "
+        raise FactoryError(f"every one of the {tally.errors + tally.rejected} requests to {model!r} failed "
+                           f"({tally.rejected} rejected by a full queue); the first error: "
                            f"{tally.messages[0] if tally.messages else 'no message'}")
     real = sum(p.length or 0 for p in payloads)
     result = summarize(tally.latencies, tally.errors, seconds, label=label or model, protocol=protocol,
-                       concurrency=concurrency, real_tokens=real, error_messages=tally.messages)
+                       concurrency=concurrency, real_tokens=real, error_messages=tally.messages,
+                       rejected=tally.rejected)
     if before is not None and after is not None:
         result = with_counters(result, **counter_deltas(before, after, model))
     return result
@@ -507,7 +526,8 @@ def run_bench(url: str, model: str, texts_file: str | Path, *, protocol: str = "
 
 _COLUMNS = (("config", "label", "{}"), ("conc.", "concurrency", "{}"), ("seq/s", "throughput", "{:.1f}"),
             ("p50_ms", "p50_ms", "{:.1f}"), ("p99_ms", "p99_ms", "{:.1f}"), ("padding", "padding_ratio", "{:.3f}"),
-            ("batch", "mean_batch", "{:.2f}"), ("requests", "requests", "{}"), ("errors", "errors", "{}"))
+            ("batch", "mean_batch", "{:.2f}"), ("requests", "requests", "{}"), ("rejected", "rejected", "{}"),
+            ("errors", "errors", "{}"))
 
 
 def _cells(result: BenchResult) -> list[str]:

@@ -23,33 +23,68 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+STAGING_MARK = ".staging-"
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem or kernel cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def remove_stale_staging(parent: Path, name: str) -> None:
+    """Remove what an interrupted :func:`atomic_dir` of ``parent/name`` left (its hidden staging folders).
+
+    Call it only while holding the lock of ``parent/name`` (:mod:`model_factory.locking`): a staging
+    folder of a writer that is still running must not be removed.
+    """
+    for leftover in Path(parent).glob(f".{name}{STAGING_MARK}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 @contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces ``target`` when the block succeeds.
 
-    The temporary folder is a sibling of ``target`` (same filesystem, so the
-    rename is atomic). On error it is removed and ``target`` is untouched. When
-    ``target`` already exists it is moved aside first and deleted only after the
-    new folder is in place.
+    The folder is staged as ``<parent>/.<name>.staging-XXXX/<name>`` (same filesystem, so the final
+    rename is atomic; the staged folder already bears the target's name, so it can be signed before it
+    goes live). On error it is removed and ``target`` is untouched. An existing ``target`` is swapped with
+    the new folder in one step (renameat2 RENAME_EXCHANGE), so a process killed at any instant leaves
+    either the old folder or the new one at ``target``, never neither; where the filesystem cannot
+    exchange, the old folder is moved aside first. Only a hidden staging folder may be left behind
+    (``remove_stale_staging``; tools skip hidden folders at the top of a repository).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    # mkdtemp makes 0700 folders; the output is an ordinary folder (Triton in a container reads it).
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}", dir=target.parent))
+    tmp = staging / target.name
+    tmp.mkdir()
+    # An ordinary folder (mkdtemp makes 0700; Triton in a container reads it).
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    old = None
+    if target.exists() and _exchange(tmp, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old folder
+        return
     if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
+        os.replace(target, staging / (target.name + ".old"))
     os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _umask() -> int:

@@ -47,8 +47,19 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
 
     ``engines`` forces TensorRT engine builds on (True) or off (False); by
     default they are built when the recipe enables them. ``signer`` (a
-    ``model_factory.signing.SignerConfig``) signs the packaged version.
+    ``model_factory.signing.SignerConfig``) signs the packaged version before
+    it goes live. A second build of the same recipe (same work folder) while
+    one runs is refused at once (:mod:`model_factory.locking`).
     """
+    from model_factory.locking import exclusive
+
+    with exclusive(recipe.work_dir, f"a build of {recipe.name}"):
+        return _build(recipe, progress=progress, signer=signer, min_accuracy=min_accuracy, engines=engines,
+                      parameters=parameters)
+
+
+def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
+           engines: bool | None, parameters: dict[str, str] | None) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.repository import package_model
 
@@ -94,16 +105,29 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
     build_info["stage_seconds"] = seconds
-    packaged = _timed(seconds, "package", say, lambda: package_model(
-        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-        parameters=parameters, build_info=build_info))
-    signature = None
+    # The default queue bound needs a cost model: measured here unless the parameters fix one.
+    fixed = bool((parameters or {}).get("cost_model")) or recipe.batching.max_queue_size is not None
+    cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
+    if cost is not None:
+        build_info["queue_cost_model"] = list(cost)
+    sign = None
     if signer is not None:
         from model_factory.signing import sign_model_version
 
-        provenance = provenance_for(recipe, build_info, accuracy, started_on)
-        signature = _timed(seconds, "sign", say, lambda: sign_model_version(
-            packaged.model_dir, recipe.version, signer, provenance=provenance))
+        def sign(staged: Path) -> Path:
+            # Signs the staged model folder before it replaces the old one (package_model).
+            provenance = provenance_for(recipe, build_info, accuracy, started_on)
+            return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
+                                                                           provenance=provenance))
+
+    packaged = _timed(seconds, "package", say, lambda: package_model(
+        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
+        parameters=parameters, build_info=build_info, cost_model=cost, sign=sign))
+    signature = None
+    if signer is not None:
+        from model_factory.signing.layout import signature_path
+
+        signature = signature_path(packaged.model_dir, recipe.version)
     return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines),
                        signature, seconds)
 
@@ -158,4 +182,41 @@ def package_existing(recipe: Recipe) -> Any:
             if meta.is_file():
                 artifacts[meta.name] = meta
     tok = export_dir / "tokenizer"
-    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra)
+    cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
+        if recipe.batching.max_queue_size is None and "model.onnx" in artifacts else None
+    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra,
+                         cost_model=cost)
+
+
+def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:
+    """The cost model ``(a, b, c)`` of the FP32 ONNX on this machine's CPU, for the default queue bound.
+
+    Timed as the backend times its engine at load (the same sweep, one repeat), on ONNX Runtime; None for a
+    model whose inputs are not all ``[batch, sequence]`` integer tensors, or when ONNX Runtime is missing.
+    The backend measures its own engine again at load; this figure only sizes the queue.
+    """
+    try:
+        import numpy as np
+        import onnxruntime  # noqa: F401  (the engine below needs it)
+
+        from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
+        from model_factory.backend.grouping import measure_cost_model
+    except ImportError:
+        return None
+    engine = OnnxRuntimeEngine(Path(onnx_path))
+    try:
+        inputs = engine._session.get_inputs()
+        if not all(i.type in ("tensor(int64)", "tensor(int32)") and len(i.shape) == 2 for i in inputs):
+            return None
+        dtypes = {i.name: np.int64 if i.type == "tensor(int64)" else np.int32 for i in inputs}
+
+        def run(n: int, length: int) -> None:
+            engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()})
+
+        model = measure_cost_model(run, recipe.shapes.sequence_buckets or (recipe.shapes.max_sequence_length,),
+                                   recipe.shapes.max_batch, repeats=1)
+        return (float(model.a), float(model.b), float(model.c))
+    except Exception:  # a model the sweep cannot run: the fallback bound applies
+        return None
+    finally:
+        engine.close()

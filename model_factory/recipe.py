@@ -119,6 +119,15 @@ class BatchingSpec:
     # May requests of different lengths be padded into one launch? Only for a model that ignores padding
     # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
     pad_sequences: bool = True
+    # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
+    # UNAVAILABLE / 503 at once instead of queueing without bound. None: sized at packaging from the
+    # measured cost model to about queue_budget_ms of work (repository.default_queue_size).
+    max_queue_size: int | None = None
+    queue_budget_ms: int = 300
+    queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
+    timeout_action: str = "reject"  # reject | delay (what happens to a request past queue_timeout_us)
+    priority_levels: int = 0  # 0: one priority; else requests carry a priority 1..levels
+    default_priority: int = 0  # the level of a request that names none (with priority_levels)
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,38 @@ def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise _err(where, f"{value!r} is not allowed", f"use one of: {', '.join(choices)}")
     return value
+
+
+def _whole(value: Any, where: str, low: int, fix: str) -> int:
+    _typed(value, where, int, fix)
+    if value < low:
+        raise _err(where, f"must be >= {low}, got {value}", fix)
+    return value
+
+
+def _queue_policy(b: Mapping[str, Any]) -> dict[str, Any]:
+    """The queue-policy keys of ``[batching]``, checked."""
+    size = b.get("max_queue_size", "auto")
+    if size != "auto":
+        size = _whole(size, "batching.max_queue_size", 0,
+                      'give a number of requests (0: unbounded), or "auto" to size it from the cost model')
+    levels = _whole(b.get("priority_levels", 0), "batching.priority_levels", 0,
+                    "give the number of priority levels (0: none)")
+    default = _whole(b.get("default_priority", (levels + 1) // 2 if levels else 0), "batching.default_priority", 0,
+                     "give a level between 1 and priority_levels")
+    if levels and not 1 <= default <= levels:
+        raise _err("batching.default_priority", f"{default} is outside 1..{levels}",
+                   "give a level between 1 and priority_levels")
+    if not levels and "default_priority" in b:
+        raise _err("batching.default_priority", "is set without priority_levels",
+                   "declare priority_levels too, or remove default_priority")
+    return {"max_queue_size": None if size == "auto" else size,
+            "queue_budget_ms": _positive(b.get("queue_budget_ms", 300), "batching.queue_budget_ms"),
+            "queue_timeout_us": _whole(b.get("queue_timeout_us", 0), "batching.queue_timeout_us", 0,
+                                       "give microseconds as a whole number (0: no timeout)"),
+            "timeout_action": _choice(b.get("timeout_action", "reject"), "batching.timeout_action",
+                                      ("reject", "delay")),
+            "priority_levels": levels, "default_priority": default if levels else 0}
 
 
 def _path(value: Any, where: str, base: Path) -> Path:
@@ -548,7 +589,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     b = _take(top.get("batching", {}), "batching",
               {"preferred_batch_sizes", "max_queue_delay_us", "grouping", "ragged", "max_group_tokens",
-               "pad_sequences"})
+               "max_queue_size", "queue_budget_ms", "queue_timeout_us", "timeout_action", "priority_levels",
+               "default_priority", "pad_sequences"})
     pref = b.get("preferred_batch_sizes", [s for s in (8, 16, 32) if s <= max_batch] or [max_batch])
     if not isinstance(pref, list):
         raise _err("batching.preferred_batch_sizes", "expected a list", "e.g. preferred_batch_sizes = [8, 16, 32]")
@@ -568,8 +610,9 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                    f"use 0 (no budget) or at least {max_len}")
     pad = _typed(b.get("pad_sequences", any(s.name == "attention_mask" for s in inputs)), "batching.pad_sequences",
                  bool, "write true (the model ignores padding: it reads an attention mask) or false")
+    queue = _queue_policy(b)
     batching = BatchingSpec(pref, delay, _choice(b.get("grouping", "cost_model"), "batching.grouping", GROUPING_MODES),
-                            bool(b.get("ragged", True)), max_tokens, pad)
+                            bool(b.get("ragged", True)), max_tokens, pad, **queue)
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",

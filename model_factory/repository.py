@@ -23,17 +23,19 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
 from model_factory.errors import FactoryError, require
-from model_factory.fileio import atomic_dir, digest_path
+from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
+from model_factory.locking import exclusive
 from model_factory.recipe import Recipe, TensorSpec, hf_labels, read_hf_config
 
 BACKEND_PACKAGE = "mf_backend"
@@ -96,13 +98,60 @@ def _tensor_dict(spec: TensorSpec, ragged: bool, is_input: bool) -> dict[str, An
     return d
 
 
-def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[str] = ()) -> dict[str, Any]:
+# Without a measured cost model the queue holds this many full batches per instance.
+FALLBACK_QUEUE_BATCHES = 4
+
+
+def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> int:
+    """Requests the model's instances clear in ``batching.queue_budget_ms``: the default queue bound.
+
+    With a cost model ``(a, b, c)`` (seconds; one launch of ``n`` sequences padded to ``L`` takes
+    ``a + b·n·L + c·n·L²``) the rate is that of full batches (``shapes.max_batch``) of the first
+    sequence bucket's length, times the instance count; the queue then holds about the budget's worth
+    of work, and never less than the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches
+    per instance.
+    """
+    n = recipe.shapes.max_batch
+    instances = max(1, recipe.repository.instance_count)
+    if not cost_model:
+        return FALLBACK_QUEUE_BATCHES * n * instances
+    a, b, c = (float(x) for x in cost_model)
+    length = recipe.shapes.sequence_buckets[0] if recipe.shapes.sequence_buckets else recipe.shapes.max_sequence_length
+    seconds = a + b * n * length + c * n * length * length
+    if not seconds > 0:
+        return FALLBACK_QUEUE_BATCHES * n * instances
+    per_second = n / seconds * instances
+    floor = min(recipe.batching.preferred_batch_sizes or (n,))
+    return max(floor, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
+
+
+def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
+    """``dynamic_batching`` fields of the queue policy (and priorities, when the recipe declares them)."""
+    b = recipe.batching
+    policy: dict[str, Any] = {"max_queue_size": queue_size,
+                              "timeout_action": "REJECT" if b.timeout_action == "reject" else "DELAY"}
+    if b.queue_timeout_us:
+        policy["default_timeout_microseconds"] = b.queue_timeout_us
+    out: dict[str, Any] = {"default_queue_policy": policy}
+    if b.priority_levels:
+        out["priority_levels"] = b.priority_levels
+        out["default_priority_level"] = b.default_priority
+    return out
+
+
+def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[str] = (),
+                queue_size: int | None = None) -> dict[str, Any]:
     """The model configuration as a dict in Triton's JSON form (protobuf field names).
 
     With ``labels``, the class outputs (``logits``, ``probabilities``) name :data:`LABELS_FILE` as their
     ``label_filename``, so Triton's classification extension answers ``class_count`` requests.
+    ``queue_size``: the queue bound when the recipe leaves ``batching.max_queue_size`` to "auto"
+    (:func:`default_queue_size`; without it, the fallback bound).
     """
     kind = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}[recipe.repository.instance_kind]
+    size = recipe.batching.max_queue_size
+    if size is None:
+        size = queue_size if queue_size is not None else default_queue_size(recipe, None)
     outputs = []
     for spec in recipe.outputs:
         d = _tensor_dict(spec, False, False)
@@ -121,6 +170,7 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
         "dynamic_batching": {
             "preferred_batch_size": list(recipe.batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": recipe.batching.max_queue_delay_us,
+            **queue_policy_dict(recipe, size),
         },
         "instance_group": [{"count": recipe.repository.instance_count, "kind": kind}],
         "parameters": {k: {"string_value": str(v)} for k, v in sorted(parameters.items())},
@@ -235,6 +285,8 @@ def package_model(
     extra_files: Iterable[Path] = (),
     parameters: Mapping[str, str] | None = None,
     build_info: Mapping[str, Any] | None = None,
+    cost_model: Sequence[float] | None = None,
+    sign: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
     """Write ``<repo>/<model>/`` for ``recipe`` atomically.
 
@@ -269,8 +321,26 @@ def package_model(
     if vocab_size is not None:
         params["vocab_size"] = str(vocab_size)
     params.update(parameters or {})
+    # The queue bound comes from a measured cost model: the build's (``cost_model``), else one the
+    # parameters fix for the backend.
+    if cost_model is None and params.get("cost_model"):
+        try:
+            cost_model = tuple(float(x) for x in params["cost_model"].split(","))
+        except ValueError:
+            cost_model = None
     labels = class_labels(recipe)
-    pbtxt = config_to_pbtxt(config_dict(recipe, params, labels))
+    pbtxt = config_to_pbtxt(config_dict(recipe, params, labels, queue_size=default_queue_size(recipe, cost_model)))
+    # One writer per model at a time (a second is refused), and what a killed one left is cleared first.
+    with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
+        remove_stale_staging(model_dir.parent, model_dir.name)
+        metadata = _stage_model(recipe, model_dir, version, pbtxt, artifacts, tokenizer_dir, extra_files,
+                                build_info, sign, labels)
+    return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
+
+
+def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
+                 tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
+                 sign: Callable[[Path], Any] | None, labels: Sequence[str]) -> dict[str, Any]:
     with atomic_dir(model_dir) as tmp:
         if model_dir.is_dir():
             for entry in model_dir.iterdir():
@@ -313,4 +383,8 @@ def package_model(
             "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-    return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
+        if sign is not None:
+            # Signed while staged (the staged folder bears the model's name): the repository never
+            # holds this version unsigned, even for an instant.
+            sign(tmp)
+    return metadata

@@ -12,12 +12,14 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +43,15 @@ def default_cost_cache() -> Path:
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
+# The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
+# caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
+# memory, or change logging and tracing. Inference, health, metadata and statistics stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+ADMIN_HEADER = "model-factory-admin-key"
+# Over gRPC Triton expects the header under this prefix (Triton 2.51's grpc restricted protocol).
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+ADMIN_KEY_ENV = "MODEL_FACTORY_ADMIN_KEY"
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -57,6 +68,35 @@ class ServerOptions:
     # The GPU product this server runs on (the nvidia.com/gpu.product node label): the backend then
     # loads only TensorRT plans whose metadata says they were built on it. None: any plan.
     gpu_product: str | None = None
+    # The key of the restricted admin APIs: None generates one per run (held by this process only);
+    # an operator's fleet passes its own (admin_key_from). restrict_admin=False opens them (tests only).
+    admin_key: str | None = field(default=None, repr=False)
+    restrict_admin: bool = True
+
+
+def admin_key_from(key_file: Path | None = None, environ: dict[str, str] | None = None) -> str | None:
+    """The operator's admin key: the first line of ``key_file``, else ``$MODEL_FACTORY_ADMIN_KEY``, else None.
+
+    A key must be at least 16 printable characters without spaces, commas, colons or '=' (Triton reads
+    it from its command line as ``<apis>:<header>=<key>``).
+    """
+    env = os.environ if environ is None else environ
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FactoryError(f"cannot read the admin key file {key_file} ({exc}). Fix: write the key on the "
+                               "file's first line (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+                               ) from None
+        key, source = (lines[0].strip() if lines else ""), f"admin key file {key_file}"
+    elif env.get(ADMIN_KEY_ENV):
+        key, source = env[ADMIN_KEY_ENV].strip(), f"${ADMIN_KEY_ENV}"
+    else:
+        return None
+    if len(key) < 16 or not re.fullmatch(r"[A-Za-z0-9_.~+/-]+", key):
+        raise FactoryError(f"the {source} is not a usable key (at least 16 characters of A-Z a-z 0-9 _ . ~ + / -). "
+                           "Fix: generate one with python -c 'import secrets; print(secrets.token_hex(32))'")
+    return key
 
 
 @dataclass(frozen=True)
@@ -95,6 +135,31 @@ def free_ports(count: int, avoid: Sequence[int] = ()) -> list[int]:
         for sock in held:
             sock.close()
     return ports
+
+
+def _bind_to_parent(parent_pid: int):
+    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies, whatever kills it.
+
+    Linux's PR_SET_PDEATHSIG; if the parent is already gone by the time the child runs this, the child
+    exits at once (the signal would never come).
+    """
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux: serve's own signal handling still stops the server
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+def _in_main_thread() -> bool:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked exits: bind only to the main thread's lifetime.
+    return threading.current_thread() is threading.main_thread()
 
 
 # What tritonserver logs when a port it was given cannot be had (taken between our pick and its bind).
@@ -163,6 +228,17 @@ class TritonServer:
         if opts.gpu_product:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         self.work_dir = self._work
+        self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """HTTP headers that open the restricted admin APIs (empty when they are not restricted)."""
+        return {ADMIN_HEADER: self.admin_key} if self.admin_key else {}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """gRPC metadata that opens the restricted admin protocols (empty when they are not restricted)."""
+        return {GRPC_ADMIN_HEADER: self.admin_key} if self.admin_key else {}
 
     @staticmethod
     def _pick_ports(opts: ServerOptions) -> ServerOptions:
@@ -192,6 +268,10 @@ class TritonServer:
                f"--http-address={o.host}", f"--grpc-address={o.host}",
                "--model-control-mode=explicit", f"--exit-timeout-secs={o.exit_timeout_s}",
                f"--log-verbose={o.log_verbose}", "--strict-readiness=true", "--allow-metrics=true"]
+        if self.admin_key:
+            apis = ",".join(RESTRICTED_APIS)
+            cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
         # No --load-model: models are loaded one by one after start, so a model that fails to
         # load is reported with its reason instead of taking the whole server down.
         return cmd + list(o.extra_args)
@@ -201,8 +281,11 @@ class TritonServer:
         install = find_tritonserver(self._work)
         for attempt in (1, 2):
             self._log = self.log_file.open("wb")
+            # Bound to this process from its first instruction: if we die (SIGKILL included, start-up
+            # included) the server gets SIGTERM and shuts down, never left running as an orphan.
             self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env},
-                                            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+                                            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_bind_to_parent(os.getpid()) if _in_main_thread() else None)
             try:
                 self._wait_ready()
                 break
@@ -227,9 +310,40 @@ class TritonServer:
         return self
 
     def load_model(self, name: str) -> str | None:
-        """Ask the server to load one model; return None when it is ready, else the reason."""
-        url = f"http://{self.http_url}/v2/repository/models/{name}/load"
-        req = urllib.request.Request(url, data=b"{}", method="POST")
+        """Ask the server to load (or reload) one model; return None when it is ready, else the reason."""
+        return self._admin_post(f"/v2/repository/models/{name}/load")
+
+    def unload_model(self, name: str) -> str | None:
+        """Ask the server to unload one model; return None when done, else the reason."""
+        return self._admin_post(f"/v2/repository/models/{name}/unload")
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop taking requests and let those in flight finish: unload every served model and wait until
+        none is left loaded (Triton unloads a model once its in-flight requests are answered; new ones are
+        refused at once). Returns True when all drained within ``timeout_s`` (default: the exit timeout).
+
+        Triton's own SIGTERM path waits first for every open HTTP connection (a keep-alive client that keeps
+        sending keeps it waiting) and only then for in-flight requests, out of one exit timeout: draining
+        first is what lets a rolling update lose nothing and still exit 0.
+        """
+        if self.process is None or self.process.poll() is not None:
+            return True
+        for name in self.ready_models:
+            self.unload_model(name)
+        deadline = time.monotonic() + (self.options.exit_timeout_s if timeout_s is None else timeout_s)
+        while time.monotonic() < deadline:
+            try:
+                busy = [m for m in self.model_status() if m.get("state") in ("READY", "UNLOADING", "LOADING")]
+            except (OSError, ValueError):
+                return False
+            if not busy:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _admin_post(self, path: str) -> str | None:
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST",
+                                     headers=self.admin_headers)
         try:
             with urllib.request.urlopen(req, timeout=self.options.startup_timeout_s):
                 return None
@@ -272,7 +386,7 @@ class TritonServer:
     def model_status(self) -> list[dict]:
         """The repository index: name, version, state and reason of every model."""
         url = f"http://{self.http_url}/v2/repository/index"
-        req = urllib.request.Request(url, data=b"{}", method="POST")
+        req = urllib.request.Request(url, data=b"{}", method="POST", headers=self.admin_headers)
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
 
@@ -307,8 +421,9 @@ class TritonServer:
 
 
 def discover_models(repository: Path) -> list[str]:
-    """Model folders in a repository (folders holding a config.pbtxt)."""
-    return sorted(p.name for p in Path(repository).iterdir() if (p / "config.pbtxt").is_file())
+    """Model folders in a repository (folders holding a config.pbtxt; hidden ones, a build's staging, are not)."""
+    return sorted(p.name for p in Path(repository).iterdir()
+                  if (p / "config.pbtxt").is_file() and not p.name.startswith("."))
 
 
 @dataclass(frozen=True)
@@ -366,8 +481,9 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         # The verified digests go to a file outside the repository; the backend checks the bytes it
         # loads against them, so a file swapped after this verification is refused at load.
         digests_file = server.work_dir / "verified-digests.json"
-        digests_file.write_text(json.dumps(_verified_digests(repository, results, trust)))
+        _write_json_atomic(digests_file, _verified_digests(repository, results, trust))
         server.extra_env[VERIFIED_DIGESTS_ENV] = str(digests_file)
+        server.trust, server.digests_file = trust, digests_file
     server.start()
     refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
     return server, ServeReport(tuple(server.ready_models), refused)
@@ -387,3 +503,36 @@ def _verified_digests(repository: Path, results: list, policy: object) -> dict[s
         if r.ok and r.version is not None:
             table.setdefault(r.model, {})[str(r.version)] = signed_digests(repository / r.model, r.version, policy)
     return table
+
+
+def _write_json_atomic(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def reverify_model(server: TritonServer, model: str) -> None:
+    """Verify ``model`` again against the trust policy ``serve`` started with, and make the result the digests
+    the backend checks at its next load. Raises FactoryError (with every reason) when it no longer verifies,
+    and then removes the model from the verified digests, so no load of it can succeed.
+
+    A server started without a policy (``--allow-unsigned``) has nothing to re-verify.
+    """
+    trust = getattr(server, "trust", None)
+    digests_file = getattr(server, "digests_file", None)
+    if trust is None or digests_file is None:
+        return
+    from model_factory.signing import signed_digests
+
+    table = json.loads(Path(digests_file).read_text())
+    versions = sorted(table.get(model, {}))
+    try:
+        if not versions:
+            raise FactoryError(f"{model} was not verified when the server started")
+        fresh = {v: signed_digests(server.repository / model, int(v), trust) for v in versions}
+    except FactoryError:
+        table.pop(model, None)
+        _write_json_atomic(Path(digests_file), table)
+        raise
+    table[model] = fresh
+    _write_json_atomic(Path(digests_file), table)

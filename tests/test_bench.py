@@ -224,6 +224,25 @@ def test_payloads_tokenized_with_the_model_tokenizer() -> None:
         bench.load_tokenizer(ROOT, 128)
 
 
+def test_rejections_by_a_full_queue_are_counted_apart_from_errors() -> None:
+    async def send(i: int) -> None:
+        if i % 4 == 0:
+            raise RuntimeError("[503] Exceeds maximum queue size")  # Triton's answer when the queue is full
+        if i % 4 == 1:
+            raise RuntimeError("[StatusCode.UNAVAILABLE] Exceeds maximum queue size")
+        if i == 2:
+            raise RuntimeError("[400] bad input")
+
+    tally, seconds = asyncio.run(bench.drive(send, 12, 3))
+    assert (tally.rejected, tally.errors, len(tally.latencies)) == (6, 1, 5)
+    assert tally.messages == ["RuntimeError: [400] bad input"]
+    r = bench.summarize(tally.latencies, tally.errors, seconds, rejected=tally.rejected)
+    assert (r.requests, r.errors, r.rejected) == (12, 1, 6) and r.as_dict()["rejected"] == 6
+    merged = bench.merge_results([r, r])
+    assert (merged.requests, merged.rejected, merged.errors) == (24, 12, 2)
+    assert not bench.is_rejection(RuntimeError("[500] Stub process 'minilm_0_0' is not healthy."))
+
+
 def test_format_table_text_and_markdown() -> None:
     r = bench.with_counters(bench.summarize([0.01, 0.03], 0, 0.5, label="minilm", concurrency=8),
                             computed_tokens=22, served_tokens=20, inferences=2, executions=1)
@@ -231,7 +250,8 @@ def test_format_table_text_and_markdown() -> None:
     text = bench.format_table([r, none])
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["config", "conc.", "seq/s"]
-    assert lines[1].split() == ["minilm", "8", "4.0", "20.0", "29.8", "1.100", "2.00", "2", "0"]
+    assert lines[1].split() == ["minilm", "8", "4.0", "20.0", "29.8", "1.100", "2.00", "2", "0", "0"]
+    assert lines[0].split()[-2:] == ["rejected", "errors"]
     assert lines[2].split()[5:7] == ["n/a", "n/a"]
     md = bench.format_table([r], markdown=True).splitlines()
     assert md[0].startswith("| config |") and md[1].startswith("| --- |") and "| 1.100 |" in md[2]

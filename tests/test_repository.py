@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir
-from model_factory.repository import (config_dict, config_parameters, config_to_pbtxt, package_model, parse_config,
-                                      read_config)
+from model_factory.repository import (FALLBACK_QUEUE_BATCHES, config_dict, config_parameters, config_to_pbtxt,
+                                      default_queue_size, package_model, parse_config, read_config)
 
 
 def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
@@ -33,6 +34,47 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
     from google.protobuf import text_format
 
     assert text_format.MessageToString(cfg) == text
+
+
+def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm_recipe) -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    max_batch = minilm_recipe.shapes.max_batch
+    # 1 ms + 10 µs per token: a full batch of the first bucket's length takes a + b·n·L seconds.
+    length = minilm_recipe.shapes.sequence_buckets[0]
+    seconds = 0.001 + 1e-5 * max_batch * length
+    size = default_queue_size(minilm_recipe, (0.001, 1e-5, 0.0))
+    smallest = min(minilm_recipe.batching.preferred_batch_sizes)
+    assert size == max(smallest, math.ceil(max_batch / seconds * minilm_recipe.batching.queue_budget_ms / 1000.0))
+    faster = default_queue_size(minilm_recipe, (0.001, 1e-7, 0.0))
+    assert faster > size  # a faster instance clears more in the same budget
+    assert default_queue_size(minilm_recipe, (10.0, 0.0, 0.0)) == smallest  # never below the smallest batch
+    assert default_queue_size(minilm_recipe, None) == FALLBACK_QUEUE_BATCHES * max_batch
+    two = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=2))
+    assert default_queue_size(two, (0.001, 1e-5, 0.0)) >= 2 * size - 1
+
+    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=size)))
+    policy = cfg.dynamic_batching.default_queue_policy
+    assert policy.max_queue_size == size and policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
+    assert cfg.dynamic_batching.priority_levels == 0
+
+    declared = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=7,
+                                                       queue_timeout_us=50_000, timeout_action="delay",
+                                                       priority_levels=3, default_priority=2))
+    cfg = parse_config(config_to_pbtxt(config_dict(declared, {}, queue_size=size)))
+    policy = cfg.dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (7, 50_000)
+    assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.DELAY
+    assert (cfg.dynamic_batching.priority_levels, cfg.dynamic_batching.default_priority_level) == (3, 2)
+
+
+def test_package_sizes_the_queue_from_a_cost_model_it_is_given(minilm_recipe, tmp_path: Path) -> None:
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"not read")
+    res = package_model(recipe, {"model.onnx": onnx}, parameters={"cost_model": "0.001,1e-7,0"})
+    assert read_config(res.model_dir).dynamic_batching.default_queue_policy.max_queue_size == \
+        default_queue_size(recipe, (0.001, 1e-7, 0.0))
 
 
 def test_invalid_config_is_refused() -> None:
@@ -93,7 +135,8 @@ def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe
                                                "model.int8.onnx": tmp_path / "absent.onnx"})
     assert (repo / "minilm" / "config.pbtxt").read_text() == before
     assert not (repo / "minilm" / "3").exists()
-    assert sorted(p.name for p in repo.iterdir()) == ["minilm"]
+    # Nothing half-written: the model and the (hidden, kernel-released) lock file of its writers only.
+    assert sorted(p.name for p in repo.iterdir()) == [".minilm.lock", "minilm"]
 
 
 def _backend_settings(model_dir: Path):

@@ -73,7 +73,9 @@ def _load_signer(signer: SignerConfig) -> _LoadedSigner:
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write a sibling temporary file, then rename: a reader never sees half a bundle."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # The temporary file sits one level up (the repository's top, where plain files are not models and
+    # are ignored): one left by a killed signer never lands inside the signed model folder.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.parent.name}.{path.name}.", suffix=".tmp", dir=path.parent.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -88,7 +90,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _sign_loaded(model_dir: Path, version: int, signer: _LoadedSigner,
                  provenance: BuildProvenance | None) -> Path:
+    from model_factory.locking import exclusive
+
     model_dir = Path(model_dir)
+    # One writer per model: a package or another signing of it at the same time is refused.
+    with exclusive(model_dir, f"packaging or signing of {model_dir.name}"):
+        return _sign_locked(model_dir, version, signer, provenance)
+
+
+def _sign_locked(model_dir: Path, version: int, signer: _LoadedSigner,
+                 provenance: BuildProvenance | None) -> Path:
     version_dir = model_dir / str(version)
     if version_dir.is_symlink() or not version_dir.is_dir():
         raise FactoryError(f"{version_dir} is not a version folder. Fix: sign an existing version of "
@@ -143,7 +154,8 @@ def sign_repository(repo: Path, signer: SignerConfig, provenance: dict | None = 
     loaded = _load_signer(signer)
     build = _provenance(provenance)
     paths = []
-    models = sorted(p for p in repo.iterdir() if p.is_dir() or p.is_symlink())
+    # Hidden folders (a build's staging, .git) are not models.
+    models = sorted(p for p in repo.iterdir() if (p.is_dir() or p.is_symlink()) and not p.name.startswith("."))
     for model_dir in models:
         if model_dir.is_symlink():
             raise FactoryError(f"model folder {model_dir} is a symlink. Fix: move the model into the repository")

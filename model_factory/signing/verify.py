@@ -239,7 +239,9 @@ def verify_repository(repo: Path, policy: TrustPolicy) -> list[VerificationResul
 
     A model folder without any version, or that is a symlink, gives one
     failed result with ``version=None``. Plain files at the top of the
-    repository are ignored, as Triton ignores them.
+    repository are ignored, as Triton ignores them, and so are hidden folders
+    (``.<model>.staging-*`` of an interrupted build, ``.git``): ``serve``
+    never loads them.
     """
     repo = Path(repo)
     if not repo.is_dir():
@@ -253,8 +255,8 @@ def verify_repository(repo: Path, policy: TrustPolicy) -> list[VerificationResul
                 f"model folder {entry.name} is a symlink; symlinks are never trusted. "
                 "Fix: move the model into the repository",), None, 0))
             continue
-        if not entry.is_dir(follow_symlinks=False):
-            continue
+        if not entry.is_dir(follow_symlinks=False) or entry.name.startswith("."):
+            continue  # plain files and hidden folders (a build's staging, .git) are not models
         model_dir = Path(entry.path)
         try:
             found = layout.model_entries(model_dir)

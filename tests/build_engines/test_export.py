@@ -151,6 +151,19 @@ def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path
     finally:
         sys.path.remove(str(other))
         sys.modules.pop("user_cnn_factory", None)
+    # A recipe folder that holds an import-path entry of its own (a virtual environment in the project,
+    # say): what is imported through that entry is not the recipe's and stays imported.
+    (folder / "venv_lib" / "vendored_dep_xyz").mkdir(parents=True)
+    (folder / "venv_lib" / "vendored_dep_xyz" / "__init__.py").write_text("VALUE = 1\n")
+    (folder / "user_cnn_factory.py").write_text("import vendored_dep_xyz\n" + FACTORY_WITH_SIBLING)
+    sys.path.append(str(folder / "venv_lib"))
+    try:
+        export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder))
+        assert "vendored_dep_xyz" in sys.modules and "user_cnn_factory" not in sys.modules
+    finally:
+        sys.path.remove(str(folder / "venv_lib"))
+        sys.modules.pop("vendored_dep_xyz", None)
+    (folder / "user_cnn_factory.py").write_text(FACTORY_WITH_SIBLING)
     # The module's own missing dependency is named as such, not as a missing factory module.
     (folder / "cnn_layers.py").write_text("import not_installed_dep_xyz\n")
     with pytest.raises(FactoryError, match="importing 'user_cnn_factory' failed.*pip install the package that "
@@ -263,7 +276,9 @@ def test_trace_that_bakes_a_shape_in_fails_with_the_fix(tmp_path: Path, monkeypa
 
     name = write_factory(tmp_path, monkeypatch)
     recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
-    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
+    # The ONNX export bakes the branch in too; it is now checked at a second batch size and fails first.
+    with pytest.raises(FactoryError, match="matches the source at the example's batch size 3 but differs by .* at "
+                                           "batch size 1: the export baked the batch size in .* Fix: remove"):
         export_model(recipe)
     assert not (recipe.work_dir / "export").exists()
 
@@ -299,3 +314,21 @@ def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert f"no module 'tiny_cnn' beside the recipe ({tmp_path}) or installed. Fix: put tiny_cnn.py beside the " \
            "recipe" in result.output
+
+
+def test_torchscript_check_catches_a_baked_shape_on_its_own(tmp_path: Path, monkeypatch) -> None:
+    """The trace's own check (kept for exports whose ONNX graph did not bake the shape in)."""
+    import importlib
+
+    import torch
+    from tiny_torch_models import encoder_recipe, write_factory
+
+    from model_factory.build_engines.export import _save_torchscript
+
+    name = write_factory(tmp_path, monkeypatch)
+    module, example = importlib.import_module(name).make_branchy()
+    args = (example["input_ids"], example["attention_mask"])
+    recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
+    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
+        _save_torchscript(torch, module, [args, tuple(a[:1] for a in args)], tmp_path,
+                          ["input_ids", "attention_mask"], ["last_hidden_state", "embedding"], recipe, lambda _m: None)

@@ -1,0 +1,208 @@
+"""Watch the Python-backend stubs of a served repository and heal a model whose stub died.
+
+Triton 2.51 does not notice a dead stub on its own: after a ``SIGKILL`` of
+``triton_python_backend_stub`` every request fails with ``Stub process ... is not
+healthy`` while ``/v2/models/<m>/ready`` still answers 200, so a load balancer keeps
+routing to a dead replica. :class:`StubWatch` looks at the server's child processes
+(one stub per model instance, named on its command line by the model's ``model.py``);
+when a model has fewer live stubs than it had once loaded it
+
+1. unloads the model through the restricted repository API, so readiness turns false
+   at once (in-flight requests already got their error from Triton);
+2. verifies the model again against the trust policy ``serve`` started with
+   (:func:`model_factory.serve.reverify_model`): the restarted stub loads only bytes
+   that verify, and a model that no longer verifies stays unloaded;
+3. loads it again and records how long the model was down (:class:`Recovery`).
+
+Linux only (``/proc``); elsewhere :func:`stub_processes` finds nothing and nothing is healed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from model_factory.errors import FactoryError
+
+STUB_NAME = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    """A live Python-backend stub: its pid and the model folder it serves."""
+
+    pid: int
+    model: str
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One heal: which model, when its dead stub was seen, and how it ended."""
+
+    model: str
+    detected_at: float  # time.monotonic()
+    seconds: float  # from detection to ready again (or to giving up)
+    ok: bool
+    reason: str = ""
+
+
+def _proc_children(parent: int, proc: Path) -> list[tuple[int, str, list[str]]]:
+    out = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone between the listing and the read
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == parent:
+            out.append((int(entry.name), fields[0], [c.decode(errors="replace") for c in cmdline if c]))
+    return out
+
+
+def stub_processes(server_pid: int, repository: Path, proc: Path = Path("/proc")) -> list[StubProcess]:
+    """Live (not zombie) stubs started by ``server_pid`` for models of ``repository``.
+
+    The stub's first argument is the path of the model's ``model.py``
+    (``<repository>/<model>/<version>/model.py``); a stub killed but not reaped by
+    Triton stays as a zombie, with no command line, and is not counted.
+    """
+    repository = Path(repository).resolve()
+    if not proc.is_dir():
+        return []
+    stubs = []
+    for pid, state, argv in _proc_children(server_pid, proc):
+        if state == "Z" or len(argv) < 2 or Path(argv[0]).name != STUB_NAME:
+            continue
+        model_py = Path(argv[1])
+        try:
+            rel = model_py.resolve().relative_to(repository)
+        except ValueError:
+            continue
+        if len(rel.parts) >= 2:
+            stubs.append(StubProcess(pid, rel.parts[0]))
+    return stubs
+
+
+def stub_counts(server_pid: int, repository: Path, proc: Path = Path("/proc")) -> dict[str, int]:
+    """Live stubs per model."""
+    counts: dict[str, int] = {}
+    for stub in stub_processes(server_pid, repository, proc):
+        counts[stub.model] = counts.get(stub.model, 0) + 1
+    return counts
+
+
+class StubWatch:
+    """A thread that polls the stubs of ``models`` every ``interval_s`` and heals a model whose stub died.
+
+    ``server`` is a started :class:`model_factory.serve.TritonServer` (its admin key opens the
+    repository API). ``echo`` reports each heal. Use as a context manager or call start()/stop().
+    """
+
+    def __init__(self, server: object, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
+                 echo: Callable[[str], None] | None = None, proc: Path = Path("/proc")) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self.echo = echo or (lambda _msg: None)
+        self.proc = proc
+        self.recoveries: list[Recovery] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # What "healthy" means: the stubs each model had once loaded.
+        self.expected = {m: n for m, n in self._counts().items() if m in set(models)}
+        self.healing: str | None = None
+
+    def _counts(self) -> dict[str, int]:
+        process = getattr(self.server, "process", None)
+        if process is None or process.poll() is not None:
+            return {}
+        return stub_counts(process.pid, self.server.repository, self.proc)
+
+    def check(self) -> list[Recovery]:
+        """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
+        done = []
+        counts = self._counts()
+        if not counts and not self.expected:
+            return done
+        for model, want in list(self.expected.items()):
+            if self._stop.is_set():
+                break
+            if counts.get(model, 0) < want:
+                done.append(self.heal(model))
+        return done
+
+    def heal(self, model: str) -> Recovery:
+        """Unload ``model`` (not ready from now on), verify it again, load it again."""
+        from model_factory.serve import reverify_model
+
+        start = time.monotonic()
+        self.healing = model
+        self.echo(f"model {model}: its backend stub died; unloading, re-verifying and reloading it")
+        try:
+            error = self.server.unload_model(model)
+            if error:
+                return self._done(model, start, False, f"unload failed: {error}")
+            try:
+                reverify_model(self.server, model)
+            except FactoryError as exc:
+                return self._done(model, start, False, f"no longer verifies, left unloaded: {exc}")
+            error = self.server.load_model(model)
+            if error:
+                return self._done(model, start, False, f"reload failed: {error}")
+            return self._done(model, start, True)
+        finally:
+            self.healing = None
+
+    def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
+        rec = Recovery(model, start, time.monotonic() - start, ok, reason)
+        self.recoveries.append(rec)
+        if ok:
+            self.echo(f"model {model}: ready again after {rec.seconds:.1f} s")
+        else:
+            self.echo(f"model {model}: not healed ({reason})")
+            self.expected.pop(model, None)  # nothing more to watch: it stays unloaded
+        return rec
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check()
+            except OSError as exc:  # /proc or the server's port went away: report, keep watching
+                self.echo(f"stub watch: {exc}")
+
+    def start(self) -> "StubWatch":
+        self._thread = threading.Thread(target=self._run, name="mf-stub-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(self.interval_s * 2, 1.0) + 60)
+
+    def __enter__(self) -> "StubWatch":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state != "Z"
