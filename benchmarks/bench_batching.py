@@ -89,10 +89,13 @@ class Setup:
     engine: str = "onnxruntime"  # the backend's engine parameter: onnxruntime | torch
     source: Path | None = None  # a Hugging Face folder instead of the recipe's packaged MiniLM
     random_weights: bool = False  # fresh seeded weights for the source's architecture
+    name: str | None = None  # the RESULTS.md section to write (default: by kind and engine)
 
     @property
     def section(self) -> str:
         """The RESULTS.md section this run writes (the CPU run keeps its historical name)."""
+        if self.name:
+            return self.name
         return "batching" if (self.kind, self.engine) == ("cpu", "onnxruntime") else f"batching-{self.kind}-{self.engine}"
 
     @property
@@ -735,10 +738,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a Hugging Face folder to serve instead of the packaged MiniLM")
     ap.add_argument("--random-weights", action="store_true",
                     help="give --source's architecture fresh seeded weights (only its config and tokenizer needed)")
+    ap.add_argument("--section", default=None,
+                    help="RESULTS.md section (markers <!-- NAME:start/end -->) to write instead of the default one")
     args = ap.parse_args(argv)
     if args.random_weights and args.source is None:
         ap.error("--random-weights needs --source (a folder with config.json and the tokenizer files)")
-    setup = Setup(args.kind, args.engine, args.source, args.random_weights)
+    setup = Setup(args.kind, args.engine, args.source, args.random_weights, args.section)
     if setup.engine == "torch" and setup.kind == "gpu":
         # Before anything imports torch here: the bare replay then runs on the same cudaMallocAsync
         # allocator as the served engine (torch fixes its allocator backend at import).
