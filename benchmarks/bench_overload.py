@@ -11,12 +11,14 @@ backend, packaged twice, each on its own server in this one process:
             work), ``REJECT`` past it: an overloaded replica answers 503 / UNAVAILABLE at once;
 (unbounded) ``max_queue_size = 0``: Triton queues every request (the behaviour before this policy).
 
-Requests are one sequence each, drawn with a fixed seed from ``benchmarks/texts.txt`` and sent as
-token ids over gRPC by ``model-factory bench``'s load generator (closed loop: a rejected client sends
-its next request at once, so the rejected share is of attempts). First the unloaded p99 (concurrency 1)
-and the concurrency the replica can serve (the smallest of a sweep reaching 90% of the best
-throughput) are measured on (policy); then both configurations run at 4x that concurrency, in
-alternating order over rounds. The section between ``<!-- overload:start -->`` and
+Requests are one sequence each, drawn with a fixed seed from ``benchmarks/texts.txt``. First the
+unloaded p99 (concurrency 1) and the concurrency the replica can serve (the smallest of a sweep reaching
+90% of the best throughput) are measured on (policy) with ``model-factory bench``'s load generator (token
+ids, gRPC). Then both configurations run for the same wall time at 4x that concurrency (and at twice
+the queue bound, when 4x still fits in it), in alternating order over rounds, with the soak's load loop
+(:func:`model_factory.soak.run_soak`: text and token ids alternating, rejections counted apart from
+errors; closed loop, where a rejected client waits one unloaded p50 before its next request, as one
+that retried on another replica would be away; the rejected share is of attempts). The section between ``<!-- overload:start -->`` and
 ``<!-- overload:end -->`` of benchmarks/RESULTS.md is replaced.
 """
 
@@ -35,7 +37,19 @@ from typing import Any, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from model_factory import bench  # noqa: E402
+from model_factory import bench, soak  # noqa: E402
+
+
+def accepted(r: "soak.SoakReport") -> int:
+    return r.requests - r.rejected - r.errors
+
+
+def merge(reports: "list[soak.SoakReport]") -> "soak.SoakReport":
+    """Rounds of one configuration pooled: totals add up, percentiles over all latencies."""
+    return soak.SoakReport(sum(r.seconds for r in reports), sum(r.requests for r in reports),
+                           sum(r.errors for r in reports), sum(r.rejected for r in reports),
+                           [m for r in reports for m in r.error_messages][:5], [], [],
+                           latencies_ms=[x for r in reports for x in r.latencies_ms])
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
@@ -73,15 +87,16 @@ def run(server: Any, payloads: Sequence[bench.Payload], concurrency: int, label:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=600, help="measured requests per overload run")
+    ap.add_argument("--seconds", type=float, default=20.0, help="length of each overload run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backoff-s", type=float, default=1.0, help="retry back-off of a rejected client (policy+backoff)")
     ap.add_argument("--sweep", default="1,2,4,8,16,32", help="concurrencies tried to find what the replica serves")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.rounds, args.sweep, args.no_write = 120, 1, "4,16", True
+        args.seconds, args.rounds, args.sweep, args.no_write = 5.0, 1, "4,16", True
 
     from model_factory.serve import ServerOptions, TritonServer
 
@@ -92,13 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"queue bound from the measured cost model {cost}: {size} requests")
         tok = bench.load_tokenizer(exported.tokenizer_dir, 128)
         texts = bench.load_texts(HERE / "texts.txt")
-        stream = bench.make_payloads(bench.draw_texts(texts, max(args.requests, 200), seed=0), tok)
+        stream = bench.make_payloads(bench.draw_texts(texts, 600, seed=0), tok)
         servers = {}
         try:
             for label, repo in repos.items():
                 say(f"start {label}")
                 servers[label] = TritonServer(repo, ["minilm"], ServerOptions(0, 0, 0, exit_timeout_s=30)).start()
-            unloaded = run(servers["policy"], stream[:100 if not args.quick else 40], 1, "unloaded", 8)
+            unloaded = run(servers["policy"], stream[:200 if not args.quick else 40], 1, "unloaded", 8)
             say(f"unloaded p99 {unloaded.p99_ms:.1f} ms")
             sweep = {}
             for c in (int(x) for x in args.sweep.split(",")):
@@ -107,26 +122,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = max(r.throughput for r in sweep.values())
             serves = min(c for c, r in sweep.items() if r.throughput >= 0.9 * best)
             overload = 4 * serves
-            rounds: dict[str, list[bench.BenchResult]] = {"policy": [], "unbounded": []}
+            # 4x what the replica serves; and, when that still fits the bound, twice the bound in flight.
+            levels = sorted({overload, max(overload, 2 * size)})
+            # A rejected client retries elsewhere: away from this replica for about one unloaded request
+            # (policy), or for a client's retry back-off of --backoff-s (policy+backoff).
+            pauses = {"policy": unloaded.p50_ms / 1e3, "policy+backoff": args.backoff_s, "unbounded": 0.0}
+            rounds: dict[tuple[str, int], list[soak.SoakReport]] = {}
             for i in range(args.rounds):
-                order = ("policy", "unbounded") if i % 2 == 0 else ("unbounded", "policy")
-                for label in order:
-                    r = run(servers[label], stream[:args.requests], overload, label, overload)
-                    rounds[label].append(r)
-                    say(f"round {i + 1} {label} at {overload}: {r.throughput:.1f} seq/s, p99 {r.p99_ms:.0f} ms, "
-                        f"rejected {r.rejected}/{r.requests}, errors {r.errors}")
+                order = list(pauses) if i % 2 == 0 else list(reversed(pauses))
+                for level in levels:
+                    for label in order:
+                        # The same wall time for all: rejections return at once, so a count of requests
+                        # would leave (policy) with a handful of accepted ones.
+                        srv = servers["unbounded" if label == "unbounded" else "policy"]
+                        r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
+                                          concurrency=level, seconds=args.seconds, sample_s=3600,
+                                          reject_pause_s=pauses[label])
+                        rounds.setdefault((label, level), []).append(r)
+                        say(f"round {i + 1} {label} at {level}: {accepted(r) / r.seconds:.1f} seq/s accepted, "
+                            f"p99 {r.p99_ms:.0f} ms, rejected {r.rejected}/{r.requests}, errors {r.errors}")
         finally:
             for s in servers.values():
                 s.stop()
-        merged = {k: bench.merge_results(v) for k, v in rounds.items()}
+        merged = {k: merge(v) for k, v in rounds.items()}
 
-    rows = ["| config | queue bound | seq/s (accepted) | p50 ms | p99 ms (accepted) | p99 / unloaded p99 | "
-            "rejected share | errors |", "|" + " --- |" * 8]
-    for label, r in merged.items():
-        bound = f"{size} requests" if label == "policy" else "none (0)"
+    rows = ["| in flight | config | queue bound | seq/s (accepted) | p50 ms | p99 ms (accepted) | "
+            "p99 / unloaded p99 | rejected share | errors |", "|" + " --- |" * 9]
+    for (label, level), r in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        bound = "none (0)" if label == "unbounded" else f"{size} requests"
         share = r.rejected / r.requests if r.requests else 0.0
-        rows.append(f"| {label} | {bound} | {r.throughput:.1f} | {r.p50_ms:.0f} | {r.p99_ms:.0f} | "
-                    f"{r.p99_ms / unloaded.p99_ms:.1f}x | {share:.1%} | {r.errors} |")
+        rows.append(f"| {level} | {label} | {bound} | {accepted(r) / r.seconds:.1f} | {r.p50_ms:.0f} | "
+                    f"{r.p99_ms:.0f} | {r.p99_ms / unloaded.p99_ms:.1f}x | {share:.1%} | {r.errors} |")
     sweep_txt = ", ".join(f"c={c}: {r.throughput:.1f} seq/s" for c, r in sweep.items())
     section = "\n".join([
         START, "## Overload: a bounded queue sheds at once (benchmarks/bench_overload.py)", "",
@@ -135,10 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ONNX on ONNX Runtime CPU, one instance, gRPC, token ids of real-text lengths, closed loop.", "",
         f"- Unloaded (concurrency 1): p50 {unloaded.p50_ms:.1f} ms, p99 {unloaded.p99_ms:.1f} ms.",
         f"- What the replica serves: {sweep_txt}; the smallest within 90% of the best is **{serves}**, "
-        f"so overload is **{overload}** in flight.",
+        f"so overload is **{overload}** in flight (4x); a second level, {levels[-1]} in flight, is twice the queue "
+        "bound, where the bound must act.",
         f"- Queue bound of (policy): {size} requests, from the cost model measured at packaging "
         f"(a, b, c = {', '.join(f'{x:.3g}' for x in cost) if cost else 'n/a'} s) and a 300 ms budget.",
-        f"- {args.rounds} rounds of {args.requests} requests per configuration, alternating order.", "",
+        f"- {args.rounds} rounds of {args.seconds:.0f} s per configuration and level, alternating order, text and "
+        "token ids alternating (the soak's load loop). A rejected client waits before its next request, as one "
+        f"that retried on another replica: one unloaded p50 in (policy), {args.backoff_s:g} s (a client's "
+        "retry back-off) in (policy+backoff). The rejected share is of attempts. Client and server share "
+        "these 2 cores: every rejection the client makes and the server answers takes CPU from the model.", "",
         *rows, "",
         "Rejected requests are answered 503 / UNAVAILABLE without waiting (counted by `model-factory bench` "
         "apart from errors); a client or load balancer retries them on another replica.", END])

@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_checks.py            # from the repository root
     python3 benchmarks/gpu_checks.py prepare    # HERE (CPU machine): the Triton check's model and references
     python3 benchmarks/gpu_checks.py triton     # THERE: 256 concurrent requests through the real Triton
+    python3 benchmarks/gpu_checks.py accept     # THERE: the packaged acceptance data through the GPU engine
 
 The ``triton`` check is driven by ``gpu_checks.sh`` after
 ``benchmarks/prepare_gpu_wheels.sh`` has put what it needs into ``.whl/`` (see
@@ -323,6 +324,9 @@ def main() -> int:
 #          HTTP/JSON (stdlib only), checking each answer against its reference.
 
 TRITON_MODEL = "tiny"
+# The same tiny model served by ONNX Runtime's CUDA provider (engine=onnxruntime on a KIND_GPU instance).
+ORT_MODEL = "tiny-ort"
+ENGINES = {TRITON_MODEL: "torch", ORT_MODEL: "onnxruntime"}
 TRITON_REQUESTS = 256
 TORCHSCRIPT = "model.torchscript.pt"
 
@@ -362,6 +366,8 @@ def prepare_main(out: Path) -> int:
 
     recipe = parse_recipe({
         "model": {"name": TRITON_MODEL, "version": 1},
+        # Acceptance data (golden inputs and FP32 outputs) from real texts, for `model-factory accept` there.
+        "quantization": {"heldout_data": str(ROOT / "benchmarks" / "texts.txt")},
         "source": {"kind": "huggingface", "path": str(src)},
         "embedding": {"pooling": "mean", "normalize": True, "text_input": False},
         "export": {"torchscript": True},
@@ -377,9 +383,16 @@ def prepare_main(out: Path) -> int:
                                                                         path=out / "model_repository"))
     if exported.torchscript_path is None:
         raise RuntimeError("the export made no model.torchscript.pt")
+    from model_factory.build_engines.golden import write_acceptance_data
+
+    golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir, work / "acceptance")
     # engine=torch, not auto: a torch that cannot serve on the GPU must fail the load loudly here.
     package_model(recipe, {"model.onnx": exported.onnx_path, TORCHSCRIPT: exported.torchscript_path},
-                  parameters={"engine": "torch"})
+                  parameters={"engine": "torch"}, acceptance_dir=golden)
+    # The same model for ONNX Runtime's CUDA provider (checked only where onnxruntime-gpu is installed).
+    ort_recipe = dataclasses.replace(recipe, name=ORT_MODEL)
+    package_model(ort_recipe, {"model.onnx": exported.onnx_path}, parameters={"engine": "onnxruntime"},
+                  acceptance_dir=golden)
 
     tok = bench.load_tokenizer(minilm, 128)
     texts = bench.draw_texts(bench.load_texts(ROOT / "benchmarks" / "texts.txt"), TRITON_REQUESTS, seed=5)
@@ -425,6 +438,19 @@ def _post_json(url: str, body: dict, timeout: float) -> tuple[int, dict]:
             return e.code, {}
 
 
+def _check_served(server, repo: Path, model: str = TRITON_MODEL) -> list[str]:
+    """From the server log and metadata.json: the model's GPU engine served, on CUDA, with no fallback."""
+    if ENGINES[model] == "onnxruntime":
+        log = Path(server.log_file).read_text(errors="replace")
+        problems = []
+        if f"{model} serves fp32 on onnxruntime (model.onnx) on cuda:" not in log:
+            problems.append("the server log does not say the model loaded on ONNX Runtime CUDA (cuda:<id>)")
+        if "serving on the CPU" in log:
+            problems.append("the server log shows a CPU fallback")
+        return problems
+    return _check_torch_served(server, repo)
+
+
 def _check_torch_served(server, repo: Path) -> list[str]:
     """From the server log and metadata.json: the torch engine served, on CUDA, with no fallback."""
     import json
@@ -438,17 +464,21 @@ def _check_torch_served(server, repo: Path) -> list[str]:
              if "model-factory backend:" in ln or "model-factory torch engine" in ln]
     for ln in lines:
         print(f"log: {ln[:240]}", flush=True)
-    if f"{TRITON_MODEL} on torch ({TORCHSCRIPT})" not in log:
+    if f"{TRITON_MODEL} serves fp32 on torch ({TORCHSCRIPT})" not in log:  # model.py's load line
         problems.append("the server log does not say the model loaded on the torch engine")
     if "TorchScript on cuda:" not in log:
         problems.append("the server log does not say the torch engine runs on CUDA")
-    if "on onnxruntime (" in log or "with ONNX Runtime instead" in log:
+    if "on onnxruntime (" in log or "serving on the CPU" in log:
         problems.append("the server log shows the model on ONNX Runtime (a fallback), not torch")
     return problems
 
 
-def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
-    """Start the real Triton on ``repo`` and check 256 concurrent mixed-length requests (GPU machine)."""
+def triton_main(repo: Path, refs_path: Path, log_dir: Path | None, model: str = TRITON_MODEL) -> int:
+    """Start the real Triton on ``repo`` and check 256 concurrent mixed-length requests (GPU machine).
+
+    ``model``: ``tiny`` (torch engine) or ``tiny-ort`` (ONNX Runtime CUDA), the same weights.
+    """
+    TRITON_MODEL = model  # noqa: N806 - the rest of this check names the model it serves so
     import threading
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
@@ -472,7 +502,7 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
     # torch engine's own host-side check.)
     bad = n // 2
 
-    log = (log_dir / "triton_gpu.log") if log_dir else None
+    log = (log_dir / f"triton_gpu_{model}.log") if log_dir else None
     start = time.perf_counter()
     server = TritonServer(repo, [TRITON_MODEL], ServerOptions(0, 0, 0, startup_timeout_s=240), log_file=log).start()
     try:
@@ -481,7 +511,7 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
         if server.load_errors:
             print(server.log_tail(60))
             return 1
-        problems += _check_torch_served(server, repo)
+        problems += _check_served(server, repo, model)
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{TRITON_MODEL}/config", timeout=10) as r:
             import json
 
@@ -569,17 +599,45 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None) -> int:
     return 1 if problems else 0
 
 
+def accept_main(repo: Path, model: str) -> int:
+    """``model-factory accept`` on the GPU machine, through the library (no click/rich needed there).
+
+    The model's acceptance data (golden inputs and FP32 outputs, Polygraphy JSON) runs through the engine
+    the backend would load on this machine for its KIND_GPU instance; it must pass and run on CUDA.
+    """
+    import json
+
+    from model_factory.acceptance import accept_model
+
+    result = accept_model(repo / model)
+    print(json.dumps(result.to_dict(), indent=1), flush=True)
+    problems = []
+    if not result.passed:
+        problems.append(f"acceptance failed: {result.reason}")
+    if result.engine != ENGINES[model] or not str(result.device).startswith("cuda"):
+        problems.append(f"served by {result.where}, expected {ENGINES[model]} on cuda")
+    for p in problems:
+        print(f"FAIL {p}", flush=True)
+    print(f"accept {model}: {'FAILED' if problems else 'PASS'} ({result.where}, {result.metric} "
+          f"{result.score} >= {result.threshold})", flush=True)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="GPU checks (default: the backend's CUDA parts)")
-    ap.add_argument("mode", nargs="?", choices=("cuda", "prepare", "triton"), default="cuda")
+    ap.add_argument("mode", nargs="?", choices=("cuda", "prepare", "triton", "accept"), default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / ".whl" / "gpu_triton",
                     help="prepare: where the packaged repository and references go")
     ap.add_argument("--log-dir", type=Path, default=None, help="triton: where the server log goes")
+    ap.add_argument("--model", choices=sorted(ENGINES), default=TRITON_MODEL,
+                    help="triton, accept: tiny (torch engine) or tiny-ort (ONNX Runtime CUDA)")
     args = ap.parse_args()
     if args.mode == "prepare":
         sys.exit(prepare_main(args.out))
+    if args.mode == "accept":
+        sys.exit(accept_main(args.out / "model_repository", args.model))
     if args.mode == "triton":
-        sys.exit(triton_main(args.out / "model_repository", args.out / "refs.npz", args.log_dir))
+        sys.exit(triton_main(args.out / "model_repository", args.out / "refs.npz", args.log_dir, args.model))
     sys.exit(main())

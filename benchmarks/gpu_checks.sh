@@ -11,6 +11,12 @@
 # check needs .whl/ from benchmarks/prepare_gpu_wheels.sh (run on a CPU machine first):
 #
 #   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"], timeout_s 560
+#
+# Sections: the backend's CUDA checks; the gpu-marked unit tests; Triton with 256 requests on the torch
+# engine; `accept` on the torch engine (the packaged golden inputs, needs .whl/polygraphy-*.whl); ONNX
+# Runtime CUDA (engine test, accept, Triton with engine=onnxruntime) when onnxruntime-gpu was staged
+# (ORT_GPU=1 benchmarks/prepare_gpu_wheels.sh: .whl-ort/part-NN carried one per call first); the GPU
+# batching benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +69,10 @@ triton_env() {
     if [ -n "$TC_WHL" ]; then  # the batching benchmark's client (pure Python)
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TC_WHL"
     fi
+    PG_WHL=$(ls .whl/polygraphy-*.whl 2>/dev/null | head -1)
+    if [ -n "$PG_WHL" ]; then  # reads the acceptance data (pure Python, no dependencies)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$PG_WHL"
+    fi
     "$T/venv/bin/python" -c 'import numpy, onnxruntime; print("stub python: numpy", numpy.__version__, "onnxruntime", onnxruntime.__version__)'
     # The Triton bundle keeps the wheel's layout, so the binaries' RUNPATHs find nvidia_pytriton.libs.
     tar -xJf "$BUNDLE" -C "$T"
@@ -103,6 +113,56 @@ if [ "$TRITON_OK" -eq 1 ] && [ -f .whl/gpu_triton/refs.npz ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 else
     echo "SKIP no Triton set up, or .whl/gpu_triton/refs.npz is missing (prepare_gpu_wheels.sh)" | tee -a "$LOG"
+fi
+
+section "accept on the GPU: the packaged golden inputs through the torch engine (gpu_checks.py accept)"
+if [ "$TRITON_OK" -eq 1 ] && ls .whl/polygraphy-*.whl >/dev/null 2>&1; then
+    in_triton_env timeout 120 "$T/venv/bin/python" benchmarks/gpu_checks.py accept --model tiny --out .whl/gpu_triton \
+        2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+else
+    echo "SKIP no Triton set up, or .whl/ lacks the polygraphy wheel (prepare_gpu_wheels.sh)" | tee -a "$LOG"
+fi
+
+# ============================================================================
+# ONNX Runtime CUDA: the engine's GPU test, accept, and the 256-request Triton check with engine=onnxruntime.
+# Needs onnxruntime-gpu 1.31.1 (cp312), which is staged: prepare_gpu_wheels.sh with ORT_GPU=1 cuts it into
+# .whl-ort/part-NN carried one per call (see there); here the parts are joined and checked against
+# .whl/ort-gpu.sha256, and installed into a venv of its own over the Triton one, in front of the image's
+# CPU onnxruntime (the two wheels must never share an environment). Its CUDA/cuDNN libraries come from the
+# nvidia-* wheels torch cu130 brought (onnxruntime.preload_dlls).
+# ============================================================================
+section "ONNX Runtime CUDA: engine test, accept and the Triton check (engine=onnxruntime, tiny-ort)"
+ORT_OK=0
+if [ "$TRITON_OK" -eq 1 ] && [ -f .whl/ort-gpu.sha256 ] && ls .whl-ort/part-* >/dev/null 2>&1; then
+    ORT_NAME=$(awk '{print $2}' .whl/ort-gpu.sha256)
+    cat .whl-ort/part-* > ".whl-ort/$ORT_NAME"
+    if (cd .whl-ort && sha256sum --check --strict --quiet ../.whl/ort-gpu.sha256) 2>&1 | tee -a "$LOG"; then
+        "$PY" -m venv --system-site-packages --without-pip "$T/venv-ort"
+        ORT_SITE=$("$T/venv-ort/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        SITE_DIR=$("$T/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        # The Triton venv's site (numpy 1.26.4, tritonclient, polygraphy) first, then onnxruntime-gpu over it.
+        cp -r "$SITE_DIR"/. "$ORT_SITE"/ 2>/dev/null || true
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$ORT_SITE" ".whl-ort/$ORT_NAME" \
+            2>&1 | tee -a "$LOG" && ORT_OK=1
+    else
+        echo "FAIL the joined onnxruntime-gpu wheel does not match .whl/ort-gpu.sha256 (a part missing?)" | tee -a "$LOG"
+        rc=1
+    fi
+else
+    echo "SKIP onnxruntime-gpu is not staged here (prepare_gpu_wheels.sh with ORT_GPU=1, parts carried one per call)" \
+        | tee -a "$LOG"
+fi
+if [ "$ORT_OK" -eq 1 ]; then
+    PYTHONPATH="$PWD" timeout 300 "$T/venv-ort/bin/python" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/backend/test_onnxruntime_cuda_engine.py 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 120 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py accept \
+        --model tiny-ort --out .whl/gpu_triton 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py triton \
+        --model tiny-ort --out .whl/gpu_triton --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
 # ============================================================================

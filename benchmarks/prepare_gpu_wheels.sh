@@ -150,6 +150,35 @@ for name in keep:
 print(f"{dest}: {sorted(p.name for p in dest.iterdir())}")
 PYEOF
 
+echo "== polygraphy (pure Python, no dependencies): model-factory accept reads the acceptance data with it"
+if ls "$W"/polygraphy-0.53.*.whl >/dev/null 2>&1; then
+    echo "already there"
+else
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$W" "polygraphy>=0.53,<0.54"
+fi
+ls -l "$W"/polygraphy-*.whl
+
+# onnxruntime-gpu (the ONNX Runtime CUDA checks of gpu_checks.sh): its cp312 wheel is 255 MB and cannot travel
+# in one 64 MiB call. With ORT_GPU=1 it is downloaded into .whl-ort/ (git-ignored, NOT under .whl) and cut
+# into 56 MiB parts, carried one per call on a warm machine (a carried path replaces only itself there;
+# what earlier calls left stays until the machine goes back), then .whl/ort-gpu.sha256 lets gpu_checks.sh
+# join and check them:
+#   device run: command "true", carry [".whl-ort/part-00"]   ... one call per part, then
+#   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"]
+# Untested so far: no session has had the device time for it (each start and call counts).
+if [ "${ORT_GPU:-0}" = 1 ]; then
+    echo "== onnxruntime-gpu 1.31.1 for Python 3.12, staged in 56 MiB parts"
+    mkdir -p .whl-ort
+    if ! ls .whl-ort/onnxruntime_gpu-1.31.1-cp312-*.whl >/dev/null 2>&1; then
+        "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d .whl-ort onnxruntime-gpu==1.31.1
+    fi
+    ORT_WHL=$(ls .whl-ort/onnxruntime_gpu-1.31.1-cp312-*.whl | head -1)
+    rm -f .whl-ort/part-*
+    split -b 56M -d "$ORT_WHL" .whl-ort/part-
+    (cd .whl-ort && sha256sum "$(basename "$ORT_WHL")") > "$W/ort-gpu.sha256"
+    ls -l .whl-ort/part-* "$W/ort-gpu.sha256"
+fi
+
 echo "== budget: what a device call carries (working tree + .whl) must stay under 64 MiB"
 TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
 WHL=$(du -sb "$W" | cut -f1)

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from model_factory.build_engines.calibration import Feeds, batches
-from model_factory.errors import FactoryError, require
+from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_file
 
 REPORT_NAME = "accuracy.json"
@@ -42,6 +42,9 @@ class AccuracyGateError(FactoryError):
         super().__init__(message)
         self.report = report
         self.report_path = report_path
+
+    def __reduce__(self):  # noqa: ANN204 - pickled whole: the build runs the quantize stage in a child process
+        return (type(self), (str(self), self.report, self.report_path))
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class AccuracyReport:
             lines.append(f"gate: min_accuracy {self.min_accuracy:g} -> " + ("passed" if self.passed else "FAILED"))
         for line in lines:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
-        return console.export_text().rstrip()
+        return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
 
 
 METRIC_LABELS = {"cosine": "mean cos", "top1": "top-1 agree", "token_top1": "token top-1",
@@ -202,15 +205,7 @@ def ort_session(path: Path, simulate_qdq: bool = False) -> Any:
     """
     from model_factory.build_engines.export import onnxruntime_session
 
-    if not simulate_qdq:
-        return onnxruntime_session(path)
-    ort = require("onnxruntime", "onnx")
-    if hasattr(ort, "disable_telemetry_events"):  # as onnxruntime_session does: we are air-gapped
-        ort.disable_telemetry_events()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    return onnxruntime_session(path, basic_optimizations=simulate_qdq)
 
 
 def primary_output(task: str, output_names: Sequence[str]) -> str:
@@ -342,13 +337,14 @@ class Evaluator:
         return PrecisionAccuracy(precision, metric, score, max_abs, self.samples, min_cos, extra=more, **extra)
 
 
-def check_gate(report: AccuracyReport, report_path: Path) -> None:
-    """Raise :class:`AccuracyGateError` with the rendered report when a precision misses the gate."""
+def check_gate(report: AccuracyReport, report_path: Path, details: str = "") -> None:
+    """Raise :class:`AccuracyGateError` with the rendered report (and ``details``) when a precision misses the gate."""
     if report.passed:
         return
     worst = ", ".join(f"{r.precision} {r.gate_score:.5f}" for r in report.failures)
+    where = f"{details}\n" if details else ""
     raise AccuracyGateError(
         f"accuracy gate failed: {worst} below quantization.min_accuracy {report.min_accuracy:g} "
-        f"(report: {report_path}).\n{report.render()}\nFix: enable quantization.mixed_precision, try "
+        f"(report: {report_path}).\n{report.render()}\n{where}Fix: enable quantization.mixed_precision, try "
         "quantization.method = \"percentile\" or \"entropy\", give more representative calibration data, or drop "
         "the failing precision from the recipe", report, report_path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -132,7 +133,12 @@ def _read_txt(path: Path, what: str) -> list[str]:
 
 def _read_jsonl(path: Path, what: str) -> list[str | tuple[str, str]]:
     samples: list[str | tuple[str, str]] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise FactoryError(f"{what}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}). Fix: save it as "
+                           "UTF-8") from exc
+    for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -140,6 +146,9 @@ def _read_jsonl(path: Path, what: str) -> list[str | tuple[str, str]]:
         except json.JSONDecodeError as exc:
             raise FactoryError(f"{what}: {path} line {n} is not JSON ({exc.msg}). Fix: write one JSON object "
                                "per line, e.g. {\"text\": \"...\"}") from exc
+        except RecursionError:
+            raise FactoryError(f"{what}: {path} line {n} nests JSON too deeply. Fix: write one flat JSON object "
+                               "per line, e.g. {\"text\": \"...\"}") from None
         obj = obj if isinstance(obj, dict) else {}
         if "query" in obj or "passage" in obj:
             q, p = obj.get("query"), obj.get("passage")
@@ -165,7 +174,7 @@ def _read_npz(path: Path, digest: str, what: str) -> Samples:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k]) for k in z.files}
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # a truncated or forged zip too
         raise FactoryError(f"{what}: cannot read {path} as .npz ({exc}). Fix: save it with "
                            "numpy.savez(path, input_ids=..., attention_mask=...)") from exc
     if not arrays:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import io
 import json
+import logging
 import os
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -23,9 +24,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
+from model_factory.memory import release_memory
+from model_factory.progress import heartbeat
 from model_factory.recipe import Recipe, TensorSpec, onnx_tensor_specs
+
+# From this many parameters on, a recipe that does not choose gets torch's dynamo exporter (see _torch_export).
+DYNAMO_MIN_PARAMETERS = 32_000_000
 
 SAMPLE_TEXTS = (
     "A man is playing a guitar on the street.",
@@ -56,8 +63,12 @@ class ExportResult:
     torchscript_max_abs_error: float | None = None
 
 
-def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped)."""
+def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_optimizations: bool = False) -> Any:
+    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped).
+
+    ``model`` is a file or a serialized ModelProto; ``basic_optimizations`` stops at ORT's basic graph
+    optimizations (Q/DQ nodes stay float arithmetic, see :func:`accuracy.ort_session`).
+    """
     ort = require("onnxruntime", "onnx")
     # ORT 1.32 resolves a telemetry host during inference unless told not to.
     if hasattr(ort, "disable_telemetry_events"):
@@ -66,7 +77,10 @@ def onnxruntime_session(path: Path, threads: int | None = None) -> Any:
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    if basic_optimizations:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    source = bytes(model) if isinstance(model, (bytes, bytearray)) else str(model)
+    return ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
@@ -118,6 +132,14 @@ def _check_tolerance(err: float, recipe: Recipe) -> None:
             "or raise export.tolerance if this difference is acceptable")
 
 
+def _encoder_inputs(input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> dict[str, Any]:
+    """The keyword arguments of an HF encoder's forward(): ``token_type_ids`` only when the graph has it."""
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if token_type_ids is not None:
+        kwargs["token_type_ids"] = token_type_ids
+    return kwargs
+
+
 def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
     """Wrap an HF encoder so one graph returns ``last_hidden_state`` and a pooled ``embedding``."""
     torch = require("torch", "export")
@@ -128,9 +150,7 @@ def _embedding_module(model: Any, pooling: str, normalize: bool) -> Any:
             self.model = model
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids
+            kwargs = _encoder_inputs(input_ids, attention_mask, token_type_ids)
             hidden = self.model(**kwargs).last_hidden_state
             if pooling == "cls":
                 emb = hidden[:, 0]
@@ -169,9 +189,7 @@ def _head_module(model: Any, task: str, probabilities: bool) -> Any:
             self.model = model
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):  # noqa: ANN001
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids
+            kwargs = _encoder_inputs(input_ids, attention_mask, token_type_ids)
             logits = self.model(**kwargs).logits
             if task == "reranker":
                 return logits[:, :1]
@@ -199,8 +217,9 @@ def _load_hf(transformers: Any, src: Path, task: str) -> tuple[Any, Any]:
     if task in AUTO_CLASSES and missing:
         # transformers would initialise them at random: the served head would be noise.
         raise FactoryError(f"recipe field 'model.task': the weights in {src} lack {len(missing)} tensor(s) of the "
-                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head "
-                           f"({cls_name}.save_pretrained), or set task = \"embedding\"")
+                           f"{task} head ({', '.join(missing[:3])}). Fix: save the trained model with its head (the "
+                           "save_pretrained() of the model with the head writes its weights), or set "
+                           "task = \"embedding\"")
     return tok, model.eval()
 
 
@@ -240,22 +259,27 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
         args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
     onnx_path = tmp / "model.onnx"
+    # The check runs at the traced shape and at another batch size and length: dynamic axes must hold.
+    # The source's outputs are computed first, so the torch model can go before ONNX Runtime loads its copy.
+    single = _hf_samples(tok, task, samples[2:3], max_len)
+    single_args = [single["input_ids"], single["attention_mask"]]
+    if use_tti:
+        single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
+    checks = [(dict(zip(in_names, (a.numpy() for a in sample))), _reference(torch, wrapper, sample))
+              for sample in (args, single_args)]
     say(f"exporting to ONNX ({task}: {', '.join(out_names)})")
     dyn = {n: {0: "batch", 1: "sequence"} for n in in_names}
     for spec in recipe.outputs:
         if spec.name in out_names:
             dyn[spec.name] = {0: "batch", 1: "sequence"} if spec.dims and spec.dims[0] == -1 else {0: "batch"}
-    _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe)
-    # Check at the traced shape and at another batch size and length: dynamic axes must hold.
-    single = _hf_samples(tok, task, samples[2:3], max_len)
-    single_args = [single["input_ids"], single["attention_mask"]]
-    if use_tti:
-        single_args.append(single.get("token_type_ids", torch.zeros_like(single["input_ids"])))
-    err = 0.0
-    for sample in (args, single_args):
-        with torch.no_grad():
-            ref = [t.numpy() for t in _as_outputs(torch, wrapper(*sample))]
-        err = max(err, _compare_with_ort(onnx_path, dict(zip(in_names, (a.numpy() for a in sample))), out_names, ref))
+    with heartbeat(say, "exporting to ONNX", every=15.0):  # minutes for a large model: say it is alive
+        opset = _torch_export(torch, wrapper, tuple(args), onnx_path, in_names, out_names, dyn, recipe, say)
+    if not recipe.export.torchscript:
+        # The torch model is done with: free it before ONNX Runtime loads its own copy of the weights.
+        del wrapper, hf
+        release_memory()
+    onnx_files.normalize(onnx_path)
+    err = max(_compare_with_ort(onnx_path, checks, out_names))
     say(f"max abs error vs torch: {err:.3g}")
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
@@ -264,23 +288,90 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
                                             out_names, recipe, say)
     tok_dir = tmp / "tokenizer"
     tok.save_pretrained(str(tok_dir))
-    return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), recipe.export.opset,
+    return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 
+def use_dynamo(recipe: Recipe, parameters: int) -> bool:
+    """The exporter for a model of ``parameters`` parameters: the recipe's choice, else by size."""
+    if recipe.export.dynamo is not None:
+        return recipe.export.dynamo
+    return parameters >= DYNAMO_MIN_PARAMETERS
+
+
 def _torch_export(torch: Any, module: Any, args: tuple, path: Path, in_names: list[str], out_names: list[str],
-                  dynamic_axes: dict[str, dict[int, str]], recipe: Recipe) -> None:
+                  dynamic_axes: dict[str, dict[int, str]], recipe: Recipe, say: Callable[[str], None] = lambda _m: None
+                  ) -> int:
+    """Export ``module`` to ``path``; returns the opset written.
+
+    The TorchScript exporter holds the model, its constant-folded weights and the serialized proto at
+    once (about four copies of the weights at its peak); the dynamo exporter references the module's
+    tensors and streams them into the external-data file (measured: 3.2 vs 0.5 copies beyond the model,
+    BERT 53M). A recipe that leaves ``export.dynamo`` unset gets the dynamo exporter from
+    :data:`DYNAMO_MIN_PARAMETERS` parameters on (at opset 18 at least, which it needs).
+    """
+    parameters = sum(p.numel() for p in module.parameters())
+    dynamo = use_dynamo(recipe, parameters)
+    opset = max(recipe.export.opset, 18) if dynamo and recipe.export.dynamo is None else recipe.export.opset
+    if dynamo and recipe.export.dynamo is None:
+        say(f"{parameters / 1e6:.0f}M parameters: exporting with torch's dynamo exporter (opset {opset}), which "
+            "streams the weights")
     try:
         # The tracer warns about every Python-level branch in transformers' code; the exported
-        # graph is checked numerically against the source below, which is what decides.
-        with torch.no_grad(), warnings.catch_warnings():
+        # graph is checked numerically against the source below, which is what decides. The dynamo
+        # exporter prints its progress on stdout: kept out of the build's output.
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
-                              dynamic_axes=dynamic_axes, opset_version=recipe.export.opset,
-                              dynamo=recipe.export.dynamo, do_constant_folding=True)
+            if dynamo:
+                # Its registry warns about torchvision ops it cannot find (torchvision is not a dependency).
+                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+                # Output names are set afterwards: given to the dynamo exporter, a name that is also an
+                # internal value's ("embedding") is defined twice and ONNX Runtime refuses the model.
+                torch.onnx.export(module, args, str(path), input_names=in_names, opset_version=opset, dynamo=True,
+                                  external_data=True,
+                                  dynamic_axes={k: v for k, v in dynamic_axes.items() if k in in_names})
+            else:
+                torch.onnx.export(module, args, str(path), input_names=in_names, output_names=out_names,
+                                  dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
+                                  do_constant_folding=True)
     except Exception as exc:  # torch raises many types here; all mean "this model did not export"
+        other = "false" if dynamo else "true"
         raise FactoryError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}. Fix: check the model's "
-                           "forward() runs on the example inputs, or try export.dynamo = true") from exc
+                           f"forward() runs on the example inputs, or try export.dynamo = {other}") from exc
+    if dynamo:
+        _name_outputs(path, out_names)
+    return opset
+
+
+def _name_outputs(path: Path, out_names: list[str]) -> None:
+    """Give the graph's outputs ``out_names`` (in order), renaming any internal value that holds one first."""
+    model = onnx_files.load_graph(path)
+    graph = model.graph
+    current = [o.name for o in graph.output]
+    if len(current) != len(out_names):
+        raise FactoryError(f"the exported graph has {len(current)} outputs but the recipe declares {len(out_names)} "
+                           f"{out_names}. Fix: make forward() return one tensor per [[outputs]] entry")
+    renames = {}
+    taken = ({x for n in graph.node for x in (*n.input, *n.output)} | {i.name for i in graph.initializer}
+             | {i.name for i in graph.input} | {v.name for v in graph.value_info})
+    for old, new in zip(current, out_names):
+        if old != new and new in taken:
+            renames[new] = f"{new}__internal"
+    renames.update({old: new for old, new in zip(current, out_names) if old != new})
+    if not renames:
+        return
+
+    def fix(names: Any) -> None:
+        for i, name in enumerate(names):
+            if name in renames:
+                names[i] = renames[name]
+
+    for node in graph.node:
+        fix(node.input)
+        fix(node.output)
+    for value in (*graph.output, *graph.value_info, *graph.initializer):
+        value.name = renames.get(value.name, value.name)
+    path.write_bytes(model.SerializeToString())  # the graph only: its weights stay in the data file
 
 
 def _as_outputs(torch: Any, value: Any) -> list[Any]:
@@ -338,16 +429,28 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
     return path, err
 
 
-def _compare_with_ort(onnx_path: Path, feeds: dict[str, np.ndarray], out_names: list[str],
-                      reference: list[np.ndarray]) -> float:
-    """Max abs difference of ONNX Runtime's outputs from ``reference``; inf where a shape differs."""
+def _reference(torch: Any, module: Any, sample: Any) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*sample)
+    return [t.numpy() for t in _as_outputs(torch, out)]
+
+
+def _compare_with_ort(onnx_path: Path, checks: list[tuple[dict[str, np.ndarray], list[np.ndarray]]],
+                      out_names: list[str]) -> list[float]:
+    """Per ``(feeds, reference)`` check, the max abs difference of ONNX Runtime's outputs from the reference;
+    inf where a shape differs or the graph cannot run. One session serves every check."""
     sess = onnxruntime_session(onnx_path)
-    try:
-        got = sess.run(out_names, feeds)
-    except Exception:  # ORT raises its own types; a graph that cannot run these shapes differs without bound
-        return float("inf")
-    return float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) if g.shape == r.shape
-                     else np.inf for g, r in zip(got, reference)))
+    errors = []
+    for feeds, reference in checks:
+        try:
+            got = sess.run(out_names, feeds)
+        except Exception:  # ORT raises its own types; a graph that cannot run these shapes differs without bound
+            errors.append(float("inf"))
+            continue
+        errors.append(float(max(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))) if g.shape == r.shape
+                                else np.inf for g, r in zip(got, reference))))
+    del sess
+    return errors
 
 
 def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
@@ -487,20 +590,26 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     onnx_path = tmp / "model.onnx"
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
-    _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe)
+    opset = _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe, say)
     samples = [args]
     # A second batch size, as the HF export checks a second shape: the dynamic batch axis must hold.
     if all(a.dim() > 0 and a.shape[0] > 1 for a in args):
         samples.append(tuple(a[:1] for a in args))
-    err = 0.0
-    for k, sample in enumerate(samples):
-        with torch.no_grad():
-            ref = _as_outputs(torch, module(*sample))
+    checks = []
+    for sample in samples:
+        ref = _reference(torch, module, sample)
         if len(ref) != len(out_names):
             raise FactoryError(f"the model returns {len(ref)} tensors but the recipe declares {len(out_names)} "
                                f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry")
-        feeds = {n: a.numpy() for n, a in zip(in_names, sample)}
-        sample_err = _compare_with_ort(onnx_path, feeds, out_names, [r.numpy() for r in ref])
+        checks.append(({n: a.numpy() for n, a in zip(in_names, sample)}, ref))
+    if not recipe.export.torchscript:
+        # The torch model is done with: free it before ONNX Runtime loads its own copy of the weights.
+        del module, example
+        release_memory()
+    onnx_files.normalize(onnx_path)
+    err = 0.0
+    for k, sample_err in enumerate(_compare_with_ort(onnx_path, checks, out_names)):
+        sample = samples[k]
         # Right at the example's batch size, wrong at another: a shape was baked in (not an op that exports badly).
         if k and err <= recipe.export.tolerance and not (sample_err <= recipe.export.tolerance):
             raise FactoryError(
@@ -515,7 +624,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     if recipe.export.torchscript:
         ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
     digest = digest_path(mod_file) if mod_file else hashlib.sha256(factory.encode()).hexdigest()
-    return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, recipe.export.opset,
+    return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
 
 
@@ -534,15 +643,13 @@ def _check_example_inputs(recipe: Recipe, example: dict[str, Any]) -> None:
 
 
 def check_onnx_file(path: Path) -> Any:
-    """Load and check an ONNX file; a broken one is a FactoryError naming the problem."""
-    onnx = require("onnx", "onnx")
-    try:
-        model = onnx.load(str(path))
-        onnx.checker.check_model(model)
-    except Exception as exc:  # onnx raises DecodeError, ValidationError, ...: all mean "broken file"
-        raise FactoryError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {str(exc)[:300]}). "
-                           "Fix: re-export it, or point the recipe at the right file") from exc
-    return model
+    """Check an ONNX file (and its external data); return its graph, weights left in their data file.
+
+    A broken file is a FactoryError naming the problem. The returned model is graph-only where the
+    file has external data (see :mod:`~model_factory.build_engines.onnx_files`).
+    """
+    onnx_files.check(path)
+    return onnx_files.load_graph(path)
 
 
 def check_declared_specs(recipe: Recipe, path: Path) -> None:
@@ -583,7 +690,9 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
                            "match the graph's tensor names")
     check_declared_specs(recipe, src)
     onnx_path = tmp / "model.onnx"
-    shutil.copyfile(src, onnx_path)
+    # Weights stream from the source's data files (if any) into this folder's layout, one tensor at a time.
+    onnx_files.save(model, onnx_path, base_dir=Path(src).parent, consume=True)
+    del model
     # No source framework to compare with: run it once on zeros to prove it executes.
     feeds = {}
     for s in recipe.inputs:

@@ -74,10 +74,13 @@ from model_factory.build_engines.export import ExportResult, check_onnx_file, on
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError, InternalError, require
 from model_factory.fileio import atomic_dir
+from model_factory.memory import release_memory
+from model_factory.build_engines import onnx_files
 from model_factory.progress import Steps
 from model_factory.recipe import Recipe
 
 DEFAULT_TARGET = 0.99
+DEPARTURES_NAME = "departures.json"  # where a failing precision first departs from FP32, per layer
 QUANTIZABLE_OPS = ("MatMul", "Gemm", "Conv")
 # Kept in float32 inside FP16 models: normalisations and reductions accumulate over many values.
 FP16_FLOAT_OPS = ("LayerNormalization", "ReduceSum", "ReduceMean", "ReduceL2", "ReduceSumSquare", "Pow", "Sqrt",
@@ -86,6 +89,9 @@ PERCENTILE = 99.99
 HIST_BINS = 2048
 CALIB_BATCH = 8
 SEARCH_SAMPLES = 16
+# A reranker's search scores rankings per query: 16 pairs are only four queries of four passages, too few
+# to tell a node that flips a ranking from one that does not. Pairs are short and cheap to score.
+SEARCH_SAMPLES_RERANKER = 64
 # The search never sees the held-out set, so it aims a little above the gate: a fifth of the way from the
 # target to a perfect score (0.99 -> 0.992). Without it a search that just crosses 0.99 on 16 samples
 # passes or fails the held-out gate by chance.
@@ -196,7 +202,7 @@ def _node_names(model: Any) -> None:
 # --------------------------------------------------------------------------- calibration
 
 
-def _with_outputs(model: Any, tensors: Iterable[str]) -> bytes:
+def _with_outputs(model: Any, tensors: Iterable[str]) -> Any:
     onnx = require("onnx", "onnx")
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -204,13 +210,18 @@ def _with_outputs(model: Any, tensors: Iterable[str]) -> bytes:
     for t in tensors:
         if t not in existing:
             m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
-    return m.SerializeToString()
+    return m
+
+
+def _save_beside(model: Any, path: Path) -> None:
+    """Write a graph-only working model whose weights stay in the data file already linked beside ``path``."""
+    path.write_bytes(model.SerializeToString())
 
 
 def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None],
                steps: Steps | None = None) -> None:
     path = work / "calibrate.onnx"
-    path.write_bytes(_with_outputs(model, tensors))
+    _save_beside(_with_outputs(model, tensors), path)
     sess = onnxruntime_session(path)
     for batch in batches(feeds, CALIB_BATCH):
         for name, value in zip(tensors, sess.run(tensors, batch)):
@@ -300,9 +311,11 @@ class QdqBuilder:
     Quantized weights are computed once; a variant costs a graph copy.
     """
 
-    def __init__(self, model: Any, candidates: Sequence[Candidate], amax: Mapping[str, float]) -> None:
+    def __init__(self, model: Any, candidates: Sequence[Candidate], amax: Mapping[str, float],
+                 base_dir: Path | None = None) -> None:
         self.onnx = require("onnx", "onnx")
         self.model = model
+        self.base_dir = Path(base_dir) if base_dir is not None else Path(".")  # where external weights live
         self.candidates = {c.node: c for c in candidates}
         self.amax = dict(amax)
         self._weights: dict[str, tuple[Any, Any, Any]] = {}
@@ -314,7 +327,7 @@ class QdqBuilder:
         key = f"{c.weight}|{c.weight_axis}"
         if key not in self._weights:
             numpy_helper = self.onnx.numpy_helper
-            w = numpy_helper.to_array(_initializers(self.model)[c.weight]).astype(np.float32)
+            w = onnx_files.tensor_array(_initializers(self.model)[c.weight], self.base_dir).astype(np.float32)
             reduce_axes = tuple(a for a in range(w.ndim) if a != c.weight_axis)
             amax = np.max(np.abs(w), axis=reduce_axes) if reduce_axes else np.abs(w)
             scale = (np.where(amax > 0, amax, 1.0) / INT8_MAX).astype(np.float32)
@@ -441,22 +454,59 @@ def toposort(graph: Any) -> None:
 # --------------------------------------------------------------------------- FP16
 
 
-def convert_fp16(model: Any) -> Any:
-    """An FP16 copy of ``model`` with I/O types kept and sensitive ops in float32."""
+def convert_fp16_graph(model: Any) -> tuple[Any, dict[str, Callable[[bytes], bytes]]]:
+    """FP16 conversion of a graph whose large weights stay in a data file.
+
+    Returns the converted graph (I/O types kept, sensitive ops in float32) and, for each weight still in
+    the data file whose type became FP16, the conversion its bytes need: pass both to
+    :func:`onnx_files.save`, which converts them chunk by chunk as it writes. Shapes are inferred on
+    the graph alone (``infer_shapes`` on a loaded model serializes the weights, and fails past 2 GB).
+    """
     require("onnxruntime", "onnx")
-    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+    from onnxruntime.transformers.float16 import (DEFAULT_OP_BLOCK_LIST, convert_float_to_float16,
+                                                  convert_np_to_float16)
 
     onnx = require("onnx", "onnx")
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
     try:
-        out = convert_float_to_float16(m, keep_io_types=True,
+        m = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is a help for the converter, not a requirement
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+    external = {i.name for i in m.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL
+                and i.data_type == onnx.TensorProto.FLOAT}
+    from onnxruntime.transformers import float16
+
+    # The converter reads a converted initializer's shape through numpy_helper.to_array, which would load
+    # a weight from its data file (relative to the working directory): the dims say the same.
+    original = float16.make_value_info_from_tensor
+    float16.make_value_info_from_tensor = lambda t: onnx.helper.make_tensor_value_info(t.name, t.data_type,
+                                                                                       list(t.dims))
+    try:
+        out = convert_float_to_float16(m, keep_io_types=True, disable_shape_infer=True,
                                        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FP16_FLOAT_OPS))
     except Exception as exc:  # the converter raises assorted types on odd graphs
         raise FactoryError(f"FP16 conversion failed: {type(exc).__name__}: {exc}. Fix: keep fp16 out of "
                            "the recipe's precisions for this model") from exc
+    finally:
+        float16.make_value_info_from_tensor = original
     toposort(out.graph)
-    return out
+
+    def to_fp16(chunk: bytes) -> bytes:
+        # The converter's own rounding (tiny values kept non-zero, large ones clamped to FP16's range).
+        return convert_np_to_float16(np.frombuffer(chunk, dtype=np.float32)).tobytes()
+
+    converted = {i.name: to_fp16 for i in out.graph.initializer
+                 if i.name in external and i.data_type == onnx.TensorProto.FLOAT16}
+    return out, converted
+
+
+def convert_fp16(model: Any, base_dir: Path | None = None) -> Any:
+    """An FP16 copy of ``model`` with I/O types kept and sensitive ops in float32, weights in memory.
+
+    For a model too large to hold, use :func:`convert_fp16_graph` and stream it to disk.
+    """
+    out, converted = convert_fp16_graph(model)
+    return onnx_files.load_weights(out, Path(base_dir or "."), converted)
 
 
 # --------------------------------------------------------------------------- mixed precision
@@ -468,7 +518,7 @@ class SwitchScorer:
     def __init__(self, builder: QdqBuilder, evaluator: Evaluator, work: Path) -> None:
         model, self.switches = builder.build_switchable()
         path = work / "switchable.onnx"
-        _save(model, path)
+        _save_beside(model, path)
         del model
         self.session = ort_session(path, simulate_qdq=True)
         self.evaluator = evaluator
@@ -531,15 +581,6 @@ def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]]
 # --------------------------------------------------------------------------- the stage
 
 
-def _save(model: Any, path: Path) -> None:
-    onnx = require("onnx", "onnx")
-    if model.ByteSize() > 1_800_000_000:  # protobuf's 2 GB limit: weights go beside the graph
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
-    else:
-        onnx.save_model(model, str(path))
-
-
 def _input_types(session: Any) -> dict[str, np.dtype]:
     table = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
              "tensor(float16)": np.float16, "tensor(bool)": np.bool_, "tensor(int8)": np.int8,
@@ -571,7 +612,8 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
     models: dict[str, Path] = {"fp32": Path(export.onnx_path)}
     # The data is checked first: a missing file should not wait for a model load.
     split: DataSplit | None = split_data(q, need_calibration="int8" in wanted) if wanted else None
-    base = check_onnx_file(Path(export.onnx_path))
+    base = check_onnx_file(Path(export.onnx_path))  # graph only: the weights stay in the export's data file
+    base_dir = Path(export.onnx_path).parent
     ref_session = onnxruntime_session(export.onnx_path)
     output = primary_output(recipe.task, [o.name for o in ref_session.get_outputs()])
     if split is None:
@@ -590,6 +632,18 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         raise FactoryError(f"quantization.heldout_data: no query in {split.heldout.source} has two passages, so the "
                            "ranking per query cannot be scored. Fix: give several passages per query in the held-out "
                            ".jsonl (one {\"query\": ..., \"passage\": ...} per line)")
+    calib_feeds = search_eval = None
+    if "int8" in wanted:
+        assert split.calibration is not None
+        calib_feeds = encoder.encode(split.calibration)
+        if q.mixed_precision:
+            groups = split.calibration.groups()
+            n_search = SEARCH_SAMPLES_RERANKER if recipe.task == "reranker" else SEARCH_SAMPLES
+            search_eval = Evaluator(ref_session, {k: v[:n_search] for k, v in calib_feeds.items()},
+                                    evaluator.task, evaluator.output, None if groups is None else groups[:n_search])
+    # Every FP32 output the scores need is computed: the reference session's weights can go.
+    del ref_session
+    release_memory()
     results: list[PrecisionAccuracy] = []
     float_nodes: tuple[str, ...] = ()
     search_steps: list[dict[str, Any]] = []
@@ -597,15 +651,19 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
     with atomic_dir(out_dir) as tmp:
         if "fp16" in wanted:
             say("converting to FP16")
-            m16 = convert_fp16(base)
-            _save(m16, tmp / "model.fp16.onnx")
+            m16, converted = convert_fp16_graph(base)
+            # FP16 weights are converted from the export's data file as they are written, never all in memory.
+            onnx_files.save(m16, tmp / "model.fp16.onnx", base_dir=base_dir, consume=True, convert=converted)
             del m16
-            check_onnx_file(tmp / "model.fp16.onnx")
+            release_memory()
+            onnx_files.check(tmp / "model.fp16.onnx")
             results.append(evaluator.score(onnxruntime_session(tmp / "model.fp16.onnx"), "fp16"))
+            release_memory()
             models["fp16"] = out_dir / "model.fp16.onnx"
         if "int8" in wanted:
             assert split.calibration is not None
-            res, float_nodes, search_steps = _int8(recipe, base, ref_session, split, encoder, evaluator, gate, tmp, say)
+            res, float_nodes, search_steps = _int8(recipe, base, Path(export.onnx_path), calib_feeds, search_eval,
+                                                   evaluator, gate, tmp, say)
             results.append(res)
             models["int8"] = out_dir / "model.int8.onnx"
         report = AccuracyReport(
@@ -626,8 +684,29 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         f"{r.precision} {r.metric} {r.score:.5f}" + "".join(f", {k} {v:.5f}" for k, v in r.extra)
         + (f" ({len(r.float_nodes)} of {r.candidates} kept in float)" if r.float_nodes else "")
         for r in report.results))
-    check_gate(report, report_path)
+    check_gate(report, report_path, _departure_report(report, export.onnx_path, out_dir, evaluator.feeds))
     return QuantizeResult(models, report, report_path, float_nodes, calibration_digest)
+
+
+def _departure_report(report: AccuracyReport, fp32: Path, out_dir: Path, feeds: Feeds) -> str:
+    """For each precision below the gate: the layers where it first departs from FP32 (also written as JSON)."""
+    if report.passed:
+        return ""
+    from model_factory.build_engines.divergence import first_departures, render_departures
+
+    texts, table = [], {}
+    for r in report.failures:
+        try:
+            found = first_departures(Path(fp32), out_dir / f"model.{r.precision}.onnx", feeds,
+                                     float(report.min_accuracy or DEFAULT_TARGET))
+        except Exception as exc:  # a diagnosis: failing to make it must not hide the gate's verdict
+            texts.append(f"{r.precision}: per-layer comparison failed ({type(exc).__name__}: {exc})")
+            continue
+        table[r.precision] = [d.to_dict() for d in found]
+        texts.append(render_departures(r.precision, found))
+    if table:
+        (out_dir / DEPARTURES_NAME).write_text(json.dumps(table, indent=2) + "\n")
+    return "\n".join(texts)
 
 
 def check_task_data(task: str, split: DataSplit) -> None:
@@ -646,7 +725,7 @@ def check_task_data(task: str, split: DataSplit) -> None:
                                "model.task = \"reranker\"")
 
 
-def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder: InputEncoder,
+def _int8(recipe: Recipe, base: Any, fp32_path: Path, calib_feeds: Feeds, search_eval: Evaluator | None,
           evaluator: Evaluator, gate: float | None, tmp: Path,
           say: Callable[[str], None]) -> tuple[PrecisionAccuracy, tuple[str, ...], list[dict[str, Any]]]:
     q = recipe.quantization
@@ -658,36 +737,43 @@ def _int8(recipe: Recipe, base: Any, ref_session: Any, split: DataSplit, encoder
     if not candidates:
         raise FactoryError("the model has no MatMul/Gemm/Conv that INT8 can quantize. Fix: drop int8 from the "
                            "recipe's precisions")
-    assert split.calibration is not None
-    calib_feeds = encoder.encode(split.calibration)
     n = sample_count(calib_feeds)
+    base_dir = fp32_path.parent
     with tempfile.TemporaryDirectory(prefix=".calibrate-", dir=tmp) as work_s:  # gone before tmp is committed
         work = Path(work_s)
+        # Working models (calibration outputs, the search's switchable model) are graph files in `work`
+        # whose float weights stay in the export's data file, linked beside them: never copied.
+        if onnx_files.data_file(fp32_path).is_file():
+            onnx_files.hardlink_or_copy(onnx_files.data_file(fp32_path), work / onnx_files.data_file(fp32_path).name)
         t0 = time.perf_counter()
         say(f"calibrating {len(candidates)} nodes on {n} samples ({q.method})")
         amax = calibrate(model, [a for c in candidates for a in c.activations], calib_feeds, q.method, work, say)
         say(f"calibrated in {time.perf_counter() - t0:.1f}s")
-        builder = QdqBuilder(model, candidates, amax)
+        release_memory()
+        builder = QdqBuilder(model, candidates, amax, base_dir)
         names = [c.node for c in candidates]
         kept: list[str] = []
         steps: list[dict[str, Any]] = []
         if q.mixed_precision:
+            assert search_eval is not None
             target = search_target(gate if gate is not None else DEFAULT_TARGET)
-            search_feeds = {k: v[:SEARCH_SAMPLES] for k, v in calib_feeds.items()}
-            groups = split.calibration.groups()
-            search_eval = Evaluator(ref_session, search_feeds, evaluator.task, evaluator.output,
-                                    None if groups is None else groups[:SEARCH_SAMPLES])
             scorer = SwitchScorer(builder, search_eval, work)
             kept, steps = search_mixed_precision(names, scorer, target, say)
             steps.insert(0, {"step": "search", "gate": gate, "target": target, "scored_on":
                              f"first {search_eval.samples} calibration samples (Q/DQ simulated in float)",
                              "evaluations": scorer.calls})
             del scorer
+            release_memory()
         final = builder.build([x for x in names if x not in kept])
+        del builder
     path = tmp / "model.int8.onnx"
-    _save(final, path)
-    check_onnx_file(path)
+    # The float weights INT8 keeps stream from the export's data file; the INT8 ones from memory.
+    onnx_files.save(final, path, base_dir=base_dir, consume=True)
+    del final
+    release_memory()
+    onnx_files.check(path)
     res = evaluator.score(ort_session(path, simulate_qdq=True), "int8")
+    release_memory()
     res = dataclasses.replace(res, float_nodes=tuple(kept), int8_nodes=len(names) - len(kept), candidates=len(names))
     if skipped:
         steps.insert(0, {"step": "not candidates", "nodes": skipped})

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from model_factory.build_engines.export import check_onnx_file
+from model_factory.build_engines.onnx_files import data_file
 from model_factory.fileio import digest_path
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
@@ -250,6 +251,40 @@ def _save_cache(config: Any, cache_path: Path | None) -> int:
     return len(data)
 
 
+def _build_to_file(trt: Any, builder: Any, network: Any, config: Any, plan_path: Path) -> bool:
+    """Build the plan straight into ``plan_path``; False when the build failed (the file is then removed).
+
+    Where the flavour offers ``build_serialized_network_to_stream`` the plan is written as the builder
+    produces it, so the serialized engine (the size of the model's weights) is never held in memory
+    beside the builder's own copy; otherwise it is built in memory and written.
+    """
+    ok = False
+    try:
+        with plan_path.open("wb") as f:
+            if hasattr(builder, "build_serialized_network_to_stream") and hasattr(trt, "IStreamWriter"):
+                class _Writer(trt.IStreamWriter):
+                    def __init__(self) -> None:
+                        trt.IStreamWriter.__init__(self)
+                        self.written = 0
+
+                    def write(self, data: Any) -> int:
+                        n = f.write(data)
+                        self.written += n
+                        return n
+
+                writer = _Writer()
+                ok = bool(builder.build_serialized_network_to_stream(network, config, writer)) and writer.written > 0
+            else:
+                serialized = builder.build_serialized_network(network, config)
+                if serialized is not None and serialized.nbytes:
+                    f.write(memoryview(serialized))
+                    ok = True
+    finally:
+        if not ok:
+            plan_path.unlink(missing_ok=True)
+    return ok
+
+
 def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recipe,
                  timing_cache: Path | None = None, device: Device | None = None,
                  say: Callable[[str], None] = lambda _m: None) -> EngineResult:
@@ -295,18 +330,16 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
 
     say(f"building {precision} engine with {flavour} {_version(trt)} ({len(profiles)} profiles)")
     t0 = time.perf_counter()
+    plan_path = Path(plan_path)
     with heartbeat(say, f"building the {precision} engine"):
-        serialized = builder.build_serialized_network(network, config)
+        built = _build_to_file(trt, builder, network, config, plan_path)
     seconds = time.perf_counter() - t0
-    if serialized is None or serialized.nbytes == 0:
+    if not built:
         errors = [m for m in logger.messages if m.startswith(("[ERROR]", "[INTERNAL_ERROR]"))] or logger.messages
         raise FactoryError(f"{flavour} {_version(trt)} failed to build the {precision} engine from {onnx_path}: "
                            f"{' | '.join(errors[-5:]) or 'no message'}. Fix: raise tensorrt.workspace_mib, lower "
                            "tensorrt.optimization_level, or drop this precision")
     saved = _save_cache(config, timing_cache)
-    plan_path = Path(plan_path)
-    with plan_path.open("wb") as f:
-        f.write(memoryview(serialized))
     size = plan_path.stat().st_size
     meta = {
         "precision": precision,
@@ -323,6 +356,8 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
         "outputs": io_out,
         "input_onnx": onnx_path.name,
         "input_onnx_sha256": digest_path(onnx_path),
+        # The weights of a large model live beside the graph (ONNX external data): they shaped the plan too.
+        "input_onnx_data_sha256": digest_path(data_file(onnx_path)) if data_file(onnx_path).is_file() else None,
         "build_seconds": round(seconds, 3),
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "workspace_mib": spec.workspace_mib,

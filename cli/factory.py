@@ -75,7 +75,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
-                    min_accuracy=min_accuracy, engines=engines)
+                    min_accuracy=min_accuracy, engines=engines, isolate=True)
     click.echo(f"built {res.version_dir}")
     for name in sorted(res.artifacts):
         click.echo(f"  {name}")
@@ -105,6 +105,8 @@ class _Interrupted(Exception):
                    "$MODEL_FACTORY_ADMIN_KEY, else a key generated for this run and held by serve alone.")
 @click.option("--watch-interval", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds between checks of the backend stubs (a dead one is healed); 0: no watch.")
+@click.option("--accept", "accept", is_flag=True,
+              help="Also run each model's acceptance data through its engine here; refuse models below their gate.")
 @click.option("--cost-cache", type=click.Path(file_okay=False), default=None, envvar="MODEL_FACTORY_COST_CACHE",
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
                    "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
@@ -112,7 +114,7 @@ class _Interrupted(Exception):
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
-          watch_interval: float, cost_cache: str | None, no_cost_cache: bool) -> None:
+          watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -121,9 +123,10 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     those in flight finish and exits 0.
 
     \b
-    Example:
+    Examples:
       model-factory serve --policy policy.toml model_repository
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
+      model-factory serve --accept --policy policy.toml model_repository
     """
     from model_factory.serve import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
     from model_factory.supervise import StubWatch
@@ -144,7 +147,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         signal.signal(sig, on_signal)
     try:
         server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
-                                               allow_unsigned, cost_cache=cache)
+                                               allow_unsigned, accept=accept, cost_cache=cache)
         starting = False
     except _Interrupted as exc:
         raise click.ClickException(f"interrupted by signal {exc.args[0]} while starting; tritonserver stopped")
@@ -152,6 +155,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         server.stop()
         raise click.ClickException("interrupted while starting; tritonserver stopped")
     click.echo(f"serving {', '.join(report.served)}")
+    for name, where in report.engines.items():
+        click.echo(f"  {name}: {where}")
     for name, why in report.refused.items():
         click.echo(f"refused {name}: {why}", err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")

@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.factory",
     "model_factory.cli.precision",
     "model_factory.cli.signing",
+    "model_factory.cli.accept",
     "model_factory.cli.wheelhouse",
     "model_factory.cli.bench",
 )
@@ -31,6 +32,7 @@ def main() -> None:
     Typical use:
       model-factory build recipe.toml --key keys/signing-key.pem
       model-factory verify --policy policy.toml model_repository
+      model-factory accept model_repository
       model-factory serve --policy policy.toml model_repository
     """
 

@@ -10,9 +10,12 @@ ARG TRITON_TAG=25.10
 FROM ${REGISTRY}/nvidia/tritonserver:${TRITON_TAG}-py3
 
 # Extras of model-factory to install; the wheelhouse must hold them (Python 3.12, manylinux
-# x86_64 for the 25.xx images). EXTRA_PACKAGES: further wheels in the wheelhouse, e.g. the
-# TensorRT Python runtime matching this image (tensorrt-cu13==...).
-ARG TRITON_EXTRAS=serve,sign,gpu
+# x86_64). `tensorrt` is the GPU engine: TensorRT's Python bindings (tensorrt-cu13-bindings
+# 11.4.0.106, module tensorrt_bindings) on the TensorRT libraries this image already has, so a GPU
+# instance serves the plan instead of refusing to load (it never falls back to the CPU unless the
+# recipe allows it). The check below fails the build when the image's TensorRT does not match the
+# bindings: pick TRITON_TAG for TensorRT 11.4. EXTRA_PACKAGES: further wheels in the wheelhouse.
+ARG TRITON_EXTRAS=serve,sign,gpu,tensorrt
 ARG EXTRA_PACKAGES=
 
 COPY wheelhouse/manifest.json wheelhouse/SHA256SUMS wheelhouse/requirements.txt /opt/model-factory/wheelhouse/
@@ -28,6 +31,7 @@ RUN --mount=type=bind,source=wheelhouse,target=/tmp/wheelhouse \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-index \
         --find-links /tmp/wheelhouse "model-factory[${TRITON_EXTRAS}]" ${EXTRA_PACKAGES}; \
     python3 -c "import numpy, model_factory.backend; assert numpy.__version__.startswith('1.'), numpy.__version__"; \
+    python3 -c "from model_factory.backend.memory_pool import import_tensorrt as t; m = t(); assert m.__name__ != 'tensorrt_rtx', m.__name__; print('GPU engine: TensorRT', m.__version__)"; \
     model-factory serve --help > /dev/null
 
 ENV HF_HUB_OFFLINE=1 \

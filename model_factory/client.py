@@ -32,18 +32,9 @@ def embed_texts(url: str, model: str, texts: Sequence[str], protocol: str = "htt
 def infer_ids(url: str, model: str, input_ids: np.ndarray, attention_mask: np.ndarray, protocol: str = "http",
               outputs: Sequence[str] = ("embedding",)) -> dict[str, np.ndarray]:
     """Send token ids ([n, L] int64) and return the requested outputs."""
-    tc = _module(protocol)
-    client = tc.InferenceServerClient(url)
-    try:
-        inputs = []
-        for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask)):
-            t = tc.InferInput(name, list(arr.shape), "INT64")
-            t.set_data_from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
-            inputs.append(t)
-        result = client.infer(model, inputs, outputs=[tc.InferRequestedOutput(o) for o in outputs])
-        return {o: result.as_numpy(o) for o in outputs}
-    finally:
-        client.close()
+    return infer_tensors(url, model, {"input_ids": np.asarray(input_ids, dtype=np.int64),
+                                      "attention_mask": np.asarray(attention_mask, dtype=np.int64)},
+                         protocol, outputs)
 
 
 def infer_tensors(url: str, model: str, inputs: Mapping[str, np.ndarray], protocol: str = "http",

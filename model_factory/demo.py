@@ -48,13 +48,15 @@ def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str
         for r in verify_repository(repo, load_policy(policy)):
             echo(f"verify {r.model}/{r.version}: {'OK' if r.ok else 'FAILED: ' + '; '.join(r.reasons)}")
     t1 = time.perf_counter()
-    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy, allow_unsigned=policy is None)
+    # accept: the packaged golden inputs run through the engine that will serve here before it loads.
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy, allow_unsigned=policy is None,
+                                           accept=True)
     try:
         timings["serve_start"] = round(time.perf_counter() - t1, 2)
         if recipe.name not in report.served:
             raise FactoryError(f"the demo model was not served: {report.refused.get(recipe.name)}")
-        echo(f"Triton is serving {recipe.name}: HTTP {server.http_url}, gRPC {server.grpc_url}, "
-             f"metrics {server.metrics_url}")
+        echo(f"Triton is serving {recipe.name} (accepted here on {report.engines.get(recipe.name)}): HTTP "
+             f"{server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}")
         for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
             emb = embed_texts(url, recipe.name, list(DEMO_TEXTS), protocol=protocol)
             sims = emb @ emb.T

@@ -93,6 +93,10 @@ def _umask() -> int:
     return mask
 
 
+# The largest TOML settings file (a recipe, a trust policy) that is read at all.
+MAX_TOML_BYTES = 1 << 20
+
+
 @contextmanager
 def atomic_file(target: Path, mode: str = "w") -> Iterator:
     """Open a temporary sibling of ``target`` for writing; rename it into place on success."""
@@ -127,7 +131,16 @@ def read_toml(path: Path, what: str, missing_fix: str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FactoryError(f"{what} {path} does not exist. Fix: {missing_fix}")
+    size = path.stat().st_size
+    if size > MAX_TOML_BYTES:
+        # Parsing tens of MiB of TOML takes minutes: a settings file this big is not one.
+        raise FactoryError(f"{what} {path} is {size / (1 << 20):.1f} MiB; a {what} is a small text file (at most "
+                           f"{MAX_TOML_BYTES >> 20} MiB). Fix: pass the right file")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FactoryError(f"{what} {path} is not valid TOML: {exc}. Fix: correct the syntax at that line") from exc
+        problem = " ".join(str(exc).split())  # one line
+        raise FactoryError(f"{what} {path} is not valid TOML: {problem}. Fix: correct the syntax at that line") from exc
+    except RecursionError:
+        raise FactoryError(f"{what} {path} nests arrays or tables too deeply to read. Fix: pass the right file, "
+                           "or flatten the nesting") from None

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
-from model_factory.errors import FactoryError
 from model_factory.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -42,33 +41,44 @@ def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[],
 
 def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = None,
           min_accuracy: float | None = None, engines: bool | None = None,
-          parameters: dict[str, str] | None = None) -> BuildResult:
+          parameters: dict[str, str] | None = None, isolate: bool = False) -> BuildResult:
     """Run every stage for ``recipe``.
 
     ``engines`` forces TensorRT engine builds on (True) or off (False); by
     default they are built when the recipe enables them. ``signer`` (a
     ``model_factory.signing.SignerConfig``) signs the packaged version before
     it goes live. A second build of the same recipe (same work folder) while
-    one runs is refused at once (:mod:`model_factory.locking`).
+    one runs is refused at once (:mod:`model_factory.locking`). With ``isolate`` the heavy stages
+    (export, quantize, engines) each run in a child process (:mod:`model_factory.isolation`), so the
+    build's peak memory is its largest stage's: ``model-factory build`` does this.
     """
     from model_factory.locking import exclusive
 
     with exclusive(recipe.work_dir, f"a build of {recipe.name}"):
         return _build(recipe, progress=progress, signer=signer, min_accuracy=min_accuracy, engines=engines,
-                      parameters=parameters)
+                      parameters=parameters, isolate=isolate)
 
 
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
-           engines: bool | None, parameters: dict[str, str] | None) -> BuildResult:
+           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     import datetime as dt
 
     say = progress or (lambda _m: None)
+
+    def stage(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if isolate:
+            from model_factory.isolation import run_isolated
+
+            return run_isolated(fn, *args, progress=say, what=f"{name} stage", **kwargs)
+        return fn(*args, progress=say, **kwargs)
+
     started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     seconds: dict[str, float] = {}
-    exported = _timed(seconds, "export", say, lambda: export_model(recipe, progress=say))
+    exported = _timed(seconds, "export", say, lambda: stage("export", export_model, recipe))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
     artifacts: dict[str, Path] = {"model.onnx": exported.onnx_path}
     extra: list[Path] = [exported.onnx_path.parent / "export.json"]
@@ -84,8 +94,8 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     if set(recipe.precisions) - {"fp32"}:
         from model_factory.build_engines.quantize import quantize_model
 
-        q = _timed(seconds, "quantize", say, lambda: quantize_model(recipe, exported, progress=say,
-                                                                     min_accuracy=min_accuracy))
+        q = _timed(seconds, "quantize", say, lambda: stage("quantize", quantize_model, recipe, exported,
+                                                           min_accuracy=min_accuracy))
         models = dict(q.models)
         for precision, path in q.models.items():
             if precision != "fp32":
@@ -99,7 +109,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     if engines if engines is not None else recipe.tensorrt.enabled:
         from model_factory.build_engines.tensorrt import build_engines
 
-        results = _timed(seconds, "build-engine", say, lambda: build_engines(recipe, models, progress=say))
+        results = _timed(seconds, "build-engine", say, lambda: stage("build-engine", build_engines, recipe, models))
         for e in results:
             artifacts[e.plan_path.name] = e.plan_path
             artifacts[e.metadata_path.name] = e.metadata_path
@@ -110,19 +120,26 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
     if cost is not None:
         build_info["queue_cost_model"] = list(cost)
-    sign = None
+    sign: Callable[[Path], Path] | None = None
     if signer is not None:
         from model_factory.signing import sign_model_version
 
-        def sign(staged: Path) -> Path:
+        def sign_staged(staged: Path) -> Path:
             # Signs the staged model folder before it replaces the old one (package_model).
             provenance = provenance_for(recipe, build_info, accuracy, started_on)
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 
-    packaged = _timed(seconds, "package", say, lambda: package_model(
-        recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-        parameters=parameters, build_info=build_info, cost_model=cost, sign=sign))
+        sign = sign_staged
+
+    def package() -> Any:
+        golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir,
+                                       recipe.work_dir / "acceptance", progress=say)
+        return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
+                             parameters=parameters, build_info=build_info, cost_model=cost, sign=sign,
+                             acceptance_dir=golden)
+
+    packaged = _timed(seconds, "package", say, package)
     signature = None
     if signer is not None:
         from model_factory.signing.layout import signature_path
@@ -157,8 +174,9 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
     return facts
 
 
-def package_existing(recipe: Recipe) -> Any:
+def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
+    from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.repository import package_model
 
     from model_factory.build_engines.quantize import quantized_models
@@ -184,8 +202,11 @@ def package_existing(recipe: Recipe) -> Any:
     tok = export_dir / "tokenizer"
     cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
         if recipe.batching.max_queue_size is None and "model.onnx" in artifacts else None
-    return package_model(recipe, artifacts, tokenizer_dir=tok if tok.is_dir() else None, extra_files=extra,
-                         cost_model=cost)
+    tokenizer_dir = tok if tok.is_dir() else None
+    golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
+                                   progress=progress)
+    return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra, cost_model=cost,
+                         acceptance_dir=golden)
 
 
 def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:

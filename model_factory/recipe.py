@@ -76,7 +76,9 @@ class ExportSpec:
 
     opset: int = 17
     tolerance: float = 1e-3
-    dynamo: bool = False
+    # torch's exporter: True the dynamo one, False the TorchScript one; None (unset) picks by size: the dynamo
+    # exporter for models of DYNAMO_MIN_PARAMETERS or more (it streams weights; the other holds ~3 copies).
+    dynamo: bool | None = None
     torchscript: bool = False  # also save model.torchscript.pt (a torch.jit.trace) for the torch engine
 
 
@@ -140,6 +142,12 @@ class RepositorySpec:
     engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")
     memory_pool_release_threshold_mib: int = 256
     memory_pool_initial_mib: int = 0
+    # A GPU instance with no GPU engine that loads is refused, unless this allows ONNX Runtime on the CPU.
+    allow_cpu_fallback: bool = False
+    # The precision this deployment serves: its ONNX file (CPU) and its plan (GPU TensorRT), nothing else.
+    serve: str = "fp32"
+    # False: the version folder holds only the served precision's files; True: every built precision.
+    keep_all_precisions: bool = False
 
 
 @dataclass(frozen=True)
@@ -375,8 +383,8 @@ def check_hf_task(cfg: Mapping[str, Any], task: str, folder: Path) -> None:
     if not any(a.endswith(head) for a in archs):
         holds = ", ".join(archs) if archs else "no architectures entry"
         raise _err("model.task", f"{task!r} needs {what}, but {folder}/config.json holds {holds}",
-                   f"save the model with its head (e.g. AutoModel{head}.save_pretrained(...)), or set "
-                   "task = \"embedding\" to serve the encoder's embeddings")
+                   f"save the model with its head (save_pretrained() of a ...{head} model, e.g. "
+                   f"Bert{head}), or set task = \"embedding\" to serve the encoder's embeddings")
     labels = hf_labels(cfg)
     if task == "reranker" and len(labels) != 1:
         raise _err("model.task", f"a reranker returns one relevance score, but {folder}/config.json has "
@@ -533,7 +541,11 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         raise _err("export.torchscript", "an onnx source has no torch module to trace",
                    "set export.torchscript = false, or build from the huggingface folder or torch factory "
                    "the ONNX file came from")
-    export = ExportSpec(opset, float(tol), bool(ex.get("dynamo", False)), torchscript)
+    dynamo = ex.get("dynamo")
+    if dynamo is not None:
+        _typed(dynamo, "export.dynamo", bool, "write true (dynamo exporter), false (TorchScript exporter), or leave "
+               "it out to choose by model size")
+    export = ExportSpec(opset, float(tol), dynamo, torchscript)
 
     precisions = top.get("precisions", ["fp32"])
     if not isinstance(precisions, list) or not precisions:
@@ -616,7 +628,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
-               "memory_pool_initial_mib"})
+               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions"})
     engine = _choice(r.get("engine", "auto"), "repository.engine", ENGINES)
     # An engine the package will not have files for would leave the model unavailable at load: say so now.
     if engine == "torch" and not export.torchscript:
@@ -625,6 +637,15 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     if engine == "tensorrt" and not trt.enabled:
         raise _err("repository.engine", "tensorrt serves a TensorRT plan, which this recipe does not build",
                    "set tensorrt.enabled = true, or engine = \"auto\"")
+    serve = _choice(r.get("serve", "fp32"), "repository.serve", PRECISIONS)
+    if serve not in precisions:
+        raise _err("repository.serve", f"{serve!r} is not among precisions {list(precisions)}",
+                   f"add \"{serve}\" to precisions, or serve one of {', '.join(precisions)}")
+    if engine == "torch" and serve != "fp32":
+        raise _err("repository.serve", f"engine = \"torch\" serves the FP32 TorchScript trace, not {serve}",
+                   "set serve = \"fp32\", or engine = \"auto\" (TensorRT plan on a GPU, ONNX Runtime on a CPU)")
+    keep_all = _typed(r.get("keep_all_precisions", False), "repository.keep_all_precisions", bool,
+                      "write true (keep every precision in the version folder) or false (only the served one)")
     repo = RepositorySpec(
         path=_path(r.get("path", "model_repository"), "repository.path", base_dir),
         instance_count=_positive(r.get("instance_count", 1), "repository.instance_count"),
@@ -633,6 +654,10 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         memory_pool_release_threshold_mib=_positive(r.get("memory_pool_release_threshold_mib", 256),
                                                     "repository.memory_pool_release_threshold_mib"),
         memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),
+        allow_cpu_fallback=_typed(r.get("allow_cpu_fallback", False), "repository.allow_cpu_fallback", bool,
+                                  "write true or false"),
+        serve=serve,
+        keep_all_precisions=keep_all,
     )
 
     return Recipe(

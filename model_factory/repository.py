@@ -10,10 +10,14 @@ Layout of one model::
     <repo>/<model>/labels.txt                  class labels of a classifier (Triton's label_filename)
     <repo>/<model>/<version>/model.py          thin shim Triton loads
     <repo>/<model>/<version>/mf_backend/       the Python backend package
-    <repo>/<model>/<version>/model.onnx        (+ model.fp16.onnx, model.int8.onnx)
-    <repo>/<model>/<version>/model.<p>.plan    TensorRT engines, with .plan.json metadata
+    <repo>/<model>/<version>/model.onnx        the served precision's ONNX (model.onnx, model.fp16.onnx or
+                                               model.int8.onnx; every built one with keep_all_precisions),
+                                               with its external data (<file>.data) when it has one
+    <repo>/<model>/<version>/model.<p>.plan    the served precision's TensorRT engine, with .plan.json metadata
     <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
     <repo>/<model>/<version>/tokenizer/        for text models
+    <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
+    <repo>/<model>/<version>/export.json, accuracy.json   the export check and the accuracy report
     <repo>/<model>/<version>/metadata.json     what was built, from what, digests, versions
 """
 
@@ -24,7 +28,6 @@ import hashlib
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -33,12 +36,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
+from model_factory.build_engines.onnx_files import data_file, hardlink_or_copy
 from model_factory.locking import exclusive
-from model_factory.recipe import Recipe, TensorSpec, hf_labels, read_hf_config
+from model_factory.recipe import PRECISIONS, Recipe, TensorSpec, hf_labels, read_hf_config
 
 BACKEND_PACKAGE = "mf_backend"
+# Artifacts this large are hard-linked into the version folder (weights, engines); smaller ones are copied.
+LINK_MIN_BYTES = 16 << 20
 METADATA_FILE = "metadata.json"
 # Triton reads an output's label_filename from the model folder (beside config.pbtxt), which the
 # signature of every version covers. One file serves logits and probabilities (same classes, same order).
@@ -270,11 +277,38 @@ def _copy_backend(dest: Path) -> None:
     (dest / "model.py").write_text(_SHIM)
 
 
-def _hardlink_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def artifact_precision(name: str) -> str | None:
+    """The precision a version-folder file belongs to (``model.int8.onnx`` -> int8), None for shared files."""
+    if name in ("model.onnx", "model.onnx.data", TORCHSCRIPT_FILE):
+        return "fp32"
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
+        return parts[1]
+    return None
+
+
+def onnx_file_for(precision: str) -> str:
+    """The ONNX file name of one precision in the version folder."""
+    return "model.onnx" if precision == "fp32" else f"model.{precision}.onnx"
+
+
+def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path]) -> dict[str, Path]:
+    """The files the version folder gets: the served precision's (or every precision's) and the shared ones.
+
+    Each ONNX file brings its external-data file (``<name>.data``) when it has one.
+    """
+    keep_all = recipe.repository.keep_all_precisions
+    chosen: dict[str, Path] = {}
+    for name, src in artifacts.items():
+        precision = artifact_precision(name)
+        if precision is not None and not keep_all and precision != recipe.repository.serve:
+            continue
+        chosen[name] = Path(src)
+        if name.endswith(".onnx"):
+            data = data_file(Path(src))
+            if data.is_file():
+                chosen[data_file(Path(name)).name] = data
+    return chosen
 
 
 def package_model(
@@ -285,6 +319,7 @@ def package_model(
     extra_files: Iterable[Path] = (),
     parameters: Mapping[str, str] | None = None,
     build_info: Mapping[str, Any] | None = None,
+    acceptance_dir: Path | None = None,
     cost_model: Sequence[float] | None = None,
     sign: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
@@ -295,13 +330,21 @@ def package_model(
     Other versions already in the model folder are kept (hard-linked, not
     copied); the version being built and ``config.pbtxt`` are replaced. The
     whole model folder is swapped in with one rename, so an interrupted run
-    leaves the previous one intact.
+    leaves the previous one intact. ``acceptance_dir`` (golden inputs and FP32
+    outputs, ``build_engines/golden.py``) is copied to ``<version>/acceptance/``,
+    where the version's signature covers it.
     """
-    if "model.onnx" not in artifacts:
-        raise FactoryError("packaging needs the FP32 model.onnx. Fix: run model-factory export first")
+    serve = recipe.repository.serve
+    onnx_name = onnx_file_for(serve)
+    if onnx_name not in artifacts:
+        stage = "model-factory export" if serve == "fp32" else "model-factory quantize"
+        raise FactoryError(f"repository.serve = \"{serve}\" but the {serve} model {onnx_name} was not built. Fix: run "
+                           f"{stage} first, or serve a precision that was built")
     for name, src in artifacts.items():
         if not Path(src).is_file():
             raise FactoryError(f"artifact {name} ({src}) is missing. Fix: re-run the stage that makes it")
+    files = select_artifacts(recipe, artifacts)
+    plan_name = f"model.{serve}.plan"
     model_dir = recipe.repository.path / recipe.name
     version = str(recipe.version)
     params = {
@@ -311,12 +354,18 @@ def package_model(
         "max_group_tokens": str(recipe.batching.max_group_tokens),
         "pad_sequences": str(recipe.batching.pad_sequences).lower(),
         "engine": recipe.repository.engine,
+        "cpu_fallback": str(recipe.repository.allow_cpu_fallback).lower(),
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),
         "task": recipe.task,
         "pooling": recipe.pooling,
         "normalize": str(recipe.normalize).lower(),
+        # The precision this deployment serves, and its files: the backend loads these and no other.
+        "precision": serve,
+        "onnx_file": onnx_name,
     }
+    if plan_name in files:
+        params["plan_file"] = plan_name
     vocab_size = hf_vocab_size(recipe)
     if vocab_size is not None:
         params["vocab_size"] = str(vocab_size)
@@ -333,14 +382,18 @@ def package_model(
     # One writer per model at a time (a second is refused), and what a killed one left is cleared first.
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
-        metadata = _stage_model(recipe, model_dir, version, pbtxt, artifacts, tokenizer_dir, extra_files,
-                                build_info, sign, labels)
+        metadata = _stage_model(recipe, model_dir, version, pbtxt, files, tokenizer_dir, extra_files,
+                                build_info, sign, labels, acceptance_dir)
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
 
 
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
-                 sign: Callable[[Path], Any] | None, labels: Sequence[str]) -> dict[str, Any]:
+                 sign: Callable[[Path], Any] | None, labels: Sequence[str],
+                 acceptance_dir: Path | None = None) -> dict[str, Any]:
+    files = artifacts  # already the version folder's selection (select_artifacts)
+    serve = recipe.repository.serve
+    onnx_name, plan_name = onnx_file_for(serve), f"model.{serve}.plan"
     with atomic_dir(model_dir) as tmp:
         if model_dir.is_dir():
             for entry in model_dir.iterdir():
@@ -349,19 +402,26 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
                         or entry.name.startswith(f"{version}."):
                     continue
                 if entry.is_dir():
-                    shutil.copytree(entry, tmp / entry.name, copy_function=_hardlink_or_copy, symlinks=True)
+                    shutil.copytree(entry, tmp / entry.name, copy_function=hardlink_or_copy, symlinks=True)
                 else:
-                    _hardlink_or_copy(str(entry), str(tmp / entry.name))
+                    hardlink_or_copy(str(entry), str(tmp / entry.name))
         (tmp / "config.pbtxt").write_text(pbtxt)
         if labels:
             (tmp / LABELS_FILE).write_text("".join(f"{label}\n" for label in labels), encoding="utf-8")
         vdir = tmp / version
         vdir.mkdir()
         _copy_backend(vdir)
-        for name, src in artifacts.items():
-            shutil.copyfile(src, vdir / name)
+        for name, src in files.items():
+            # Weights and engines are hard links, not copies: they exist once on disk (build dir and
+            # repository). Small files (graphs, metadata) are copied, so editing one never reaches the other.
+            if Path(src).stat().st_size >= LINK_MIN_BYTES:
+                hardlink_or_copy(str(src), str(vdir / name))
+            else:
+                shutil.copyfile(src, vdir / name)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, vdir / "tokenizer")
+        if acceptance_dir is not None:
+            shutil.copytree(acceptance_dir, vdir / ACCEPTANCE_DIR)
         for extra in extra_files:
             shutil.copyfile(extra, vdir / Path(extra).name)
         metadata = {
@@ -373,14 +433,18 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
                        "path": str(recipe.source.path) if recipe.source.path else None,
                        "factory": recipe.source.factory, "package": recipe.source.package},
             "precisions": list(recipe.precisions),
+            "serve": {"precision": serve, "onnx": onnx_name, "plan": plan_name if plan_name in files else None},
+            "precisions_in_folder": sorted({p for p in map(artifact_precision, files) if p},
+                                           key=PRECISIONS.index),
             "recipe": str(recipe.recipe_path) if recipe.recipe_path else None,
             "build": dict(build_info or {}),
             "tools": tool_versions(),
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()}
             | ({f"../{LABELS_FILE}": digest_path(tmp / LABELS_FILE)} if labels else {}),
             "labels": list(labels) or None,
+            "acceptance": (f"{ACCEPTANCE_DIR}/{SPEC_FILE}" if acceptance_dir is not None else None),
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
-            "engines": sorted(name for name in artifacts if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
+            "engines": sorted(name for name in files if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         if sign is not None:

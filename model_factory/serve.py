@@ -428,22 +428,28 @@ def discover_models(repository: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class ServeReport:
-    """Which models were verified and loaded, and why the others were refused."""
+    """Which models were verified and loaded, why the others were refused, and where each one computes."""
 
     served: tuple[str, ...]
     refused: dict[str, str]
+    # model -> "engine (file) on device", from acceptance or from the backend's metric labels
+    engines: dict[str, str] = field(default_factory=dict)
 
 
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
                           allow_unsigned: bool = False, log_file: Path | None = None,
-                          cost_cache: Path | None = None) -> tuple[TritonServer, ServeReport]:
+                          accept: bool = False, cost_cache: Path | None = None) -> tuple[TritonServer, ServeReport]:
     """Verify the repository against ``policy``, then start Triton loading only verified models.
 
     Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
     says so explicitly. A model that fails verification is refused with its
-    reason; a model that fails to load is reported too. ``cost_cache``: a folder
-    outside the repository where the backend keeps the cost-model constants it
-    learned (per engine and device), so that a restart needs no warm-up.
+    reason; a model that fails to load is reported too. With ``accept``, each
+    verified model must also pass acceptance on this machine (its golden inputs
+    through the engine the backend would load, from the verified bytes:
+    ``model_factory.acceptance``) or it is refused like an unverified one. ``cost_cache``: a
+    folder outside the repository where the backend keeps the cost-model
+    constants it learned (per engine and device), so that a restart needs no
+    warm-up.
     """
     repository = Path(repository)
     if not repository.is_dir():
@@ -470,6 +476,13 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     to_load = [m for m in models if m not in refused]
     if not to_load:
         raise FactoryError("no model passed verification:\n" + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
+    table = _verified_digests(repository, results, trust) if policy is not None else None
+    engines: dict[str, str] = {}
+    if accept:
+        to_load = _accepted(repository, to_load, table, refused, engines, options.gpu_product)
+        if not to_load:
+            raise FactoryError("no model passed verification and acceptance:\n"
+                               + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
     server = TritonServer(repository, to_load, options, log_file=log_file)
     if cost_cache is not None:
         cost_cache = Path(cost_cache).resolve()
@@ -477,16 +490,76 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
             raise FactoryError(f"cost cache {cost_cache} is inside the repository, which is signed and read-only. "
                                "Fix: pass a folder outside it (--cost-cache)")
         server.extra_env[COST_CACHE_ENV] = str(cost_cache)
-    if policy is not None:
+    if table is not None:
         # The verified digests go to a file outside the repository; the backend checks the bytes it
         # loads against them, so a file swapped after this verification is refused at load.
         digests_file = server.work_dir / "verified-digests.json"
-        _write_json_atomic(digests_file, _verified_digests(repository, results, trust))
+        _write_json_atomic(digests_file, table)
         server.extra_env[VERIFIED_DIGESTS_ENV] = str(digests_file)
         server.trust, server.digests_file = trust, digests_file
     server.start()
     refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
-    return server, ServeReport(tuple(server.ready_models), refused)
+    served = tuple(server.ready_models)
+    engines = {m: engines.get(m) or _engine_from_metrics(server, m) for m in served}
+    return server, ServeReport(served, refused, engines)
+
+
+def _accepted(repository: Path, models: list[str], table: dict | None, refused: dict[str, str],
+              engines: dict[str, str], gpu_product: str | None = None) -> list[str]:
+    """The models that pass acceptance here; the others go to ``refused`` with the reason.
+
+    Acceptance runs in a child process: the engines it loads (GPU memory, a CUDA context, torch's
+    cache) are gone before Triton loads the same models.
+    """
+    import multiprocessing
+
+    from model_factory.acceptance import served_version
+    from model_factory.repository import read_config
+
+    jobs = []
+    for m in models:
+        digests = None
+        if table is not None:
+            digests = table.get(m, {}).get(served_version(repository / m, read_config(repository / m)))
+            if digests is None:
+                refused[m] = "acceptance failed: the served version was not verified"
+                continue
+        jobs.append((str(repository / m), digests, gpu_product))
+    if not jobs:
+        return []
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        verdicts = pool.map(_accept_one, jobs)
+    passed = []
+    for (path, _, _), (ok, where, reason) in zip(jobs, verdicts):
+        m = Path(path).name
+        if ok:
+            passed.append(m)
+            engines[m] = where
+        else:
+            refused[m] = f"acceptance failed on this machine ({where}): {reason}"
+    return passed
+
+
+def _accept_one(job: tuple[str, dict | None, str | None]) -> tuple[bool, str, str | None]:
+    """One model's acceptance verdict (run in the child process of :func:`_accepted`)."""
+    from model_factory.acceptance import accept_model
+
+    path, digests, gpu_product = job
+    result = accept_model(Path(path), digests=digests, gpu_product=gpu_product)
+    return result.passed, result.where, result.reason
+
+
+def _engine_from_metrics(server: TritonServer, model: str) -> str:
+    """``engine on device`` from the backend's metric labels (its metrics carry them), or "unknown"."""
+    try:
+        from model_factory.bench import scrape_metrics
+
+        for sample in scrape_metrics(server.metrics_url, timeout=2.0):
+            if sample.labels.get("model") == model and "engine" in sample.labels:
+                return f"{sample.labels['engine']} on {sample.labels.get('device', '?')}"
+    except FactoryError:
+        pass
+    return "unknown (no engine label in the metrics)"
 
 
 def _verified_digests(repository: Path, results: list, policy: object) -> dict[str, dict[str, dict[str, str]]]:

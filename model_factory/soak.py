@@ -105,10 +105,13 @@ def sample(server_pid: int, repository: Path, at: float) -> Sample:
 
 def run_soak(url: str, model: str, payloads: Sequence[Payload], server_pid: int, repository: Path, *,
              concurrency: int = 8, seconds: float | None = None, requests: int | None = None,
-             sample_s: float = 10.0, output: str = "embedding", timeout_s: float = 60.0) -> SoakReport:
+             sample_s: float = 10.0, output: str = "embedding", timeout_s: float = 60.0,
+             reject_pause_s: float = 0.0) -> SoakReport:
     """Load ``model`` at ``url`` (gRPC) with ``payloads`` cycled, for ``seconds`` or ``requests``.
 
     Even-numbered requests go as ``text``, odd ones as token ids (the payloads must be tokenized).
+    ``reject_pause_s``: a client whose request was rejected (full queue) waits this long before its
+    next one, as a client that retried on another replica would be away from this one.
     """
     if (seconds is None) == (requests is None):
         raise FactoryError("give the soak a duration or a number of requests, not both")
@@ -160,6 +163,8 @@ def run_soak(url: str, model: str, payloads: Sequence[Payload], server_pid: int,
                 except Exception as exc:  # counted: a soak must show none
                     if is_rejection(exc):
                         counts["rejected"] += 1
+                        if reject_pause_s:
+                            await asyncio.sleep(reject_pause_s)
                     else:
                         done.append((time.monotonic() - start, time.monotonic() - t0, False))
                         if len(messages) < 5:

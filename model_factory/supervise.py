@@ -8,7 +8,8 @@ routing to a dead replica. :class:`StubWatch` looks at the server's child proces
 when a model has fewer live stubs than it had once loaded it
 
 1. unloads the model through the restricted repository API, so readiness turns false
-   at once (in-flight requests already got their error from Triton);
+   at once, and waits ``settle_s`` for the dead instance to fail the requests it holds
+   (new requests get 404 at once meanwhile);
 2. verifies the model again against the trust policy ``serve`` started with
    (:func:`model_factory.serve.reverify_model`): the restarted stub loads only bytes
    that verify, and a model that no longer verifies stays unloaded;
@@ -29,6 +30,8 @@ from typing import Callable
 from model_factory.errors import FactoryError
 
 STUB_NAME = "triton_python_backend_stub"
+# Seconds between unloading a model whose stub died and loading it again (see StubWatch.heal).
+SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -106,29 +109,32 @@ class StubWatch:
     """
 
     def __init__(self, server: object, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
-                 echo: Callable[[str], None] | None = None, proc: Path = Path("/proc")) -> None:
+                 echo: Callable[[str], None] | None = None, proc: Path = Path("/proc"),
+                 settle_s: float = SETTLE_S) -> None:
         self.server = server
         self.interval_s = interval_s
+        self.settle_s = settle_s
         self.echo = echo or (lambda _msg: None)
         self.proc = proc
         self.recoveries: list[Recovery] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # What "healthy" means: the stubs each model had once loaded.
-        self.expected = {m: n for m, n in self._counts().items() if m in set(models)}
+        self.expected = {m: n for m, n in (self._counts() or {}).items() if m in set(models)}
         self.healing: str | None = None
 
-    def _counts(self) -> dict[str, int]:
+    def _counts(self) -> dict[str, int] | None:
+        """Live stubs per model; None when the server itself is not running (nothing to heal then)."""
         process = getattr(self.server, "process", None)
         if process is None or process.poll() is not None:
-            return {}
+            return None
         return stub_counts(process.pid, self.server.repository, self.proc)
 
     def check(self) -> list[Recovery]:
         """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
-        done = []
+        done: list[Recovery] = []
         counts = self._counts()
-        if not counts and not self.expected:
+        if counts is None:  # the server is gone: serve reports that itself
             return done
         for model, want in list(self.expected.items()):
             if self._stop.is_set():
@@ -148,10 +154,15 @@ class StubWatch:
             error = self.server.unload_model(model)
             if error:
                 return self._done(model, start, False, f"unload failed: {error}")
+            unloaded = time.monotonic()
             try:
                 reverify_model(self.server, model)
             except FactoryError as exc:
                 return self._done(model, start, False, f"no longer verifies, left unloaded: {exc}")
+            # Let the dead instance fail the requests it holds before the new one loads: Triton 2.51 answers
+            # them one execution at a time (about 1 s each), and a load started meanwhile holds the rest
+            # until it finishes (tens of seconds: a hang for those clients).
+            self._stop.wait(max(0.0, unloaded + self.settle_s - time.monotonic()))
             error = self.server.load_model(model)
             if error:
                 return self._done(model, start, False, f"reload failed: {error}")

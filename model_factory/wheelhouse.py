@@ -542,6 +542,11 @@ def build_wheelhouse(
                      f"downloading what the target needs and pip skipped ({', '.join(missing)})")
             else:
                 raise FactoryError(f"the wheelhouse is still missing {missing} after five passes. Fix: add them with --with")
+        from model_factory.backend.engines.onnxruntime import onnxruntime_conflict
+
+        clash = onnxruntime_conflict(e.name for e in _index(tmp))
+        if clash:
+            raise FactoryError(f"the wheelhouse for extras {','.join(extras_t)}: {clash}")
         report = _write_index(tmp, project_version=version, extras=extras_t, packages=packages_t,
                               python_version=python_version, platforms=platforms)
         tmp.chmod(0o755)  # mkdtemp made it private; a wheelhouse is meant to be shared and copied

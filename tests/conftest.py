@@ -41,3 +41,96 @@ def minilm_export(minilm_recipe):
     from model_factory.build_engines.export import export_model
 
     return export_model(minilm_recipe)
+
+
+@pytest.fixture(scope="session")
+def package_signed(minilm_export):
+    """A factory: ``package_signed(recipe, key, artifacts=None, **package_model_kwargs)`` packages the session's
+    MiniLM export (or ``artifacts``) as ``recipe`` says and signs it with ``key`` (a ``KeyPaths``) and provenance.
+
+    The cost model is fixed, so Triton loads the model without measuring it. Returns the model folder.
+    """
+    def package_signed(recipe, key, artifacts=None, **kwargs) -> Path:
+        from model_factory.pipeline import provenance_for
+        from model_factory.repository import package_model
+        from model_factory.signing import SignerConfig, sign_model_version
+
+        package_model(recipe, artifacts or {"model.onnx": minilm_export.onnx_path},
+                      tokenizer_dir=minilm_export.tokenizer_dir, parameters={"cost_model": "0.002,1e-6,1e-9"}, **kwargs)
+        model_dir = recipe.repository.path / recipe.name
+        sign_model_version(model_dir, recipe.version, SignerConfig(private_key=key.private_key, password=None),
+                           provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},
+                                                     accuracy=None))
+        return model_dir
+
+    return package_signed
+
+
+def _other_weights(src: Path, dst: Path) -> Path:
+    """A copy of an ONNX model with three of its weight matrices changed (a model built with other weights)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    rng = np.random.default_rng(1)
+    changed = 0
+    for init in model.graph.initializer:
+        a = numpy_helper.to_array(init)
+        if changed < 3 and a.dtype == np.float32 and a.ndim == 2 and min(a.shape) > 1:
+            init.CopyFrom(numpy_helper.from_array((a + rng.normal(0, 0.2, a.shape)).astype(np.float32), init.name))
+            changed += 1
+    onnx.save(model, str(dst))
+    return dst
+
+
+def _clipped_int8(src: Path, dst: Path) -> Path:
+    """An INT8 Q/DQ model whose activation ranges are far too narrow: it scores well below any gate."""
+    import onnx
+
+    from model_factory.build_engines.quantize import QdqBuilder, _node_names, find_candidates
+
+    model = onnx.load(str(src))
+    _node_names(model)
+    candidates, _ = find_candidates(model)
+    amax = {a: 0.5 for c in candidates for a in c.activations}
+    onnx.save(QdqBuilder(model, candidates, amax).build([c.node for c in candidates]), str(dst))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def accept_repo(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
+    """A signed repository with acceptance data and three MiniLM models, and a policy trusting two keys.
+
+    ``good``: the FP32 export (key A). ``swapped``: the golden data of ``good`` but a model.onnx with other
+    weights, signed with key B, so it verifies. ``int8``: served from an INT8 model with clipped ranges
+    (``[repository] serve = "int8"``, every precision kept), signed with key A. Cost models are fixed so Triton loads fast.
+    """
+    from dataclasses import replace
+
+    from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.signing import generate_keypair
+
+    root = tmp_path_factory.mktemp("accept")
+    repo = root / "repo"
+    golden = write_acceptance_data(minilm_recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir,
+                                   root / "golden")
+    key_a, key_b = generate_keypair(root / "key-a"), generate_keypair(root / "key-b")
+    fp32 = minilm_export.onnx_path
+    models = {
+        "good": ({"model.onnx": fp32}, "fp32", key_a),
+        "swapped": ({"model.onnx": _other_weights(fp32, root / "other.onnx")}, "fp32", key_b),
+        "int8": ({"model.onnx": fp32, "model.int8.onnx": _clipped_int8(fp32, root / "model.int8.onnx")}, "int8",
+                 key_a),
+    }
+    for name, (artifacts, serve, key) in models.items():
+        # int8 serves model.int8.onnx and keeps model.onnx beside it (the FP32 graph the layer report compares with).
+        recipe = replace(minilm_recipe, name=name, precisions=tuple(sorted({"fp32", serve})),
+                         repository=replace(minilm_recipe.repository, path=repo, serve=serve,
+                                            keep_all_precisions=True))
+        package_signed(recipe, key, artifacts, acceptance_dir=golden)
+    policy = root / "policy.toml"  # two trusted keys (write_key_policy names keys by file name: both alike)
+    policy.write_text("version = 1\n" + "".join(f'[[keys]]\nname = "{n}"\npath = "{k.public_key}"\n'
+                                                for n, k in (("a", key_a), ("b", key_b)))
+                      + "[provenance]\nrequired = true\n")
+    return repo, policy

@@ -76,7 +76,7 @@ def test_package_and_sign_killed_at_random_instants_leave_a_verifying_repository
     work = tmp_path / "work"
     work.mkdir()
     rng = random.Random(12)
-    for _ in range(8):
+    for _ in range(6):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(EXAMPLE), str(repo), str(key), str(work)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         try:
@@ -97,7 +97,6 @@ def test_package_and_sign_killed_at_random_instants_leave_a_verifying_repository
 
 
 def test_a_second_writer_of_one_model_is_refused_at_once(signed_repo, tmp_path: Path) -> None:
-    from model_factory.locking import exclusive
     from model_factory.repository import package_model
     from model_factory.signing import SignerConfig, sign_model_version
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,10 @@ def _data() -> dict:
     (lambda d: d.update(repository={"engine": "tflite"}), "repository.engine", "one of"),
     (lambda d: d.update(repository={"engine": "torch"}), "repository.engine", "export.torchscript = true"),
     (lambda d: d.update(repository={"engine": "tensorrt"}), "repository.engine", "tensorrt.enabled = true"),
+    (lambda d: d.update(repository={"serve": "int4"}), "repository.serve", "one of"),
+    (lambda d: d.update(repository={"serve": "int8"}), "repository.serve", "add \"int8\" to precisions"),
+    (lambda d: d.update(repository={"keep_all_precisions": "yes"}), "repository.keep_all_precisions", "true"),
+    (lambda d: d.update(export={"dynamo": "yes"}), "export.dynamo", "choose by model size"),
 ])
 def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: str, fix: str) -> None:
     data = _data()
@@ -171,6 +176,107 @@ def test_repository_engine_option(tmp_path: Path) -> None:
     assert trt.repository.engine == "tensorrt"
 
 
+def test_repository_allow_cpu_fallback_option(tmp_path: Path) -> None:
+    from model_factory.errors import FactoryError
+
+    torch_source = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+                    "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                    "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}
+    assert parse_recipe(torch_source, tmp_path).repository.allow_cpu_fallback is False  # default: refuse
+    on = parse_recipe({**torch_source, "repository": {"allow_cpu_fallback": True}}, tmp_path)
+    assert on.repository.allow_cpu_fallback is True
+    with pytest.raises(FactoryError, match=r"'repository.allow_cpu_fallback'.*Fix: write true or false"):
+        parse_recipe({**torch_source, "repository": {"allow_cpu_fallback": "yes"}}, tmp_path)
+# --------------------------------------------------------------------------- Hugging Face tasks
+
+HF_TASK_RECIPE = """
+[model]
+name = "m"
+task = "{task}"
+
+[source]
+kind = "huggingface"
+path = "hf"
+{extra}
+"""
+
+
+def _hf_folder(tmp_path: Path, architectures: list[str], **cfg) -> Path:
+    import json
+
+    folder = tmp_path / "hf"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": architectures, "hidden_size": 32,
+                                                    "type_vocab_size": 2, **cfg}))
+    return folder
+
+
+def _task_recipe(tmp_path: Path, task: str, extra: str = ""):
+    (tmp_path / "r.toml").write_text(HF_TASK_RECIPE.format(task=task, extra=extra))
+    return load_recipe(tmp_path / "r.toml")
+
+
+def test_classification_outputs_logits_and_probabilities_with_labels(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["DistilBertForSequenceClassification"], id2label={"0": "neg", "1": "pos"})
+    r = _task_recipe(tmp_path, "classification", "[classification]\nprobabilities = true\n")
+    assert [(o.name, o.dims) for o in r.outputs] == [("logits", (2,)), ("probabilities", (2,))]
+    assert {i.name for i in r.inputs} == {"input_ids", "attention_mask", "token_type_ids", "text"}
+
+
+def test_token_classification_outputs_per_token_logits(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertForTokenClassification"], id2label={str(i): f"L{i}" for i in range(5)})
+    r = _task_recipe(tmp_path, "token-classification")
+    assert [(o.name, o.dims) for o in r.outputs] == [("logits", (-1, 5))]
+
+
+def test_reranker_takes_query_and_passage_and_returns_one_score(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertForSequenceClassification"], id2label={"0": "LABEL_0"})
+    r = _task_recipe(tmp_path, "reranker")
+    assert [(o.name, o.dims) for o in r.outputs] == [("score", (1,))]
+    assert [i.name for i in r.inputs if i.dtype == "BYTES"] == ["query", "passage"]
+    assert "token_type_ids" in [i.name for i in r.inputs]
+
+
+@pytest.mark.parametrize("task, archs, cfg, needle", [
+    ("classification", ["BertModel"], {}, "needs a sequence-classification head"),
+    ("token-classification", ["BertForSequenceClassification"], {"id2label": {"0": "a", "1": "b"}},
+     "needs a token-classification head"),
+    ("reranker", ["BertForSequenceClassification"], {"id2label": {"0": "a", "1": "b"}}, "has 2 labels"),
+    ("classification", [], {}, "no architectures entry"),
+])
+def test_folder_without_the_tasks_head_is_refused(tmp_path: Path, task, archs, cfg, needle) -> None:
+    _hf_folder(tmp_path, archs, **cfg)
+    with pytest.raises(FactoryError, match=needle) as info:
+        _task_recipe(tmp_path, task)
+    assert "'model.task'" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_probabilities_only_for_classifiers(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertModel"])
+    with pytest.raises(FactoryError, match="classification.probabilities"):
+        _task_recipe(tmp_path, "embedding", "[classification]\nprobabilities = true\n")
+
+
+def test_served_precision_defaults_to_fp32_and_is_the_users_choice(onnx_recipe_dir: Path) -> None:
+    default = parse_recipe(_data(), onnx_recipe_dir).repository
+    assert default.serve == "fp32" and default.keep_all_precisions is False
+    data = _data() | {"precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "tiny.onnx"},
+                      "repository": {"serve": "fp16", "keep_all_precisions": True}}
+    chosen = parse_recipe(data, onnx_recipe_dir).repository
+    assert chosen.serve == "fp16" and chosen.keep_all_precisions is True
+
+
+def test_torch_engine_serves_only_fp32(tmp_path: Path) -> None:
+    data = {"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"},
+            "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}],
+            "precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "held.npz"},
+            "export": {"torchscript": True}, "repository": {"engine": "torch", "serve": "fp16"}}
+    (tmp_path / "held.npz").write_bytes(b"")
+    with pytest.raises(FactoryError, match=r"'repository.serve'.*FP32 TorchScript.*Fix: set serve = \"fp32\""):
+        parse_recipe(data, tmp_path)
+
+
 def _two_input_onnx(path: Path, batch="batch") -> Path:
     """a: FP32 [batch, seq, 4], b: FP32 [batch, 4] -> y = a + b (per position): one dynamic axis."""
     import onnx
@@ -221,3 +327,63 @@ def test_torch_source_with_path_instead_of_factory_says_so(tmp_path: Path) -> No
                       "inputs": [{"name": "pixels", "dtype": "UINT8", "dims": [3, 64, 64]}],
                       "outputs": [{"name": "logits", "dtype": "FP32", "dims": [10]}]}, tmp_path)
     assert r.source.base_dir == tmp_path and r.inputs[0].dtype == "UINT8"
+
+
+def test_readme_recipes_for_every_hugging_face_task_parse(tmp_path: Path) -> None:
+    """README's short recipes (built verbatim by the zoo) parse, each with its task's outputs."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zoo_models import readme_recipe
+
+    heads = {"embedding": ["BertModel"], "classification": ["DistilBertForSequenceClassification"],
+             "token-classification": ["BertForTokenClassification"], "reranker": ["BertForSequenceClassification"]}
+    outputs = {"embedding": ["last_hidden_state", "embedding"], "classification": ["logits", "probabilities"],
+               "token-classification": ["logits"], "reranker": ["score"]}
+    for task, archs in heads.items():
+        text = readme_recipe(task)
+        folder = tmp_path / task
+        folder.mkdir()
+        path = re.search(r'^path = "([^"]+)"', text, re.M).group(1)
+        (folder / path).mkdir()
+        labels = {"0": "only"} if task == "reranker" else {"0": "a", "1": "b"}
+        (folder / path / "config.json").write_text(json.dumps({"architectures": archs, "hidden_size": 8,
+                                                               "id2label": labels}))
+        for name in ("calib.txt", "heldout.txt", "pairs.jsonl", "heldout_pairs.jsonl"):
+            (folder / name).write_text("x\n")
+        (folder / "r.toml").write_text(text)
+        recipe = load_recipe(folder / "r.toml")
+        assert recipe.task == task and [o.name for o in recipe.outputs] == outputs[task]
+        assert recipe.precisions == ("fp32", "fp16", "int8") and recipe.quantization.min_accuracy == 0.99
+
+
+def test_every_readme_recipe_is_toml_with_known_tables() -> None:
+    """README's recipe blocks are valid TOML, with every key in the table the recipe reads it from."""
+    import tomllib
+
+    from model_factory.errors import FactoryError as _Err
+    from model_factory.recipe import parse_recipe as _parse
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(r"```toml\n(.*?)```", readme.read_text(), re.S)
+    assert len(blocks) >= 6
+    for block in blocks:
+        data = tomllib.loads(block)
+        try:
+            _parse(data, Path("/nonexistent"))
+        except _Err as exc:  # the files the recipe names are not here; a misplaced key fails before them
+            assert "unknown key" not in str(exc), (str(exc), block)
+
+
+def test_exporter_is_chosen_by_size_unless_the_recipe_says(onnx_recipe_dir: Path) -> None:
+    from model_factory.build_engines.export import DYNAMO_MIN_PARAMETERS, use_dynamo
+
+    unset = parse_recipe(_data(), onnx_recipe_dir)
+    assert unset.export.dynamo is None
+    assert not use_dynamo(unset, DYNAMO_MIN_PARAMETERS - 1) and use_dynamo(unset, DYNAMO_MIN_PARAMETERS)
+    for choice in (True, False):
+        chosen = parse_recipe(_data() | {"export": {"dynamo": choice}}, onnx_recipe_dir)
+        assert use_dynamo(chosen, 10) is choice and use_dynamo(chosen, 10**10) is choice
+
+

@@ -120,6 +120,10 @@ def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> N
     assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
     assert meta["files"]["mf_backend/executor.py"]
     assert read_config(res.model_dir).name == "minilm"
+    # GPU instances fall back to the CPU only when the recipe says so (the example does); no acceptance data given.
+    assert recipe.repository.allow_cpu_fallback is True
+    assert read_config(res.model_dir).parameters["cpu_fallback"].string_value == "true"
+    assert meta["acceptance"] is None
 
 
 def test_package_keeps_other_versions_and_previous_repo_on_failure(minilm_recipe, tmp_path: Path) -> None:
@@ -189,3 +193,90 @@ def test_non_hf_sources_write_no_vocab_size(tmp_path: Path) -> None:
     res = package_model(recipe, _fake_artifacts(tmp_path))
     assert "vocab_size" not in config_parameters(read_config(res.model_dir))
     assert _backend_settings(res.model_dir).vocab_size is None
+
+
+def test_classifier_labels_become_the_outputs_label_file(tmp_path: Path) -> None:
+    """id2label → <model>/labels.txt, named by the class outputs' label_filename (through the protobuf)."""
+    from model_factory.recipe import parse_recipe
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["BertForSequenceClassification"], "hidden_size": 8, "type_vocab_size": 2,
+        "vocab_size": 100, "id2label": {"1": "positive", "0": "negative", "2": "neutral"}}))
+    data = {"model": {"name": "cls", "task": "classification"}, "source": {"kind": "huggingface", "path": "hf"},
+            "classification": {"probabilities": True}, "repository": {"path": "repo"}}
+    recipe = parse_recipe(data, tmp_path)
+    res = package_model(recipe, _fake_artifacts(tmp_path))
+    assert (res.model_dir / "labels.txt").read_text() == "negative\npositive\nneutral\n"
+    config = read_config(res.model_dir)
+    assert {o.name: o.label_filename for o in config.output} == {"logits": "labels.txt",
+                                                                 "probabilities": "labels.txt"}
+    meta = json.loads((res.version_dir / "metadata.json").read_text())
+    assert meta["labels"] == ["negative", "positive", "neutral"] and "../labels.txt" in meta["files"]
+    # Rebuilt as an embedding model, the label file goes (no stale labels beside a config without them).
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "hidden_size": 8}))
+    res = package_model(parse_recipe(data | {"model": {"name": "cls", "task": "embedding"},
+                                            "classification": {}}, tmp_path), _fake_artifacts(tmp_path))
+    assert not (res.model_dir / "labels.txt").exists()
+    assert all(not o.label_filename for o in read_config(res.model_dir).output)
+
+
+def _all_precisions(tmp_path: Path) -> dict[str, Path]:
+    """Artifacts of every precision as stages leave them; the FP32 and INT8 weights in data files."""
+    build = tmp_path / "build"
+    build.mkdir()
+    artifacts = {}
+    for name in ("model.onnx", "model.fp16.onnx", "model.int8.onnx", "model.fp32.plan", "model.int8.plan",
+                 "model.fp32.plan.json", "model.int8.plan.json"):
+        (build / name).write_bytes(name.encode())
+        artifacts[name] = build / name
+    for name in ("model.onnx.data", "model.int8.onnx.data"):
+        with (build / name).open("wb") as f:
+            f.truncate(17 << 20)  # over LINK_MIN_BYTES, sparse: costs no disk
+    return artifacts
+
+
+def _recipe(minilm_recipe, tmp_path: Path, **repository):
+    return replace(minilm_recipe, precisions=("fp32", "fp16", "int8"),
+                   repository=replace(minilm_recipe.repository, path=tmp_path / "repo", **repository))
+
+
+def test_version_folder_holds_the_served_precision_only(minilm_recipe, tmp_path: Path) -> None:
+    artifacts = _all_precisions(tmp_path)
+    recipe = _recipe(minilm_recipe, tmp_path, serve="int8")
+    result = package_model(recipe, artifacts)
+    files = {p.name for p in result.version_dir.iterdir() if p.is_file()}
+    assert {n for n in files if n.startswith("model.") and n != "model.py"} == {
+        "model.int8.onnx", "model.int8.onnx.data", "model.int8.plan", "model.int8.plan.json"}
+    params = config_parameters(read_config(result.model_dir))
+    assert (params["precision"], params["onnx_file"], params["plan_file"]) == ("int8", "model.int8.onnx",
+                                                                              "model.int8.plan")
+    meta = json.loads((result.version_dir / "metadata.json").read_text())
+    assert meta["serve"] == {"precision": "int8", "onnx": "model.int8.onnx", "plan": "model.int8.plan"}
+    assert meta["precisions"] == ["fp32", "fp16", "int8"] and meta["precisions_in_folder"] == ["int8"]
+    assert "model.int8.onnx.data" in meta["files"] and meta["engines"] == ["model.int8.plan"]
+    # Weights are hard links to the build's files, not copies; small files are copies.
+    data = result.version_dir / "model.int8.onnx.data"
+    assert data.stat().st_ino == artifacts["model.int8.onnx"].with_name("model.int8.onnx.data").stat().st_ino
+    assert (result.version_dir / "model.int8.onnx").stat().st_ino != artifacts["model.int8.onnx"].stat().st_ino
+
+
+def test_keep_all_precisions_and_a_precision_without_plan(minilm_recipe, tmp_path: Path) -> None:
+    artifacts = _all_precisions(tmp_path)
+    result = package_model(_recipe(minilm_recipe, tmp_path, serve="fp16", keep_all_precisions=True), artifacts)
+    files = {p.name for p in result.version_dir.iterdir()}
+    assert set(artifacts) | {"model.onnx.data", "model.int8.onnx.data"} <= files
+    params = config_parameters(read_config(result.model_dir))
+    assert params["precision"] == "fp16" and params["onnx_file"] == "model.fp16.onnx" and "plan_file" not in params
+    meta = json.loads((result.version_dir / "metadata.json").read_text())
+    assert meta["serve"]["plan"] is None and meta["precisions_in_folder"] == ["fp32", "fp16", "int8"]
+
+
+def test_serving_a_precision_that_was_not_built_is_refused(minilm_recipe, tmp_path: Path) -> None:
+    artifacts = _all_precisions(tmp_path)
+    del artifacts["model.int8.onnx"]
+    with pytest.raises(FactoryError, match=r"serve = \"int8\".*not built. Fix: run model-factory quantize"):
+        package_model(_recipe(minilm_recipe, tmp_path, serve="int8"), artifacts)
+
+

@@ -113,3 +113,86 @@ def test_a_cost_cache_inside_the_signed_repository_is_refused(tmp_path: Path) ->
                               cost_cache=tmp_path / "repo" / "m" / "cache")
     assert not (tmp_path / "repo" / "m" / "cache").exists()
     assert default_cost_cache().parts[-2:] == ("model-factory", "cost-models")
+
+
+def test_the_admin_apis_are_restricted_with_a_per_run_key_by_default(tmp_path: Path) -> None:
+    from model_factory.serve import ADMIN_HEADER, RESTRICTED_APIS
+
+    install = TritonInstallation(Path("/bin/tritonserver"), tmp_path)
+    first = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0))
+    second = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0))
+    assert first.admin_key and second.admin_key and first.admin_key != second.admin_key
+    cmd = first.command(install)
+    apis = ",".join(RESTRICTED_APIS)
+    assert f"--http-restricted-api={apis}:{ADMIN_HEADER}={first.admin_key}" in cmd
+    assert f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={first.admin_key}" in cmd
+    assert first.admin_headers == {ADMIN_HEADER: first.admin_key}
+    given = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, admin_key="k" * 20))
+    assert given.admin_key == "k" * 20 and "k" * 20 not in repr(given.options)
+    open_ = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, restrict_admin=False))
+    assert not any("restricted" in a for a in open_.command(install)) and open_.admin_headers == {}
+
+
+def test_the_operator_key_comes_from_a_file_or_the_environment_and_is_checked(tmp_path: Path) -> None:
+    from model_factory.serve import ADMIN_KEY_ENV, admin_key_from
+
+    key = tmp_path / "admin-key"
+    key.write_text("a" * 32 + "\nignored\n")
+    assert admin_key_from(key, environ={ADMIN_KEY_ENV: "b" * 32}) == "a" * 32
+    assert admin_key_from(None, environ={ADMIN_KEY_ENV: "b" * 32}) == "b" * 32
+    assert admin_key_from(None, environ={}) is None
+    for bad in ("short", "has:colon" + "x" * 16, "has,comma" + "x" * 16, "has space" + "x" * 16, ""):
+        key.write_text(bad)
+        with pytest.raises(FactoryError, match="not a usable key.*Fix: generate"):
+            admin_key_from(key, environ={})
+    key.write_bytes(b"\xff\xfe")
+    with pytest.raises(FactoryError, match="cannot read the admin key file"):
+        admin_key_from(key, environ={})
+
+
+def test_a_server_started_by_a_process_killed_outright_goes_with_it(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a parent SIGKILLed (no handler runs) still takes its tritonserver with it."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "tritonserver.py"
+    script.write_text(FAKE_SERVER)
+    binary = tmp_path / "tritonserver"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    binary.chmod(0o755)
+    (tmp_path / "fails").write_text("0")
+    (tmp_path / "repo").mkdir()
+    parent = f"""
+import os, sys, time
+from pathlib import Path
+from model_factory import serve
+from model_factory.serve import ServerOptions, TritonInstallation, TritonServer
+env = {{**os.environ, "FAKE_FAILS_FILE": {str(tmp_path / "fails")!r}, "FAKE_PORTS_FILE": {str(tmp_path / "ports")!r}}}
+serve.find_tritonserver = lambda _w: TritonInstallation(Path({str(binary)!r}), Path({str(tmp_path)!r}), env)
+s = TritonServer(Path({str(tmp_path / "repo")!r}), models=[], options=ServerOptions(0, 0, 0, startup_timeout_s=20)).start()
+print(s.process.pid, flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(child, 0)  # running
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break
+            if state == "Z":
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)  # do not leave the stand-in behind
+            pytest.fail("the stand-in tritonserver outlived its SIGKILLed parent")
+    finally:
+        if proc.poll() is None:
+            proc.kill()

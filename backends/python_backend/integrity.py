@@ -39,19 +39,45 @@ def verified_digests(model: str, version: str) -> dict[str, str] | None:
     return digests
 
 
+def _check_covered(path: Path, relpath: str, digests: dict[str, str]) -> None:
+    if relpath not in digests:
+        raise IntegrityError(f"{relpath} is not covered by the verified signature")
+    if path.is_symlink():
+        raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+
+
+def _changed(relpath: str, actual: str, expected: str) -> IntegrityError:
+    return IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
+                          f"{expected[:16]}…); refusing to load it")
+
+
 def read_checked(model_dir: Path, relpath: str, digests: dict[str, str] | None) -> bytes:
     """Read ``model_dir/relpath`` once; with ``digests``, refuse bytes that differ from the verified ones."""
     path = Path(model_dir) / relpath
     if digests is not None:
-        if relpath not in digests:
-            raise IntegrityError(f"{relpath} is not covered by the verified signature")
-        if path.is_symlink():
-            raise IntegrityError(f"{relpath} is a symlink; verified files are never links")
+        _check_covered(path, relpath, digests)
     data = path.read_bytes()
     if digests is not None:
-        expected = digests[relpath]
         actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise IntegrityError(f"{relpath} changed after verification (sha256 {actual[:16]}…, verified "
-                                 f"{expected[:16]}…); refusing to load it")
+        if actual != digests[relpath]:
+            raise _changed(relpath, actual, digests[relpath])
     return data
+
+
+def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: Path) -> None:
+    """Copy ``model_dir/relpath`` to ``dest`` while hashing it; refuse (and remove ``dest``) if it differs.
+
+    For files too large to hold twice in memory (an ONNX model's external data): ``dest`` lies in a
+    private folder of the loading process, so what is loaded from it is exactly what was hashed.
+    """
+    path = Path(model_dir) / relpath
+    _check_covered(path, relpath, digests)
+    h = hashlib.sha256()
+    with path.open("rb") as src, Path(dest).open("wb") as out:
+        for chunk in iter(lambda: src.read(1 << 24), b""):
+            h.update(chunk)
+            out.write(chunk)
+    actual = h.hexdigest()
+    if actual != digests[relpath]:
+        Path(dest).unlink(missing_ok=True)
+        raise _changed(relpath, actual, digests[relpath])

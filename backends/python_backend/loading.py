@@ -5,11 +5,25 @@
 - ``tensorrt``: the TensorRT plan, or the model does not load;
 - ``torch``: the TorchScript file on the instance's device (``cuda:<id>`` for a GPU
   instance, ``cpu`` for a CPU instance), or the model does not load;
-- ``onnxruntime``: the ONNX model on the CPU;
-- ``auto`` (default): on a GPU instance the TensorRT plan if there is one and it
-  loads, else the TorchScript file if there is one and torch has CUDA, else ONNX
-  Runtime, with the reasons in ``info`` (``fallback_from_tensorrt``,
-  ``fallback_from_torch``); on a CPU instance ONNX Runtime.
+- ``onnxruntime``: the ONNX model with ONNX Runtime: on a GPU instance its CUDA provider
+  (``onnxruntime-gpu``), on a CPU instance the CPU provider;
+- ``auto`` (default): on a GPU instance TensorRT (a plan that loads), then ONNX Runtime
+  CUDA, then torch (a TorchScript file and torch with CUDA), each skip recorded with its
+  reason in ``info`` (``fallback_from_tensorrt``, ``fallback_from_onnxruntime_cuda``,
+  ``fallback_from_torch``); on a CPU instance ONNX Runtime on the CPU.
+
+A GPU instance never computes on the CPU by surprise: when no GPU engine loads (or
+``engine=onnxruntime`` finds no CUDA provider), the model is refused with every reason,
+unless the configuration parameter ``cpu_fallback`` is ``true`` (recipe
+``[repository] allow_cpu_fallback = true``); then ONNX Runtime runs on the CPU and ``info``
+says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``cpu``,
+``cuda:<id>``).
+
+Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
+nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
+external-data file ``<onnx_file>.data`` when it has one, copied while hashed into a private folder
+and loaded from there), and the
+TorchScript trace, which is FP32, is used only when the precision is fp32.
 
 When the server was started for one GPU product (``serve --gpu-product``, which sets
 ``MODEL_FACTORY_GPU_PRODUCT``; the Helm chart does it for every pod), only plans whose
@@ -22,12 +36,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from .integrity import IntegrityError, read_checked, verified_digests
+from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .settings import Settings, SettingsError
 
 
+DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 
@@ -48,22 +66,64 @@ def _built_for(model_dir: Path, relpath: str, digests: dict[str, str] | None) ->
     return product_label(device["name"]) if isinstance(device, dict) and device.get("name") else None
 
 
-def _gpu_plan(version_dir: Path, digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
-    """The plan to load and, when a GPU product is set, the plans skipped as built for another one."""
+def _gpu_plan(version_dir: Path, settings: Settings,
+              digests: dict[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The served precision's plan (never another precision's) and, when a GPU product is set, the plan
+    skipped as built for another one."""
     product = os.environ.get(GPU_PRODUCT_ENV, "").strip()
     skipped: list[str] = []
-    # Prefer the lowest precision that was built: INT8, then FP16, then FP32.
-    for precision in ("int8", "fp16", "fp32"):
-        plan = version_dir / f"model.{precision}.plan"
-        if not plan.is_file():
-            continue
-        if product:
-            built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
-            if built_for != product_label(product):
-                skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
-                continue
-        return plan, skipped
-    return None, skipped
+    if not settings.plan_file:
+        return None, skipped
+    plan = version_dir / settings.plan_file
+    if not plan.is_file():
+        return None, skipped
+    if product:
+        built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
+        if built_for != product_label(product):
+            skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
+            return None, skipped
+    return plan, skipped
+
+
+def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None,
+                      device_id: int | None = None):
+    """ONNX Runtime on the CPU, or with ``device_id`` its CUDA provider on that GPU."""
+    from .engines.onnxruntime import OnnxRuntimeCudaEngine, OnnxRuntimeEngine
+
+    model_dir, version = version_dir.parent, version_dir.name
+    path = version_dir / settings.onnx_file
+    if not path.is_file():
+        raise SettingsError(f"{path} is missing: repackage the model")
+    data_name = settings.onnx_file + DATA_SUFFIX
+    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
+    # INT8 runs with Q/DQ simulated in float, as it was scored for the accuracy gate (and as TensorRT
+    # computes it): ONNX Runtime's fused int8 CPU kernels saturate on AVX2 without VNNI.
+    int8 = settings.precision == "int8"
+
+    def make(source: Path | bytes):
+        if device_id is None:
+            return OnnxRuntimeEngine(source, simulate_qdq=int8)
+        return OnnxRuntimeCudaEngine(source, device_id=device_id, settings=settings)
+
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
+            "device": "cpu" if device_id is None else f"cuda:{int(device_id)}"}
+    if device_id is not None:
+        info["provider"] = "CUDAExecutionProvider"
+    if not has_data:
+        return make(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)), info
+    info["external_data"] = data_name
+    if digests is None:  # no verification: ONNX Runtime reads the weights beside the graph itself
+        return make(path), info
+    # A model with external data (past protobuf's 2 GB limit) is loaded from a path. The graph and its
+    # data are copied, hashed on the way, into a private folder and loaded from there: the bytes loaded
+    # are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
+    private = Path(tempfile.mkdtemp(prefix="mf-verified-"))
+    try:
+        (private / settings.onnx_file).write_bytes(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests))
+        copy_checked(model_dir, f"{version}/{data_name}", digests, private / data_name)
+        return make(private / settings.onnx_file), info
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:
@@ -95,47 +155,76 @@ def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dic
     return engine, info
 
 
-def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int):
+_FROM_ENV = object()
+
+
+def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,
+                digests: Any = _FROM_ENV):
     """Return ``(engine, info)`` as the module docstring describes.
 
     The engine is built from bytes read once and checked against the verified
-    digests (when the server was started with verification), never re-read from disk.
+    digests (by default those ``serve`` handed to the server, see ``integrity``;
+    ``model-factory accept`` passes its own), never re-read from disk.
     """
     version_dir = Path(version_dir)
     model_dir, version = version_dir.parent, version_dir.name
-    digests = verified_digests(model_dir.name, version)
+    if digests is _FROM_ENV:
+        digests = verified_digests(model_dir.name, version)
     gpu = instance_kind == "GPU"
     torchscript = version_dir / settings.torchscript_file
     if settings.engine == "torch":
+        if settings.precision != "fp32":
+            raise SettingsError(f"engine=torch serves the FP32 TorchScript trace, but precision={settings.precision}: "
+                                "repackage with repository.serve = \"fp32\" or engine = \"auto\"")
         if not torchscript.is_file():
             raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
-    plan, skipped = _gpu_plan(version_dir, digests)
+    plan, skipped = _gpu_plan(version_dir, settings, digests)
     if skipped and plan is None and gpu:
         fallback["fallback_from_tensorrt"] = (f"no plan built for GPU product {os.environ[GPU_PRODUCT_ENV]!r}: "
                                               f"skipped {', '.join(skipped)}")
     want_trt = settings.engine == "tensorrt" or (settings.engine == "auto" and gpu and plan)
     if want_trt:
         if plan is None:
-            raise SettingsError(f"engine=tensorrt but {version_dir} has no model.<precision>.plan"
+            raise SettingsError(f"engine=tensorrt but {version_dir} has no {settings.precision} plan "
+                                f"({settings.plan_file or 'none was built'})"
                                 + (f" built for this GPU product ({fallback['fallback_from_tensorrt']})"
-                                   if skipped else ""))
+                                   if skipped else ": build engines for it, or use engine=auto"))
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
             from .engines.tensorrt import TensorRTEngine
 
             engine = TensorRTEngine(data, device_id=device_id, settings=settings)
-            return engine, {"flavour": "tensorrt", "file": plan.name, "verified": digests is not None}
+            return engine, {"flavour": "tensorrt", "file": plan.name, "device": f"cuda:{int(device_id)}",
+                            "verified": digests is not None, "precision": settings.precision}
         except Exception as exc:  # no TensorRT here, or a plan this GPU/TensorRT cannot run
             if settings.engine == "tensorrt":
                 raise
             # engine=auto: a plan built for another GPU or flavour (TensorRT-RTX refuses compute
             # capability 9.0) must not take the model down when another engine can serve it.
             fallback["fallback_from_tensorrt"] = f"{type(exc).__name__}: {exc}"
+    elif settings.engine == "auto" and gpu and "fallback_from_tensorrt" not in fallback:
+        fallback["fallback_from_tensorrt"] = f"no {settings.precision} plan in the version folder"
+    if gpu and settings.engine in ("auto", "onnxruntime"):
+        from .engines.onnxruntime import cuda_provider_unavailable_reason
+
+        why = cuda_provider_unavailable_reason()
+        if why is None:  # checked before any bytes are read
+            try:
+                engine, info = _load_onnxruntime(version_dir, settings, digests, device_id)
+                return engine, {**info, "precision": settings.precision, **fallback}
+            except (SettingsError, IntegrityError):
+                raise
+            except Exception as exc:  # no CUDA libraries, no GPU: the next engine may still serve
+                why = f"{type(exc).__name__}: {exc}"
+        fallback["fallback_from_onnxruntime_cuda"] = why
     if settings.engine == "auto" and gpu:
-        if not torchscript.is_file():
+        if settings.precision != "fp32":
+            fallback["fallback_from_torch"] = (f"the TorchScript trace is FP32 and this deployment serves "
+                                               f"{settings.precision}")
+        elif not torchscript.is_file():
             fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
                                                "export.torchscript = true to serve with torch on the GPU)")
         else:
@@ -146,17 +235,21 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                 try:
                     engine, info = _load_torch(version_dir, settings, instance_device(instance_kind, device_id),
                                                digests)
-                    return engine, {**info, **fallback}
+                    return engine, {**info, "precision": settings.precision, **fallback}
                 except (SettingsError, IntegrityError):
                     raise  # a file changed after verification, or a package that does not fit its config
                 except Exception as exc:  # torch cannot load this file here: ONNX Runtime still can serve
                     why = f"{type(exc).__name__}: {exc}"
             fallback["fallback_from_torch"] = why
-    from .engines.onnxruntime import OnnxRuntimeEngine
-
-    path = version_dir / settings.onnx_file
-    if not path.is_file():
-        raise SettingsError(f"{path} is missing: repackage the model")
-    data = read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None, **fallback}
-    return OnnxRuntimeEngine(data), info
+    if gpu and not settings.cpu_fallback:
+        reasons = "; ".join(f"{k[len('fallback_from_'):]}: {v}" for k, v in fallback.items())
+        raise SettingsError(
+            f"GPU instance of {settings.model_name}: no GPU engine loads here and this model does not allow "
+            f"serving on the CPU instead ({reasons}). Fix: install the engine the model was built for (TensorRT "
+            "bindings matching the plan, onnxruntime-gpu, or torch with CUDA), or set [repository] "
+            "allow_cpu_fallback = true in the recipe, or give the model a KIND_CPU instance group")
+    engine, info = _load_onnxruntime(version_dir, settings, digests)
+    info = {**info, "precision": settings.precision, **fallback}
+    if gpu:
+        info["cpu_fallback"] = "allowed by the recipe (allow_cpu_fallback = true)"
+    return engine, info

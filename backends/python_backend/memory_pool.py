@@ -273,16 +273,21 @@ class MemoryPool:
 
 
 def import_tensorrt() -> ModuleType:
-    """``tensorrt`` if installed, else ``tensorrt_rtx``; an ImportError naming both otherwise."""
+    """``tensorrt``, else ``tensorrt_bindings``, else ``tensorrt_rtx``; an ImportError naming them otherwise.
+
+    ``tensorrt_bindings`` is the module of the ``tensorrt-cu13-bindings`` wheel (extra ``tensorrt``): the
+    Python bindings alone, on the TensorRT libraries of NVIDIA's Triton image.
+    """
     errors = []
-    for name in ("tensorrt", "tensorrt_rtx"):
+    for name in ("tensorrt", "tensorrt_bindings", "tensorrt_rtx"):
         try:
             return __import__(name)
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
     raise ImportError(
-        "neither tensorrt nor tensorrt_rtx is installed (" + "; ".join(errors) + "); "
-        "install TensorRT for this GPU (tensorrt-cu13, or tensorrt-rtx-cu13 / model-factory[tensorrt-rtx])"
+        "none of tensorrt, tensorrt_bindings, tensorrt_rtx is importable (" + "; ".join(errors) + "); "
+        "install TensorRT for this GPU (model-factory[tensorrt]: the bindings for the TensorRT libraries of the "
+        "Triton image, or tensorrt-cu13, or tensorrt-rtx-cu13 / model-factory[tensorrt-rtx])"
     )
 
 

@@ -79,7 +79,7 @@ PoolSource = Callable[[], Any]  # returns PoolStats-like (reserved, used, high_w
 class BackendMetrics:
     """The backend's custom metrics for one model instance.
 
-    ``labels`` (model, plus the engine flavour from ``engine_info`` and anything in
+    ``labels`` (model, plus the engine flavour and device from ``engine_info`` and anything in
     ``extra_labels``) are put on every metric. ``cost``, when given, is published
     at once: a CostModel under profile label ``all``, a ProfileCostModel under each
     profile's index; a learning ``CostEstimator`` (anything with ``profiles()``) is read
@@ -106,6 +106,8 @@ class BackendMetrics:
         self.labels = {"model": str(model_name)}
         if engine_info and "flavour" in engine_info:
             self.labels["engine"] = str(engine_info["flavour"])
+        if engine_info and engine_info.get("device"):  # where it computes: cpu, cuda:<id>
+            self.labels["device"] = str(engine_info["device"])
         self.labels.update({str(k): str(v) for k, v in (extra_labels or {}).items()})
         self._families: dict[str, Any] = {}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}

@@ -1,7 +1,7 @@
 """Triton's entry points for model-factory models (kept thin: the logic lives in the modules beside it).
 
-``initialize()`` parses the configuration once, loads the engine (TensorRT when
-a plan, a GPU and TensorRT are there, else ONNX Runtime on the CPU), the
+``initialize()`` parses the configuration once, loads the engine (``loading``:
+TensorRT, ONNX Runtime CUDA or torch on a GPU instance, ONNX Runtime on a CPU one), the
 tokenizer for text models, and fixes the cost model (measured by a warm-up over
 the optimization profiles unless given). ``execute()`` validates each request
 alone, runs the window through the grouped executor and returns exactly one
@@ -11,7 +11,6 @@ request alone.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_engine
-from .requests import RequestError, items_from_tensors, items_from_text_inputs
+from .requests import TEXT_INPUTS, RequestError, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
 
@@ -38,7 +37,7 @@ class TritonPythonModel:
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
-        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING")
+        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
         if self.text_inputs:
             from .tokenizer import load_tokenizer
 
@@ -74,15 +73,16 @@ class TritonPythonModel:
             from .memory_pool import IdleTrimmer
 
             self.trimmer = IdleTrimmer(self.pool, keep_bytes=s.pool_initial_mib << 20, on_trim=self._publish_pool)
-        if "fallback_from_tensorrt" in self.engine_info:
-            pb_utils.Logger.log_warn("model-factory backend: TensorRT engine not usable here, serving the ONNX "
-                                     f"model with ONNX Runtime instead: {self.engine_info['fallback_from_tensorrt']}")
-        if "fallback_from_torch" in self.engine_info:
-            pb_utils.Logger.log_warn("model-factory backend: torch engine not usable here, serving the ONNX "
-                                     f"model with ONNX Runtime instead: {self.engine_info['fallback_from_torch']}")
+        for key, why in self.engine_info.items():  # every engine skipped on the way, with its reason
+            if key.startswith("fallback_from_"):
+                pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: {key[len('fallback_from_'):]} "
+                                         f"engine not used: {why}")
+        if "cpu_fallback" in self.engine_info:
+            pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: GPU instance serving on the CPU "
+                                     f"(ONNX Runtime): {self.engine_info['cpu_fallback']}")
         device = self.engine_info.get("device")
         pb_utils.Logger.log_info(
-            f"model-factory backend: {s.model_name} on {self.engine_info['flavour']} "
+            f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
             f"{start.note}")
 

@@ -20,6 +20,10 @@ Item = dict[str, np.ndarray]
 _NP = NUMPY_DTYPES
 
 
+# The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
+TEXT_INPUTS = ("text", "query", "passage")
+
+
 class RequestError(ValueError):
     """The request is malformed; the message says what and how to fix it (sent as INVALID_ARG)."""
 
@@ -89,6 +93,10 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
     mask = given.get("attention_mask")
     if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
+    if ids is None and settings.input("input_ids") is not None:
+        # Found by fuzzing: a mask alone reached the engine and failed the whole window.
+        raise RequestError(f"{', '.join(sorted(given))} sent without input_ids. Send 'text', or input_ids with "
+                           "its attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class SettingsError(ValueError):
@@ -49,6 +50,11 @@ class Settings:
     # The cost model's start (short | sweep) and whether it keeps learning (None: yes unless constants are given).
     cost_model_warmup: str = "short"
     cost_model_online: bool | None = None
+    # A GPU instance may serve on the CPU (ONNX Runtime) when no GPU engine loads: only when the recipe says so.
+    cpu_fallback: bool = False
+    # The precision this deployment serves (recipe repository.serve) and its TensorRT plan, if built.
+    precision: str = "fp32"
+    plan_file: str | None = None
     # Whether requests of different lengths may be padded into one launch along the sequence axis. Only a
     # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
     # model is batched only with requests of exactly its shape.
@@ -108,6 +114,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if vocab_size is not None and vocab_size <= 0:
         raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
     torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
+    cpu_fallback = params.get("cpu_fallback", "false").strip().lower()
+    if cpu_fallback not in ("true", "false"):
+        raise SettingsError(f"parameter cpu_fallback={params['cpu_fallback']!r}: use true or false")
+    precision = params.get("precision", "") or "fp32"
+    if precision not in PRECISIONS:
+        raise SettingsError(f"parameter precision={precision!r}: use {', '.join(PRECISIONS)}")
     inputs = _io(cfg.get("input"))
     pad = params.get("pad_sequences", "")
     if pad not in ("", "true", "false"):
@@ -146,5 +158,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         vocab_size=vocab_size,
         cost_model_warmup=warmup,
         cost_model_online=None if online_text == "" else online_text == "true",
+        cpu_fallback=cpu_fallback == "true",
+        precision=precision,
+        # Packages from before the precision parameter name no plan: the served precision's own, if any.
+        plan_file=params.get("plan_file") or (None if "precision" in params else f"model.{precision}.plan"),
         pad_sequences=pad_sequences,
     )

@@ -152,6 +152,8 @@ def parse_bundle(text: str | bytes) -> Bundle:
         doc = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"not JSON ({exc})") from exc
+    except RecursionError:
+        raise BundleError("its JSON nests too deeply to be a bundle") from None
     doc = _obj(doc, "the bundle")
     media = doc.get("mediaType")
     if media not in _BUNDLE_MEDIA_TYPES:

@@ -27,12 +27,13 @@ def version_dir(tmp_path: Path) -> Path:
     v = tmp_path / "m" / "1"
     v.mkdir(parents=True)
     _identity_onnx(v / "model.onnx")
-    (v / "model.fp16.plan").write_bytes(b"not a real plan")
+    (v / "model.fp32.plan").write_bytes(b"not a real plan")  # the served precision's (fp32 by default)
     return v
 
 
-def settings(engine: str = "auto"):
-    return parse_settings({"name": "m", "parameters": {"engine": {"string_value": engine}}})
+def settings(engine: str = "auto", cpu_fallback: bool = False):
+    return parse_settings({"name": "m", "parameters": {"engine": {"string_value": engine},
+                                                       "cpu_fallback": {"string_value": str(cpu_fallback).lower()}}})
 
 
 def test_cpu_instance_uses_onnxruntime(version_dir: Path) -> None:
@@ -42,10 +43,24 @@ def test_cpu_instance_uses_onnxruntime(version_dir: Path) -> None:
     np.testing.assert_array_equal(out["y"], np.ones((2, 3)))
 
 
-def test_gpu_instance_falls_back_when_the_plan_cannot_run(version_dir: Path) -> None:
-    # No GPU here (and the plan is garbage): auto must still serve, and say why it fell back.
-    engine, info = load_engine(version_dir, settings(), "GPU", 0)
-    assert info["flavour"] == "onnxruntime" and info["fallback_from_tensorrt"]
+def test_gpu_instance_falls_back_to_the_cpu_only_when_the_recipe_allows_it(version_dir: Path) -> None:
+    # No GPU here (and the plan is garbage): with allow_cpu_fallback, auto serves on the CPU and says why.
+    engine, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)
+    assert info["flavour"] == "onnxruntime" and info["device"] == "cpu" and info["fallback_from_tensorrt"]
+    assert "CUDAExecutionProvider" in info["fallback_from_onnxruntime_cuda"] and "cpu_fallback" in info
+
+
+def test_gpu_instance_never_serves_on_the_cpu_by_surprise(version_dir: Path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    with pytest.raises(SettingsError) as exc:
+        load_engine(version_dir, settings(), "GPU", 0)
+    msg = str(exc.value)
+    # Every engine tried is named with its reason, then the fix.
+    assert "no GPU engine loads here" in msg and "tensorrt:" in msg and "onnxruntime_cuda:" in msg
+    assert "torch:" in msg and "allow_cpu_fallback = true" in msg
+    with pytest.raises(SettingsError, match="onnxruntime_cuda: .*no CUDAExecutionProvider"):
+        load_engine(version_dir, settings("onnxruntime"), "GPU", 0)  # explicit ORT on a GPU instance: CUDA or nothing
 
 
 def test_forced_tensorrt_fails_loudly(version_dir: Path) -> None:
@@ -110,13 +125,13 @@ def test_auto_on_a_cpu_instance_stays_on_onnxruntime(torch_version_dir: Path) ->
 def test_auto_on_a_gpu_instance_without_cuda_falls_back_with_both_reasons(torch_version_dir: Path) -> None:
     if _cuda_available():
         pytest.skip("torch has CUDA here: auto serves with torch")
-    _, info = load_engine(torch_version_dir, settings(), "GPU", 0)
+    _, info = load_engine(torch_version_dir, settings(cpu_fallback=True), "GPU", 0)
     assert info["flavour"] == "onnxruntime"
     assert info["fallback_from_tensorrt"] and "no usable CUDA" in info["fallback_from_torch"]
 
 
 def test_auto_on_a_gpu_instance_without_torchscript_says_so(version_dir: Path) -> None:
-    _, info = load_engine(version_dir, settings(), "GPU", 0)
+    _, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)
     assert info["flavour"] == "onnxruntime" and "export.torchscript = true" in info["fallback_from_torch"]
 
 
@@ -138,6 +153,7 @@ def test_auto_on_a_gpu_instance_prefers_torch_over_onnxruntime(torch_version_dir
     engine, info = load_engine(torch_version_dir, settings(), "GPU", 0)
     # The plan here is garbage: TensorRT is tried first and its failure recorded.
     assert info["flavour"] == "torch" and info["fallback_from_tensorrt"] and "fallback_from_torch" not in info
+    assert "CUDAExecutionProvider" in info["fallback_from_onnxruntime_cuda"]  # tried before torch
     np.testing.assert_array_equal(engine.run({"x": np.ones((1, 3), np.float32)})["y"], np.ones((1, 3)))
 
 
@@ -168,6 +184,99 @@ def test_torch_engine_must_fit_the_model_config(torch_version_dir: Path) -> None
         load_engine(torch_version_dir, parse_settings(cfg), "CPU", 0)
 
 
+# --------------------------------------------------------------------------- served precision, external data
+
+
+def _precision_settings(precision: str, engine: str = "auto", plan: bool = True, cpu_fallback: bool = False):
+    params = {"engine": engine, "precision": precision, "cpu_fallback": str(cpu_fallback).lower(),
+              "onnx_file": "model.onnx" if precision == "fp32" else f"model.{precision}.onnx"}
+    if plan:
+        params["plan_file"] = f"model.{precision}.plan"
+    return parse_settings({"name": "m", "parameters": {k: {"string_value": v} for k, v in params.items()}})
+
+
+def _scale_onnx(path: Path, scale: float, external: bool) -> None:
+    """y = x @ W with W = scale * I (64 x 64), its weight in ``path.data`` when ``external``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array((np.eye(64) * scale).astype(np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 64])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data",
+                        size_threshold=0)
+    else:
+        onnx.save(model, str(path))
+
+
+@pytest.fixture
+def precisions_dir(tmp_path: Path) -> Path:
+    """A version folder with every precision: ONNX files that tell themselves apart, and garbage plans."""
+    v = tmp_path / "m" / "1"
+    v.mkdir(parents=True)
+    for precision, scale in (("fp32", 1.0), ("fp16", 2.0), ("int8", 3.0)):
+        name = "model.onnx" if precision == "fp32" else f"model.{precision}.onnx"
+        _scale_onnx(v / name, scale, external=precision != "fp16")
+        (v / f"model.{precision}.plan").write_bytes(f"not a real {precision} plan".encode())
+    return v
+
+
+@pytest.mark.parametrize("precision,scale", [("fp32", 1.0), ("fp16", 2.0), ("int8", 3.0)])
+def test_the_served_precision_and_only_it_is_loaded(precisions_dir: Path, precision: str, scale: float) -> None:
+    engine, info = load_engine(precisions_dir, _precision_settings(precision), "CPU", 0)
+    assert info["precision"] == precision and info["file"] == _precision_settings(precision).onnx_file
+    np.testing.assert_allclose(engine.run({"x": np.ones((1, 64), np.float32)})["y"], np.full((1, 64), scale))
+
+
+def test_a_gpu_instance_tries_the_served_precisions_plan(precisions_dir: Path) -> None:
+    # No GPU here: the int8 plan is tried (and its failure recorded), then the int8 ONNX serves (the CPU allowed).
+    engine, info = load_engine(precisions_dir, _precision_settings("int8", cpu_fallback=True), "GPU", 0)
+    assert info["flavour"] == "onnxruntime" and info["file"] == "model.int8.onnx"
+    assert info["fallback_from_tensorrt"] and "FP32" in info["fallback_from_torch"]
+    np.testing.assert_allclose(engine.run({"x": np.ones((1, 64), np.float32)})["y"], np.full((1, 64), 3.0))
+
+
+def test_tensorrt_refuses_when_the_served_precision_has_no_plan(precisions_dir: Path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    (precisions_dir / "model.fp16.plan").unlink()
+    with pytest.raises(SettingsError, match="no fp16 plan"):
+        load_engine(precisions_dir, _precision_settings("fp16", engine="tensorrt", plan=False), "GPU", 0)
+
+
+def test_external_data_is_loaded_from_the_verified_bytes(precisions_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    import hashlib
+    import json
+    import tempfile
+
+    private = tmp_path / "private"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where the checked copies go while loading
+
+    from model_factory.backend.integrity import ENV, IntegrityError
+
+    v = precisions_dir
+    digests = {f"1/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in v.iterdir()}
+    table = tmp_path / "verified.json"
+    table.write_text(json.dumps({"m": {"1": digests}}))
+    monkeypatch.setenv(ENV, str(table))
+    engine, info = load_engine(v, _precision_settings("int8"), "CPU", 0)
+    assert info["verified"] and info["external_data"] == "model.int8.onnx.data"
+    np.testing.assert_allclose(engine.run({"x": np.ones((1, 64), np.float32)})["y"], np.full((1, 64), 3.0))
+    assert list(private.iterdir()) == []  # the private copies are gone once the session holds the weights
+    # The weights swapped after verification: refused, not loaded.
+    data = v / "model.int8.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="model.int8.onnx.data changed after verification"):
+        load_engine(v, _precision_settings("int8"), "CPU", 0)
+    assert list(private.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- engines per GPU product
 
 
@@ -181,40 +290,40 @@ def test_product_label_matches_gpu_feature_discovery() -> None:
     assert product_label(" Tesla T4 ") == "Tesla-T4"
 
 
-def test_without_a_gpu_product_every_plan_counts(version_dir: Path, monkeypatch) -> None:
+def test_without_a_gpu_product_the_served_plan_counts(version_dir: Path, monkeypatch) -> None:
     monkeypatch.delenv(GPU_PRODUCT_ENV, raising=False)
-    _plan_meta(version_dir, "model.fp16.plan", "NVIDIA L4")
-    assert _gpu_plan(version_dir) == (version_dir / "model.fp16.plan", [])
+    _plan_meta(version_dir, "model.fp32.plan", "NVIDIA L4")
+    assert _gpu_plan(version_dir, settings()) == (version_dir / "model.fp32.plan", [])
 
 
 def test_a_pod_pinned_to_a_product_loads_only_plans_built_on_it(version_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
+    (version_dir / "model.fp16.plan").write_bytes(b"built on this GPU")
     _plan_meta(version_dir, "model.fp16.plan", "NVIDIA H100 80GB HBM3")
     (version_dir / "model.int8.plan").write_bytes(b"built on another GPU")
     _plan_meta(version_dir, "model.int8.plan", "NVIDIA L4")
-    plan, skipped = _gpu_plan(version_dir)
-    # INT8 is preferred, but it was built on an L4: the H100 pod takes the FP16 plan built on its product.
-    assert plan == version_dir / "model.fp16.plan"
-    assert skipped == ["model.int8.plan (built for NVIDIA-L4)"]
+    assert _gpu_plan(version_dir, _precision_settings("fp16")) == (version_dir / "model.fp16.plan", [])
+    # The deployment serves INT8, built on an L4: the H100 pod has no plan (never another precision's).
+    assert _gpu_plan(version_dir, _precision_settings("int8")) == (None, ["model.int8.plan (built for NVIDIA-L4)"])
 
 
 def test_no_plan_for_the_product_falls_back_under_auto_and_fails_when_forced(version_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-H100-80GB-HBM3")
-    _plan_meta(version_dir, "model.fp16.plan", None)  # built ahead of time without a GPU
-    engine, info = load_engine(version_dir, settings(), "GPU", 0)
+    _plan_meta(version_dir, "model.fp32.plan", None)  # built ahead of time without a GPU
+    engine, info = load_engine(version_dir, settings(cpu_fallback=True), "GPU", 0)  # the recipe allows the CPU
     assert info["flavour"] == "onnxruntime"
     assert info["fallback_from_tensorrt"] == ("no plan built for GPU product 'NVIDIA-H100-80GB-HBM3': skipped "
-                                              "model.fp16.plan (built for no GPU product)")
-    with pytest.raises(SettingsError, match="no model.<precision>.plan.*NVIDIA-H100-80GB-HBM3"):
+                                              "model.fp32.plan (built for no GPU product)")
+    with pytest.raises(SettingsError, match="no fp32 plan.*NVIDIA-H100-80GB-HBM3"):
         load_engine(version_dir, settings("tensorrt"), "GPU", 0)
-    (version_dir / "model.fp16.plan.json").unlink()  # no metadata at all: not known to be for this product
-    assert _gpu_plan(version_dir) == (None, ["model.fp16.plan (built for no GPU product)"])
+    (version_dir / "model.fp32.plan.json").unlink()  # no metadata at all: not known to be for this product
+    assert _gpu_plan(version_dir, settings()) == (None, ["model.fp32.plan (built for no GPU product)"])
 
 
 def test_the_plan_metadata_is_read_through_the_verified_digests(version_dir: Path, monkeypatch) -> None:
     from model_factory.backend.integrity import IntegrityError
 
     monkeypatch.setenv(GPU_PRODUCT_ENV, "NVIDIA-L4")
-    _plan_meta(version_dir, "model.fp16.plan", "NVIDIA L4")
-    with pytest.raises(IntegrityError, match="1/model.fp16.plan.json changed after verification"):
-        _gpu_plan(version_dir, {"1/model.fp16.plan.json": "0" * 64})
+    _plan_meta(version_dir, "model.fp32.plan", "NVIDIA L4")
+    with pytest.raises(IntegrityError, match="1/model.fp32.plan.json changed after verification"):
+        _gpu_plan(version_dir, settings(), {"1/model.fp32.plan.json": "0" * 64})

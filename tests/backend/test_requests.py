@@ -63,6 +63,7 @@ def test_rows_become_items(settings) -> None:
 @pytest.mark.parametrize("tensors, message", [
     ({}, "no inputs"),
     ({"input_ids": np.zeros((1, 4), np.int64)}, "without attention_mask"),
+    ({"attention_mask": np.ones((1, 4), np.int64)}, "attention_mask sent without input_ids"),
     ({"input_ids": np.zeros((1, 4), np.int32), "attention_mask": np.ones((1, 4), np.int64)}, "dtype int32"),
     ({"input_ids": np.zeros((4,), np.int64), "attention_mask": np.ones((4,), np.int64)}, "shape"),
     ({"input_ids": np.zeros((1, 4), np.int64), "attention_mask": np.ones((1, 5), np.int64)}, "different sequence lengths"),
@@ -123,6 +124,34 @@ def test_integrity_reads_once_and_refuses_changed_bytes(tmp_path, monkeypatch) -
         read_checked(tmp_path / "m", "1/other.onnx", digests)
     with pytest.raises(IntegrityError, match="was not verified"):
         verified_digests("other", "1")
+
+
+def test_reranker_pairs_are_tokenized_as_pairs() -> None:
+    from model_factory.backend.requests import items_from_text_inputs
+
+    class FakeEncoding:
+        def __init__(self, pair) -> None:
+            q, p = pair
+            self.ids = list(range(len(q.split()) + len(p.split()) + 3))
+            self.attention_mask = [1] * len(self.ids)
+            self.type_ids = [0] * (len(q.split()) + 2) + [1] * (len(p.split()) + 1)
+
+    class FakeTokenizer:
+        def encode_batch(self, pairs):
+            assert all(isinstance(x, tuple) for x in pairs)  # pairs reach the tokenizer as pairs
+            return [FakeEncoding(x) for x in pairs]
+
+    raw = {"query": np.array([[b"red apples"], [b"pears"]], dtype=object),
+           "passage": np.array([[b"apples are red"], [b"a pear"]], dtype=object)}
+    items = items_from_text_inputs(raw, FakeTokenizer(), ("input_ids", "attention_mask", "token_type_ids"))
+    assert [it["token_type_ids"].tolist() for it in items] == [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
+    with pytest.raises(RequestError, match="'passage' is missing"):
+        items_from_text_inputs({"query": raw["query"]}, FakeTokenizer(), ("input_ids",))
+    with pytest.raises(RequestError, match="one query row per passage row"):
+        items_from_text_inputs({"query": raw["query"], "passage": raw["passage"][:1]}, FakeTokenizer(), ("input_ids",))
+    with pytest.raises(RequestError, match=r"passage\[0\] is empty"):
+        items_from_text_inputs({"query": raw["query"][:1], "passage": np.array([[b" "]], dtype=object)},
+                               FakeTokenizer(), ("input_ids",))
 
 
 GENERIC = {

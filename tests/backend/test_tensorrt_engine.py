@@ -342,10 +342,22 @@ def test_missing_plan_file(fakes, tmp_path):
 
 
 def test_no_tensorrt_installed(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", None)
-    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
-    with pytest.raises(EngineError, match="neither tensorrt nor tensorrt_rtx"):
+    for name in ("tensorrt", "tensorrt_bindings", "tensorrt_rtx"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(EngineError, match=r"none of tensorrt, tensorrt_bindings, tensorrt_rtx.*model-factory\[tensorrt\]"):
         TensorRTEngine(b"plan")
+
+
+def test_the_bindings_wheel_is_found_under_its_own_module_name(monkeypatch):
+    """tensorrt-cu13-bindings (the serving image's engine) installs ``tensorrt_bindings``, not ``tensorrt``."""
+    import types
+
+    from model_factory.backend.memory_pool import import_tensorrt
+
+    bindings = types.ModuleType("tensorrt_bindings")
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_bindings", bindings)
+    assert import_tensorrt() is bindings
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="checks the error seen without a GPU")

@@ -111,6 +111,9 @@ def test_primary_output():
     assert primary_output("embedding", ["last_hidden_state", "embedding"]) == "embedding"
     assert primary_output("classification", ["logits", "embedding"]) == "logits"
     assert primary_output("embedding", ["out"]) == "out"
+    assert primary_output("token-classification", ["logits", "probabilities"]) == "logits"
+    assert primary_output("reranker", ["score"]) == "score"
+    assert primary_output("generic", ["y", "logits"]) == "y"  # a generic model is scored on its first output
 
 
 def test_report_round_trips_through_json(tmp_path):
@@ -164,3 +167,8 @@ def test_unreadable_report(tmp_path):
     p.write_text("{")
     with pytest.raises(FactoryError, match="re-run the quantize stage"):
         AccuracyReport.read(p)
+
+
+def test_rendered_report_has_no_trailing_spaces():
+    """The report goes into build logs: no line padded out to the table's width."""
+    assert all(line == line.rstrip() for line in _report().render().splitlines())

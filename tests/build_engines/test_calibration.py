@@ -189,3 +189,44 @@ def test_batches_cover_every_sample_once():
     got = list(batches(feeds, 4))
     assert [len(b["a"]) for b in got] == [4, 4, 2]
     assert np.array_equal(np.concatenate([b["b"] for b in got]), feeds["b"])
+
+
+# --------------------------------------------------------------------------- reranker pairs
+
+
+def _pairs(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"query": q, "passage": p}) + "\n" for q, p in rows))
+    return path
+
+
+def test_jsonl_query_passage_pairs_are_read_as_pairs(tmp_path):
+    s = read_samples(_pairs(tmp_path / "p.jsonl", [("q1", "first passage"), ("q1", "second"), ("q2", "third")]))
+    assert s.is_pairs and len(s) == 3 and s.groups() == ["q1", "q1", "q2"]
+    assert s.keys()[0] == "q1\0first passage"
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (['{"query": "q"}'], '"passage"'),
+    (['{"query": "q", "passage": "p"}', '{"text": "t"}'], "mixes single texts and query/passage pairs"),
+])
+def test_bad_pair_lines_are_named(tmp_path, lines, needle):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FactoryError, match=needle) as info:
+        read_samples(path)
+    assert "Fix:" in str(info.value)
+
+
+def test_pairs_and_texts_do_not_mix_across_files(tmp_path):
+    spec = QuantizationSpec(calibration_data=_pairs(tmp_path / "c.jsonl", [("q", "p"), ("q", "p2")]),
+                            heldout_data=_txt(tmp_path / "h.txt", ["a text"]))
+    with pytest.raises(FactoryError, match="pairs"):
+        split_data(spec, need_calibration=True)
+
+
+def test_pairs_are_tokenized_as_pairs_with_token_type_ids(minilm_recipe, tmp_path):
+    enc = InputEncoder(BERT_INPUTS, minilm_recipe.source.path, max_length=32)
+    feeds = enc.encode(read_samples(_pairs(tmp_path / "p.jsonl", [("short query", "a passage"), ("q", "p")])))
+    # [CLS] short query [SEP] a passage [SEP]: the passage's tokens (and its [SEP]) are type 1.
+    assert feeds["token_type_ids"][0].tolist()[:7] == [0, 0, 0, 0, 1, 1, 1]
+    assert feeds["attention_mask"][0].sum() == 7 and list(feeds["input_ids"][0][[0, 3, 6]]) == [101, 102, 102]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +77,33 @@ def test_hf_export_matches_torch_with_dynamic_axes(minilm_export, minilm_recipe)
         assert hidden.shape == (batch, length, 384) and emb.shape == (batch, 384)
 
 
+def test_minilm_weights_are_external_data_beside_the_graph(minilm_export) -> None:
+    # 90 MB of weights: over EXTERNAL_DATA_MIN_BYTES, so one data file beside a graph of a few hundred kB.
+    data = minilm_export.onnx_path.with_name("model.onnx.data")
+    assert data.stat().st_size > 80_000_000 and minilm_export.onnx_path.stat().st_size < 2_000_000
+    assert sorted(p.name for p in minilm_export.onnx_path.parent.glob("model.onnx*")) == ["model.onnx",
+                                                                                        "model.onnx.data"]
+
+
+def test_dynamo_exporter_names_outputs_and_streams_weights(tmp_path: Path, minilm_recipe) -> None:
+    """The exporter large models get by default (export.dynamo unset, >= 32M parameters), here asked for."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_torch_models import save_tiny_bert
+
+    folder = save_tiny_bert(tmp_path / "bert", minilm_recipe.source.path)
+    recipe = parse_recipe({"model": {"name": "tiny"}, "source": {"kind": "huggingface", "path": str(folder)},
+                           "export": {"dynamo": True, "opset": 18}, "shapes": {"max_sequence_length": 32}}, tmp_path)
+    result = export_model(recipe)
+    assert result.output_names == ("last_hidden_state", "embedding") and result.opset == 18
+    assert result.max_abs_error < recipe.export.tolerance
+    # The dynamo exporter names an internal value "embedding" too: outputs are named after export, uniquely.
+    sess = onnxruntime_session(result.onnx_path)
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "embedding"]
+    assert [p.name for p in result.onnx_path.parent.iterdir() if p.name.startswith("model.onnx")] == ["model.onnx"]
+
+
 def test_torch_factory_export(tmp_path: Path, factory_module: str) -> None:
     recipe = parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path)
     res = export_model(recipe)
@@ -144,7 +171,7 @@ def test_factory_module_beside_the_recipe_imports_without_leaking(tmp_path: Path
     (other / "user_cnn_factory.py").write_text("def build():\n    raise AssertionError('the wrong module')\n")
     sys.path.insert(0, str(other))
     try:
-        import user_cnn_factory  # noqa: F401 - imported to be shadowed
+        importlib.import_module("user_cnn_factory")  # imported to be shadowed
 
         assert export_model(parse_recipe(torch_recipe(folder, "user_cnn_factory:build"), folder)).max_abs_error < 1e-4
         assert sys.modules["user_cnn_factory"].__file__ == str(other / "user_cnn_factory.py")
@@ -299,6 +326,45 @@ def test_onnx_source_cannot_make_torchscript(tmp_path: Path, factory_module: str
     recipe = replace(recipe, export=replace(recipe.export, torchscript=True))
     with pytest.raises(FactoryError, match="no torch module to trace. Fix: set export.torchscript = false"):
         export_model(recipe)
+
+
+# --------------------------------------------------------------------------- Hugging Face task heads
+
+
+def _task_recipe(folder: Path, task: str, tmp_path: Path):
+    data = {"model": {"name": "t", "task": task}, "source": {"kind": "huggingface", "path": str(folder)},
+            "shapes": {"max_sequence_length": 32, "sequence_buckets": [32]}, "repository": {"path": "repo"}}
+    return parse_recipe(data, tmp_path)
+
+
+def test_head_without_its_weights_is_refused(tiny_bert: Path, tmp_path: Path) -> None:
+    """config.json claims a classifier, the weights are the bare encoder: never export a random head."""
+    import shutil
+
+    folder = tmp_path / "claims-a-head"
+    shutil.copytree(tiny_bert, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"architectures": ["BertForSequenceClassification"],
+                                                           "id2label": {"0": "a", "1": "b"}}))
+    with pytest.raises(FactoryError, match=r"lack .* tensor\(s\) of the classification head.*Fix:"):
+        export_model(_task_recipe(folder, "classification", tmp_path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_classifier_exports_per_token_logits(tmp_path: Path, minilm_recipe) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import zoo_models
+
+    member = zoo_models.make_token_classifier(tmp_path, minilm_recipe.source.path)
+    res = export_model(_task_recipe(member.folder, "token-classification", tmp_path), tmp_path / "out")
+    assert res.output_names == ("logits",) and res.max_abs_error < 1e-3
+    sess = onnxruntime_session(res.onnx_path)
+    out = sess.run(["logits"], {"input_ids": np.full((2, 7), 1000, np.int64),
+                                "attention_mask": np.ones((2, 7), np.int64),
+                                "token_type_ids": np.zeros((2, 7), np.int64)})[0]
+    assert out.shape == (2, 7, len(zoo_models.NER_LABELS))
 
 
 def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:

@@ -122,7 +122,7 @@ def test_int8_is_scored_as_tensorrt_computes_it(tiny, feeds, tmp_path):
     got = _run(q, feeds, "logits")
     # The same arithmetic in numpy: logits = fq(pooled) @ fq(w_head).T, per-tensor / per-row scales.
     float_path = tmp_path / "float.onnx"
-    float_path.write_bytes(_with_outputs(tiny, ["pooled"]))
+    float_path.write_bytes(_with_outputs(tiny, ["pooled"]).SerializeToString())
     pooled = ort_session(float_path).run(["pooled"], data)[0]
     s_act = amax["pooled"] / 127
     pooled_fq = np.clip(np.round(pooled / s_act), -128, 127) * s_act
@@ -251,6 +251,11 @@ def test_failed_gate_writes_the_report_then_raises(minilm_export, tmp_path):
     assert report.result("int8").score < 0.9999 and report.result("int8").float_nodes == ()
     msg = str(exc.value)
     assert "accuracy gate failed: int8" in msg and "FAIL" in msg and "Accuracy of minilm vs FP32" in msg
+    # The report names where the INT8 graph first departs from FP32, per layer, by exact tensor name.
+    assert "int8 first departs from FP32 at" in msg and "(MatMul) -> /model/encoder/layer." in msg
+    departures = json.loads((recipe.work_dir / "quantize" / "departures.json").read_text())["int8"]
+    assert departures and departures[0]["op"] == "MatMul" and departures[0]["cosine"] < 0.9999
+    assert [d["position"] for d in departures] == sorted(d["position"] for d in departures)
     (recipe.work_dir / "export").mkdir()
     (recipe.work_dir / "export" / "model.onnx").symlink_to(minilm_export.onnx_path)
     with pytest.raises(FactoryError, match="the int8 model failed the accuracy gate"):
@@ -309,3 +314,21 @@ def test_quantize_command_errors_are_clean(tmp_path):
     assert "Error:" in res.output and "run model-factory export on the recipe first" in res.output
     assert "Traceback" not in res.output
     assert "Example" in quantize.get_help(quantize.make_context("quantize", [str(recipe)]))
+
+
+def test_reranker_data_must_be_pairs_and_pairs_only_for_rerankers(tmp_path) -> None:
+    from model_factory.build_engines.calibration import read_samples, DataSplit
+    from model_factory.build_engines.quantize import check_task_data
+
+    texts = tmp_path / "t.txt"
+    texts.write_text("one text\nanother\n")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"query": "q", "passage": "p"}\n')
+    text_split = DataSplit(read_samples(texts), read_samples(texts), "n")
+    pair_split = DataSplit(None, read_samples(pairs), "n")
+    with pytest.raises(FactoryError, match=r"calibration_data: a reranker scores \(query, passage\) pairs.*Fix:"):
+        check_task_data("reranker", text_split)
+    with pytest.raises(FactoryError, match="only a reranker reads.*Fix:"):
+        check_task_data("classification", pair_split)
+    check_task_data("reranker", pair_split)
+    check_task_data("embedding", text_split)

@@ -99,6 +99,9 @@ def test_engines_for_fp32_fp16_int8(engines, precision_recipe, quantized, tensor
         assert {i["name"] for i in meta["inputs"]} == {"input_ids", "attention_mask", "token_type_ids"}
         assert {o["name"] for o in meta["outputs"]} == {"last_hidden_state", "embedding"}
         assert meta["input_onnx_sha256"] == digest_path(quantized.models[e.precision])
+        # MiniLM's weights (90 MB) live in the ONNX's external-data file, which TensorRT parsed through the path.
+        data = quantized.models[e.precision].with_name(quantized.models[e.precision].name + ".data")
+        assert meta["input_onnx_data_sha256"] == digest_path(data)
         assert meta["plan_bytes"] == e.size_bytes and meta["built_at"]
         if tensorrt_flavour == "tensorrt_rtx":
             assert plan_header_problems(e.plan_path) == []  # TensorRT-RTX reads the header without a GPU

@@ -400,3 +400,23 @@ def test_compose_config_accepts_the_file(tmp_path) -> None:
 
 def test_compose_file_matches_the_compose_spec_schema() -> None:
     check_jsonschema("vendor.compose-spec", COMPOSE)
+
+
+def test_triton_image_carries_a_gpu_engine_matching_its_tensorrt() -> None:
+    """The default serving image installs TensorRT's bindings and fails its build if they do not load there."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["tensorrt"] == ["tensorrt-cu13-bindings==11.4.0.106"]
+    instructions = dockerfile_instructions(TRITON_DOCKERFILE)
+    default = next(rest for instr, rest in instructions if instr == "ARG" and rest.startswith("TRITON_EXTRAS="))
+    assert "tensorrt" in default.split("=", 1)[1].split(",")
+    args = compose()["services"]["triton"]["build"]["args"]
+    assert "tensorrt" in args["TRITON_EXTRAS"].split(",")
+    assert "TRITON_EXTRAS=serve,sign,gpu,tensorrt" in ENV_EXAMPLE.read_text().splitlines()
+    runs = " ".join(rest for instr, rest in instructions if instr == "RUN")
+    # Imported at build time: the bindings need the image's own libnvinfer; TensorRT-RTX would not do on a datacenter GPU.
+    assert "import_tensorrt" in runs and "m.__name__ != 'tensorrt_rtx'" in runs
+    # The onnxruntime-gpu extras exist and are kept apart from the CPU wheel's.
+    assert not any(r.startswith("onnxruntime>") for r in extras["serve-gpu"] + extras["onnxruntime-gpu"])
+    assert any(r.startswith("onnxruntime-gpu") for r in extras["serve-gpu"])

@@ -96,6 +96,30 @@ def test_a_rebuild_replaces_the_model_folder_by_rename(site) -> None:
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (dest / "minilm" / "1").iterdir()) == ["model.onnx"]
     assert (dest / "other").is_dir()
+    # The replaced folder is kept, one generation, for a rollback.
+    previous = site["root"] / "repository" / ".previous" / "NVIDIA-L4" / "trt-10.13"
+    assert (previous / "minilm" / "1" / "old.onnx").read_text() == "previous build"
+
+
+def test_rollback_swaps_the_kept_folder_back_and_verifies(site) -> None:
+    dest = site["root"] / "repository" / "NVIDIA-L4" / "trt-10.13"
+    (dest / "minilm" / "1").mkdir(parents=True)
+    (dest / "minilm" / "1" / "model.onnx").write_text("version in service before")
+    assert run(site, 0).returncode == 0
+    assert (dest / "minilm" / "1" / "model.onnx").read_text().startswith("built from")
+    proc = run(site, 0, FACTORY_ACTION="rollback")
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "minilm" / "1" / "model.onnx").read_text() == "version in service before"
+    assert calls(site)[-1] == f"verify --policy {site['env']['FACTORY_POLICY']} --json {dest}"
+    # Rolling back again rolls forward: the two generations swap.
+    assert run(site, 0, FACTORY_ACTION="rollback").returncode == 0
+    assert (dest / "minilm" / "1" / "model.onnx").read_text().startswith("built from")
+
+
+def test_rollback_with_nothing_kept_is_refused(site) -> None:
+    proc = run(site, 0, FACTORY_ACTION="rollback")
+    assert proc.returncode == 2 and "nothing to roll back" in proc.stderr
+    assert calls(site) == []
 
 
 def test_a_failed_build_never_reaches_the_repository(site) -> None:

@@ -40,11 +40,30 @@ def mounts(c: dict) -> dict[str, dict]:
 # --------------------------------------------------------------------------- the engine and the validators
 
 
-def test_helm_lint_passes() -> None:
+@pytest.mark.parametrize("values_set", ["default", "factory", "s3"])
+def test_helm_lint_passes_strictly(values_set: str) -> None:
     from helm_python import chart
 
-    result = chart.lint(CHART)
+    result = chart.lint(CHART, VALUE_SETS[values_set], strict=True, kube_version=KUBE_VERSIONS[0])
     assert result["errors"] == [] and not [m for m in result["messages"] if m["severity"] > 1], result
+
+
+def test_the_pod_extras_reach_the_pod() -> None:
+    docs = objects("pod-extras")
+    dep = find(docs, "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["metadata"]["name"] == "encoders"
+    assert spec["imagePullSecrets"] == [{"name": "registry-internal"}]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "inference"}
+    assert dep["spec"]["template"]["metadata"]["labels"]["team"] == "search"
+    assert spec["affinity"]["nodeAffinity"] and spec["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+    server = container(spec, "server")
+    assert {"name": "OMP_NUM_THREADS", "value": "4"} in server["env"]
+    assert server["startupProbe"]["periodSeconds"] == 15
+    assert {v["name"]: v for v in spec["volumes"]}["shm"]["emptyDir"]["sizeLimit"] == "4Gi"
+    assert find(docs, "Service")["spec"]["type"] == "LoadBalancer"
+    assert find(docs, "PersistentVolumeClaim")["spec"]["storageClassName"] == "nfs-ro"
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("adapter-rules")]
 
 
 @pytest.mark.parametrize("values_set", sorted(VALUE_SETS))
@@ -84,6 +103,8 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"gpu": {"product": "NVIDIA H100 80GB HBM3"}}, "/gpu/product"),
     ({"autoscaling": {"mode": "vpa"}}, "/autoscaling/mode"),
     ({"autoscaling": {"targetQueueComputeRatio": "high"}}, "/autoscaling/targetQueueComputeRatio"),
+    ({"autoscaling": {"targetQueueComputeRatio": "500m"}}, "/autoscaling/targetQueueComputeRatio"),
+    ({"autoscaling": {"targetMeanQueueMicroseconds": "50ms"}}, "/autoscaling/targetMeanQueueMicroseconds"),
     ({"podSecurity": {"runAsUser": 0}}, "/podSecurity/runAsUser"),
     ({"repository": {"source": "nfs"}}, "/repository/source"),
     ({"repository": {"subPath": "../other-tenant"}}, "/repository/subPath"),
@@ -91,6 +112,8 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"ports": {"http": 70000}}, "/ports/http"),
     ({"factory": {"recipes": ["minilm.yaml"]}}, "/factory/recipes/0"),
     ({"serve": {"accept": "yes"}}, "/serve/accept"),
+    ({"factory": {"action": "delete"}}, "/factory/action"),
+    ({"serve": {"adminKey": {"enabled": True, "value": "short"}}}, "/serve/adminKey/value"),
     ({"replicas": 3}, "'replicas' not allowed"),
 ])
 def test_wrong_values_are_refused_with_their_path(values: dict, path: str) -> None:
@@ -108,6 +131,11 @@ def test_the_default_values_pass_the_schema() -> None:
 
 
 def test_every_image_is_pinned_by_digest() -> None:
+    for path in sorted(KSERVE.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = doc["spec"]
+            for c in spec.get("containers", []) + [spec.get("container", {})]:
+                assert not c or DIGEST_IMAGE.match(c["image"]), (path.name, c["image"])
     for name in VALUE_SETS:
         for doc in objects(name):
             spec = doc.get("spec", {}).get("template", {}).get("spec")
@@ -173,7 +201,7 @@ def test_accept_and_the_admin_key_switches() -> None:
     assert mounts(container(spec, "server"))["/etc/model-factory/admin"]["readOnly"] is True
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["admin-key"]["secret"]["secretName"] == f"{FULLNAME}-admin-key"
-    assert find(objects("admin-and-accept"), "Secret", f"{FULLNAME}-admin-key")["stringData"] == {"admin-key": "s3cret"}
+    assert find(objects("admin-and-accept"), "Secret", f"{FULLNAME}-admin-key")["stringData"] == {"admin-key": "0123456789abcdef-admin"}
     other = {v["name"]: v for v in pod("admin-existing-secret")["volumes"]}
     assert other["admin-key"]["secret"]["secretName"] == "triton-admin"
     assert "--accept" not in container(pod(), "server")["command"]
@@ -290,6 +318,20 @@ def test_hpa_targets_the_queue_to_compute_ratio_served_by_the_shipped_adapter_ru
     assert not [d for d in objects("keda") if d["kind"] == "HorizontalPodAutoscaler"]
 
 
+def test_the_optional_mean_queue_time_metric() -> None:
+    docs = objects("queue-time")
+    metrics = find(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in metrics] == [
+        ("triton_queue_compute_ratio", "0.8"), ("triton_mean_queue_us", "50000")]
+    rules = yaml.safe_load(find(docs, "ConfigMap", f"{FULLNAME}-prometheus-adapter-rules")["data"]["config.yaml"])
+    assert [r["name"]["as"] for r in rules["rules"]] == ["triton_queue_compute_ratio", "triton_mean_queue_us"]
+    assert "nv_inference_request_success" in rules["rules"][1]["metricsQuery"]
+    triggers = find(objects("keda-queue-time"), "ScaledObject")["spec"]["triggers"]
+    assert [t["metadata"]["threshold"] for t in triggers] == ["1", "50000"]
+    assert "nv_inference_request_success" in triggers[1]["metadata"]["query"]
+    assert len(find(objects("default"), "HorizontalPodAutoscaler")["spec"]["metrics"]) == 1
+
+
 def test_keda_scaled_object_queries_the_same_ratio() -> None:
     scaled = find(objects("keda"), "ScaledObject")
     trigger = scaled["spec"]["triggers"][0]
@@ -328,7 +370,7 @@ def test_factory_jobs_are_indexed_over_recipes_one_per_gpu_product() -> None:
         products.append(product)
         build = podspec["containers"][0]
         env = {e["name"]: e.get("value") for e in build["env"]}
-        assert env["FACTORY_RECIPES"] == "minilm.toml bge-small.toml"
+        assert env["FACTORY_RECIPES"] == "minilm.toml bge-small.toml" and env["FACTORY_ACTION"] == "build"
         assert env["FACTORY_GPU_PRODUCT"] == product and env["FACTORY_TENSORRT_VERSION"] == "10.13"
         assert env["FACTORY_POLICY"] == "/etc/model-factory/trust/policy.toml"
         assert "FACTORY_CERT_CHAIN" not in env
@@ -351,6 +393,11 @@ def test_factory_jobs_are_indexed_over_recipes_one_per_gpu_product() -> None:
     cert = {e["name"]: e.get("value") for e in find(objects("factory-certificates"), "Job")["spec"]["template"]["spec"]
             ["containers"][0]["env"]}
     assert cert["FACTORY_CERT_CHAIN"] == "/run/secrets/model-factory/cert-chain.pem"
+    rollback = [d for d in objects("factory-rollback") if d["kind"] == "Job"]
+    assert [j["spec"]["completions"] for j in rollback] == [1]
+    assert rollback[0]["metadata"]["name"].startswith(f"{FULLNAME}-rollback-")
+    assert {e["name"]: e.get("value") for e in rollback[0]["spec"]["template"]["spec"]["containers"][0]["env"]}[
+        "FACTORY_ACTION"] == "rollback"
 
 
 def test_factory_needs_recipes() -> None:
@@ -365,3 +412,30 @@ def test_max_replicas_below_min_is_refused() -> None:
 
     with pytest.raises(Exception, match="autoscaling.maxReplicas must be at least autoscaling.minReplicas"):
         render({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}})
+
+
+def test_the_kubernetes_validate_command_accepts_the_default_rendering(tmp_path) -> None:
+    """The CLI itself (``kubernetes-validate --strict -k VERSION``) on the built-in kinds of the default rendering."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .helm_render import CRD_SCHEMAS
+
+    cli = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
+    if cli is None:
+        pytest.skip("pip install 'model-factory[test]' (kubernetes-validate)")
+    docs = [d for d in objects("default") if (d["apiVersion"], d["kind"]) not in CRD_SCHEMAS]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    for version in KUBE_VERSIONS:
+        proc = subprocess.run([cli, "--strict", "-k", version, str(manifest)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("INFO") == len(docs), proc.stdout
+    bad = [*docs, {**docs[0], "spek": {}}]
+    manifest.write_text(yaml.safe_dump_all(bad))
+    proc = subprocess.run([cli, "--strict", "-k", KUBE_VERSIONS[0], str(manifest)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "spek" in proc.stdout + proc.stderr

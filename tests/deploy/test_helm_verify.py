@@ -31,20 +31,15 @@ BIN = str(Path(sys.executable).parent)
 
 
 @pytest.fixture(scope="module")
-def signed(tmp_path_factory, minilm_recipe, minilm_export):
+def signed(tmp_path_factory, minilm_recipe, package_signed):
     """The session's MiniLM export packaged and signed with provenance, and the public key's PEM."""
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("fleet-signed")
     repo = root / "repository"
     keys = generate_keypair(root / "keys")
     recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=repo))
-    package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
-                  parameters={"cost_model": "0.002,1e-6,1e-9"})
-    sign_model_version(repo / recipe.name, recipe.version, SignerConfig(private_key=keys.private_key, password=None),
-                       provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest}, accuracy=None))
+    package_signed(recipe, keys)
     return repo, recipe.name, keys.public_key.read_text()
 
 
@@ -168,3 +163,57 @@ def test_kserve_storage_container_verifies_what_it_downloads(signed, tmp_path: P
         else:
             assert proc.returncode != 0 and "failed verification" in proc.stderr
             assert not any(dest.iterdir())
+
+
+@pytest.mark.integration
+def test_the_server_container_command_serves_what_verified(signed, tmp_path: Path) -> None:
+    """The rendered server command (serve with the policy, GPU product, admin key) on the real Triton."""
+    import signal
+    import time
+    import urllib.request
+
+    from model_factory.serve import free_ports
+
+    repo, name, public_pem = signed
+    http, grpc, metrics = free_ports(3)
+    docs = [d for text in render({"trust": {"files": {"release.pub": public_pem}},
+                                  "ports": {"http": http, "grpc": grpc, "metrics": metrics},
+                                  "serve": {"adminKey": {"enabled": True, "value": "fleet-admin-key-0123456789"}}}
+                                 ).values() for d in yaml.safe_load_all(text) if d]
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    server = next(c for c in pod["containers"] if c["name"] == "server")
+    assert "--admin-key-file" in server["command"] and "--gpu-product" in server["command"]
+    volumes = materialize_volumes(docs, pod, tmp_path, repo, name)
+    (volumes["admin-key"] / "admin-key").write_text(find(docs, "Secret", "mf-model-factory-admin-key")
+                                                    ["stringData"]["admin-key"])
+    mapping = {m["mountPath"]: volumes[m["name"]] / m.get("subPath", "") for m in server["volumeMounts"]
+               if m["mountPath"] not in ("/tmp", "/dev/shm")}
+    argv = []
+    for arg in server["command"]:
+        hit = next((p for p in sorted(mapping, key=len, reverse=True) if arg == p or arg.startswith(p + "/")), None)
+        argv.append(str(mapping[hit]) + arg[len(hit):] if hit else arg)
+    env = {**os.environ, **{e["name"]: e["value"] for e in server["env"] if "value" in e}, "HOME": str(tmp_path),
+           "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        ready = False
+        while time.monotonic() < deadline and proc.poll() is None and not ready:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{name}/ready", timeout=2) as r:
+                    ready = r.status == 200
+            except OSError:
+                time.sleep(1)
+        assert ready, proc.stdout.read() if proc.poll() is not None else "not ready in time"
+        # The startup/readiness/liveness probes' paths answer on the rendered port.
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = server[probe]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}{path}", timeout=5) as r:
+                assert r.status == 200, probe
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+            assert b"nv_inference_queue_duration_us" in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert f"serving {name}" in out

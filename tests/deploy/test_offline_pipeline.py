@@ -9,7 +9,6 @@ TRANSFORMERS_OFFLINE are unset, so nothing is kept offline by a flag: the code i
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

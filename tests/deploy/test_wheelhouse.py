@@ -358,3 +358,32 @@ def test_cross_target_wheelhouse_has_the_targets_wheels_and_markers(tmp_path) ->
             assert not glibc or min(glibc) <= 28, w.filename
     manifest = json.loads((tmp_path / "wh310" / MANIFEST).read_text())
     assert manifest["target"]["python_version"] == "3.10"
+
+
+def test_refuses_a_wheelhouse_with_both_onnxruntime_wheels(tmp_path, monkeypatch) -> None:
+    """onnxruntime and onnxruntime-gpu install the same package: one environment must never get both."""
+    def fake_pip(args, echo, what):
+        folder = Path(args[args.index("--wheel-dir") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        if "--no-deps" in args:  # our own wheel
+            make_wheel(folder, "model-factory", "0.1.0", ["onnxruntime", "onnxruntime-gpu"])
+        else:
+            make_wheel(folder, "onnxruntime", "1.32.0")
+            make_wheel(folder, "onnxruntime-gpu", "1.31.1")
+    monkeypatch.setattr("model_factory.wheelhouse._pip", fake_pip)
+    with pytest.raises(FactoryError, match=r"extras serve,onnxruntime-gpu: both onnxruntime \(CPU\) and "
+                                           r"onnxruntime-gpu are present.*Fix: keep one"):
+        build_wheelhouse(tmp_path / "wh", ["serve,onnxruntime-gpu"], None, None, ROOT)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_installed_onnxruntime_wheels_are_checked(monkeypatch) -> None:
+    import importlib.metadata as md
+
+    from model_factory.backend.engines import onnxruntime as ort_engine
+
+    monkeypatch.setattr(md, "version", lambda name: "1.0")  # both distributions "installed"
+    clash = ort_engine.installed_onnxruntime_conflict()
+    assert clash and "overwrite each other's files" in clash
+    assert ort_engine.cuda_provider_unavailable_reason() == clash  # named before anything else
+    assert ort_engine.onnxruntime_conflict(["onnxruntime_gpu", "numpy"]) is None

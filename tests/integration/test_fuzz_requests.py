@@ -91,9 +91,6 @@ bad_requests = st.one_of(
                      (MODEL, [text_tensor([b"   "])]), (MODEL, [])]),
     # invalid UTF-8 in text
     st.binary(min_size=1, max_size=64).filter(lambda b: not _utf8(b)).map(lambda b: (MODEL, [text_tensor([b])])),
-    # binary junk where a BYTES tensor should be (length prefixes that lie)
-    st.binary(min_size=0, max_size=64).filter(lambda b: not _well_formed_bytes(b)).map(
-        lambda b: (MODEL, [("text", "BYTES", [1, 1], b)])),
     # a text tensor of the wrong shape
     st.sampled_from([[1, 2], [1], [1, 1, 1]]).map(lambda s: (MODEL, [text_tensor([b"a", b"b"][:max(1, s[-1])], s)])),
     # an extra input beside a good one; a mask without ids
@@ -102,6 +99,14 @@ bad_requests = st.one_of(
     .map(lambda n: (MODEL, [text_tensor([b"hello"]), (n, "INT64", [1, 1], b"\0" * 8)])),
     st.just((MODEL, ids_tensors(_arr([1010, 1011]))[1:])),
 )
+
+
+# Binary junk where a BYTES tensor should be (length prefixes that lie). Triton 2.51 itself answers 400,
+# but it rejects the junk while gathering the window's inputs for the Python backend, and every request
+# of that window gets the same 400 (seen: "incomplete string data for inference input 'text'" on good
+# requests batched with it). Nothing in the backend sees these requests, so they are fuzzed alone.
+junk_bytes_requests = st.binary(min_size=0, max_size=64).filter(lambda b: not _well_formed_bytes(b)).map(
+    lambda b: (MODEL, [("text", "BYTES", [1, 1], b)]))
 
 
 def _utf8(b: bytes) -> bool:
@@ -121,12 +126,17 @@ def _well_formed_bytes(b: bytes) -> bool:
 def references(triton):
     """Each good text's embedding, asked alone."""
     host, port = triton.http_url.rsplit(":", 1)
-    out = {}
+    out = _Refs()
     for t in GOOD_TEXTS:
         status, body = raw_infer(host, int(port), MODEL, [text_tensor([t.encode()])])
         assert status == 200, body
         out[t] = _embedding(body)
     return out
+
+
+class _Refs(dict):
+    def __repr__(self) -> str:  # keeps hypothesis' failure reports readable
+        return f"<{len(self)} reference embeddings>"
 
 
 def _embedding(body: bytes) -> np.ndarray:
@@ -140,7 +150,7 @@ def _stubs(triton) -> list[int]:
     return [s.pid for s in stub_processes(triton.process.pid, triton.repository)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(bad=st.lists(bad_requests, min_size=1, max_size=4), good=st.lists(st.sampled_from(GOOD_TEXTS), min_size=2,
                                                                         max_size=3))
@@ -153,9 +163,25 @@ def test_bad_requests_are_refused_alone_and_good_ones_in_the_same_window_are_exa
         answers = list(pool.map(lambda j: raw_infer(host, int(port), j[1], j[2]), jobs))
     for (kind, model, inputs), (status, body) in zip(jobs, answers):
         if kind == "bad":
-            assert status == 400, (model, [(n, d, s, len(b)) for n, d, s, b in inputs], status, body[:300])
+            # A malformed request is 400; a request for a model that does not exist is 404 (Triton's NOT_FOUND).
+            want = 400 if model == MODEL else 404
+            assert status == want, (model, [(n, d, s, len(b)) for n, d, s, b in inputs], status, body[:300])
             assert json.loads(body).get("error"), body[:300]
     for t, (status, body) in zip(good, answers[len(bad):]):
         assert status == 200, body[:300]
         np.testing.assert_allclose(_embedding(body), references[t], atol=1e-5)
     assert _stubs(triton) == stubs, "a bad request killed the backend stub"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(junk=junk_bytes_requests)
+def test_malformed_bytes_tensors_are_refused_and_leave_the_stub_alive(triton, references, junk) -> None:
+    host, port = triton.http_url.rsplit(":", 1)
+    stubs = _stubs(triton)
+    status, body = raw_infer(host, int(port), junk[0], junk[1])
+    assert status == 400 and json.loads(body).get("error"), (status, body[:300])
+    status, body = raw_infer(host, int(port), MODEL, [text_tensor([GOOD_TEXTS[0].encode()])])
+    assert status == 200
+    np.testing.assert_allclose(_embedding(body), references[GOOD_TEXTS[0]], atol=1e-5)
+    assert _stubs(triton) == stubs

@@ -11,6 +11,8 @@ from click.testing import CliRunner
 
 pytestmark = pytest.mark.integration
 
+HELDOUT = Path(__file__).resolve().parents[2] / "model_factory" / "examples" / "heldout.txt"
+
 
 @pytest.fixture(scope="module")
 def tiny_bert_folder(tmp_path_factory, minilm_recipe) -> Path:
@@ -48,14 +50,21 @@ path = "{tiny_bert_folder}"
 max_batch = 8
 max_sequence_length = 64
 sequence_buckets = [16, 64]
+
+[quantization]
+heldout_data = "{HELDOUT}"
 """)
     result = CliRunner().invoke(main, ["build", str(recipe)])
     assert result.exit_code == 0, result.output
     repo = tmp_path / "model_repository"
     assert (repo / "tiny-bert" / "3" / "model.onnx").is_file()
-    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy=None, allow_unsigned=True)
+    # build wrote acceptance data from the held-out file; serve --accept replays it through the engine first.
+    assert (repo / "tiny-bert" / "3" / "acceptance" / "outputs.json").is_file()
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy=None, allow_unsigned=True,
+                                           accept=True)
     try:
         assert report.served == ("tiny-bert",) and report.refused == {}
+        assert report.engines == {"tiny-bert": "onnxruntime (model.onnx) on cpu"}
         emb = embed_texts(server.grpc_url, "tiny-bert", ["hello there", "a much longer sentence " * 20],
                           protocol="grpc")
         assert emb.shape == (2, 32)

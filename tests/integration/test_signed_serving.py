@@ -13,23 +13,16 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def signed_repo(tmp_path_factory, minilm_recipe, minilm_export):
+def signed_repo(tmp_path_factory, minilm_recipe, package_signed):
     """Two signed copies of MiniLM (``good`` and ``tampered``) and a policy trusting the key."""
     from model_factory.demo import write_key_policy
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("signed")
     repo = root / "repo"
     keys = generate_keypair(root / "keys")
-    signer = SignerConfig(private_key=keys.private_key, password=None)
     for name in ("good", "tampered"):
-        recipe = replace(minilm_recipe, name=name, repository=replace(minilm_recipe.repository, path=repo))
-        package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
-                      parameters={"cost_model": "0.002,1e-6,1e-9"})
-        sign_model_version(repo / name, 1, signer, provenance=provenance_for(
-            recipe, {"source_digest": minilm_export.source_digest}, accuracy=None))
+        package_signed(replace(minilm_recipe, name=name, repository=replace(minilm_recipe.repository, path=repo)), keys)
     policy = write_key_policy(root / "policy.toml", [keys.public_key])
     return repo, policy
 

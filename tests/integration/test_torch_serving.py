@@ -45,7 +45,7 @@ def test_engine_torch_answers_like_onnxruntime(torch_served) -> None:
     server, version_dir = torch_served
     assert server.ready_models == ["tiny-torch"]
     log = server.log_file.read_text(errors="replace")
-    assert "tiny-torch on torch (model.torchscript.pt)" in log, server.log_tail()
+    assert "tiny-torch serves fp32 on torch (model.torchscript.pt)" in log, server.log_tail()
     assert "TorchScript on cpu" in log
     ort = OnnxRuntimeEngine(version_dir / "model.onnx")
     rng = np.random.default_rng(0)

@@ -12,6 +12,7 @@ and sent a bad request that is answered 400 for itself alone.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import dataclasses
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def zoo(tmp_path_factory, minilm_recipe):
     """Every zoo model built (FP32/FP16/INT8, gate per task), one deployment per precision, one server."""
     from model_factory.pipeline import build
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
+    from model_factory.repository import config_parameters, package_model, read_config
     from model_factory.serve import ServerOptions, TritonServer
 
     root = tmp_path_factory.mktemp("zoo")
@@ -58,13 +59,16 @@ def zoo(tmp_path_factory, minilm_recipe):
     models = {}
     for make in zoo_models.MAKERS:
         member = make(root, tokenizer_source)
-        recipe = load_recipe(member.recipe)
+        recipe = load_recipe(member.recipe, member.overrides)
         result = build(recipe, parameters=FIXED_COST)
         assert result.accuracy is not None and result.accuracy["passed"], result.accuracy
-        for precision in ("fp16", "int8"):
-            package_model(dataclasses.replace(recipe, name=deployment(recipe.name, precision)), result.artifacts,
-                          tokenizer_dir=recipe.work_dir / "export" / "tokenizer",
-                          parameters=FIXED_COST | {"onnx_file": f"model.{precision}.onnx"})
+        for precision in ("fp16", "int8"):  # one deployment per precision: [repository] serve
+            served = dataclasses.replace(recipe, name=deployment(recipe.name, precision),
+                                         repository=dataclasses.replace(recipe.repository, serve=precision))
+            packaged = package_model(served, result.artifacts, tokenizer_dir=recipe.work_dir / "export" / "tokenizer",
+                                     parameters=FIXED_COST)
+            params = config_parameters(read_config(packaged.model_dir))
+            assert (params["precision"], params["onnx_file"]) == (precision, f"model.{precision}.onnx")
         models[member.name] = (member, recipe, result)
     repo = root / "model_repository"
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
@@ -145,7 +149,7 @@ def _close(got: np.ndarray, want: np.ndarray, precision: str) -> None:
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-classifier", "zoo-tagger", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "sentiment", "ner", "reranker"])
 def test_text_requests_match_transformers(zoo, name, precision, protocol) -> None:
     """One request per sample (the tagger's logits come back at each request's own length, unpadded)."""
     member, recipe, _ = zoo.models[name]
@@ -168,7 +172,7 @@ def test_text_requests_match_transformers(zoo, name, precision, protocol) -> Non
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "reranker"])
 def test_token_ids_with_token_type_ids(zoo, name, protocol) -> None:
     """The id path: input_ids + attention_mask + token_type_ids (a reranker's pair tokenized by the client)."""
     member, _, _ = zoo.models[name]
@@ -196,12 +200,12 @@ def test_token_ids_with_token_type_ids(zoo, name, protocol) -> None:
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_classification_extension_returns_labels(zoo, protocol) -> None:
     """class_count on the classifier's logits: Triton answers score:index:label from the packaged label file."""
-    member, _, _ = zoo.models["zoo-classifier"]
+    member, _, _ = zoo.models["sentiment"]
     ref = _reference(member, TEXTS[:1])["logits"][0]
-    assert (zoo.repo / "zoo-classifier" / "labels.txt").read_text().split() == list(zoo_models.SENTIMENT)
+    assert (zoo.repo / "sentiment" / "labels.txt").read_text().split() == list(zoo_models.SENTIMENT)
     module, client = _client(protocol, zoo)
     try:
-        result = client.infer("zoo-classifier", _text_inputs(module, "classification", TEXTS[:1]),
+        result = client.infer("sentiment", _text_inputs(module, "classification", TEXTS[:1]),
                               outputs=[module.InferRequestedOutput("logits", class_count=2)])
         top = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("logits").ravel()]
     finally:
@@ -216,11 +220,11 @@ def test_classification_extension_returns_labels(zoo, protocol) -> None:
 
 def test_a_batch_of_texts_per_request(zoo) -> None:
     """Several texts in one request: the tagger pads only to the request's longest text, the rest are exact."""
-    member, _, _ = zoo.models["zoo-tagger"]
+    member, _, _ = zoo.models["ner"]
     ref = _reference(member, TEXTS)
     module, client = _client("http", zoo)
     try:
-        got = client.infer("zoo-tagger", _text_inputs(module, "token-classification", TEXTS)).as_numpy("logits")
+        got = client.infer("ner", _text_inputs(module, "token-classification", TEXTS)).as_numpy("logits")
     finally:
         client.close()
     lengths = [len(ids) for ids in ref["input_ids"]]
@@ -239,15 +243,15 @@ def _ids_inputs(module, ids: np.ndarray) -> list:
 
 
 BAD = {  # one malformed request per model, and the message the client gets
-    "zoo-encoder": (lambda m: [_bytes_input(m, "text", [""])], "empty"),
-    "zoo-classifier": (lambda m: [_bytes_input(m, "text", ["ok", "  "])], "empty"),
-    "zoo-tagger": (lambda m: _ids_inputs(m, np.ones((1, 65), np.int64)), "exceeds the maximum 64"),
-    "zoo-reranker": (lambda m: [_bytes_input(m, "query", ["only a query"])], "passage"),
+    "encoder": (lambda m: [_bytes_input(m, "text", [""])], "empty"),
+    "sentiment": (lambda m: [_bytes_input(m, "text", ["ok", "  "])], "empty"),
+    "ner": (lambda m: _ids_inputs(m, np.ones((1, 65), np.int64)), "exceeds the maximum 64"),
+    "reranker": (lambda m: [_bytes_input(m, "query", ["only a query"])], "passage"),
 }
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("name", ["zoo-encoder", "zoo-classifier", "zoo-tagger", "zoo-reranker"])
+@pytest.mark.parametrize("name", ["encoder", "sentiment", "ner", "reranker"])
 def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
     from tritonclient.utils import InferenceServerException
 
@@ -274,3 +278,64 @@ def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
     if message:
         assert message in info.value.message()
     assert outcomes == [None] * len(samples)
+
+
+def test_accept_scores_each_task_with_its_own_metric(zoo) -> None:
+    """Acceptance data written by build, replayed through the served engine, scored by the task's metrics."""
+    from model_factory.acceptance import accept_model
+
+    want = {"encoder": ("cosine", ()), "sentiment": ("top1", ("logits_cosine",)),
+            "ner": ("token_top1", ()), "reranker": ("ranking", ("correlation",))}
+    for name, (metric, extra) in want.items():
+        result = accept_model(zoo.repo / name)
+        assert result.passed, (name, result.reason)
+        primary = next(o for o in result.outputs if o.name == result.primary_output)
+        assert (result.metric, primary.metric) == (metric, metric), name
+        assert tuple(k for k, _ in primary.extra) == extra and result.score == primary.gate_score >= 0.999
+        assert (result.engine, result.device) == ("onnxruntime", "cpu")
+def test_label_file_is_signed_with_the_model(zoo, tmp_path) -> None:
+    """labels.txt sits beside config.pbtxt, inside the signed unit: a changed label fails verification."""
+    import shutil
+
+    from model_factory.demo import write_key_policy
+    from model_factory.signing import SignerConfig, generate_keypair, load_policy, sign_model_version
+    from model_factory.signing import verify_repository
+
+    repo = tmp_path / "repo"
+    shutil.copytree(zoo.repo / "sentiment", repo / "sentiment")
+    keys = generate_keypair(tmp_path / "keys")
+    sign_model_version(repo / "sentiment", 1, SignerConfig(private_key=keys.private_key, password=None))
+    policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False))
+    assert [r.ok for r in verify_repository(repo, policy)] == [True]
+    (repo / "sentiment" / "labels.txt").write_text("positive\nnegative\n")  # labels swapped
+    [result] = verify_repository(repo, policy)
+    assert not result.ok and "labels.txt changed" in " ".join(result.reasons)
+
+
+def test_token_classifier_int8_engine_builds(zoo, tmp_path) -> None:
+    """The heads go through the engine stage too: the tagger's INT8 Q/DQ graph with its per-token output
+    becomes a strongly typed plan (ahead of time on this CPU with TensorRT-RTX; running it needs a GPU)."""
+    from model_factory.build_engines.tensorrt import build_engines, plan_header_problems, tensorrt_available
+
+    if tensorrt_available() is None:
+        pytest.skip("neither tensorrt nor tensorrt_rtx is installed (pip install 'model-factory[tensorrt-rtx]')")
+    _, recipe, result = zoo.models["ner"]
+    [engine] = build_engines(recipe, {"int8": result.artifacts["model.int8.onnx"]}, out_dir=tmp_path / "engines")
+    meta = json.loads(engine.metadata_path.read_text())
+    assert meta["precision"] == "int8" and meta["strongly_typed"]
+    assert {o["name"] for o in meta["outputs"]} == {"logits"} and len(meta["profiles"]) == 2
+    assert plan_header_problems(engine.plan_path) in ([], None)
+
+
+def test_readme_client_snippet_runs_against_the_zoo(zoo) -> None:
+    """README's standard-client example, run as written (only the server address differs)."""
+    import re
+
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", zoo_models.README.read_text(), re.S)
+                   if 'class_count=2' in b)
+    scope: dict = {}
+    exec(snippet.replace("localhost:8000", zoo.server.http_url.removeprefix("http://")), scope)  # noqa: S102
+    scope["client"].close()
+    top = [v.decode() for v in scope["top"].ravel()]
+    assert len(top) == 2 and {t.split(":")[2] for t in top} == set(zoo_models.SENTIMENT)
+    assert scope["scores"].shape == (2, 1) and scope["scores"].dtype == np.float32

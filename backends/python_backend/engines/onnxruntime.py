@@ -1,27 +1,107 @@
-"""ONNX Runtime engine (CPU): the default when no TensorRT engine or GPU is there."""
+"""ONNX Runtime engines: the CPU provider, and the CUDA provider for GPU instances (``onnxruntime-gpu``).
+
+CPU
+    ``OnnxRuntimeEngine``: ONNX Runtime's CPU provider, telemetry off.
+
+CUDA (``OnnxRuntimeCudaEngine``)
+    Needs the ``onnxruntime-gpu`` wheel (extra ``onnxruntime-gpu``), which installs the same
+    ``onnxruntime`` package as the CPU wheel: never both in one environment (the second one installed
+    overwrites the first's files). The session runs the CUDA execution provider on the instance's own
+    stream (``user_compute_stream``); inputs are copied into buffers from the instance's
+    ``cudaMallocAsync`` pool (``memory_pool.MemoryPool``) and bound with I/O binding on their device
+    pointers, outputs are bound to pool buffers too when their shape follows from the inputs (else ONNX
+    Runtime allocates them), and ONNX Runtime's own arena (activations) grows only by what is asked
+    (``kSameAsRequested``). A session that silently fell back to the CPU provider (CUDA libraries
+    missing) is refused: a GPU instance never computes on the CPU by surprise.
+"""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+
+from .base import EngineError
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+_MIB = 1 << 20
+
+
+def import_onnxruntime() -> ModuleType:
+    """``onnxruntime`` with telemetry off (air-gapped: ORT otherwise resolves a telemetry host)."""
+    import onnxruntime as ort  # imported here: the backend package must import without it
+
+    if hasattr(ort, "disable_telemetry_events"):
+        ort.disable_telemetry_events()
+    return ort
+
+
+# Both wheels install the same ``onnxruntime/`` package: whichever was installed last overwrites the other's files.
+EXCLUSIVE_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+
+
+def onnxruntime_conflict(distributions) -> str | None:
+    """A message when ``distributions`` (project names) hold both the CPU and the GPU ONNX Runtime wheel."""
+    names = {str(n).lower().replace("_", "-") for n in distributions}
+    if all(d in names for d in EXCLUSIVE_DISTRIBUTIONS):
+        return ("both onnxruntime (CPU) and onnxruntime-gpu are present: they install the same onnxruntime "
+                "package and overwrite each other's files. Fix: keep one, in an environment of its own "
+                "(extras onnx/serve bring the CPU wheel, onnxruntime-gpu/serve-gpu the GPU one)")
+    return None
+
+
+def installed_onnxruntime_conflict() -> str | None:
+    """:func:`onnxruntime_conflict` for this environment's installed distributions."""
+    import importlib.metadata as md
+
+    present = []
+    for name in EXCLUSIVE_DISTRIBUTIONS:
+        try:
+            md.version(name)
+            present.append(name)
+        except md.PackageNotFoundError:
+            continue
+    return onnxruntime_conflict(present)
+
+
+def cuda_provider_unavailable_reason(ort: ModuleType | None = None) -> str | None:
+    """Why ONNX Runtime cannot run the CUDA provider here, or None when it can."""
+    if ort is None:
+        clash = installed_onnxruntime_conflict()
+        if clash:
+            return clash
+    try:
+        ort = ort or import_onnxruntime()
+    except ImportError as exc:
+        return f"onnxruntime is not installed ({exc}): pip install 'model-factory[onnxruntime-gpu]'"
+    if CUDA_PROVIDER not in ort.get_available_providers():
+        return (f"this onnxruntime ({getattr(ort, '__version__', '?')}) has no {CUDA_PROVIDER}: it is the CPU "
+                "wheel. Install onnxruntime-gpu instead of it (pip uninstall onnxruntime; pip install "
+                "'model-factory[onnxruntime-gpu]'): both wheels install the same package")
+    return None
 
 
 class OnnxRuntimeEngine:
     """Runs an ONNX model with ONNX Runtime's CPU provider, telemetry off."""
 
     flavour = "onnxruntime"
+    device = "cpu"
 
-    def __init__(self, model: Path | bytes, threads: int | None = None) -> None:
-        import onnxruntime as ort  # imported here: the backend package must import without it
+    def __init__(self, model: Path | bytes, threads: int | None = None, simulate_qdq: bool = False) -> None:
+        """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
 
-        # Air-gapped product: ORT otherwise resolves a telemetry host during inference.
-        if hasattr(ort, "disable_telemetry_events"):
-            ort.disable_telemetry_events()
+        ``simulate_qdq`` keeps Q/DQ pairs as float arithmetic (basic graph optimizations only).
+        """
+        ort = import_onnxruntime()
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
+        if simulate_qdq:
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
@@ -36,3 +116,165 @@ class OnnxRuntimeEngine:
     def close(self) -> None:
         """Drop the session."""
         self._session = None
+
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+              "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+
+
+class OnnxRuntimeCudaEngine:
+    """Runs an ONNX model (FP32, FP16 or INT8 Q/DQ) with ONNX Runtime's CUDA provider on one GPU instance.
+
+    ``ort_module``, ``runtime`` (``cuda.bindings.runtime``) and ``pool`` can be given (tests pass
+    fakes); by default they are imported and the pool is made here from ``settings``' pool sizes.
+    """
+
+    flavour = "onnxruntime"
+
+    def __init__(self, model: Path | bytes, *, device_id: int = 0, settings: Any = None,
+                 ort_module: ModuleType | None = None, runtime: ModuleType | None = None, pool: Any = None) -> None:
+        from ..memory_pool import CudaError, MemoryPool, check, require_device
+
+        self.device_id = int(device_id)
+        self.device = f"cuda:{self.device_id}"
+        self._closed = False
+        self._lock = threading.Lock()
+        self._session = self._stream = None
+        self._owns_pool = pool is None
+        self._pool = pool
+        try:
+            ort = ort_module or import_onnxruntime()
+        except ImportError as exc:
+            raise EngineError(f"ONNX Runtime CUDA: {exc}; pip install 'model-factory[onnxruntime-gpu]'") from exc
+        why = cuda_provider_unavailable_reason(ort)
+        if why:
+            raise EngineError(why)
+        preload = getattr(ort, "preload_dlls", None)
+        if callable(preload) and ort_module is None:
+            try:  # CUDA and cuDNN from the nvidia-* wheels (torch's cu130 ones included), when ORT finds them
+                preload()
+            except Exception:  # noqa: BLE001 - the session below names what is really missing
+                pass
+        try:
+            self._rt = rt = runtime or require_device(self.device_id)
+        except CudaError as exc:
+            raise EngineError(f"ONNX Runtime CUDA needs a GPU: {exc}") from exc
+        self._check = check
+        try:
+            check(rt, rt.cudaSetDevice(self.device_id), f"cudaSetDevice({self.device_id})")
+            self._stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+            if self._pool is None:
+                threshold = int(getattr(settings, "pool_release_threshold_mib", 256)) * _MIB
+                initial = int(getattr(settings, "pool_initial_mib", 0)) * _MIB
+                self._pool = MemoryPool(self.device_id, threshold, initial)
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            provider = {"device_id": str(self.device_id), "user_compute_stream": str(int(self._stream)),
+                        "has_user_compute_stream": "1", "arena_extend_strategy": "kSameAsRequested",
+                        "do_copy_in_default_stream": "1"}
+            source = model if isinstance(model, bytes) else str(model)
+            self._session = ort.InferenceSession(source, sess_options=opts,
+                                                 providers=[(CUDA_PROVIDER, provider), "CPUExecutionProvider"])
+            used = list(self._session.get_providers())
+            if not used or used[0] != CUDA_PROVIDER:
+                raise EngineError(f"ONNX Runtime did not enable {CUDA_PROVIDER} (session providers: {used}); the "
+                                  "CUDA/cuDNN libraries onnxruntime-gpu needs are missing here. Install "
+                                  "'model-factory[onnxruntime-gpu]' (it pulls them)")
+        except BaseException:
+            self.close()
+            raise
+        self.input_names = tuple(i.name for i in self._session.get_inputs())
+        self.output_names = tuple(o.name for o in self._session.get_outputs())
+        self._out_meta = {o.name: (tuple(o.shape), _ORT_TYPES.get(o.type)) for o in self._session.get_outputs()}
+        self._in_meta = {i.name: tuple(i.shape) for i in self._session.get_inputs()}
+
+    @property
+    def pool(self) -> Any:
+        """The instance's cudaMallocAsync pool (its statistics are the backend's pool gauges)."""
+        return self._pool
+
+    def _output_shape(self, name: str, arrays: dict[str, np.ndarray]) -> tuple[int, ...] | None:
+        """The output's shape when every symbolic axis is named by an input axis too, else None."""
+        shape, dtype = self._out_meta[name]
+        if dtype is None:
+            return None
+        axes: dict[str, int] = {}
+        for iname, ishape in self._in_meta.items():
+            for sym, size in zip(ishape, arrays[iname].shape):
+                if isinstance(sym, str):
+                    axes.setdefault(sym, int(size))
+        out = []
+        for d in shape:
+            if isinstance(d, int) and d >= 0:
+                out.append(d)
+            elif isinstance(d, str) and d in axes:
+                out.append(axes[d])
+            else:
+                return None
+        return tuple(out)
+
+    def run(self, feeds: dict[str, np.ndarray], profile: int = 0) -> dict[str, np.ndarray]:
+        """Run one group on the instance stream; outputs are on the host when this returns."""
+        if self._closed:
+            raise EngineError("the ONNX Runtime CUDA engine is closed")
+        rt, pool, stream, check = self._rt, self._pool, self._stream, self._check
+        arrays = {k: np.ascontiguousarray(feeds[k]) for k in self.input_names}
+        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        with self._lock:
+            binding = self._session.io_binding()
+            buffers: list[int] = []
+            pending: list[tuple[str, np.ndarray, int]] = []
+            results: dict[str, np.ndarray] = {}
+            try:
+                for name, arr in arrays.items():
+                    ptr = pool.allocate(max(arr.nbytes, 1), stream)
+                    buffers.append(ptr)
+                    if arr.nbytes:
+                        check(rt, rt.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, h2d, stream), "copy to GPU")
+                    binding.bind_input(name, "cuda", self.device_id, arr.dtype, list(arr.shape), ptr)
+                ort_outputs = []
+                for name in self.output_names:
+                    shape = self._output_shape(name, arrays)
+                    if shape is None:
+                        binding.bind_output(name, "cuda", self.device_id)  # ONNX Runtime allocates it
+                        ort_outputs.append(name)
+                        continue
+                    host = np.empty(shape, dtype=self._out_meta[name][1])
+                    ptr = pool.allocate(max(host.nbytes, 1), stream)
+                    buffers.append(ptr)
+                    binding.bind_output(name, "cuda", self.device_id, host.dtype, list(shape), ptr)
+                    pending.append((name, host, ptr))
+                # The inputs' copies were queued on the stream the session computes on: ordered.
+                self._session.run_with_iobinding(binding)
+                for name, host, ptr in pending:
+                    if host.nbytes:
+                        check(rt, rt.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, d2h, stream), "copy to host")
+                    results[name] = host
+                if ort_outputs:
+                    copied = binding.copy_outputs_to_cpu()
+                    for name, value in zip(self.output_names, copied):
+                        if name in ort_outputs:
+                            results[name] = np.asarray(value)
+            finally:
+                for ptr in buffers:  # stream-ordered: after the copies queued above
+                    pool.free(ptr, stream)
+                check(rt, rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        return {n: results[n] for n in self.output_names}
+
+    def close(self) -> None:
+        """Drop the session, then the pool (if made here) and the stream (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        rt = getattr(self, "_rt", None)
+        if rt is not None and self._stream is not None:
+            rt.cudaStreamSynchronize(self._stream)
+        self._session = None
+        if self._owns_pool and self._pool is not None:
+            self._pool.close()
+        self._pool = None
+        if rt is not None and self._stream is not None:
+            rt.cudaStreamDestroy(self._stream)
+        self._stream = None

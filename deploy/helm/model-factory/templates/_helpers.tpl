@@ -69,12 +69,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - /models
 {{- end -}}
 
-{{/* The adapter rule's PromQL: queue time over compute time per pod. */}}
+{{/* The adapter rules' PromQL: Triton's queue time per second over `denominator` per second, per pod
+     (nv_inference_compute_infer_duration_us: the queue-to-compute ratio; nv_inference_request_success:
+     the mean queue time per request, in microseconds). */}}
 {{- define "mf.ratioQuery" -}}
 {{- $w := .window -}}
 {{- $m := .matchers -}}
 {{- $g := .groupBy -}}
-sum(rate(nv_inference_queue_duration_us{ {{- $m -}} }[{{ $w }}])) by ({{ $g }}) / clamp_min(sum(rate(nv_inference_compute_infer_duration_us{ {{- $m -}} }[{{ $w }}])) by ({{ $g }}), 1)
+{{- $d := default "nv_inference_compute_infer_duration_us" .denominator -}}
+sum(rate(nv_inference_queue_duration_us{ {{- $m -}} }[{{ $w }}])) by ({{ $g }}) / clamp_min(sum(rate({{ $d }}{ {{- $m -}} }[{{ $w }}])) by ({{ $g }}), 1)
 {{- end -}}
 
 {{- define "mf.securityContext" -}}
