@@ -187,6 +187,7 @@ def _engine_sha256(model_dir: Path, version: str, file: str) -> str:
     Only a cache key (what was learned for which engine), never a check: integrity is loading's job.
     """
     import hashlib
+    import json
 
     from .integrity import verified_digests
 

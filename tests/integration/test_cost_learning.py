@@ -26,6 +26,7 @@ def test_learned_constants_survive_a_restart_outside_the_repository(minilm_repos
     server = TritonServer(minilm_repository, ["minilm"], ServerOptions(0, 0, 0), log_file=tmp_path / "first.log",
                           env={COST_CACHE_ENV: str(cache)}).start()
     try:
+        assert not server.load_errors, server.load_errors
         for _ in range(12):
             embed_texts(server.http_url, "minilm", TEXTS)
         samples = bench.settled_scrape(server.metrics_url, "minilm")
@@ -46,6 +47,7 @@ def test_learned_constants_survive_a_restart_outside_the_repository(minilm_repos
     server = TritonServer(minilm_repository, ["minilm"], ServerOptions(0, 0, 0), log_file=tmp_path / "again.log",
                           env={COST_CACHE_ENV: str(cache)}).start()
     try:
+        assert not server.load_errors, server.load_errors
         assert embed_texts(server.http_url, "minilm", TEXTS[:1]).shape == (1, 384)
     finally:
         assert server.stop() == 0
