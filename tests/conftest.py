@@ -72,7 +72,10 @@ def _other_weights(src: Path, dst: Path) -> Path:
     import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(str(src))
+    from model_factory.build_engines import onnx_files
+
+    # Through our loader: onnx's own refuses the export's data file once packaging has hard-linked it.
+    model = onnx_files.load_weights(onnx_files.load_graph(src), src.parent)
     rng = np.random.default_rng(1)
     changed = 0
     for init in model.graph.initializer:
@@ -88,9 +91,10 @@ def _clipped_int8(src: Path, dst: Path) -> Path:
     """An INT8 Q/DQ model whose activation ranges are far too narrow: it scores well below any gate."""
     import onnx
 
+    from model_factory.build_engines import onnx_files
     from model_factory.build_engines.quantize import QdqBuilder, _node_names, find_candidates
 
-    model = onnx.load(str(src))
+    model = onnx_files.load_weights(onnx_files.load_graph(src), src.parent)
     _node_names(model)
     candidates, _ = find_candidates(model)
     amax = {a: 0.5 for c in candidates for a in c.activations}

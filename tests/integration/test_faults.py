@@ -117,11 +117,13 @@ def test_a_changed_repository_is_refused_at_the_next_load_and_the_loaded_version
 
 
 def _kill_stub(server) -> int:
-    from model_factory.supervise import stub_processes
+    from model_factory.supervise import pid_alive, stub_processes
 
     stubs = stub_processes(server.process.pid, server.repository)
     assert [s.model for s in stubs] == [MODEL]
     os.kill(stubs[0].pid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: wait until the stub is really dead (a zombie) before looking.
+    assert _wait_for(lambda: not pid_alive(stubs[0].pid), 30)
     return stubs[0].pid
 
 
@@ -167,7 +169,7 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
         assert not any(t.is_alive() for t in threads) and len(answered) == 3
         # In flight when the stub died: answered (with an error) before the reload began; a reload started
         # sooner holds them until it finishes (seen: 39 s with the cost model measured at load).
-        assert load_started and all(at < load_started[0] for at, _ in answered), (answered, load_started)
+        assert load_started and all(at < load_started[0] for at, _ in answered), (answered, load_started, recoveries)
         assert [(r.model, r.ok) for r in recoveries] == [(MODEL, True)], recoveries
         assert 400 in seen_not_ready, "the model must read not ready while it is healed"
         assert _status(ready_url) == 200
