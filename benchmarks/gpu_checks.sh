@@ -168,13 +168,13 @@ fi
 # ============================================================================
 # Grouped batching on the GPU (issue 5's "≥ 0.95x the better of (b) and (c) on a GPU machine"):
 # bench_batching.py with the torch engine on a KIND_GPU instance, MiniLM's architecture with random
-# weights (.whl/minilm_hf: config and tokenizer), 3 interleaved rounds at 1/8/64 in flight. Its
+# weights (.whl/minilm_hf: config and tokenizer), 3 interleaved rounds at 1/8/64 in flight and mixed. Its
 # RESULTS.md section comes back as $OUT/RESULTS-gpu.md, to paste into benchmarks/RESULTS.md.
 # ============================================================================
 section "GPU batching benchmark: (a) ours vs (b) equal shapes vs (c) padded, torch on CUDA (bench_batching.py)"
 if [ "$TRITON_OK" -eq 1 ] && [ -f .whl/minilm_hf/config.json ] && ls .whl/tritonclient-*.whl >/dev/null 2>&1; then
     in_triton_env timeout "${BENCH_TIMEOUT_S:-270}" "$T/venv/bin/python" benchmarks/bench_batching.py \
-        --kind gpu --engine torch --source .whl/minilm_hf --random-weights --rounds 3 --what-if-delay-us -1 \
+        --kind gpu --engine torch --source .whl/minilm_hf --random-weights --rounds 3 --no-snapshot --ready-rounds 0 \
         --work "$T/bench" --results "${OUT:-$T}/RESULTS-gpu.md" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 else

@@ -107,10 +107,14 @@ class _Interrupted(Exception):
               help="Seconds between checks of the backend stubs (a dead one is healed); 0: no watch.")
 @click.option("--accept", "accept", is_flag=True,
               help="Also run each model's acceptance data through its engine here; refuse models below their gate.")
+@click.option("--cost-cache", type=click.Path(file_okay=False), default=None, envvar="MODEL_FACTORY_COST_CACHE",
+              help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
+                   "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
+@click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
-          watch_interval: float, accept: bool) -> None:
+          watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -124,12 +128,13 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
       model-factory serve --accept --policy policy.toml model_repository
     """
-    from model_factory.serve import ServerOptions, admin_key_from, start_verified_server
+    from model_factory.serve import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
     from model_factory.supervise import StubWatch
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
+    cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     stop = threading.Event()
     starting = True
 
@@ -142,7 +147,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         signal.signal(sig, on_signal)
     try:
         server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
-                                               allow_unsigned, accept=accept)
+                                               allow_unsigned, accept=accept, cost_cache=cache)
         starting = False
     except _Interrupted as exc:
         raise click.ClickException(f"interrupted by signal {exc.args[0]} while starting; tritonserver stopped")

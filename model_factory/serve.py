@@ -32,6 +32,14 @@ from model_factory.errors import FactoryError
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
 # Read by the Python backend (backends/python_backend/integrity.py).
 VERIFIED_DIGESTS_ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
+# Read by the Python backend (backends/python_backend/cost_cache.py): where learned cost models are kept.
+COST_CACHE_ENV = "MODEL_FACTORY_COST_CACHE"
+
+
+def default_cost_cache() -> Path:
+    """``$XDG_CACHE_HOME/model-factory/cost-models`` (``~/.cache/...`` when unset): outside any repository."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "model-factory" / "cost-models"
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
@@ -430,7 +438,7 @@ class ServeReport:
 
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
                           allow_unsigned: bool = False, log_file: Path | None = None,
-                          accept: bool = False) -> tuple[TritonServer, ServeReport]:
+                          accept: bool = False, cost_cache: Path | None = None) -> tuple[TritonServer, ServeReport]:
     """Verify the repository against ``policy``, then start Triton loading only verified models.
 
     Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
@@ -438,7 +446,10 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     reason; a model that fails to load is reported too. With ``accept``, each
     verified model must also pass acceptance on this machine (its golden inputs
     through the engine the backend would load, from the verified bytes:
-    ``model_factory.acceptance``) or it is refused like an unverified one.
+    ``model_factory.acceptance``) or it is refused like an unverified one. ``cost_cache``: a
+    folder outside the repository where the backend keeps the cost-model
+    constants it learned (per engine and device), so that a restart needs no
+    warm-up.
     """
     repository = Path(repository)
     if not repository.is_dir():
@@ -473,6 +484,12 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
             raise FactoryError("no model passed verification and acceptance:\n"
                                + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
     server = TritonServer(repository, to_load, options, log_file=log_file)
+    if cost_cache is not None:
+        cost_cache = Path(cost_cache).resolve()
+        if cost_cache == repository.resolve() or repository.resolve() in cost_cache.parents:
+            raise FactoryError(f"cost cache {cost_cache} is inside the repository, which is signed and read-only. "
+                               "Fix: pass a folder outside it (--cost-cache)")
+        server.extra_env[COST_CACHE_ENV] = str(cost_cache)
     if table is not None:
         # The verified digests go to a file outside the repository; the backend checks the bytes it
         # loads against them, so a file swapped after this verification is refused at load.

@@ -102,6 +102,19 @@ def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path
     assert serve.GPU_PRODUCT_ENV not in TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0)).extra_env
 
 
+def test_a_cost_cache_inside_the_signed_repository_is_refused(tmp_path: Path) -> None:
+    from model_factory.errors import FactoryError
+    from model_factory.serve import ServerOptions, default_cost_cache, start_verified_server
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with pytest.raises(FactoryError, match="inside the repository"):
+        start_verified_server(tmp_path / "repo", ServerOptions(0, 0, 0), None, allow_unsigned=True,
+                              cost_cache=tmp_path / "repo" / "m" / "cache")
+    assert not (tmp_path / "repo" / "m" / "cache").exists()
+    assert default_cost_cache().parts[-2:] == ("model-factory", "cost-models")
+
+
 def test_the_admin_apis_are_restricted_with_a_per_run_key_by_default(tmp_path: Path) -> None:
     from model_factory.serve import ADMIN_HEADER, RESTRICTED_APIS
 

@@ -8,6 +8,10 @@ tokenizers, tensorrt, cuda) are imported where used.
 Modules: ``model`` (Triton's entry points, thin), ``settings`` (config
 parameters), ``requests`` (per-request decoding and validation), ``tokenizer``,
 ``executor`` (grouped execution), ``grouping`` (the cost model and the split),
+``cost_estimator`` (the cost model refitted from real launches), ``adaptive_planner``
+(plans with it, prices the alternatives, explores a little), ``cost_learning`` (where
+the cost model starts: warm-up or cache; saving and logging what it learned),
+``cost_cache`` (learned constants kept outside the repository),
 ``engines/`` (one interface: ONNX Runtime, TensorRT), ``memory_pool``
 (cudaMallocAsync pools) and ``metrics``.
 """

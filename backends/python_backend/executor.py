@@ -13,16 +13,24 @@ apart from the length of the sequence axis when the model may be padded (it
 reads an attention mask). A fixed-shape model (an image CNN) thus runs plain
 batches split at the max batch, and a model that must not be padded batches
 only requests of equal length.
+
+The split comes from an ``adaptive_planner.AdaptivePlanner``; every group that
+runs is timed (padding, the launch and slicing its outputs: what a split costs)
+and the timing goes back to the planner, whose estimator refits the cost model
+when it learns (``cost_estimator``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .grouping import CostModel, plan_groups, profile_for_length, token_counts
+from .adaptive_planner import AdaptivePlanner, PlanReport
+from .cost_estimator import CostEstimator
+from .grouping import CostModel, ProfileCostModel, profile_for_length, token_counts
 from .requests import Item
 
 Engine = object  # anything with input_names, output_names and run(feeds, profile)
@@ -36,6 +44,17 @@ class WindowStats:
     real_tokens: int = 0
     computed_tokens: int = 0  # each group padded to its longest item
     retries: int = 0
+    # The cost model's side (see adaptive_planner and cost_estimator).
+    plan: PlanReport = field(default_factory=PlanReport)
+    timings: int = 0  # launches timed and fed back to the estimator
+    outliers: int = 0  # of those, timings far (> 3x) from their cell's median
+    refits: int = 0
+    plan_changes: int = 0
+
+    @property
+    def explorations(self) -> int:
+        """1 when this window ran a split it had not timed (exploration), else 0."""
+        return int(self.plan.explored)
 
     @property
     def sequences(self) -> int:
@@ -75,12 +94,13 @@ def pad_items(items: Sequence[Item], names: Sequence[str], seq_names: frozenset[
 class GroupedExecutor:
     """Plans and runs groups for a window of requests on one engine."""
 
-    def __init__(self, engine: Engine, cost: CostModel, *, max_batch: int, buckets: Sequence[int],
-                 seq_inputs: frozenset[str], seq_outputs: frozenset[str], mode: str = "cost_model",
-                 max_tokens: int | None = None, fill: Callable[[Item], Item] | None = None,
-                 pad_sequences: bool = True) -> None:
+    def __init__(self, engine: Engine, cost: CostModel | ProfileCostModel | CostEstimator, *, max_batch: int,
+                 buckets: Sequence[int], seq_inputs: frozenset[str], seq_outputs: frozenset[str],
+                 mode: str = "cost_model", max_tokens: int | None = None,
+                 fill: Callable[[Item], Item] | None = None, pad_sequences: bool = True) -> None:
         self.engine = engine
-        self.cost = cost
+        self.planner = AdaptivePlanner(cost, max_batch=max_batch, max_tokens=max_tokens, mode=mode)
+        self.estimator = self.planner.estimator  # None with fixed constants
         self.max_batch = max_batch
         self.buckets = tuple(buckets)
         self.seq_inputs = seq_inputs
@@ -103,6 +123,11 @@ class GroupedExecutor:
             parts.setdefault(key, []).append(i)
         return parts
 
+    @property
+    def cost(self) -> CostModel | ProfileCostModel:
+        """The cost model the next window is planned with (it changes as the estimator learns)."""
+        return self.planner.model
+
     def _length(self, item: Item) -> int:
         for name in self.seq_inputs:
             if name in item:
@@ -120,18 +145,27 @@ class GroupedExecutor:
         # Without padding (a fixed-shape model, or one that must not be padded) they are plain batches.
         padded = self.pad_sequences and bool(self.seq_inputs)
         mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
+        reports = []
         for members in self._partitions(flat).values():
-            planned = plan_groups([lengths[i] for i in members], self.cost, self.max_batch, self.max_tokens, mode)
+            planned, report = self.planner.plan([lengths[i] for i in members], mode)
+            reports.append(report)
             groups.extend([members[k] for k in g] for g in planned)
+        stats.plan = PlanReport.total(reports)
         stats.groups = [len(g) for g in groups]
         stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
+        est = self.estimator
+        before = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes) if est else None
         for group in groups:
             self._run_group(group, flat, lengths, per_item, stats)
+        if est is not None:
+            after = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes)
+            stats.timings, stats.outliers, stats.refits, stats.plan_changes = (x - y for x, y in zip(after, before))
         return self._assemble(requests, flat, per_item, wanted), stats
 
     def _run_group(self, group: list[int], flat, lengths, per_item, stats: WindowStats) -> None:
         length = max(lengths[i] for i in group)
+        start = time.perf_counter()
         try:
             profile = profile_for_length(length, self.buckets)
             feeds = pad_items([flat[i][1] for i in group], self.engine.input_names, self.seq_inputs, length)
@@ -151,6 +185,8 @@ class GroupedExecutor:
             per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs and lengths[i] < length
                                   else val[row])
                            for name, val in outs.items()}
+        if self.estimator is not None:
+            self.planner.observe(len(group), max(1, length), time.perf_counter() - start)
 
     def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:
         results: list[dict[str, np.ndarray] | Exception] = []

@@ -97,6 +97,10 @@ def _nnls3(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(x, axis=0)
     norms[norms == 0] = 1.0
     xs = x / norms
+    # Usually the unconstrained optimum is already non-negative: then it is the answer.
+    w_all, *_ = np.linalg.lstsq(xs, y, rcond=None)
+    if np.all(w_all >= 0):
+        return w_all / norms
     best_w = np.zeros(k)
     best_r = float(np.sum(y * y))
     for size in range(1, k + 1):

@@ -40,7 +40,24 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "cost_model_a_seconds": ("GAUGE", "Cost model: fixed seconds per engine launch."),
     "cost_model_b_seconds": ("GAUGE", "Cost model: seconds per computed token."),
     "cost_model_c_seconds": ("GAUGE", "Cost model: seconds per computed token per token of padded length."),
+    "cost_model_a_stderr_seconds": ("GAUGE", "Cost model: standard error of a (+Inf until the data can tell)."),
+    "cost_model_b_stderr_seconds": ("GAUGE", "Cost model: standard error of b (+Inf until the data can tell)."),
+    "cost_model_c_stderr_seconds": ("GAUGE", "Cost model: standard error of c (+Inf until the data can tell)."),
+    "cost_model_timings_total": ("COUNTER", "Engine launches timed and fed back to the cost model's estimator."),
+    "cost_model_outliers_total": ("COUNTER", "Timings more than 3x away from the median of their (n, length) cell."),
+    "cost_model_refits_total": ("COUNTER", "Times the cost model's constants were refitted from recent timings."),
+    "cost_model_plan_changes_total": (
+        "COUNTER", "Recent windows whose split changed when a refit changed the constants."),
+    "cost_model_explorations_total": ("COUNTER", "Windows run with a split the model had not timed (exploration)."),
+    "cost_model_modelled_seconds_total": (
+        "COUNTER",
+        "Modelled seconds of each window's split (plan=chosen: the split run; best: the least-cost one; one_group: "
+        "padded to the longest; singles: one launch per sequence), under the constants it was planned with.",
+    ),
 }
+
+# The plans priced for every window (label plan of cost_model_modelled_seconds_total): PlanReport attributes.
+PLANS = ("chosen", "best", "one_group", "singles")
 
 # Counter: the WindowStats attribute summed into it (execute_seconds_total and executions_total aside).
 _WINDOW_COUNTERS = {
@@ -49,6 +66,11 @@ _WINDOW_COUNTERS = {
     "real_tokens_total": "real_tokens",
     "computed_tokens_total": "computed_tokens",
     "group_retries_total": "retries",
+    "cost_model_timings_total": "timings",
+    "cost_model_outliers_total": "outliers",
+    "cost_model_refits_total": "refits",
+    "cost_model_plan_changes_total": "plan_changes",
+    "cost_model_explorations_total": "explorations",
 }
 
 PoolSource = Callable[[], Any]  # returns PoolStats-like (reserved, used, high_water) or a dict, or None
@@ -60,7 +82,9 @@ class BackendMetrics:
     ``labels`` (model, plus the engine flavour and device from ``engine_info`` and anything in
     ``extra_labels``) are put on every metric. ``cost``, when given, is published
     at once: a CostModel under profile label ``all``, a ProfileCostModel under each
-    profile's index. Window counters are summed
+    profile's index; a learning ``CostEstimator`` (anything with ``profiles()``) is read
+    again at every flush and its constants and standard errors re-sent when they
+    changed. Window counters are summed
     in-process and sent by :meth:`flush`, which a background thread calls every
     ``interval_s`` seconds while there is something new (``interval_s=None``: no
     thread, the caller flushes). ``pool_source``, when given, is read at each flush
@@ -93,13 +117,19 @@ class BackendMetrics:
             )
         self._lock = threading.Lock()  # guards _pending (execute() adds, the flusher takes)
         self._send_lock = threading.Lock()  # one flush at a time, so counters are sent in order
-        self._pending: dict[str, float] = {}
+        self._pending: dict[tuple[str, str], float] = {}  # (short name, plan label or "")
         self._pool_source = pool_source
         self._last_pool: tuple[float, float, float] | None = None
         # Counters exist (at 0) from load, so a scrape before any traffic already lists them.
         for short in ("executions_total", "execute_seconds_total", *_WINDOW_COUNTERS):
             self._metric(short)
-        if cost is not None:
+        for plan in PLANS:
+            self._metric("cost_model_modelled_seconds_total", plan=plan)
+        self._estimator = cost if cost is not None and hasattr(cost, "profiles") else None
+        self._last_cost: dict[str, tuple[float, ...]] = {}
+        if self._estimator is not None:
+            self._publish_estimator()
+        elif cost is not None:
             models = getattr(cost, "models", None)
             if models is not None:  # a ProfileCostModel: one set of constants per optimization profile
                 for profile, model in enumerate(models):
@@ -125,9 +155,10 @@ class BackendMetrics:
             self._metrics[key] = metric
         return metric
 
-    def _add(self, short: str, value: float) -> None:
+    def _add(self, short: str, value: float, plan: str = "") -> None:
         if value:
-            self._pending[short] = self._pending.get(short, 0.0) + float(value)
+            key = (short, plan)
+            self._pending[key] = self._pending.get(key, 0.0) + float(value)
 
     def _flusher(self) -> None:
         while not self._stop.is_set():
@@ -150,14 +181,20 @@ class BackendMetrics:
                 self._add(short, getattr(stats, attr, 0) or 0)
             if seconds is not None:
                 self._add("execute_seconds_total", max(0.0, float(seconds)))
+            report = getattr(stats, "plan", None)
+            if report is not None:
+                for plan in PLANS:
+                    self._add("cost_model_modelled_seconds_total", getattr(report, plan, 0.0) or 0.0, plan)
 
     def flush(self) -> None:
         """Send what was added since the last flush, and the pool gauges if they changed."""
         with self._send_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
-            for short, value in pending.items():
-                self._metric(short).increment(value)
+            for (short, plan), value in pending.items():
+                (self._metric(short, plan=plan) if plan else self._metric(short)).increment(value)
+            if self._estimator is not None:
+                self._publish_estimator()
             if self._pool_source is not None:
                 stats = self._pool_source()
                 if stats:  # None or {} where the engine has no pool (a CPU instance)
@@ -173,10 +210,21 @@ class BackendMetrics:
         for short, value in zip(("pool_reserved_bytes", "pool_used_bytes", "pool_high_water_bytes"), values):
             self._metric(short).set(value)
 
-    def set_cost_model(self, cost: Any, profile: int | str = "all") -> None:
-        """Publish the cost-model constants (a, b, c) for one profile (or ``all``)."""
+    def set_cost_model(self, cost: Any, profile: int | str = "all", stderr: Any = None) -> None:
+        """Publish the cost-model constants (a, b, c) for one profile (or ``all``), and their standard errors."""
         for name in ("a", "b", "c"):
             self._metric(f"cost_model_{name}_seconds", profile=str(profile)).set(float(getattr(cost, name)))
+            if stderr is not None:
+                self._metric(f"cost_model_{name}_stderr_seconds", profile=str(profile)).set(
+                    float(getattr(stderr, name)))
+
+    def _publish_estimator(self) -> None:
+        """Re-send a learning estimator's constants and standard errors, where they changed since last sent."""
+        for label, model, stderr in self._estimator.profiles():
+            values = tuple(float(getattr(x, k)) for x in (model, stderr) for k in ("a", "b", "c"))
+            if self._last_cost.get(label) != values:
+                self._last_cost[label] = values
+                self.set_cost_model(model, label, stderr)
 
     def close(self) -> None:
         """Stop the flusher, send what is pending, then drop the metrics and their families (in that order)."""

@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .executor import GroupedExecutor
-from .grouping import CostModel, ProfileCostModel, measure_cost_model, profile_for_length
+from .grouping import profile_for_length
 from .loading import load_engine
 from .requests import TEXT_INPUTS, RequestError, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
@@ -49,9 +49,9 @@ class TritonPythonModel:
         per_profile = int(getattr(self.engine, "num_profiles", 1) or 1) > 1
         # A model without a sequence axis runs every request at "length" 1: its warm-up times batch sizes only.
         buckets = s.sequence_buckets if seq_inputs else (1,)
-        cost = CostModel(*s.cost_model) if s.cost_model else measure_cost_model(
-            self._dummy_run(), buckets, s.max_batch_size, repeats=s.cost_model_repeats,
-            max_tokens=s.max_group_tokens, per_profile=per_profile and bool(seq_inputs))
+        start, cache_file, cache_key = _start_cost(s, self._dummy_run(), buckets, per_profile and bool(seq_inputs),
+                                                   args, self.engine_info)
+        cost = start.cost
         self.executor = GroupedExecutor(
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
@@ -60,8 +60,14 @@ class TritonPythonModel:
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None
         # One label per instance: each instance has its own pool, and counters sum across instances anyway.
-        self.metrics = _make_metrics(s.model_name, cost, self.engine_info, pool_source,
+        self.metrics = _make_metrics(s.model_name, self.executor.estimator or cost, self.engine_info, pool_source,
                                      {"instance": str(args.get("model_instance_name", ""))})
+        self.cost_keeper = None
+        if self.executor.estimator is not None:
+            from .cost_learning import CostKeeper
+
+            self.cost_keeper = CostKeeper(self.executor.estimator, cache_file=cache_file,
+                                          log=pb_utils.Logger.log_info, meta={"model": s.model_name, **cache_key})
         self.trimmer = None
         if self.pool is not None:
             from .memory_pool import IdleTrimmer
@@ -78,7 +84,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
-            f"cost model {_cost_text(cost)}")
+            f"{start.note}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.
@@ -133,6 +139,8 @@ class TritonPythonModel:
             self.metrics.observe_window(stats, time.perf_counter() - start)
         if self.trimmer is not None:
             self.trimmer.touch()
+        if self.cost_keeper is not None:
+            self.cost_keeper.after_window()
         return responses
 
     def _publish_pool(self, pool) -> None:
@@ -140,6 +148,8 @@ class TritonPythonModel:
             self.metrics.set_pool_stats(pool.stats())
 
     def finalize(self) -> None:
+        if self.cost_keeper is not None:
+            self.cost_keeper.close(self.executor.planner)
         if self.trimmer is not None:
             self.trimmer.close()
         if self.metrics is not None:
@@ -151,13 +161,51 @@ def _as_numpy(tensor) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _cost_text(cost) -> str:
-    def one(m: CostModel) -> str:
-        return f"a={m.a:.3g}s b={m.b:.3g}s c={m.c:.3g}s"
+def _start_cost(s, run, buckets, per_profile: bool, args: dict, engine_info: dict):
+    """``(CostStart, cache file or None, cache key parts)``: the starting cost model (cost_learning)."""
+    from . import cost_cache
+    from .cost_learning import start_cost_model
 
-    if isinstance(cost, ProfileCostModel):
-        return "; ".join(f"profile {i} (<= {b} tokens): {one(m)}" for i, (b, m) in enumerate(zip(cost.buckets, cost.models)))
-    return one(cost)
+    folder, key, cache_file = cost_cache.cache_dir_from_env(), {}, None
+    if folder is not None and not s.cost_model:
+        kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0)
+        key = {"engine_sha256": _engine_sha256(Path(args["model_repository"]), str(args["model_version"]),
+                                               engine_info["file"]),
+               "flavour": engine_info["flavour"], "device": cost_cache.device_description(engine_info, kind, device_id)}
+        cache_file = cost_cache.cache_path(folder, s.model_name, cost_cache.cache_key(
+            key["engine_sha256"], key["flavour"], key["device"], buckets, per_profile))
+    start = start_cost_model(run=run, buckets=buckets, max_batch=s.max_batch_size,
+                             max_tokens=s.max_group_tokens, per_profile=per_profile, given=s.cost_model,
+                             online=s.cost_model_online, warmup=s.cost_model_warmup, repeats=s.cost_model_repeats,
+                             cache_file=cache_file)
+    return start, cache_file, key
+
+
+def _engine_sha256(model_dir: Path, version: str, file: str) -> str:
+    """The engine file's sha256, for the cost cache's key: verified digests, else metadata.json's, else hashed.
+
+    Only a cache key (what was learned for which engine), never a check: integrity is loading's job.
+    """
+    import hashlib
+    import json
+
+    from .integrity import verified_digests
+
+    digests = verified_digests(model_dir.name, version)
+    relpath = f"{version}/{file}"
+    if digests and relpath in digests:
+        return digests[relpath]
+    try:
+        listed = json.loads((model_dir / version / "metadata.json").read_text()).get("files", {}).get(file)
+        if isinstance(listed, str) and len(listed) == 64:
+            return listed
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.sha256()
+    with open(model_dir / relpath, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _make_metrics(model_name: str, cost, engine_info: dict, pool_source=None, labels=None):

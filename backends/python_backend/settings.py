@@ -47,6 +47,9 @@ class Settings:
     torchscript_file: str = "model.torchscript.pt"
     # The model's vocabulary size (Hugging Face config.json "vocab_size"): token ids must be below it.
     vocab_size: int | None = None
+    # The cost model's start (short | sweep) and whether it keeps learning (None: yes unless constants are given).
+    cost_model_warmup: str = "short"
+    cost_model_online: bool | None = None
     # A GPU instance may serve on the CPU (ONNX Runtime) when no GPU engine loads: only when the recipe says so.
     cpu_fallback: bool = False
     # The precision this deployment serves (recipe repository.serve) and its TensorRT plan, if built.
@@ -129,6 +132,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if max_tokens and max_tokens < max_len:  # the longest request allowed could not be placed in any group
         raise SettingsError(f"parameter max_group_tokens={max_tokens} is below max_sequence_length={max_len}: "
                             "use 0 (no budget) or at least max_sequence_length")
+    warmup = params.get("cost_model_warmup", "") or "short"
+    if warmup not in ("short", "sweep"):
+        raise SettingsError(f"parameter cost_model_warmup={warmup!r}: use short or sweep")
+    online_text = params.get("cost_model_online", "").strip().lower()
+    if online_text not in ("", "true", "false"):
+        raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
@@ -147,6 +156,8 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         cost_model_repeats=num("cost_model_repeats", 3),
         torchscript_file=torchscript_file,
         vocab_size=vocab_size,
+        cost_model_warmup=warmup,
+        cost_model_online=None if online_text == "" else online_text == "true",
         cpu_fallback=cpu_fallback == "true",
         precision=precision,
         # Packages from before the precision parameter name no plan: the served precision's own, if any.

@@ -166,3 +166,26 @@ def test_other_dynamic_axes_batch_only_equal_shapes() -> None:
     results, _ = ex.run(reqs)
     assert sorted(engine.launches) == [(1, 3, 16, 16), (2, 3, 8, 8)]
     assert [float(r["logits"][0, 0]) for r in results] == [192.0, 768.0, 192.0]
+
+
+def test_every_launch_is_timed_and_fed_back_to_a_learning_cost_model() -> None:
+    from model_factory.backend.cost_estimator import CostEstimator
+
+    engine = SumEngine()
+    est = CostEstimator((8, 32), CostModel(1.0, 1e-6, 0.0))
+    ex = executor(engine, cost=est)
+    assert ex.estimator is est and ex.cost == est.model
+    total = 0
+    for k in range(40):
+        _, stats = ex.run([[item(3 + k % 5)], [item(30)], [item(5)]])
+        assert stats.timings == len(engine.launches) - total == stats.group_count
+        total = len(engine.launches)
+        assert stats.plan.chosen > 0 and stats.plan.singles > 0 and stats.plan.one_group > 0
+    assert est.stats.timings == total and est.stats.refits >= 1
+    assert ex.cost == est.model  # the planner plans with what the estimator learned
+
+
+def test_fixed_constants_are_not_timed() -> None:
+    ex = executor(SumEngine())
+    _, stats = ex.run([[item(3)], [item(30)]])
+    assert ex.estimator is None and stats.timings == 0 and stats.plan.chosen > 0

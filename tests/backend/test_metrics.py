@@ -231,3 +231,34 @@ def test_a_cost_model_per_profile_is_published_per_profile():
         assert not [x for x in _family(m, "cost_model_a_seconds").metrics if x.labels["profile"] == "all"]
     finally:
         m.close()
+
+
+def test_a_learning_estimator_is_published_with_its_uncertainty_and_resent_when_it_moves():
+    from model_factory.backend.adaptive_planner import PlanReport
+    from model_factory.backend.cost_estimator import CostEstimator
+
+    FakeMetricFamily.created = []
+    est = CostEstimator((128,), CostModel(2e-3, 1e-4, 0.0))
+    m = BackendMetrics(FakePbUtils, "m", est, interval_s=None)
+    try:
+        assert _only(m, "cost_model_a_seconds", profile="all").value == 2e-3
+        assert _only(m, "cost_model_b_stderr_seconds", profile="all").value == float("inf")  # nothing seen yet
+        for i in range(160):
+            n, length = ((1, 8), (8, 100), (2, 40), (4, 16), (16, 64))[i % 5]
+            est.observe(n, length, 1e-3 + 5e-5 * n * length * (1.05 if i % 4 < 2 else 0.95))
+        stats = WindowStats(groups=[1, 8], real_tokens=108, computed_tokens=808, timings=2, refits=1, outliers=0,
+                            plan_changes=1, plan=PlanReport(0.05, 0.04, 0.06, 0.07, True))
+        m.observe_window(stats, 0.06)
+        calls = FakeMetric.calls
+        m.flush()
+        assert _only(m, "cost_model_a_seconds", profile="all").value == pytest.approx(1e-3, rel=0.1)
+        assert 0 < _only(m, "cost_model_b_stderr_seconds", profile="all").value < 1e-5
+        assert _only(m, "cost_model_explorations_total").value == 1
+        assert _only(m, "cost_model_plan_changes_total").value == 1
+        assert _only(m, "cost_model_modelled_seconds_total", plan="singles").value == 0.07
+        assert _only(m, "cost_model_modelled_seconds_total", plan="chosen").value == 0.05
+        sent = FakeMetric.calls - calls
+        m.flush()  # nothing new: no round trips
+        assert FakeMetric.calls - calls == sent
+    finally:
+        m.close()

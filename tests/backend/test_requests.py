@@ -41,6 +41,17 @@ def test_bad_settings_are_refused_at_load() -> None:
         parse_settings(bad)
     with pytest.raises(SettingsError, match="cost_model"):
         parse_settings(dict(CONFIG, parameters={"cost_model": {"string_value": "1,2"}}))
+    with pytest.raises(SettingsError, match="cost_model_warmup"):
+        parse_settings(dict(CONFIG, parameters={"cost_model_warmup": {"string_value": "long"}}))
+    with pytest.raises(SettingsError, match="cost_model_online"):
+        parse_settings(dict(CONFIG, parameters={"cost_model_online": {"string_value": "maybe"}}))
+
+
+def test_cost_model_start_and_learning_settings(settings) -> None:
+    assert settings.cost_model_warmup == "short" and settings.cost_model_online is None
+    s = parse_settings(dict(CONFIG, parameters={"cost_model_warmup": {"string_value": "sweep"},
+                                                "cost_model_online": {"string_value": "false"}}))
+    assert s.cost_model_warmup == "sweep" and s.cost_model_online is False
 
 
 def test_rows_become_items(settings) -> None:
