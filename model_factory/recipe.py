@@ -122,9 +122,11 @@ class BatchingSpec:
     # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
     pad_sequences: bool = True
     # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
-    # UNAVAILABLE / 503 at once instead of queueing without bound. None: sized at packaging from the
-    # measured cost model to about queue_budget_ms of work (repository.default_queue_size).
-    max_queue_size: int | None = None
+    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto"): sized at packaging from
+    # the measured cost model to about queue_budget_ms of work (repository.default_queue_size). 0, the
+    # default: unbounded, because Triton 2.51's batcher with a queue policy was seen to stall ~500 ms at
+    # low load (benchmarks/RESULTS.md, "Overload"): a bound is opt-in until that is understood.
+    max_queue_size: int | None = 0
     queue_budget_ms: int = 300
     queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
     timeout_action: str = "reject"  # reject | delay (what happens to a request past queue_timeout_us)
@@ -230,7 +232,7 @@ def _whole(value: Any, where: str, low: int, fix: str) -> int:
 
 def _queue_policy(b: Mapping[str, Any]) -> dict[str, Any]:
     """The queue-policy keys of ``[batching]``, checked."""
-    size = b.get("max_queue_size", "auto")
+    size = b.get("max_queue_size", 0)
     if size != "auto":
         size = _whole(size, "batching.max_queue_size", 0,
                       'give a number of requests (0: unbounded), or "auto" to size it from the cost model')

@@ -36,8 +36,16 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
     assert text_format.MessageToString(cfg) == text
 
 
-def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm_recipe) -> None:
+def test_queue_is_unbounded_by_default(minilm_recipe) -> None:
+    assert minilm_recipe.batching.max_queue_size == 0
+    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=16)))
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 0
+
+
+def test_queue_policy_auto_is_bounded_and_sized_from_the_cost_model(minilm_recipe) -> None:
     from tritonclient.grpc import model_config_pb2
+
+    minilm_recipe = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=None))
 
     max_batch = minilm_recipe.shapes.max_batch
     # 1 ms + 10 µs per token: a full batch of the first bucket's length takes a + b·n·L seconds.
@@ -69,7 +77,8 @@ def test_queue_policy_is_bounded_by_default_and_sized_from_the_cost_model(minilm
 
 
 def test_package_sizes_the_queue_from_a_cost_model_it_is_given(minilm_recipe, tmp_path: Path) -> None:
-    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"),
+                     batching=replace(minilm_recipe.batching, max_queue_size=None))  # "auto"
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"not read")
     res = package_model(recipe, {"model.onnx": onnx}, parameters={"cost_model": "0.001,1e-7,0"})
