@@ -49,23 +49,6 @@ def _load(model: Path | bytes) -> Any:
     return load_weights(load_graph(Path(model)), Path(model).parent)
 
 
-def _expose(model: Any, names: list[str]) -> bytes:
-    onnx = require("onnx", "onnx")
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    existing = {o.name for o in m.graph.output}
-    for name in names:
-        if name not in existing:
-            m.graph.output.append(onnx.ValueInfoProto(name=name))
-    return m.SerializeToString()
-
-
-def _session(data: bytes) -> Any:
-    from model_factory.build_engines.export import onnxruntime_session
-
-    return onnxruntime_session(data, basic_optimizations=True)
-
-
 def _cosine(ref: np.ndarray, cand: np.ndarray) -> float:
     n = ref.shape[0] if ref.ndim else 1
     r = ref.reshape(n, -1).astype(np.float64)
@@ -92,8 +75,11 @@ def first_departures(reference: Path | bytes, candidate: Path | bytes, feeds: Ma
     names = [t for t, *_ in order]
     if not names:
         return []
-    ref_s = _session(_expose(ref_model, names))
-    cand_s = _session(_expose(cand_model, names))
+    from model_factory.build_engines.export import onnxruntime_session
+    from model_factory.build_engines.onnx_files import with_outputs
+
+    ref_s = onnxruntime_session(with_outputs(ref_model, names).SerializeToString(), basic_optimizations=True)
+    cand_s = onnxruntime_session(with_outputs(cand_model, names).SerializeToString(), basic_optimizations=True)
     inputs = {i.name for i in ref_s.get_inputs()}
     small = {k: np.asarray(v)[:MAX_SAMPLES] for k, v in feeds.items() if k in inputs}
     ref_out = dict(zip([o.name for o in ref_s.get_outputs()], ref_s.run(None, small)))

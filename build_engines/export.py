@@ -29,7 +29,7 @@ from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
 from model_factory.progress import heartbeat
-from model_factory.recipe import Recipe, TensorSpec, onnx_tensor_specs
+from model_factory.recipe import Recipe, TensorSpec, graph_tensor_specs
 
 # From this many parameters on, a recipe that does not choose gets torch's dynamo exporter (see _torch_export).
 DYNAMO_MIN_PARAMETERS = 32_000_000
@@ -648,17 +648,17 @@ def check_onnx_file(path: Path) -> Any:
     A broken file is a FactoryError naming the problem. The returned model is graph-only where the
     file has external data (see :mod:`~model_factory.build_engines.onnx_files`).
     """
-    onnx_files.check(path)
-    return onnx_files.load_graph(path)
+    return onnx_files.check(path)
 
 
-def check_declared_specs(recipe: Recipe, path: Path) -> None:
-    """Declared [[inputs]]/[[outputs]] must agree with the ONNX graph: dtype, rank, and every fixed size.
+def check_declared_specs(recipe: Recipe, model: Any) -> None:
+    """Declared [[inputs]]/[[outputs]] must agree with the ONNX graph (``model``, a loaded proto): dtype, rank,
+    and every fixed size.
 
     A size the graph leaves dynamic may be declared fixed (the server then refuses other sizes); a size the
     graph fixes may not be declared dynamic.
     """
-    graph_in, graph_out = onnx_tensor_specs(path)
+    graph_in, graph_out = graph_tensor_specs(model)
     graph = {s.name: s for s in graph_in + graph_out}
     for section, declared in (("inputs", recipe.inputs), ("outputs", recipe.outputs)):
         for spec in declared:
@@ -688,7 +688,7 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
         raise FactoryError(f"the ONNX graph has inputs {graph_inputs} and outputs {graph_outputs}, but the recipe "
                            f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
                            "match the graph's tensor names")
-    check_declared_specs(recipe, src)
+    check_declared_specs(recipe, model)
     onnx_path = tmp / "model.onnx"
     # Weights stream from the source's data files (if any) into this folder's layout, one tensor at a time.
     onnx_files.save(model, onnx_path, base_dir=Path(src).parent, consume=True)

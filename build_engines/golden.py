@@ -33,7 +33,7 @@ INPUTS_FILE = "inputs.json"
 OUTPUTS_FILE = "outputs.json"
 SPEC_FILE = "acceptance.json"
 REFERENCE_RUNNER = "fp32-reference"
-# The threshold when the recipe sets no quantization.min_accuracy (the quantize stage's default target).
+# The threshold when the recipe sets no quantization.min_accuracy (also the quantize stage's default target).
 DEFAULT_THRESHOLD = 0.99
 MAX_SAMPLES = 32
 ITERATION_SAMPLES = 8

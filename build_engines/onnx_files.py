@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from model_factory.errors import FactoryError, require
 
@@ -92,6 +92,22 @@ def tensor_array(tensor: Any, base_dir: Path) -> Any:
 
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
     return np.frombuffer(_external_bytes(tensor, base_dir), dtype=dtype).reshape(tuple(tensor.dims)).copy()
+
+
+def with_outputs(model: Any, names: Iterable[str], float32: bool = False) -> Any:
+    """A copy of ``model`` that also returns the tensors ``names`` as graph outputs.
+
+    The added outputs are declared FP32 when ``float32``, else left untyped (ONNX Runtime infers them).
+    """
+    onnx = require("onnx", "onnx")
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    existing = {o.name for o in m.graph.output}
+    for name in names:
+        if name not in existing:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) if float32
+                                  else onnx.ValueInfoProto(name=name))
+    return m
 
 
 def load_weights(model: Any, base_dir: Path, convert: Mapping[str, Callable[[bytes], bytes]] | None = None) -> Any:
@@ -239,8 +255,8 @@ def _pad(sink: Any) -> int:
     return pos + gap
 
 
-def check(path: Path) -> None:
-    """``onnx.checker`` on the file and its external data, without reading the weights.
+def check(path: Path) -> Any:
+    """``onnx.checker`` on the file and its external data, without reading the weights; return its graph.
 
     The checker runs on a copy of the graph beside sparse stand-ins of its data files (the same names
     and sizes): onnx's checker refuses a data file with several hard links, which every packaged data
@@ -277,6 +293,7 @@ def check(path: Path) -> None:
         except Exception as exc:  # onnx raises DecodeError, ValidationError, ...: all mean "broken file"
             raise FactoryError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {str(exc)[:300]}). "
                                "Fix: re-export it, or point the recipe at the right file") from exc
+    return model
 
 
 def link_into(onnx_path: Path, dest_dir: Path) -> Path:

@@ -71,15 +71,14 @@ from model_factory.build_engines.calibration import (
     split_data,
 )
 from model_factory.build_engines.export import ExportResult, check_onnx_file, onnxruntime_session
-from model_factory.fileio import digest_path
+from model_factory.build_engines.golden import DEFAULT_THRESHOLD
 from model_factory.errors import FactoryError, InternalError, require
-from model_factory.fileio import atomic_dir
+from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
 from model_factory.build_engines import onnx_files
 from model_factory.progress import Steps
 from model_factory.recipe import Recipe
 
-DEFAULT_TARGET = 0.99
 DEPARTURES_NAME = "departures.json"  # where a failing precision first departs from FP32, per layer
 QUANTIZABLE_OPS = ("MatMul", "Gemm", "Conv")
 # Kept in float32 inside FP16 models: normalisations and reductions accumulate over many values.
@@ -202,17 +201,6 @@ def _node_names(model: Any) -> None:
 # --------------------------------------------------------------------------- calibration
 
 
-def _with_outputs(model: Any, tensors: Iterable[str]) -> Any:
-    onnx = require("onnx", "onnx")
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    existing = {o.name for o in m.graph.output}
-    for t in tensors:
-        if t not in existing:
-            m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
-    return m
-
-
 def _save_beside(model: Any, path: Path) -> None:
     """Write a graph-only working model whose weights stay in the data file already linked beside ``path``."""
     path.write_bytes(model.SerializeToString())
@@ -221,7 +209,7 @@ def _save_beside(model: Any, path: Path) -> None:
 def _run_extra(model: Any, tensors: list[str], feeds: Feeds, work: Path, fn: Callable[[str, np.ndarray], None],
                steps: Steps | None = None) -> None:
     path = work / "calibrate.onnx"
-    _save_beside(_with_outputs(model, tensors), path)
+    _save_beside(onnx_files.with_outputs(model, tensors, float32=True), path)
     sess = onnxruntime_session(path)
     for batch in batches(feeds, CALIB_BATCH):
         for name, value in zip(tensors, sess.run(tensors, batch)):
@@ -698,7 +686,7 @@ def _departure_report(report: AccuracyReport, fp32: Path, out_dir: Path, feeds: 
     for r in report.failures:
         try:
             found = first_departures(Path(fp32), out_dir / f"model.{r.precision}.onnx", feeds,
-                                     float(report.min_accuracy or DEFAULT_TARGET))
+                                     float(report.min_accuracy or DEFAULT_THRESHOLD))
         except Exception as exc:  # a diagnosis: failing to make it must not hide the gate's verdict
             texts.append(f"{r.precision}: per-layer comparison failed ({type(exc).__name__}: {exc})")
             continue
@@ -756,7 +744,7 @@ def _int8(recipe: Recipe, base: Any, fp32_path: Path, calib_feeds: Feeds, search
         steps: list[dict[str, Any]] = []
         if q.mixed_precision:
             assert search_eval is not None
-            target = search_target(gate if gate is not None else DEFAULT_TARGET)
+            target = search_target(gate if gate is not None else DEFAULT_THRESHOLD)
             scorer = SwitchScorer(builder, search_eval, work)
             kept, steps = search_mixed_precision(names, scorer, target, say)
             steps.insert(0, {"step": "search", "gate": gate, "target": target, "scored_on":

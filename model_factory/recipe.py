@@ -423,6 +423,11 @@ def onnx_tensor_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorS
     except Exception as exc:  # onnx raises DecodeError and others: all mean "not an ONNX file"
         raise _err("source.path", f"{path} is not a readable ONNX model ({type(exc).__name__})",
                    "point it at an .onnx file saved by torch.onnx.export or onnx.save") from exc
+    return graph_tensor_specs(model)
+
+
+def graph_tensor_specs(model: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """:func:`onnx_tensor_specs` of an already loaded ``onnx.ModelProto``."""
     inits = {i.name for i in model.graph.initializer}
 
     def specs(values: Any, section: str) -> tuple[TensorSpec, ...]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from model_factory.errors import FactoryError
+from model_factory.fileio import atomic_file
 
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
 # Read by the Python backend (backends/python_backend/integrity.py).
@@ -229,6 +230,9 @@ class TritonServer:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         self.work_dir = self._work
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
+        # Set by start_verified_server when it verified against a policy (reverify_model uses them).
+        self.trust: object | None = None
+        self.digests_file: Path | None = None
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -500,7 +504,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     server.start()
     refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
     served = tuple(server.ready_models)
-    engines = {m: engines.get(m) or _engine_from_metrics(server, m) for m in served}
+    labelled = _engines_from_metrics(server) if any(not engines.get(m) for m in served) else {}
+    engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
     return server, ServeReport(served, refused, engines)
 
 
@@ -549,17 +554,19 @@ def _accept_one(job: tuple[str, dict | None, str | None]) -> tuple[bool, str, st
     return result.passed, result.where, result.reason
 
 
-def _engine_from_metrics(server: TritonServer, model: str) -> str:
-    """``engine on device`` from the backend's metric labels (its metrics carry them), or "unknown"."""
+def _engines_from_metrics(server: TritonServer) -> dict[str, str]:
+    """model -> ``engine on device`` from the backend's metric labels (one scrape; {} when it fails)."""
+    engines: dict[str, str] = {}
     try:
         from model_factory.bench import scrape_metrics
 
         for sample in scrape_metrics(server.metrics_url, timeout=2.0):
-            if sample.labels.get("model") == model and "engine" in sample.labels:
-                return f"{sample.labels['engine']} on {sample.labels.get('device', '?')}"
+            model = sample.labels.get("model")
+            if model is not None and "engine" in sample.labels and model not in engines:
+                engines[model] = f"{sample.labels['engine']} on {sample.labels.get('device', '?')}"
     except FactoryError:
         pass
-    return "unknown (no engine label in the metrics)"
+    return engines
 
 
 def _verified_digests(repository: Path, results: list, policy: object) -> dict[str, dict[str, dict[str, str]]]:
@@ -579,9 +586,8 @@ def _verified_digests(repository: Path, results: list, policy: object) -> dict[s
 
 
 def _write_json_atomic(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        f.write(json.dumps(data))
 
 
 def reverify_model(server: TritonServer, model: str) -> None:

@@ -123,9 +123,12 @@ def run_soak(url: str, model: str, payloads: Sequence[Payload], server_pid: int,
         raise FactoryError("the soak needs tokenized payloads (it sends text and token ids)")
     grpc = require("tritonclient.grpc.aio", "client")
 
+    def sends_text(i: int) -> bool:
+        return send == "text" or (send == "mixed" and i % 2 == 0)
+
     def inputs(i: int) -> list[Any]:
         p = payloads[i % len(payloads)]
-        if send == "text" or (send == "mixed" and i % 2 == 0):
+        if sends_text(i):
             t = grpc.InferInput("text", [1, 1], "BYTES")
             t.set_data_from_numpy(np.array([[p.text.encode("utf-8")]], dtype=np.object_))
             return [t]
@@ -159,7 +162,7 @@ def run_soak(url: str, model: str, payloads: Sequence[Payload], server_pid: int,
                 i = next(next_i)
                 if requests is not None and i >= requests:
                     return
-                counts["text" if i % 2 == 0 else "ids"] += 1
+                counts["text" if sends_text(i) else "ids"] += 1
                 t0 = time.monotonic()
                 try:
                     await client.infer(model, prepared[i % len(prepared)], outputs=outputs, client_timeout=timeout_s)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import cost_cache
 from .cost_estimator import CostEstimator, EstimatorConfig
-from .grouping import CostModel, ProfileCostModel, fit_cost_model, measure_cost_model, profile_for_length
+from .grouping import CostModel, ProfileCostModel, fit_samples, measure_cost_model, profile_for_length
 
 WARMUPS = ("short", "sweep")
 
@@ -90,17 +90,6 @@ def time_short(run: Run, points: Sequence[tuple[int, int]], buckets: Sequence[in
         run(n, length)
         samples.append((n, length, clock() - start))
     return samples
-
-
-def _fit(samples: Sequence[tuple[int, int, float]], buckets: Sequence[int], per_profile: bool
-         ) -> CostModel | ProfileCostModel:
-    ordered = tuple(sorted(set(int(b) for b in buckets)))
-    if not per_profile or len(ordered) < 2:
-        return fit_cost_model(samples)
-    by_profile: dict[int, list[tuple[int, int, float]]] = {}
-    for s in samples:
-        by_profile.setdefault(profile_for_length(s[1], ordered), []).append(s)
-    return ProfileCostModel(ordered, tuple(fit_cost_model(by_profile[i]) for i in range(len(ordered))))
 
 
 def cost_text(cost: Any) -> str:
@@ -171,7 +160,7 @@ def start_cost_model(*, run: Run, buckets: Sequence[int], max_batch: int, max_to
     else:
         samples = time_short(run, short_points(ordered, max_batch, max_tokens, per_profile=per_profile), ordered,
                              clock, per_profile)
-        model = _fit(samples, ordered, per_profile)
+        model = fit_samples(samples, ordered, per_profile)
         label = f"short warm-up ({len(samples)} launches timed)"
     seconds = clock() - t0
     if not learn:

@@ -101,12 +101,10 @@ class GroupedExecutor:
         self.engine = engine
         self.planner = AdaptivePlanner(cost, max_batch=max_batch, max_tokens=max_tokens, mode=mode)
         self.estimator = self.planner.estimator  # None with fixed constants
-        self.max_batch = max_batch
         self.buckets = tuple(buckets)
         self.seq_inputs = seq_inputs
         self.seq_outputs = seq_outputs
         self.mode = mode
-        self.max_tokens = max_tokens
         self.fill = fill or (lambda item: item)
         self.pad_sequences = pad_sequences
 

@@ -392,6 +392,12 @@ def measure_cost_model(
     :class:`CostModel` is fitted over all points (an engine that takes any shape).
     """
     samples = time_points(run, sweep_points(buckets, max_batch, max_tokens), repeats, clock)
+    return fit_samples(samples, buckets, per_profile)
+
+
+def fit_samples(samples: Sequence[tuple[int, int, float]], buckets: Sequence[int], per_profile: bool = False
+                ) -> CostModel | ProfileCostModel:
+    """One :class:`CostModel` over all ``samples``, or with ``per_profile`` one per bucket's profile."""
     ordered = tuple(sorted(set(int(b) for b in buckets)))
     if not per_profile or len(ordered) < 2:
         return fit_cost_model(samples)

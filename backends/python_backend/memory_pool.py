@@ -89,6 +89,31 @@ def require_device(device: int) -> ModuleType:
     return rt
 
 
+def to_device(rt: ModuleType, pool: "MemoryPool", arr: Any, stream: Any, buffers: list[int]) -> int:
+    """A pool buffer (recorded in ``buffers``, for the caller to free) with ``arr``'s copy queued on ``stream``."""
+    ptr = pool.allocate(max(arr.nbytes, 1), stream)
+    buffers.append(ptr)
+    if arr.nbytes:
+        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        check(rt, rt.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, kind, stream), "copy to GPU")
+    return ptr
+
+
+def to_host(rt: ModuleType, host: Any, ptr: int, stream: Any) -> None:
+    """Queue the copy of device ``ptr`` into the numpy array ``host`` on ``stream``."""
+    if host.nbytes:
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        check(rt, rt.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, kind, stream), "copy to host")
+
+
+def release_stream(rt: ModuleType | None, stream: Any, pool: "MemoryPool | None", owns_pool: bool) -> None:
+    """An engine's last step of ``close``: its pool (when it made it), then its stream."""
+    if owns_pool and pool is not None:
+        pool.close()
+    if rt is not None and stream is not None:
+        rt.cudaStreamDestroy(stream)
+
+
 @dataclass(frozen=True)
 class PoolStats:
     """Bytes held by one pool, from ``cudaMemPoolGetAttribute``.

@@ -12,11 +12,11 @@ import onnx
 import pytest
 from precision_helpers import EXAMPLES, minilm_precision_recipe, tiny_feeds, write_recipe
 
+from model_factory.build_engines import onnx_files
 from model_factory.build_engines.accuracy import AccuracyGateError, AccuracyReport, ort_session
 from model_factory.build_engines.export import ExportResult
 from model_factory.build_engines.quantize import (
     QdqBuilder,
-    _with_outputs,
     calibrate,
     convert_fp16,
     find_candidates,
@@ -122,7 +122,7 @@ def test_int8_is_scored_as_tensorrt_computes_it(tiny, feeds, tmp_path):
     got = _run(q, feeds, "logits")
     # The same arithmetic in numpy: logits = fq(pooled) @ fq(w_head).T, per-tensor / per-row scales.
     float_path = tmp_path / "float.onnx"
-    float_path.write_bytes(_with_outputs(tiny, ["pooled"]).SerializeToString())
+    float_path.write_bytes(onnx_files.with_outputs(tiny, ["pooled"], float32=True).SerializeToString())
     pooled = ort_session(float_path).run(["pooled"], data)[0]
     s_act = amax["pooled"] / 127
     pooled_fq = np.clip(np.round(pooled / s_act), -128, 127) * s_act

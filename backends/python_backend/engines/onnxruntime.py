@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..memory_pool import CudaError, MemoryPool, check, release_stream, require_device, to_device, to_host
 from .base import EngineError
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -134,8 +135,6 @@ class OnnxRuntimeCudaEngine:
 
     def __init__(self, model: Path | bytes, *, device_id: int = 0, settings: Any = None,
                  ort_module: ModuleType | None = None, runtime: ModuleType | None = None, pool: Any = None) -> None:
-        from ..memory_pool import CudaError, MemoryPool, check, require_device
-
         self.device_id = int(device_id)
         self.device = f"cuda:{self.device_id}"
         self._closed = False
@@ -160,7 +159,6 @@ class OnnxRuntimeCudaEngine:
             self._rt = rt = runtime or require_device(self.device_id)
         except CudaError as exc:
             raise EngineError(f"ONNX Runtime CUDA needs a GPU: {exc}") from exc
-        self._check = check
         try:
             check(rt, rt.cudaSetDevice(self.device_id), f"cudaSetDevice({self.device_id})")
             self._stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
@@ -218,10 +216,8 @@ class OnnxRuntimeCudaEngine:
         """Run one group on the instance stream; outputs are on the host when this returns."""
         if self._closed:
             raise EngineError("the ONNX Runtime CUDA engine is closed")
-        rt, pool, stream, check = self._rt, self._pool, self._stream, self._check
+        rt, pool, stream = self._rt, self._pool, self._stream
         arrays = {k: np.ascontiguousarray(feeds[k]) for k in self.input_names}
-        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         with self._lock:
             binding = self._session.io_binding()
             buffers: list[int] = []
@@ -229,10 +225,7 @@ class OnnxRuntimeCudaEngine:
             results: dict[str, np.ndarray] = {}
             try:
                 for name, arr in arrays.items():
-                    ptr = pool.allocate(max(arr.nbytes, 1), stream)
-                    buffers.append(ptr)
-                    if arr.nbytes:
-                        check(rt, rt.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, h2d, stream), "copy to GPU")
+                    ptr = to_device(rt, pool, arr, stream, buffers)
                     binding.bind_input(name, "cuda", self.device_id, arr.dtype, list(arr.shape), ptr)
                 ort_outputs = []
                 for name in self.output_names:
@@ -249,8 +242,7 @@ class OnnxRuntimeCudaEngine:
                 # The inputs' copies were queued on the stream the session computes on: ordered.
                 self._session.run_with_iobinding(binding)
                 for name, host, ptr in pending:
-                    if host.nbytes:
-                        check(rt, rt.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, d2h, stream), "copy to host")
+                    to_host(rt, host, ptr, stream)
                     results[name] = host
                 if ort_outputs:
                     copied = binding.copy_outputs_to_cpu()
@@ -272,9 +264,5 @@ class OnnxRuntimeCudaEngine:
         if rt is not None and self._stream is not None:
             rt.cudaStreamSynchronize(self._stream)
         self._session = None
-        if self._owns_pool and self._pool is not None:
-            self._pool.close()
-        self._pool = None
-        if rt is not None and self._stream is not None:
-            rt.cudaStreamDestroy(self._stream)
-        self._stream = None
+        release_stream(rt, self._stream, self._pool, self._owns_pool)
+        self._pool = self._stream = None

@@ -37,7 +37,10 @@ from ..memory_pool import (
     TensorRTPoolAllocator,
     check,
     import_tensorrt,
+    release_stream,
     require_device,
+    to_device,
+    to_host,
 )
 from .base import EngineError
 
@@ -249,8 +252,6 @@ class TensorRTEngine:
         arrays = self._check_feeds(feeds, profile)
         rt, pool, stream = self._rt, self._pool, self._stream
         context = self._contexts[profile]
-        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         with self._lock:
             buffers: list[int] = []
             results: dict[str, np.ndarray] = {}
@@ -258,11 +259,7 @@ class TensorRTEngine:
                 for name, arr in arrays.items():
                     if not context.set_input_shape(name, arr.shape):
                         raise EngineError(f"TensorRT refused shape {arr.shape} for input {name!r}")
-                    ptr = pool.allocate(max(arr.nbytes, 1), stream)
-                    buffers.append(ptr)
-                    if arr.nbytes:
-                        check(rt, rt.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, h2d, stream), "copy to GPU")
-                    context.set_tensor_address(name, ptr)
+                    context.set_tensor_address(name, to_device(rt, pool, arr, stream, buffers))
                 pending = []
                 for name in self._outputs:
                     shape = tuple(context.get_tensor_shape(name))
@@ -279,8 +276,7 @@ class TensorRTEngine:
                 if not context.execute_async_v3(self._stream_handle):
                     raise EngineError(f"TensorRT execution failed ({self._trt_errors() or 'no message'})")
                 for host, ptr in pending:
-                    if host.nbytes:
-                        check(rt, rt.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, d2h, stream), "copy to host")
+                    to_host(rt, host, ptr, stream)
             finally:
                 # Frees are stream-ordered: they happen after the copies queued above.
                 for ptr in buffers:
@@ -298,10 +294,8 @@ class TensorRTEngine:
         self._engine = None
         self._runtime = None
         self._allocator = None
-        if self._owns_pool and self._pool is not None:
-            self._pool.close()
+        release_stream(rt, self._stream, self._pool, self._owns_pool)
+        if self._owns_pool:
             self._pool = None
-        if rt is not None and self._stream is not None:
-            rt.cudaStreamDestroy(self._stream)
         self._stream = None
         self._closed = True
