@@ -124,8 +124,8 @@ class BatchingSpec:
     # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
     # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto"): sized at packaging from
     # the measured cost model to about queue_budget_ms of work (repository.default_queue_size). 0, the
-    # default: unbounded, because Triton 2.51's batcher with a queue policy was seen to stall ~500 ms at
-    # low load (benchmarks/RESULTS.md, "Overload"): a bound is opt-in until that is understood.
+    # default: unbounded, because Triton's batcher with any queue policy loses wake-ups and stalls up to its
+    # 500 ms idle wait at low load (benchmarks/RESULTS.md, "Overload"; README, "Overload shedding"): opt-in.
     max_queue_size: int | None = 0
     queue_budget_ms: int = 300
     queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
