@@ -1,0 +1,193 @@
+"""Triton's dynamic batcher with a queue policy, without our backend: does the ~500 ms stall remain?
+
+    .venv/bin/python benchmarks/bench_queue_policy_stall.py           # ~4 min on 2 cores, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_queue_policy_stall.py --quick   # a smoke run, RESULTS.md untouched
+
+A minimal Python-backend model (``spin``: copies its FP32 input to its output after spinning the CPU for
+``--work-ms`` per execution, as a model's compute would) is served by the bundled Triton twice, side by side
+in this one process, with configs that differ only in the queue policy:
+
+(none)    ``dynamic_batching {}``: no policy (Triton prefetches payloads);
+(policy)  ``dynamic_batching { default_queue_policy { max_queue_size: N } }`` with a bound no run reaches,
+          so nothing is ever rejected.
+
+Closed-loop gRPC clients (one thread and one client each) send one-row requests for ``--seconds`` per
+configuration and client count, in alternating order over rounds. The table gives throughput, p50, p99, the
+slowest request and the share of requests slower than 400 ms. The cause read from Triton's core is in
+RESULTS.md ("Overload"); the section between ``<!-- queue-stall:start -->`` and ``<!-- queue-stall:end -->``
+of benchmarks/RESULTS.md is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+START, END = "<!-- queue-stall:start -->", "<!-- queue-stall:end -->"
+MODEL = "spin"
+SLOW_MS = 400.0
+
+MODEL_PY = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.work_s = float(WORK_MS) / 1000.0
+
+    def execute(self, requests):
+        end = time.perf_counter() + self.work_s  # one execution's compute, whatever its batch
+        while time.perf_counter() < end:
+            pass
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x.astype(np.float32))]))
+        return out
+'''
+
+
+def say(msg: str) -> None:
+    print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_repository(root: Path, policy: bool, work_ms: float, bound: int) -> Path:
+    """One repository holding ``spin``, its config written through Triton's protobuf."""
+    from model_factory.repository import config_to_pbtxt
+
+    batching: dict = {}
+    if policy:
+        batching["default_queue_policy"] = {"max_queue_size": bound, "timeout_action": "REJECT"}
+    config = {"name": MODEL, "backend": "python", "max_batch_size": 64,
+              "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+              "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+              "dynamic_batching": batching, "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+    version = root / MODEL / "1"
+    version.mkdir(parents=True)
+    (root / MODEL / "config.pbtxt").write_text(config_to_pbtxt(config))
+    (version / "model.py").write_text(MODEL_PY.replace("WORK_MS", repr(float(work_ms))))
+    return root
+
+
+def closed_loop(url: str, clients: int, seconds: float) -> tuple[list[float], int]:
+    """``clients`` threads, each sending its next request when the last is answered; latencies in ms, errors."""
+    import tritonclient.grpc as grpcclient
+
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    stop = time.monotonic() + seconds
+    data = np.ones((1, 4), dtype=np.float32)
+
+    def loop(i: int) -> None:
+        client = grpcclient.InferenceServerClient(url)
+        inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(data)
+        try:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    client.infer(MODEL, [inp])
+                except Exception:  # counted; the table says how many
+                    errors[i] += 1
+                    continue
+                latencies[i].append((time.perf_counter() - t0) * 1e3)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [x for per in latencies for x in per], sum(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=8.0, help="length of each run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", default="1,4,16", help="closed-loop client counts")
+    ap.add_argument("--work-ms", type=float, default=5.0, help="spin per execution (the model's compute)")
+    ap.add_argument("--bound", type=int, default=1000, help="max_queue_size of (policy): never reached")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds, args.rounds, args.clients, args.no_write = 2.0, 1, "4", True
+
+    from model_factory.serve import ServerOptions, TritonServer
+
+    counts = [int(x) for x in args.clients.split(",")]
+    runs: dict[tuple[str, int], list[float]] = {}
+    errs: dict[tuple[str, int], int] = {}
+    secs: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-queue-stall-") as tmp:
+        servers = {}
+        try:
+            for label in ("none", "policy"):
+                repo = write_repository(Path(tmp) / label, label == "policy", args.work_ms, args.bound)
+                servers[label] = TritonServer(repo, [MODEL], ServerOptions(0, 0, 0)).start()
+            for rnd in range(args.rounds):
+                for clients in counts:
+                    order = ["none", "policy"] if (rnd + clients) % 2 == 0 else ["policy", "none"]
+                    for label in order:
+                        lat, err = closed_loop(servers[label].grpc_url, clients, args.seconds)
+                        runs.setdefault((label, clients), []).extend(lat)
+                        errs[(label, clients)] = errs.get((label, clients), 0) + err
+                        secs[(label, clients)] = secs.get((label, clients), 0.0) + args.seconds
+                        p99 = float(np.percentile(lat, 99)) if lat else float("nan")
+                        say(f"round {rnd + 1}, {clients} clients, {label}: {len(lat) / args.seconds:.0f} req/s, "
+                            f"p99 {p99:.1f} ms, max {max(lat, default=0):.0f} ms, errors {err}")
+        finally:
+            for s in servers.values():
+                s.stop()
+
+    rows = ["| clients | queue policy | req/s | p50 ms | p99 ms | slowest ms | > 400 ms | errors |",
+            "|" + " --- |" * 8]
+    for clients in counts:
+        for label in ("none", "policy"):
+            lat = runs.get((label, clients), [])
+            if not lat:
+                continue
+            slow = sum(x > SLOW_MS for x in lat) / len(lat)
+            rows.append(f"| {clients} | {'max_queue_size ' + str(args.bound) if label == 'policy' else 'none'} | "
+                        f"{len(lat) / secs[(label, clients)]:.0f} | {statistics.median(lat):.1f} | "
+                        f"{float(np.percentile(lat, 99)):.1f} | {max(lat):.0f} | {slow:.1%} | "
+                        f"{errs[(label, clients)]} |")
+    section = "\n".join([
+        START, "## Triton's batcher with a queue policy, without our backend (benchmarks/bench_queue_policy_stall.py)", "",
+        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
+        f"({os.cpu_count()} CPUs, load average before the write {' '.join(f'{x:.2f}' for x in os.getloadavg())}). "
+        f"The bundled Triton 2.51, a minimal Python-backend model that spins {args.work_ms:g} ms per execution and "
+        "copies its input (max_batch_size 64, one CPU instance), two servers side by side whose configs differ "
+        f"only in `default_queue_policy` (a bound of {args.bound}, never reached: nothing is rejected). "
+        f"Closed-loop gRPC clients (a thread each), {args.rounds} rounds of {args.seconds:g} s per count and "
+        "configuration, alternating order; latencies pooled over rounds.", "",
+        *rows, "", END])
+    print(section)
+    if not args.no_write:
+        from results_file import write_section
+
+        write_section(args.results, START, END, section)
+        say(f"wrote {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
