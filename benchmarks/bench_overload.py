@@ -188,12 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         *rows, "",
         "Rejected requests are answered 503 / UNAVAILABLE without waiting (counted by `model-factory bench` "
         "apart from errors); a client or load balancer retries them on another replica.", END])
-    print(section)
-    if not args.no_write:
-        from results_file import write_section
+    from results_file import publish
 
-        write_section(args.results, START, END, section)
-        say(f"wrote {args.results}")
+    publish(section, args.results, START, END, write=not args.no_write)
     return 0
 
 

@@ -180,12 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Closed-loop gRPC clients (a thread each), {args.rounds} rounds of {args.seconds:g} s per count and "
         "configuration, alternating order; latencies pooled over rounds.", "",
         *rows, "", END])
-    print(section)
-    if not args.no_write:
-        from results_file import write_section
+    from results_file import publish
 
-        write_section(args.results, START, END, section)
-        say(f"wrote {args.results}")
+    publish(section, args.results, START, END, write=not args.no_write)
     return 0
 
 

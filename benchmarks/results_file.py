@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 HEADER = "# Benchmark results\n\nEach section is written by one script in benchmarks/ from a real run.\n"
@@ -16,3 +17,11 @@ def write_section(path: Path, start: str, end: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def publish(section: str, path: Path, start: str, end: str, write: bool) -> None:
+    """Print a benchmark's section and, with ``write``, put it into RESULTS.md in place of the old one."""
+    print(section)
+    if write:
+        write_section(path, start, end, section)
+        print(f"wrote {path}", file=sys.stderr, flush=True)
