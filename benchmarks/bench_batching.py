@@ -472,6 +472,25 @@ def regime_summary(runs: dict[tuple[str, int], list[bench.BenchResult]], bare: d
     return out
 
 
+def _machine_share(env: dict[str, Any]) -> str:
+    """Whether other work shared the cores, judged by the 1-minute load before and after the run."""
+    loads = []
+    for key in ("load_before", "load_after"):
+        try:
+            loads.append(float(str(env.get(key, "")).split()[0]))
+        except (ValueError, IndexError):  # "n/a" where the platform has no load average
+            continue
+    cores = os.cpu_count() or 1
+    # The benchmark's own client and servers keep the load near the core count; well above it is other work.
+    if not loads:
+        return "The load average is not available here, so whether other work shared the cores is unknown."
+    if max(loads) > 1.5 * cores:
+        return ("Other work shared the cores during the measurement (load well above the core count), so single "
+                "runs swing by up to 3×.")
+    return ("Nothing else of note ran (load within 1.5× the core count: the benchmark's own client and servers); "
+            "single runs still swing.")
+
+
 def render(env: dict[str, Any], configs: Sequence[Config], merged: dict[tuple[str, int], bench.BenchResult],
            summaries: dict[int, dict[str, Any]], costs: dict[str, Any], bare: dict[int, list[dict[str, Any]]],
            bare_extra: dict[str, Any], args: argparse.Namespace, lengths: Sequence[int], setup: Setup = Setup()) -> str:
@@ -482,8 +501,7 @@ def render(env: dict[str, Any], configs: Sequence[Config], merged: dict[tuple[st
     out += [f"Run {env['date']} by `benchmarks/bench_batching.py` ({' '.join(env['argv']) or 'defaults'}), "
             f"{env['minutes']:.0f} min.", ""]
     out += ["**Machine**: " + env["machine"] + ". Load average (1/5/15 min) before: " + env["load_before"]
-            + ", after: " + env["load_after"] + ". A shared machine: other engineers' builds and tests ran "
-            "during the measurement, so single runs swing by up to 3×. The configurations therefore run "
+            + ", after: " + env["load_after"] + ". " + _machine_share(env) + " The configurations run "
             "interleaved, in a fresh seeded random order every round (a fixed rotation kept each run's "
             "predecessor and showed a bias of up to 15% between identical configurations), round after round; throughput is the **median over rounds**, "
             "ratios are taken **within each round** and given as median (min–max), latencies are pooled over "
