@@ -63,14 +63,15 @@ def say(msg: str) -> None:
     print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def build(work: Path) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None]:
+def build(work: Path, instances: int = 1) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
     from model_factory.build_engines.export import export_model
     from model_factory.pipeline import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
     from model_factory.repository import default_queue_size, package_model
 
-    recipe = load_recipe(EXAMPLE, {"repository.path": str(work / "unused"), "precisions": ["fp32"]})
+    recipe = load_recipe(EXAMPLE, {"repository.path": str(work / "unused"), "precisions": ["fp32"],
+                                   "repository.instance_count": instances})
     exported = export_model(recipe)
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
     size = default_queue_size(recipe, cost)
@@ -98,19 +99,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backoff-s", type=float, default=1.0, help="retry back-off of a rejected client (policy+backoff)")
     ap.add_argument("--sweep", default="1,2,4,8,16,32", help="concurrencies tried to find what the replica serves")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="model instances of both servers (its own RESULTS section when more than 1)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds, args.sweep, args.no_write = 5.0, 1, "4,16", True
+    # More instances get a section of their own beside the one-instance run.
+    start, end = (START, END) if args.instances == 1 else (f"<!-- overload-{args.instances}:start -->",
+                                                           f"<!-- overload-{args.instances}:end -->")
 
     from model_factory.serve import ServerOptions, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
         work = Path(tmp)
         say("export and package")
-        repos, exported, size, cost = build(work)
+        repos, exported, size, cost = build(work, args.instances)
         say(f"queue bound from the measured cost model {cost}: {size} requests")
         tok = bench.load_tokenizer(exported.tokenizer_dir, 128)
         texts = bench.load_texts(HERE / "texts.txt")
@@ -167,10 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{r.p99_ms:.0f} | {r.p99_ms / unloaded.p99_ms:.1f}x | {share:.1%} | {r.errors} |")
     sweep_txt = ", ".join(f"c={c}: {r.throughput:.1f} seq/s" for c, r in sweep.items())
     section = "\n".join([
-        START, "## Overload: a bounded queue sheds at once (benchmarks/bench_overload.py)", "",
+        start, "## Overload: a bounded queue sheds at once (benchmarks/bench_overload.py"
+        + (f" --instances {args.instances})" if args.instances > 1 else ")"), "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
         f"({os.cpu_count()} CPUs, shared with other work: compare only figures from this one run). MiniLM FP32 "
-        "ONNX on ONNX Runtime CPU, one instance, gRPC, token ids of real-text lengths, closed loop.", "",
+        f"ONNX on ONNX Runtime CPU, {'one instance' if args.instances == 1 else f'{args.instances} instances'} "
+        "per server, gRPC, token ids of real-text lengths, closed loop.", "",
         f"- Unloaded (concurrency 1, the unbounded server): p50 {unloaded.p50_ms:.1f} ms, p99 {unloaded.p99_ms:.1f} ms; "
         f"the same on the (policy) server: p50 {unloaded_policy.p50_ms:.1f} ms, p99 {unloaded_policy.p99_ms:.1f} ms. "
         "*p99 / unloaded p99* below divides by the unbounded server's.",
@@ -187,10 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "these 2 cores: every rejection the client makes and the server answers takes CPU from the model.", "",
         *rows, "",
         "Rejected requests are answered 503 / UNAVAILABLE without waiting (counted by `model-factory bench` "
-        "apart from errors); a client or load balancer retries them on another replica.", END])
+        "apart from errors); a client or load balancer retries them on another replica.", end])
     from results_file import publish
 
-    publish(section, args.results, START, END, write=not args.no_write)
+    publish(section, args.results, start, end, write=not args.no_write)
     return 0
 
 

@@ -4,12 +4,14 @@
     .venv/bin/python benchmarks/bench_queue_policy_stall.py --quick   # a smoke run, RESULTS.md untouched
 
 A minimal Python-backend model (``spin``: copies its FP32 input to its output after spinning the CPU for
-``--work-ms`` per execution, as a model's compute would) is served by the bundled Triton twice, side by side
+``--work-ms`` per execution, as a model's compute would) is served by the bundled Triton, side by side
 in this one process, with configs that differ only in the queue policy:
 
 (none)    ``dynamic_batching {}``: no policy (Triton prefetches payloads);
 (policy)  ``dynamic_batching { default_queue_policy { max_queue_size: N } }`` with a bound no run reaches,
-          so nothing is ever rejected.
+          so nothing is ever rejected;
+
+each with one and with two model instances (``--instances``).
 
 Closed-loop gRPC clients (one thread and one client each) send one-row requests for ``--seconds`` per
 configuration and client count, in alternating order over rounds. The table gives throughput, p50, p99, the
@@ -66,7 +68,7 @@ def say(msg: str) -> None:
     print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def write_repository(root: Path, policy: bool, work_ms: float, bound: int) -> Path:
+def write_repository(root: Path, policy: bool, work_ms: float, bound: int, instances: int = 1) -> Path:
     """One repository holding ``spin``, its config written through Triton's protobuf."""
     from model_factory.repository import config_to_pbtxt
 
@@ -76,7 +78,7 @@ def write_repository(root: Path, policy: bool, work_ms: float, bound: int) -> Pa
     config = {"name": MODEL, "backend": "python", "max_batch_size": 64,
               "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
               "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
-              "dynamic_batching": batching, "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+              "dynamic_batching": batching, "instance_group": [{"count": instances, "kind": "KIND_CPU"}]}
     version = root / MODEL / "1"
     version.mkdir(parents=True)
     (root / MODEL / "config.pbtxt").write_text(config_to_pbtxt(config))
@@ -124,59 +126,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,4,16", help="closed-loop client counts")
     ap.add_argument("--work-ms", type=float, default=5.0, help="spin per execution (the model's compute)")
     ap.add_argument("--bound", type=int, default=1000, help="max_queue_size of (policy): never reached")
+    ap.add_argument("--instances", default="1,2", help="model instance counts (instance_group count) to compare")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seconds, args.rounds, args.clients, args.no_write = 2.0, 1, "4", True
+        args.seconds, args.rounds, args.clients, args.instances, args.no_write = 2.0, 1, "4", "1", True
 
     from model_factory.serve import ServerOptions, TritonServer
 
     counts = [int(x) for x in args.clients.split(",")]
-    runs: dict[tuple[str, int], list[float]] = {}
-    errs: dict[tuple[str, int], int] = {}
-    secs: dict[tuple[str, int], float] = {}
+    instance_counts = [int(x) for x in args.instances.split(",")]
+    keys = [(label, n) for n in instance_counts for label in ("none", "policy")]
+    runs: dict[tuple[tuple[str, int], int], list[float]] = {}
+    errs: dict[tuple[tuple[str, int], int], int] = {}
+    secs: dict[tuple[tuple[str, int], int], float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-queue-stall-") as tmp:
         servers = {}
         try:
-            for label in ("none", "policy"):
-                repo = write_repository(Path(tmp) / label, label == "policy", args.work_ms, args.bound)
-                servers[label] = TritonServer(repo, [MODEL], ServerOptions(0, 0, 0)).start()
+            for key in keys:
+                label, n = key
+                repo = write_repository(Path(tmp) / f"{label}-{n}", label == "policy", args.work_ms, args.bound, n)
+                servers[key] = TritonServer(repo, [MODEL], ServerOptions(0, 0, 0)).start()
             for rnd in range(args.rounds):
                 for clients in counts:
-                    order = ["none", "policy"] if (rnd + clients) % 2 == 0 else ["policy", "none"]
-                    for label in order:
-                        lat, err = closed_loop(servers[label].grpc_url, clients, args.seconds)
-                        runs.setdefault((label, clients), []).extend(lat)
-                        errs[(label, clients)] = errs.get((label, clients), 0) + err
-                        secs[(label, clients)] = secs.get((label, clients), 0.0) + args.seconds
+                    order = keys if (rnd + clients) % 2 == 0 else keys[::-1]
+                    for key in order:
+                        lat, err = closed_loop(servers[key].grpc_url, clients, args.seconds)
+                        runs.setdefault((key, clients), []).extend(lat)
+                        errs[(key, clients)] = errs.get((key, clients), 0) + err
+                        secs[(key, clients)] = secs.get((key, clients), 0.0) + args.seconds
                         p99 = float(np.percentile(lat, 99)) if lat else float("nan")
-                        say(f"round {rnd + 1}, {clients} clients, {label}: {len(lat) / args.seconds:.0f} req/s, "
+                        say(f"round {rnd + 1}, {clients} clients, {key}: {len(lat) / args.seconds:.0f} req/s, "
                             f"p99 {p99:.1f} ms, max {max(lat, default=0):.0f} ms, errors {err}")
         finally:
             for s in servers.values():
                 s.stop()
 
-    rows = ["| clients | queue policy | req/s | p50 ms | p99 ms | slowest ms | > 400 ms | errors |",
-            "|" + " --- |" * 8]
-    for clients in counts:
-        for label in ("none", "policy"):
-            lat = runs.get((label, clients), [])
+    rows = ["| instances | clients | queue policy | req/s | p50 ms | p99 ms | slowest ms | > 400 ms | errors |",
+            "|" + " --- |" * 9]
+    for key in keys:
+        for clients in counts:
+            lat = runs.get((key, clients), [])
             if not lat:
                 continue
+            label, n = key
             slow = sum(x > SLOW_MS for x in lat) / len(lat)
-            rows.append(f"| {clients} | {'max_queue_size ' + str(args.bound) if label == 'policy' else 'none'} | "
-                        f"{len(lat) / secs[(label, clients)]:.0f} | {statistics.median(lat):.1f} | "
+            rows.append(f"| {n} | {clients} | {'max_queue_size ' + str(args.bound) if label == 'policy' else 'none'} | "
+                        f"{len(lat) / secs[(key, clients)]:.0f} | {statistics.median(lat):.1f} | "
                         f"{float(np.percentile(lat, 99)):.1f} | {max(lat):.0f} | {slow:.1%} | "
-                        f"{errs[(label, clients)]} |")
+                        f"{errs[(key, clients)]} |")
     section = "\n".join([
         START, "## Triton's batcher with a queue policy, without our backend (benchmarks/bench_queue_policy_stall.py)", "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
         f"({os.cpu_count()} CPUs, load average before the write {' '.join(f'{x:.2f}' for x in os.getloadavg())}). "
         f"The bundled Triton 2.51, a minimal Python-backend model that spins {args.work_ms:g} ms per execution and "
-        "copies its input (max_batch_size 64, one CPU instance), two servers side by side whose configs differ "
-        f"only in `default_queue_policy` (a bound of {args.bound}, never reached: nothing is rejected). "
+        f"copies its input (max_batch_size 64, {args.instances} CPU instances), servers side by side whose configs "
+        f"differ only in `default_queue_policy` (a bound of {args.bound}, never reached: nothing is rejected). "
         f"Closed-loop gRPC clients (a thread each), {args.rounds} rounds of {args.seconds:g} s per count and "
         "configuration, alternating order; latencies pooled over rounds.", "",
         *rows, "", END])

@@ -45,7 +45,7 @@ def package(recipe: str, repository: str | None) -> None:
     from model_factory.pipeline import package_existing
     from model_factory.recipe import load_recipe
 
-    res = package_existing(load_recipe(recipe, recipe_overrides(repository)))
+    res = package_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
     click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name})")
 
 

@@ -63,11 +63,14 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import package_model
+    from model_factory.repository import package_model, queue_policy_note
 
     import datetime as dt
 
     say = progress or (lambda _m: None)
+    note = queue_policy_note(recipe)
+    if note:
+        say(note)
 
     def stage(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if isolate:
@@ -177,10 +180,13 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
 def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import package_model
+    from model_factory.repository import package_model, queue_policy_note
 
     from model_factory.build_engines.quantize import quantized_models
 
+    note = queue_policy_note(recipe)
+    if note and progress is not None:
+        progress(note)
     export_dir = recipe.work_dir / "export"
     # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
     models = quantized_models(recipe)

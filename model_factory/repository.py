@@ -132,6 +132,23 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     return max(floor, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
 
 
+def queue_policy_note(recipe: Recipe) -> str | None:
+    """A warning for a recipe whose queue policy meets Triton's lost batcher wake-up, else None.
+
+    Any bound, queue timeout or priority turns Triton's payload prefetching off, and then its dynamic
+    batcher (2.51, and core's main) loses wake-ups and holds queued requests up to its 500 ms idle wait
+    whenever the model's only instance is busy (benchmarks/RESULTS.md, "Overload"). With two or more
+    instances one is nearly always waiting, and the stall was not seen.
+    """
+    b = recipe.batching
+    policy = b.max_queue_size != 0 or b.queue_timeout_us > 0 or b.priority_levels > 0
+    if not policy or recipe.repository.instance_count >= 2:
+        return None
+    return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher then holds "
+            "requests for up to 500 ms at times (benchmarks/RESULTS.md, \"Overload\"). "
+            "Fix: set [repository] instance_count = 2 or more, or leave max_queue_size = 0")
+
+
 def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
     """``dynamic_batching`` fields of the queue policy (and priorities, when the recipe declares them)."""
     b = recipe.batching

@@ -289,3 +289,17 @@ def test_serving_a_precision_that_was_not_built_is_refused(minilm_recipe, tmp_pa
         package_model(_recipe(minilm_recipe, tmp_path, serve="int8"), artifacts)
 
 
+
+
+def test_a_queue_policy_on_one_instance_gets_a_note(minilm_recipe) -> None:
+    """Triton's batcher loses wake-ups with a queue policy: a one-instance recipe that sets one is told."""
+    from model_factory.repository import queue_policy_note
+
+    assert queue_policy_note(minilm_recipe) is None  # the default: no policy
+    for field, value in (("max_queue_size", 64), ("max_queue_size", None), ("queue_timeout_us", 1000),
+                         ("priority_levels", 2)):
+        bounded = replace(minilm_recipe, batching=replace(minilm_recipe.batching, **{field: value}))
+        note = queue_policy_note(bounded)
+        assert note is not None and "instance_count = 2" in note and "500 ms" in note
+        two = replace(bounded, repository=replace(bounded.repository, instance_count=2))
+        assert queue_policy_note(two) is None
