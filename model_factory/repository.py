@@ -114,20 +114,20 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
 
     With a cost model ``(a, b, c)`` (seconds; one launch of ``n`` sequences padded to ``L`` takes
     ``a + b·n·L + c·n·L²``) the rate is that of full batches (``shapes.max_batch``) of the first
-    sequence bucket's length, times the instance count; the queue then holds about the budget's worth
-    of work, and never less than the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches
-    per instance.
+    sequence bucket's length; the queue then holds about the budget's worth of work, and never less than
+    the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches. The bound does
+    not grow with the instance count: a replica's instances share its cores (or GPU), and two MiniLM
+    instances on 2 CPU cores cleared no more than one (benchmarks/RESULTS.md, "--instances 2").
     """
     n = recipe.shapes.max_batch
-    instances = max(1, recipe.repository.instance_count)
     if not cost_model:
-        return FALLBACK_QUEUE_BATCHES * n * instances
+        return FALLBACK_QUEUE_BATCHES * n
     a, b, c = (float(x) for x in cost_model)
     length = recipe.shapes.sequence_buckets[0] if recipe.shapes.sequence_buckets else recipe.shapes.max_sequence_length
     seconds = a + b * n * length + c * n * length * length
     if not seconds > 0:
-        return FALLBACK_QUEUE_BATCHES * n * instances
-    per_second = n / seconds * instances
+        return FALLBACK_QUEUE_BATCHES * n
+    per_second = n / seconds
     floor = min(recipe.batching.preferred_batch_sizes or (n,))
     return max(floor, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
 
