@@ -51,3 +51,25 @@ def test_missing_optional_dependency_names_the_extra() -> None:
 
     with pytest.raises(FactoryError, match=r"pip install 'model-factory\[export\]'"):
         require("no_such_module_for_sure", "export")
+
+
+def test_package_notes_a_queue_policy_on_one_instance(tmp_path) -> None:
+    """`package` says, before anything else, that a queue bound on a one-instance model meets Triton's stall."""
+    import shutil
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[2] / "model_factory" / "examples"
+    for name in ("minilm.toml", "calibration.txt", "heldout.txt"):
+        shutil.copy(examples / name, tmp_path / name)
+    recipe = tmp_path / "minilm.toml"
+    recipe.write_text(recipe.read_text().replace('grouping = "cost_model"\n',
+                                                 'grouping = "cost_model"\nmax_queue_size = 64\n'))
+    result = CliRunner().invoke(main, ["package", str(recipe), "-r", str(tmp_path / "repo")])
+    assert result.exit_code == 1  # nothing was exported in this folder: refused with the command to run
+    assert "instance_count = 2" in result.output and "500 ms" in result.output
+    assert "Traceback" not in result.output
+
+    two = tmp_path / "two.toml"
+    two.write_text(recipe.read_text().replace("instance_count = 1", "instance_count = 2"))
+    result = CliRunner().invoke(main, ["package", str(two), "-r", str(tmp_path / "repo")])
+    assert result.exit_code == 1 and "instance_count = 2" not in result.output
