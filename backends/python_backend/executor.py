@@ -132,15 +132,9 @@ class GroupedExecutor:
                 return int(item[name].shape[0])
         return 1
 
-    def run(self, requests: Sequence[Sequence[Item]], wanted: Sequence[Sequence[str]] | None = None,
-            on_result: Callable[[int, dict[str, np.ndarray] | Exception], None] | None = None
+    def run(self, requests: Sequence[Sequence[Item]], wanted: Sequence[Sequence[str]] | None = None
             ) -> tuple[list[dict[str, np.ndarray] | Exception], WindowStats]:
-        """Run every item of every request; return per-request outputs (or the error) and stats.
-
-        ``on_result(index, result)``, when given, is called for each request as soon as the last group
-        holding one of its items is done (a request without items at once), so a window's short requests
-        are answered before its long ones have run, not when the whole window is done.
-        """
+        """Run every item of every request; return per-request outputs (or the error) and stats."""
         flat: list[tuple[int, Item]] = [(r, self.fill(it)) for r, items in enumerate(requests) for it in items]
         stats = WindowStats()
         lengths = [self._length(it) for _, it in flat]
@@ -160,36 +154,12 @@ class GroupedExecutor:
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
         est = self.estimator
         before = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes) if est else None
-        starts = [0]
-        for items in requests:
-            starts.append(starts[-1] + len(items))
-        results: list[dict[str, np.ndarray] | Exception | None] = [None] * len(requests)
-        remaining = [len(items) for items in requests]
-
-        def finish(r: int) -> None:
-            results[r] = self._assemble_one(requests, r, per_item[starts[r]: starts[r + 1]], wanted)
-            if on_result is not None:
-                on_result(r, results[r])
-
-        for r, left in enumerate(remaining):
-            if not left:
-                finish(r)
         for group in groups:
             self._run_group(group, flat, lengths, per_item, stats)
-            for i in group:  # every item of the group has its outputs or its error now
-                r = flat[i][0]
-                remaining[r] -= 1
-                if not remaining[r]:
-                    finish(r)
-        for r, result in enumerate(results):
-            if result is None:  # an item no plan placed (never expected): answered, never left hanging
-                results[r] = GroupError("internal error: the request was not planned into any group")
-                if on_result is not None:
-                    on_result(r, results[r])
         if est is not None:
             after = (est.stats.timings, est.stats.outliers, est.stats.refits, self.planner.plan_changes)
             stats.timings, stats.outliers, stats.refits, stats.plan_changes = (x - y for x, y in zip(after, before))
-        return results, stats
+        return self._assemble(requests, flat, per_item, wanted), stats
 
     def _run_group(self, group: list[int], flat, lengths, per_item, stats: WindowStats) -> None:
         length = max(lengths[i] for i in group)
@@ -216,23 +186,30 @@ class GroupedExecutor:
         if self.estimator is not None:
             self.planner.observe(len(group), max(1, length), time.perf_counter() - start)
 
-    def _assemble_one(self, requests, r: int, chunk, wanted) -> dict[str, np.ndarray] | Exception:
-        """Request ``r``'s outputs from its items' (``chunk``), or the first error among them."""
-        if not chunk:  # the request was refused before execution (validation); the caller answers it
-            return ValueError("request has no valid items")
-        err = next((c for c in chunk if isinstance(c, Exception)), None)
-        if err is not None:
-            return err
-        names = list(wanted[r]) if wanted and wanted[r] else list(chunk[0].keys())
-        out = {}
-        for name in names:
-            parts = [c[name] for c in chunk]
-            if name in self.seq_outputs and len({p.shape[0] for p in parts}) > 1:
-                width = max(p.shape[0] for p in parts)
-                buf = np.zeros((len(parts), width) + parts[0].shape[1:], dtype=parts[0].dtype)
-                for i, p in enumerate(parts):
-                    buf[i, : p.shape[0]] = p
-                out[name] = buf
-            else:
-                out[name] = np.ascontiguousarray(np.stack(parts))
-        return out
+    def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:
+        results: list[dict[str, np.ndarray] | Exception] = []
+        pos = 0
+        for r, items in enumerate(requests):
+            chunk = per_item[pos: pos + len(items)]
+            pos += len(items)
+            if not chunk:  # the request was refused before execution (validation); the caller answers it
+                results.append(ValueError("request has no valid items"))
+                continue
+            err = next((c for c in chunk if isinstance(c, Exception)), None)
+            if err is not None:
+                results.append(err)
+                continue
+            names = list(wanted[r]) if wanted and wanted[r] else list(chunk[0].keys())
+            out = {}
+            for name in names:
+                parts = [c[name] for c in chunk]
+                if name in self.seq_outputs and len({p.shape[0] for p in parts}) > 1:
+                    width = max(p.shape[0] for p in parts)
+                    buf = np.zeros((len(parts), width) + parts[0].shape[1:], dtype=parts[0].dtype)
+                    for i, p in enumerate(parts):
+                        buf[i, : p.shape[0]] = p
+                    out[name] = buf
+                else:
+                    out[name] = np.ascontiguousarray(np.stack(parts))
+            results.append(out)
+        return results

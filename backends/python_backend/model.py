@@ -105,7 +105,7 @@ class TritonPythonModel:
 
         return run
 
-    def execute(self, requests: list) -> None:
+    def execute(self, requests: list) -> list:
         start = time.perf_counter()
         s = self.settings
         batches, errors, wanted = [], {}, []
@@ -124,43 +124,24 @@ class TritonPythonModel:
                 items = []
             batches.append(items)
             wanted.append(tuple(request.requested_output_names()) or tuple(o.name for o in s.outputs))
-        # Each request is answered through its response sender as soon as its groups are done (execute()
-        # then returns None, as Python-backend models that send their own responses do): in a window of 64
-        # split by length, the short requests' clients need not wait for the longest group.
-        sent: set[int] = set()
-
-        def respond(idx: int, result) -> None:
-            if idx in sent:
-                return
-            sent.add(idx)
+        results, stats = self.executor.run(batches, wanted)
+        responses = []
+        for idx, result in enumerate(results):
             if idx in errors:
-                response = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG))
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG)))
             elif isinstance(result, Exception):
-                response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result)))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
-                response = pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()])
-            requests[idx].get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-        for idx in errors:
-            respond(idx, None)
-        try:
-            _, stats = self.executor.run(batches, wanted, on_result=respond)
-        except Exception as exc:  # a defect, not a request's fault: still answer every request, never hang it
-            for idx in range(len(requests)):
-                if idx not in sent:
-                    respond(idx, RuntimeError(f"execution failed: {type(exc).__name__}: {exc}"))
-            # Not re-raised: every request has its answer, and the stub would try to answer them again.
-            pb_utils.Logger.log_error(f"model-factory backend: execute() failed: {type(exc).__name__}: {exc}")
-            return None
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
         if self.trimmer is not None:
             self.trimmer.touch()
         if self.cost_keeper is not None:
             self.cost_keeper.after_window()
-        return None
+        return responses
 
     def _publish_pool(self, pool) -> None:
         if self.metrics is not None:

@@ -189,33 +189,3 @@ def test_fixed_constants_are_not_timed() -> None:
     ex = executor(SumEngine())
     _, stats = ex.run([[item(3)], [item(30)]])
     assert ex.estimator is None and stats.timings == 0 and stats.plan.chosen > 0
-
-
-def test_each_request_is_answered_when_its_own_groups_are_done() -> None:
-    """on_result comes per request as its last group finishes: short requests before the long group runs."""
-    engine = SumEngine()
-    answered: list[tuple[int, int]] = []  # (request, launches made when it was answered)
-
-    def on_result(r, result) -> None:
-        answered.append((r, len(engine.launches)))
-        assert isinstance(result, Exception) == (r == 3)  # only the request without items is an error
-
-    # Request 1 has a short and a long item: it is answered only after the long group.
-    reqs = [[item(3, 1)], [item(4, 2), item(30, 3)], [item(5, 4)], []]
-    results, _ = executor(engine).run(reqs, on_result=on_result)
-    order = [r for r, _ in answered]
-    assert sorted(order) == [0, 1, 2, 3] and len(set(order)) == 4  # each exactly once
-    assert order[0] == 3 and answered[0][1] == 0  # a request without items (refused earlier): at once
-    when = dict(answered)
-    long_launch = next(k for k, (_, length, _) in enumerate(engine.launches) if length == 30) + 1
-    assert when[0] < long_launch and when[2] < long_launch  # the short ones did not wait for the long group
-    assert when[1] >= long_launch
-    assert isinstance(results[3], ValueError) and results[0]["embedding"].shape == (1, 2)
-
-
-def test_a_request_whose_item_fails_is_answered_with_the_error_once() -> None:
-    seen = []
-    results, _ = executor(SumEngine(poison=9)).run([[item(3, 9)], [item(3, 1)]],
-                                                    on_result=lambda r, res: seen.append((r, type(res).__name__)))
-    assert sorted(seen) == [(0, "GroupError"), (1, "dict")]
-    assert isinstance(results[0], Exception) and not isinstance(results[1], Exception)
