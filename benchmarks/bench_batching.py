@@ -64,6 +64,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file.py is beside this script
 import results_file  # noqa: E402
+from results_file import say  # noqa: E402
 
 import numpy as np
 
@@ -153,8 +154,6 @@ SNAPSHOT = Config("a2", "(a′) snapshot: (a) with the load-time sweep's constan
                   parameters=(("cost_model_warmup", "sweep"), ("cost_model_online", "false")))
 
 
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def gpu_text() -> str:

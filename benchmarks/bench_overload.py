@@ -55,12 +55,12 @@ def merge(reports: "list[soak.SoakReport]") -> "soak.SoakReport":
                            latencies_ms=[x for r in reports for x in r.latencies_ms])
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+from results_file import say  # noqa: E402
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 
 
-def say(msg: str) -> None:
-    print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def build(work: Path, instances: int = 1) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None]:

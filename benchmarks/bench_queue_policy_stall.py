@@ -37,6 +37,8 @@ from typing import Sequence
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+from results_file import say  # noqa: E402
 START, END = "<!-- queue-stall:start -->", "<!-- queue-stall:end -->"
 MODEL = "spin"
 SLOW_MS = 400.0
@@ -64,8 +66,6 @@ class TritonPythonModel:
 '''
 
 
-def say(msg: str) -> None:
-    print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def write_repository(root: Path, policy: bool, work_ms: float, bound: int, instances: int = 1) -> Path:

@@ -33,12 +33,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+from results_file import say  # noqa: E402
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- recovery:start -->", "<!-- recovery:end -->"
 
 
-def say(msg: str) -> None:
-    print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def ready(url: str) -> bool:

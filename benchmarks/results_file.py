@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 HEADER = "# Benchmark results\n\nEach section is written by one script in benchmarks/ from a real run.\n"
@@ -19,9 +20,14 @@ def write_section(path: Path, start: str, end: str, section: str) -> None:
     path.write_text(text)
 
 
+def say(msg: str) -> None:
+    """A benchmark's progress line on stderr, ``[HH:MM:SS] msg`` (stdout keeps the section)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def publish(section: str, path: Path, start: str, end: str, write: bool) -> None:
     """Print a benchmark's section and, with ``write``, put it into RESULTS.md in place of the old one."""
     print(section)
     if write:
         write_section(path, start, end, section)
-        print(f"wrote {path}", file=sys.stderr, flush=True)
+        say(f"wrote {path}")

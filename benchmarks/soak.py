@@ -30,12 +30,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from model_factory import bench, soak  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+from results_file import say  # noqa: E402
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- soak:start -->", "<!-- soak:end -->"
 
 
-def say(msg: str) -> None:
-    print(f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def render(report: soak.SoakReport, verdict: soak.Verdict, args: argparse.Namespace) -> str:
