@@ -6,19 +6,23 @@
 MiniLM (FP32 ONNX, ONNX Runtime CPU) served by the real bundled Triton through model-factory's
 backend, packaged twice, each on its own server in this one process:
 
-(policy)    ``max_queue_size = "auto"`` (opt-in): ``dynamic_batching.default_queue_policy.max_queue_size``
-            sized from the cost model measured on this machine at packaging (about
-            ``batching.queue_budget_ms`` = 300 ms of work), ``REJECT`` past it: an overloaded replica
-            answers 503 / UNAVAILABLE at once;
-(unbounded) ``max_queue_size = 0``, the default: Triton queues every request.
+(policy)    the bound ``max_queue_size = "auto"`` (the default with two or more instances) gives:
+            ``dynamic_batching.default_queue_policy.max_queue_size`` sized from the cost model measured
+            on this machine at packaging (about ``batching.queue_budget_ms`` = 300 ms of work),
+            ``REJECT`` past it: an overloaded replica answers 503 / UNAVAILABLE at once (written as a
+            number, so that ``--instances 1`` gets it too);
+(unbounded) ``max_queue_size = 0``: Triton queues every request.
+
+Both servers run ``--instances`` model instances (2, the default; on a CPU they split the cores).
 
 Both run the cost model measured once at packaging as fixed constants, so they split windows alike.
 
 Requests are one sequence each, drawn with a fixed seed from ``benchmarks/texts.txt``. First the
 unloaded p99 (concurrency 1) and the concurrency the replica can serve (the smallest of a sweep reaching
 90% of the best throughput) are measured on (unbounded), and the unloaded latency on (policy) beside it,
-with ``model-factory bench``'s load generator (token ids, gRPC). Then both configurations run for the same wall time at 4x that concurrency (and at twice
-the queue bound, when 4x still fits in it), in alternating order over rounds, with the soak's load loop
+with ``model-factory bench``'s load generator (token ids, gRPC). Then both configurations run for the same wall time at 4x that concurrency and at twice
+what the replica admits when its queue is full (the bound, plus a window of the largest preferred batch in
+each instance: Triton's bound counts only requests not yet handed to an instance), in alternating order over rounds, with the soak's load loop
 (:func:`model_factory.soak.run_soak` with token ids only — Triton batches only requests with the same
 input names, so a text/ids mix runs nearly every request alone —, rejections counted apart from errors; closed loop, where a rejected client waits one unloaded p50 before its next request, as one
 that retried on another replica would be away; the rejected share is of attempts). The section between ``<!-- overload:start -->`` and
@@ -63,7 +67,7 @@ START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 
 
 
-def build(work: Path, instances: int = 1) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None]:
+def build(work: Path, instances: int = 2) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
     from model_factory.build_engines.export import export_model
     from model_factory.pipeline import measure_onnx_cost_model
@@ -76,7 +80,7 @@ def build(work: Path, instances: int = 1) -> tuple[dict[str, Path], Any, int, tu
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
     size = default_queue_size(recipe, cost)
     repos = {}
-    for label, queue in (("policy", None), ("unbounded", 0)):
+    for label, queue in (("policy", size), ("unbounded", 0)):
         r = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, path=work / label),
                                 batching=dataclasses.replace(recipe.batching, max_queue_size=queue))
         # Both servers split with the same constants: measured at each load on a busy machine they differ
@@ -85,7 +89,7 @@ def build(work: Path, instances: int = 1) -> tuple[dict[str, Path], Any, int, tu
         package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir, cost_model=cost,
                       parameters=fixed)
         repos[label] = work / label
-    return repos, exported, size, cost
+    return repos, exported, size, cost, recipe
 
 
 def run(server: Any, payloads: Sequence[bench.Payload], concurrency: int, label: str, warmup: int) -> bench.BenchResult:
@@ -98,17 +102,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each overload run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backoff-s", type=float, default=1.0, help="retry back-off of a rejected client (policy+backoff)")
-    ap.add_argument("--sweep", default="1,2,4,8,16,32", help="concurrencies tried to find what the replica serves")
-    ap.add_argument("--instances", type=int, default=1,
-                    help="model instances of both servers (its own RESULTS section when more than 1)")
+    ap.add_argument("--sweep", default="1,2,4,8,16,32,64", help="concurrencies tried to find what the replica serves")
+    ap.add_argument("--instances", type=int, default=2,
+                    help="model instances of both servers (2, the default; any other count gets its own RESULTS section)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds, args.sweep, args.no_write = 5.0, 1, "4,16", True
-    # More instances get a section of their own beside the one-instance run.
-    start, end = (START, END) if args.instances == 1 else (f"<!-- overload-{args.instances}:start -->",
+    # Other instance counts get a section of their own beside the default's.
+    start, end = (START, END) if args.instances == 2 else (f"<!-- overload-{args.instances}:start -->",
                                                            f"<!-- overload-{args.instances}:end -->")
 
     from model_factory.serve import ServerOptions, TritonServer
@@ -116,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
         work = Path(tmp)
         say("export and package")
-        repos, exported, size, cost = build(work, args.instances)
+        repos, exported, size, cost, recipe = build(work, args.instances)
         say(f"queue bound from the measured cost model {cost}: {size} requests")
         tok = bench.load_tokenizer(exported.tokenizer_dir, 128)
         texts = bench.load_texts(HERE / "texts.txt")
@@ -140,8 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = max(r.throughput for r in sweep.values())
             serves = min(c for c, r in sweep.items() if r.throughput >= 0.9 * best)
             overload = 4 * serves
-            # 4x what the replica serves; and, when that still fits the bound, twice the bound in flight.
-            levels = sorted({overload, max(overload, 2 * size)})
+            # 4x what the replica serves; and twice what it admits with a full queue, where the bound must act.
+            admits = size + args.instances * max(recipe.batching.preferred_batch_sizes or (recipe.shapes.max_batch,))
+            levels = sorted({overload, max(overload, 2 * admits)})
             # A rejected client retries elsewhere: away from this replica for about one unloaded request
             # (policy), or for a client's retry back-off of --backoff-s (policy+backoff).
             pauses = {"policy": unloaded.p50_ms / 1e3, "policy+backoff": args.backoff_s, "unbounded": 0.0}
@@ -178,13 +183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
         f"({os.cpu_count()} CPUs, shared with other work: compare only figures from this one run). MiniLM FP32 "
         f"ONNX on ONNX Runtime CPU, {'one instance' if args.instances == 1 else f'{args.instances} instances'} "
-        "per server, gRPC, token ids of real-text lengths, closed loop.", "",
+        "per server (the backend splits the cores between them), gRPC, token ids of real-text lengths, closed loop.", "",
         f"- Unloaded (concurrency 1, the unbounded server): p50 {unloaded.p50_ms:.1f} ms, p99 {unloaded.p99_ms:.1f} ms; "
         f"the same on the (policy) server: p50 {unloaded_policy.p50_ms:.1f} ms, p99 {unloaded_policy.p99_ms:.1f} ms. "
         "*p99 / unloaded p99* below divides by the unbounded server's.",
         f"- What the replica serves (unbounded server): {sweep_txt}; the smallest within 90% of the best is **{serves}**, "
-        f"so overload is **{overload}** in flight (4x); a second level, {levels[-1]} in flight, is twice the queue "
-        "bound, where the bound must act.",
+        f"so overload is **{overload}** in flight (4x); a second level, {levels[-1]} in flight, is twice what the "
+        f"replica admits with a full queue ({admits}: the bound and a window of the largest preferred batch in each "
+        "instance), where the bound must act.",
         f"- Queue bound of (policy): {size} requests, from the cost model measured at packaging "
         f"(a, b, c = {', '.join(f'{x:.3g}' for x in cost) if cost else 'n/a'} s) and a 300 ms budget; both "
         "servers split windows with these same fixed constants.",

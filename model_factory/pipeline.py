@@ -63,7 +63,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import package_model, queue_policy_note
+    from model_factory.repository import bounds_queue_by_default, package_model, queue_policy_note
 
     import datetime as dt
 
@@ -119,7 +119,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             built_engines.append(e.precision)
     build_info["stage_seconds"] = seconds
     # The default queue bound needs a cost model: measured here unless the parameters fix one.
-    fixed = bool((parameters or {}).get("cost_model")) or recipe.batching.max_queue_size is not None
+    fixed = bool((parameters or {}).get("cost_model")) or not bounds_queue_by_default(recipe)
     cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
     if cost is not None:
         build_info["queue_cost_model"] = list(cost)
@@ -180,7 +180,7 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
 def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import package_model, queue_policy_note
+    from model_factory.repository import bounds_queue_by_default, package_model, queue_policy_note
 
     from model_factory.build_engines.quantize import quantized_models
 
@@ -207,7 +207,7 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
                 artifacts[meta.name] = meta
     tok = export_dir / "tokenizer"
     cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
-        if recipe.batching.max_queue_size is None and "model.onnx" in artifacts else None
+        if bounds_queue_by_default(recipe) and "model.onnx" in artifacts else None
     tokenizer_dir = tok if tok.is_dir() else None
     golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
                                    progress=progress)

@@ -122,11 +122,12 @@ class BatchingSpec:
     # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
     pad_sequences: bool = True
     # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
-    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto"): sized at packaging from
-    # the measured cost model to about queue_budget_ms of work (repository.default_queue_size). 0, the
-    # default: unbounded, because Triton's batcher with any queue policy loses wake-ups and stalls up to its
-    # 500 ms idle wait at low load (benchmarks/RESULTS.md, "Overload"; README, "Overload shedding"): opt-in.
-    max_queue_size: int | None = 0
+    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto", the default): sized at
+    # packaging from the measured cost model to about queue_budget_ms of work (repository.default_queue_size)
+    # on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
+    # any queue policy loses wake-ups and stalls up to its 500 ms idle wait (benchmarks/RESULTS.md,
+    # "Overload"; README, "Overload shedding"). 0: unbounded; N: N requests.
+    max_queue_size: int | None = None
     queue_budget_ms: int = 300
     queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
     timeout_action: str = "reject"  # reject | delay (what happens to a request past queue_timeout_us)
@@ -139,7 +140,10 @@ class RepositorySpec:
     """Where and how the Triton model repository is written."""
 
     path: Path
-    instance_count: int = 1
+    # Two, as Triton's own default for CPU models: on a CPU the cores are split between them (the backend's
+    # ONNX Runtime threads), which served 1.45x one instance's requests on 2 cores, and a second instance
+    # is what lets the default queue bound work (max_queue_size above). A large model on a small GPU: 1.
+    instance_count: int = 2
     instance_kind: str = "auto"
     engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")
     memory_pool_release_threshold_mib: int = 256
@@ -150,6 +154,8 @@ class RepositorySpec:
     serve: str = "fp32"
     # False: the version folder holds only the served precision's files; True: every built precision.
     keep_all_precisions: bool = False
+    # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
+    cpu_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,7 @@ def _whole(value: Any, where: str, low: int, fix: str) -> int:
 
 def _queue_policy(b: Mapping[str, Any]) -> dict[str, Any]:
     """The queue-policy keys of ``[batching]``, checked."""
-    size = b.get("max_queue_size", 0)
+    size = b.get("max_queue_size", "auto")
     if size != "auto":
         size = _whole(size, "batching.max_queue_size", 0,
                       'give a number of requests (0: unbounded), or "auto" to size it from the cost model')
@@ -635,7 +641,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
-               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions"})
+               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions", "cpu_threads"})
     engine = _choice(r.get("engine", "auto"), "repository.engine", ENGINES)
     # An engine the package will not have files for would leave the model unavailable at load: say so now.
     if engine == "torch" and not export.torchscript:
@@ -655,12 +661,14 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                       "write true (keep every precision in the version folder) or false (only the served one)")
     repo = RepositorySpec(
         path=_path(r.get("path", "model_repository"), "repository.path", base_dir),
-        instance_count=_positive(r.get("instance_count", 1), "repository.instance_count"),
+        instance_count=_positive(r.get("instance_count", 2), "repository.instance_count"),
         instance_kind=_choice(r.get("instance_kind", "auto"), "repository.instance_kind", INSTANCE_KINDS),
         engine=engine,
         memory_pool_release_threshold_mib=_positive(r.get("memory_pool_release_threshold_mib", 256),
                                                     "repository.memory_pool_release_threshold_mib"),
         memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),
+        cpu_threads=_whole(r.get("cpu_threads", 0), "repository.cpu_threads", 0,
+                           "give ONNX Runtime threads per CPU instance (0: split the cores between the instances)"),
         allow_cpu_fallback=_typed(r.get("allow_cpu_fallback", False), "repository.allow_cpu_fallback", bool,
                                   "write true or false"),
         serve=serve,

@@ -132,17 +132,40 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     return max(floor, int(math.ceil(per_second * recipe.batching.queue_budget_ms / 1000.0)))
 
 
-def queue_policy_note(recipe: Recipe) -> str | None:
-    """A warning for a recipe whose queue policy meets Triton's lost batcher wake-up, else None.
+def bounds_queue_by_default(recipe: Recipe) -> bool:
+    """Whether ``max_queue_size = "auto"`` bounds this model's queue (it needs two or more instances).
 
     Any bound, queue timeout or priority turns Triton's payload prefetching off, and then its dynamic
     batcher (2.51, and core's main) loses wake-ups and holds queued requests up to its 500 ms idle wait
     whenever the model's only instance is busy (benchmarks/RESULTS.md, "Overload"). With two or more
     instances one is nearly always waiting, and the stall was not seen.
     """
+    return recipe.batching.max_queue_size is None and recipe.repository.instance_count >= 2
+
+
+def resolved_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> int:
+    """The ``max_queue_size`` written to the configuration: the recipe's number, else the "auto" bound.
+
+    "auto" is :func:`default_queue_size` on a model with two or more instances and 0 (unbounded) on a
+    one-instance model (:func:`bounds_queue_by_default`).
+    """
+    size = recipe.batching.max_queue_size
+    if size is not None:
+        return size
+    return default_queue_size(recipe, cost_model) if bounds_queue_by_default(recipe) else 0
+
+
+def queue_policy_note(recipe: Recipe) -> str | None:
+    """A note for a one-instance model about Triton's lost batcher wake-up with a queue policy, else None."""
     b = recipe.batching
-    policy = b.max_queue_size != 0 or b.queue_timeout_us > 0 or b.priority_levels > 0
-    if not policy or recipe.repository.instance_count >= 2:
+    if recipe.repository.instance_count >= 2:
+        return None
+    if b.max_queue_size is None and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
+        return ("note: the model has one instance, so its queue is left unbounded (max_queue_size = \"auto\" bounds "
+                "it only with two or more): with a queue policy Triton's batcher holds requests for up to 500 ms at "
+                "times (benchmarks/RESULTS.md, \"Overload\"). Fix: set [repository] instance_count = 2 or more to "
+                "shed overload with 503 / UNAVAILABLE")
+    if b.max_queue_size == 0 and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
         return None
     return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher then holds "
             "requests for up to 500 ms at times (benchmarks/RESULTS.md, \"Overload\"). "
@@ -169,13 +192,16 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
 
     With ``labels``, the class outputs (``logits``, ``probabilities``) name :data:`LABELS_FILE` as their
     ``label_filename``, so Triton's classification extension answers ``class_count`` requests.
-    ``queue_size``: the queue bound when the recipe leaves ``batching.max_queue_size`` to "auto"
-    (:func:`default_queue_size`; without it, the fallback bound).
+    ``queue_size``: the bound "auto" gives on a model of two or more instances (:func:`default_queue_size`;
+    without it, the fallback bound).
     """
     kind = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}[recipe.repository.instance_kind]
     size = recipe.batching.max_queue_size
     if size is None:
-        size = queue_size if queue_size is not None else default_queue_size(recipe, None)
+        if not bounds_queue_by_default(recipe):
+            size = 0
+        else:
+            size = queue_size if queue_size is not None else default_queue_size(recipe, None)
     outputs = []
     for spec in recipe.outputs:
         d = _tensor_dict(spec, False, False)
@@ -374,6 +400,7 @@ def package_model(
         "cpu_fallback": str(recipe.repository.allow_cpu_fallback).lower(),
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),
+        "cpu_threads": str(recipe.repository.cpu_threads),
         "task": recipe.task,
         "pooling": recipe.pooling,
         "normalize": str(recipe.normalize).lower(),

@@ -9,7 +9,8 @@ when a model has fewer live stubs than it had once loaded it
 
 1. unloads the model through the restricted repository API, so readiness turns false
    at once, and waits ``settle_s`` for the dead instance to fail the requests it holds
-   (new requests get 404 at once meanwhile);
+   (new requests get 404 at once meanwhile), then ends the old load's other stubs (Triton 2.51
+   never finishes an unload with a dead instance, and they would keep their copy of the model);
 2. verifies the model again against the trust policy ``serve`` started with
    (:func:`model_factory.serve.reverify_model`): the restarted stub loads only bytes
    that verify, and a model that no longer verifies stays unloaded;
@@ -151,6 +152,8 @@ class StubWatch:
         self.healing = model
         self.echo(f"model {model}: its backend stub died; unloading, re-verifying and reloading it")
         try:
+            old = [s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
+                   if s.model == model]
             error = self.server.unload_model(model)
             if error:
                 return self._done(model, start, False, f"unload failed: {error}")
@@ -163,6 +166,13 @@ class StubWatch:
             # them one execution at a time (about 1 s each), and a load started meanwhile holds the rest
             # until it finishes (tens of seconds: a hang for those clients).
             self._stop.wait(max(0.0, unloaded + self.settle_s - time.monotonic()))
+            # The old load's other instances: with one of its stubs dead Triton 2.51 never finishes that
+            # unload, and the live stubs would stay, each holding a copy of the model, for the server's life.
+            # They have answered what they held by now (unloaded, they get no new requests).
+            still = {s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
+                     if s.model == model}
+            for pid in set(old) & still:  # never a pid the system gave to someone else meanwhile
+                _kill(pid)
             error = self.server.load_model(model)
             if error:
                 return self._done(model, start, False, f"reload failed: {error}")
@@ -202,6 +212,16 @@ class StubWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL ``pid`` if it still runs (it may have exited, or been reaped, meanwhile)."""
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def pid_alive(pid: int) -> bool:

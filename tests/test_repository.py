@@ -36,10 +36,24 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
     assert text_format.MessageToString(cfg) == text
 
 
-def test_queue_is_unbounded_by_default(minilm_recipe) -> None:
-    assert minilm_recipe.batching.max_queue_size == 0
+def test_queue_is_bounded_by_default_with_two_instances_and_unbounded_with_one(minilm_recipe) -> None:
+    from model_factory.repository import resolved_queue_size
+
+    assert minilm_recipe.batching.max_queue_size is None  # "auto", the default
+    assert minilm_recipe.repository.instance_count == 2
     cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=16)))
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 16
+    assert resolved_queue_size(minilm_recipe, (0.001, 1e-5, 0.0)) == default_queue_size(minilm_recipe,
+                                                                                      (0.001, 1e-5, 0.0))
+    # One instance: Triton's batcher would lose wake-ups with a bound, so "auto" leaves the queue unbounded.
+    one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))
+    cfg = parse_config(config_to_pbtxt(config_dict(one, {}, queue_size=16)))
     assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 0
+    assert resolved_queue_size(one, (0.001, 1e-5, 0.0)) == 0
+    # A number the recipe gives is written as it is, on any instance count.
+    seven = replace(one, batching=replace(one.batching, max_queue_size=7))
+    assert parse_config(config_to_pbtxt(config_dict(seven, {}, queue_size=16))) \
+        .dynamic_batching.default_queue_policy.max_queue_size == 7
 
 
 def test_queue_policy_auto_is_bounded_and_sized_from_the_cost_model(minilm_recipe) -> None:
@@ -295,10 +309,14 @@ def test_a_queue_policy_on_one_instance_gets_a_note(minilm_recipe) -> None:
     """Triton's batcher loses wake-ups with a queue policy: a one-instance recipe that sets one is told."""
     from model_factory.repository import queue_policy_note
 
-    assert queue_policy_note(minilm_recipe) is None  # the default: no policy
-    for field, value in (("max_queue_size", 64), ("max_queue_size", None), ("queue_timeout_us", 1000),
-                         ("priority_levels", 2)):
-        bounded = replace(minilm_recipe, batching=replace(minilm_recipe.batching, **{field: value}))
+    assert queue_policy_note(minilm_recipe) is None  # the default: two instances, a bounded queue
+    one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))
+    note = queue_policy_note(one)  # "auto" on one instance: left unbounded, and told why
+    assert note is not None and "unbounded" in note and "instance_count = 2" in note
+    unbounded = replace(one, batching=replace(one.batching, max_queue_size=0))
+    assert queue_policy_note(unbounded) is None  # asked for no policy, and has none
+    for field, value in (("max_queue_size", 64), ("queue_timeout_us", 1000), ("priority_levels", 2)):
+        bounded = replace(one, batching=replace(one.batching, **{field: value}))
         note = queue_policy_note(bounded)
         assert note is not None and "instance_count = 2" in note and "500 ms" in note
         two = replace(bounded, repository=replace(bounded.repository, instance_count=2))

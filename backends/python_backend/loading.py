@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
-from .settings import Settings, SettingsError
+from .settings import Settings, SettingsError, cpu_threads_per_instance
 
 
 DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
@@ -102,7 +102,8 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
 
     def make(source: Path | bytes):
         if device_id is None:
-            return OnnxRuntimeEngine(source, simulate_qdq=int8)
+            return OnnxRuntimeEngine(source, threads=cpu_threads_per_instance(settings, available_cpus()),
+                                     simulate_qdq=int8)
         return OnnxRuntimeCudaEngine(source, device_id=device_id, settings=settings)
 
     info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
@@ -124,6 +125,25 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         return make(private / settings.onnx_file), info
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def available_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its affinity mask (a cpuset), capped by a cgroup v2 CPU quota.
+
+    A pod with ``limits.cpu: 2`` on a 64-core node sees 64 cores but is throttled to two: a thread
+    per visible core would only be throttled.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here
+    return cores
 
 
 def instance_device(instance_kind: str, device_id: int) -> str:

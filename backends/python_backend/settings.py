@@ -59,6 +59,10 @@ class Settings:
     # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
     # model is batched only with requests of exactly its shape.
     pad_sequences: bool = True
+    # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (split the cores).
+    cpu_threads: int | None = None
+    # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
+    cpu_instances: int = 0
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -135,6 +139,11 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     warmup = params.get("cost_model_warmup", "") or "short"
     if warmup not in ("short", "sweep"):
         raise SettingsError(f"parameter cost_model_warmup={warmup!r}: use short or sweep")
+    cpu_threads = num("cpu_threads", 0)
+    if cpu_threads < 0:
+        raise SettingsError(f"parameter cpu_threads={cpu_threads} must be 0 (split the cores) or positive")
+    cpu_instances = sum(int(g.get("count", 1) or 1) for g in cfg.get("instance_group") or []
+                        if g.get("kind") == "KIND_CPU")
     online_text = params.get("cost_model_online", "").strip().lower()
     if online_text not in ("", "true", "false"):
         raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
@@ -163,4 +172,18 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         # Packages from before the precision parameter name no plan: the served precision's own, if any.
         plan_file=params.get("plan_file") or (None if "precision" in params else f"model.{precision}.plan"),
         pad_sequences=pad_sequences,
+        cpu_threads=cpu_threads or None,
+        cpu_instances=cpu_instances,
     )
+
+
+def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
+    """ONNX Runtime intra-op threads for one CPU instance: the cores split between the model's instances.
+
+    Each instance is its own stub process with its own session; left at ONNX Runtime's default, every
+    session starts a thread per core, and two instances on 2 cores ran 23% slower than one
+    (benchmarks/RESULTS.md, "--instances 2"), their spinning threads contending for the same cores.
+    """
+    if settings.cpu_threads:
+        return settings.cpu_threads
+    return max(1, int(cpus) // max(1, settings.cpu_instances))

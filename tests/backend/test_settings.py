@@ -51,3 +51,32 @@ def test_max_group_tokens_is_a_budget_every_allowed_request_fits() -> None:
         _settings(max_sequence_length="128", max_group_tokens="64")
     with pytest.raises(SettingsError, match="max_group_tokens=-1 must be 0"):
         _settings(max_group_tokens="-1")
+
+
+def test_cpu_threads_split_the_cores_between_the_cpu_instances() -> None:
+    from model_factory.backend.settings import cpu_threads_per_instance
+
+    cfg = {"name": "m", "max_batch_size": 4, "instance_group": [{"kind": "KIND_CPU", "count": 2}]}
+    s = parse_settings(cfg)
+    assert (s.cpu_instances, s.cpu_threads) == (2, None)
+    assert cpu_threads_per_instance(s, 2) == 1 and cpu_threads_per_instance(s, 16) == 8
+    assert cpu_threads_per_instance(parse_settings({**cfg, "instance_group": [{"kind": "KIND_CPU", "count": 4}]}), 2) == 1
+    assert cpu_threads_per_instance(parse_settings({**cfg, "instance_group": []}), 6) == 6  # GPU-only: all cores
+    pinned = parse_settings({**cfg, "parameters": {"cpu_threads": {"string_value": "3"}}})
+    assert cpu_threads_per_instance(pinned, 2) == 3  # the recipe's parameter wins
+    with pytest.raises(SettingsError, match="cpu_threads=-1"):
+        _settings(cpu_threads="-1")
+
+
+def test_available_cpus_honours_a_cgroup_quota(tmp_path) -> None:
+    import os
+
+    from model_factory.backend.loading import available_cpus
+
+    cores = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")
+    assert available_cpus(quota) == 1
+    quota.write_text("max 100000\n")
+    assert available_cpus(quota) == cores
+    assert available_cpus(tmp_path / "missing") == cores

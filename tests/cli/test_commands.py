@@ -63,7 +63,8 @@ def test_package_notes_a_queue_policy_on_one_instance(tmp_path) -> None:
         shutil.copy(examples / name, tmp_path / name)
     recipe = tmp_path / "minilm.toml"
     recipe.write_text(recipe.read_text().replace('grouping = "cost_model"\n',
-                                                 'grouping = "cost_model"\nmax_queue_size = 64\n'))
+                                                 'grouping = "cost_model"\nmax_queue_size = 64\n')
+                      .replace("instance_count = 2", "instance_count = 1"))
     result = CliRunner().invoke(main, ["package", str(recipe), "-r", str(tmp_path / "repo")])
     assert result.exit_code == 1  # nothing was exported in this folder: refused with the command to run
     assert "instance_count = 2" in result.output and "500 ms" in result.output
@@ -71,5 +72,6 @@ def test_package_notes_a_queue_policy_on_one_instance(tmp_path) -> None:
 
     two = tmp_path / "two.toml"
     two.write_text(recipe.read_text().replace("instance_count = 1", "instance_count = 2"))
+    assert "instance_count = 2" in two.read_text()
     result = CliRunner().invoke(main, ["package", str(two), "-r", str(tmp_path / "repo")])
     assert result.exit_code == 1 and "instance_count = 2" not in result.output

@@ -42,6 +42,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "keda": {"autoscaling": {"mode": "keda"}},
     "queue-time": {"autoscaling": {"targetMeanQueueMicroseconds": "50000", "targetQueueComputeRatio": "0.8"}},
     "keda-queue-time": {"autoscaling": {"mode": "keda", "targetMeanQueueMicroseconds": "50000"}},
+    "ratio-only": {"autoscaling": {"targetMeanQueueMicroseconds": ""}},
     "fixed-replicas": {"autoscaling": {"mode": "none"}, "replicaCount": 3, "podDisruptionBudget": {"enabled": False}},
     "pod-monitor": {"metrics": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True,
                                                                                       "labels": {"release": "prom"}}}},

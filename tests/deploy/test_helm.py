@@ -318,7 +318,7 @@ def test_hpa_targets_the_queue_to_compute_ratio_served_by_the_shipped_adapter_ru
     assert not [d for d in objects("keda") if d["kind"] == "HorizontalPodAutoscaler"]
 
 
-def test_the_optional_mean_queue_time_metric() -> None:
+def test_the_mean_queue_time_metric_is_on_by_default_and_can_be_turned_off() -> None:
     docs = objects("queue-time")
     metrics = find(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
     assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in metrics] == [
@@ -329,7 +329,11 @@ def test_the_optional_mean_queue_time_metric() -> None:
     triggers = find(objects("keda-queue-time"), "ScaledObject")["spec"]["triggers"]
     assert [t["metadata"]["threshold"] for t in triggers] == ["1", "50000"]
     assert "nv_inference_request_success" in triggers[1]["metadata"]["query"]
-    assert len(find(objects("default"), "HorizontalPodAutoscaler")["spec"]["metrics"]) == 1
+    # On by default at half the 300 ms of work models' queues are bounded to; "" turns it off.
+    default = find(objects("default"), "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in default] == [
+        ("triton_queue_compute_ratio", "1"), ("triton_mean_queue_us", "150000")]
+    assert len(find(objects("ratio-only"), "HorizontalPodAutoscaler")["spec"]["metrics"]) == 1
 
 
 def test_keda_scaled_object_queries_the_same_ratio() -> None:

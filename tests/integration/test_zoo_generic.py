@@ -288,9 +288,9 @@ def _tokens(server, model: str) -> tuple[float, float]:
         with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
             body = r.read().decode()
         values = {}
-        for name in ("computed", "real"):
-            m = re.search(rf'^model_factory_{name}_tokens_total{{[^}}]*model="{model}"[^}}]*}} (\S+)$', body, re.M)
-            values[name] = float(m.group(1)) if m else 0.0
+        for name in ("computed", "real"):  # summed over the model's instances (one series each)
+            found = re.findall(rf'^model_factory_{name}_tokens_total{{[^}}]*model="{model}"[^}}]*}} (\S+)$', body, re.M)
+            values[name] = sum(float(v) for v in found)
         if values["computed"] > values["real"] or time.monotonic() > deadline:
             return values["computed"], values["real"]
         time.sleep(0.2)
