@@ -91,6 +91,9 @@ class Setup:
     source: Path | None = None  # a Hugging Face folder instead of the recipe's packaged MiniLM
     random_weights: bool = False  # fresh seeded weights for the source's architecture
     name: str | None = None  # the RESULTS.md section to write (default: by kind and engine)
+    # Model instances per server. One, as in the recorded runs: this compares batching, not instance counts
+    # (the recipe's default is two; benchmarks/bench_overload.py runs that).
+    instances: int = 1
 
     @property
     def section(self) -> str:
@@ -202,7 +205,8 @@ def export(work: Path, setup: Setup = Setup()) -> tuple[Any, Any]:
     from model_factory.recipe import load_recipe
 
     overrides: dict[str, Any] = {"repository.path": str(work / "unused"), "precisions": ["fp32"],
-                                 "export.torchscript": setup.engine == "torch", "tensorrt.enabled": False}
+                                 "export.torchscript": setup.engine == "torch", "tensorrt.enabled": False,
+                                 "repository.instance_count": setup.instances}
     if setup.source is not None:  # the whole [source] table: the packaged MiniLM may not be installed there
         folder = random_weights_folder(setup.source, work / "random_weights") if setup.random_weights else setup.source
         overrides["source"] = {"kind": "huggingface", "path": str(Path(folder).resolve())}
@@ -505,12 +509,13 @@ def render(env: dict[str, Any], configs: Sequence[Config], merged: dict[tuple[st
             "predecessor and showed a bias of up to 15% between identical configurations), round after round; throughput is the **median over rounds**, "
             "ratios are taken **within each round** and given as median (min–max), latencies are pooled over "
             "all rounds.", ""]
-    engine_text = (f"ONNX Runtime {env['onnxruntime']} CPU provider with the backend's defaults (intra-op threads = "
-                   "ORT's default)" if setup.engine == "onnxruntime" else
+    engine_text = (f"ONNX Runtime {env['onnxruntime']} CPU provider with the backend's defaults (intra-op threads: "
+                   "the cores split between the instances)" if setup.engine == "onnxruntime" else
                    f"torch {env.get('torch', 'n/a')} running the export's TorchScript on {setup.device} "
                    f"({env.get('gpu', 'no GPU')})")
     out += [f"**Software**: Triton {env['triton']} (nvidia-pytriton {env['pytriton']}), {engine_text}, "
-            f"one {setup.kind.upper()} instance per model, Python {env['python']}; tritonclient {env['tritonclient']} "
+            f"{'one' if setup.instances == 1 else setup.instances} {setup.kind.upper()} "
+            f"instance{'' if setup.instances == 1 else 's'} per model, Python {env['python']}; tritonclient {env['tritonclient']} "
             f"asyncio {args.protocol} client in the benchmark's process, sharing the cores with the servers.", ""]
     out += [f"**Load**: {args.requests} requests per run (+{args.warmup} warm-up, not counted), "
             f"{args.rounds} rounds per regime, a fixed number of requests in flight (the regime). One sequence "
@@ -755,12 +760,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a Hugging Face folder to serve instead of the packaged MiniLM")
     ap.add_argument("--random-weights", action="store_true",
                     help="give --source's architecture fresh seeded weights (only its config and tokenizer needed)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="model instances per server (1: batching compared alone; the recipe's default is 2)")
     ap.add_argument("--section", default=None,
                     help="RESULTS.md section (markers <!-- NAME:start/end -->) to write instead of the default one")
     args = ap.parse_args(argv)
     if args.random_weights and args.source is None:
         ap.error("--random-weights needs --source (a folder with config.json and the tokenizer files)")
-    setup = Setup(args.kind, args.engine, args.source, args.random_weights, args.section)
+    setup = Setup(args.kind, args.engine, args.source, args.random_weights, args.section, args.instances)
     if setup.engine == "torch" and setup.kind == "gpu":
         # Before anything imports torch here: the bare replay then runs on the same cudaMallocAsync
         # allocator as the served engine (torch fixes its allocator backend at import).

@@ -1,26 +1,28 @@
 """Overload: at 4x the concurrency the replica can serve, a bounded queue against an unbounded one.
 
-    .venv/bin/python benchmarks/bench_overload.py            # ~5 min on 2 cores, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_overload.py            # ~8 min on 2 cores, writes RESULTS.md
     .venv/bin/python benchmarks/bench_overload.py --quick    # a smoke run, RESULTS.md untouched
 
 MiniLM (FP32 ONNX, ONNX Runtime CPU) served by the real bundled Triton through model-factory's
-backend, packaged twice, each on its own server in this one process:
+backend, packaged three times, each on its own server in this one process:
 
-(policy)    the bound ``max_queue_size = "auto"`` (the default with two or more instances) gives:
-            ``dynamic_batching.default_queue_policy.max_queue_size`` sized from the cost model measured
-            on this machine at packaging (about ``batching.queue_budget_ms`` = 300 ms of work),
-            ``REJECT`` past it: an overloaded replica answers 503 / UNAVAILABLE at once (written as a
-            number, so that ``--instances 1`` gets it too);
-(unbounded) ``max_queue_size = 0``: Triton queues every request.
+(policy)        the bound ``max_queue_size = "auto"`` (the default with two or more instances) gives:
+                ``dynamic_batching.default_queue_policy.max_queue_size`` sized from the cost model
+                measured on this machine at packaging (about ``batching.queue_budget_ms`` = 300 ms of
+                work), ``REJECT`` past it: an overloaded replica answers 503 / UNAVAILABLE at once
+                (written as a number, so that ``--instances 1`` gets it too);
+(policy-inline) the same bound, with the backend's responses returned from ``execute()``
+                (``respond_after_return = false``), as before ``deferred_responses``: the A/B of the
+                lost batcher wake-up that sending after the return avoids;
+(unbounded)     ``max_queue_size = 0``: Triton queues every request.
 
-Both servers run ``--instances`` model instances (2, the default; on a CPU they split the cores).
-
-Both run the cost model measured once at packaging as fixed constants, so they split windows alike.
+All run ``--instances`` model instances (2, the default; on a CPU they split the cores), and the cost
+model measured once at packaging as fixed constants, so they split windows alike.
 
 Requests are one sequence each, drawn with a fixed seed from ``benchmarks/texts.txt``. First the
 unloaded p99 (concurrency 1) and the concurrency the replica can serve (the smallest of a sweep reaching
 90% of the best throughput) are measured on (unbounded), and the unloaded latency on (policy) beside it,
-with ``model-factory bench``'s load generator (token ids, gRPC). Then both configurations run for the same wall time at 4x that concurrency and at twice
+with ``model-factory bench``'s load generator (token ids, gRPC). Then the configurations run for the same wall time at 4x that concurrency and at twice
 what the replica admits when its queue is full (the bound, plus a window of the largest preferred batch in
 each instance: Triton's bound counts only requests not yet handed to an instance), in alternating order over rounds, with the soak's load loop
 (:func:`model_factory.soak.run_soak` with token ids only — Triton batches only requests with the same
@@ -67,27 +69,33 @@ START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 
 
 
-def build(work: Path, instances: int = 2) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
+def build(work: Path, instances: int = 2, preferred: list[int] | None = None
+          ) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
     from model_factory.build_engines.export import export_model
     from model_factory.pipeline import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
     from model_factory.repository import default_queue_size, package_model
 
-    recipe = load_recipe(EXAMPLE, {"repository.path": str(work / "unused"), "precisions": ["fp32"],
-                                   "repository.instance_count": instances})
+    overrides: dict[str, Any] = {"repository.path": str(work / "unused"), "precisions": ["fp32"],
+                                 "repository.instance_count": instances}
+    if preferred:
+        overrides["batching.preferred_batch_sizes"] = preferred
+    recipe = load_recipe(EXAMPLE, overrides)
     exported = export_model(recipe)
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
     size = default_queue_size(recipe, cost)
     repos = {}
-    for label, queue in (("policy", size), ("unbounded", 0)):
+    for label, queue, inline in (("policy", size, False), ("policy-inline", size, True), ("unbounded", 0, False)):
         r = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, path=work / label),
                                 batching=dataclasses.replace(recipe.batching, max_queue_size=queue))
-        # Both servers split with the same constants: measured at each load on a busy machine they differ
+        # All servers split with the same constants: measured at each load on a busy machine they differ
         # by up to 13x, and the comparison would be of two cost models instead of two queue policies.
-        fixed = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else None
+        params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
+        if inline:  # the responses returned from execute(), as before deferred_responses
+            params["respond_after_return"] = "false"
         package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir, cost_model=cost,
-                      parameters=fixed)
+                      parameters=params)
         repos[label] = work / label
     return repos, exported, size, cost, recipe
 
@@ -105,22 +113,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sweep", default="1,2,4,8,16,32,64", help="concurrencies tried to find what the replica serves")
     ap.add_argument("--instances", type=int, default=2,
                     help="model instances of both servers (2, the default; any other count gets its own RESULTS section)")
+    ap.add_argument("--preferred", default="", help="preferred batch sizes of both servers, e.g. 8,16 "
+                    "(default: the example recipe's); windows under overload are cut at the largest")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds, args.sweep, args.no_write = 5.0, 1, "4,16", True
-    # Other instance counts get a section of their own beside the default's.
-    start, end = (START, END) if args.instances == 2 else (f"<!-- overload-{args.instances}:start -->",
-                                                           f"<!-- overload-{args.instances}:end -->")
+    # Other instance counts and preferred sizes get a section of their own beside the default's.
+    tag = "".join([f"-{args.instances}" if args.instances != 2 else "",
+                   f"-preferred-{args.preferred.replace(',', '-')}" if args.preferred else ""])
+    start, end = (START, END) if not tag else (f"<!-- overload{tag}:start -->", f"<!-- overload{tag}:end -->")
 
     from model_factory.serve import ServerOptions, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
         work = Path(tmp)
         say("export and package")
-        repos, exported, size, cost, recipe = build(work, args.instances)
+        preferred = [int(x) for x in args.preferred.split(",")] if args.preferred else None
+        repos, exported, size, cost, recipe = build(work, args.instances, preferred)
         say(f"queue bound from the measured cost model {cost}: {size} requests")
         tok = bench.load_tokenizer(exported.tokenizer_dir, 128)
         texts = bench.load_texts(HERE / "texts.txt")
@@ -149,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             levels = sorted({overload, max(overload, 2 * admits)})
             # A rejected client retries elsewhere: away from this replica for about one unloaded request
             # (policy), or for a client's retry back-off of --backoff-s (policy+backoff).
-            pauses = {"policy": unloaded.p50_ms / 1e3, "policy+backoff": args.backoff_s, "unbounded": 0.0}
+            pauses = {"policy": unloaded.p50_ms / 1e3, "policy+backoff": args.backoff_s,
+                      "policy-inline+backoff": args.backoff_s, "unbounded": 0.0}
             rounds: dict[tuple[str, int], list[soak.SoakReport]] = {}
             for i in range(args.rounds):
                 order = list(pauses) if i % 2 == 0 else list(reversed(pauses))
@@ -157,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for label in order:
                         # The same wall time for all: rejections return at once, so a count of requests
                         # would leave (policy) with a handful of accepted ones.
-                        srv = servers["unbounded" if label == "unbounded" else "policy"]
+                        srv = servers[label.split("+")[0]]
                         r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
                                           concurrency=level, seconds=args.seconds, sample_s=3600,
                                           reject_pause_s=pauses[label], send="ids")
@@ -179,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep_txt = ", ".join(f"c={c}: {r.throughput:.1f} seq/s" for c, r in sweep.items())
     section = "\n".join([
         start, "## Overload: a bounded queue sheds at once (benchmarks/bench_overload.py"
-        + (f" --instances {args.instances})" if args.instances > 1 else ")"), "",
+        + (f" --instances {args.instances}" if args.instances != 2 else "")
+        + (f" --preferred {args.preferred}" if args.preferred else "") + ")", "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
         f"({os.cpu_count()} CPUs, shared with other work: compare only figures from this one run). MiniLM FP32 "
         f"ONNX on ONNX Runtime CPU, {'one instance' if args.instances == 1 else f'{args.instances} instances'} "
@@ -191,13 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"so overload is **{overload}** in flight (4x); a second level, {levels[-1]} in flight, is twice what the "
         f"replica admits with a full queue ({admits}: the bound and a window of the largest preferred batch in each "
         "instance), where the bound must act.",
+        f"- Preferred batch sizes {list(recipe.batching.preferred_batch_sizes)}, max batch {recipe.shapes.max_batch}: "
+        "with a long queue Triton cuts each window at the largest preferred size.",
         f"- Queue bound of (policy): {size} requests, from the cost model measured at packaging "
         f"(a, b, c = {', '.join(f'{x:.3g}' for x in cost) if cost else 'n/a'} s) and a 300 ms budget; both "
         "servers split windows with these same fixed constants.",
         f"- {args.rounds} rounds of {args.seconds:.0f} s per configuration and level, alternating order, token ids "
         "only (the soak's load loop with send=ids: Triton batches only requests with the same inputs). A rejected client waits before its next request, as one "
         f"that retried on another replica: one unloaded p50 in (policy), {args.backoff_s:g} s (a client's "
-        "retry back-off) in (policy+backoff). The rejected share is of attempts. Client and server share "
+        "retry back-off) in (policy+backoff) and (policy-inline+backoff), the latter with the responses returned "
+        "from execute() (the A/B of sending them after the return). The rejected share is of attempts. Client and server share "
         "these 2 cores: every rejection the client makes and the server answers takes CPU from the model.", "",
         *rows, "",
         "Rejected requests are answered 503 / UNAVAILABLE without waiting (counted by `model-factory bench` "

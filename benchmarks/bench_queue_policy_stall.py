@@ -10,6 +10,9 @@ in this one process, with configs that differ only in the queue policy:
 (none)    ``dynamic_batching {}``: no policy (Triton prefetches payloads);
 (policy)  ``dynamic_batching { default_queue_policy { max_queue_size: N } }`` with a bound no run reaches,
           so nothing is ever rejected;
+(policy-after-return) the same policy, the model answering through each request's response sender from
+          a thread once ``execute()`` has returned None (model-factory's backend does this,
+          ``deferred_responses``): the workaround;
 
 each with one and with two model instances (``--instances``).
 
@@ -53,6 +56,19 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         self.work_s = float(WORK_MS) / 1000.0
+        self.deferred = DEFERRED
+        if self.deferred:  # answer through the response senders, from a thread, after execute() returned
+            import queue
+            import threading
+
+            self.windows = queue.SimpleQueue()
+            threading.Thread(target=self._send, daemon=True).start()
+
+    def _send(self):
+        while True:
+            senders, responses = self.windows.get()
+            for sender, response in zip(senders, responses):
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def execute(self, requests):
         end = time.perf_counter() + self.work_s  # one execution's compute, whatever its batch
@@ -62,13 +78,17 @@ class TritonPythonModel:
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x.astype(np.float32))]))
+        if self.deferred:
+            self.windows.put(([request.get_response_sender() for request in requests], out))
+            return None
         return out
 '''
 
 
 
 
-def write_repository(root: Path, policy: bool, work_ms: float, bound: int, instances: int = 1) -> Path:
+def write_repository(root: Path, policy: bool, work_ms: float, bound: int, instances: int = 1,
+                     deferred: bool = False) -> Path:
     """One repository holding ``spin``, its config written through Triton's protobuf."""
     from model_factory.repository import config_to_pbtxt
 
@@ -82,7 +102,8 @@ def write_repository(root: Path, policy: bool, work_ms: float, bound: int, insta
     version = root / MODEL / "1"
     version.mkdir(parents=True)
     (root / MODEL / "config.pbtxt").write_text(config_to_pbtxt(config))
-    (version / "model.py").write_text(MODEL_PY.replace("WORK_MS", repr(float(work_ms))))
+    (version / "model.py").write_text(MODEL_PY.replace("WORK_MS", repr(float(work_ms)))
+                                      .replace("DEFERRED", repr(bool(deferred))))
     return root
 
 
@@ -138,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     counts = [int(x) for x in args.clients.split(",")]
     instance_counts = [int(x) for x in args.instances.split(",")]
-    keys = [(label, n) for n in instance_counts for label in ("none", "policy")]
+    keys = [(label, n) for n in instance_counts for label in ("none", "policy", "policy-after-return")]
     runs: dict[tuple[tuple[str, int], int], list[float]] = {}
     errs: dict[tuple[tuple[str, int], int], int] = {}
     secs: dict[tuple[tuple[str, int], int], float] = {}
@@ -147,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for key in keys:
                 label, n = key
-                repo = write_repository(Path(tmp) / f"{label}-{n}", label == "policy", args.work_ms, args.bound, n)
+                repo = write_repository(Path(tmp) / f"{label}-{n}", label != "none", args.work_ms, args.bound, n,
+                                        deferred=label == "policy-after-return")
                 servers[key] = TritonServer(repo, [MODEL], ServerOptions(0, 0, 0)).start()
             for rnd in range(args.rounds):
                 for clients in counts:
@@ -173,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             label, n = key
             slow = sum(x > SLOW_MS for x in lat) / len(lat)
-            rows.append(f"| {n} | {clients} | {'max_queue_size ' + str(args.bound) if label == 'policy' else 'none'} | "
+            policy = {"none": "none", "policy": f"max_queue_size {args.bound}",
+                      "policy-after-return": f"max_queue_size {args.bound}, responses sent after execute() returns"}
+            rows.append(f"| {n} | {clients} | {policy[label]} | "
                         f"{len(lat) / secs[(key, clients)]:.0f} | {statistics.median(lat):.1f} | "
                         f"{float(np.percentile(lat, 99)):.1f} | {max(lat):.0f} | {slow:.1%} | "
                         f"{errs[(key, clients)]} |")
@@ -183,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({os.cpu_count()} CPUs, load average before the write {' '.join(f'{x:.2f}' for x in os.getloadavg())}). "
         f"The bundled Triton 2.51, a minimal Python-backend model that spins {args.work_ms:g} ms per execution and "
         f"copies its input (max_batch_size 64, {args.instances} CPU instances), servers side by side whose configs "
-        f"differ only in `default_queue_policy` (a bound of {args.bound}, never reached: nothing is rejected). "
+        f"differ only in `default_queue_policy` (a bound of {args.bound}, never reached: nothing is rejected) "
+        "and, in the third, in sending the responses after execute() returns. "
         f"Closed-loop gRPC clients (a thread each), {args.rounds} rounds of {args.seconds:g} s per count and "
         "configuration, alternating order; latencies pooled over rounds.", "",
         *rows, "", END])

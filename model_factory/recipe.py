@@ -125,7 +125,7 @@ class BatchingSpec:
     # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto", the default): sized at
     # packaging from the measured cost model to about queue_budget_ms of work (repository.default_queue_size)
     # on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
-    # any queue policy loses wake-ups and stalls up to its 500 ms idle wait (benchmarks/RESULTS.md,
+    # any queue policy can lose wake-ups and sleep up to its 500 ms idle wait (benchmarks/RESULTS.md,
     # "Overload"; README, "Overload shedding"). 0: unbounded; N: N requests.
     max_queue_size: int | None = None
     queue_budget_ms: int = 300

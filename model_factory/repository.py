@@ -136,9 +136,10 @@ def bounds_queue_by_default(recipe: Recipe) -> bool:
     """Whether ``max_queue_size = "auto"`` bounds this model's queue (it needs two or more instances).
 
     Any bound, queue timeout or priority turns Triton's payload prefetching off, and then its dynamic
-    batcher (2.51, and core's main) loses wake-ups and holds queued requests up to its 500 ms idle wait
-    whenever the model's only instance is busy (benchmarks/RESULTS.md, "Overload"). With two or more
-    instances one is nearly always waiting, and the stall was not seen.
+    batcher (2.51, and core's main) loses wake-ups and can hold queued requests up to its 500 ms idle wait
+    whenever the model's only instance is busy (benchmarks/RESULTS.md, "Overload"). The backend sends its
+    responses after ``execute()`` returns to avoid it (``deferred_responses``), which sufficed for MiniLM but
+    not for a model of 5 ms windows; with two or more instances one is nearly always waiting.
     """
     return recipe.batching.max_queue_size is None and recipe.repository.instance_count >= 2
 
@@ -162,13 +163,14 @@ def queue_policy_note(recipe: Recipe) -> str | None:
         return None
     if b.max_queue_size is None and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
         return ("note: the model has one instance, so its queue is left unbounded (max_queue_size = \"auto\" bounds "
-                "it only with two or more): with a queue policy Triton's batcher holds requests for up to 500 ms at "
-                "times (benchmarks/RESULTS.md, \"Overload\"). Fix: set [repository] instance_count = 2 or more to "
-                "shed overload with 503 / UNAVAILABLE")
+                "it only with two or more): with a queue policy and one instance Triton's batcher can sleep up to "
+                "500 ms on queued requests (benchmarks/RESULTS.md, \"Overload\"). Fix: set [repository] "
+                "instance_count = 2 or more to shed overload with 503 / UNAVAILABLE, or max_queue_size = N anyway")
     if b.max_queue_size == 0 and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
         return None
-    return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher then holds "
-            "requests for up to 500 ms at times (benchmarks/RESULTS.md, \"Overload\"). "
+    return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher can then sleep up "
+            "to 500 ms on queued requests; the backend's responses sent after execute() returns avoided it on "
+            "MiniLM, not on a model with 5 ms windows (benchmarks/RESULTS.md, \"Overload\"). "
             "Fix: set [repository] instance_count = 2 or more, or leave max_queue_size = 0")
 
 

@@ -68,6 +68,15 @@ class TritonPythonModel:
 
             self.cost_keeper = CostKeeper(self.executor.estimator, cache_file=cache_file,
                                           log=pb_utils.Logger.log_info, meta={"model": s.model_name, **cache_key})
+        # Responses go out just after execute() returns: Triton's batcher with a queue policy is then woken
+        # by the next requests instead of sleeping 500 ms on them (deferred_responses).
+        self.dispatcher = None
+        if s.respond_after_return:
+            from .deferred_responses import ResponseDispatcher
+
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            self.dispatcher = ResponseDispatcher(lambda sender, response: sender.send(response, flags=final),
+                                                 pb_utils.Logger.log_error)
         self.trimmer = None
         if self.pool is not None:
             from .memory_pool import IdleTrimmer
@@ -105,7 +114,7 @@ class TritonPythonModel:
 
         return run
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
         start = time.perf_counter()
         s = self.settings
         batches, errors, wanted = [], {}, []
@@ -141,6 +150,9 @@ class TritonPythonModel:
             self.trimmer.touch()
         if self.cost_keeper is not None:
             self.cost_keeper.after_window()
+        if self.dispatcher is not None:
+            self.dispatcher.dispatch([request.get_response_sender() for request in requests], responses)
+            return None
         return responses
 
     def _publish_pool(self, pool) -> None:
@@ -148,6 +160,8 @@ class TritonPythonModel:
             self.metrics.set_pool_stats(pool.stats())
 
     def finalize(self) -> None:
+        if getattr(self, "dispatcher", None) is not None:
+            self.dispatcher.close()
         if self.cost_keeper is not None:
             self.cost_keeper.close(self.executor.planner)
         if self.trimmer is not None:

@@ -63,6 +63,9 @@ class Settings:
     cpu_threads: int | None = None
     # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
     cpu_instances: int = 0
+    # Send responses just after execute() returns (deferred_responses), not as its return value: by default
+    # exactly when the configuration sets a queue policy, the case where Triton's batcher needs it.
+    respond_after_return: bool = False
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -144,6 +147,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         raise SettingsError(f"parameter cpu_threads={cpu_threads} must be 0 (split the cores) or positive")
     cpu_instances = sum(int(g.get("count", 1) or 1) for g in cfg.get("instance_group") or []
                         if g.get("kind") == "KIND_CPU")
+    after_return = params.get("respond_after_return", "").strip().lower()
+    if after_return not in ("", "auto", "true", "false"):
+        raise SettingsError(f"parameter respond_after_return={after_return!r}: use auto, true or false")
     online_text = params.get("cost_model_online", "").strip().lower()
     if online_text not in ("", "true", "false"):
         raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
@@ -174,7 +180,27 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         pad_sequences=pad_sequences,
         cpu_threads=cpu_threads or None,
         cpu_instances=cpu_instances,
+        respond_after_return=after_return == "true" or (after_return in ("", "auto") and has_queue_policy(cfg)),
     )
+
+
+def has_queue_policy(cfg: Mapping[str, Any]) -> bool:
+    """Whether Triton's JSON model configuration sets a queue policy (a bound, a timeout or priorities).
+
+    Any of them turns Triton's payload prefetching off, and with it the batcher's wake-ups depend on the
+    instance waiting when requests arrive (deferred_responses). Triton writes 64-bit fields as strings.
+    """
+    batching = cfg.get("dynamic_batching") or {}
+    policy = batching.get("default_queue_policy") or {}
+
+    def positive(value: Any) -> bool:
+        try:
+            return int(value or 0) > 0
+        except (TypeError, ValueError):
+            return False
+
+    return (positive(policy.get("max_queue_size")) or positive(policy.get("default_timeout_microseconds"))
+            or positive(batching.get("priority_levels")) or bool(batching.get("priority_queue_policy")))
 
 
 def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:

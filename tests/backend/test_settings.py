@@ -80,3 +80,21 @@ def test_available_cpus_honours_a_cgroup_quota(tmp_path) -> None:
     quota.write_text("max 100000\n")
     assert available_cpus(quota) == cores
     assert available_cpus(tmp_path / "missing") == cores
+
+
+def test_responses_are_deferred_exactly_when_the_config_sets_a_queue_policy() -> None:
+    base = {"name": "m", "max_batch_size": 4}
+    assert not parse_settings(base).respond_after_return  # no policy: Triton prefetches, nothing to avoid
+    assert not parse_settings({**base, "dynamic_batching": {"default_queue_policy": {"max_queue_size": "0"}}}) \
+        .respond_after_return
+    for batching in ({"default_queue_policy": {"max_queue_size": "81"}},  # Triton's JSON: 64-bit as strings
+                     {"default_queue_policy": {"max_queue_size": 81}},
+                     {"default_queue_policy": {"default_timeout_microseconds": "5000"}},
+                     {"priority_levels": "2"}):
+        assert parse_settings({**base, "dynamic_batching": batching}).respond_after_return, batching
+    bounded = {**base, "dynamic_batching": {"default_queue_policy": {"max_queue_size": "81"}}}
+    off = {**bounded, "parameters": {"respond_after_return": {"string_value": "false"}}}
+    assert not parse_settings(off).respond_after_return
+    assert _settings(respond_after_return="true").respond_after_return
+    with pytest.raises(SettingsError, match="respond_after_return='later'"):
+        _settings(respond_after_return="later")
