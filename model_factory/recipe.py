@@ -141,8 +141,9 @@ class RepositorySpec:
 
     path: Path
     # Two, as Triton's own default for CPU models: on a CPU the cores are split between them (the backend's
-    # ONNX Runtime threads), which served 1.45x one instance's requests on 2 cores, and a second instance
-    # is what lets the default queue bound work (max_queue_size above). A large model on a small GPU: 1.
+    # ONNX Runtime threads), which served 1.05-1.47x one instance's requests on 2 cores (RESULTS.md,
+    # "Instances"), and a second instance is what lets the default queue bound work (max_queue_size above).
+    # A large model on a small GPU: 1.
     instance_count: int = 2
     instance_kind: str = "auto"
     engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")

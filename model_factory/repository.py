@@ -116,8 +116,9 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     ``a + b·n·L + c·n·L²``) the rate is that of full batches (``shapes.max_batch``) of the first
     sequence bucket's length; the queue then holds about the budget's worth of work, and never less than
     the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches. The bound does
-    not grow with the instance count: a replica's instances share its cores (or GPU), and two MiniLM
-    instances on 2 CPU cores cleared no more than one (benchmarks/RESULTS.md, "--instances 2").
+    not grow with the instance count: a replica's instances share its cores (or GPU). Two MiniLM
+    instances of one thread each on 2 CPU cores cleared 1.05-1.47x what the packaging measurement (one
+    session on both cores) gives, so there the bound is ~200 ms of their work (benchmarks/RESULTS.md).
     """
     n = recipe.shapes.max_batch
     if not cost_model:

@@ -207,8 +207,8 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
     """ONNX Runtime intra-op threads for one CPU instance: the cores split between the model's instances.
 
     Each instance is its own stub process with its own session; left at ONNX Runtime's default, every
-    session starts a thread per core, and two instances on 2 cores ran 23% slower than one
-    (benchmarks/RESULTS.md, "--instances 2"), their spinning threads contending for the same cores.
+    session starts a thread per core, and two instances on 2 cores ran slower than one (0.81x,
+    benchmarks/RESULTS.md, "Instances"), their spinning threads contending for the same cores.
     """
     if settings.cpu_threads:
         return settings.cpu_threads
