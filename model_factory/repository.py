@@ -118,7 +118,7 @@ def default_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> in
     the smallest preferred batch. Without one, ``FALLBACK_QUEUE_BATCHES`` full batches. The bound does
     not grow with the instance count: a replica's instances share its cores (or GPU). Two MiniLM
     instances of one thread each on 2 CPU cores cleared 1.05-1.47x what the packaging measurement (one
-    session on both cores) gives, so there the bound is ~200 ms of their work (benchmarks/RESULTS.md).
+    session on both cores) gives, so there the bound is 200-300 ms of their work (benchmarks/RESULTS.md).
     """
     n = recipe.shapes.max_batch
     if not cost_model:
@@ -139,22 +139,10 @@ def bounds_queue_by_default(recipe: Recipe) -> bool:
     Any bound, queue timeout or priority turns Triton's payload prefetching off, and then its dynamic
     batcher (2.51, and core's main) loses wake-ups and can hold queued requests up to its 500 ms idle wait
     whenever the model's only instance is busy (benchmarks/RESULTS.md, "Overload"). The backend sends its
-    responses after ``execute()`` returns to avoid it (``deferred_responses``), which sufficed for MiniLM but
-    not for a model of 5 ms windows; with two or more instances one is nearly always waiting.
+    responses after ``execute()`` returns to avoid it (``deferred_responses``), which brought a one-instance
+    MiniLM's p99 back but not all its throughput; with two or more instances one is nearly always waiting.
     """
     return recipe.batching.max_queue_size is None and recipe.repository.instance_count >= 2
-
-
-def resolved_queue_size(recipe: Recipe, cost_model: Sequence[float] | None) -> int:
-    """The ``max_queue_size`` written to the configuration: the recipe's number, else the "auto" bound.
-
-    "auto" is :func:`default_queue_size` on a model with two or more instances and 0 (unbounded) on a
-    one-instance model (:func:`bounds_queue_by_default`).
-    """
-    size = recipe.batching.max_queue_size
-    if size is not None:
-        return size
-    return default_queue_size(recipe, cost_model) if bounds_queue_by_default(recipe) else 0
 
 
 def queue_policy_note(recipe: Recipe) -> str | None:
@@ -170,8 +158,8 @@ def queue_policy_note(recipe: Recipe) -> str | None:
     if b.max_queue_size == 0 and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
         return None
     return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher can then sleep up "
-            "to 500 ms on queued requests; the backend's responses sent after execute() returns avoided it on "
-            "MiniLM, not on a model with 5 ms windows (benchmarks/RESULTS.md, \"Overload\"). "
+            "to 500 ms on queued requests; the backend's responses sent after execute() returns brought MiniLM's "
+            "p99 back, not all its throughput (benchmarks/RESULTS.md, \"Overload\"). "
             "Fix: set [repository] instance_count = 2 or more, or leave max_queue_size = 0")
 
 

@@ -37,19 +37,14 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
 
 
 def test_queue_is_bounded_by_default_with_two_instances_and_unbounded_with_one(minilm_recipe) -> None:
-    from model_factory.repository import resolved_queue_size
-
     assert minilm_recipe.batching.max_queue_size is None  # "auto", the default
     assert minilm_recipe.repository.instance_count == 2
     cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=16)))
     assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 16
-    assert resolved_queue_size(minilm_recipe, (0.001, 1e-5, 0.0)) == default_queue_size(minilm_recipe,
-                                                                                      (0.001, 1e-5, 0.0))
     # One instance: Triton's batcher would lose wake-ups with a bound, so "auto" leaves the queue unbounded.
     one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))
     cfg = parse_config(config_to_pbtxt(config_dict(one, {}, queue_size=16)))
     assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 0
-    assert resolved_queue_size(one, (0.001, 1e-5, 0.0)) == 0
     # A number the recipe gives is written as it is, on any instance count.
     seven = replace(one, batching=replace(one.batching, max_queue_size=7))
     assert parse_config(config_to_pbtxt(config_dict(seven, {}, queue_size=16))) \
