@@ -38,7 +38,7 @@ START, END = "<!-- soak:start -->", "<!-- soak:end -->"
 
 
 
-def render(report: soak.SoakReport, verdict: soak.Verdict, args: argparse.Namespace) -> str:
+def render(report: soak.SoakReport, verdict: soak.Verdict, args: argparse.Namespace, instances: int = 1) -> str:
     minutes = ["| minute | requests | errors | p50 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
     minutes += [f"| {m.minute} | {m.requests} | {m.errors} | {m.p50_ms:.1f} | {m.p99_ms:.1f} |"
                 for m in report.minutes]
@@ -52,7 +52,8 @@ def render(report: soak.SoakReport, verdict: soak.Verdict, args: argparse.Namesp
     return "\n".join([
         START, "## Soak: 10 minutes at fixed concurrency (benchmarks/soak.py)", "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
-        f"({os.cpu_count()} CPUs, shared with other work). MiniLM FP32 ONNX on ONNX Runtime CPU, one instance, "
+        f"({os.cpu_count()} CPUs, shared with other work). MiniLM FP32 ONNX on ONNX Runtime CPU, "
+        f"{'one instance' if instances == 1 else f'{instances} instances (their stubs summed)'}, "
         f"gRPC, concurrency {args.concurrency}, text and token ids alternating ({report.sent_text} text, "
         f"{report.sent_ids} ids), real-text lengths; warm-up {args.warmup_s:.0f} s.", "",
         f"{report.requests} requests in {report.seconds:.0f} s ({report.requests / report.seconds:.1f}/s), "
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = server.stop()
         say(f"tritonserver exit code {rc}")
     verdict = soak.judge(report, args.warmup_s)
-    section = render(report, verdict, args)
+    section = render(report, verdict, args, recipe.repository.instance_count)
     print(section)
     if not args.no_write:
         sys.path.insert(0, str(HERE))
