@@ -150,12 +150,13 @@ def queue_policy_note(recipe: Recipe) -> str | None:
     b = recipe.batching
     if recipe.repository.instance_count >= 2:
         return None
-    if b.max_queue_size is None and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
+    timeout_or_priorities = b.queue_timeout_us > 0 or b.priority_levels > 0
+    if b.max_queue_size is None and not timeout_or_priorities:
         return ("note: the model has one instance, so its queue is left unbounded (max_queue_size = \"auto\" bounds "
                 "it only with two or more): with a queue policy and one instance Triton's batcher can sleep up to "
                 "500 ms on queued requests (benchmarks/RESULTS.md, \"Overload\"). Fix: set [repository] "
                 "instance_count = 2 or more to shed overload with 503 / UNAVAILABLE, or max_queue_size = N anyway")
-    if b.max_queue_size == 0 and not (b.queue_timeout_us > 0 or b.priority_levels > 0):
+    if b.max_queue_size == 0 and not timeout_or_priorities:
         return None
     return ("note: [batching] sets a queue policy and the model has one instance: Triton's batcher can then sleep up "
             "to 500 ms on queued requests; the backend's responses sent after execute() returns brought MiniLM's "
@@ -188,11 +189,9 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
     """
     kind = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}[recipe.repository.instance_kind]
     size = recipe.batching.max_queue_size
-    if size is None:
-        if not bounds_queue_by_default(recipe):
-            size = 0
-        else:
-            size = queue_size if queue_size is not None else default_queue_size(recipe, None)
+    if size is None:  # "auto": bounded on two or more instances only
+        auto = queue_size if queue_size is not None else default_queue_size(recipe, None)
+        size = auto if bounds_queue_by_default(recipe) else 0
     outputs = []
     for spec in recipe.outputs:
         d = _tensor_dict(spec, False, False)

@@ -22,6 +22,7 @@ Linux only (``/proc``); elsewhere :func:`stub_processes` finds nothing and nothi
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -152,8 +153,7 @@ class StubWatch:
         self.healing = model
         self.echo(f"model {model}: its backend stub died; unloading, re-verifying and reloading it")
         try:
-            old = [s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
-                   if s.model == model]
+            old = self._stub_pids(model)
             error = self.server.unload_model(model)
             if error:
                 return self._done(model, start, False, f"unload failed: {error}")
@@ -169,9 +169,7 @@ class StubWatch:
             # The old load's other instances: with one of its stubs dead Triton 2.51 never finishes that
             # unload, and the live stubs would stay, each holding a copy of the model, for the server's life.
             # They have answered what they held by now (unloaded, they get no new requests).
-            still = {s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
-                     if s.model == model}
-            for pid in set(old) & still:  # never a pid the system gave to someone else meanwhile
+            for pid in old & self._stub_pids(model):  # never a pid the system gave to someone else meanwhile
                 _kill(pid)
             error = self.server.load_model(model)
             if error:
@@ -179,6 +177,11 @@ class StubWatch:
             return self._done(model, start, True)
         finally:
             self.healing = None
+
+    def _stub_pids(self, model: str) -> set[int]:
+        """The pids of ``model``'s live stubs."""
+        return {s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
+                if s.model == model}
 
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)
@@ -216,8 +219,6 @@ class StubWatch:
 
 def _kill(pid: int) -> None:
     """SIGKILL ``pid`` if it still runs (it may have exited, or been reaped, meanwhile)."""
-    import signal
-
     try:
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

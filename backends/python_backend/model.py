@@ -160,7 +160,7 @@ class TritonPythonModel:
             self.metrics.set_pool_stats(pool.stats())
 
     def finalize(self) -> None:
-        if getattr(self, "dispatcher", None) is not None:
+        if self.dispatcher is not None:  # what was computed is still sent
             self.dispatcher.close()
         if self.cost_keeper is not None:
             self.cost_keeper.close(self.executor.planner)
