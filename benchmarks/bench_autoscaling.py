@@ -9,7 +9,7 @@ instance: one replica as the Helm chart runs it. The load is closed-loop (each o
 sends its next request when the previous answer arrives), with N rising step by step. Around
 each step Triton's /metrics is scraped, and the prometheus-adapter rule shipped in the chart
 (rendered by the real Helm engine from deploy/helm/model-factory, the rule's ``metricsQuery``
-parsed by model_factory.scaling) is evaluated on the two scrapes, as Prometheus would over a
+parsed by benchmarks.harness.scaling) is evaluated on the two scrapes, as Prometheus would over a
 window spanning the step. The HPA's target (``autoscaling.targetQueueComputeRatio`` in the
 chart's values) is read from the same rendering.
 
@@ -67,14 +67,14 @@ def step(server, rule, queue_rule, payloads, concurrency: int, requests: int, ga
     ``gap_s`` > 0 (one client only): the client pauses that long after each answer, so every request
     finds the instance idle: the low-load reference, free of the closed loop's back-to-back arrivals.
     """
-    from model_factory.bench import run_load, settled_scrape
-    from model_factory.scaling import evaluate
+    from model_factory.measure.bench import run_load, settled_scrape
+    from benchmarks.harness.scaling import evaluate
 
     metrics = server.metrics_url
     before = settled_scrape(metrics, "minilm")
     t0 = time.monotonic()
     if gap_s > 0:
-        from model_factory.bench import merge_results
+        from model_factory.measure.bench import merge_results
 
         parts = []
         for i in range(requests):
@@ -105,8 +105,8 @@ def serve_minilm(work: Path):
     """Export and package the shipped MiniLM recipe (FP32), then start the real server on it."""
     from model_factory.build_engines.export import export_model
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.build.repository import package_model
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     recipe = load_recipe(ROOT / "model_factory" / "examples" / "minilm.toml",
                          {"repository.path": str(work / "model_repository"), "precisions": ["fp32"]})
@@ -124,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the levels; the report takes medians")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.harness
     from results_file import write_section
 
-    from model_factory.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load
-    from model_factory.scaling import parse_ratio_rule
+    from model_factory.measure.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load
+    from benchmarks.harness.scaling import parse_ratio_rule
 
     query, target, queue_query = chart_rules()
     rule, queue_rule = parse_ratio_rule(query), parse_ratio_rule(queue_query)

@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from model_factory import bench  # noqa: E402
+from model_factory.measure import bench  # noqa: E402
 
 RECIPE = ROOT / "model_factory" / "examples" / "minilm.toml"
 TEXTS = Path(__file__).with_name("texts.txt")
@@ -225,7 +225,7 @@ def export(work: Path, setup: Setup = Setup()) -> tuple[Any, Any]:
 
 
 def package(recipe: Any, exported: Any, work: Path, cfg: Config, setup: Setup = Setup()) -> Path:
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     variant = dataclasses.replace(
         recipe,
@@ -244,7 +244,7 @@ def package(recipe: Any, exported: Any, work: Path, cfg: Config, setup: Setup = 
 
 
 def start_server(repo: Path, log: Path) -> Any:
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     server = TritonServer(repo, [MODEL], ServerOptions(0, 0, 0), log_file=log).start()
     if server.load_errors:
@@ -353,7 +353,7 @@ def measure_ready(recipe: Any, exported: Any, work: Path, rounds: int, setup: Se
     loaded. The cache is primed once first: a start, 64 requests, a stop (the instance saves at unload).
     Kinds run in a fresh seeded order every round.
     """
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repos = {key: package(recipe, exported, work, Config(f"ready_{key}", title, True, "cost_model",
                                                          parameters=params), setup)

@@ -52,13 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.concurrency, args.no_write = 1, "16", True
 
-    from model_factory import bench
+    from model_factory.measure import bench
     from model_factory.backend.loading import available_cpus
     from model_factory.build_engines.export import export_model
-    from model_factory.pipeline import measure_onnx_cost_model
+    from model_factory.build.pipeline import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.build.repository import package_model
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     cores = available_cpus()
     configs = {"1 x all": (1, 0), "2 x split": (2, 0), "2 x all": (2, cores)}

@@ -25,7 +25,7 @@ unloaded p99 (concurrency 1) and the concurrency the replica can serve (the smal
 with ``model-factory bench``'s load generator (token ids, gRPC). Then the configurations run for the same wall time at 4x that concurrency and at twice
 what the replica admits when its queue is full (the bound, plus a window of the largest preferred batch in
 each instance: Triton's bound counts only requests not yet handed to an instance), in alternating order over rounds, with the soak's load loop
-(:func:`model_factory.soak.run_soak` with token ids only — Triton batches only requests with the same
+(:func:`benchmarks.harness.soak.run_soak` with token ids only — Triton batches only requests with the same
 input names, so a text/ids mix runs nearly every request alone —, rejections counted apart from errors; closed loop, where a rejected client waits one unloaded p50 before its next request, as one
 that retried on another replica would be away; the rejected share is of attempts). The section between ``<!-- overload:start -->`` and
 ``<!-- overload:end -->`` of benchmarks/RESULTS.md is replaced.
@@ -46,7 +46,9 @@ from typing import Any, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from model_factory import bench, soak  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.harness
+from model_factory.measure import bench  # noqa: E402
+from benchmarks.harness import soak  # noqa: E402
 
 
 def accepted(r: "soak.SoakReport") -> int:
@@ -73,9 +75,9 @@ def build(work: Path, instances: int = 2, preferred: list[int] | None = None
           ) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
     from model_factory.build_engines.export import export_model
-    from model_factory.pipeline import measure_onnx_cost_model
+    from model_factory.build.pipeline import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
-    from model_factory.repository import default_queue_size, package_model
+    from model_factory.build.repository import default_queue_size, package_model
 
     overrides: dict[str, Any] = {"repository.path": str(work / "unused"), "precisions": ["fp32"],
                                  "repository.instance_count": instances}
@@ -126,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    f"-preferred-{args.preferred.replace(',', '-')}" if args.preferred else ""])
     start, end = (START, END) if not tag else (f"<!-- overload{tag}:start -->", f"<!-- overload{tag}:end -->")
 
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
         work = Path(tmp)

@@ -90,7 +90,7 @@ class TritonPythonModel:
 def write_repository(root: Path, policy: bool, work_ms: float, bound: int, instances: int = 1,
                      deferred: bool = False) -> Path:
     """One repository holding ``spin``, its config written through Triton's protobuf."""
-    from model_factory.repository import config_to_pbtxt
+    from model_factory.build.repository import config_to_pbtxt
 
     batching: dict = {}
     if policy:
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.rounds, args.clients, args.instances, args.no_write = 2.0, 1, "4", "1", True
 
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     counts = [int(x) for x in args.clients.split(",")]
     instance_counts = [int(x) for x in args.instances.split(",")]

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_recovery.py            # ~2 min on 2 cores, writes RESULTS.md
 
 MiniLM (FP32 ONNX, ONNX Runtime CPU), signed and served by ``start_verified_server`` with the stub
-watch of ``serve`` (:class:`model_factory.supervise.StubWatch`, polling every 0.5 s). Each round
+watch of ``serve`` (:class:`model_factory.serving.supervise.StubWatch`, polling every 0.5 s). Each round
 SIGKILLs the stub while a client keeps sending requests, and times: the kill to the model reading
 not ready, the kill to ready again (unload, re-verification, reload: the reload measures the cost
 model again, as every production load does), and the kill to the first answer that is right again.
@@ -57,14 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from model_factory.build_engines.export import export_model
-    from model_factory.client import embed_texts
+    from model_factory.measure.client import embed_texts
     from model_factory.demo import write_key_policy
-    from model_factory.pipeline import provenance_for
+    from model_factory.build.pipeline import provenance_for
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.build.repository import package_model
+    from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.supervise import SETTLE_S, StubWatch, stub_processes
+    from model_factory.serving.supervise import SETTLE_S, StubWatch, stub_processes
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:

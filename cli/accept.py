@@ -32,7 +32,7 @@ def accept(ctx: click.Context, repository: Path, model: str | None, as_json: boo
       model-factory accept model_repository
       model-factory accept --model minilm --json model_repository > accept.json
     """
-    from model_factory.acceptance import accept_repository, render
+    from model_factory.serving.acceptance import accept_repository, render
 
     results = accept_repository(repository, model, gpu_product=gpu_product or None)
     if as_json:

@@ -44,7 +44,7 @@ def bench(url: str, model: str, protocol: str, concurrency: int, requests: int, 
           --texts benchmarks/texts.txt -c 16 -n 1000 \\
           --metrics-url http://localhost:8002/metrics
     """
-    from model_factory.bench import format_table, run_bench
+    from model_factory.measure.bench import format_table, run_bench
 
     result = run_bench(url, model, texts, protocol=protocol, concurrency=concurrency, requests=requests,
                        warmup=warmup, seed=seed, tokenizer_dir=tokenizer_dir, max_length=max_length,

@@ -42,7 +42,7 @@ def package(recipe: str, repository: str | None) -> None:
     Example:
       model-factory package examples/minilm.toml -r model_repository
     """
-    from model_factory.pipeline import package_existing
+    from model_factory.build.pipeline import package_existing
     from model_factory.recipe import load_recipe
 
     res = package_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
@@ -66,7 +66,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
     Example:
       model-factory build examples/minilm.toml --key keys/signing-key.pem
     """
-    from model_factory.pipeline import build as run_build
+    from model_factory.build.pipeline import build as run_build
     from model_factory.recipe import load_recipe
 
     signer = None
@@ -128,8 +128,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
       model-factory serve --accept --policy policy.toml model_repository
     """
-    from model_factory.serve import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
-    from model_factory.supervise import StubWatch
+    from model_factory.serving.server import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
+    from model_factory.serving.supervise import StubWatch
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,

@@ -48,7 +48,7 @@ def wheelhouse(dest: Path, extras: tuple[str, ...], python_version: str | None, 
       model-factory wheelhouse wheelhouse --check
       pip install --no-index --find-links wheelhouse 'model-factory[serve,sign]'
     """
-    from model_factory.wheelhouse import build_wheelhouse, check_wheelhouse
+    from model_factory.distribution.wheelhouse import build_wheelhouse, check_wheelhouse
 
     if check:
         report = check_wheelhouse(dest)

@@ -7,10 +7,10 @@ Layers, from the bottom up:
 * ``model_factory.build_engines`` holds the artifact stages: export (HF / torch /
   ONNX to ONNX), quantize (FP16, INT8 Q/DQ), accuracy (report and gate) and
   tensorrt (strongly typed engine builds).
-* ``model_factory.repository`` lays out a Triton model repository and writes
+* ``model_factory.build.repository`` lays out a Triton model repository and writes
   ``config.pbtxt`` through Triton's protobuf schema.
 * ``model_factory.signing`` signs and verifies repositories offline.
-* ``model_factory.serve`` finds, starts and stops a real ``tritonserver``.
+* ``model_factory.serving.server`` finds, starts and stops a real ``tritonserver``.
 * ``model_factory.backend`` is the code that runs inside Triton's Python backend.
 * ``model_factory.cli`` is a thin click layer over all of the above.
 

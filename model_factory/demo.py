@@ -29,10 +29,10 @@ def example_recipe_path(name: str = "minilm.toml") -> Path:
 
 def run_demo(workdir: Path, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict[str, float]:
     """Run the whole demo in ``workdir``; return the stage timings (seconds)."""
-    from model_factory.client import embed_texts
-    from model_factory.pipeline import build
+    from model_factory.measure.client import embed_texts
+    from model_factory.build.pipeline import build
     from model_factory.recipe import load_recipe
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     t0 = time.perf_counter()
     workdir = Path(workdir).resolve()

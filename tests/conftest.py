@@ -51,8 +51,8 @@ def package_signed(minilm_export):
     The cost model is fixed, so Triton loads the model without measuring it. Returns the model folder.
     """
     def package_signed(recipe, key, artifacts=None, **kwargs) -> Path:
-        from model_factory.pipeline import provenance_for
-        from model_factory.repository import package_model
+        from model_factory.build.pipeline import provenance_for
+        from model_factory.build.repository import package_model
         from model_factory.signing import SignerConfig, sign_model_version
 
         package_model(recipe, artifacts or {"model.onnx": minilm_export.onnx_path},

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from model_factory.acceptance import accept_model, accept_repository, render
+from model_factory.serving.acceptance import accept_model, accept_repository, render
 from model_factory.build_engines.golden import (ACCEPTANCE_DIR, INPUTS_FILE, OUTPUTS_FILE, REFERENCE_RUNNER,
                                                 SPEC_FILE, read_inputs, read_outputs, read_spec)
 
@@ -122,7 +122,7 @@ def test_accept_command_table_json_and_exit_status(accept_repo) -> None:
 def test_a_model_without_acceptance_data_is_not_accepted(minilm_recipe, minilm_export, tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path))
     package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir)
@@ -162,7 +162,7 @@ def test_accept_runs_the_torch_engine_the_backend_would_load(tmp_path: Path, mon
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.recipe import parse_recipe
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     module = write_factory(tmp_path, monkeypatch)
     rng = np.random.default_rng(0)
@@ -185,7 +185,7 @@ def test_accept_on_a_machine_where_the_tensorrt_plan_cannot_run_says_why(accept_
     """engine=tensorrt on a KIND_GPU instance here (no GPU): refused with the loader's reason, not served elsewhere."""
     from google.protobuf import text_format
 
-    from model_factory.repository import read_config
+    from model_factory.build.repository import read_config
 
     repo, _ = accept_repo
     shutil.copytree(repo / "good", tmp_path / "good")

@@ -1,4 +1,4 @@
-"""model_factory.bench: the statistics, the metrics parsing, the load driver, and the CLI on a real server."""
+"""model_factory.measure.bench: the statistics, the metrics parsing, the load driver, and the CLI on a real server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from model_factory import bench
+from model_factory.measure import bench
 from model_factory.errors import FactoryError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_counter_deltas_between_scrapes() -> None:
 
 
 def test_scrape_metrics_unreachable_is_a_user_error() -> None:
-    from model_factory.serve import free_port
+    from model_factory.serving.server import free_port
 
     with pytest.raises(FactoryError, match="cannot read metrics"):
         bench.scrape_metrics(f"127.0.0.1:{free_port()}/metrics", timeout=2)
@@ -272,7 +272,7 @@ def test_cli_is_registered_with_help() -> None:
 def test_cli_unreachable_server_is_a_clean_error() -> None:
     pytest.importorskip("tritonclient.http.aio")
     from model_factory.cli.main import main
-    from model_factory.serve import free_port
+    from model_factory.serving.server import free_port
 
     out = CliRunner().invoke(main, ["bench", "--url", f"127.0.0.1:{free_port()}", "-m", "minilm",
                                     "--texts", str(TEXTS), "-n", "3", "--warmup", "0"])
@@ -287,8 +287,8 @@ def test_cli_unreachable_server_is_a_clean_error() -> None:
 def bench_server(minilm_recipe, minilm_export, tmp_path_factory):
     """MiniLM on the real Triton, grouped batching, with a fixed cost model (no timing at load: fast start)."""
     pytest.importorskip("pytriton")
-    from model_factory.repository import package_model
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.build.repository import package_model
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     recipe = dataclasses.replace(minilm_recipe, repository=dataclasses.replace(
         minilm_recipe.repository, path=tmp_path_factory.mktemp("bench") / "model_repository"))

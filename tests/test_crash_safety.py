@@ -22,8 +22,8 @@ WRITER = r'''
 import os, sys
 from pathlib import Path
 from model_factory.recipe import load_recipe
-from model_factory.repository import package_model
-from model_factory.pipeline import provenance_for
+from model_factory.build.repository import package_model
+from model_factory.build.pipeline import provenance_for
 from model_factory.signing import SignerConfig, sign_model_version, sign_repository
 example, repo, key, work = (Path(a) for a in sys.argv[1:5])
 recipe = load_recipe(example, {"repository.path": str(repo), "precisions": ["fp32"]})
@@ -45,8 +45,8 @@ while True:
 @pytest.fixture
 def signed_repo(tmp_path: Path, minilm_recipe):
     from model_factory.demo import write_key_policy
-    from model_factory.pipeline import provenance_for
-    from model_factory.repository import package_model
+    from model_factory.build.pipeline import provenance_for
+    from model_factory.build.repository import package_model
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
 
     repo = tmp_path / "repo"
@@ -90,14 +90,14 @@ def test_package_and_sign_killed_at_random_instants_leave_a_verifying_repository
     # The next writer clears what a killed one left (hidden staging folders), under the lock.
     onnx = work / "last.onnx"
     onnx.write_bytes(b"final bytes")
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     package_model(recipe, {"model.onnx": onnx})
     assert not [p for p in repo.iterdir() if p.is_dir() and p.name.startswith(".")]
 
 
 def test_a_second_writer_of_one_model_is_refused_at_once(signed_repo, tmp_path: Path) -> None:
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
     from model_factory.signing import SignerConfig, sign_model_version
 
     recipe, key, policy = signed_repo
@@ -129,7 +129,7 @@ def test_a_second_writer_of_one_model_is_refused_at_once(signed_repo, tmp_path: 
 
 def test_two_builds_of_one_recipe_at_once_the_second_is_refused(minilm_recipe, tmp_path: Path) -> None:
     from model_factory.locking import exclusive
-    from model_factory.pipeline import build
+    from model_factory.build.pipeline import build
 
     recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"),
                      work_dir=tmp_path / "build" / "minilm")

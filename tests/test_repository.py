@@ -11,7 +11,7 @@ import pytest
 
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir
-from model_factory.repository import (FALLBACK_QUEUE_BATCHES, config_dict, config_parameters, config_to_pbtxt,
+from model_factory.build.repository import (FALLBACK_QUEUE_BATCHES, config_dict, config_parameters, config_to_pbtxt,
                                       default_queue_size, package_model, parse_config, read_config)
 
 
@@ -302,7 +302,7 @@ def test_serving_a_precision_that_was_not_built_is_refused(minilm_recipe, tmp_pa
 
 def test_a_queue_policy_on_one_instance_gets_a_note(minilm_recipe) -> None:
     """Triton's batcher loses wake-ups with a queue policy: a one-instance recipe that sets one is told."""
-    from model_factory.repository import queue_policy_note
+    from model_factory.build.repository import queue_policy_note
 
     assert queue_policy_note(minilm_recipe) is None  # the default: two instances, a bounded queue
     one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))

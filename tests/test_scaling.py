@@ -1,13 +1,13 @@
-"""model_factory.scaling: the chart's prometheus-adapter rule, parsed and evaluated on scrapes."""
+"""benchmarks.harness.scaling: the chart's prometheus-adapter rule, parsed and evaluated on scrapes."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from model_factory.bench import Sample
+from model_factory.measure.bench import Sample
 from model_factory.errors import FactoryError
-from model_factory.scaling import RatioRule, evaluate, parse_ratio_rule
+from benchmarks.harness.scaling import RatioRule, evaluate, parse_ratio_rule
 
 SHIPPED = ("sum(rate(nv_inference_queue_duration_us{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>) / "
            "clamp_min(sum(rate(nv_inference_compute_infer_duration_us{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>), 1)")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from model_factory import serve
+from model_factory.serving import server as serve
 from model_factory.errors import FactoryError
-from model_factory.serve import ServerOptions, TritonInstallation, TritonServer, free_ports
+from model_factory.serving.server import ServerOptions, TritonInstallation, TritonServer, free_ports
 
 # A stand-in for tritonserver: fails like Triton does when a port is taken, as many times as the
 # counter file says, then answers the health check on its --http-port until SIGTERM.
@@ -104,7 +104,7 @@ def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path
 
 def test_a_cost_cache_inside_the_signed_repository_is_refused(tmp_path: Path) -> None:
     from model_factory.errors import FactoryError
-    from model_factory.serve import ServerOptions, default_cost_cache, start_verified_server
+    from model_factory.serving.server import ServerOptions, default_cost_cache, start_verified_server
 
     (tmp_path / "repo" / "m").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
@@ -116,7 +116,7 @@ def test_a_cost_cache_inside_the_signed_repository_is_refused(tmp_path: Path) ->
 
 
 def test_the_admin_apis_are_restricted_with_a_per_run_key_by_default(tmp_path: Path) -> None:
-    from model_factory.serve import ADMIN_HEADER, RESTRICTED_APIS
+    from model_factory.serving.server import ADMIN_HEADER, RESTRICTED_APIS
 
     install = TritonInstallation(Path("/bin/tritonserver"), tmp_path)
     first = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0))
@@ -134,7 +134,7 @@ def test_the_admin_apis_are_restricted_with_a_per_run_key_by_default(tmp_path: P
 
 
 def test_the_operator_key_comes_from_a_file_or_the_environment_and_is_checked(tmp_path: Path) -> None:
-    from model_factory.serve import ADMIN_KEY_ENV, admin_key_from
+    from model_factory.serving.server import ADMIN_KEY_ENV, admin_key_from
 
     key = tmp_path / "admin-key"
     key.write_text("a" * 32 + "\nignored\n")
@@ -166,8 +166,8 @@ def test_a_server_started_by_a_process_killed_outright_goes_with_it(tmp_path: Pa
     parent = f"""
 import os, sys, time
 from pathlib import Path
-from model_factory import serve
-from model_factory.serve import ServerOptions, TritonInstallation, TritonServer
+from model_factory.serving import server as serve
+from model_factory.serving.server import ServerOptions, TritonInstallation, TritonServer
 env = {{**os.environ, "FAKE_FAILS_FILE": {str(tmp_path / "fails")!r}, "FAKE_PORTS_FILE": {str(tmp_path / "ports")!r}}}
 serve.find_tritonserver = lambda _w: TritonInstallation(Path({str(binary)!r}), Path({str(tmp_path)!r}), env)
 s = TritonServer(Path({str(tmp_path / "repo")!r}), models=[], options=ServerOptions(0, 0, 0, startup_timeout_s=20)).start()

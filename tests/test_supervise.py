@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from model_factory import serve
+from model_factory.serving import server as serve
 from model_factory.errors import FactoryError
-from model_factory.supervise import STUB_NAME, StubWatch, stub_counts, stub_processes
+from model_factory.serving.supervise import STUB_NAME, StubWatch, stub_counts, stub_processes
 
 SERVER_PID = 4242
 

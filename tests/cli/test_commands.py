@@ -38,7 +38,7 @@ def test_user_errors_are_clean(args, message) -> None:
 
 def test_base_package_imports_without_heavy_dependencies() -> None:
     """Importing the package and building the CLI loads no torch, onnxruntime, tensorrt or CUDA."""
-    code = ("import sys, model_factory, model_factory.recipe, model_factory.repository, model_factory.serve, "
+    code = ("import sys, model_factory, model_factory.recipe, model_factory.build.repository, model_factory.serving.server, "
             "model_factory.cli.main, model_factory.backend.grouping; "
             "heavy = {'torch', 'onnxruntime', 'tensorrt', 'tensorrt_rtx', 'cuda', 'transformers', 'onnx'}; "
             "print(sorted(heavy & set(sys.modules)))")

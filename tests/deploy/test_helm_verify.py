@@ -172,7 +172,7 @@ def test_the_server_container_command_serves_what_verified(signed, tmp_path: Pat
     import time
     import urllib.request
 
-    from model_factory.serve import free_ports
+    from model_factory.serving.server import free_ports
 
     repo, name, public_pem = signed
     http, grpc, metrics = free_ports(3)

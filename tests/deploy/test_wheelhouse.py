@@ -1,4 +1,4 @@
-"""model_factory.wheelhouse and the ``wheelhouse`` command.
+"""model_factory.distribution.wheelhouse and the ``wheelhouse`` command.
 
 The fast tests work on hand-made wheels. The slow ones build real wheelhouses
 (they need the package index, as building one always does) and then install
@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from model_factory.errors import FactoryError
-from model_factory.wheelhouse import (MANIFEST, REQUIREMENTS, SHA256SUMS, _write_index, build_wheelhouse,
+from model_factory.distribution.wheelhouse import (MANIFEST, REQUIREMENTS, SHA256SUMS, _write_index, build_wheelhouse,
                                       canonical_name, check_wheelhouse, closure_gaps, parse_wheel_filename,
                                       target_environment, target_platforms)
 
@@ -166,7 +166,7 @@ def test_index_refuses_non_wheels(tmp_path) -> None:
     ({"constraints": Path("/nonexistent/constraints.txt")}, "does not exist"),
 ])
 def test_bad_arguments_fail_before_pip_runs(tmp_path, monkeypatch, kwargs, message) -> None:
-    monkeypatch.setattr("model_factory.wheelhouse._pip", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", lambda *a, **k: pytest.fail("pip ran"))
     args = {"extras": [], "python_version": None, "platform": None, **kwargs}
     extra = {"constraints": args.pop("constraints")} if "constraints" in args else {}
     with pytest.raises(FactoryError, match=message):
@@ -175,7 +175,7 @@ def test_bad_arguments_fail_before_pip_runs(tmp_path, monkeypatch, kwargs, messa
 
 
 def test_refuses_a_non_empty_destination_without_force(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("model_factory.wheelhouse._pip", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", lambda *a, **k: pytest.fail("pip ran"))
     dest = tmp_path / "wh"
     dest.mkdir()
     (dest / "keep.txt").write_text("mine")
@@ -197,7 +197,7 @@ def test_refuses_a_project_that_is_not_model_factory(tmp_path) -> None:
 def test_failed_pip_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
     def failing_pip(args, echo, what):
         raise FactoryError(f"{what} failed")
-    monkeypatch.setattr("model_factory.wheelhouse._pip", failing_pip)
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", failing_pip)
     with pytest.raises(FactoryError, match="failed"):
         build_wheelhouse(tmp_path / "wh", [], None, None, ROOT)
     assert list(tmp_path.iterdir()) == []  # no dest, no temporary folder
@@ -213,7 +213,7 @@ def test_source_copy_leaves_out_environments_and_outputs(tmp_path, monkeypatch) 
             seen["top"] = sorted(p.name for p in src.iterdir())
             seen["pycache"] = list(src.rglob("__pycache__"))
             raise FactoryError("stop here")
-    monkeypatch.setattr("model_factory.wheelhouse._pip", fake_pip)
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", fake_pip)
     project = tmp_path / "project"
     for folder in ("model_factory/__pycache__", ".venv/lib", "build/x", "wheelhouse", "model_repository/m", ".git"):
         (project / folder).mkdir(parents=True)
@@ -233,7 +233,7 @@ def test_source_copy_of_a_git_checkout_follows_gitignore(tmp_path, monkeypatch) 
         src = Path(args[-1])
         seen["files"] = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
         raise FactoryError("stop here")
-    monkeypatch.setattr("model_factory.wheelhouse._pip", fake_pip)
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", fake_pip)
     project = tmp_path / "project"
     (project / "model_factory").mkdir(parents=True)
     (project / "pyproject.toml").write_text('[project]\nname = "model-factory"\nversion = "0.1.0"\n')
@@ -370,7 +370,7 @@ def test_refuses_a_wheelhouse_with_both_onnxruntime_wheels(tmp_path, monkeypatch
         else:
             make_wheel(folder, "onnxruntime", "1.32.0")
             make_wheel(folder, "onnxruntime-gpu", "1.31.1")
-    monkeypatch.setattr("model_factory.wheelhouse._pip", fake_pip)
+    monkeypatch.setattr("model_factory.distribution.wheelhouse._pip", fake_pip)
     with pytest.raises(FactoryError, match=r"extras serve,onnxruntime-gpu: both onnxruntime \(CPU\) and "
                                            r"onnxruntime-gpu are present.*Fix: keep one"):
         build_wheelhouse(tmp_path / "wh", ["serve,onnxruntime-gpu"], None, None, ROOT)

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def minilm_repository(minilm_recipe, minilm_export):
     """The FP32 MiniLM packaged into a repository (cost model measured at load, as in production)."""
-    from model_factory.repository import package_model
+    from model_factory.build.repository import package_model
 
     package_model(minilm_recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir)
     return minilm_recipe.repository.path
@@ -17,7 +17,7 @@ def minilm_repository(minilm_recipe, minilm_export):
 @pytest.fixture(scope="session")
 def triton(minilm_repository):
     """The running server; stopped (and its exit code checked by a test) at the end of the session."""
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     server = TritonServer(minilm_repository, options=ServerOptions(0, 0, 0)).start()
     yield server

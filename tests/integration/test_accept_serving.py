@@ -8,8 +8,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> None:
-    from model_factory.client import embed_texts
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.measure.client import embed_texts
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = accept_repo
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy, accept=True)
@@ -29,7 +29,7 @@ def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> No
 
 
 def test_serve_reports_engine_and_device_without_accept(accept_repo) -> None:
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = accept_repo
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)

@@ -41,8 +41,8 @@ def test_the_scaling_signal_crosses_its_target_only_when_the_replica_saturates(t
     With that bound the queue-to-compute ratio tops out near bound / (2 x 64) < 1, and the mean queue
     time, targeted at half the budget, is the metric that crosses (docs/fleet.md).
     """
-    from model_factory.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load, settled_scrape
-    from model_factory.scaling import evaluate, parse_ratio_rule
+    from model_factory.measure.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load, settled_scrape
+    from benchmarks.harness.scaling import evaluate, parse_ratio_rule
 
     rules = {name: (parse_ratio_rule(query), target) for name, (query, target) in chart_rules_and_targets().items()}
     assert set(rules) == {"triton_queue_compute_ratio", "triton_mean_queue_us"}

@@ -14,9 +14,9 @@ TEXTS = ["A man is playing a guitar.", "The weather is lovely today, isn't it?",
 
 
 def test_learned_constants_survive_a_restart_outside_the_repository(minilm_repository, tmp_path):
-    from model_factory import bench
-    from model_factory.client import embed_texts
-    from model_factory.serve import COST_CACHE_ENV, ServerOptions, TritonServer
+    from model_factory.measure import bench
+    from model_factory.measure.client import embed_texts
+    from model_factory.serving.server import COST_CACHE_ENV, ServerOptions, TritonServer
 
     cache = tmp_path / "cost-cache"
     def files():  # (the stub drops the shim's bytecode cache, so folders' times change; files must not)

@@ -49,7 +49,7 @@ def repo_copy(signed_minilm, tmp_path: Path):
 @pytest.fixture(scope="module")
 def served(signed_minilm):
     """``start_verified_server`` on the signed repository, as ``serve`` runs it."""
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = signed_minilm
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
@@ -69,7 +69,7 @@ def _status(url: str, method: str = "GET", headers: dict[str, str] | None = None
 
 
 def _embed(url: str, texts: list[str]) -> np.ndarray:
-    from model_factory.client import embed_texts
+    from model_factory.measure.client import embed_texts
 
     return embed_texts(url, MODEL, texts)
 
@@ -98,7 +98,7 @@ def test_ordinary_clients_cannot_use_the_admin_api_and_inference_still_works(ser
 
 
 def test_a_changed_repository_is_refused_at_the_next_load_and_the_loaded_version_keeps_serving(repo_copy) -> None:
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = repo_copy
     server, _ = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
@@ -117,7 +117,7 @@ def test_a_changed_repository_is_refused_at_the_next_load_and_the_loaded_version
 
 
 def _kill_stub(server) -> int:
-    from model_factory.supervise import pid_alive, stub_processes
+    from model_factory.serving.supervise import pid_alive, stub_processes
 
     stubs = stub_processes(server.process.pid, server.repository)
     assert stubs and {s.model for s in stubs} == {MODEL}  # one stub per instance (two by default)
@@ -128,8 +128,8 @@ def _kill_stub(server) -> int:
 
 
 def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_copy) -> None:
-    from model_factory.serve import ServerOptions, start_verified_server
-    from model_factory.supervise import StubWatch, stub_processes
+    from model_factory.serving.server import ServerOptions, start_verified_server
+    from model_factory.serving.supervise import StubWatch, stub_processes
 
     repo, policy = repo_copy
     server, _ = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
@@ -227,7 +227,7 @@ def _wait_for(predicate, timeout: float, step: float = 0.05):
 
 
 def _gone(pid: int, timeout: float = 30) -> bool:
-    from model_factory.supervise import pid_alive
+    from model_factory.serving.supervise import pid_alive
 
     return bool(_wait_for(lambda: not pid_alive(pid), timeout))
 
@@ -327,9 +327,9 @@ def test_a_full_queue_sheds_requests_at_once_with_unavailable(minilm_recipe, min
     accepted ones are answered correctly, and bench counts the rejections apart from errors."""
     import concurrent.futures
 
-    from model_factory.bench import is_rejection
-    from model_factory.repository import package_model, read_config
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.measure.bench import is_rejection
+    from model_factory.build.repository import package_model, read_config
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"),
                      batching=replace(minilm_recipe.batching, max_queue_size=2))

@@ -145,7 +145,7 @@ def _embedding(body: bytes) -> np.ndarray:
 
 
 def _stubs(triton) -> list[int]:
-    from model_factory.supervise import stub_processes
+    from model_factory.serving.supervise import stub_processes
 
     return [s.pid for s in stub_processes(triton.process.pid, triton.repository)]
 

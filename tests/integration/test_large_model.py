@@ -81,11 +81,11 @@ def _ids(n: int, length: int, seed: int) -> np.ndarray:
 
 
 def test_model_over_2gb_builds_signs_and_serves(tmp_path: Path) -> None:
-    from model_factory.client import infer_ids
+    from model_factory.measure.client import infer_ids
     from model_factory.demo import write_key_policy
-    from model_factory.pipeline import build
+    from model_factory.build.pipeline import build
     from model_factory.recipe import load_recipe
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair
 
     source = _write_source(tmp_path / "source")

@@ -33,8 +33,8 @@ def tiny_bert_folder(tmp_path_factory, minilm_recipe) -> Path:
 
 def test_own_hf_folder_builds_and_serves(tiny_bert_folder: Path, tmp_path: Path) -> None:
     from model_factory.cli.main import main
-    from model_factory.client import embed_texts
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.measure.client import embed_texts
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(f"""

@@ -37,7 +37,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_text_round_trip_matches_pytorch(triton, torch_reference, protocol) -> None:
-    from model_factory.client import embed_texts
+    from model_factory.measure.client import embed_texts
 
     url = triton.http_url if protocol == "http" else triton.grpc_url
     emb = embed_texts(url, "minilm", TEXTS, protocol=protocol)
@@ -47,7 +47,7 @@ def test_text_round_trip_matches_pytorch(triton, torch_reference, protocol) -> N
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_token_id_round_trip(triton, torch_reference, protocol) -> None:
-    from model_factory.client import infer_ids
+    from model_factory.measure.client import infer_ids
 
     _, enc = torch_reference
     url = triton.http_url if protocol == "http" else triton.grpc_url
@@ -63,7 +63,7 @@ def test_token_id_round_trip(triton, torch_reference, protocol) -> None:
 
 def test_concurrent_mixed_lengths_are_batched_and_correct(triton, torch_reference) -> None:
     """Many concurrent requests of different lengths: each answer is its own sentence's embedding."""
-    from model_factory.client import embed_texts
+    from model_factory.measure.client import embed_texts
 
     texts = [TEXTS[i % 3] + " word" * (i % 7) for i in range(24)]
     expected = {t: embed_texts(triton.http_url, "minilm", [t])[0] for t in set(texts)}
@@ -78,7 +78,7 @@ def test_bad_requests_get_invalid_argument_and_server_keeps_serving(triton) -> N
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
-    from model_factory.client import embed_texts, infer_ids
+    from model_factory.measure.client import embed_texts, infer_ids
 
     too_long = np.ones((1, 129), dtype=np.int64)
     with pytest.raises(InferenceServerException) as info:
@@ -122,7 +122,7 @@ def test_metrics_endpoint_is_up(triton) -> None:
 
 def test_clean_shutdown(minilm_repository) -> None:
     """A separate server instance: SIGTERM ends it with exit code 0."""
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     server = TritonServer(minilm_repository, options=ServerOptions(0, 0, 0)).start()
     assert server.ready_models == ["minilm"]

@@ -28,8 +28,8 @@ def signed_repo(tmp_path_factory, minilm_recipe, package_signed):
 
 
 def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
-    from model_factory.client import embed_texts
-    from model_factory.serve import ServerOptions, start_verified_server
+    from model_factory.measure.client import embed_texts
+    from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = signed_repo
     onnx = repo / "tampered" / "1" / "model.onnx"
@@ -55,7 +55,7 @@ def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
 
 def test_backend_refuses_bytes_swapped_after_verification(signed_repo, tmp_path: Path) -> None:
     """The real backend in the real server: its engine bytes differ from the verified digests."""
-    from model_factory.serve import VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer
+    from model_factory.serving.server import VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer
     from model_factory.signing import signed_digests
 
     repo, _ = signed_repo

@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_short_soak_has_no_errors_no_stub_restarts_and_flat_descriptors(triton, minilm_export) -> None:
     from pathlib import Path
 
-    from model_factory import bench, soak
+    from model_factory.measure import bench
+    from benchmarks.harness import soak
 
     texts = bench.draw_texts(bench.load_texts(Path(__file__).resolve().parents[2] / "benchmarks" / "texts.txt"),
                              500, seed=1)

@@ -17,9 +17,9 @@ def torch_served(tmp_path_factory, minilm_recipe):
     """(server, version folder): the tiny BERT packaged by the pipeline and served with engine=torch."""
     from tiny_torch_models import save_tiny_bert
 
-    from model_factory.pipeline import build
+    from model_factory.build.pipeline import build
     from model_factory.recipe import parse_recipe
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     root = tmp_path_factory.mktemp("torch-served")
     folder = save_tiny_bert(root / "tiny-bert", minilm_recipe.source.path)
@@ -40,7 +40,7 @@ def torch_served(tmp_path_factory, minilm_recipe):
 
 def test_engine_torch_answers_like_onnxruntime(torch_served) -> None:
     from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
-    from model_factory.client import infer_ids
+    from model_factory.measure.client import infer_ids
 
     server, version_dir = torch_served
     assert server.ready_models == ["tiny-torch"]

@@ -162,7 +162,7 @@ def make_mixed_dtype_onnx(path: Path) -> Path:
 def zoo(tmp_path_factory):
     """Both models built by the console script (as a user runs it) into one repository, served by one Triton."""
     from model_factory.build_engines.tensorrt import tensorrt_available
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     # TensorRT-RTX compiles engines on a CPU (ahead of time); serving here falls back to ONNX Runtime.
     trt = "true" if tensorrt_available() else "false"
@@ -241,7 +241,7 @@ def test_both_models_load_and_every_precision_passed_its_gate(zoo) -> None:
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_cnn_answers_like_torch(zoo, protocol: str) -> None:
-    from model_factory.client import infer_tensors
+    from model_factory.measure.client import infer_tensors
 
     server = zoo["server"]
     url = server.http_url if protocol == "http" else server.grpc_url
@@ -258,7 +258,7 @@ def test_cnn_answers_like_torch(zoo, protocol: str) -> None:
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_two_input_onnx_answers_like_onnxruntime(zoo, protocol: str) -> None:
     from model_factory.build_engines.export import onnxruntime_session
-    from model_factory.client import infer_tensors
+    from model_factory.measure.client import infer_tensors
 
     server = zoo["server"]
     url = server.http_url if protocol == "http" else server.grpc_url
@@ -299,7 +299,7 @@ def _tokens(server, model: str) -> tuple[float, float]:
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_int32_bool_fp16_inputs_answer_like_onnxruntime(zoo, protocol: str) -> None:
     from model_factory.build_engines.export import onnxruntime_session
-    from model_factory.client import infer_tensors
+    from model_factory.measure.client import infer_tensors
 
     server = zoo["server"]
     url = server.http_url if protocol == "http" else server.grpc_url
@@ -319,7 +319,7 @@ def _status(exc: Exception) -> str:
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_bad_request_is_answered_400_alone(zoo, protocol: str) -> None:
-    from model_factory.client import infer_tensors
+    from model_factory.measure.client import infer_tensors
 
     server = zoo["server"]
     url = server.http_url if protocol == "http" else server.grpc_url

@@ -49,10 +49,10 @@ class Zoo:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory, minilm_recipe):
     """Every zoo model built (FP32/FP16/INT8, gate per task), one deployment per precision, one server."""
-    from model_factory.pipeline import build
+    from model_factory.build.pipeline import build
     from model_factory.recipe import load_recipe
-    from model_factory.repository import config_parameters, package_model, read_config
-    from model_factory.serve import ServerOptions, TritonServer
+    from model_factory.build.repository import config_parameters, package_model, read_config
+    from model_factory.serving.server import ServerOptions, TritonServer
 
     root = tmp_path_factory.mktemp("zoo")
     tokenizer_source = minilm_recipe.source.path
@@ -282,7 +282,7 @@ def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
 
 def test_accept_scores_each_task_with_its_own_metric(zoo) -> None:
     """Acceptance data written by build, replayed through the served engine, scored by the task's metrics."""
-    from model_factory.acceptance import accept_model
+    from model_factory.serving.acceptance import accept_model
 
     want = {"encoder": ("cosine", ()), "sentiment": ("top1", ("logits_cosine",)),
             "ner": ("token_top1", ()), "reranker": ("ranking", ("correlation",))}

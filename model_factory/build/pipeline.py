@@ -63,7 +63,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import bounds_queue_by_default, package_model, queue_policy_note
+    from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
 
     import datetime as dt
 
@@ -157,7 +157,7 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
     """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys)."""
     import datetime as dt
 
-    from model_factory.repository import tool_versions
+    from model_factory.build.repository import tool_versions
 
     facts: dict[str, Any] = {
         "source_model_digest": build_info["source_digest"],
@@ -180,7 +180,7 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
 def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.repository import bounds_queue_by_default, package_model, queue_policy_note
+    from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
 
     from model_factory.build_engines.quantize import quantized_models
 

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from model_factory.bench import Sample, metric_total
+from model_factory.measure.bench import Sample, metric_total
 from model_factory.errors import FactoryError
 
 _METRIC = r"([a-zA-Z_:][a-zA-Z0-9_:]*)"
@@ -46,7 +46,7 @@ def parse_ratio_rule(metrics_query: str) -> RatioRule:
     if not m:
         raise FactoryError(f"metricsQuery {metrics_query!r} is not 'sum(rate(A{{..}}[w])) by (..) / "
                            "clamp_min(sum(rate(B{..}[w])) by (..), floor)'. Fix: keep the chart's rule shape, "
-                           "or extend model_factory.scaling to evaluate the new one")
+                           "or extend benchmarks.harness.scaling to evaluate the new one")
     num, w1, den, w2, floor = m.groups()
     if w1 != w2:
         raise FactoryError(f"metricsQuery uses two windows ({w1}, {w2}). Fix: use one window for both rates")

@@ -18,7 +18,7 @@ mean number of requests per model execution from Triton's
 ``nv_inference_count``/``nv_inference_exec_count``.
 
 Nothing here starts a server: point it at one (``model-factory serve``, or
-:class:`model_factory.serve.TritonServer` in a benchmark script).
+:class:`model_factory.serving.server.TritonServer` in a benchmark script).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     """
     from model_factory.backend.integrity import read_checked
     from model_factory.backend.loading import load_engine
-    from model_factory.repository import read_config
+    from model_factory.build.repository import read_config
 
     model_dir = Path(model_dir)
     name = model_dir.name
@@ -299,7 +299,7 @@ def _with_departures(result: AcceptanceResult, version_dir: Path, inputs: Sequen
 
 def accept_repository(repository: Path, model: str | None = None, **kwargs: Any) -> list[AcceptanceResult]:
     """Accept every model of ``repository`` (or just ``model``)."""
-    from model_factory.serve import discover_models
+    from model_factory.serving.server import discover_models
 
     repository = Path(repository)
     if not repository.is_dir():

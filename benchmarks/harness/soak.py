@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from model_factory.bench import Payload, is_rejection, percentile
+from model_factory.measure.bench import Payload, is_rejection, percentile
 from model_factory.errors import FactoryError, require
 
 
@@ -89,7 +89,7 @@ def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample:
 
 def sample(server_pid: int, repository: Path, at: float) -> Sample:
     """Read the server and every live stub of ``repository``."""
-    from model_factory.supervise import stub_processes
+    from model_factory.serving.supervise import stub_processes
 
     stubs = stub_processes(server_pid, repository)
     readings = []

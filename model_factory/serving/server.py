@@ -456,7 +456,7 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     reason; a model that fails to load is reported too. With ``accept``, each
     verified model must also pass acceptance on this machine (its golden inputs
     through the engine the backend would load, from the verified bytes:
-    ``model_factory.acceptance``) or it is refused like an unverified one. ``cost_cache``: a
+    ``model_factory.serving.acceptance``) or it is refused like an unverified one. ``cost_cache``: a
     folder outside the repository where the backend keeps the cost-model
     constants it learned (per engine and device), so that a restart needs no
     warm-up.
@@ -524,8 +524,8 @@ def _accepted(repository: Path, models: list[str], table: dict | None, refused: 
     """
     import multiprocessing
 
-    from model_factory.acceptance import served_version
-    from model_factory.repository import read_config
+    from model_factory.serving.acceptance import served_version
+    from model_factory.build.repository import read_config
 
     jobs = []
     for m in models:
@@ -553,7 +553,7 @@ def _accepted(repository: Path, models: list[str], table: dict | None, refused: 
 
 def _accept_one(job: tuple[str, dict | None, str | None]) -> tuple[bool, str, str | None]:
     """One model's acceptance verdict (run in the child process of :func:`_accepted`)."""
-    from model_factory.acceptance import accept_model
+    from model_factory.serving.acceptance import accept_model
 
     path, digests, gpu_product = job
     result = accept_model(Path(path), digests=digests, gpu_product=gpu_product)
@@ -564,7 +564,7 @@ def _engines_from_metrics(server: TritonServer) -> dict[str, str]:
     """model -> ``engine on device`` from the backend's metric labels (one scrape; {} when it fails)."""
     engines: dict[str, str] = {}
     try:
-        from model_factory.bench import scrape_metrics
+        from model_factory.measure.bench import scrape_metrics
 
         for sample in scrape_metrics(server.metrics_url, timeout=2.0):
             model = sample.labels.get("model")

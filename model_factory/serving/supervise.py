@@ -12,7 +12,7 @@ when a model has fewer live stubs than it had once loaded it
    (new requests get 404 at once meanwhile), then ends the old load's other stubs (Triton 2.51
    never finishes an unload with a dead instance, and they would keep their copy of the model);
 2. verifies the model again against the trust policy ``serve`` started with
-   (:func:`model_factory.serve.reverify_model`): the restarted stub loads only bytes
+   (:func:`model_factory.serving.server.reverify_model`): the restarted stub loads only bytes
    that verify, and a model that no longer verifies stays unloaded;
 3. loads it again and records how long the model was down (:class:`Recovery`).
 
@@ -106,7 +106,7 @@ def stub_counts(server_pid: int, repository: Path, proc: Path = Path("/proc")) -
 class StubWatch:
     """A thread that polls the stubs of ``models`` every ``interval_s`` and heals a model whose stub died.
 
-    ``server`` is a started :class:`model_factory.serve.TritonServer` (its admin key opens the
+    ``server`` is a started :class:`model_factory.serving.server.TritonServer` (its admin key opens the
     repository API). ``echo`` reports each heal. Use as a context manager or call start()/stop().
     """
 
@@ -147,7 +147,7 @@ class StubWatch:
 
     def heal(self, model: str) -> Recovery:
         """Unload ``model`` (not ready from now on), verify it again, load it again."""
-        from model_factory.serve import reverify_model
+        from model_factory.serving.server import reverify_model
 
         start = time.monotonic()
         self.healing = model

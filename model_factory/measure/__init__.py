@@ -1,0 +1,1 @@
+"""Measurement the product ships: the Triton client helpers and the ``bench`` load generator."""
