@@ -19,9 +19,7 @@ The result replaces the ``<!-- autoscaling:start -->`` section of benchmarks/RES
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,8 +38,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def chart_rules() -> tuple[str, float, str]:
     """The adapter rules' metricsQuery (ratio, and the optional mean queue time) and the HPA's ratio target.
 
-    Rendered with the chart's defaults plus ``autoscaling.targetMeanQueueMicroseconds`` (off by
-    default) set, so that its rule is rendered too; the ratio rule and target are the defaults'.
+    Rendered with the chart's defaults plus ``autoscaling.targetMeanQueueMicroseconds`` set (so that its
+    rule is rendered whatever the default); the ratio rule and target are the defaults'.
     """
     import yaml
     from helm_python import chart
@@ -54,6 +52,13 @@ def chart_rules() -> tuple[str, float, str]:
     ratio_rule, queue_rule = (r["metricsQuery"] for r in yaml.safe_load(rules["data"]["config.yaml"])["rules"])
     target = hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"]
     return ratio_rule, quantity(target), queue_rule
+
+
+def chart_default_mean_queue_us() -> str:
+    """``autoscaling.targetMeanQueueMicroseconds`` as the chart's values.yaml ships it ("" = off)."""
+    import yaml
+
+    return str(yaml.safe_load((CHART / "values.yaml").read_text())["autoscaling"]["targetMeanQueueMicroseconds"])
 
 
 def quantity(text: str) -> float:
@@ -103,16 +108,10 @@ def median_row(rounds: list[dict]) -> dict:
 
 def serve_minilm(work: Path):
     """Export and package the shipped MiniLM recipe (FP32), then start the real server on it."""
-    from model_factory.build_engines.export import export_model
-    from model_factory.recipe import load_recipe
-    from model_factory.build.repository import package_model
-    from model_factory.serving.server import ServerOptions, TritonServer
+    from benchmarks.harness.minilm import export_minilm, package_variant, start_server
 
-    recipe = load_recipe(ROOT / "model_factory" / "examples" / "minilm.toml",
-                         {"repository.path": str(work / "model_repository"), "precisions": ["fp32"]})
-    exported = export_model(recipe)
-    package_model(recipe, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir)
-    server = TritonServer(recipe.repository.path, options=ServerOptions(0, 0, 0)).start()
+    recipe, exported = export_minilm(work)
+    server = start_server(package_variant(recipe, exported))
     return server, exported.tokenizer_dir, recipe
 
 
@@ -133,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     query, target, queue_query = chart_rules()
     rule, queue_rule = parse_ratio_rule(query), parse_ratio_rule(queue_query)
     levels = [1, 16, 128] if args.quick else [int(x) for x in args.levels.split(",")]
+    from benchmarks.harness.run_header import LoadReading
+
+    load = LoadReading.begin()
     with tempfile.TemporaryDirectory(prefix="bench-autoscaling-") as tmp:
         server, tokenizer_dir, recipe = serve_minilm(Path(tmp))
         try:
@@ -166,22 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     assert rc == 0, f"tritonserver exited with {rc}"
     if args.quick:
         return 0
-    write_section(RESULTS, START, END, report(rows, query, target, queue_query, recipe, args.rounds))
+    write_section(RESULTS, START, END, report(rows, query, target, queue_query, recipe, args.rounds, load.finish()))
     print(f"wrote {RESULTS}")
     return 0
 
 
-def report(rows: list[dict], query: str, target: float, queue_query: str, recipe, rounds: int) -> str:
+def report(rows: list[dict], query: str, target: float, queue_query: str, recipe, rounds: int, load) -> str:
+    from benchmarks.harness.run_header import run_header
+
+    instances = recipe.repository.instance_count
+    default_us = chart_default_mean_queue_us()
+    second = (f"on by default at \"{default_us}\" µs" if default_us else "off by default")
     peak = max(r["throughput"] for r in rows[1:])  # the paced row is not a throughput figure
     first_over = next((r["concurrency"] for r in rows if r["ratio"] > target), None)
     lines = [
         START,
         "## Autoscaling signal (Helm chart's prometheus-adapter rule on the real server)",
         "",
-        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, a machine shared with other work (load average {os.getloadavg()[1]:.1f} over the "
-        "last 5 minutes of the run; absolute figures vary, the shape is what counts). "
-        "`benchmarks/bench_autoscaling.py`: MiniLM FP32 on ONNX Runtime (CPU), one instance "
+        run_header("benchmarks/bench_autoscaling.py", load, own_processes=3) + " "
+        f"MiniLM FP32 on ONNX Runtime (CPU), {instances} instance{'s' if instances != 1 else ''} "
         f"(max batch {recipe.shapes.max_batch}, queue delay {recipe.batching.max_queue_delay_us} µs), served by the "
         "bundled Triton 2.51 through our Python backend; closed-loop clients sending token ids, rising step by step. "
         "Each step is scraped before and after, and the chart's rule, rendered by the real Helm engine, is "
@@ -190,7 +195,7 @@ def report(rows: list[dict], query: str, target: float, queue_query: str, recipe
         f"`{query}`",
         "",
         f"HPA target (`autoscaling.targetQueueComputeRatio`): **{target:g}**. The optional second metric "
-        "(`autoscaling.targetMeanQueueMicroseconds`, off by default), evaluated the same way from its rule "
+        f"(`autoscaling.targetMeanQueueMicroseconds`, {second}), evaluated the same way from its rule "
         f"`{queue_query}`, is the mean queue time per request (column \"mean queue ms\").",
         "",
         "| clients | queue/compute ratio | vs target | mean queue ms | seq/s | share of peak | p50 ms | "

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +47,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.harness
 from model_factory.measure import bench  # noqa: E402
 from benchmarks.harness import soak  # noqa: E402
+from benchmarks.harness.run_header import LoadReading, run_header  # noqa: E402
 
 
 def accepted(r: "soak.SoakReport") -> int:
@@ -124,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.rounds, args.sweep, args.no_write = 5.0, 1, "4,16", True
     # Other instance counts and preferred sizes get a section of their own beside the default's.
+    load = LoadReading.begin()
     tag = "".join([f"-{args.instances}" if args.instances != 2 else "",
                    f"-preferred-{args.preferred.replace(',', '-')}" if args.preferred else ""])
     start, end = (START, END) if not tag else (f"<!-- overload{tag}:start -->", f"<!-- overload{tag}:end -->")
@@ -196,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start, "## Overload: a bounded queue sheds at once (benchmarks/bench_overload.py"
         + (f" --instances {args.instances}" if args.instances != 2 else "")
         + (f" --preferred {args.preferred}" if args.preferred else "") + ")", "",
-        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
-        f"({os.cpu_count()} CPUs, shared with other work: compare only figures from this one run). MiniLM FP32 "
+        run_header("benchmarks/bench_overload.py", load.finish(), own_processes=4) + " MiniLM FP32 "
         f"ONNX on ONNX Runtime CPU, {'one instance' if args.instances == 1 else f'{args.instances} instances'} "
         "per server (the backend splits the cores between them), gRPC, token ids of real-text lengths, closed loop.", "",
         f"- Unloaded (concurrency 1, the unbounded server): p50 {unloaded.p50_ms:.1f} ms, p99 {unloaded.p99_ms:.1f} ms; "

@@ -230,7 +230,7 @@ def notes(env: dict[str, Any], speed: dict[str, Any], runs: dict[str, Any], ort_
         n.append(f"- The same INT8 model scored on ORT's int8 kernels: mean cos {ort_int8['mean']:.5f} "
                  "(vs the simulated score in the table): the difference is the CPU kernels, not the quantization.")
     n.append("- Histogram methods (percentile, entropy) stream per-tensor histograms over two passes, so memory "
-             "stays near the baseline; ENVIRONMENT.md measured onnxruntime.quantization's histogram calibrators "
+             "stays near the baseline; docs/environment.md measured onnxruntime.quantization's histogram calibrators "
              "at ~17 s and 4.3 GB for 100 sentences.")
     n.append("- Mixed precision keeps the most harmful MatMuls in float until the search set scores >= 0.992 "
              "(the 0.99 gate plus a margin), then returns any it does not need to INT8.")

@@ -34,8 +34,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+sys.path.insert(0, str(HERE.parent))  # the repository root: benchmarks.harness
 from results_file import say  # noqa: E402
-EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- recovery:start -->", "<!-- recovery:end -->"
 
 
@@ -56,12 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from model_factory.build_engines.export import export_model
+    from benchmarks.harness.minilm import export_minilm, package_variant
     from model_factory.measure.client import embed_texts
     from model_factory.demo import write_key_policy
     from model_factory.build.pipeline import provenance_for
-    from model_factory.recipe import load_recipe
-    from model_factory.build.repository import package_model
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
     from model_factory.serving.supervise import SETTLE_S, StubWatch, stub_processes
@@ -69,9 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         root = Path(tmp)
-        recipe = load_recipe(EXAMPLE, {"repository.path": str(root / "repo"), "precisions": ["fp32"]})
-        exported = export_model(recipe)
-        package_model(recipe, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir)
+        recipe, exported = export_minilm(root, {"repository.path": str(root / "repo")})
+        package_variant(recipe, exported)
         keys = generate_keypair(root / "keys")
         sign_model_version(root / "repo" / "minilm", 1, SignerConfig(private_key=keys.private_key, password=None),
                            provenance=provenance_for(recipe, {"source_digest": exported.source_digest}, None))

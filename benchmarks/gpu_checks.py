@@ -310,7 +310,7 @@ def main() -> int:
 # --------------------------------------------------------------------------- Triton: 256 concurrent requests
 #
 # The GPU machine has no tritonclient, no tokenizers, no transformers and numpy 2 (which breaks the
-# Python-backend stub of Triton 2.51, see ENVIRONMENT.md), and only 64 MiB travel with a call. So:
+# Python-backend stub of Triton 2.51, see docs/environment.md), and only 64 MiB travel with a call. So:
 #   here   `gpu_checks.py prepare` builds a tiny BERT-shaped encoder with random weights (MiniLM's
 #          vocabulary and tokenizer, 2 layers, hidden 32: a 4 MB ONNX instead of MiniLM's 90 MB),
 #          exports it (ONNX and, with export.torchscript = true, model.torchscript.pt) and packages it

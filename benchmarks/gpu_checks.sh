@@ -50,7 +50,7 @@ fi
 # the torch engine on the GPU (the log must say so: no ONNX Runtime fallback), every output checked
 # against a PyTorch reference (benchmarks/gpu_checks.py triton).
 # Needs what benchmarks/prepare_gpu_wheels.sh put into .whl/ on a CPU machine (carry ".whl"):
-#   .whl/numpy-1.26.4-cp312-*.whl           the stub's Python must have numpy<2 (ENVIRONMENT.md)
+#   .whl/numpy-1.26.4-cp312-*.whl           the stub's Python must have numpy<2 (docs/environment.md)
 #   .whl/tritonserver-2.51.0-slim.tar.xz    tritonserver, the Python backend, the 3.12 stub, libs
 #   .whl/gpu_triton/                        the packaged tiny model (KIND_GPU, engine=torch: ONNX and
 #                                           model.torchscript.pt) and refs.npz

@@ -6,7 +6,7 @@
 #   bash benchmarks/prepare_gpu_wheels.sh            # here, from anywhere; a few minutes
 #   device run: command "bash benchmarks/gpu_checks.sh", carry [".whl"], timeout_s 560
 #
-# The GPU machine (see shared/ENVIRONMENT.md) has Python 3.12, numpy 2.x, torch cu130, onnx and
+# The GPU machine (see docs/environment.md) has Python 3.12, numpy 2.x, torch cu130, onnx and
 # onnxruntime (CPU build), but no tritonclient, tokenizers, transformers or Triton, and numpy 2
 # silently breaks Triton 2.51's Python-backend stub. A device call carries at most 64 MiB, the
 # working tree included. What goes into .whl/:

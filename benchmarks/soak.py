@@ -34,7 +34,6 @@ from benchmarks.harness import soak  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
 from results_file import say  # noqa: E402
-EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- soak:start -->", "<!-- soak:end -->"
 
 
@@ -73,21 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from model_factory.build_engines.export import export_model
-    from model_factory.recipe import load_recipe
-    from model_factory.build.repository import package_model
-    from model_factory.serving.server import ServerOptions, TritonServer
+    from benchmarks.harness.minilm import export_minilm, package_variant, start_server
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        recipe = load_recipe(EXAMPLE, {"repository.path": str(Path(tmp) / "repo"), "precisions": ["fp32"]})
         say("export and package")
-        exported = export_model(recipe)
-        package_model(recipe, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir)
+        recipe, exported = export_minilm(Path(tmp))
+        package_variant(recipe, exported)
         tok = bench.load_tokenizer(exported.tokenizer_dir, recipe.shapes.max_sequence_length)
         texts = bench.draw_texts(bench.load_texts(HERE / "texts.txt"), 2000, seed=0)
         payloads = bench.make_payloads(texts, tok)
         say("start the server")
-        server = TritonServer(recipe.repository.path, [recipe.name], ServerOptions(0, 0, 0)).start()
+        server = start_server(recipe.repository.path, [recipe.name])
         try:
             say(f"soak for {args.seconds:.0f} s at concurrency {args.concurrency}")
             report = soak.run_soak(server.grpc_url, recipe.name, payloads, server.process.pid,

@@ -36,7 +36,7 @@ Scoring
     misjudge the model (see :func:`~model_factory.build_engines.accuracy.ort_session`).
 
 ``quant_pre_process`` is not used: its symbolic shape inference fails on these
-exports (see ENVIRONMENT.md).
+exports (see docs/environment.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from model_factory.cli.common import progress_printer, recipe_argument, recipe_o
 @recipe_argument
 @repository_option
 @click.option("--min-accuracy", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="Override quantization.min_accuracy (the task's gate vs FP32: README, Hugging Face tasks).")
+              help="Override quantization.min_accuracy (the task's gate vs FP32: docs/models.md, Hugging Face tasks).")
 @user_errors
 def quantize(recipe: str, repository: str | None, min_accuracy: float | None) -> None:
     """Make the recipe's FP16/INT8 models from its ONNX export and score them against FP32.

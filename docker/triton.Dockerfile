@@ -20,7 +20,7 @@ ARG EXTRA_PACKAGES=
 
 COPY wheelhouse/manifest.json wheelhouse/SHA256SUMS wheelhouse/requirements.txt /opt/model-factory/wheelhouse/
 
-# numpy must be 1.x in the Python the backend stub runs (see ENVIRONMENT.md); the package
+# numpy must be 1.x in the Python the backend stub runs (see docs/environment.md); the package
 # pins it, and the check below makes a wrong wheelhouse fail the build, not the first request.
 RUN --mount=type=bind,source=wheelhouse,target=/tmp/wheelhouse \
     set -eux; \

@@ -366,9 +366,10 @@ def test_every_readme_recipe_is_toml_with_known_tables() -> None:
     from model_factory.errors import FactoryError as _Err
     from model_factory.recipe import parse_recipe as _parse
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    blocks = re.findall(r"```toml\n(.*?)```", readme.read_text(), re.S)
-    assert len(blocks) >= 6
+    root = Path(__file__).resolve().parents[1]
+    blocks = [b for doc in (root / "README.md", root / "docs" / "models.md")
+              for b in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)]
+    assert len(blocks) >= 7
     for block in blocks:
         data = tomllib.loads(block)
         try:

@@ -23,8 +23,9 @@ SENTIMENT = ("negative", "positive")
 WIDE_INIT = 0.2
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-# Added to README's recipes here: small shapes and the repository.
+# The recipes a user reads (docs/models.md) are the ones the zoo builds.
+README = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+# Added to those recipes here: small shapes and the repository.
 RECIPE_TAIL = """
 [shapes]
 max_batch = 8

@@ -21,7 +21,7 @@ from model_factory.backend.grouping import (
     time_points,
 )
 
-# Launch-bound: from the H200 numbers in ENVIRONMENT.md (MiniLM-shaped BERT, torch fp16):
+# Launch-bound: from the H200 numbers in docs/environment.md (MiniLM-shaped BERT, torch fp16):
 # batch-1 ran 0.35k seq/s (~2.8 ms a launch, almost all fixed cost) and a window of 64
 # padded to its longest 16.3k seq/s (~3.9 ms for 64 sequences of up to 128 tokens).
 GPU_LIKE = CostModel(a=2.8e-3, b=1.3e-7, c=0.0)

@@ -53,7 +53,7 @@ import torch
 def head(features, classes):
     return torch.nn.Linear(features, classes)
 '''
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "models.md"  # the recipes users read
 
 
 def readme_cnn_recipe() -> str:

@@ -145,7 +145,7 @@ def test_expired_leaf_model_signing_accepts_we_refuse(repo, pki, ca_policy):
     signer = model_signing.signing.Config().use_certificate_signer(
         private_key=pki.expired.key, signing_certificate=pki.expired.cert, certificate_chain=[pki.intermediate])
     signer.set_hashing_config(ms_hashing(["3.sig"])).sign(model_dir, model_dir / "3.sig")
-    ms_verify_cert(model_dir, 3, pki.root)  # the gap listed in ENVIRONMENT.md
+    ms_verify_cert(model_dir, 3, pki.root)  # the gap listed in docs/environment.md
     result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(ca_policy()))}[("ranker", 3)]
     assert not result.ok and "expired on" in result.reasons[0]
 

@@ -14,7 +14,7 @@ the GPU executor.
   ``torch.inference_mode()`` on that stream, inputs copied in with
   ``non_blocking=True``, outputs copied to the host with ``.to("cpu")`` and the
   stream synchronized before ``run`` returns: the numpy arrays handed back are
-  complete host copies (deliberately: ENVIRONMENT.md records silent wrong values
+  complete host copies (deliberately: docs/environment.md records silent wrong values
   on the Triton<->Python-backend data path on an H200, so nothing device-side or
   still in flight is handed to Triton). Inputs are pageable numpy memory, not
   pinned: pinning each group costs a host allocation for a few kB of token ids.
