@@ -70,10 +70,9 @@ def _locate(loc: tuple[Any, ...]) -> tuple[str, FieldInfo | None, Any, bool]:
 
 
 def _fix_of(info: FieldInfo | None) -> str | None:
-    for meta in (info.metadata if info is not None else ()):
-        if isinstance(meta, Fix):
-            return meta.text
-    return None
+    """The field's own Fix: the last one, as a field's own annotation comes after its type alias's."""
+    fixes = [meta.text for meta in (info.metadata if info is not None else ()) if isinstance(meta, Fix)]
+    return fixes[-1] if fixes else None
 
 
 def _problem(err: dict[str, Any], union: bool) -> str:

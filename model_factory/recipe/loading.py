@@ -171,7 +171,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     precisions = tuple(doc.precisions)
     if "fp32" not in precisions:
-        raise _err("precisions", "fp32 is missing", "keep \"fp32\": it is the reference the accuracy gate compares against")
+        raise _err("precisions", "fp32 is missing",
+                   "keep \"fp32\": it is the reference the accuracy gate compares against")
 
     q = doc.quantization
     calib = _path(q.calibration_data, base_dir) if q.calibration_data is not None else None

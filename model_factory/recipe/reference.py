@@ -15,7 +15,7 @@ from typing import Any
 
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_file
-from model_factory.recipe.schema import recipe_json_schema
+from model_factory.recipe.schema import INT32_MAX, recipe_json_schema
 
 BEGIN = "<!-- BEGIN recipe keys: generated from the schema by `python -m model_factory.recipe.reference` -->"
 END = "<!-- END recipe keys -->"
@@ -58,7 +58,7 @@ def _type_of(node: dict[str, Any], defs: dict[str, Any]) -> str:
     words = {"integer": "integer", "number": "number", "string": "string", "boolean": "boolean"}.get(kind, kind)
     bounds = []
     for key, sign in (("exclusiveMinimum", ">"), ("minimum", "≥"), ("exclusiveMaximum", "<"), ("maximum", "≤")):
-        if key in node:
+        if key in node and not (key == "maximum" and node[key] == INT32_MAX):  # the int32 cap goes unsaid
             bounds.append(f"{sign} {node[key]}")
     if "pattern" in node:
         bounds.append(f"matching `{node['pattern']}`")
