@@ -7,6 +7,7 @@ when it has one, else one derived from the kind of error.
 
 from __future__ import annotations
 
+import reprlib
 import types
 import typing
 from typing import Any
@@ -27,8 +28,13 @@ def field_error(where: str, problem: str, fix: str) -> FactoryError:
     return FactoryError(f"recipe field '{where}': {problem}. Fix: {fix}")
 
 
+# A refused value is quoted short, whatever its size or depth (reprlib stops at maxlevel: no RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 50, 50, 6, 4
+
+
 def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

@@ -207,3 +207,13 @@ def test_the_schema_refuses_what_the_loader_refuses() -> None:
     assert not validator.is_valid(with_value(base_recipe(), ("repository", "memory_pool_initial_mib"), "abc"))
     assert not validator.is_valid(with_value(base_recipe(), ("repository", "colour"), "red"))
     assert validator.is_valid(base_recipe())
+
+
+@pytest.mark.parametrize("path", [("precisions",), ("shapes", "max_batch"), ("inputs", 0, "dims"), ("shapes",)])
+def test_deeply_nested_values_are_refused_in_one_short_line(folder: Path, path: tuple) -> None:
+    value: list = []
+    for _ in range(20_000):  # deeper than Python's recursion limit: quoting it must not recurse
+        value = [value]
+    msg = _refusal(with_value(base_recipe(), path, value), folder)
+    label = "inputs[0].dims" if path[0] == "inputs" else ".".join(path)
+    assert msg.startswith(f"recipe field '{label}': ") and len(msg) < 300, msg
