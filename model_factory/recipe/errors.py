@@ -38,10 +38,10 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _models_in(annotation: Any) -> BaseModel | None:
+def _models_in(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model an annotation holds (directly, in a list or in an Optional), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation  # type: ignore[return-value]
+        return annotation
     origin = typing.get_origin(annotation)
     if origin in (list, typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
@@ -96,6 +96,8 @@ def _problem(err: dict[str, Any], union: bool) -> str:
                 "less_than_equal": "<="}[kind]
         limit = next(iter(ctx.values()), "?")
         return f"must be {word} {limit}, got {_short(value)}"
+    if kind == "string_too_short":
+        return "must not be empty"
     if kind == "too_short":
         return "expected a non-empty list" if ctx.get("min_length") == 1 else f"too short: {_short(value)}"
     return f"{_short(value)} is not allowed ({err.get('msg', kind)})"

@@ -23,13 +23,14 @@ from recipe_leaves import SCHEMA, base_recipe, leaves, recipe_folder, tables, wi
 from model_factory.errors import FactoryError
 from model_factory.recipe import Recipe, parse_recipe, validate_recipe_data
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow,
                                                                         HealthCheck.filter_too_much])
 LEAVES = leaves()
 
-# What tomllib can hand us: strings, integers, floats (nan and inf included), booleans, arrays, tables.
-_scalars = st.one_of(st.booleans(), st.integers(), st.integers(-3, 300),
+# What tomllib can hand us: strings, integers, floats (nan and inf included), booleans, dates and times,
+# arrays, tables.
+_scalars = st.one_of(st.booleans(), st.integers(), st.integers(-3, 300), st.datetimes(), st.dates(), st.times(),
                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
                      st.sampled_from(["auto", "true", "false", "fp32", "FP32", "1", "-1", "0", ""]))
 TOML_VALUES = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
