@@ -171,8 +171,9 @@ def _shipped_and_built_recipes() -> dict[str, dict[str, Any]]:
     from zoo_models import RANDOM_WEIGHT_GATE, RECIPE_TAIL, readme_recipe
 
     recipes = {"examples/minilm.toml": tomllib.loads((ROOT / "model_factory/examples/minilm.toml").read_text())}
-    for i, block in enumerate(re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)):
-        recipes[f"README block {i}"] = tomllib.loads(block)
+    readme_blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    for i, block in enumerate(b for b in readme_blocks if re.search(r"^\[model\]", b, re.M)):  # whole recipes
+        recipes[f"README recipe {i}"] = tomllib.loads(block)
     for task in ("embedding", "classification", "token-classification", "reranker"):
         data = tomllib.loads(readme_recipe(task) + RECIPE_TAIL)
         for dotted, value in RANDOM_WEIGHT_GATE.items():
