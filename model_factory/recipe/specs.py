@@ -1,0 +1,162 @@
+"""The recipe's values: frozen dataclasses every stage receives (parsed from TOML by ``loading``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output as Triton sees it (dims exclude the batch axis)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where the model comes from.
+
+    ``path`` is a local folder (huggingface), an ONNX file (onnx) or unused (torch);
+    ``factory`` is ``module:function`` returning ``(torch.nn.Module, example_inputs)``, its module
+    found in ``base_dir`` (the recipe's folder) first, then on the import path.
+    """
+
+    kind: str
+    path: Path | None = None
+    factory: str | None = None
+    package: str | None = None  # a Python package that ships the model folder
+    base_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """Shape ranges: the batch limit and the sequence-length buckets (one TRT profile each)."""
+
+    max_batch: int = 32
+    max_sequence_length: int = 128
+    sequence_buckets: tuple[int, ...] = (32, 128)
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """ONNX export settings and the check against the source framework."""
+
+    opset: int = 17
+    tolerance: float = 1e-3
+    # torch's exporter: True the dynamo one, False the TorchScript one; None (unset) picks by size: the dynamo
+    # exporter for models of DYNAMO_MIN_PARAMETERS or more (it streams weights; the other holds ~3 copies).
+    dynamo: bool | None = None
+    torchscript: bool = False  # also save model.torchscript.pt (a torch.jit.trace) for the torch engine
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """FP16/INT8 settings: calibration and held-out data, method and accuracy gate."""
+
+    calibration_data: Path | None = None
+    heldout_data: Path | None = None
+    method: str = "minmax"
+    max_calibration_samples: int = 128
+    max_heldout_samples: int = 64
+    min_accuracy: float | None = None
+    mixed_precision: bool = True
+
+
+@dataclass(frozen=True)
+class TensorRTSpec:
+    """Engine-build settings shared by datacenter TensorRT and TensorRT-RTX."""
+
+    enabled: bool = False
+    workspace_mib: int = 1024
+    optimization_level: int = 3
+    timing_cache: Path | None = None
+    hardware_compatibility: str = "none"
+    version_compatible: bool = False
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """Triton dynamic batching plus our grouped split inside ``execute()``."""
+
+    preferred_batch_sizes: tuple[int, ...] = (8, 16, 32)
+    max_queue_delay_us: int = 0  # as Triton: what queues while the instance is busy batches anyway
+    grouping: str = "cost_model"
+    ragged: bool = True
+    # Padded tokens (sequences x padded length) one launch may hold: the memory budget a group splits at.
+    # 0: no budget beyond max_batch (the engine's profiles bound the shapes anyway).
+    max_group_tokens: int = 0
+    # May requests of different lengths be padded into one launch? Only for a model that ignores padding
+    # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
+    pad_sequences: bool = True
+    # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
+    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto", the default): sized at
+    # packaging from the measured cost model to about queue_budget_ms of work (repository.default_queue_size)
+    # on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
+    # any queue policy can lose wake-ups and sleep up to its 500 ms idle wait (benchmarks/RESULTS.md,
+    # "Overload"; README, "Overload shedding"). 0: unbounded; N: N requests.
+    max_queue_size: int | None = None
+    queue_budget_ms: int = 300
+    queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
+    timeout_action: str = "reject"  # reject | delay (what happens to a request past queue_timeout_us)
+    priority_levels: int = 0  # 0: one priority; else requests carry a priority 1..levels
+    default_priority: int = 0  # the level of a request that names none (with priority_levels)
+
+
+@dataclass(frozen=True)
+class RepositorySpec:
+    """Where and how the Triton model repository is written."""
+
+    path: Path
+    # Two, as Triton's own default for CPU models: on a CPU the cores are split between them (the backend's
+    # ONNX Runtime threads), which served 1.05-1.47x one instance's requests on 2 cores (RESULTS.md,
+    # "Instances"), and a second instance is what lets the default queue bound work (max_queue_size above).
+    # A large model on a small GPU: 1.
+    instance_count: int = 2
+    instance_kind: str = "auto"
+    engine: str = "auto"  # which engine the backend serves with (docs/deployment.md, "Which engine")
+    memory_pool_release_threshold_mib: int = 256
+    memory_pool_initial_mib: int = 0
+    # A GPU instance with no GPU engine that loads is refused, unless this allows ONNX Runtime on the CPU.
+    allow_cpu_fallback: bool = False
+    # The precision this deployment serves: its ONNX file (CPU) and its plan (GPU TensorRT), nothing else.
+    serve: str = "fp32"
+    # False: the version folder holds only the served precision's files; True: every built precision.
+    keep_all_precisions: bool = False
+    # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
+    cpu_threads: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One model build, end to end."""
+
+    name: str
+    version: int
+    task: str
+    source: SourceSpec
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    shapes: ShapeSpec
+    export: ExportSpec
+    precisions: tuple[str, ...]
+    quantization: QuantizationSpec
+    tensorrt: TensorRTSpec
+    batching: BatchingSpec
+    repository: RepositorySpec
+    pooling: str = "mean"
+    normalize: bool = True
+    text_input: bool = True
+    probabilities: bool = False  # classification heads: also return softmax probabilities
+    recipe_path: Path | None = None
+    work_dir: Path = field(default_factory=lambda: Path("build"))
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_text_model(self) -> bool:
+        """True when the model reads token ids and ships a tokenizer (HF encoders)."""
+        return self.source.kind == "huggingface"
+
