@@ -252,15 +252,23 @@ def _meta(path: Path, version: int):
 
 def add_release(repo: Path, targets_keys: Sequence[KeyFile], snapshot_keys: Sequence[KeyFile],
                 timestamp_keys: Sequence[KeyFile], expires: dict[str, dt.timedelta] | None = None,
-                now: dt.datetime | None = None) -> int:
+                now: dt.datetime | None = None, policy: object | None = None) -> int:
     """Publish the next release: every signed model version now in ``repo``. Returns the release number.
 
     Writes a new targets (version + 1), snapshot and timestamp. Sign with at least a threshold of
     each role's keys (the verifier refuses fewer). ``now`` is the signing time (tests pass a past one).
+    With ``policy`` (a TrustPolicy), every model version must verify against it first.
     """
     metadata, _, _ = _tuf()
     repo = Path(repo)
     latest_root(repo)  # refuse early without a root
+    if policy is not None:
+        from model_factory.signing.verify import verify_repository
+
+        failed = [r for r in verify_repository(repo, policy) if not r.ok]  # type: ignore[arg-type]
+        if failed:
+            raise FactoryError("refusing to release versions that do not verify: " + "; ".join(
+                f"{r.model}/{r.version}: {r.reasons[0]}" for r in failed) + ". Fix: re-sign or remove them")
     folder = release_dir(repo)
     when = now or _now()
     expires = {**DEFAULT_EXPIRY, **(expires or {})}
