@@ -122,7 +122,7 @@ def _attack(exc: Exception, where: str | None) -> str:
         return (f"mix-and-match attack: {where} does not belong with the rest of the release metadata ({exc}): files "
                 "from two releases were mixed. Fix: restore all of .release/ from one release")
     if isinstance(exc, e.ExpiredMetadataError):
-        return (f"freeze attack: {where} has expired ({exc}): the repository is no longer refreshed, or an old copy "
+        return (f"freeze attack: {exc} (read at {where}): the repository is no longer refreshed, or an old copy "
                 "is being replayed. Fix: re-sign the timestamp (model-factory release timestamp) or publish a new "
                 "release; if that cannot be done, someone is holding updates back")
     if isinstance(exc, e.DownloadError):
