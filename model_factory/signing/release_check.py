@@ -90,8 +90,12 @@ def _locked(state: Path) -> Iterator[None]:
     # Replicas sharing one state volume take turns (blocking: a start waits a moment, never fails).
     import fcntl
 
-    state.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise FactoryError(f"cannot write the release state dir {state} ({exc.strerror or exc}). Fix: make the "
+                           "policy's [release] state_dir a writable folder that outlives the process (a volume)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -147,6 +151,9 @@ def _refresh(folder: Path, rule: ReleaseRule):
             return None, f"cannot read the release root {rule.root} named by the trust policy: {exc.strerror or exc}"
     try:
         updater = Updater(str(state), _BASE_URL, fetcher=fetcher, bootstrap=boot)
+    except OSError as exc:
+        raise FactoryError(f"cannot write the release state dir {state} ({exc.strerror or exc}). Fix: make it "
+                           "writable by this user") from None
     except (exceptions.RepositoryError, ValueError) as exc:
         return None, (f"the trusted release root ({rule.root if boot else state / 'root.json'}) is not a valid, "
                       f"self-signed TUF root ({exc}). Fix: put the 1.root.json written by model-factory release init "
@@ -155,6 +162,9 @@ def _refresh(folder: Path, rule: ReleaseRule):
         updater.refresh()
     except (exceptions.RepositoryError, exceptions.DownloadError) as exc:
         return None, _attack(exc, fetcher.last)
+    except OSError as exc:
+        raise FactoryError(f"cannot write the release state dir {state} ({exc.strerror or exc}). Fix: make it "
+                           "writable by this user") from None
     return Metadata[Targets].from_file(str(state / "targets.json")).signed, None
 
 

@@ -256,3 +256,18 @@ def test_policy_release_section_is_validated(tmp_path, rel: Release) -> None:
     path.write_text(path.read_text().replace("min_version = 1", "min_version = 0"))
     with pytest.raises(FactoryError, match="release.min_version"):
         load_policy(path)
+
+
+def test_a_repository_without_release_metadata_is_refused(rel: Release) -> None:
+    policy = rel.policy()
+    shutil.rmtree(rel.repo / ".release")
+    results = check(rel.repo, policy)
+    assert not any(r.ok for r in results)
+    assert "no usable release metadata" in reasons(results) and "release add" in reasons(results)
+
+
+def test_a_policy_root_that_is_not_a_release_root_is_refused(rel: Release, tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus-root.json"
+    bogus.write_text('{"signed": {"_type": "root"}, "signatures": []}')
+    results = check(rel.repo, rel.policy(root=bogus))
+    assert not any(r.ok for r in results) and "not a valid, self-signed TUF root" in reasons(results)
