@@ -28,7 +28,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_file
@@ -214,14 +214,14 @@ def _subject_digest(sig: Path) -> str | None:
         return None
 
 
-def collect_targets(repo: Path) -> dict[str, dict]:
-    """``path -> {length, hashes, custom}`` for every signature file of every model version in ``repo``.
+def collect_targets(repo: Path) -> dict[str, Any]:
+    """``path -> TargetFile`` (length, sha256, custom) for every signature file of every model version in ``repo``.
 
     Every version folder must have its signature: an unsigned version cannot be released.
     """
     metadata, _, _ = _tuf()
     repo = Path(repo)
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for model_dir in sorted(p for p in repo.iterdir() if p.is_dir() and not p.is_symlink()
                             and not p.name.startswith(".")):
         entries = layout.model_entries(model_dir)
@@ -241,7 +241,7 @@ def collect_targets(repo: Path) -> dict[str, dict]:
                 out[pname] = metadata.TargetFile(length, {"sha256": sha}, pname)
     if not out:
         raise FactoryError(f"{repo} holds no signed model version to release. Fix: package and sign models first")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _meta(path: Path, version: int):

@@ -75,6 +75,14 @@ def test_release_commands_and_verify(tmp_path: Path, keys) -> None:
     assert run(main, ["verify", "--no-release", "--policy", str(policy), str(repo)]).exit_code == 0
 
 
+def test_every_release_command_has_help() -> None:
+    group = main.commands["release"]
+    assert set(group.commands) == {"init", "add", "timestamp", "rotate-root", "show"}
+    for name in group.commands:
+        r = CliRunner().invoke(main, ["release", name, "--help"])
+        assert r.exit_code == 0 and len(group.commands[name].help or "") > 20, name
+
+
 def test_release_user_errors_are_clean(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     build_model(repo / "encoder", (1,))
