@@ -271,3 +271,13 @@ def test_a_policy_root_that_is_not_a_release_root_is_refused(rel: Release, tmp_p
     bogus.write_text('{"signed": {"_type": "root"}, "signatures": []}')
     results = check(rel.repo, rel.policy(root=bogus))
     assert not any(r.ok for r in results) and "not a valid, self-signed TUF root" in reasons(results)
+
+
+def test_add_refuses_unsigned_or_failing_versions(rel: Release) -> None:
+    build_model(rel.repo / "encoder", (2,))  # not signed
+    with pytest.raises(FactoryError, match="encoder version 2 has no signature"):
+        rel.add()
+    sign_model_version(rel.repo / "encoder", 2, rel.signer)
+    (rel.repo / "encoder" / "2" / "model.onnx").write_bytes(b"changed after signing")
+    with pytest.raises(FactoryError, match="refusing to release versions that do not verify"):
+        rel.add(policy=load_policy(rel.policy()))
