@@ -87,23 +87,30 @@ def sign(repository: Path, private_key: Path, cert_chain: tuple[Path, ...], pass
 @click.option("--policy", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Trust policy TOML: trusted keys and/or CA roots, identities, CRLs, provenance.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record per model version.")
+@click.option("--no-release", is_flag=True,
+              help="Check signatures only, not the policy's [release] (a factory's check before releasing).")
 @click.pass_context
 @user_errors
-def verify(ctx: click.Context, repository: Path, policy: Path, as_json: bool) -> None:
+def verify(ctx: click.Context, repository: Path, policy: Path, as_json: bool, no_release: bool) -> None:
     """Verify every model version in REPOSITORY against a trust policy.
 
     Exit status 0 only when every version passes; 1 on any failure or doubt
     (unsigned, changed, extra or missing file, untrusted or expired signer,
-    revoked certificate, missing provenance, ...).
+    revoked certificate, missing provenance, ...). With a [release] section in
+    the policy, also a release that is older than one trusted, expired, mixed,
+    under-signed or from a root the trusted root did not sign (docs/releases.md).
 
     \b
     Examples:
       model-factory verify --policy trust-policy.toml model_repository
       model-factory verify --json --policy trust-policy.toml model_repository > verify.json
     """
-    from model_factory.signing import load_policy, verify_repository
+    from model_factory.signing import check_release, load_policy, verify_repository
 
-    results = verify_repository(repository, load_policy(policy))
+    trust = load_policy(policy)
+    results = verify_repository(repository, trust)
+    if not no_release:
+        results = check_release(repository, trust, results)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

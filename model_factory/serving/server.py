@@ -469,10 +469,10 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         raise FactoryError(f"{repository} holds no model folders with a config.pbtxt. Fix: run model-factory build")
     refused: dict[str, str] = {}
     if policy is not None:
-        from model_factory.signing import load_policy, verify_repository
+        from model_factory.signing import check_release, load_policy, verify_repository
 
         trust = load_policy(policy)
-        results = verify_repository(repository, trust)
+        results = check_release(repository, trust, verify_repository(repository, trust))
         for r in results:
             if not r.ok:
                 refused[r.model] = "verification failed: " + "; ".join(r.reasons)

@@ -17,9 +17,11 @@ Layers, from the bottom up:
 * ``policy``       the trust policy TOML, as frozen dataclasses
 * ``provenance``   the signed SLSA build provenance
 * ``sign`` / ``verify``  the operations
+* ``release`` / ``release_check``  signed releases on TUF (python-tuf): publish; refuse rollback,
+  freeze, mix-and-match, too few signatures, a bad root rotation
 * ``runtime``      load-time digest checks for the Python backend (stdlib only)
 
-The whole package needs only the standard library and ``cryptography``.
+The whole package needs only the standard library and ``cryptography`` (releases: also ``tuf``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _EXPORTS = {
     "SignerConfig": "sign",
     "TrustPolicy": "policy",
     "VerificationResult": "verify",
+    "check_release": "release_check",
     "generate_keypair": "keys",
     "load_policy": "policy",
     "parse_policy": "policy",
@@ -53,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; noqa: F401 b
     from model_factory.signing.layout import provenance_path, signature_path
     from model_factory.signing.policy import TrustPolicy, load_policy, parse_policy
     from model_factory.signing.provenance import BuildProvenance
+    from model_factory.signing.release_check import check_release
     from model_factory.signing.sign import SignerConfig, sign_model_version, sign_repository
     from model_factory.signing.verify import (VerificationResult, signed_digests, verify_model_version,
                                               verify_repository)

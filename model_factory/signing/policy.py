@@ -21,6 +21,11 @@ Example (paths are relative to the policy file)::
     required = true
     builder_ids = []               # optional: allowed runDetails.builder.id values
 
+    [release]                      # optional: signed releases (docs/releases.md)
+    root = "release/1.root.json"   # the release root trusted first (never read from the repository)
+    state_dir = "/var/lib/model-factory/release"   # trusted state: kept across restarts
+    min_version = 1                # the floor: the oldest release a fresh verifier accepts
+
 At least one key or one CA root is required. A CA without ``subjects``,
 ``sans`` or ``any_identity = true`` is an error: trusting every certificate a
 CA ever issued should be a decision written down, not a default.
@@ -76,6 +81,15 @@ class ProvenanceRule:
 
 
 @dataclass(frozen=True)
+class ReleaseRule:
+    """Signed releases: the root trusted first, where trusted state is kept, and the release floor."""
+
+    root: Path
+    state_dir: Path
+    min_version: int = 1
+
+
+@dataclass(frozen=True)
 class TrustPolicy:
     """Everything ``verify`` trusts. Build it with :func:`load_policy` or :func:`parse_policy`."""
 
@@ -83,6 +97,7 @@ class TrustPolicy:
     certificates: CertificateTrust | None = None
     provenance: ProvenanceRule = ProvenanceRule()
     source: Path | None = None
+    release: ReleaseRule | None = None
 
 
 def _err(where: str, problem: str, fix: str) -> FactoryError:
@@ -130,7 +145,7 @@ def _expiry(value: Any, where: str) -> dt.datetime:
 
 def parse_policy(data: Mapping[str, Any], base_dir: Path, source: Path | None = None) -> TrustPolicy:
     """Validate a policy mapping (as read from TOML); file paths are relative to ``base_dir``."""
-    top = _take(dict(data), "", {"version", "keys", "certificates", "provenance"})
+    top = _take(dict(data), "", {"version", "keys", "certificates", "provenance", "release"})
     if top.get("version", 1) != 1:
         raise _err("version", f"{top['version']!r} is not supported", "write version = 1")
 
@@ -191,7 +206,22 @@ def parse_policy(data: Mapping[str, Any], base_dir: Path, source: Path | None = 
     p = _take(top.get("provenance", {}), "provenance", {"required", "builder_ids"})
     provenance = ProvenanceRule(_bool(p.get("required", False), "provenance.required"),
                                 tuple(_str_list(p.get("builder_ids", []), "provenance.builder_ids")))
-    return TrustPolicy(tuple(keys), certs, provenance, source)
+    return TrustPolicy(tuple(keys), certs, provenance, source, _release(top.get("release"), base_dir))
+
+
+def _release(value: Any, base: Path) -> ReleaseRule | None:
+    if value is None:
+        return None
+    r = _take(value, "release", {"root", "state_dir", "min_version"})
+    for k in ("root", "state_dir"):
+        if not isinstance(r.get(k), str) or not r[k]:
+            raise _err(f"release.{k}", "missing", f'add {k} = "..." (see docs/releases.md)')
+    floor = r.get("min_version", 1)
+    if not isinstance(floor, int) or isinstance(floor, bool) or floor < 1:
+        raise _err("release.min_version", f"expected a release number >= 1, got {floor!r}",
+                   "write the oldest release a fresh verifier may accept, e.g. min_version = 3")
+    state = Path(r["state_dir"]).expanduser()
+    return ReleaseRule(_file(r["root"], "release.root", base), state if state.is_absolute() else base / state, floor)
 
 
 def load_policy(path: str | Path) -> TrustPolicy:

@@ -72,6 +72,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "factory": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
                             "gpuProducts": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]}},
     "factory-certificates": {"factory": {"enabled": True, "recipes": ["minilm.toml"], "certificateMode": True}},
+    "release-emptydir": {"release": {"enabled": True, "root": '{"signed": {"_type": "root"}}', "minVersion": 3}},
+    "release-shared-claim": {"release": {"enabled": True, "root": '{"signed": {"_type": "root"}}',
+                                         "state": {"type": "persistentVolumeClaim", "existingClaim": "release-state"}},
+                             "factory": {"enabled": True, "recipes": ["minilm.toml"]}},
     "factory-rollback": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
                                      "action": "rollback"}},
 }

@@ -79,8 +79,8 @@ def test_each_index_builds_its_recipe_into_its_product_and_tensorrt_folder(site)
     key, policy = site["env"]["FACTORY_SIGNING_KEY"], site["env"]["FACTORY_POLICY"]
     assert calls(site) == [
         f"build {root}/recipes/bge-small.toml --repository {staging} --key {key}",
-        f"verify --policy {policy} {staging}",
-        f"verify --policy {policy} --json {dest}",
+        f"verify --no-release --policy {policy} {staging}",
+        f"verify --no-release --policy {policy} --json {dest}",
     ]
     assert (dest / "bge-small" / "1" / "model.onnx").read_text() == f"built from {root}/recipes/bge-small.toml\n"
     # The staging folder is gone: nothing half-built is left beside the repository.
@@ -110,7 +110,7 @@ def test_rollback_swaps_the_kept_folder_back_and_verifies(site) -> None:
     proc = run(site, 0, FACTORY_ACTION="rollback")
     assert proc.returncode == 0, proc.stderr
     assert (dest / "minilm" / "1" / "model.onnx").read_text() == "version in service before"
-    assert calls(site)[-1] == f"verify --policy {site['env']['FACTORY_POLICY']} --json {dest}"
+    assert calls(site)[-1] == f"verify --no-release --policy {site['env']['FACTORY_POLICY']} --json {dest}"
     # Rolling back again rolls forward: the two generations swap.
     assert run(site, 0, FACTORY_ACTION="rollback").returncode == 0
     assert (dest / "minilm" / "1" / "model.onnx").read_text().startswith("built from")

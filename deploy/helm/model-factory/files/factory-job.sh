@@ -43,7 +43,7 @@ if [ "${FACTORY_ACTION:-build}" = rollback ]; then
         echo "factory-job: rolled $name back in $dest"
     done
     [ "$swapped" -gt 0 ] || fail "nothing to roll back in $previous"
-    model-factory verify --policy "$policy" --json "$dest"
+    model-factory verify --no-release --policy "$policy" --json "$dest"
     echo "factory-job: rolled back $swapped model(s) in $dest"
     exit 0
 fi
@@ -71,8 +71,10 @@ fi
 
 echo "factory-job: building $recipe_file for $product (TensorRT $trt) in $staging"
 model-factory build "$recipe" --repository "$staging" "$@"
-# The serving pods' own policy: what passes here is what they will load.
-model-factory verify --policy "$policy" "$staging"
+# The serving pods' own policy: what passes here is what they will load. Signatures only
+# (--no-release): with signed releases, a release listing this build is published afterwards,
+# with the offline targets key (docs/releases.md).
+model-factory verify --no-release --policy "$policy" "$staging"
 
 moved=0
 for model in "$staging"/*/; do
@@ -89,5 +91,5 @@ done
 [ "$moved" -gt 0 ] || fail "model-factory build wrote no model into $staging"
 rm -rf "$work"
 
-model-factory verify --policy "$policy" --json "$dest"
+model-factory verify --no-release --policy "$policy" --json "$dest"
 echo "factory-job: $recipe_file built, signed and verified in $dest"

@@ -59,6 +59,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* Where the policy and its trust files are mounted (one projected volume). */}}
 {{- define "mf.policyPath" -}}/etc/model-factory/trust/policy.toml{{- end -}}
 
+{{/* Where the release state volume is mounted (the policy's [release] state_dir). */}}
+{{- define "mf.releaseStateDir" -}}/var/lib/model-factory/release{{- end -}}
+
+{{/* The release state mount, for the verify init container and the server. */}}
+{{- define "mf.releaseStateMount" -}}
+{{- if .Values.release.enabled }}
+- name: release-state
+  mountPath: {{ include "mf.releaseStateDir" . }}
+{{- end }}
+{{- end -}}
+
 {{/* The exact verify command of the init container (tests run it from the rendered manifest). */}}
 {{- define "mf.verifyCommand" -}}
 - model-factory

@@ -1,0 +1,57 @@
+"""serve with a [release] policy on the real Triton: the current release serves; a rolled-back repository is
+refused at start (every model, the attack named), with the trusted state kept in a state dir across restarts."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
+
+
+def test_serve_refuses_a_rolled_back_repository_at_start(tmp_path, minilm_recipe, package_signed) -> None:
+    from model_factory.demo import write_key_policy
+    from model_factory.errors import FactoryError
+    from model_factory.serving.server import ServerOptions, start_verified_server
+    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing.release import KeyFile, add_release, init_release
+
+    repo = tmp_path / "repo"
+    keys = generate_keypair(tmp_path / "keys")
+    recipe = replace(minilm_recipe, name="released", repository=replace(minilm_recipe.repository, path=repo))
+    model_dir = package_signed(recipe, keys)
+    assert (model_dir / "1").is_dir()
+    # One key for every role keeps the test short; docs/releases.md keeps root offline and apart.
+    k = [KeyFile(keys.private_key)]
+    root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
+                                  "timestamp": [keys.public_key]})
+    assert add_release(repo, k, k, k) == 1
+    release1 = tmp_path / "release-1"
+    shutil.copytree(repo, release1)
+
+    package_signed(replace(recipe, version=2), keys)
+    assert (model_dir / "2").is_dir()
+    sign_model_version(model_dir, 1, SignerConfig(keys.private_key))  # config.pbtxt is in every version's unit
+    assert add_release(repo, k, k, k) == 2
+
+    policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
+    shutil.copy(root, tmp_path / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
+
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
+    try:
+        assert report.served == ("released",), report.refused
+    finally:
+        assert server.stop() == 0
+    assert (tmp_path / "state" / "timestamp.json").is_file()  # the trusted state outlives the server
+
+    # Someone with write access to the storage puts release 1 back: all of it validly signed.
+    shutil.rmtree(repo)
+    shutil.copytree(release1, repo)
+    with pytest.raises(FactoryError) as refused:
+        start_verified_server(repo, ServerOptions(0, 0, 0), policy)
+    assert "no model passed verification" in str(refused.value) and "rollback attack" in str(refused.value)
