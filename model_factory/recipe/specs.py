@@ -97,7 +97,7 @@ class BatchingSpec:
     # packaging from the measured cost model to about queue_budget_ms of work (repository.default_queue_size)
     # on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
     # any queue policy can lose wake-ups and sleep up to its 500 ms idle wait (benchmarks/RESULTS.md,
-    # "Overload"; README, "Overload shedding"). 0: unbounded; N: N requests.
+    # "Overload"; docs/operations.md, "Overload shedding"). 0: unbounded; N: N requests.
     max_queue_size: int | None = None
     queue_budget_ms: int = 300
     queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
