@@ -1,0 +1,144 @@
+"""A real OCI registry for the tests: Debian's docker-registry (CNCF Distribution 2.8) on 127.0.0.1,
+with htpasswd (bcrypt) auth and TLS from a CA made here. Started and stopped by the fixtures."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+USER, PASSWORD = "factory", "s3cret-pass"
+
+
+@dataclass
+class TestRegistry:
+    host: str  # 127.0.0.1:PORT
+    ca: Path
+    config: Path  # Docker config.json with the credentials
+    wrong_config: Path  # same user, wrong password
+    storage: Path  # the registry's filesystem root
+    process: subprocess.Popen
+    log: Path
+
+    def blob_file(self, digest: str) -> Path:
+        hex_ = digest.split(":", 1)[1]
+        return self.storage / "docker/registry/v2/blobs/sha256" / hex_[:2] / hex_ / "data"
+
+    def tag_link(self, name: str, tag: str) -> Path:
+        return self.storage / "docker/registry/v2/repositories" / name / "_manifests/tags" / tag / "current/link"
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def make_tls(folder: Path) -> tuple[Path, Path, Path]:
+    """A test CA and a server certificate for 127.0.0.1 signed by it: (ca.pem, server.pem, server.key)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(_name("test registry CA")).issuer_name(_name("test registry CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(_name("127.0.0.1")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    ca_pem, cert_pem, key_pem = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    ca_pem.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return ca_pem, cert_pem, key_pem
+
+
+def docker_config(path: Path, host: str, user: str, password: str) -> Path:
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"auths": {host: {"auth": auth}}}))
+    return path
+
+
+def start_registry(folder: Path) -> TestRegistry:
+    """Start docker-registry with TLS and htpasswd on a free loopback port; wait until it answers."""
+    from model_factory.serving.server import free_ports
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, cert, key = make_tls(folder)
+    htpasswd = folder / "htpasswd"
+    # Distribution reads bcrypt entries only: htpasswd -B (apache2-utils).
+    htpasswd.write_text(subprocess.run(["htpasswd", "-Bbn", "-C", "5", USER, PASSWORD], check=True,
+                                       capture_output=True, text=True).stdout)
+    storage = folder / "storage"
+    port = free_ports(1)[0]
+    host = f"127.0.0.1:{port}"
+    config = folder / "config.yml"
+    config.write_text(f"""version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: {storage}
+  delete:
+    enabled: true
+http:
+  addr: {host}
+  secret: test-secret
+  tls:
+    certificate: {cert}
+    key: {key}
+auth:
+  htpasswd:
+    realm: test-registry
+    path: {htpasswd}
+""")
+    log = folder / "registry.log"
+    proc = subprocess.Popen([shutil.which("docker-registry") or "docker-registry", "serve", str(config)],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    import requests
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if requests.get(f"https://{host}/v2/", verify=str(ca), timeout=2).status_code == 401:
+                break
+        except requests.exceptions.ConnectionError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"docker-registry did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return TestRegistry(host, ca, docker_config(folder / "docker" / "config.json", host, USER, PASSWORD),
+                        docker_config(folder / "wrong" / "config.json", host, USER, "wrong-password"),
+                        storage, proc, log)
+
+
+def stop_registry(reg: TestRegistry) -> None:
+    reg.process.terminate()
+    try:
+        reg.process.wait(10)
+    except subprocess.TimeoutExpired:
+        reg.process.kill()
+        reg.process.wait()
