@@ -143,7 +143,8 @@ def modelpack(content: VersionContent, created: str | None = None) -> tuple[byte
         if digest not in seen:
             seen.add(digest)
             blobs.append(Blob(digest, size, path=path))
-    created = created or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    # The build's time, not the push's: pushing the same version twice gives the same manifest digest.
+    created = created or _built_at(content)
     config = {
         "descriptor": {"name": content.model, "version": str(content.version), "createdAt": created,
                        "vendor": "model-factory"},
@@ -159,6 +160,15 @@ def modelpack(content: VersionContent, created: str | None = None) -> tuple[byte
                 "config": descriptor(MODEL_CONFIG, config_blob.digest, config_blob.size),
                 "layers": layers, "annotations": annotations}
     return canonical_json(manifest), [config_blob, *blobs]
+
+
+def _built_at(content: VersionContent) -> str:
+    try:
+        meta = json.loads((content.model_dir / str(content.version) / "metadata.json").read_text())
+        when = dt.datetime.fromisoformat(str(meta["created"]).replace("Z", "+00:00"))
+    except (OSError, ValueError, KeyError):
+        when = dt.datetime.fromtimestamp(int(content.signature.stat().st_mtime), dt.timezone.utc)
+    return when.astimezone(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _model_facts(content: VersionContent) -> dict[str, Any]:
