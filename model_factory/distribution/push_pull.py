@@ -303,10 +303,16 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
             cached = blobs / d.split(":", 1)[1]
             if not (cached.is_file() and cached.stat().st_size == size and sha256_file(cached) == d):
                 target.fetch_blob(d, size, cached, progress)
+        uses: dict[str, int] = {}
+        for d in listed.values():
+            uses[d] = uses.get(d, 0) + 1
         for rel, d in listed.items():
             out = staged / rel
             out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(blobs / d.split(":", 1)[1], out)
+            cached = blobs / d.split(":", 1)[1]
+            uses[d] -= 1
+            # The last file with this content takes the blob itself (no copy of a multi-GB weight file).
+            shutil.copyfile(cached, out) if uses[d] else os.replace(cached, out)
         for empty in json.loads(ann.get(mp.EMPTY_DIRS, "[]")):
             (staged / _safe_relpath(empty)).mkdir(parents=True, exist_ok=True)
         result = verify_model_version(staged, version, trust)
