@@ -9,9 +9,12 @@ import ipaddress
 import json
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -142,3 +145,60 @@ def stop_registry(reg: TestRegistry) -> None:
     except subprocess.TimeoutExpired:
         reg.process.kill()
         reg.process.wait()
+
+
+# -- fixtures (imported by the conftest files of tests/distribution and tests/deploy) --
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    """docker-registry (CNCF Distribution 2.8) with TLS from a test CA and htpasswd auth, for the session."""
+    missing = [b for b in ("docker-registry", "htpasswd") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs docker-registry and "
+                    "apache2-utils as root)")
+    reg = start_registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    stop_registry(reg)
+
+
+@pytest.fixture(scope="session")
+def oci_keys(tmp_path_factory):
+    """A trusted signing key (in ``policy``) and a foreign one, plus the policy file."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "signing"))
+    from signing_helpers import write_key, write_pub
+
+    d = tmp_path_factory.mktemp("oci-keys")
+    out = {}
+    for label in ("trusted", "foreign"):
+        k = ec.generate_private_key(ec.SECP256R1())
+        out[label] = (write_key(k, d / f"{label}.pem"), write_pub(k, d / f"{label}.pub"))
+    policy = d / "policy.toml"
+    policy.write_text(f'version = 1\n[[keys]]\nname = "release"\npath = "{out["trusted"][1]}"\n')
+    out["policy"] = policy
+    return out
+
+
+@pytest.fixture
+def fake_repo(tmp_path, oci_keys):
+    """A repository with model ``enc``, versions 1 and 2, each with a BOM and signed by the trusted key."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "signing"))
+    from signing_helpers import build_model
+
+    from model_factory.distribution.bom import write_bom
+    from model_factory.signing import SignerConfig, sign_model_version
+
+    repo = tmp_path / "repo"
+    build_model(repo / "enc", (1, 2))
+    for v in (1, 2):
+        write_bom(repo / "enc", v, {"tool_versions": {"onnx": "1.17.0"}, "precisions": ["fp32"]})
+        sign_model_version(repo / "enc", v, SignerConfig(oci_keys["trusted"][0]))
+    return repo
+
+
+@pytest.fixture
+def reg_options(registry, tmp_path):
+    from model_factory.distribution.registry import RegistryOptions
+
+    return RegistryOptions(config=registry.config, ca_file=registry.ca, state_dir=tmp_path / "upload-state")
