@@ -329,5 +329,7 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
         model_dir = _install(staged, dest, model)
     finally:
         remove_tree(stage)
+        if blobs.is_dir() and not any(blobs.iterdir()):
+            blobs.rmdir()  # nothing downloaded yet: nothing to resume
     remove_tree(blobs)
     return PullResult(model_dir, model, version, digest, result.signer, tuple(sorted(fetched)))

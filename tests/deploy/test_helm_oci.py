@@ -87,3 +87,54 @@ def test_the_init_command_pulls_and_verifies_from_the_test_registry(registry, fa
     verified = subprocess.run(local(inits["verify"]["command"]), capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert '"ok": true' in verified.stdout
+
+
+def test_kserve_oci_examples_validate_and_the_storage_container_pulls_and_verifies(registry, fake_repo, oci_keys,
+                                                                                    tmp_path) -> None:
+    """The `model-factory+oci://` storage container's script, run here with KServe's two arguments."""
+    import os
+    import shutil
+
+    import yaml
+
+    from model_factory.distribution.push_pull import push
+    from model_factory.distribution.registry import RegistryOptions
+
+    from .helm_render import KSERVE, KUBE_VERSIONS, validate_object
+
+    docs = {}
+    for path in sorted((KSERVE / "oci").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            validate_object(doc, KUBE_VERSIONS[0])
+            docs[doc["kind"]] = doc
+    assert docs["InferenceService"]["spec"]["predictor"]["model"]["storageUri"].startswith("model-factory+oci://")
+    runtime = yaml.safe_load((KSERVE / "servingruntime.yaml").read_text())
+    assert "model-factory-registry" in {v["name"] for v in runtime["spec"]["volumes"]}
+    container = docs["ClusterStorageContainer"]["spec"]["container"]
+    assert {m["name"] for m in container["volumeMounts"]} <= {v["name"] for v in runtime["spec"]["volumes"]}
+
+    ref = f"oci://{registry.host}/kserve/enc:2"
+    push(fake_repo, "enc", ref, version=2, options=RegistryOptions(config=registry.config, ca_file=registry.ca))
+    dest = tmp_path / "mnt" / "models"
+    dest.mkdir(parents=True)
+    env = {**os.environ, "MODEL_FACTORY_POLICY": str(oci_keys["policy"]), "MODEL_FACTORY_REGISTRY_CA": str(registry.ca),
+           "DOCKER_CONFIG": str(registry.config.parent),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run([*container["command"], f"model-factory+{ref}", str(dest)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["enc"] and (dest / "enc" / "2.sig").is_file()
+    # A foreign signer: the init container fails and /mnt/models stays empty.
+    from model_factory.signing import SignerConfig, sign_model_version
+
+    other = tmp_path / "other"
+    shutil.copytree(fake_repo, other)
+    sign_model_version(other / "enc", 2, SignerConfig(oci_keys["foreign"][0]))
+    push(other, "enc", f"oci://{registry.host}/kserve/foreign:2", version=2,
+         options=RegistryOptions(config=registry.config, ca_file=registry.ca))
+    dest2 = tmp_path / "mnt2" / "models"
+    dest2.mkdir(parents=True)
+    run = subprocess.run([*container["command"], f"model-factory+oci://{registry.host}/kserve/foreign:2", str(dest2)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "not trusted" in run.stderr
+    assert not list(dest2.iterdir())
