@@ -127,6 +127,8 @@ def push(repo: Path, model: str, ref: str, *, version: int | None = None, form: 
     """
     if form not in ("modelpack", "modelcar"):
         raise FactoryError(f"unknown form {form!r}. Fix: use modelpack or modelcar")
+    if not ref.startswith(("oci://", "oci-layout:")):
+        open_target(ref, options, create=False)  # says which forms are accepted
     content = mp.collect_version(Path(repo), model, version)
     target, reference = open_target(ref, options, create=True)
     if reference.startswith("sha256:"):

@@ -221,3 +221,20 @@ def test_modelcar_image_holds_the_model_under_models(registry, fake_repo, oci_ke
     results = verify_repository(tmp_path / "root" / "models", load_policy(oci_keys["policy"]))
     assert [(r.model, r.version, r.ok) for r in results] == [("enc", 2, True)]
     assert {m["annotations"][mp.ROLE] for m in referrers(t, pushed.digest)} == {"signature", "bom"}
+
+
+def test_a_partial_download_resumes_with_a_range_request(registry, fake_repo, reg_options, tmp_path):
+    pushed = push(fake_repo, "enc", f"oci://{registry.host}/resume/enc:2", version=2, options=reg_options)
+    t = target(registry, "resume/enc", reg_options)
+    layer = next(x for x in json.loads(t.get_manifest(pushed.digest)[0])["layers"]
+                 if x["annotations"][mp.FILEPATH] == "2/model.onnx")
+    data = (fake_repo / "enc" / "2" / "model.onnx").read_bytes()
+    out = tmp_path / "blob"
+    (tmp_path / "blob.part").write_bytes(data[:5000])  # what a killed pull left
+    seen = []
+    t.fetch_blob(layer["digest"], layer["size"], out, progress=lambda what, done, total: seen.append(done))
+    assert out.read_bytes() == data and seen[0] > 5000 and not (tmp_path / "blob.part").exists()
+    (tmp_path / "again.part").write_bytes(b"x" * 5000)  # a damaged partial file is caught by the digest
+    with pytest.raises(FactoryError, match="does not match its digest"):
+        t.fetch_blob(layer["digest"], layer["size"], tmp_path / "again")
+    assert not (tmp_path / "again.part").exists() and not (tmp_path / "again").exists()
