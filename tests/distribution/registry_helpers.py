@@ -33,6 +33,7 @@ class TestRegistry:
     storage: Path  # the registry's filesystem root
     process: subprocess.Popen
     log: Path
+    token_server: object = None
 
     def blob_file(self, digest: str) -> Path:
         hex_ = digest.split(":", 1)[1]
@@ -77,6 +78,70 @@ def make_tls(folder: Path) -> tuple[Path, Path, Path]:
     return ca_pem, cert_pem, key_pem
 
 
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def start_token_service(folder: Path, port: int, tls_cert: Path, tls_key: Path):
+    """A Docker token service on 127.0.0.1:port over TLS: basic auth in, an ES256 JWT (x5c) out.
+
+    Returns (the signing certificate for the registry's rootcertbundle, the running server).
+    """
+    import http.server
+    import ssl
+    import threading
+    import urllib.parse
+    import uuid
+
+    from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+    now = dt.datetime.now(dt.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(_name("test token issuer")).issuer_name(_name("test token issuer"))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .sign(key, hashes.SHA256()))
+    cert_path = folder / "token-signer.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+    good = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.headers.get("Authorization") != good:
+                self.send_response(401)
+                self.end_headers()
+                return
+            query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+            access = []
+            for scope in query.get("scope", []):
+                kind, name, actions = scope.split(":")
+                access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            t = int(time.time())
+            claims = {"iss": "test-token-issuer", "sub": USER, "aud": query.get("service", [""])[0], "exp": t + 600,
+                      "nbf": t - 10, "iat": t, "jti": str(uuid.uuid4()), "access": access}
+            header = {"typ": "JWT", "alg": "ES256", "x5c": [x5c]}
+            signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+            r, s_ = decode_dss_signature(key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
+            token = f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s_.to_bytes(32, 'big'))}"
+            body = json.dumps({"token": token, "expires_in": 600}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls_cert, tls_key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return cert_path, server
+
+
 def docker_config(path: Path, host: str, user: str, password: str) -> Path:
     auth = base64.b64encode(f"{user}:{password}".encode()).decode()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +149,12 @@ def docker_config(path: Path, host: str, user: str, password: str) -> Path:
     return path
 
 
-def start_registry(folder: Path) -> TestRegistry:
-    """Start docker-registry with TLS and htpasswd on a free loopback port; wait until it answers."""
+def start_registry(folder: Path, token: bool = False) -> TestRegistry:
+    """Start docker-registry with TLS on a free loopback port; wait until it answers.
+
+    Auth is htpasswd (basic), or with ``token`` the Docker token flow: a small token service here (the
+    registry's real JWT verification) that checks the same htpasswd user and signs ES256 tokens.
+    """
     from model_factory.serving.server import free_ports
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,8 +164,24 @@ def start_registry(folder: Path) -> TestRegistry:
     htpasswd.write_text(subprocess.run(["htpasswd", "-Bbn", "-C", "5", USER, PASSWORD], check=True,
                                        capture_output=True, text=True).stdout)
     storage = folder / "storage"
-    port = free_ports(1)[0]
+    port, token_port = free_ports(2)
     host = f"127.0.0.1:{port}"
+    token_server = None
+    if token:
+        signer_cert, token_server = start_token_service(folder, token_port, cert, key)
+        auth = f"""auth:
+  token:
+    realm: https://127.0.0.1:{token_port}/token
+    service: test-registry
+    issuer: test-token-issuer
+    rootcertbundle: {signer_cert}
+"""
+    else:
+        auth = f"""auth:
+  htpasswd:
+    realm: test-registry
+    path: {htpasswd}
+"""
     config = folder / "config.yml"
     config.write_text(f"""version: 0.1
 log:
@@ -112,11 +197,7 @@ http:
   tls:
     certificate: {cert}
     key: {key}
-auth:
-  htpasswd:
-    realm: test-registry
-    path: {htpasswd}
-""")
+{auth}""")
     log = folder / "registry.log"
     proc = subprocess.Popen([shutil.which("docker-registry") or "docker-registry", "serve", str(config)],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
@@ -131,14 +212,18 @@ auth:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            if token_server is not None:
+                token_server.shutdown()
             raise RuntimeError(f"docker-registry did not start: {log.read_text()[-2000:]}")
         time.sleep(0.1)
     return TestRegistry(host, ca, docker_config(folder / "docker" / "config.json", host, USER, PASSWORD),
                         docker_config(folder / "wrong" / "config.json", host, USER, "wrong-password"),
-                        storage, proc, log)
+                        storage, proc, log, token_server)
 
 
 def stop_registry(reg: TestRegistry) -> None:
+    if reg.token_server is not None:
+        reg.token_server.shutdown()
     reg.process.terminate()
     try:
         reg.process.wait(10)
@@ -157,6 +242,16 @@ def registry(tmp_path_factory):
         pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs docker-registry and "
                     "apache2-utils as root)")
     reg = start_registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    stop_registry(reg)
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory):
+    """The same registry with Docker token auth (a token service here issues the JWTs it verifies)."""
+    if shutil.which("docker-registry") is None:
+        pytest.skip("docker-registry not installed (scripts/setup.sh installs it as root)")
+    reg = start_registry(tmp_path_factory.mktemp("token-registry"), token=True)
     yield reg
     stop_registry(reg)
 

@@ -238,3 +238,18 @@ def test_a_partial_download_resumes_with_a_range_request(registry, fake_repo, re
     with pytest.raises(FactoryError, match="does not match its digest"):
         t.fetch_blob(layer["digest"], layer["size"], tmp_path / "again")
     assert not (tmp_path / "again.part").exists() and not (tmp_path / "again").exists()
+
+
+def test_token_auth_registry(token_registry, fake_repo, oci_keys, tmp_path):
+    """Docker token auth: the Bearer challenge is answered with a token for the Docker config's credentials."""
+    from model_factory.distribution.registry import RegistryOptions
+
+    options = RegistryOptions(config=token_registry.config, ca_file=token_registry.ca)
+    ref = f"oci://{token_registry.host}/tok/enc:2"
+    push(fake_repo, "enc", ref, version=2, options=options)
+    pull(ref, tmp_path / "dest", oci_keys["policy"], options=options)
+    assert (tmp_path / "dest" / "enc" / "2.sig").is_file()
+    with pytest.raises(FactoryError, match="refused the login"):
+        pull(ref, tmp_path / "dest2", oci_keys["policy"],
+             options=RegistryOptions(config=token_registry.wrong_config, ca_file=token_registry.ca))
+    assert not (tmp_path / "dest2").exists()
