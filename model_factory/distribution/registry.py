@@ -21,7 +21,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,6 @@ class RegistryOptions:
     state_dir: Path | None = None
     attempts: int = 3
     timeout_s: float = 60.0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def docker_config_path(explicit: Path | None) -> Path | None:
@@ -110,7 +109,6 @@ class RegistryTarget:
 
     def __init__(self, ref: RegistryRef, options: RegistryOptions = RegistryOptions()):
         require("oras", "distribution")
-        import oras.container
         import oras.provider
 
         self.ref, self.options = ref, options
@@ -122,7 +120,6 @@ class RegistryTarget:
         self._base = f"{self._scheme}://{ref.host}/v2/{ref.name}"
         self._oras = oras.provider.Registry(hostname=ref.host, insecure=options.plain_http, tls_verify=verify,
                                             auth_backend="basic")
-        self._container = oras.container.Container(f"{ref.host}/{ref.name}:{ref.tag or 'latest'}")
         self._config = docker_config_path(options.config)
         self._auth_header: dict[str, str] = {}
         self._login()
@@ -130,7 +127,18 @@ class RegistryTarget:
     # -- transport ---------------------------------------------------------------------------------------
 
     def _send(self, method: str, url: str, headers: dict[str, str] | None = None, data: bytes | None = None,
-              stream: bool = False, auth: bool = True) -> Any:
+              stream: bool = False, auth: bool = True, renew: bool = True) -> Any:
+        resp = self._send_once(method, url, headers, data, stream, auth)
+        if resp.status_code == 401 and auth and renew and self._auth_header.get("Authorization", "").startswith(
+                "Bearer"):
+            # A token expired during a long transfer: ask for a new one, once.
+            resp.close()
+            self._login()
+            resp = self._send_once(method, url, headers, data, stream, auth)
+        return resp
+
+    def _send_once(self, method: str, url: str, headers: dict[str, str] | None, data: bytes | None, stream: bool,
+                   auth: bool) -> Any:
         import requests
 
         h = dict(headers or {})
@@ -179,7 +187,7 @@ class RegistryTarget:
             if not value:
                 raise self._refused()
             self._auth_header = {"Authorization": f"Bearer {value}"}
-        check = self._send("GET", f"{self._scheme}://{self.ref.host}/v2/")
+        check = self._send("GET", f"{self._scheme}://{self.ref.host}/v2/", renew=False)
         if check.status_code in (401, 403):
             raise self._refused()
 
