@@ -214,6 +214,9 @@ class RegistryTarget:
         if resp.status_code in (401, 403):
             raise FactoryError(f"{what}: registry {self.ref.host} refused access ({_errors_of(resp)}). Fix: check "
                                f"the credentials in {self._config} and the account's rights on {self.ref.name}")
+        if "NAME_UNKNOWN" in _codes(resp):
+            raise FactoryError(f"{what}: repository {self.label} does not exist, and the registry does not create "
+                               f"repositories on push. Fix: create {self.ref.name} (Harbor: the project) first")
         if resp.status_code >= 400:
             raise FactoryError(f"{what}: {self.ref.host} answered {resp.status_code} ({_errors_of(resp)})")
         return resp
