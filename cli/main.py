@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.wheelhouse",
     "model_factory.cli.bench",
     "model_factory.cli.recipe",
+    "model_factory.cli.distribution",
 )
 
 

@@ -27,3 +27,12 @@ if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev
    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; }) \
    || echo "note: docker-compose not installed; the compose 'config' test will skip" >&2
 fi
+# Optional: a real OCI registry (Debian's docker-registry, CNCF Distribution 2.8), skopeo and htpasswd for
+# the distribution tests (push/pull through a registry; they skip without them). Best effort, as above.
+if ! command -v docker-registry >/dev/null 2>&1 || ! command -v skopeo >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${WHEELHOUSE:-}" ]; then
+    (apt-get install -y -q docker-registry skopeo apache2-utils >/dev/null 2>&1 \
+     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-registry skopeo apache2-utils >/dev/null 2>&1; }) \
+     || echo "note: docker-registry/skopeo not installed; the OCI registry tests will skip" >&2
+  fi
+fi

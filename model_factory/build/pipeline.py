@@ -6,6 +6,7 @@ wires them together in order and hands each the part of the recipe it needs.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,11 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         def sign_staged(staged: Path) -> Path:
             # Signs the staged model folder before it replaces the old one (package_model).
             provenance = provenance_for(recipe, build_info, accuracy, started_on)
+            # The BOM goes into the version folder first, so the signature covers it (needs [distribution]).
+            if importlib.util.find_spec("cyclonedx") is not None:
+                from model_factory.distribution.bom import write_bom
+
+                write_bom(staged, recipe.version, provenance)
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 

@@ -49,6 +49,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "image-volume": {"repository": {"source": "image", "image": {
         "reference": f"registry.example.internal/model-factory/repository@{DIGEST}"}}},
     "s3": {"repository": {"source": "s3", "s3": {"endpoint": "https://minio.models.svc:9000", "bucket": "models"}}},
+    "oci": {"repository": {"source": "oci", "oci": {
+        "references": ["oci://registry.models.svc:5000/models/minilm:1", "oci://registry.models.svc:5000/models/bge:3"],
+        "caSecret": "registry-ca", "credentialsSecret": "registry-pull"}}},
     "existing-claim": {"repository": {"pvc": {"existingClaim": "shared-models"}, "subPath": "fleet/a"},
                        "trust": {"existingConfigMap": "corp-policy", "existingSecret": "corp-trust"}},
     "trust-files": {"trust": {"files": {"release.pub": "-----BEGIN PUBLIC KEY-----\nMFkw\n-----END PUBLIC KEY-----\n"}}},

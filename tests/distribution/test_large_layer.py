@@ -1,0 +1,67 @@
+"""A 2 GB+ weight file through the registry: chunked upload, resumed after the pushing process is killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SIZE = (2 << 30) + 12345  # just past 2 GiB: an odd size, so the last chunk is partial
+CHUNK = 256 << 20
+
+_KILLED_PUSH = """
+import os, signal, sys
+from pathlib import Path
+from model_factory.distribution.push_pull import push
+from model_factory.distribution.registry import RegistryOptions
+repo, ref, config, ca, state = sys.argv[1:6]
+def progress(what, done, total):
+    if "chunked" in what and done >= 3 * {chunk}:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed right after the third chunk was acknowledged
+push(Path(repo), "big", ref, options=RegistryOptions(config=Path(config), ca_file=Path(ca), chunk_size={chunk},
+     state_dir=Path(state)), progress=progress)
+"""
+
+
+def test_two_gib_layer_chunked_and_resumed_after_a_kill(registry, oci_keys, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "signing"))
+    from signing_helpers import build_model
+
+    from model_factory.distribution.push_pull import pull, push
+    from model_factory.distribution.registry import RegistryOptions
+    from model_factory.signing import SignerConfig, sign_model_version
+
+    repo = tmp_path / "repo"
+    build_model(repo / "big", (1,))
+    weights = repo / "big" / "1" / "model.onnx.data"
+    with open(weights, "wb") as f:  # sparse: costs no disk here, and streams as zeros with a marker at the end
+        f.truncate(SIZE - 16)
+        f.seek(SIZE - 16)
+        f.write(b"end-of-weights!!")
+    sign_model_version(repo / "big", 1, SignerConfig(oci_keys["trusted"][0]))
+    ref = f"oci://{registry.host}/large/big:1"
+    state = tmp_path / "upload-state"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_PUSH.format(chunk=CHUNK), str(repo), ref,
+                           str(registry.config), str(registry.ca), str(state)], capture_output=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert list(state.glob("*.json")), "the upload session was recorded"
+
+    sent: list[int] = []
+    options = RegistryOptions(config=registry.config, ca_file=registry.ca, chunk_size=CHUNK, state_dir=state)
+    push(repo, "big", ref, options=options,
+         progress=lambda what, done, total: sent.append(done) if "chunked" in what else None)
+    assert sent[0] == 4 * CHUNK and sent[-1] == SIZE  # resumed after the three acknowledged chunks
+    assert not list(state.glob("*.json"))
+
+    result = pull(ref, tmp_path / "dest", oci_keys["policy"], options=options)
+    pulled = result.model_dir / "1" / "model.onnx.data"
+    assert pulled.stat().st_size == SIZE
+    with open(pulled, "rb") as f:
+        f.seek(SIZE - 16)
+        assert f.read() == b"end-of-weights!!"
+    os.remove(pulled)
