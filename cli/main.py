@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.accept",
     "model_factory.cli.wheelhouse",
     "model_factory.cli.bench",
+    "model_factory.cli.report",
 )
 
 

@@ -27,3 +27,11 @@ if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev
    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; }) \
    || echo "note: docker-compose not installed; the compose 'config' test will skip" >&2
 fi
+# Optional: Debian's chromium renders the release report in the browser tests (headless, offline); they skip
+# without it. Best effort, as for docker-compose.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+   && [ -z "${WHEELHOUSE:-}" ]; then
+  (apt-get install -y -q chromium >/dev/null 2>&1 \
+   || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }) \
+   || echo "note: chromium not installed; the report's browser tests will skip" >&2
+fi
