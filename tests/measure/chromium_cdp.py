@@ -14,7 +14,6 @@ import asyncio
 import base64
 import itertools
 import json
-import os
 import shutil
 import subprocess
 import tempfile

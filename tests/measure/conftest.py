@@ -104,16 +104,21 @@ def release_b(tmp_path_factory, minilm_export, report_keys):
 
 @pytest.fixture(scope="session")
 def sweep_a(release_a, tmp_path_factory) -> Path:
-    """A real ``bench --sweep`` of release A served by the bundled Triton (concurrency 1 and 4)."""
-    from model_factory.measure.sweep import run_sweep, write_sweep
+    """A real ``model-factory bench --sweep 1,4`` of release A served by the bundled Triton (JSON and CSV)."""
+    from click.testing import CliRunner
+
+    from model_factory.cli.bench import bench
     from model_factory.serving.server import ServerOptions, TritonServer
 
     out = tmp_path_factory.mktemp("sweep") / "sweep.json"
     server = TritonServer(release_a.repo, options=ServerOptions(0, 0, 0)).start()
     try:
-        doc = run_sweep(server.http_url, "minilm", ROOT / "benchmarks" / "texts.txt", (1, 4), requests=48, warmup=8,
-                        tokenizer_dir=release_a.version_dir / "tokenizer", metrics_url=server.metrics_url)
+        result = CliRunner().invoke(bench, [
+            "--url", server.http_url, "-m", "minilm", "--texts", str(ROOT / "benchmarks" / "texts.txt"),
+            "--tokenizer", str(release_a.version_dir / "tokenizer"), "-n", "48", "--warmup", "8", "--sweep", "1,4",
+            "--metrics-url", server.metrics_url, "--json", str(out), "--csv", str(out.with_suffix(".csv"))])
     finally:
         server.stop()
-    write_sweep(doc, out, out.with_suffix(".csv"))
+    assert result.exit_code == 0, result.output
+    assert "groups/win" in result.output and len(out.with_suffix(".csv").read_text().splitlines()) == 3
     return out

@@ -105,7 +105,8 @@ def test_built_and_engine_numbers_equal_the_files(rendered, release_a):
     assert _num(_one(page, sec, "engine:bytes", plan="model.int8.plan")) == plan["plan_bytes"]
     assert _num(_one(page, sec, "engine:seconds", plan="model.int8.plan")) == plan["build_seconds"]
     assert _one(page, sec, "engine:builder", plan="model.int8.plan") == f"{plan['flavour']} {plan['version']}"
-    assert _one(page, sec, "engine:device", plan="model.int8.plan").startswith(str(plan["device"]))
+    device = plan["device"]["name"] if isinstance(plan["device"], dict) else plan["device"]  # GPU, or ahead of time
+    assert _one(page, sec, "engine:device", plan="model.int8.plan").startswith(device)
 
 
 def test_accuracy_numbers_equal_accuracy_json(rendered, release_a):

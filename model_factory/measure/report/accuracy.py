@@ -134,7 +134,8 @@ def collect(release: Release) -> Accuracy:
         calibration_samples=int(report.get("calibration_samples", 0)),
         calibration_method=report.get("calibration_method"), scoring=str(report.get("scoring") or ""),
         rows=tuple(rows), kept=kept, given_back=tuple(search["back"]), search_target=search["target"],
-        search_set=search["set"], all_int8_score=search["all"], candidates=int(int8.get("candidates", 0)) if int8 else 0,
+        search_set=search["set"], all_int8_score=search["all"],
+        candidates=int(int8.get("candidates", 0)) if int8 else 0,
         sensitivities=tuple(sorted(search["gain"].items(), key=lambda kv: -kv[1])))
     return dataclasses.replace(acc, score_plot=score_plot(acc),
                                sensitivity_plot=sensitivity_plot(acc) if acc.sensitivities else None)

@@ -102,7 +102,8 @@ def compare(new: Release, old: Release, *, new_built: Built, old_built: Built, n
     old_art = {a.name: a.size for a in old_built.artifacts}
     new_art = {a.name: a.size for a in new_built.artifacts}
     sizes = [Delta("version folder", old.total_bytes, new.total_bytes, "bytes")]
-    sizes += [Delta(name, old_art.get(name), new_art.get(name), "bytes") for name in sorted(set(old_art) | set(new_art))]
+    sizes += [Delta(name, old_art.get(name), new_art.get(name), "bytes")
+              for name in sorted(set(old_art) | set(new_art))]
     old_files = {f.path: f for f in old.files}
     new_files = {f.path: f for f in new.files}
     files, unchanged = [], 0
