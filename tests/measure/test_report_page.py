@@ -85,3 +85,22 @@ def test_a_bare_fp32_version_says_what_it_lacks(tmp_path, minilm_recipe, minilm_
                  'data-k="no-bench"', 'data-k="acceptance">not run'):
         assert text in html, text
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
+
+
+def test_groups_per_window_from_the_backend_counters():
+    from model_factory.measure import bench
+
+    def scrape(groups, windows):
+        return bench.parse_prometheus(
+            f'model_factory_groups_total{{instance="minilm_0",model="minilm"}} {groups}\n'
+            f'model_factory_executions_total{{instance="minilm_0",model="minilm"}} {windows}\n'
+            f'model_factory_groups_total{{instance="minilm_1",model="minilm"}} {groups}\n'
+            f'model_factory_executions_total{{instance="minilm_1",model="minilm"}} {windows}\n')
+
+    d = bench.counter_deltas(scrape(10, 8), scrape(40, 18), "minilm")
+    assert (d["groups"], d["windows"]) == (60, 20)  # summed over the instances
+    r = bench.with_counters(bench.summarize([0.01], 0, 1.0), **d)
+    assert r.groups_per_window == 3.0
+    assert bench.summarize([0.01], 0, 1.0).groups_per_window is None
+    merged = bench.merge_results([r, r])
+    assert (merged.groups, merged.windows) == (120, 40)
