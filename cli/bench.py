@@ -29,9 +29,16 @@ from model_factory.cli.common import user_errors
               help="Triton's metrics endpoint (e.g. http://localhost:8002/metrics) for the padding ratio "
                    "and the mean batch.")
 @click.option("--output", default="embedding", show_default=True, help="Output tensor to request.")
+@click.option("--sweep", default=None, metavar="C1,C2,...",
+              help="Run the same stream at each of these concurrencies (e.g. 1,8,32,64) instead of --concurrency.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the sweep as JSON (what model-factory report --bench plots).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the sweep as CSV, one row per concurrency.")
 @user_errors
 def bench(url: str, model: str, protocol: str, concurrency: int, requests: int, warmup: int, texts: str,
-          seed: int, tokenizer_dir: str | None, max_length: int, metrics_url: str | None, output: str) -> None:
+          seed: int, tokenizer_dir: str | None, max_length: int, metrics_url: str | None, output: str,
+          sweep: str | None, json_path: str | None, csv_path: str | None) -> None:
     """Benchmark a served model with the asyncio Triton client at fixed concurrency.
 
     Requests are drawn (seeded) from TEXTS, one line per request, sent as text, or as
@@ -43,7 +50,20 @@ def bench(url: str, model: str, protocol: str, concurrency: int, requests: int, 
       model-factory bench --url localhost:8001 --protocol grpc -m minilm \\
           --texts benchmarks/texts.txt -c 16 -n 1000 \\
           --metrics-url http://localhost:8002/metrics
+      model-factory bench -m minilm --texts benchmarks/texts.txt \\
+          --sweep 1,8,32,64 --json sweep.json --csv sweep.csv \\
+          --metrics-url http://localhost:8002/metrics
     """
+    if sweep is not None or json_path or csv_path:
+        from model_factory.measure.sweep import format_sweep, parse_concurrency, run_sweep, write_sweep
+
+        levels = parse_concurrency(sweep) if sweep is not None else (concurrency,)
+        doc = run_sweep(url, model, texts, levels, protocol=protocol, requests=requests, warmup=warmup, seed=seed,
+                        tokenizer_dir=tokenizer_dir, max_length=max_length, metrics_url=metrics_url, output=output,
+                        progress=lambda m: click.echo(m, err=True))
+        write_sweep(doc, json_path, csv_path)
+        click.echo(format_sweep(doc["points"]))
+        return
     from model_factory.measure.bench import format_table, run_bench
 
     result = run_bench(url, model, texts, protocol=protocol, concurrency=concurrency, requests=requests,

@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.bench",
     "model_factory.cli.recipe",
     "model_factory.cli.distribution",
+    "model_factory.cli.report",
 )
 
 

@@ -36,3 +36,11 @@ if ! command -v docker-registry >/dev/null 2>&1 || ! command -v skopeo >/dev/nul
      || echo "note: docker-registry/skopeo not installed; the OCI registry tests will skip" >&2
   fi
 fi
+# Optional: Debian's chromium renders the release report in the browser tests (headless, offline); they skip
+# without it. Best effort, as for docker-compose.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+   && [ -z "${WHEELHOUSE:-}" ]; then
+  (apt-get install -y -q chromium >/dev/null 2>&1 \
+   || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }) \
+   || echo "note: chromium not installed; the report's browser tests will skip" >&2
+fi

@@ -43,6 +43,7 @@ SEND_MODES = ("ids", "text")
 COMPUTED_TOKENS_METRIC = "model_factory_computed_tokens_total"
 REAL_TOKENS_METRIC = "model_factory_real_tokens_total"
 EXECUTIONS_METRIC = "model_factory_executions_total"
+GROUPS_METRIC = "model_factory_groups_total"
 EXECUTE_SECONDS_METRIC = "model_factory_execute_seconds_total"
 SERVER_TIMES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
@@ -168,6 +169,14 @@ class BenchResult:
     latencies_ms: tuple[float, ...] = field(default=(), repr=False)
     # Requests the server shed at once (queue full: UNAVAILABLE / 503), counted apart from errors.
     rejected: int = 0
+    # The backend's engine launches (groups) and execute() windows over the run (its counters).
+    groups: int = 0
+    windows: int = 0
+
+    @property
+    def groups_per_window(self) -> float | None:
+        """Engine launches per execute() window (None without the backend's counters)."""
+        return self.groups / self.windows if self.windows > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         """The headline numbers (no raw latencies), for reports."""
@@ -198,10 +207,10 @@ def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, labe
 def with_counters(result: BenchResult, *, computed_tokens: int = 0, served_tokens: int = 0,
                   inferences: int = 0, executions: int = 0, padding_source: str | None = None,
                   successes: int = 0, server_us: Mapping[str, float] | None = None,
-                  execute_s: float = 0.0) -> BenchResult:
+                  execute_s: float = 0.0, groups: int = 0, windows: int = 0) -> BenchResult:
     """``result`` with the server-side counters of its run, and the ratios they give."""
     ratio = computed_tokens / served_tokens if served_tokens > 0 else None
-    return replace(result, successes=successes, server_us=dict(server_us or {}), execute_s=execute_s,
+    return replace(result, successes=successes, groups=groups, windows=windows, server_us=dict(server_us or {}), execute_s=execute_s,
                    computed_tokens=computed_tokens, served_tokens=served_tokens, inferences=inferences,
                    executions=executions, padding_ratio=ratio,
                    padding_source=padding_source or ("backend metrics" if ratio is not None else "n/a"),
@@ -233,6 +242,7 @@ def merge_results(results: Sequence[BenchResult], label: str | None = None) -> B
                          successes=sum(r.successes for r in results),
                          server_us={k: sum(r.server_us.get(k, 0.0) for r in results) for k in SERVER_TIMES},
                          execute_s=sum(r.execute_s for r in results),
+                         groups=sum(r.groups for r in results), windows=sum(r.windows for r in results),
                          padding_source=sources.pop() if len(sources) == 1 else None)
 
 
@@ -296,7 +306,8 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> list[Sample]:
 
 
 def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str) -> dict[str, float]:
-    """What the server did for ``model`` between two scrapes: computed/real tokens, inferences, executions."""
+    """What the server did for ``model`` between two scrapes: computed/real tokens, inferences, executions,
+    the backend's groups and windows."""
     def delta(name: str) -> float:
         a = metric_total(after, name, model=model)
         b = metric_total(before, name, model=model)
@@ -308,7 +319,8 @@ def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str
             "executions": int(round(delta("nv_inference_exec_count"))),
             "successes": int(round(delta("nv_inference_request_success"))),
             "server_us": {k: delta(f"nv_inference_{k}_duration_us") for k in SERVER_TIMES},
-            "execute_s": delta(EXECUTE_SECONDS_METRIC)}
+            "execute_s": delta(EXECUTE_SECONDS_METRIC),
+            "groups": int(round(delta(GROUPS_METRIC))), "windows": int(round(delta(EXECUTIONS_METRIC)))}
 
 
 def time_split(result: BenchResult) -> dict[str, float] | None:

@@ -1,0 +1,71 @@
+"""The Grafana dashboard in deploy/grafana names only metrics that a real scrape of our served model contains.
+
+The server is the bundled Triton serving MiniLM with the model-factory backend (the
+session's ``triton`` fixture, CPU instances). The GPU memory pool gauges are exported
+by GPU instances only: they must be exactly the metrics such a scrape lacks, and be
+the backend's own declared families.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "model-factory.json"
+# PromQL words a query may use besides metric names.
+PROMQL = {"sum", "max", "min", "avg", "count", "by", "without", "rate", "irate", "increase", "on", "ignoring",
+          "group_left", "group_right", "label_values", "histogram_quantile", "clamp_min", "and", "or", "unless"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads; fails on any word that is neither a metric nor PromQL."""
+    bare = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    bare = re.sub(r"\[[^\]]*\]", "", bare)  # range selectors ($__rate_interval)
+    bare = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", bare)  # grouping labels
+    bare = re.sub(r",\s*[a-z_]+\s*\)", ")", bare)  # label_values(metric, label): the label
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", bare))
+    unknown = {w for w in words - PROMQL if not w.startswith(("nv_", "model_factory_"))}
+    assert not unknown, f"{expr!r} uses {unknown}: neither a metric of ours nor a PromQL word this test knows"
+    return words - PROMQL
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    queries += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    return queries
+
+
+def test_dashboard_is_well_formed():
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and dash["uid"] and dash["schemaVersion"] >= 36
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("queue-to-compute", "latency", "padding", "groups", "pool bytes", "rejected"):
+        assert topic in titles, topic
+    for p in dash["panels"]:
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
+    assert metric_names('sum by (model) (rate(nv_inference_count{model=~"$model"}[$__rate_interval]))') == \
+        {"nv_inference_count"}
+
+
+def test_every_query_names_a_metric_of_a_real_scrape(triton):
+    import urllib.request
+
+    from model_factory.backend.metrics import FAMILIES, PREFIX
+    from model_factory.measure.bench import parse_prometheus
+
+    url = triton.metrics_url if "://" in triton.metrics_url else f"http://{triton.metrics_url}"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    scraped = {s.name for s in parse_prometheus(text)}
+    assert "model_factory_executions_total" in scraped  # our backend's metrics are there, not only Triton's
+    used = set().union(*(metric_names(q) for q in dashboard_queries()))
+    gpu_only = {PREFIX + name for name in FAMILIES if name.startswith("pool_")}
+    assert used - scraped == gpu_only, sorted(used - scraped)
+    assert gpu_only <= used  # the pool bytes are on the dashboard, for GPU instances

@@ -1,0 +1,106 @@
+"""The report and the sweep files without a browser: inputs refused with a fix, a bare version, the sweep's files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_factory.errors import FactoryError
+
+
+def _doc(points):
+    from model_factory.measure.sweep import SWEEP_FORMAT, SWEEP_KIND
+
+    return {"kind": SWEEP_KIND, "format": SWEEP_FORMAT, "model": "minilm", "protocol": "http", "send": "ids",
+            "requests": 10, "machine": {}, "points": points}
+
+
+def _point(c, **more):
+    return {"concurrency": c, "throughput": 10.0 * c, "p50_ms": 1.5, "p99_ms": 2.0 + c, "mean_ms": 1.6,
+            "requests": 10, "errors": 0, "rejected": 0, "seconds": 1.0, **more}
+
+
+def test_parse_concurrency():
+    from model_factory.measure.sweep import parse_concurrency
+
+    assert parse_concurrency("1,8, 32,64") == (1, 8, 32, 64)
+    for bad in ("", "0,1", "1,1", "a,2", "-4"):
+        with pytest.raises(FactoryError, match="Fix: e.g. --sweep 1,8,32,64"):
+            parse_concurrency(bad)
+
+
+def test_sweep_json_and_csv_round_trip(tmp_path):
+    from model_factory.measure.sweep import format_sweep, read_sweep, write_sweep
+
+    doc = _doc([_point(8, padding_ratio=1.25, groups_per_window=2.0), _point(1, padding_ratio=None)])
+    write_sweep(doc, tmp_path / "s.json", tmp_path / "s.csv")
+    back = read_sweep(tmp_path / "s.json")
+    assert [p["concurrency"] for p in back["points"]] == [1, 8]  # sorted by concurrency
+    assert back["points"][1]["padding_ratio"] == 1.25 and back["points"][0]["groups_per_window"] is None
+    rows = (tmp_path / "s.csv").read_text().splitlines()
+    assert rows[0].startswith("model,concurrency,throughput,p50_ms,p99_ms") and len(rows) == 3
+    assert rows[1].split(",")[:3] == ["minilm", "8", "80.0"]
+    table = format_sweep(back["points"])
+    assert "n/a" in table and "1.250" in table
+
+
+def test_sweep_files_that_are_not_sweeps_are_refused(tmp_path):
+    from model_factory.measure.sweep import read_sweep
+
+    (tmp_path / "other.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(FactoryError, match="is not a bench sweep. Fix"):
+        read_sweep(tmp_path / "other.json")
+    (tmp_path / "new.json").write_text(json.dumps(_doc([]) | {"format": 99}))
+    with pytest.raises(FactoryError, match="format 99"):
+        read_sweep(tmp_path / "new.json")
+    with pytest.raises(FactoryError, match="cannot read the bench results"):
+        read_sweep(tmp_path / "missing.json")
+
+
+def test_report_inputs_are_checked(tmp_path):
+    from model_factory.measure.report import ReportInputs, render
+
+    with pytest.raises(FactoryError, match="does not exist. Fix"):
+        render(ReportInputs(tmp_path / "nowhere"))
+    (tmp_path / "repo").mkdir()
+    with pytest.raises(FactoryError, match="holds no model folder"):
+        render(ReportInputs(tmp_path / "repo"))
+
+
+def test_a_bare_fp32_version_says_what_it_lacks(tmp_path, minilm_recipe, minilm_export):
+    """Unsigned, FP32 only, no engine, no bench: each section says so instead of failing."""
+    from dataclasses import replace
+
+    from model_factory.build.repository import package_model
+    from model_factory.measure.report import ReportInputs, collect, render
+
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    package_model(recipe, {"model.onnx": minilm_export.onnx_path}, tokenizer_dir=minilm_export.tokenizer_dir,
+                  parameters={"cost_model": "0.002,1e-6,1e-9"})
+    with pytest.raises(FactoryError, match="has no model 'other'"):
+        collect(ReportInputs(tmp_path / "repo", model="other"))
+    html = render(ReportInputs(tmp_path / "repo"))
+    for text in ('data-k="no-engines">No engines built', 'data-k="accuracy-absent"', 'data-k="unsigned"',
+                 'data-k="no-bench"', 'data-k="acceptance">not run'):
+        assert text in html, text
+    assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
+
+
+def test_groups_per_window_from_the_backend_counters():
+    from model_factory.measure import bench
+
+    def scrape(groups, windows):
+        return bench.parse_prometheus(
+            f'model_factory_groups_total{{instance="minilm_0",model="minilm"}} {groups}\n'
+            f'model_factory_executions_total{{instance="minilm_0",model="minilm"}} {windows}\n'
+            f'model_factory_groups_total{{instance="minilm_1",model="minilm"}} {groups}\n'
+            f'model_factory_executions_total{{instance="minilm_1",model="minilm"}} {windows}\n')
+
+    d = bench.counter_deltas(scrape(10, 8), scrape(40, 18), "minilm")
+    assert (d["groups"], d["windows"]) == (60, 20)  # summed over the instances
+    r = bench.with_counters(bench.summarize([0.01], 0, 1.0), **d)
+    assert r.groups_per_window == 3.0
+    assert bench.summarize([0.01], 0, 1.0).groups_per_window is None
+    merged = bench.merge_results([r, r])
+    assert (merged.groups, merged.windows) == (120, 40)
