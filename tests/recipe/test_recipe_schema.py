@@ -171,9 +171,10 @@ def _shipped_and_built_recipes() -> dict[str, dict[str, Any]]:
     from zoo_models import RANDOM_WEIGHT_GATE, RECIPE_TAIL, readme_recipe
 
     recipes = {"examples/minilm.toml": tomllib.loads((ROOT / "model_factory/examples/minilm.toml").read_text())}
-    readme_blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    readme_blocks = [b for doc in (ROOT / "README.md", ROOT / "docs" / "models.md")
+                     for b in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)]
     for i, block in enumerate(b for b in readme_blocks if re.search(r"^\[model\]", b, re.M)):  # whole recipes
-        recipes[f"README recipe {i}"] = tomllib.loads(block)
+        recipes[f"README/docs recipe {i}"] = tomllib.loads(block)
     for task in ("embedding", "classification", "token-classification", "reranker"):
         data = tomllib.loads(readme_recipe(task) + RECIPE_TAIL)
         for dotted, value in RANDOM_WEIGHT_GATE.items():
@@ -181,7 +182,7 @@ def _shipped_and_built_recipes() -> dict[str, dict[str, Any]]:
             data[section][key] = value
         recipes[f"zoo {task}"] = data
     generic = ROOT / "tests" / "integration" / "test_zoo_generic.py"
-    cnn = next(b for b in re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    cnn = next(b for b in re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)
                if 'factory = "tiny_cnn:build"' in b)
     recipes["zoo tiny-cnn"] = tomllib.loads(cnn + _module_string(generic, "CNN_RECIPE_TAIL").format(trt="true",
                                                                                                    repo="repo"))
