@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.backend.contract import Files
 from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
@@ -97,7 +97,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
             result = _export_torch_factory(recipe, tmp, say)
         else:
             result = _import_onnx(recipe, tmp, say)
-        (tmp / "export.json").write_text(json.dumps({
+        (tmp / Files.EXPORT_REPORT).write_text(json.dumps({
             "max_abs_error": result.max_abs_error, "tolerance": result.tolerance,
             "source_digest": result.source_digest, "opset": result.opset,
             "inputs": list(result.input_names), "outputs": list(result.output_names),
@@ -109,7 +109,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
     return ExportResult(
         onnx_path=out_dir / result.onnx_path.name,
         max_abs_error=result.max_abs_error, tolerance=result.tolerance,
-        tokenizer_dir=(out_dir / "tokenizer") if result.tokenizer_dir else None,
+        tokenizer_dir=(out_dir / Files.TOKENIZER_DIR) if result.tokenizer_dir else None,
         source_digest=result.source_digest, opset=result.opset,
         input_names=result.input_names, output_names=result.output_names,
         torchscript_path=(out_dir / result.torchscript_path.name) if result.torchscript_path else None,
@@ -258,7 +258,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     if use_tti:
         args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     # The check runs at the traced shape and at another batch size and length: dynamic axes must hold.
     # The source's outputs are computed first, so the torch model can go before ONNX Runtime loads its copy.
     single = _hf_samples(tok, task, samples[2:3], max_len)
@@ -286,7 +286,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     if recipe.export.torchscript:
         ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
                                             out_names, recipe, say)
-    tok_dir = tmp / "tokenizer"
+    tok_dir = tmp / Files.TOKENIZER_DIR
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
@@ -388,7 +388,7 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
     loaded back and checked against the eager module at every sample shape (different batch sizes
     and lengths): a trace that baked a shape in fails here, not in the server.
     """
-    path = tmp / TORCHSCRIPT_FILE
+    path = tmp / Files.TORCHSCRIPT
     fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
           "control flow from the model's forward()"
     say("tracing to TorchScript")
@@ -410,7 +410,7 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
         # torch >= 2.10 marks TorchScript deprecated in favour of torch.export; a plain trace is kept on
         # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(traced, str(path), _extra_files={IO_EXTRA_FILE: json.dumps(io_names)})
+        torch.jit.save(traced, str(path), _extra_files={Files.TORCHSCRIPT_IO: json.dumps(io_names)})
         loaded = torch.jit.load(str(path), map_location="cpu")
     err = 0.0
     for sample in samples:
@@ -587,7 +587,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     _check_example_inputs(recipe, dict(zip(in_names, args)))
     out_names = [s.name for s in recipe.outputs]
     module = module.eval()
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
     opset = _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe, say)
@@ -689,7 +689,7 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
                            f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
                            "match the graph's tensor names")
     check_declared_specs(recipe, model)
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     # Weights stream from the source's data files (if any) into this folder's layout, one tensor at a time.
     onnx_files.save(model, onnx_path, base_dir=Path(src).parent, consume=True)
     del model
