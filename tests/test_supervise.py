@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from model_factory.serving import server as serve
+from model_factory.serving import triton_process as serve
 from model_factory.errors import FactoryError
 from model_factory.serving.supervise import STUB_NAME, StubWatch, stub_counts, stub_processes
 
@@ -77,9 +77,10 @@ def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_s
     _proc(proc, 20, SERVER_PID, _stub(repo, "b"))
     server = FakeServer(repo)
     verified: list[str] = []
-    monkeypatch.setattr(serve, "reverify_model", lambda srv, model: verified.append(model))
+    reverify = {"with": lambda model: verified.append(model)}
     messages: list[str] = []
-    watch = StubWatch(server, ["a", "b"], echo=messages.append, proc=proc, settle_s=0)
+    watch = StubWatch(server, ["a", "b"], echo=messages.append, proc=proc, settle_s=0,
+                      reverify=lambda model: reverify["with"](model))
     assert watch.expected == {"a": 1, "b": 1}
     assert watch.check() == [] and server.calls == []
 
@@ -91,17 +92,17 @@ def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_s
     assert server.calls == ["unload b", "load b"] and verified == ["b"]
     assert any("ready again" in m for m in messages)
 
-    def refuse(srv, model):
+    def refuse(model):
         raise FactoryError("1/model.onnx changed")
 
-    monkeypatch.setattr(serve, "reverify_model", refuse)
+    reverify["with"] = refuse
     server.calls.clear()
     (rec,) = watch.check()  # still no stub for b: heal again, and this time it no longer verifies
     assert not rec.ok and "no longer verifies" in rec.reason and server.calls == ["unload b"]
     assert "b" not in watch.expected and watch.check() == []  # left unloaded, not retried
 
     shutil.rmtree(proc / "10")
-    monkeypatch.setattr(serve, "reverify_model", lambda srv, model: None)
+    reverify["with"] = lambda model: None
     server.load_error = "failed to load 'a'"
     (rec,) = watch.check()
     assert not rec.ok and "reload failed" in rec.reason

@@ -11,9 +11,9 @@ when a model has fewer live stubs than it had once loaded it
    at once, and waits ``settle_s`` for the dead instance to fail the requests it holds
    (new requests get 404 at once meanwhile), then ends the old load's other stubs (Triton 2.51
    never finishes an unload with a dead instance, and they would keep their copy of the model);
-2. verifies the model again against the trust policy ``serve`` started with
-   (:func:`model_factory.serving.server.reverify_model`): the restarted stub loads only bytes
-   that verify, and a model that no longer verifies stays unloaded;
+2. verifies the model again against the trust policy ``serve`` started with (the ``reverify``
+   callable it is given, :func:`model_factory.serving.digests.reverify_model`): the restarted stub
+   loads only bytes that verify, and a model that no longer verifies stays unloaded;
 3. loads it again and records how long the model was down (:class:`Recovery`).
 
 Linux only (``/proc``); elsewhere :func:`stub_processes` finds nothing and nothing is healed.
@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from model_factory.errors import FactoryError
 
@@ -106,14 +106,18 @@ def stub_counts(server_pid: int, repository: Path, proc: Path = Path("/proc")) -
 class StubWatch:
     """A thread that polls the stubs of ``models`` every ``interval_s`` and heals a model whose stub died.
 
-    ``server`` is a started :class:`model_factory.serving.server.TritonServer` (its admin key opens the
-    repository API). ``echo`` reports each heal. Use as a context manager or call start()/stop().
+    ``server`` is a started :class:`model_factory.serving.triton_process.TritonServer` (its admin key opens
+    the repository API; its loads carry the configuration this deployment derived). ``reverify(model)``
+    verifies a model again before it is reloaded and raises FactoryError when it no longer verifies
+    (None: the server runs without a policy, nothing to re-verify). ``echo`` reports each heal. Use as a
+    context manager or call start()/stop().
     """
 
-    def __init__(self, server: object, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
+    def __init__(self, server: Any, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
                  echo: Callable[[str], None] | None = None, proc: Path = Path("/proc"),
-                 settle_s: float = SETTLE_S) -> None:
+                 settle_s: float = SETTLE_S, reverify: Callable[[str], None] | None = None) -> None:
         self.server = server
+        self.reverify = reverify
         self.interval_s = interval_s
         self.settle_s = settle_s
         self.echo = echo or (lambda _msg: None)
@@ -127,7 +131,7 @@ class StubWatch:
 
     def _counts(self) -> dict[str, int] | None:
         """Live stubs per model; None when the server itself is not running (nothing to heal then)."""
-        process = getattr(self.server, "process", None)
+        process = self.server.process
         if process is None or process.poll() is not None:
             return None
         return stub_counts(process.pid, self.server.repository, self.proc)
@@ -147,8 +151,6 @@ class StubWatch:
 
     def heal(self, model: str) -> Recovery:
         """Unload ``model`` (not ready from now on), verify it again, load it again."""
-        from model_factory.serving.server import reverify_model
-
         start = time.monotonic()
         self.healing = model
         self.echo(f"model {model}: its backend stub died; unloading, re-verifying and reloading it")
@@ -159,7 +161,8 @@ class StubWatch:
                 return self._done(model, start, False, f"unload failed: {error}")
             unloaded = time.monotonic()
             try:
-                reverify_model(self.server, model)
+                if self.reverify is not None:
+                    self.reverify(model)
             except FactoryError as exc:
                 return self._done(model, start, False, f"no longer verifies, left unloaded: {exc}")
             # Let the dead instance fail the requests it holds before the new one loads: Triton 2.51 answers
