@@ -94,22 +94,20 @@ def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = Non
     """The cost model of the engine the backend would serve for ``model_dir``, timed on this machine.
 
     Loads the engine with the backend's own loader (same choice, same files, bytes checked against
-    ``digests``) and times the sweep the backend times at load (one repeat); None for a model whose
+    ``digests``) and times the backend's short warm-up (what it starts from at load); None for a model whose
     inputs are not all ``[batch, sequence]`` integer tensors or whose engine does not load (the model's
     own load reports that). Run in a child process: the engine's memory is gone before Triton loads it.
     """
     import numpy as np
 
-    from model_factory.backend.grouping import measure_cost_model, profile_for_length
+    from model_factory.backend.cost_learning import start_cost_model
+    from model_factory.backend.grouping import profile_for_length
     from model_factory.backend.loading import load_engine
     from model_factory.build.repository import read_config
     from model_factory.serving.acceptance import engine_settings, gpu_product_env, instance_of, served_version
 
     config = read_config(model_dir)
     settings = engine_settings(config)
-    if not settings.inputs or not all(i.data_type in ("TYPE_INT64", "TYPE_INT32") and len(i.dims) == 1
-                                      for i in settings.inputs):
-        return None
     kind, device = instance_of(config)
     try:
         with gpu_product_env(gpu_product):
@@ -117,13 +115,22 @@ def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = Non
                                         device, digests=None if digests is None else dict(digests))
     except Exception:  # noqa: BLE001 - the model's own load says why; the signed bound stays meanwhile
         return None
-    dtypes = {i.name: np.int64 if i.data_type == "TYPE_INT64" else np.int32 for i in settings.inputs}
+    # The engine's own inputs (a text model's `text` input is tokenized before the engine sees it).
+    inputs = [i for i in settings.inputs if i.name in set(engine.input_names)]
+    if not inputs or not all(i.data_type in ("TYPE_INT64", "TYPE_INT32") and len(i.dims) == 1 for i in inputs):
+        engine.close()
+        return None
+    dtypes = {i.name: np.int64 if i.data_type == "TYPE_INT64" else np.int32 for i in inputs}
     try:
         def run(n: int, length: int) -> None:
             engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()},
                        profile_for_length(length, settings.sequence_buckets))
 
-        model = measure_cost_model(run, settings.sequence_buckets, settings.max_batch_size, repeats=1)
+        # The backend's own short warm-up (a handful of cheap launches), fitted: the constants it starts from.
+        start = start_cost_model(run=run, buckets=settings.sequence_buckets, max_batch=settings.max_batch_size,
+                                 max_tokens=settings.max_group_tokens, per_profile=False, warmup="short",
+                                 online=False)
+        model = start.cost
         return (float(model.a), float(model.b), float(model.c))
     except Exception:  # noqa: BLE001 - a model the sweep cannot run keeps the signed bound
         return None
