@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_factory.measure import bench
     from model_factory.backend.loading import available_cpus
     from model_factory.build_engines.export import export_model
-    from model_factory.build.pipeline import measure_onnx_cost_model
+    from benchmarks.harness.onnx_cost import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
     from model_factory.build.repository import package_model
     from model_factory.serving.server import ServerOptions, TritonServer

@@ -74,9 +74,10 @@ def build(work: Path, instances: int = 2, preferred: list[int] | None = None
           ) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
     from model_factory.build_engines.export import export_model
-    from model_factory.build.pipeline import measure_onnx_cost_model
+    from benchmarks.harness.onnx_cost import measure_onnx_cost_model
     from model_factory.recipe import load_recipe
-    from model_factory.build.repository import default_queue_size, package_model
+    from model_factory.build.repository import fallback_queue_size, package_model
+    from model_factory.serving.queue_bound import queue_size
 
     overrides: dict[str, Any] = {"repository.path": str(work / "unused"), "precisions": ["fp32"],
                                  "repository.instance_count": instances}
@@ -85,7 +86,10 @@ def build(work: Path, instances: int = 2, preferred: list[int] | None = None
     recipe = load_recipe(EXAMPLE, overrides)
     exported = export_model(recipe)
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
-    size = default_queue_size(recipe, cost)
+    shapes = recipe.shapes
+    size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or (shapes.max_sequence_length,))[0],
+                       preferred=recipe.batching.preferred_batch_sizes, budget_ms=recipe.batching.queue_budget_ms)
+            if cost else None) or fallback_queue_size(recipe)
     repos = {}
     for label, queue, inline in (("policy", size, False), ("policy-inline", size, True), ("unbounded", 0, False)):
         r = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, path=work / label),
@@ -95,7 +99,7 @@ def build(work: Path, instances: int = 2, preferred: list[int] | None = None
         params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
         if inline:  # the responses returned from execute(), as before deferred_responses
             params["respond_after_return"] = "false"
-        package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir, cost_model=cost,
+        package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir,
                       parameters=params)
         repos[label] = work / label
     return repos, exported, size, cost, recipe

@@ -60,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_factory.measure.client import embed_texts
     from model_factory.demo import write_key_policy
     from model_factory.build.pipeline import provenance_for
-    from model_factory.serving.server import ServerOptions, start_verified_server
+    from functools import partial
+
+    from model_factory.serving.server import ServerOptions, reverify_model, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
     from model_factory.serving.supervise import SETTLE_S, StubWatch, stub_processes
 
@@ -74,11 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            provenance=provenance_for(recipe, {"source_digest": exported.source_digest}, None))
         policy = write_key_policy(root / "policy.toml", [keys.public_key])
         say("start")
-        server, _ = start_verified_server(root / "repo", ServerOptions(0, 0, 0), policy)
+        server, report = start_verified_server(root / "repo", ServerOptions(0, 0, 0), policy)
         url = server.http_url
         try:
             reference = embed_texts(url, "minilm", ["recovering"])
-            with StubWatch(server, ["minilm"], interval_s=0.5, echo=say):
+            with StubWatch(server, ["minilm"], interval_s=0.5, echo=say,
+                           reverify=partial(reverify_model, report.digests)):
                 for i in range(args.rounds):
                     stop = threading.Event()
                     outcomes: list[tuple[float, bool]] = []

@@ -26,7 +26,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -310,3 +310,17 @@ def batches(feeds: Feeds, batch_size: int) -> Iterator[Feeds]:
 
 def sample_count(feeds: Feeds) -> int:
     return int(next(iter(feeds.values())).shape[0])
+
+
+def input_types(session: Any) -> dict[str, np.dtype]:
+    """``input name -> numpy dtype`` of an ONNX Runtime session's inputs (a type calibration cannot feed is refused)."""
+    table = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+             "tensor(float16)": np.float16, "tensor(bool)": np.bool_, "tensor(int8)": np.int8,
+             "tensor(uint8)": np.uint8, "tensor(double)": np.float64}
+    out = {}
+    for i in session.get_inputs():
+        if i.type not in table:
+            raise FactoryError(f"model input {i.name} has type {i.type}, which calibration cannot feed. Fix: keep "
+                               "int8/fp16 out of the recipe for this model")
+        out[i.name] = np.dtype(table[i.type])
+    return out

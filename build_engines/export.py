@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import io
 import json
 import logging
@@ -19,12 +18,13 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.backend.contract import Files
 from model_factory.build_engines import onnx_files
+from model_factory.build_engines.torch_factory import call_factory, factory_import_path, load_factory  # noqa: F401
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
@@ -97,7 +97,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
             result = _export_torch_factory(recipe, tmp, say)
         else:
             result = _import_onnx(recipe, tmp, say)
-        (tmp / "export.json").write_text(json.dumps({
+        (tmp / Files.EXPORT_REPORT).write_text(json.dumps({
             "max_abs_error": result.max_abs_error, "tolerance": result.tolerance,
             "source_digest": result.source_digest, "opset": result.opset,
             "inputs": list(result.input_names), "outputs": list(result.output_names),
@@ -109,7 +109,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
     return ExportResult(
         onnx_path=out_dir / result.onnx_path.name,
         max_abs_error=result.max_abs_error, tolerance=result.tolerance,
-        tokenizer_dir=(out_dir / "tokenizer") if result.tokenizer_dir else None,
+        tokenizer_dir=(out_dir / Files.TOKENIZER_DIR) if result.tokenizer_dir else None,
         source_digest=result.source_digest, opset=result.opset,
         input_names=result.input_names, output_names=result.output_names,
         torchscript_path=(out_dir / result.torchscript_path.name) if result.torchscript_path else None,
@@ -258,7 +258,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     if use_tti:
         args.append(batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     in_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_tti else [])
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     # The check runs at the traced shape and at another batch size and length: dynamic axes must hold.
     # The source's outputs are computed first, so the torch model can go before ONNX Runtime loads its copy.
     single = _hf_samples(tok, task, samples[2:3], max_len)
@@ -286,7 +286,7 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     if recipe.export.torchscript:
         ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
                                             out_names, recipe, say)
-    tok_dir = tmp / "tokenizer"
+    tok_dir = tmp / Files.TOKENIZER_DIR
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)
@@ -388,7 +388,7 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
     loaded back and checked against the eager module at every sample shape (different batch sizes
     and lengths): a trace that baked a shape in fails here, not in the server.
     """
-    path = tmp / TORCHSCRIPT_FILE
+    path = tmp / Files.TORCHSCRIPT
     fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
           "control flow from the model's forward()"
     say("tracing to TorchScript")
@@ -410,7 +410,7 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
         # torch >= 2.10 marks TorchScript deprecated in favour of torch.export; a plain trace is kept on
         # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(traced, str(path), _extra_files={IO_EXTRA_FILE: json.dumps(io_names)})
+        torch.jit.save(traced, str(path), _extra_files={Files.TORCHSCRIPT_IO: json.dumps(io_names)})
         loaded = torch.jit.load(str(path), map_location="cpu")
     err = 0.0
     for sample in samples:
@@ -464,100 +464,6 @@ def _dynamic_axes(specs: tuple[TensorSpec, ...]) -> dict[str, dict[int, str]]:
     return axes
 
 
-@contextlib.contextmanager
-def factory_import_path(folder: Path | None, module: str = "") -> Iterator[None]:
-    """The recipe's folder first on the import path while a torch source is imported, called and exported.
-
-    A factory module beside the recipe (``tiny_cnn.py`` for ``factory = "tiny_cnn:build"``) imports as a
-    user expects, from any working directory and from the console script. Afterwards ``sys.path`` is as it
-    was, and the modules imported from that folder are forgotten, so they leak into nothing else in the
-    process (another recipe may have its own ``model.py``). A module of the same name (``module``) that
-    was imported from elsewhere before is set aside meanwhile, so the one beside the recipe wins, and put
-    back afterwards.
-    """
-    if folder is None:
-        yield
-        return
-    root = Path(folder).resolve()
-    top = module.split(".")[0]
-    shadowed = {}
-    if top and ((root / f"{top}.py").is_file() or (root / top / "__init__.py").is_file()):
-        shadowed = {n: m for n, m in sys.modules.items() if n == top or n.startswith(top + ".")}
-        for name in shadowed:
-            del sys.modules[name]
-    before = set(sys.modules)
-    sys.path.insert(0, str(root))
-    importlib.invalidate_caches()
-    try:
-        yield
-    finally:
-        try:
-            sys.path.remove(str(root))
-        except ValueError:  # the factory itself edited sys.path; nothing of ours is left to remove
-            pass
-        for name in set(sys.modules) - before:
-            if _imported_from(sys.modules.get(name), name, root):
-                del sys.modules[name]
-        sys.modules.update(shadowed)
-
-
-def _imported_from(module: Any, name: str, root: Path) -> bool:
-    """Whether ``module`` (called ``name``) was imported from the folder ``root`` itself.
-
-    Only ``root/a/b.py`` or ``root/a/b/__init__.py`` for ``a.b`` counts: a module found through another
-    import-path entry that happens to lie below ``root`` (a virtual environment inside the project
-    folder, say) is not the recipe's and stays imported.
-    """
-    origin = getattr(module, "__file__", None)
-    if not origin:
-        return False
-    base = root.joinpath(*name.split("."))
-    return Path(origin).resolve() in (base.with_name(base.name + ".py"), base / "__init__.py")
-
-
-def load_factory(spec: str, folder: Path | None = None) -> tuple[Callable[[], Any], Path | None]:
-    """Resolve ``module:function`` (call inside :func:`factory_import_path`); return it and its module file.
-
-    Every problem is a FactoryError whose fix works: where the module was looked for, the dependency that
-    is missing, or the functions the module does have.
-    """
-    mod_name, _, fn_name = spec.partition(":")
-    where = f"beside the recipe ({folder})" if folder is not None else "in the current folder"
-    try:
-        mod = importlib.import_module(mod_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
-            file_hint = mod_name.replace(".", "/") + ".py"
-            raise FactoryError(f"source.factory: no module {mod_name!r} {where} or installed. Fix: put "
-                               f"{file_hint} {where}, or pip install the package that provides it") from exc
-        raise FactoryError(f"source.factory: importing {mod_name!r} failed: {exc}. Fix: pip install the package "
-                           f"that provides {exc.name!r} into this environment") from exc
-    except Exception as exc:  # the user's module may raise anything while it is imported
-        raise FactoryError(f"source.factory: importing {mod_name!r} raised {type(exc).__name__}: {str(exc)[:300]}. "
-                           f"Fix: make `import {mod_name}` work when run {where}") from exc
-    mod_file = getattr(mod, "__file__", None)
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        found = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
-                       and getattr(v, "__module__", None) == mod.__name__ and not isinstance(v, type))
-        raise FactoryError(f"source.factory: {mod_name!r} ({mod_file}) has no function {fn_name!r}. Fix: define "
-                           f"{fn_name}() returning (torch.nn.Module, example_inputs), or name one of: "
-                           f"{', '.join(found) or 'none found'}")
-    return fn, Path(mod_file) if mod_file else None
-
-
-def _call_factory(fn: Callable[[], Any], spec: str) -> tuple[Any, Any]:
-    try:
-        produced = fn()
-    except Exception as exc:  # the user's factory may raise anything
-        raise FactoryError(f"source.factory: {spec}() raised {type(exc).__name__}: {str(exc)[:300]}. Fix: make it "
-                           "run with no arguments and return (torch.nn.Module, example_inputs)") from exc
-    if not (isinstance(produced, tuple) and len(produced) == 2):
-        raise FactoryError(f"source.factory: {spec}() returned {type(produced).__name__}. Fix: return "
-                           "(torch.nn.Module, example_inputs), example_inputs a dict of input name to tensor")
-    return produced
-
-
 def _export_torch_factory(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> ExportResult:
     assert recipe.source.factory is not None
     with factory_import_path(recipe.source.base_dir, recipe.source.factory.partition(":")[0]):
@@ -568,7 +474,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     torch = require("torch", "export")
     factory = recipe.source.factory
     fn, mod_file = load_factory(factory, recipe.source.base_dir)
-    module, example = _call_factory(fn, factory)
+    module, example = call_factory(fn, factory)
     if not isinstance(module, torch.nn.Module):
         raise FactoryError(f"source.factory: {factory}() returned a {type(module).__name__} as the model. Fix: "
                            "return (torch.nn.Module, example_inputs)")
@@ -587,7 +493,7 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     _check_example_inputs(recipe, dict(zip(in_names, args)))
     out_names = [s.name for s in recipe.outputs]
     module = module.eval()
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     say("exporting to ONNX")
     dyn = _dynamic_axes(recipe.inputs) | _dynamic_axes(recipe.outputs)
     opset = _torch_export(torch, module, args, onnx_path, in_names, out_names, dyn, recipe, say)
@@ -689,7 +595,7 @@ def _import_onnx(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -> Expor
                            f"declares inputs {want_in} and outputs {want_out}. Fix: make [[inputs]]/[[outputs]] "
                            "match the graph's tensor names")
     check_declared_specs(recipe, model)
-    onnx_path = tmp / "model.onnx"
+    onnx_path = tmp / Files.ONNX
     # Weights stream from the source's data files (if any) into this folder's layout, one tensor at a time.
     onnx_files.save(model, onnx_path, base_dir=Path(src).parent, consume=True)
     del model

@@ -24,14 +24,15 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from model_factory.backend.contract import Files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir
 from model_factory.recipe import Recipe
 
-ACCEPTANCE_DIR = "acceptance"
-INPUTS_FILE = "inputs.json"
-OUTPUTS_FILE = "outputs.json"
-SPEC_FILE = "acceptance.json"
+ACCEPTANCE_DIR = Files.ACCEPTANCE_DIR
+INPUTS_FILE = Files.ACCEPTANCE_INPUTS
+OUTPUTS_FILE = Files.ACCEPTANCE_OUTPUTS
+SPEC_FILE = Files.ACCEPTANCE_SPEC
 REFERENCE_RUNNER = "fp32-reference"
 # The threshold when the recipe sets no quantization.min_accuracy (also the quantize stage's default target).
 DEFAULT_THRESHOLD = 0.99
@@ -117,7 +118,7 @@ def write_acceptance_data(recipe: Recipe, fp32_onnx: Path, tokenizer_dir: Path |
     from model_factory.build_engines.accuracy import primary_output, task_metrics
     from model_factory.build_engines.calibration import InputEncoder, split_data
     from model_factory.build_engines.export import onnxruntime_session
-    from model_factory.build_engines.quantize import _input_types
+    from model_factory.build_engines.calibration import input_types
 
     say = progress or (lambda _m: None)
     q = recipe.quantization
@@ -127,7 +128,7 @@ def write_acceptance_data(recipe: Recipe, fp32_onnx: Path, tokenizer_dir: Path |
     split = split_data(q, need_calibration=False)
     held = split.heldout.select(range(min(len(split.heldout), MAX_SAMPLES)))
     session = onnxruntime_session(fp32_onnx)
-    types = _input_types(session)
+    types = input_types(session)
     feeds = InputEncoder(types, tokenizer_dir, recipe.shapes.max_sequence_length).encode(held)
     outputs = [o.name for o in session.get_outputs()]
     n = int(next(iter(feeds.values())).shape[0])

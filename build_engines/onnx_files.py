@@ -21,11 +21,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from model_factory.backend.contract import Files
 from model_factory.errors import FactoryError, require
 
 # Below this many bytes of tensors a model stays one file (tiny test models, small CNNs).
 EXTERNAL_DATA_MIN_BYTES = 16 << 20
-DATA_SUFFIX = ".data"
+DATA_SUFFIX = Files.DATA_SUFFIX
 _ALIGN = 64
 _CHUNK = 64 << 20
 _EXTERNAL = 1  # TensorProto.EXTERNAL

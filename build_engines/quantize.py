@@ -67,6 +67,7 @@ from model_factory.build_engines.calibration import (
     Feeds,
     InputEncoder,
     batches,
+    input_types,
     sample_count,
     split_data,
 )
@@ -569,19 +570,6 @@ def search_mixed_precision(names: Sequence[str], score: Callable[[Iterable[str]]
 # --------------------------------------------------------------------------- the stage
 
 
-def _input_types(session: Any) -> dict[str, np.dtype]:
-    table = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-             "tensor(float16)": np.float16, "tensor(bool)": np.bool_, "tensor(int8)": np.int8,
-             "tensor(uint8)": np.uint8, "tensor(double)": np.float64}
-    out = {}
-    for i in session.get_inputs():
-        if i.type not in table:
-            raise FactoryError(f"model input {i.name} has type {i.type}, which calibration cannot feed. Fix: keep "
-                               "int8/fp16 out of the recipe for this model")
-        out[i.name] = np.dtype(table[i.type])
-    return out
-
-
 def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = None,
                    progress: Callable[[str], None] | None = None, min_accuracy: float | None = None) -> QuantizeResult:
     """Produce the recipe's FP16/INT8 models from the FP32 export, score them and apply the gate.
@@ -611,7 +599,7 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
             report.write(tmp / REPORT_NAME)
         return QuantizeResult(models, report, out_dir / REPORT_NAME, (), None)
 
-    encoder = InputEncoder(_input_types(ref_session), export.tokenizer_dir, recipe.shapes.max_sequence_length)
+    encoder = InputEncoder(input_types(ref_session), export.tokenizer_dir, recipe.shapes.max_sequence_length)
     check_task_data(recipe.task, split)
     say(f"held-out: {split.note}")
     evaluator = Evaluator(ref_session, encoder.encode(split.heldout), recipe.task, output, split.heldout.groups())

@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from model_factory.backend.contract import plan_file
 from model_factory.build_engines.export import check_onnx_file
 from model_factory.build_engines.onnx_files import data_file
 from model_factory.fileio import digest_path
@@ -399,7 +400,7 @@ def build_engines(recipe: Recipe, models: Mapping[str, Path], out_dir: Path | No
     results = []
     with atomic_dir(out_dir) as tmp:
         for p in sorted(models, key=PRECISIONS.index):
-            r = build_engine(p, Path(models[p]), tmp / f"model.{p}.plan", recipe, cache, device, say)
+            r = build_engine(p, Path(models[p]), tmp / plan_file(p), recipe, cache, device, say)
             say(f"{p}: {r.size_bytes / 2**20:.1f} MiB in {r.build_seconds:.1f}s")
             results.append(r)
     return [EngineResult(r.precision, out_dir / r.plan_path.name, out_dir / r.metadata_path.name, r.build_seconds,

@@ -128,7 +128,10 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
       model-factory serve --accept --policy policy.toml model_repository
     """
-    from model_factory.serving.server import ServerOptions, admin_key_from, default_cost_cache, start_verified_server
+    import functools
+
+    from model_factory.serving.server import (ServerOptions, admin_key_from, default_cost_cache, reverify_model,
+                                              start_verified_server)
     from model_factory.serving.supervise import StubWatch
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
@@ -161,8 +164,9 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         click.echo(f"refused {name}: {why}", err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     click.echo("Ctrl-C to stop.")
-    watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True)).start() \
-        if watch_interval > 0 else None
+    reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
+    watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True),
+                      reverify=reverify).start() if watch_interval > 0 else None
     try:
         while not stop.wait(0.5):
             if server.process is not None and server.process.poll() is not None:

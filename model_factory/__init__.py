@@ -10,7 +10,7 @@ Layers, from the bottom up:
 * ``model_factory.build.repository`` lays out a Triton model repository and writes
   ``config.pbtxt`` through Triton's protobuf schema.
 * ``model_factory.signing`` signs and verifies repositories offline.
-* ``model_factory.serving.server`` finds, starts and stops a real ``tritonserver``.
+* ``model_factory.serving`` starts a real ``tritonserver`` on what verified (``serving.server`` names it).
 * ``model_factory.backend`` is the code that runs inside Triton's Python backend.
 * ``model_factory.cli`` is a thin click layer over all of the above.
 

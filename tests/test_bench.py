@@ -110,7 +110,6 @@ model_factory_cost_model_a_seconds{engine="onnxruntime",model="minilm",profile="
 model_factory_cost_model_b_seconds{engine="onnxruntime",model="minilm",profile="all"} 3e-05
 model_factory_cost_model_c_seconds{engine="onnxruntime",model="minilm",profile="all"} 1.5e-08
 odd_metric{note="a, \\"quoted\\" value"} 1
-this line is not a sample
 """
 
 
@@ -124,6 +123,8 @@ def test_parse_prometheus_and_totals() -> None:
     buckets = [s for s in samples if s.name == "some_histogram_bucket"]
     assert [s.labels["le"] for s in buckets] == ["1.05", "+Inf"]
     assert bench.cost_model_from_metrics(samples, "minilm") == (0.002, 3e-05, 1.5e-08)
+    with pytest.raises(FactoryError, match="not in Prometheus text format"):
+        bench.parse_prometheus(METRICS + "this line is not a sample\n")
     assert bench.cost_model_from_metrics(samples, "other") is None
 
 

@@ -12,7 +12,7 @@ import pytest
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir
 from model_factory.build.repository import (FALLBACK_QUEUE_BATCHES, config_dict, config_parameters, config_to_pbtxt,
-                                      default_queue_size, package_model, parse_config, read_config)
+                                            package_model, parse_config, read_config)
 
 
 def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
@@ -39,60 +39,60 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
 def test_queue_is_bounded_by_default_with_two_instances_and_unbounded_with_one(minilm_recipe) -> None:
     assert minilm_recipe.batching.max_queue_size is None  # "auto", the default
     assert minilm_recipe.repository.instance_count == 2
-    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=16)))
-    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 16
+    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {})))
+    # The signed bound: a few full batches (serve derives the deployment's own where it runs).
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
     # One instance: Triton's batcher would lose wake-ups with a bound, so "auto" leaves the queue unbounded.
     one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))
-    cfg = parse_config(config_to_pbtxt(config_dict(one, {}, queue_size=16)))
+    cfg = parse_config(config_to_pbtxt(config_dict(one, {})))
     assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 0
     # A number the recipe gives is written as it is, on any instance count.
     seven = replace(one, batching=replace(one.batching, max_queue_size=7))
-    assert parse_config(config_to_pbtxt(config_dict(seven, {}, queue_size=16))) \
+    assert parse_config(config_to_pbtxt(config_dict(seven, {}))) \
         .dynamic_batching.default_queue_policy.max_queue_size == 7
 
 
-def test_queue_policy_auto_is_bounded_and_sized_from_the_cost_model(minilm_recipe) -> None:
+def test_queue_policy_fields(minilm_recipe) -> None:
     from tritonclient.grpc import model_config_pb2
 
-    minilm_recipe = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=None))
-
-    max_batch = minilm_recipe.shapes.max_batch
-    # 1 ms + 10 µs per token: a full batch of the first bucket's length takes a + b·n·L seconds.
-    length = minilm_recipe.shapes.sequence_buckets[0]
-    seconds = 0.001 + 1e-5 * max_batch * length
-    size = default_queue_size(minilm_recipe, (0.001, 1e-5, 0.0))
-    smallest = min(minilm_recipe.batching.preferred_batch_sizes)
-    assert size == max(smallest, math.ceil(max_batch / seconds * minilm_recipe.batching.queue_budget_ms / 1000.0))
-    faster = default_queue_size(minilm_recipe, (0.001, 1e-7, 0.0))
-    assert faster > size  # a faster instance clears more in the same budget
-    assert default_queue_size(minilm_recipe, (10.0, 0.0, 0.0)) == smallest  # never below the smallest batch
-    assert default_queue_size(minilm_recipe, None) == FALLBACK_QUEUE_BATCHES * max_batch
-    two = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=2))
-    assert default_queue_size(two, (0.001, 1e-5, 0.0)) == size  # instances share the replica's cores
-
-    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {}, queue_size=size)))
+    cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {})))
     policy = cfg.dynamic_batching.default_queue_policy
-    assert policy.max_queue_size == size and policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
+    assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
     assert cfg.dynamic_batching.priority_levels == 0
-
     declared = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=7,
                                                        queue_timeout_us=50_000, timeout_action="delay",
                                                        priority_levels=3, default_priority=2))
-    cfg = parse_config(config_to_pbtxt(config_dict(declared, {}, queue_size=size)))
+    cfg = parse_config(config_to_pbtxt(config_dict(declared, {})))
     policy = cfg.dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds) == (7, 50_000)
     assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.DELAY
     assert (cfg.dynamic_batching.priority_levels, cfg.dynamic_batching.default_priority_level) == (3, 2)
 
 
-def test_package_sizes_the_queue_from_a_cost_model_it_is_given(minilm_recipe, tmp_path: Path) -> None:
-    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"),
-                     batching=replace(minilm_recipe.batching, max_queue_size=None))  # "auto"
+def test_the_signed_config_is_the_same_whatever_the_build_machine(minilm_recipe, tmp_path: Path) -> None:
+    """ "auto" carries the budget, not a bound timed on the build machine: two packagings give the same bytes."""
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"not read")
-    res = package_model(recipe, {"model.onnx": onnx}, parameters={"cost_model": "0.001,1e-7,0"})
-    assert read_config(res.model_dir).dynamic_batching.default_queue_policy.max_queue_size == \
-        default_queue_size(recipe, (0.001, 1e-7, 0.0))
+    texts = []
+    for i in range(2):
+        recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / f"repo{i}"),
+                         batching=replace(minilm_recipe.batching, max_queue_size=None))
+        res = package_model(recipe, {"model.onnx": onnx})
+        texts.append(res.config_path.read_text())
+    assert texts[0] == texts[1]
+    params = config_parameters(parse_config(texts[0]))
+    assert params["queue_bound"] == "auto" and params["queue_budget_ms"] == str(minilm_recipe.batching.queue_budget_ms)
+    assert "task" not in params and "pooling" not in params and "normalize" not in params  # nobody reads them
+
+
+def test_unknown_or_malformed_parameters_are_refused_at_packaging(minilm_recipe, tmp_path: Path) -> None:
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"not read")
+    with pytest.raises(FactoryError, match="pooling_mode are not model parameters"):
+        package_model(recipe, {"model.onnx": onnx}, parameters={"pooling_mode": "mean"})
+    with pytest.raises(FactoryError, match="cost_model must be 'a,b,c'"):
+        package_model(recipe, {"model.onnx": onnx}, parameters={"cost_model": "1,2"})
 
 
 def test_invalid_config_is_refused() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model_factory.serving import server as serve
+from model_factory.serving import triton_process as serve
 from model_factory.errors import FactoryError
 from model_factory.serving.server import ServerOptions, TritonInstallation, TritonServer, free_ports
 
@@ -166,7 +166,7 @@ def test_a_server_started_by_a_process_killed_outright_goes_with_it(tmp_path: Pa
     parent = f"""
 import os, sys, time
 from pathlib import Path
-from model_factory.serving import server as serve
+from model_factory.serving import triton_process as serve
 from model_factory.serving.server import ServerOptions, TritonInstallation, TritonServer
 env = {{**os.environ, "FAKE_FAILS_FILE": {str(tmp_path / "fails")!r}, "FAKE_PORTS_FILE": {str(tmp_path / "ports")!r}}}
 serve.find_tritonserver = lambda _w: TritonInstallation(Path({str(binary)!r}), Path({str(tmp_path)!r}), env)

@@ -1,65 +1,109 @@
-"""The stub watch against a fake /proc and a fake server (the real server: tests/integration/test_faults.py)."""
+"""The stub watch against real processes that look like Triton's stubs, and a fake server's API.
+
+A "server" here is a Python process that starts the given command lines as its children and never reaps
+them (so a killed one stays a zombie, as under Triton); a "stub" is a copy of bash named like Triton's
+stub, running the model's ``model.py`` (a shell script here). The real server: tests/integration/test_faults.py.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from model_factory.serving import server as serve
 from model_factory.errors import FactoryError
-from model_factory.serving.supervise import STUB_NAME, StubWatch, stub_counts, stub_processes
+from model_factory.serving.supervise import STUB_NAME, StubWatch, pid_alive, stub_counts, stub_processes
 
-SERVER_PID = 4242
-
-
-def _proc(root: Path, pid: int, ppid: int, argv: list[str], state: str = "S") -> None:
-    d = root / str(pid)
-    d.mkdir(parents=True)
-    (d / "stat").write_text(f"{pid} ({Path(argv[0]).name if argv else 'x'}) {state} {ppid} 1 1 0 -1\n")
-    (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + (b"\0" if argv else b""))
+_SERVER = """
+import json, subprocess, sys, time
+pids = [subprocess.Popen(argv).pid for argv in json.loads(sys.argv[1])]
+print(json.dumps(pids), flush=True)
+time.sleep(300)
+"""
 
 
-def _stub(repo: Path, model: str) -> list[str]:
-    return [f"/b/python/{STUB_NAME}", str(repo / model / "1" / "model.py"), "shm", "1048576", "1048576",
-            str(SERVER_PID), "/b/python", "336", f"{model}_0_0", "DEFAULT"]
+class Tree:
+    """A repository with models a and b, a stub binary, and the servers started (ended at teardown)."""
+
+    def __init__(self, root: Path) -> None:
+        self.repo = root / "repo"
+        for m in ("a", "b"):
+            (self.repo / m / "1").mkdir(parents=True)
+            (self.repo / m / "1" / "model.py").write_text("sleep 300\nexit 0\n")
+        (root / "elsewhere" / "b" / "1").mkdir(parents=True)
+        (root / "elsewhere" / "b" / "1" / "model.py").write_text("sleep 300\nexit 0\n")
+        self.elsewhere = root / "elsewhere"
+        self.stub = root / "b" / "python" / STUB_NAME
+        self.stub.parent.mkdir(parents=True)
+        shutil.copy(shutil.which("bash"), self.stub)
+        self.servers: list[subprocess.Popen] = []
+
+    def stub_argv(self, model: str, repo: Path | None = None) -> list[str]:
+        return [str(self.stub), str((repo or self.repo) / model / "1" / "model.py")]
+
+    def server(self, *argvs: list[str]) -> tuple[int, list[int]]:
+        """Start a server with these children; its pid and theirs."""
+        proc = subprocess.Popen([sys.executable, "-c", _SERVER, json.dumps(list(argvs))], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        self.servers.append(proc)
+        return proc.pid, json.loads(proc.stdout.readline())
+
+    def close(self) -> None:
+        for proc in self.servers:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def kill_and_wait(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while pid_alive(pid) and time.monotonic() < deadline:  # a zombie counts as dead
+        time.sleep(0.02)
+    assert not pid_alive(pid)
 
 
 @pytest.fixture
 def tree(tmp_path: Path):
-    repo, proc = tmp_path / "repo", tmp_path / "proc"
-    for m in ("a", "b"):
-        (repo / m / "1").mkdir(parents=True)
-    proc.mkdir()
-    (proc / "self").mkdir()  # not a pid: skipped
-    return repo, proc
+    t = Tree(tmp_path)
+    yield t
+    t.close()
 
 
 def test_stubs_are_found_by_parent_and_model_path_zombies_and_strangers_are_not(tree) -> None:
-    repo, proc = tree
-    _proc(proc, 10, SERVER_PID, _stub(repo, "a"))
-    _proc(proc, 11, SERVER_PID, _stub(repo, "a"))
-    _proc(proc, 12, SERVER_PID, _stub(repo, "b"), state="Z")  # killed, not reaped by Triton
-    _proc(proc, 13, 999, _stub(repo, "b"))  # another server's stub
-    _proc(proc, 14, SERVER_PID, ["/usr/bin/python3", "x.py"])  # not a stub
-    _proc(proc, 15, SERVER_PID, _stub(repo.parent / "elsewhere", "b"))  # outside the repository
-    assert sorted((s.pid, s.model) for s in stub_processes(SERVER_PID, repo, proc)) == [(10, "a"), (11, "a")]
-    assert stub_counts(SERVER_PID, repo, proc) == {"a": 2}
+    python = [sys.executable, "-c", "import time; time.sleep(300)"]
+    server, (a1, a2, b_dead, _python, _outside) = tree.server(
+        tree.stub_argv("a"), tree.stub_argv("a"), tree.stub_argv("b"), python, tree.stub_argv("b", tree.elsewhere))
+    tree.server(tree.stub_argv("b"))  # another server's stub
+    kill_and_wait(b_dead)  # killed, not reaped by its server: a zombie
+    assert sorted((s.pid, s.model) for s in stub_processes(server, tree.repo)) == sorted([(a1, "a"), (a2, "a")])
+    assert stub_counts(server, tree.repo) == {"a": 2}
+    assert stub_processes(2 ** 22 + 1, tree.repo) == []  # no such server
 
 
 class FakeServer:
-    def __init__(self, repo: Path) -> None:
+    """The server's admin API (load/unload recorded) over a real process id."""
+
+    def __init__(self, repo: Path, pid: int) -> None:
         self.repository = repo
         self.calls: list[str] = []
         self.load_error: str | None = None
         self.alive = True
 
         class P:
-            pid = SERVER_PID
-
             def poll(inner):  # noqa: N805 - a stand-in for Popen.poll
                 return None if self.alive else 0
 
+        P.pid = pid
         self.process = P()
 
     def unload_model(self, name: str) -> str | None:
@@ -71,46 +115,57 @@ class FakeServer:
         return self.load_error
 
 
-def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_stays_down(tree, monkeypatch) -> None:
-    repo, proc = tree
-    _proc(proc, 10, SERVER_PID, _stub(repo, "a"))
-    _proc(proc, 20, SERVER_PID, _stub(repo, "b"))
-    server = FakeServer(repo)
+def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_stays_down(tree) -> None:
+    server_pid, (_a, b) = tree.server(tree.stub_argv("a"), tree.stub_argv("b"))
+    server = FakeServer(tree.repo, server_pid)
     verified: list[str] = []
-    monkeypatch.setattr(serve, "reverify_model", lambda srv, model: verified.append(model))
+    reverify = {"with": lambda model: verified.append(model)}
     messages: list[str] = []
-    watch = StubWatch(server, ["a", "b"], echo=messages.append, proc=proc, settle_s=0)
+    watch = StubWatch(server, ["a", "b"], echo=messages.append, settle_s=0,
+                      reverify=lambda model: reverify["with"](model))
     assert watch.expected == {"a": 1, "b": 1}
     assert watch.check() == [] and server.calls == []
 
-    import shutil
-
-    shutil.rmtree(proc / "20")  # b's stub died
+    kill_and_wait(b)  # b's stub died
     (rec,) = watch.check()
     assert (rec.model, rec.ok) == ("b", True) and rec.seconds >= 0
     assert server.calls == ["unload b", "load b"] and verified == ["b"]
     assert any("ready again" in m for m in messages)
 
-    def refuse(srv, model):
+    def refuse(model):
         raise FactoryError("1/model.onnx changed")
 
-    monkeypatch.setattr(serve, "reverify_model", refuse)
+    reverify["with"] = refuse
     server.calls.clear()
-    (rec,) = watch.check()  # still no stub for b: heal again, and this time it no longer verifies
+    (rec,) = watch.check()  # still no stub for b (the fake server starts none): heal again, and it no longer verifies
     assert not rec.ok and "no longer verifies" in rec.reason and server.calls == ["unload b"]
     assert "b" not in watch.expected and watch.check() == []  # left unloaded, not retried
 
-    shutil.rmtree(proc / "10")
-    monkeypatch.setattr(serve, "reverify_model", lambda srv, model: None)
+    kill_and_wait(_a)
+    reverify["with"] = lambda model: None
     server.load_error = "failed to load 'a'"
     (rec,) = watch.check()
     assert not rec.ok and "reload failed" in rec.reason
 
 
+def test_the_old_loads_other_stubs_are_ended_before_the_reload(tree) -> None:
+    server_pid, (a1, a2) = tree.server(tree.stub_argv("a"), tree.stub_argv("a"))
+    server = FakeServer(tree.repo, server_pid)
+    watch = StubWatch(server, ["a"], settle_s=0)
+    assert watch.expected == {"a": 2}
+    kill_and_wait(a1)
+    (rec,) = watch.check()
+    assert rec.ok and server.calls == ["unload a", "load a"]
+    # A live instance of the old load would keep its copy of the model: it was sent SIGKILL.
+    deadline = time.monotonic() + 30
+    while pid_alive(a2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(a2)
+
+
 def test_nothing_is_healed_when_the_server_itself_is_gone(tree) -> None:
-    repo, proc = tree
-    _proc(proc, 10, SERVER_PID, _stub(repo, "a"))
-    server = FakeServer(repo)
-    watch = StubWatch(server, ["a"], proc=proc, settle_s=0)
+    server_pid, _ = tree.server(tree.stub_argv("a"))
+    server = FakeServer(tree.repo, server_pid)
+    watch = StubWatch(server, ["a"], settle_s=0)
     server.alive = False
     assert watch.check() == [] and server.calls == []

@@ -8,19 +8,22 @@ core count, or the GPU's name) and the optimization profiles, so a rebuilt
 engine, another machine or another profile set never reads constants learned
 for something else. Files are written to a temporary name and renamed (a reader
 never sees half a file), and a file that cannot be read or does not fit is
-ignored: the instance then warms up as if there were none.
+ignored: the instance then warms up as if there were none. The instances of a
+model share one file: each save reads what is there, merges this instance's
+learning into it and writes the result under a lock (:func:`update_state`).
 Standard library only: this runs inside Triton's stub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 ENV = "MODEL_FACTORY_COST_CACHE"
 
@@ -86,6 +89,39 @@ def load_state(path: Path) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(data, dict) or not isinstance(data.get("estimator"), dict):
         return None, f"{path} is not a cost model cache file"
     return data, ""
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s lock file (``.<name>.lock`` beside it) for the block.
+
+    Every instance of a model on this machine saves to the same file: the lock makes each one's
+    read-merge-write whole, so no instance's learning overwrites another's. Without ``fcntl`` (not
+    POSIX) the block runs unlocked.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path.parent / f".{path.name}.lock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def update_state(path: Path, merge: Callable[[dict[str, Any] | None], Mapping[str, Any]]) -> None:
+    """Read the saved state (None when there is none usable), ``merge`` it with this instance's, write it.
+
+    Under :func:`locked` and written atomically: two instances saving at once both keep what they learned.
+    """
+    with locked(path):
+        current, _why = load_state(path)
+        save_state(path, merge(current))
 
 
 def save_state(path: Path, state: Mapping[str, Any]) -> None:

@@ -356,6 +356,26 @@ class CostEstimator:
         return est
 
 
+def merged_state(saved: Mapping[str, Any], mine: CostEstimator, new_timings: int) -> dict[str, Any]:
+    """``saved`` (what the model's instances saved so far) with what ``mine`` learned merged into it.
+
+    Both sets of cells meet in one estimator (one point per cell each, so a cell both learned holds both
+    medians) and the constants are refitted from them; the timings add up: the saved count plus the
+    ``new_timings`` this instance made since it last saved. A saved state that does not fit (another
+    version, other buckets) is replaced by ``mine``'s.
+    """
+    try:
+        est = CostEstimator.from_state(saved, mine.buckets, per_profile=mine.per_profile, config=mine.config)
+    except (ValueError, KeyError, TypeError):
+        return mine.state()
+    for n, length, seconds, _live in mine.state()["cells"]:
+        est._add(int(n), max(1, int(round(float(length)))), float(seconds), prior=True)
+    est.refit()
+    state = est.state()
+    state["timings"] = int(saved.get("timings", 0)) + max(0, int(new_timings))
+    return state
+
+
 def _ratio(model: CostModel, n: int, length: int, cn: int, cl: int) -> float:
     """``model``'s cost at ``(n, length)`` over its cost at ``(cn, cl)`` (1 when undefined)."""
     there = model.cost(cn, cl)

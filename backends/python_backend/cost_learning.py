@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from . import cost_cache
-from .cost_estimator import CostEstimator, EstimatorConfig
+from .cost_estimator import CostEstimator, EstimatorConfig, merged_state
 from .grouping import CostModel, ProfileCostModel, fit_samples, measure_cost_model, profile_for_length
 
 WARMUPS = ("short", "sweep")
@@ -217,14 +217,22 @@ class CostKeeper:
             self.save()
 
     def save(self) -> None:
+        """Merge what this instance learned since its last save into the cache file (the other instances'
+        learning in it is kept: :func:`cost_estimator.merged_state`, under the cache's lock)."""
         if self.cache_file is None:
             return
+        new = self.estimator.stats.timings - self._saved_timings
         self._last_save = self.clock()
         self._saved_timings = self.estimator.stats.timings
-        state = {"estimator": self.estimator.state(), **self.meta,
-                 "saved_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+        saved_at = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+        def merge(saved: Mapping[str, Any] | None) -> dict[str, Any]:
+            estimator = self.estimator.state() if saved is None \
+                else merged_state(saved["estimator"], self.estimator, new)
+            return {"estimator": estimator, **self.meta, "saved_at": saved_at}
+
         try:
-            cost_cache.save_state(self.cache_file, state)
+            cost_cache.update_state(self.cache_file, merge)
             self.save_error = None
         except OSError as exc:  # a cache is a nicety: serving goes on without it
             if self.save_error is None:

@@ -41,11 +41,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .contract import Files
 from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .settings import Settings, SettingsError, cpu_threads_per_instance
 
 
-DATA_SUFFIX = ".data"  # an ONNX file's external data (build_engines/onnx_files.py writes it)
+DATA_SUFFIX = Files.DATA_SUFFIX  # an ONNX file's external data (build_engines/onnx_files.py writes it)
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 
 
@@ -78,7 +79,7 @@ def _gpu_plan(version_dir: Path, settings: Settings,
     if not plan.is_file():
         return None, skipped
     if product:
-        built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}.json", digests)
+        built_for = _built_for(version_dir.parent, f"{version_dir.name}/{plan.name}{Files.PLAN_METADATA_SUFFIX}", digests)
         if built_for != product_label(product):
             skipped.append(f"{plan.name} (built for {built_for or 'no GPU product'})")
             return None, skipped

@@ -203,6 +203,7 @@ def _engine_sha256(model_dir: Path, version: str, file: str) -> str:
     import hashlib
     import json
 
+    from .contract import Files
     from .integrity import verified_digests
 
     digests = verified_digests(model_dir.name, version)
@@ -210,7 +211,7 @@ def _engine_sha256(model_dir: Path, version: str, file: str) -> str:
     if digests and relpath in digests:
         return digests[relpath]
     try:
-        listed = json.loads((model_dir / version / "metadata.json").read_text()).get("files", {}).get(file)
+        listed = json.loads((model_dir / version / Files.METADATA).read_text()).get("files", {}).get(file)
         if isinstance(listed, str) and len(listed) == 64:
             return listed
     except (OSError, ValueError, AttributeError):

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
-PRECISIONS = ("fp32", "fp16", "int8")
+from .contract import (ENGINES, PRECISIONS, Files, ParameterError, parse_parameters, plan_file,  # noqa: F401
+                       string_parameters)
 
 
 class SettingsError(ValueError):
@@ -41,10 +41,9 @@ class Settings:
     engine: str
     pool_release_threshold_mib: int
     pool_initial_mib: int
-    task: str
     cost_model_repeats: int
     # The TorchScript file for engine=torch (and engine=auto on GPU instances), in the version folder.
-    torchscript_file: str = "model.torchscript.pt"
+    torchscript_file: str = Files.TORCHSCRIPT
     # The model's vocabulary size (Hugging Face config.json "vocab_size"): token ids must be below it.
     vocab_size: int | None = None
     # The cost model's start (short | sweep) and whether it keeps learning (None: yes unless constants are given).
@@ -88,71 +87,23 @@ def _io(items: Any) -> tuple[IOSpec, ...]:
 
 
 def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
-    """Parse Triton's JSON model configuration into :class:`Settings`."""
+    """Parse Triton's JSON model configuration into :class:`Settings` (parameters through :mod:`.contract`)."""
     cfg = json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
-    params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
-
-    def num(key: str, default: int) -> int:
-        raw = params.get(key, "")
-        try:
-            return int(raw) if raw != "" else default
-        except ValueError as exc:
-            raise SettingsError(f"parameter {key}={raw!r} is not a whole number") from exc
-
-    max_len = num("max_sequence_length", 128)
+    params = string_parameters(cfg)
     try:
-        buckets = tuple(int(b) for b in params.get("sequence_buckets", str(max_len)).split(","))
-    except ValueError as exc:
-        raise SettingsError(f"parameter sequence_buckets={params.get('sequence_buckets')!r} is not a list of lengths") from exc
-    cost = None
-    if params.get("cost_model"):
-        try:
-            a, b, c = (float(x) for x in params["cost_model"].split(","))
-        except ValueError as exc:
-            raise SettingsError("parameter cost_model must be 'a,b,c' (seconds)") from exc
-        cost = (a, b, c)
-    grouping = params.get("grouping", "cost_model")
-    if grouping not in ("cost_model", "pad_to_longest", "none"):
-        raise SettingsError(f"parameter grouping={grouping!r}: use cost_model, pad_to_longest or none")
-    engine = params.get("engine", "auto")
-    if engine not in ENGINES:
-        raise SettingsError(f"parameter engine={engine!r}: use {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
-    vocab_size = num("vocab_size", 0) if params.get("vocab_size", "") != "" else None
-    if vocab_size is not None and vocab_size <= 0:
-        raise SettingsError(f"parameter vocab_size={params['vocab_size']!r} must be greater than 0")
-    torchscript_file = params.get("torchscript_file", "") or "model.torchscript.pt"
-    cpu_fallback = params.get("cpu_fallback", "false").strip().lower()
-    if cpu_fallback not in ("true", "false"):
-        raise SettingsError(f"parameter cpu_fallback={params['cpu_fallback']!r}: use true or false")
-    precision = params.get("precision", "") or "fp32"
-    if precision not in PRECISIONS:
-        raise SettingsError(f"parameter precision={precision!r}: use {', '.join(PRECISIONS)}")
-    inputs = _io(cfg.get("input"))
-    pad = params.get("pad_sequences", "")
-    if pad not in ("", "true", "false"):
-        raise SettingsError(f"parameter pad_sequences={pad!r}: use true or false")
-    # Older repositories do not say: an attention mask is what makes padding harmless.
-    pad_sequences = pad == "true" if pad else any(i.name == "attention_mask" for i in inputs)
-    max_tokens = num("max_group_tokens", 0)
-    if max_tokens < 0:
-        raise SettingsError(f"parameter max_group_tokens={max_tokens} must be 0 (no budget) or positive")
-    if max_tokens and max_tokens < max_len:  # the longest request allowed could not be placed in any group
-        raise SettingsError(f"parameter max_group_tokens={max_tokens} is below max_sequence_length={max_len}: "
+        p = parse_parameters(params)
+    except ParameterError as exc:
+        raise SettingsError(str(exc)) from None
+    max_len = p.max_sequence_length
+    buckets = p.sequence_buckets or (max_len,)
+    if p.max_group_tokens and p.max_group_tokens < max_len:  # the longest request allowed could not be placed
+        raise SettingsError(f"parameter max_group_tokens={p.max_group_tokens} is below max_sequence_length={max_len}: "
                             "use 0 (no budget) or at least max_sequence_length")
-    warmup = params.get("cost_model_warmup", "") or "short"
-    if warmup not in ("short", "sweep"):
-        raise SettingsError(f"parameter cost_model_warmup={warmup!r}: use short or sweep")
-    cpu_threads = num("cpu_threads", 0)
-    if cpu_threads < 0:
-        raise SettingsError(f"parameter cpu_threads={cpu_threads} must be 0 (split the cores) or positive")
+    inputs = _io(cfg.get("input"))
+    # Older repositories do not say: an attention mask is what makes padding harmless.
+    pad_sequences = p.pad_sequences if p.pad_sequences is not None else any(i.name == "attention_mask" for i in inputs)
     cpu_instances = sum(int(g.get("count", 1) or 1) for g in cfg.get("instance_group") or []
                         if g.get("kind") == "KIND_CPU")
-    after_return = params.get("respond_after_return", "").strip().lower()
-    if after_return not in ("", "auto", "true", "false"):
-        raise SettingsError(f"parameter respond_after_return={after_return!r}: use auto, true or false")
-    online_text = params.get("cost_model_online", "").strip().lower()
-    if online_text not in ("", "true", "false"):
-        raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
@@ -160,27 +111,27 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         outputs=_io(cfg.get("output")),
         max_sequence_length=max_len,
         sequence_buckets=buckets,
-        grouping=grouping,
-        cost_model=cost,
-        max_group_tokens=max_tokens or None,
-        onnx_file=params.get("onnx_file", "model.onnx"),
-        engine=engine,
-        pool_release_threshold_mib=num("pool_release_threshold_mib", 256),
-        pool_initial_mib=num("pool_initial_mib", 0),
-        task=params.get("task", "embedding"),
-        cost_model_repeats=num("cost_model_repeats", 3),
-        torchscript_file=torchscript_file,
-        vocab_size=vocab_size,
-        cost_model_warmup=warmup,
-        cost_model_online=None if online_text == "" else online_text == "true",
-        cpu_fallback=cpu_fallback == "true",
-        precision=precision,
+        grouping=p.grouping,
+        cost_model=p.cost_model,
+        max_group_tokens=p.max_group_tokens or None,
+        onnx_file=p.onnx_file,
+        engine=p.engine,
+        pool_release_threshold_mib=p.pool_release_threshold_mib,
+        pool_initial_mib=p.pool_initial_mib,
+        cost_model_repeats=p.cost_model_repeats,
+        torchscript_file=p.torchscript_file,
+        vocab_size=p.vocab_size,
+        cost_model_warmup=p.cost_model_warmup,
+        cost_model_online=p.cost_model_online,
+        cpu_fallback=p.cpu_fallback,
+        precision=p.precision,
         # Packages from before the precision parameter name no plan: the served precision's own, if any.
-        plan_file=params.get("plan_file") or (None if "precision" in params else f"model.{precision}.plan"),
+        plan_file=p.plan_file or (None if "precision" in params else plan_file(p.precision)),
         pad_sequences=pad_sequences,
-        cpu_threads=cpu_threads or None,
+        cpu_threads=p.cpu_threads or None,
         cpu_instances=cpu_instances,
-        respond_after_return=after_return == "true" or (after_return in ("", "auto") and has_queue_policy(cfg)),
+        respond_after_return=p.respond_after_return == "true"
+        or (p.respond_after_return == "auto" and has_queue_policy(cfg)),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .contract import Files
 from .integrity import read_checked, verified_digests
 
 
@@ -17,7 +18,7 @@ def load_tokenizer(version_dir: Path, max_length: int) -> Any:
     from tokenizers import Tokenizer  # imported here: only text models need it
 
     version_dir = Path(version_dir)
-    relpath = f"{version_dir.name}/tokenizer/tokenizer.json"
+    relpath = f"{version_dir.name}/{Files.TOKENIZER_DIR}/{Files.TOKENIZER_JSON}"
     if not (version_dir.parent / relpath).is_file():
         raise FileNotFoundError(f"{relpath} is missing: the model was packaged without a fast tokenizer")
     data = read_checked(version_dir.parent, relpath, verified_digests(version_dir.parent.name, version_dir.name))

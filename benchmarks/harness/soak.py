@@ -3,7 +3,7 @@
 Requests are drawn (seeded) from real text and sent alternately as ``text`` and as token ids, one
 sequence each, at a fixed number in flight, over gRPC. Every ``sample_s`` seconds the resident memory
 (RSS), open file descriptors and threads of ``tritonserver`` and of each Python-backend stub are read
-from ``/proc``; latencies are kept per minute. :func:`judge` says what a soak must show: no error, no
+with psutil; latencies are kept per minute. :func:`judge` says what a soak must show: no error, no
 stub restarted, memory growth after warm-up within a bound, descriptors and threads flat.
 
 Nothing here starts a server: ``benchmarks/soak.py`` and the CI test start one and hand its pid here.
@@ -77,14 +77,16 @@ class SoakReport:
         return percentile(self.latencies_ms, 99)
 
 
-def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample:
-    """RSS (KiB), open descriptors and threads of ``pid``."""
-    status = (proc / str(pid) / "status").read_text()
-    values = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    rss = int(values.get("VmRSS", "0 kB").split()[0])
-    threads = int(values.get("Threads", "0").strip())
-    fds = len(list((proc / str(pid) / "fd").iterdir()))
-    return ProcessSample(rss, fds, threads)
+def read_process(pid: int) -> ProcessSample:
+    """RSS (KiB), open descriptors and threads of ``pid`` (psutil; OSError when it is gone)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return ProcessSample(p.memory_info().rss // 1024, p.num_fds(), p.num_threads())
+    except psutil.Error as exc:
+        raise OSError(f"cannot read process {pid}: {exc}") from exc
 
 
 def sample(server_pid: int, repository: Path, at: float) -> Sample:

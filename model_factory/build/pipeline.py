@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.backend.contract import Files, onnx_file
 from model_factory.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -64,7 +64,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
+    from model_factory.build.repository import package_model, queue_policy_note
 
     import datetime as dt
 
@@ -84,8 +84,8 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     seconds: dict[str, float] = {}
     exported = _timed(seconds, "export", say, lambda: stage("export", export_model, recipe))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
-    artifacts: dict[str, Path] = {"model.onnx": exported.onnx_path}
-    extra: list[Path] = [exported.onnx_path.parent / "export.json"]
+    artifacts: dict[str, Path] = {Files.ONNX: exported.onnx_path}
+    extra: list[Path] = [exported.onnx_path.parent / Files.EXPORT_REPORT]
     accuracy = None
     models = {"fp32": exported.onnx_path}
     build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset},
@@ -103,7 +103,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         models = dict(q.models)
         for precision, path in q.models.items():
             if precision != "fp32":
-                artifacts[f"model.{precision}.onnx"] = path
+                artifacts[onnx_file(precision)] = path
         extra.append(q.report_path)
         say(q.report.render())
         accuracy = q.report.to_dict() if hasattr(q.report, "to_dict") else None
@@ -119,11 +119,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
     build_info["stage_seconds"] = seconds
-    # The default queue bound needs a cost model: measured here unless the parameters fix one.
-    fixed = bool((parameters or {}).get("cost_model")) or not bounds_queue_by_default(recipe)
-    cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
-    if cost is not None:
-        build_info["queue_cost_model"] = list(cost)
+    # No queue bound is measured here: "auto" is derived where the model is served (serving/queue_bound.py).
     sign: Callable[[Path], Path] | None = None
     if signer is not None:
         from model_factory.signing import sign_model_version
@@ -145,7 +141,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         golden = write_acceptance_data(recipe, exported.onnx_path, exported.tokenizer_dir,
                                        recipe.work_dir / "acceptance", progress=say)
         return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
-                             parameters=parameters, build_info=build_info, cost_model=cost, sign=sign,
+                             parameters=parameters, build_info=build_info, sign=sign,
                              acceptance_dir=golden)
 
     packaged = _timed(seconds, "package", say, package)
@@ -186,8 +182,7 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
 def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     """Package the artifacts earlier stages left in the recipe's work dir (``model-factory package``)."""
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
-
+    from model_factory.build.repository import package_model, queue_policy_note
     from model_factory.build_engines.quantize import quantized_models
 
     note = queue_policy_note(recipe)
@@ -196,10 +191,9 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     export_dir = recipe.work_dir / "export"
     # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
     models = quantized_models(recipe)
-    artifacts: dict[str, Path] = {("model.onnx" if p == "fp32" else f"model.{p}.onnx"): path
-                                  for p, path in models.items()}
-    extra = [p for p in (export_dir / "export.json",) if p.is_file()]
-    torchscript = export_dir / TORCHSCRIPT_FILE
+    artifacts: dict[str, Path] = {onnx_file(p): path for p, path in models.items()}
+    extra = [p for p in (export_dir / Files.EXPORT_REPORT,) if p.is_file()]
+    torchscript = export_dir / Files.TORCHSCRIPT
     if torchscript.is_file():
         artifacts[torchscript.name] = torchscript
     quant_dir = recipe.work_dir / "quantize"
@@ -208,48 +202,12 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     if engine_dir.is_dir():
         for plan in sorted(engine_dir.glob("model.*.plan")):
             artifacts[plan.name] = plan
-            meta = plan.with_name(plan.name + ".json")
+            meta = plan.with_name(plan.name + Files.PLAN_METADATA_SUFFIX)
             if meta.is_file():
                 artifacts[meta.name] = meta
-    tok = export_dir / "tokenizer"
-    cost = measure_onnx_cost_model(artifacts["model.onnx"], recipe) \
-        if bounds_queue_by_default(recipe) and "model.onnx" in artifacts else None
+    tok = export_dir / Files.TOKENIZER_DIR
     tokenizer_dir = tok if tok.is_dir() else None
-    golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
+    golden = write_acceptance_data(recipe, export_dir / Files.ONNX, tokenizer_dir, recipe.work_dir / "acceptance",
                                    progress=progress)
-    return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra, cost_model=cost,
+    return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra,
                          acceptance_dir=golden)
-
-
-def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:
-    """The cost model ``(a, b, c)`` of the FP32 ONNX on this machine's CPU, for the default queue bound.
-
-    Timed as the backend times its engine at load (the same sweep, one repeat), on ONNX Runtime; None for a
-    model whose inputs are not all ``[batch, sequence]`` integer tensors, or when ONNX Runtime is missing.
-    The backend measures its own engine again at load; this figure only sizes the queue.
-    """
-    try:
-        import numpy as np
-        import onnxruntime  # noqa: F401  (the engine below needs it)
-
-        from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
-        from model_factory.backend.grouping import measure_cost_model
-    except ImportError:
-        return None
-    engine = OnnxRuntimeEngine(Path(onnx_path))
-    try:
-        inputs = engine._session.get_inputs()
-        if not all(i.type in ("tensor(int64)", "tensor(int32)") and len(i.shape) == 2 for i in inputs):
-            return None
-        dtypes = {i.name: np.int64 if i.type == "tensor(int64)" else np.int32 for i in inputs}
-
-        def run(n: int, length: int) -> None:
-            engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()})
-
-        model = measure_cost_model(run, recipe.shapes.sequence_buckets or (recipe.shapes.max_sequence_length,),
-                                   recipe.shapes.max_batch, repeats=1)
-        return (float(model.a), float(model.b), float(model.c))
-    except Exception:  # a model the sweep cannot run: the fallback bound applies
-        return None
-    finally:
-        engine.close()

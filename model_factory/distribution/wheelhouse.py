@@ -124,18 +124,25 @@ class WheelhouseReport:
 
 
 def canonical_name(name: str) -> str:
-    """PEP 503 normalized project name."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+    """PEP 503 normalized project name (``packaging.utils.canonicalize_name``)."""
+    from packaging.utils import canonicalize_name
+
+    return str(canonicalize_name(name))
 
 
 def parse_wheel_filename(filename: str) -> tuple[str, str]:
-    """Return ``(canonical name, version)`` of a wheel file name (PEP 427)."""
+    """Return ``(canonical name, version)`` of a wheel file name (PEP 427, read by ``packaging``)."""
+    from packaging.utils import InvalidWheelFilename
+    from packaging.utils import parse_wheel_filename as parse
+
     if not filename.endswith(".whl"):
         raise FactoryError(f"{filename} is not a wheel (.whl). Fix: keep only wheels in a wheelhouse")
-    parts = filename[: -len(".whl")].split("-")
-    if len(parts) not in (5, 6):
-        raise FactoryError(f"{filename} is not a valid wheel file name (name-version[-build]-py-abi-platform.whl)")
-    return canonical_name(parts[0]), parts[1]
+    try:
+        name, version, _build, _tags = parse(filename)
+    except (InvalidWheelFilename, ValueError) as exc:
+        raise FactoryError(f"{filename} is not a valid wheel file name (name-version[-build]-py-abi-platform.whl): "
+                           f"{exc}. Fix: keep only wheels as pip names them in a wheelhouse") from None
+    return str(name), str(version)
 
 
 def target_platforms(platform: str | None) -> tuple[str, ...]:

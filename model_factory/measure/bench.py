@@ -117,16 +117,12 @@ def make_payloads(texts: Sequence[str], tokenizer: Any = None) -> list[Payload]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between closest ranks (numpy's default); NaN when empty."""
+    """The ``q``-th percentile (0..100), numpy's (linear between closest ranks); NaN when empty."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    data = sorted(float(v) for v in values)
-    if not data:
+    if len(values) == 0:
         return math.nan
-    pos = (len(data) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(data) - 1)
-    return data[low] + (data[high] - data[low]) * (pos - low)
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 @dataclass(frozen=True)
@@ -255,10 +251,6 @@ def batches_padding_ratio(batches: Sequence[Sequence[int]]) -> float:
 
 # --------------------------------------------------------------------------- metrics port
 
-_SAMPLE_RE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\d+)?$')
-_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
 @dataclass(frozen=True)
 class Sample:
     """One Prometheus sample: metric name, labels and value."""
@@ -269,22 +261,23 @@ class Sample:
 
 
 def parse_prometheus(text: str) -> list[Sample]:
-    """Parse Prometheus text exposition format (comments skipped; unparsable lines ignored)."""
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            continue
-        labels = {k: bytes(v, "utf-8").decode("unicode_escape") for k, v in _LABEL_RE.findall(m.group(3) or "")}
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        samples.append(Sample(m.group(1), labels, value))
-    return samples
+    """Parse Prometheus text exposition format (``prometheus_client``'s parser).
+
+    Raises FactoryError when the text is not the exposition format.
+    """
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as exc:
+        raise FactoryError("reading metrics needs prometheus-client. Fix: pip install 'model-factory[client]'") from exc
+    # Without the TYPE lines every sample keeps the name the server exposes: given "counter", the parser
+    # renames Triton's nv_inference_count to nv_inference_count_total (OpenMetrics' convention).
+    untyped = "\n".join(line for line in text.splitlines() if not line.startswith("# TYPE "))
+    try:
+        return [Sample(s.name, dict(s.labels), float(s.value))
+                for family in text_string_to_metric_families(untyped) for s in family.samples]
+    except ValueError as exc:
+        raise FactoryError(f"the metrics are not in Prometheus text format ({exc}). Fix: pass Triton's metrics URL, "
+                           "e.g. http://localhost:8002/metrics") from None
 
 
 def metric_total(samples: Sequence[Sample], name: str, **labels: str) -> float | None:

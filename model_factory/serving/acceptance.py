@@ -93,7 +93,7 @@ def _num(x: float | None) -> float | str | None:
     return float(x) if np.isfinite(x) else str(x)
 
 
-def _instance(config: Any) -> tuple[str, int]:
+def instance_of(config: Any) -> tuple[str, int]:
     """Triton's instance kind for the first instance group (KIND_AUTO: GPU when one is visible), and the device."""
     from model_factory.backend.memory_pool import cuda_device_count
 
@@ -121,7 +121,8 @@ def served_version(model_dir: Path, config: Any) -> str:
     return str(max(versions))
 
 
-def _settings(config: Any) -> Any:
+def engine_settings(config: Any) -> Any:
+    """The backend's settings for a parsed ``config.pbtxt`` (what the backend reads at load)."""
     from google.protobuf import json_format
 
     from model_factory.backend.settings import parse_settings
@@ -130,7 +131,7 @@ def _settings(config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _gpu_product(product: str | None):
+def gpu_product_env(product: str | None):
     """The backend reads the GPU product the server was started for from its environment: set it alike."""
     from model_factory.backend.loading import GPU_PRODUCT_ENV
 
@@ -166,8 +167,8 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     config = read_config(model_dir)
     version = served_version(model_dir, config)
     try:
-        settings = _settings(config)
-        kind, dev = _instance(config)
+        settings = engine_settings(config)
+        kind, dev = instance_of(config)
         kind, dev = instance_kind or kind, dev if device_id is None else device_id
         rel = f"{version}/{ACCEPTANCE_DIR}"
         if not (model_dir / rel / SPEC_FILE).is_file():
@@ -182,7 +183,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     except Exception as exc:  # an unreadable or tampered file: refuse, with the reason
         return AcceptanceResult(name, version, False, reason=f"{type(exc).__name__}: {exc}")
     try:
-        with _gpu_product(gpu_product):
+        with gpu_product_env(gpu_product):
             engine, info = load_engine(model_dir / version, settings, kind, dev, digests=_d(digests))
     except Exception as exc:  # the model would not load in Triton either: that is the verdict
         return AcceptanceResult(name, version, False, metric=spec.metric, threshold=spec.threshold,
@@ -299,7 +300,7 @@ def _with_departures(result: AcceptanceResult, version_dir: Path, inputs: Sequen
 
 def accept_repository(repository: Path, model: str | None = None, **kwargs: Any) -> list[AcceptanceResult]:
     """Accept every model of ``repository`` (or just ``model``)."""
-    from model_factory.serving.server import discover_models
+    from model_factory.build.repository import discover_models
 
     repository = Path(repository)
     if not repository.is_dir():

@@ -11,12 +11,12 @@ when a model has fewer live stubs than it had once loaded it
    at once, and waits ``settle_s`` for the dead instance to fail the requests it holds
    (new requests get 404 at once meanwhile), then ends the old load's other stubs (Triton 2.51
    never finishes an unload with a dead instance, and they would keep their copy of the model);
-2. verifies the model again against the trust policy ``serve`` started with
-   (:func:`model_factory.serving.server.reverify_model`): the restarted stub loads only bytes
-   that verify, and a model that no longer verifies stays unloaded;
+2. verifies the model again against the trust policy ``serve`` started with (the ``reverify``
+   callable it is given, :func:`model_factory.serving.digests.reverify_model`): the restarted stub
+   loads only bytes that verify, and a model that no longer verifies stays unloaded;
 3. loads it again and records how long the model was down (:class:`Recovery`).
 
-Linux only (``/proc``); elsewhere :func:`stub_processes` finds nothing and nothing is healed.
+Processes are read with ``psutil`` (its platforms; the stubs run where Triton runs, on Linux).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from model_factory.errors import FactoryError
 
@@ -55,50 +55,43 @@ class Recovery:
     reason: str = ""
 
 
-def _proc_children(parent: int, proc: Path) -> list[tuple[int, str, list[str]]]:
-    out = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone between the listing and the read
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == parent:
-            out.append((int(entry.name), fields[0], [c.decode(errors="replace") for c in cmdline if c]))
-    return out
-
-
-def stub_processes(server_pid: int, repository: Path, proc: Path = Path("/proc")) -> list[StubProcess]:
-    """Live (not zombie) stubs started by ``server_pid`` for models of ``repository``.
+def stub_processes(server_pid: int, repository: Path) -> list[StubProcess]:
+    """Live (not zombie) stubs started by ``server_pid`` for models of ``repository`` (read with psutil).
 
     The stub's first argument is the path of the model's ``model.py``
     (``<repository>/<model>/<version>/model.py``); a stub killed but not reaped by
     Triton stays as a zombie, with no command line, and is not counted.
     """
+    import psutil
+
     repository = Path(repository).resolve()
-    if not proc.is_dir():
+    try:
+        children = psutil.Process(server_pid).children()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
     stubs = []
-    for pid, state, argv in _proc_children(server_pid, proc):
-        if state == "Z" or len(argv) < 2 or Path(argv[0]).name != STUB_NAME:
-            continue
-        model_py = Path(argv[1])
+    for child in children:
         try:
-            rel = model_py.resolve().relative_to(repository)
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            argv = child.cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):  # gone, or not ours to read
+            continue
+        if len(argv) < 2 or Path(argv[0]).name != STUB_NAME:
+            continue
+        try:
+            rel = Path(argv[1]).resolve().relative_to(repository)
         except ValueError:
             continue
         if len(rel.parts) >= 2:
-            stubs.append(StubProcess(pid, rel.parts[0]))
+            stubs.append(StubProcess(child.pid, rel.parts[0]))
     return stubs
 
 
-def stub_counts(server_pid: int, repository: Path, proc: Path = Path("/proc")) -> dict[str, int]:
+def stub_counts(server_pid: int, repository: Path) -> dict[str, int]:
     """Live stubs per model."""
     counts: dict[str, int] = {}
-    for stub in stub_processes(server_pid, repository, proc):
+    for stub in stub_processes(server_pid, repository):
         counts[stub.model] = counts.get(stub.model, 0) + 1
     return counts
 
@@ -106,18 +99,21 @@ def stub_counts(server_pid: int, repository: Path, proc: Path = Path("/proc")) -
 class StubWatch:
     """A thread that polls the stubs of ``models`` every ``interval_s`` and heals a model whose stub died.
 
-    ``server`` is a started :class:`model_factory.serving.server.TritonServer` (its admin key opens the
-    repository API). ``echo`` reports each heal. Use as a context manager or call start()/stop().
+    ``server`` is a started :class:`model_factory.serving.triton_process.TritonServer` (its admin key opens
+    the repository API; its loads carry the configuration this deployment derived). ``reverify(model)``
+    verifies a model again before it is reloaded and raises FactoryError when it no longer verifies
+    (None: the server runs without a policy, nothing to re-verify). ``echo`` reports each heal. Use as a
+    context manager or call start()/stop().
     """
 
-    def __init__(self, server: object, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
-                 echo: Callable[[str], None] | None = None, proc: Path = Path("/proc"),
-                 settle_s: float = SETTLE_S) -> None:
+    def __init__(self, server: Any, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
+                 echo: Callable[[str], None] | None = None,
+                 settle_s: float = SETTLE_S, reverify: Callable[[str], None] | None = None) -> None:
         self.server = server
+        self.reverify = reverify
         self.interval_s = interval_s
         self.settle_s = settle_s
         self.echo = echo or (lambda _msg: None)
-        self.proc = proc
         self.recoveries: list[Recovery] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,10 +123,10 @@ class StubWatch:
 
     def _counts(self) -> dict[str, int] | None:
         """Live stubs per model; None when the server itself is not running (nothing to heal then)."""
-        process = getattr(self.server, "process", None)
+        process = self.server.process
         if process is None or process.poll() is not None:
             return None
-        return stub_counts(process.pid, self.server.repository, self.proc)
+        return stub_counts(process.pid, self.server.repository)
 
     def check(self) -> list[Recovery]:
         """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
@@ -147,8 +143,6 @@ class StubWatch:
 
     def heal(self, model: str) -> Recovery:
         """Unload ``model`` (not ready from now on), verify it again, load it again."""
-        from model_factory.serving.server import reverify_model
-
         start = time.monotonic()
         self.healing = model
         self.echo(f"model {model}: its backend stub died; unloading, re-verifying and reloading it")
@@ -159,7 +153,8 @@ class StubWatch:
                 return self._done(model, start, False, f"unload failed: {error}")
             unloaded = time.monotonic()
             try:
-                reverify_model(self.server, model)
+                if self.reverify is not None:
+                    self.reverify(model)
             except FactoryError as exc:
                 return self._done(model, start, False, f"no longer verifies, left unloaded: {exc}")
             # Let the dead instance fail the requests it holds before the new one loads: Triton 2.51 answers
@@ -180,8 +175,7 @@ class StubWatch:
 
     def _stub_pids(self, model: str) -> set[int]:
         """The pids of ``model``'s live stubs."""
-        return {s.pid for s in stub_processes(self.server.process.pid, self.server.repository, self.proc)
-                if s.model == model}
+        return {s.pid for s in stub_processes(self.server.process.pid, self.server.repository) if s.model == model}
 
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)
@@ -197,7 +191,7 @@ class StubWatch:
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
-            except OSError as exc:  # /proc or the server's port went away: report, keep watching
+            except OSError as exc:  # the server's port went away: report, keep watching
                 self.echo(f"stub watch: {exc}")
 
     def start(self) -> "StubWatch":
@@ -227,14 +221,11 @@ def _kill(pid: int) -> None:
 
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:  # someone else's process: it exists
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return True
-    return state != "Z"

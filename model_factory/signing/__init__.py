@@ -19,7 +19,10 @@ Layers, from the bottom up:
 * ``sign`` / ``verify``  the operations
 * ``release`` / ``release_check``  signed releases on TUF (python-tuf): publish; refuse rollback,
   freeze, mix-and-match, too few signatures, a bad root rotation
-* ``runtime``      load-time digest checks for the Python backend (stdlib only)
+
+The load-time check (the bytes the backend loads are the bytes verified) is the backend's own
+``integrity`` module (``backends/python_backend/integrity.py``), fed by ``serve`` with
+:func:`signed_digests` from a full verification.
 
 The whole package needs only the standard library and ``cryptography`` (releases: also ``tuf``).
 """
@@ -29,8 +32,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Re-exports are resolved on first use, so that ``import model_factory.signing.runtime``
-# (inside Triton's stub) loads only the standard library, not this whole package.
+# Re-exports are resolved on first use, so that importing one module of the package loads only
+# what that module needs, not this whole package.
 _EXPORTS = {
     "BuildProvenance": "provenance",
     "KeyPaths": "keys",

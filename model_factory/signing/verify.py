@@ -285,8 +285,8 @@ def signed_digests(model_dir: Path, version: int, policy: TrustPolicy | None = N
     provenance) and any failure raises a FactoryError with every reason. Without
     it, only the bundle's own consistency is checked: the trust decision is the
     one ``verify_repository`` made before the server started, and this map lets
-    the backend re-check the bytes it actually loads (see
-    :mod:`model_factory.signing.runtime`), closing the gap between the two.
+    the backend re-check the bytes it actually loads (``model_factory.backend.integrity``), closing the
+    gap between the two.
     """
     model_dir = Path(model_dir)
     if policy is not None:

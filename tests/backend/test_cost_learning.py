@@ -96,6 +96,34 @@ def test_a_restart_reads_what_was_learned_and_skips_the_warm_up(tmp_path):
     assert again.cost.model.cost(8, 128) == pytest.approx(first.cost.model.cost(8, 128), rel=1e-9)
 
 
+def test_two_instances_saving_to_one_file_both_keep_what_they_learned(tmp_path):
+    """The instances of a model share one cache file: each save merges, so nothing learned is lost."""
+    path = tmp_path / "cache" / "minilm-key.json"
+    a, b = start(FakeEngine(), cache_file=path), start(FakeEngine(), cache_file=path)
+    keep_a = CostKeeper(a.cost, cache_file=path, log=lambda _m: None, meta={"model": "minilm"})
+    keep_b = CostKeeper(b.cost, cache_file=path, log=lambda _m: None, meta={"model": "minilm"})
+    for _ in range(10):  # a times short requests, b long ones
+        for n, length in ((1, 8), (4, 16)):
+            a.cost.observe(n, length, TRUE.cost(n, length))
+        for n, length in ((8, 128), (16, 96)):
+            b.cost.observe(n, length, TRUE.cost(n, length))
+    keep_a.close()
+    keep_b.close()  # the last writer: a's timings and cells must still be there
+    state = json.loads(path.read_text())["estimator"]
+    assert state["timings"] == 40
+    lengths = {round(cell[1]) for cell in state["cells"]}
+    assert {8, 16} <= lengths and {128, 96} <= lengths
+    # Saved again after more traffic: only what is new is added (no double counting).
+    a.cost.observe(2, 32, TRUE.cost(2, 32))
+    keep_a.save()
+    assert json.loads(path.read_text())["estimator"]["timings"] == 41
+    assert not list(path.parent.glob("*.tmp"))
+    # A restart reads both instances' learning.
+    again = start(FakeEngine(), cache_file=path)
+    assert again.source == "cache" and "41 timings" in again.note
+    assert again.cost.model.cost(8, 128) == pytest.approx(TRUE.cost(8, 128), rel=0.05)
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"estimator": {"version": 99}}), json.dumps([1])])
 def test_a_broken_or_foreign_cache_file_is_ignored(tmp_path, content):
     path = tmp_path / "m-key.json"

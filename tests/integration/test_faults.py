@@ -129,14 +129,17 @@ def _kill_stub(server) -> int:
 
 def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_copy) -> None:
     from model_factory.serving.server import ServerOptions, start_verified_server
+    from functools import partial
+
+    from model_factory.serving.server import reverify_model
     from model_factory.serving.supervise import StubWatch, stub_processes
 
     repo, policy = repo_copy
-    server, _ = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
     ready_url = f"http://{server.http_url}/v2/models/{MODEL}/ready"
     try:
         expected = _embed(server.http_url, ["a stub dies", "and comes back"])
-        watch = StubWatch(server, [MODEL], interval_s=0.2)
+        watch = StubWatch(server, [MODEL], interval_s=0.2, reverify=partial(reverify_model, report.digests))
         instances = len(stub_processes(server.process.pid, server.repository))
         assert watch.expected == {MODEL: instances} and instances >= 1
         answered: list[tuple[float, str]] = []

@@ -1,4 +1,4 @@
-"""The signing package stays light: stdlib + cryptography, and runtime.py stdlib only."""
+"""The signing package stays light: stdlib + cryptography; the backend's load-time check stdlib only."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ def _top_level_modules(code: str) -> set[str]:
 
 def test_signing_package_imports_no_heavy_module():
     # ``import *`` resolves every re-export, so every module of the package is loaded.
-    loaded = _top_level_modules("from model_factory.signing import *\nimport model_factory.signing.runtime")
+    loaded = _top_level_modules("from model_factory.signing import *")
     assert {"cryptography", "model_factory"} <= loaded
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
 
 
-def test_runtime_needs_only_the_standard_library():
-    loaded = _top_level_modules("import model_factory.signing.runtime")
+def test_the_load_time_check_needs_only_the_standard_library():
+    loaded = _top_level_modules("import model_factory.backend.integrity")
     assert "cryptography" not in loaded
     # What is left besides the stdlib: our own package, and the hooks an editable install or
     # setuptools put into site-packages.

@@ -40,11 +40,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..contract import Files
 from .base import EngineError
 
-TORCHSCRIPT_FILE = "model.torchscript.pt"
+TORCHSCRIPT_FILE = Files.TORCHSCRIPT
 # Extra file inside the TorchScript archive: {"inputs": [...], "outputs": [...]} in positional order.
-IO_EXTRA_FILE = "model_factory_io.json"
+IO_EXTRA_FILE = Files.TORCHSCRIPT_IO
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ASYNC_ALLOC_CONF = "backend:cudaMallocAsync"
 _SET_HERE = False  # whether configure_cuda_allocator set the variable (not the user)

@@ -1,0 +1,138 @@
+"""The queue bound of this deployment: derived where the model is served, never baked into the signed config.
+
+A model packaged with ``max_queue_size = "auto"`` (and two or more instances) carries in its signed
+``config.pbtxt`` a fallback bound (a few full batches) and two parameters of the contract:
+``queue_bound = auto`` and ``queue_budget_ms``. The bound that fits is the number of requests this
+machine clears in that budget, which depends on the machine: so ``serve`` derives it here, from the
+cost model of the engine measured on this machine (or the constants the configuration fixes), and loads
+the model with that configuration through Triton's load API (its ``config`` parameter: Triton then
+uses it instead of reading ``config.pbtxt``). The signed bytes stay reproducible; only the per-deployment
+bound differs, and it exists only in the server's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+CostModel = tuple[float, float, float]
+
+
+def queue_size(cost: Sequence[float], *, max_batch: int, length: int, preferred: Sequence[int],
+               budget_ms: float) -> int | None:
+    """Requests the model's instances clear in ``budget_ms``: the bound; None when ``cost`` says nothing.
+
+    With a cost model ``(a, b, c)`` (seconds; one launch of ``n`` sequences padded to ``L`` takes
+    ``a + b·n·L + c·n·L²``) the rate is that of full batches (``max_batch``) of ``length`` (the first
+    sequence bucket); the queue then holds about the budget's worth of work, and never less than the
+    smallest preferred batch. The bound does not grow with the instance count: a replica's instances share
+    its cores (or GPU). Two MiniLM instances of one thread each on 2 CPU cores cleared 1.05-1.47x what one
+    session on both cores gives, so there the bound is 200-300 ms of their work (benchmarks/RESULTS.md).
+    """
+    a, b, c = (float(x) for x in cost)
+    n = int(max_batch)
+    seconds = a + b * n * length + c * n * length * length
+    if not (seconds > 0 and math.isfinite(seconds)) or n < 1:
+        return None
+    floor = min(preferred or (n,))
+    return max(int(floor), int(math.ceil(n / seconds * budget_ms / 1000.0)))
+
+
+def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] | None:
+    """The configuration (Triton's JSON form) with this deployment's queue bound; None when it keeps its own.
+
+    ``config`` is a parsed ``ModelConfig``. Only a model whose parameters say ``queue_bound = auto`` gets
+    a derived bound; ``cost`` is the cost model measured here, else the constants the configuration
+    fixes (``cost_model``); with neither, the signed (fallback) bound stays.
+    """
+    from google.protobuf import json_format
+
+    from model_factory.backend.contract import parse_parameters
+
+    params = parse_parameters({k: v.string_value for k, v in config.parameters.items()})
+    if params.queue_bound != "auto" or not params.queue_budget_ms:
+        return None
+    cost = cost if cost is not None else params.cost_model
+    if cost is None:
+        return None
+    length = (params.sequence_buckets or (params.max_sequence_length,))[0]
+    size = queue_size(cost, max_batch=config.max_batch_size, length=length,
+                      preferred=list(config.dynamic_batching.preferred_batch_size), budget_ms=params.queue_budget_ms)
+    if size is None:
+        return None
+    data = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    data.setdefault("dynamic_batching", {}).setdefault("default_queue_policy", {})["max_queue_size"] = size
+    return data
+
+
+def load_configs(repository: Path, models: Sequence[str],
+                 costs: Mapping[str, Sequence[float]] | None = None) -> dict[str, str]:
+    """model -> the JSON configuration its loads carry, for the models whose bound is derived here."""
+    from model_factory.build.repository import read_config
+
+    out: dict[str, str] = {}
+    for model in models:
+        data = derived_config(read_config(Path(repository) / model), (costs or {}).get(model))
+        if data is not None:
+            out[model] = json.dumps(data)
+    return out
+
+
+def needs_measuring(model_dir: Path) -> bool:
+    """Whether the model's bound is derived here and its configuration fixes no cost model to derive it from."""
+    from model_factory.backend.contract import parse_parameters
+    from model_factory.build.repository import config_parameters, read_config
+
+    params = parse_parameters(config_parameters(read_config(model_dir)))
+    return params.queue_bound == "auto" and params.cost_model is None
+
+
+def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = None,
+                        gpu_product: str | None = None) -> CostModel | None:
+    """The cost model of the engine the backend would serve for ``model_dir``, timed on this machine.
+
+    Loads the engine with the backend's own loader (same choice, same files, bytes checked against
+    ``digests``) and times the backend's short warm-up (what it starts from at load); None for a model whose
+    inputs are not all ``[batch, sequence]`` integer tensors or whose engine does not load (the model's
+    own load reports that). Run in a child process: the engine's memory is gone before Triton loads it.
+    """
+    import numpy as np
+
+    from model_factory.backend.cost_learning import start_cost_model
+    from model_factory.backend.grouping import profile_for_length
+    from model_factory.backend.loading import load_engine
+    from model_factory.build.repository import read_config
+    from model_factory.serving.acceptance import engine_settings, gpu_product_env, instance_of, served_version
+
+    config = read_config(model_dir)
+    settings = engine_settings(config)
+    kind, device = instance_of(config)
+    try:
+        with gpu_product_env(gpu_product):
+            engine, _info = load_engine(Path(model_dir) / served_version(Path(model_dir), config), settings, kind,
+                                        device, digests=None if digests is None else dict(digests))
+    except Exception:  # noqa: BLE001 - the model's own load says why; the signed bound stays meanwhile
+        return None
+    # The engine's own inputs (a text model's `text` input is tokenized before the engine sees it).
+    inputs = [i for i in settings.inputs if i.name in set(engine.input_names)]
+    if not inputs or not all(i.data_type in ("TYPE_INT64", "TYPE_INT32") and len(i.dims) == 1 for i in inputs):
+        engine.close()
+        return None
+    dtypes = {i.name: np.int64 if i.data_type == "TYPE_INT64" else np.int32 for i in inputs}
+    try:
+        def run(n: int, length: int) -> None:
+            engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()},
+                       profile_for_length(length, settings.sequence_buckets))
+
+        # The backend's own short warm-up (a handful of cheap launches), fitted: the constants it starts from.
+        start = start_cost_model(run=run, buckets=settings.sequence_buckets, max_batch=settings.max_batch_size,
+                                 max_tokens=settings.max_group_tokens, per_profile=False, warmup="short",
+                                 online=False)
+        model = start.cost
+        return (float(model.a), float(model.b), float(model.c))
+    except Exception:  # noqa: BLE001 - a model the sweep cannot run keeps the signed bound
+        return None
+    finally:
+        engine.close()

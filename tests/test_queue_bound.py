@@ -1,0 +1,69 @@
+"""The queue bound is derived where the model is served, from the signed budget and this machine's cost model."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from model_factory.build.repository import FALLBACK_QUEUE_BATCHES, package_model, read_config
+from model_factory.serving.queue_bound import derived_config, load_configs, needs_measuring, queue_size
+
+
+def _sizes(recipe):
+    s = recipe.shapes
+    return dict(max_batch=s.max_batch, length=s.sequence_buckets[0], preferred=recipe.batching.preferred_batch_sizes,
+                budget_ms=recipe.batching.queue_budget_ms)
+
+
+def test_the_bound_is_the_budget_of_work_this_machine_clears(minilm_recipe) -> None:
+    max_batch = minilm_recipe.shapes.max_batch
+    # 1 ms + 10 µs per token: a full batch of the first bucket's length takes a + b·n·L seconds.
+    length = minilm_recipe.shapes.sequence_buckets[0]
+    seconds = 0.001 + 1e-5 * max_batch * length
+    size = queue_size((0.001, 1e-5, 0.0), **_sizes(minilm_recipe))
+    smallest = min(minilm_recipe.batching.preferred_batch_sizes)
+    assert size == max(smallest, math.ceil(max_batch / seconds * minilm_recipe.batching.queue_budget_ms / 1000.0))
+    assert queue_size((0.001, 1e-7, 0.0), **_sizes(minilm_recipe)) > size  # a faster machine clears more
+    assert queue_size((10.0, 0.0, 0.0), **_sizes(minilm_recipe)) == smallest  # never below the smallest batch
+    assert queue_size((0.0, 0.0, 0.0), **_sizes(minilm_recipe)) is None  # a cost model that says nothing
+
+
+def _package(recipe, tmp_path: Path, **params: str) -> Path:
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"not read")
+    recipe = replace(recipe, repository=replace(recipe.repository, path=tmp_path / "repo"))
+    return package_model(recipe, {"model.onnx": onnx}, parameters=params).model_dir
+
+
+def test_serve_derives_the_bound_from_a_measured_or_fixed_cost_model(minilm_recipe, tmp_path: Path) -> None:
+    model_dir = _package(minilm_recipe, tmp_path)
+    config = read_config(model_dir)
+    signed = config.dynamic_batching.default_queue_policy.max_queue_size
+    assert signed == FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+    assert needs_measuring(model_dir)  # auto, and no constants in the configuration
+    assert derived_config(config, None) is None  # nothing to derive from: the signed bound stays
+    data = derived_config(config, (0.001, 1e-5, 0.0))
+    assert int(data["dynamic_batching"]["default_queue_policy"]["max_queue_size"]) == \
+        queue_size((0.001, 1e-5, 0.0), **_sizes(minilm_recipe))
+    # Everything else is the signed configuration as it is.
+    assert data["name"] == config.name and data["parameters"]["queue_bound"]["string_value"] == "auto"
+    # The configuration Triton's load API receives (JSON text), per model.
+    configs = load_configs(model_dir.parent, [model_dir.name], {model_dir.name: (0.001, 1e-5, 0.0)})
+    assert json.loads(configs[model_dir.name]) == data
+
+
+def test_constants_in_the_configuration_need_no_measuring(minilm_recipe, tmp_path: Path) -> None:
+    model_dir = _package(minilm_recipe, tmp_path, cost_model="0.001,1e-7,0")
+    assert not needs_measuring(model_dir)
+    configs = load_configs(model_dir.parent, [model_dir.name])
+    bound = json.loads(configs[model_dir.name])["dynamic_batching"]["default_queue_policy"]["max_queue_size"]
+    assert int(bound) == queue_size((0.001, 1e-7, 0.0), **_sizes(minilm_recipe))
+
+
+def test_a_fixed_bound_or_one_instance_is_left_as_signed(minilm_recipe, tmp_path: Path) -> None:
+    fixed = replace(minilm_recipe, batching=replace(minilm_recipe.batching, max_queue_size=7))
+    model_dir = _package(fixed, tmp_path)
+    assert load_configs(model_dir.parent, [model_dir.name], {model_dir.name: (0.001, 1e-5, 0.0)}) == {}
+    assert not needs_measuring(model_dir)
