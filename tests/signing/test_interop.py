@@ -56,6 +56,14 @@ def test_model_signing_verifies_our_p384_bundle(repo, keys):
     ms_verify_key(repo / "ranker", 3, keys["trusted384"].public)
 
 
+def test_model_signing_verifies_our_p521_bundle(repo, tmp_path):
+    # P-521 (with SHA-512) is a key type OMS v1.0's algorithm registry requires.
+    from model_factory.signing import generate_keypair
+    paths = generate_keypair(tmp_path / "k521", "P-521")
+    sign_model_version(repo / "ranker", 3, SignerConfig(paths.private_key))
+    ms_verify_key(repo / "ranker", 3, paths.public_key)
+
+
 def test_model_signing_verifies_our_certificate_bundles(repo, pki):
     sign_repository(repo, SignerConfig(pki.good.key, None, pki.good.chain))
     for v in (1, 2):
