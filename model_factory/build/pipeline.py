@@ -41,7 +41,8 @@ def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[],
 
 def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = None,
           min_accuracy: float | None = None, engines: bool | None = None,
-          parameters: dict[str, str] | None = None, isolate: bool = False) -> BuildResult:
+          parameters: dict[str, str] | None = None, isolate: bool = False,
+          cost_model: tuple[float, float, float] | None = None) -> BuildResult:
     """Run every stage for ``recipe``.
 
     ``engines`` forces TensorRT engine builds on (True) or off (False); by
@@ -51,16 +52,21 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     one runs is refused at once (:mod:`model_factory.locking`). With ``isolate`` the heavy stages
     (export, quantize, engines) each run in a child process (:mod:`model_factory.isolation`), so the
     build's peak memory is its largest stage's: ``model-factory build`` does this.
+
+    ``cost_model`` fixes the queue-sizing measurement instead of timing the model on this machine: a
+    rebuild (:mod:`model_factory.build.rebuild`) passes the one the provenance recorded, since it is
+    the only measured (so machine- and moment-dependent) input of the packaged files.
     """
     from model_factory.locking import exclusive
 
     with exclusive(recipe.work_dir, f"a build of {recipe.name}"):
         return _build(recipe, progress=progress, signer=signer, min_accuracy=min_accuracy, engines=engines,
-                      parameters=parameters, isolate=isolate)
+                      parameters=parameters, isolate=isolate, fixed_cost=cost_model)
 
 
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
-           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
+           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False,
+           fixed_cost: tuple[float, float, float] | None = None) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
@@ -117,10 +123,13 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             artifacts[e.plan_path.name] = e.plan_path
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
-    build_info["stage_seconds"] = seconds
+    # Stage times are not packaged (a rebuild would differ): the provenance and BuildResult carry them.
     # The default queue bound needs a cost model: measured here unless the parameters fix one.
     fixed = bool((parameters or {}).get("cost_model")) or not bounds_queue_by_default(recipe)
-    cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
+    if fixed_cost is not None and not fixed:
+        cost = tuple(float(x) for x in fixed_cost)
+    else:
+        cost = None if fixed else measure_onnx_cost_model(exported.onnx_path, recipe)
     if cost is not None:
         build_info["queue_cost_model"] = list(cost)
     sign: Callable[[Path], Path] | None = None
@@ -129,7 +138,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
         def sign_staged(staged: Path) -> Path:
             # Signs the staged model folder before it replaces the old one (package_model).
-            provenance = provenance_for(recipe, build_info, accuracy, started_on)
+            provenance = provenance_for(recipe, build_info, accuracy, started_on, seconds)
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 
@@ -153,8 +162,13 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
-                   started_on: str | None = None) -> dict[str, Any]:
-    """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys)."""
+                   started_on: str | None = None, stage_seconds: dict[str, float] | None = None) -> dict[str, Any]:
+    """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys).
+
+    Besides the recipe and the inputs' digests: the recipe file (its folder is where its relative paths point),
+    the measured queue cost model and the stage times, so that ``model-factory rebuild --check`` can
+    rebuild from it. The outputs' digests are added by the signer, which hashes them anyway.
+    """
     import datetime as dt
 
     from model_factory.build.repository import tool_versions
@@ -174,6 +188,12 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
         facts["accuracy_report"] = accuracy
     if started_on:
         facts["started_on"] = started_on
+    if recipe.recipe_path is not None:
+        facts["recipe_path"] = str(Path(recipe.recipe_path).resolve())
+    if build_info.get("queue_cost_model"):
+        facts["queue_cost_model"] = [float(x) for x in build_info["queue_cost_model"]]
+    if stage_seconds:
+        facts["stage_seconds"] = dict(stage_seconds)
     return facts
 
 
