@@ -164,3 +164,10 @@ def test_vector_in_a_repository_gives_a_clear_reason(repo, keys, key_policy):
     shutil.copyfile(VECTORS / "valid" / "sigstore.bundle.json", repo / "encoder" / "1.sig")
     result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(key_policy()))}[("encoder", 1)]
     assert not result.ok and "sigstore (keyless) method" in result.reasons[0]
+
+
+@pytest.mark.parametrize("sig, method", [("1.sig", "key"), ("2.sig", "certificate")])
+def test_golden_bundles_of_this_format_conform(sig, method):
+    # Kept forever beside golden-0.1.0 (test_golden.py checks that both keep verifying).
+    path = Path(__file__).parent / "data" / "golden-oms-1.0" / "repo" / "golden" / sig
+    assert schema_errors(_doc(path), method) == []
