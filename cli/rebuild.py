@@ -16,24 +16,27 @@ from model_factory.cli.common import progress_printer, user_errors
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where the recipe file is now, when it moved since the build (its folder anchors the "
                    "recipe's relative paths; the recipe itself comes from the provenance).")
+@click.option("--policy", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Trust policy TOML: verify the version (signature and provenance) before rebuilding it.")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Copy the rebuilt model folder here, to inspect a difference.")
 @user_errors
-def rebuild(version_dir: Path, check: bool, recipe_path: Path | None, keep: Path | None) -> None:
+def rebuild(version_dir: Path, check: bool, recipe_path: Path | None, policy: Path | None,
+            keep: Path | None) -> None:
     """Rebuild REPO/MODEL/VERSION from its signed provenance and compare, file by file.
 
     Exits 1 on any difference, naming the file. TensorRT plans are listed as not compared
-    (their builder times kernels). Verify the repository first: this checks that the signed
-    files are what the recipe and inputs give, not who signed them.
+    (their builder times kernels). This checks that the signed files are what the recipe and
+    inputs give, not who signed them: pass --policy to verify the version first.
 
     \b
     Example:
-      model-factory rebuild --check model_repository/minilm/1
+      model-factory rebuild --check --policy policy.toml model_repository/minilm/1
     """
     from model_factory.build.rebuild import rebuild_check
 
     report = rebuild_check(version_dir, recipe_path=recipe_path, progress=progress_printer(), keep=keep,
-                           isolate=True)
+                           isolate=True, policy=policy)
     for line in report.input_changes:
         click.echo(f"INPUT CHANGED  {line}")
     for line in report.differences:

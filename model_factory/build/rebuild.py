@@ -132,11 +132,12 @@ def _compare(recorded: Mapping[str, tuple[str, bool]], rebuilt: Mapping[str, str
 
 
 def rebuild_check(version_dir: Path, *, recipe_path: Path | None = None, progress: Progress | None = None,
-                  keep: Path | None = None, isolate: bool = False) -> RebuildReport:
+                  keep: Path | None = None, isolate: bool = False, policy: Path | None = None) -> RebuildReport:
     """Rebuild ``<repo>/<model>/<version>`` from its provenance in a temporary folder and compare.
 
     ``recipe_path`` replaces the recipe file the provenance names (only its folder is used: the recipe
-    itself comes from the signed provenance). ``keep`` copies the rebuilt model folder there.
+    itself comes from the signed provenance). ``keep`` copies the rebuilt model folder there. With
+    ``policy`` (a trust policy file) the version is verified first, and a failure stops here.
     """
     from model_factory.build.pipeline import build
     from model_factory.build.repository import tool_versions
@@ -147,6 +148,13 @@ def rebuild_check(version_dir: Path, *, recipe_path: Path | None = None, progres
         raise FactoryError(f"{version_dir} is not a model version folder. Fix: pass REPO/MODEL/VERSION, such as "
                            "model_repository/minilm/1")
     model_dir, version = version_dir.parent, int(version_dir.name)
+    if policy is not None:
+        from model_factory.signing import load_policy, verify_model_version
+
+        verdict = verify_model_version(model_dir, version, load_policy(policy))
+        if not verdict.ok:
+            raise FactoryError(f"{model_dir.name} version {version} fails verification, so its provenance is not "
+                               f"trusted: {'; '.join(verdict.reasons)}")
     recorded = _read_provenance(model_dir, version, recipe_path)
     input_changes = [f"tool {name}: {was} at the build, {now} here" for name, was, now in
                      ((n, v, tool_versions().get(n)) for n, v in sorted(recorded.tool_versions.items())) if was != now]

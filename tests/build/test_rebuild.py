@@ -71,3 +71,12 @@ def test_cli_refusal_is_one_line(tmp_path):
     out = CliRunner().invoke(main, ["rebuild", "--check", str(tmp_path / "g" / "repo" / "golden" / "1")])
     assert out.exit_code == 1 and "Traceback" not in out.output
     assert out.output.startswith("Error: 1.provenance.sig lists no output digests")
+
+
+def test_policy_verifies_before_rebuilding(tmp_path):
+    shutil.copytree(GOLDEN / "golden-oms-1.0", tmp_path / "g")
+    g = tmp_path / "g"
+    (g / "policy.toml").write_text('[[keys]]\nname = "golden"\npath = "golden.pub"\n')
+    (g / "repo" / "golden" / "1" / "weights.bin").write_bytes(b"swapped")
+    with pytest.raises(FactoryError, match=r"fails verification, so its provenance is not trusted: file 1/weights.bin"):
+        rebuild_check(g / "repo" / "golden" / "1", policy=g / "policy.toml")
