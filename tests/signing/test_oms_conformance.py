@@ -171,3 +171,19 @@ def test_golden_bundles_of_this_format_conform(sig, method):
     # Kept forever beside golden-0.1.0 (test_golden.py checks that both keep verifying).
     path = Path(__file__).parent / "data" / "golden-oms-1.0" / "repo" / "golden" / sig
     assert schema_errors(_doc(path), method) == []
+
+
+def test_historical_relaxations(repo, keys, key_policy):
+    # OMS v1.0 11.2: pre-1.1 bundles name the key by rawBytes, keyid may be null or absent, no ignore_paths.
+    sig = sign_model_version(repo / "ranker", 3, SignerConfig(keys["trusted"].private))
+    doc = _doc(sig)
+    doc["verificationMaterial"]["publicKey"] = {"rawBytes": base64.b64encode(b"pem bytes").decode()}
+    for keyid in (None, "", "absent"):
+        signature = doc["dsseEnvelope"]["signatures"][0]
+        signature.pop("keyid", None)
+        if keyid != "absent":
+            signature["keyid"] = keyid
+        sig.write_text(json.dumps(doc))
+        assert parse_bundle(sig.read_bytes()).key_hint is None
+        result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(key_policy()))}[("ranker", 3)]
+        assert result.ok and result.signer == "key:release", result.reasons
