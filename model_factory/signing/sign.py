@@ -109,6 +109,10 @@ def _sign_locked(model_dir: Path, version: int, signer: _LoadedSigner,
     if scan.problems:
         raise FactoryError(f"cannot sign {model_dir.name} version {version}: {'; '.join(scan.problems)}. "
                            "Fix: replace links by the files themselves and remove special files")
+    if not scan.files:
+        # OMS v1.0 6.1: a model with no regular file (after the exclusions) must not be signed.
+        raise FactoryError(f"cannot sign {model_dir.name} version {version}: it holds no file. Fix: package the "
+                           "model first (model-factory package)")
     try:
         digests = hash_tasks(file_tasks(model_dir, scan.files))
     except OSError as exc:

@@ -187,3 +187,15 @@ def test_historical_relaxations(repo, keys, key_policy):
         assert parse_bundle(sig.read_bytes()).key_hint is None
         result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(key_policy()))}[("ranker", 3)]
         assert result.ok and result.signer == "key:release", result.reasons
+
+
+def test_an_empty_model_is_not_signed(tmp_path, keys):
+    # OMS v1.0 6.1: at least one regular file after the exclusions.
+    from model_factory.errors import FactoryError
+
+    model = tmp_path / "repo" / "m"
+    (model / "1" / "empty").mkdir(parents=True)
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref")
+    with pytest.raises(FactoryError, match="it holds no file"):
+        sign_model_version(model, 1, SignerConfig(keys["trusted"].private))
