@@ -3,8 +3,9 @@
 One signature per model version, in the OpenSSF Model Signing (OMS) v1.0
 format to the letter (Sigstore bundle v0.3 JSON, DSSE envelope, in-toto
 statement with per-file sha256; key and certificate methods), so
-``model_signing`` verifies what we sign and we verify what it signs. No transparency log and no network: trust comes from a local policy
-file (public keys and/or in-house CA roots, CRLs, allowed identities).
+``model_signing`` verifies what we sign and we verify what it signs. No
+transparency log and no network: trust comes from a local policy file (public
+keys and/or in-house CA roots, CRLs, allowed identities).
 
 Layers, from the bottom up:
 

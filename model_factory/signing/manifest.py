@@ -166,7 +166,8 @@ def parse_statement(statement: Mapping[str, Any]) -> Manifest:
         raise ManifestError("the statement must have exactly one subject")
     name = subjects[0].get("name")
     digest = subjects[0].get("digest")
-    if not isinstance(name, str) or not name or not isinstance(digest, dict) or not _HEX64.match(str(digest.get("sha256"))):
+    if not isinstance(name, str) or not name or not isinstance(digest, dict) \
+            or not _HEX64.match(str(digest.get("sha256"))):
         raise ManifestError("the subject has no name or no sha256 digest")
     predicate = statement.get("predicate")
     if not isinstance(predicate, dict):
