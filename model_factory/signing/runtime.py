@@ -48,9 +48,11 @@ def _check_signature(envelope: dict, payload: bytes, public_key_pem: bytes, wher
     from cryptography.hazmat.primitives.asymmetric import ec
 
     key = serialization.load_pem_public_key(public_key_pem)
-    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.key_size not in (256, 384):
-        raise IntegrityError(f"{where}: the pinned public key is not a P-256/P-384 ECDSA key")
-    algorithm = hashes.SHA256() if key.curve.key_size == 256 else hashes.SHA384()
+    # The curve decides the hash, as in model_signing and keys.signature_hash.
+    by_size = {256: hashes.SHA256, 384: hashes.SHA384, 521: hashes.SHA512}
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.key_size not in by_size:
+        raise IntegrityError(f"{where}: the pinned public key is not a P-256/P-384/P-521 ECDSA key")
+    algorithm = by_size[key.curve.key_size]()
     try:
         sig = base64.b64decode(envelope["signatures"][0]["sig"], validate=True)
         key.verify(sig, _pae(envelope["payloadType"], payload), ec.ECDSA(algorithm))
