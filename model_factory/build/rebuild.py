@@ -90,7 +90,10 @@ def _read_provenance(model_dir: Path, version: int, recipe_path: Path | None) ->
     for item in (predicate.get("runDetails") or {}).get("byproducts") or []:
         notes = item.get("annotations") if isinstance(item, dict) else None
         if isinstance(notes, dict) and notes.get("kind") == OUTPUT_KIND:
-            outputs[str(item["name"])] = (str(item["digest"]["sha256"]), bool(notes.get("reproducible", True)))
+            digest = item.get("digest") if isinstance(item.get("digest"), dict) else {}
+            if not isinstance(item.get("name"), str) or not isinstance(digest.get("sha256"), str):
+                raise FactoryError(f"{prov.name} has an output entry without a name or sha256: it is damaged")
+            outputs[item["name"]] = (digest["sha256"], bool(notes.get("reproducible", True)))
     if not outputs:
         raise FactoryError(f"{prov.name} lists no output digests (it was written by an older model-factory), so "
                            "a rebuild has nothing to compare with. Fix: build and sign the version again with "
