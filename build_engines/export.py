@@ -25,6 +25,7 @@ import numpy as np
 from model_factory.backend.contract import Files
 from model_factory.build_engines import onnx_files
 from model_factory.build_engines.torch_factory import call_factory, factory_import_path, load_factory  # noqa: F401
+from model_factory.build_engines.reproducible import normalize_torchscript
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.memory import release_memory
@@ -411,6 +412,7 @@ def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, 
         # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.jit.save(traced, str(path), _extra_files={Files.TORCHSCRIPT_IO: json.dumps(io_names)})
+        normalize_torchscript(path)  # same model, same bytes (checked by loading it back below)
         loaded = torch.jit.load(str(path), map_location="cpu")
     err = 0.0
     for sample in samples:

@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.precision",
     "model_factory.cli.signing",
     "model_factory.cli.release",
+    "model_factory.cli.rebuild",
     "model_factory.cli.accept",
     "model_factory.cli.wheelhouse",
     "model_factory.cli.bench",

@@ -131,7 +131,7 @@ def verify(ctx: click.Context, repository: Path, policy: Path, as_json: bool, no
 
 @click.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--curve", type=click.Choice(["P-256", "P-384"]), default="P-256", show_default=True,
+@click.option("--curve", type=click.Choice(["P-256", "P-384", "P-521"]), default="P-256", show_default=True,
               help="ECDSA curve.")
 @_password_file_option
 @_ask_password_option

@@ -52,6 +52,9 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     one runs is refused at once (:mod:`model_factory.locking`). With ``isolate`` the heavy stages
     (export, quantize, engines) each run in a child process (:mod:`model_factory.isolation`), so the
     build's peak memory is its largest stage's: ``model-factory build`` does this.
+
+    Nothing packaged depends on this machine's speed (the queue bound is derived where the model is
+    served), so a rebuild (:mod:`model_factory.build.rebuild`) gives the same bytes.
     """
     from model_factory.locking import exclusive
 
@@ -118,7 +121,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             artifacts[e.plan_path.name] = e.plan_path
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
-    build_info["stage_seconds"] = seconds
+    # Stage times are not packaged (a rebuild would differ): the provenance and BuildResult carry them.
     # No queue bound is measured here: "auto" is derived where the model is served (serving/queue_bound.py).
     sign: Callable[[Path], Path] | None = None
     if signer is not None:
@@ -126,7 +129,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
         def sign_staged(staged: Path) -> Path:
             # Signs the staged model folder before it replaces the old one (package_model).
-            provenance = provenance_for(recipe, build_info, accuracy, started_on)
+            provenance = provenance_for(recipe, build_info, accuracy, started_on, seconds)
             # The BOM goes into the version folder first, so the signature covers it (needs [distribution]).
             if importlib.util.find_spec("cyclonedx") is not None:
                 from model_factory.distribution.bom import write_bom
@@ -155,8 +158,13 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
-                   started_on: str | None = None) -> dict[str, Any]:
-    """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys)."""
+                   started_on: str | None = None, stage_seconds: dict[str, float] | None = None) -> dict[str, Any]:
+    """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys).
+
+    Besides the recipe and the inputs' digests: the recipe file (its folder is where its relative paths point),
+    the measured queue cost model and the stage times, so that ``model-factory rebuild --check`` can
+    rebuild from it. The outputs' digests are added by the signer, which hashes them anyway.
+    """
     import datetime as dt
 
     from model_factory.build.repository import tool_versions
@@ -176,6 +184,10 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
         facts["accuracy_report"] = accuracy
     if started_on:
         facts["started_on"] = started_on
+    if recipe.recipe_path is not None:
+        facts["recipe_path"] = str(Path(recipe.recipe_path).resolve())
+    if stage_seconds:
+        facts["stage_seconds"] = dict(stage_seconds)
     return facts
 
 

@@ -23,7 +23,6 @@ Layout of one model::
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
@@ -40,6 +39,7 @@ from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
 from model_factory.build_engines.onnx_files import data_file, hardlink_or_copy
 from model_factory.locking import exclusive
+from model_factory.signing.provenance import reproducible
 from model_factory.recipe import PRECISIONS, Recipe, TensorSpec, hf_labels, read_hf_config
 
 BACKEND_PACKAGE = Files.BACKEND_PACKAGE
@@ -276,8 +276,9 @@ def class_labels(recipe: Recipe) -> tuple[str, ...]:
 
 
 def _file_digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): digest_path(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != METADATA_FILE}
+    # Plans are left out so that metadata.json itself stays reproducible (the signature covers them).
+    return {p.relative_to(root).as_posix(): digest_path(p)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != METADATA_FILE and reproducible(p.name)}
 
 
 # --------------------------------------------------------------------------- packaging
@@ -389,6 +390,14 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         queue_budget_ms=b.queue_budget_ms if bounds_queue_by_default(recipe) else 0)
 
 
+def _recipe_source_path(recipe: Recipe) -> str | None:
+    raw = recipe.raw.get("source") if isinstance(recipe.raw, Mapping) else None
+    written = raw.get("path") if isinstance(raw, Mapping) else None
+    if written is not None:
+        return str(written)
+    return Path(recipe.source.path).name if recipe.source.path else None
+
+
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
                  sign: Callable[[Path], Any] | None, labels: Sequence[str],
@@ -430,15 +439,16 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "model": recipe.name,
             "version": recipe.version,
             "task": recipe.task,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            # As the recipe names them (no absolute path of this machine: a rebuild elsewhere matches);
+            # when, where and with what the build ran is in the signed provenance.
             "source": {"kind": recipe.source.kind,
-                       "path": str(recipe.source.path) if recipe.source.path else None,
+                       "path": _recipe_source_path(recipe),
                        "factory": recipe.source.factory, "package": recipe.source.package},
             "precisions": list(recipe.precisions),
             "serve": {"precision": serve, "onnx": onnx_name, "plan": plan_name if plan_name in files else None},
             "precisions_in_folder": sorted({p for p in map(artifact_precision, files) if p},
                                            key=PRECISIONS.index),
-            "recipe": str(recipe.recipe_path) if recipe.recipe_path else None,
+            "recipe": recipe.recipe_path.name if recipe.recipe_path else None,
             "build": dict(build_info or {}),
             "tools": tool_versions(),
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()}

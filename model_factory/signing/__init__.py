@@ -1,21 +1,22 @@
 """Offline signing and verification of Triton model repositories.
 
-One signature per model version, in OpenSSF model_signing v1.0's format
-(Sigstore bundle v0.3 JSON, DSSE envelope, in-toto statement with per-file
-sha256), so ``model_signing`` verifies what we sign and we verify what it
-signs. No transparency log and no network: trust comes from a local policy
-file (public keys and/or in-house CA roots, CRLs, allowed identities).
+One signature per model version, in the OpenSSF Model Signing (OMS) v1.0
+format to the letter (Sigstore bundle v0.3 JSON, DSSE envelope, in-toto
+statement with per-file sha256; key and certificate methods), so
+``model_signing`` verifies what we sign and we verify what it signs. No
+transparency log and no network: trust comes from a local policy file (public
+keys and/or in-house CA roots, CRLs, allowed identities).
 
 Layers, from the bottom up:
 
 * ``digests``      parallel sha256 of files and byte ranges (stdlib only)
 * ``layout``       what one version's signature covers, and where it lives
 * ``manifest``     the signed file list as an in-toto statement, and its diff
-* ``keys``         ECDSA P-256/P-384 keys, keygen, CSRs
+* ``keys``         ECDSA P-256/P-384/P-521 keys, keygen, CSRs
 * ``bundle``       Sigstore bundle / DSSE envelope, sign and parse
 * ``certificates`` X.509 chain at verification time, CRLs, identities
 * ``policy``       the trust policy TOML, as frozen dataclasses
-* ``provenance``   the signed SLSA build provenance
+* ``provenance``   the signed SLSA build provenance (inputs, outputs' digests)
 * ``sign`` / ``verify``  the operations
 * ``release`` / ``release_check``  signed releases on TUF (python-tuf): publish; refuse rollback,
   freeze, mix-and-match, too few signatures, a bad root rotation

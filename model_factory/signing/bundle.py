@@ -163,40 +163,62 @@ def parse_bundle(text: str | bytes) -> Bundle:
     material = _obj(doc.get("verificationMaterial"), "verificationMaterial")
     env = _obj(doc.get("dsseEnvelope"), "dsseEnvelope")
 
+    extra = sorted(set(doc) - {"mediaType", "verificationMaterial", "dsseEnvelope"})
+    if extra:
+        raise BundleError(f"it has member {extra[0]!r}, which an OMS v1.0 bundle does not allow")
+    extra = sorted(set(env) - {"payload", "payloadType", "signatures"})
+    if extra:
+        raise BundleError(f"its DSSE envelope has member {extra[0]!r}, which OMS v1.0 does not allow")
+
     hint: str | None = None
     certs: tuple[bytes, ...] = ()
     kinds = [k for k in ("publicKey", "x509CertificateChain", "certificate") if k in material]
     if len(kinds) != 1:
-        raise BundleError("verificationMaterial must hold exactly one of publicKey, x509CertificateChain "
-                          f"or certificate, found {kinds or 'none'}")
+        raise BundleError("verificationMaterial must hold exactly one of publicKey (key method), "
+                          "x509CertificateChain (certificate method) or certificate (sigstore method), found "
+                          f"{kinds or 'none'}")
+    if kinds[0] == "certificate":
+        # OMS v1.0 §4.1: a single certificate is the sigstore method's field (a short-lived Fulcio
+        # certificate, required with transparency-log entries), distinct from a certificate chain.
+        if not material.get("tlogEntries"):
+            raise BundleError("verificationMaterial.certificate is the sigstore method's field and needs "
+                              "tlogEntries (OMS v1.0 4.1); it has none, so the bundle is malformed")
+        raise BundleError("it is signed with the sigstore (keyless) method, whose transparency-log entries "
+                          "cannot be checked offline. Fix: sign with a key or an in-house certificate chain "
+                          "(model-factory sign)")
     if kinds[0] == "publicKey":
         pk = _obj(material["publicKey"], "verificationMaterial.publicKey")
         raw_hint = pk.get("hint")
         if raw_hint is not None and not isinstance(raw_hint, str):
             raise BundleError("verificationMaterial.publicKey.hint is not a string")
+        if raw_hint is None and not isinstance(pk.get("rawBytes"), str):
+            raise BundleError("verificationMaterial.publicKey has neither hint nor rawBytes (OMS v1.0 4.1)")
         hint = raw_hint or None
-    elif kinds[0] == "x509CertificateChain":
+    else:
         chain = _obj(material["x509CertificateChain"], "verificationMaterial.x509CertificateChain")
         items = chain.get("certificates")
         if not isinstance(items, list) or not items:
             raise BundleError("the certificate chain in the bundle is empty")
         certs = tuple(_b64(_obj(c, "a certificate").get("rawBytes"), "a certificate's rawBytes") for c in items)
-    else:
-        certs = (_b64(_obj(material["certificate"], "verificationMaterial.certificate").get("rawBytes"),
-                      "verificationMaterial.certificate.rawBytes"),)
     if material.get("tlogEntries"):
         # Offline verification: a log entry would be unchecked, so it must not look like it counts.
         raise BundleError("it carries transparency-log entries, which offline verification cannot check")
 
     payload = _b64(env.get("payload"), "dsseEnvelope.payload")
     payload_type = env.get("payloadType")
-    if not isinstance(payload_type, str):
-        raise BundleError("dsseEnvelope.payloadType is missing")
+    if payload_type != IN_TOTO_PAYLOAD_TYPE:
+        raise BundleError(f"dsseEnvelope.payloadType is {payload_type!r}, expected {IN_TOTO_PAYLOAD_TYPE!r}")
     sigs = env.get("signatures")
     if not isinstance(sigs, list) or len(sigs) != 1:
         raise BundleError(f"the DSSE envelope must hold exactly one signature, found "
                           f"{len(sigs) if isinstance(sigs, list) else 'none'}")
-    signature = _b64(_obj(sigs[0], "dsseEnvelope.signatures[0]").get("sig"), "dsseEnvelope.signatures[0].sig")
+    sig0 = _obj(sigs[0], "dsseEnvelope.signatures[0]")
+    # OMS v1.0 4.1: keyid may be absent, "" or null; it is not used.
+    if sig0.get("keyid") is not None and not isinstance(sig0.get("keyid"), str):
+        raise BundleError("dsseEnvelope.signatures[0].keyid is not a string")
+    signature = _b64(sig0.get("sig"), "dsseEnvelope.signatures[0].sig")
+    if not signature:
+        raise BundleError("dsseEnvelope.signatures[0].sig is empty")
     bundle = Bundle(payload, payload_type, signature, hint, certs)
     bundle.chain()  # fail here, not later, on a certificate that is not DER
     return bundle

@@ -2,7 +2,7 @@
 
 Only NIST P-256 and P-384 are used: they are what model_signing, Sigstore's
 bundle format and the X.509 verifier of ``cryptography`` all accept. The hash
-follows the curve (P-256 with SHA-256, P-384 with SHA-384), as model_signing
+follows the curve (P-256 with SHA-256, P-384 with SHA-384, P-521 with SHA-512), as model_signing
 does, so signatures verify in both tools.
 """
 
@@ -20,8 +20,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from model_factory.errors import FactoryError
 
-CURVES: dict[str, type[ec.EllipticCurve]] = {"P-256": ec.SECP256R1, "P-384": ec.SECP384R1}
-_CURVE_NAMES = {"secp256r1": "P-256", "secp384r1": "P-384"}
+# The key types OMS v1.0's algorithm registry requires for the key and certificate methods.
+CURVES: dict[str, type[ec.EllipticCurve]] = {"P-256": ec.SECP256R1, "P-384": ec.SECP384R1, "P-521": ec.SECP521R1}
+_CURVE_NAMES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
+_HASHES = {"P-256": hashes.SHA256, "P-384": hashes.SHA384, "P-521": hashes.SHA512}
 PRIVATE_KEY_FILE = "signing-key.pem"
 PUBLIC_KEY_FILE = "signing-key.pub"
 CSR_FILE = "signing-key.csr"
@@ -37,7 +39,7 @@ class KeyPaths:
 
 
 def curve_name(key: ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) -> str:
-    """``"P-256"`` or ``"P-384"``; a FactoryError for any other curve."""
+    """``"P-256"``, ``"P-384"`` or ``"P-521"``; a FactoryError for any other curve."""
     name = _CURVE_NAMES.get(key.curve.name)
     if name is None:
         raise FactoryError(f"the key uses curve {key.curve.name}, which is not supported. "
@@ -46,8 +48,8 @@ def curve_name(key: ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) -> s
 
 
 def signature_hash(key: ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) -> hashes.HashAlgorithm:
-    """The hash paired with the curve, as in model_signing (P-256: SHA-256, P-384: SHA-384)."""
-    return hashes.SHA256() if curve_name(key) == "P-256" else hashes.SHA384()
+    """The hash paired with the curve, as in model_signing (P-256: SHA-256, P-384: SHA-384, P-521: SHA-512)."""
+    return _HASHES[curve_name(key)]()
 
 
 def key_hint(public_key: ec.EllipticCurvePublicKey) -> str:
@@ -57,7 +59,7 @@ def key_hint(public_key: ec.EllipticCurvePublicKey) -> str:
 
 
 def load_private_key(path: Path, password: bytes | None = None) -> ec.EllipticCurvePrivateKey:
-    """Read a PEM private key (PKCS#8 or SEC1, optionally encrypted) on P-256/P-384."""
+    """Read a PEM private key (PKCS#8 or SEC1, optionally encrypted) on P-256/P-384/P-521."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -80,7 +82,7 @@ def load_private_key(path: Path, password: bytes | None = None) -> ec.EllipticCu
 
 
 def load_public_key(path: Path) -> ec.EllipticCurvePublicKey:
-    """Read a PEM public key (SubjectPublicKeyInfo) on P-256/P-384."""
+    """Read a PEM public key (SubjectPublicKeyInfo) on P-256/P-384/P-521."""
     path = Path(path)
     try:
         key = serialization.load_pem_public_key(path.read_bytes())

@@ -9,7 +9,10 @@ tokenizer) and, through backends and model code, possibly any other file in
 * the other version folders ``<repo>/M/K/`` (K != N, canonical decimal names):
   each is its own unit with its own signature;
 * the signature files ``<repo>/M/K.sig`` and ``<repo>/M/K.provenance.sig``
-  (regular files, top level of the model folder, any K).
+  (regular files, top level of the model folder, any K);
+* OMS v1.0's default exclusions (§6.2): ``.git``, ``.gitignore``,
+  ``.gitattributes`` and ``.github`` at the top of the model folder (files or
+  folders, with everything under them). Triton never loads them.
 
 Triton reads numeric sub-folders as versions and ignores plain files beside
 ``config.pbtxt``, so the signature files do not disturb it. The exclusion is a
@@ -35,6 +38,8 @@ PROVENANCE_SUFFIX = ".provenance.sig"
 _CANONICAL_VERSION = re.compile(r"^(0|[1-9][0-9]*)$")
 _NUMERIC = re.compile(r"^[0-9]+$")
 _SIG_FILE = re.compile(r"^(0|[1-9][0-9]*)(\.provenance)?\.sig$")
+# OMS v1.0 §6.2: excluded by default, matched as top-level components of the model root only.
+DEFAULT_EXCLUSIONS = (".git", ".gitignore", ".gitattributes", ".github")
 
 
 def signature_path(model_dir: Path, version: int) -> Path:
@@ -84,6 +89,8 @@ def excluded_top_level(name: str, is_dir: bool, is_file: bool, version: int, is_
     Another version's entry is left out even when it is a symlink: that
     version's own verification reports the link.
     """
+    if name in DEFAULT_EXCLUSIONS:
+        return True
     if (is_dir or is_link) and is_version_name(name) and int(name) != version:
         return True
     return is_file and is_signature_name(name)
@@ -92,6 +99,8 @@ def excluded_top_level(name: str, is_dir: bool, is_file: bool, version: int, is_
 def outside_unit(relpath: str, version: int) -> bool:
     """True for a path the rule leaves out of ``version``'s unit (another version, a signature file)."""
     parts = relpath.split("/")
+    if parts[0] in DEFAULT_EXCLUSIONS:
+        return True
     if is_version_name(parts[0]) and int(parts[0]) != version:
         return True
     return len(parts) == 1 and is_signature_name(parts[0])
@@ -177,13 +186,14 @@ def scan_unit(model_dir: Path, version: int) -> UnitScan:
 
 
 def other_version_ignores(model_dir: Path, version: int) -> list[str]:
-    """The names model_signing needs in ``ignore_paths`` to verify one version alone.
+    """The ``ignore_paths`` of one version's signature: what the unit leaves out.
 
-    Informative only (model_signing honours them; our verifier applies its own
-    rule): the other version folders and every signature file, present or to come.
+    OMS v1.0's default exclusions, the other version folders and every
+    signature file, present or to come. model_signing honours them when it
+    verifies; our verifier applies the same rule from :func:`outside_unit`.
     """
     entries = model_entries(model_dir)
-    names = {f"{version}{SIGNATURE_SUFFIX}", f"{version}{PROVENANCE_SUFFIX}"}
+    names = {f"{version}{SIGNATURE_SUFFIX}", f"{version}{PROVENANCE_SUFFIX}", *DEFAULT_EXCLUSIONS}
     for k in entries.versions:
         names.update({f"{k}{SIGNATURE_SUFFIX}", f"{k}{PROVENANCE_SUFFIX}"})
         if k != version:

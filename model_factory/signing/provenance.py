@@ -11,11 +11,17 @@ Predicate layout (https://slsa.dev/provenance/v1)::
 
     buildDefinition.buildType             urn:model-factory:build:v1
     buildDefinition.externalParameters    {recipe, precisions}
-    buildDefinition.internalParameters    {toolVersions}
+    buildDefinition.internalParameters    {toolVersions, recipePath, queueCostModel}
     buildDefinition.resolvedDependencies  source model and calibration data, by sha256
     runDetails.builder                    {id, version: toolVersions}
     runDetails.metadata                   {startedOn, finishedOn}
-    runDetails.byproducts                 the accuracy report (inline, with its sha256)
+    runDetails.byproducts                 the accuracy report (inline, with its sha256), the stage
+                                          times, and one entry per output file of the signed unit:
+                                          {name: path, digest, annotations: {kind: "output",
+                                          reproducible}} (TensorRT plans: reproducible false)
+
+Times live here and nowhere in the packaged files, which a rebuild reproduces byte for byte
+(``model-factory rebuild --check``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,16 @@ from model_factory.signing.manifest import STATEMENT_TYPE
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "urn:model-factory:build:v1"
 DEFAULT_BUILDER = "urn:model-factory:builder:local"
+OUTPUT_KIND = "output"
+# A rebuild gives the same bytes for every packaged file except TensorRT plans (and their metadata,
+# which names the plan's digest): the builder picks tactics by timing kernels, so two builds differ.
+NOT_REPRODUCIBLE_SUFFIXES = (".plan", ".plan.json")
+NOT_REPRODUCIBLE_WHY = "TensorRT plan: the builder picks tactics by timing kernels, so two builds differ"
+
+
+def reproducible(path: str) -> bool:
+    """False for the files a rebuild is known not to reproduce byte for byte (TensorRT plans)."""
+    return not path.endswith(NOT_REPRODUCIBLE_SUFFIXES)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -59,10 +75,15 @@ class BuildProvenance:
     builder_id: str = DEFAULT_BUILDER
     started_on: str | None = None
     finished_on: str | None = None
+    recipe_path: str | None = None
+    queue_cost_model: tuple[float, ...] | None = None
+    stage_seconds: Mapping[str, float] | None = field(default=None, compare=False)
+    outputs: Mapping[str, str] = field(default_factory=dict, compare=False)  # path -> sha256 (the signer's)
+    not_reproducible: tuple[str, ...] = ()
 
     _REQUIRED = ("source_model_digest", "recipe", "tool_versions", "precisions")
     _OPTIONAL = ("calibration_data_digest", "accuracy_report", "source_model", "builder_id", "started_on",
-                 "finished_on")
+                 "finished_on", "recipe_path", "queue_cost_model", "stage_seconds")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "BuildProvenance":
@@ -103,6 +124,9 @@ class BuildProvenance:
             builder_id=_opt_str(data.get("builder_id"), "builder_id") or DEFAULT_BUILDER,
             started_on=_timestamp(data.get("started_on"), "started_on"),
             finished_on=_timestamp(data.get("finished_on"), "finished_on"),
+            recipe_path=_opt_str(data.get("recipe_path"), "recipe_path"),
+            queue_cost_model=_floats(data.get("queue_cost_model"), "queue_cost_model"),
+            stage_seconds=_jsonable(data.get("stage_seconds"), "stage_seconds"),
         )
 
     def predicate(self) -> dict[str, Any]:
@@ -116,19 +140,33 @@ class BuildProvenance:
         run: dict[str, Any] = {"builder": {"id": self.builder_id, "version": dict(self.tool_versions)}}
         if metadata:
             run["metadata"] = metadata
+        byproducts: list[dict[str, Any]] = []
         if self.accuracy_report is not None:
             report_json = json.dumps(self.accuracy_report, sort_keys=True, separators=(",", ":"))
-            run["byproducts"] = [{
+            byproducts.append({
                 "name": "accuracy-report",
                 "mediaType": "application/json",
                 "digest": {"sha256": hashlib.sha256(report_json.encode()).hexdigest()},
                 "annotations": dict(self.accuracy_report),
-            }]
+            })
+        if self.stage_seconds:
+            byproducts.append({"name": "stage-seconds", "annotations": dict(self.stage_seconds)})
+        for path in sorted(self.outputs):
+            byproducts.append({"name": path, "digest": {"sha256": self.outputs[path]},
+                               "annotations": {"kind": OUTPUT_KIND,
+                                               "reproducible": path not in self.not_reproducible}})
+        if byproducts:
+            run["byproducts"] = byproducts
+        internal: dict[str, Any] = {"toolVersions": dict(self.tool_versions)}
+        if self.recipe_path:
+            internal["recipePath"] = self.recipe_path
+        if self.queue_cost_model:
+            internal["queueCostModel"] = list(self.queue_cost_model)
         return {
             "buildDefinition": {
                 "buildType": BUILD_TYPE,
                 "externalParameters": {"recipe": dict(self.recipe), "precisions": list(self.precisions)},
-                "internalParameters": {"toolVersions": dict(self.tool_versions)},
+                "internalParameters": internal,
                 "resolvedDependencies": deps,
             },
             "runDetails": run,
@@ -185,6 +223,15 @@ def _digest(value: Any, key: str) -> str:
         raise FactoryError(f"provenance key {key!r} is not a sha256 hex digest: {value!r}. "
                            "Fix: pass hashlib.sha256(...).hexdigest()")
     return v
+
+
+def _floats(value: Any, key: str) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                  for x in value):
+        raise FactoryError(f"provenance key {key!r} must be a list of numbers")
+    return tuple(float(x) for x in value)
 
 
 def _opt_str(value: Any, key: str) -> str | None:

@@ -10,6 +10,7 @@ v1.0 compatible bundle, and the optional build provenance to
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import tempfile
@@ -27,7 +28,7 @@ from model_factory.signing.certificates import leaf_problems, load_certificates,
 from model_factory.signing.digests import file_tasks, hash_tasks
 from model_factory.signing.keys import load_private_key
 from model_factory.signing.manifest import build_manifest
-from model_factory.signing.provenance import BuildProvenance, provenance_statement
+from model_factory.signing.provenance import BuildProvenance, provenance_statement, reproducible
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ def _sign_locked(model_dir: Path, version: int, signer: _LoadedSigner,
     if scan.problems:
         raise FactoryError(f"cannot sign {model_dir.name} version {version}: {'; '.join(scan.problems)}. "
                            "Fix: replace links by the files themselves and remove special files")
+    if not scan.files:
+        # OMS v1.0 6.1: a model with no regular file (after the exclusions) must not be signed.
+        raise FactoryError(f"cannot sign {model_dir.name} version {version}: it holds no file. Fix: package the "
+                           "model first (model-factory package)")
     try:
         digests = hash_tasks(file_tasks(model_dir, scan.files))
     except OSError as exc:
@@ -119,6 +124,10 @@ def _sign_locked(model_dir: Path, version: int, signer: _LoadedSigner,
     sig_path = layout.signature_path(model_dir, version)
     prov_path = layout.provenance_path(model_dir, version)
     if provenance is not None:
+        # The provenance lists every output's digest (the signed unit's files), and which of them a
+        # rebuild cannot reproduce byte for byte.
+        provenance = dataclasses.replace(provenance, outputs=dict(digests),
+                                         not_reproducible=tuple(sorted(p for p in digests if not reproducible(p))))
         prov_bundle = sign_statement(provenance_statement(model_dir.name, manifest.root_digest, provenance),
                                      signer.key, signer.chain)
         _write_atomic(prov_path, prov_bundle.to_json())

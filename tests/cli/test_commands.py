@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from model_factory.cli.main import main
 
 EXPECTED = {"export", "quantize", "build-engine", "package", "build", "keygen", "sign", "verify", "serve",
-            "bench", "wheelhouse", "demo", "accept"}
+            "bench", "wheelhouse", "demo", "accept", "rebuild"}
 
 
 def test_every_command_is_registered_and_has_help() -> None:

@@ -56,7 +56,12 @@ def _doc(key):
     (lambda d: d["dsseEnvelope"].update(payload="%%%"), "not valid base64"),
     (lambda d: d.pop("dsseEnvelope"), "dsseEnvelope is missing"),
     (lambda d: d["verificationMaterial"].pop("publicKey") and d["verificationMaterial"].update(
-        certificate={"rawBytes": base64.b64encode(b"junk").decode()}), "not valid DER"),
+        x509CertificateChain={"certificates": [{"rawBytes": base64.b64encode(b"junk").decode()}]}),
+     "not valid DER"),
+    (lambda d: d["verificationMaterial"].pop("publicKey") and d["verificationMaterial"].update(
+        certificate={"rawBytes": base64.b64encode(b"junk").decode()}), "sigstore method's field"),
+    (lambda d: d.update(extra=1), "does not allow"),
+    (lambda d: d["dsseEnvelope"].update(payloadType="text/plain"), "payloadType is 'text/plain'"),
 ])
 def test_parse_rejects(key, edit, message):
     d = _doc(key)

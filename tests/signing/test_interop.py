@@ -56,6 +56,14 @@ def test_model_signing_verifies_our_p384_bundle(repo, keys):
     ms_verify_key(repo / "ranker", 3, keys["trusted384"].public)
 
 
+def test_model_signing_verifies_our_p521_bundle(repo, tmp_path):
+    # P-521 (with SHA-512) is a key type OMS v1.0's algorithm registry requires.
+    from model_factory.signing import generate_keypair
+    paths = generate_keypair(tmp_path / "k521", "P-521")
+    sign_model_version(repo / "ranker", 3, SignerConfig(paths.private_key))
+    ms_verify_key(repo / "ranker", 3, paths.public_key)
+
+
 def test_model_signing_verifies_our_certificate_bundles(repo, pki):
     sign_repository(repo, SignerConfig(pki.good.key, None, pki.good.chain))
     for v in (1, 2):
@@ -137,7 +145,9 @@ def test_signer_ignore_paths_are_not_trusted(repo, keys, key_policy):
     (model_dir / "3" / "mf_backend" / "hook.py").write_text("import os; os.system('curl evil')\n")
     ms_verify_key(model_dir, 3, keys["trusted"].public)  # model_signing: fine
     result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(key_policy()))}[("ranker", 3)]
-    assert result.reasons == ("file 3/mf_backend/hook.py is not covered by the signature (added after signing)",)
+    assert result.reasons == ("file 3/mf_backend/hook.py is left out of the signature by its ignore_paths, but Triton "
+                              "can load it; model-factory does not trust unsigned files of a model version. Fix: "
+                              "re-sign without ignoring it (model-factory sign)",)
 
 
 def test_expired_leaf_model_signing_accepts_we_refuse(repo, pki, ca_policy):
@@ -150,8 +160,9 @@ def test_expired_leaf_model_signing_accepts_we_refuse(repo, pki, ca_policy):
     assert not result.ok and "expired on" in result.reasons[0]
 
 
-def test_our_resource_order_matches_model_signing(tmp_path, keys):
-    # model_signing sorts paths by components ("a/b" before "a-b/c"); the subject digest depends on it.
+def test_our_resource_order_is_code_point_and_model_signing_still_verifies(tmp_path, keys):
+    # OMS v1.0 5.2.1 sorts resources by name in code point order ("a-b/c" before "a/b"); model_signing 1.1.1
+    # sorts by path components, but takes the root digest over the resources as listed, so it verifies ours.
     model_dir = tmp_path / "repo" / "m"
     for rel in ("1/a/b", "1/a-b/c", "1/a.b", "1/A", "1/a/b-c/d", "config.pbtxt"):
         (model_dir / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -159,14 +170,9 @@ def test_our_resource_order_matches_model_signing(tmp_path, keys):
     sign_model_version(model_dir, 1, SignerConfig(keys["trusted"].private))
     from model_factory.signing.bundle import parse_bundle
     ours = parse_bundle((model_dir / "1.sig").read_text()).statement()
-    theirs = model_signing.hashing.Config().set_ignored_paths(paths=["1.sig", "1.provenance.sig"]).hash(model_dir)
-    payload = model_signing._signing.signing.Payload(theirs).statement.pb
-    from google.protobuf import json_format
-    import json
-    theirs_statement = json.loads(json_format.MessageToJson(payload))
-    assert [r["name"] for r in ours["predicate"]["resources"]] == \
-        [r["name"] for r in theirs_statement["predicate"]["resources"]]
-    assert ours["subject"] == theirs_statement["subject"]
+    names = [r["name"] for r in ours["predicate"]["resources"]]
+    assert names == sorted(names) == ["1/A", "1/a-b/c", "1/a.b", "1/a/b", "1/a/b-c/d", "config.pbtxt"]
+    ms_verify_key(model_dir, 1, keys["trusted"].public)
 
 
 def test_model_signing_cli_signs_we_verify(repo, keys, key_policy):

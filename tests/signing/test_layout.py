@@ -11,11 +11,13 @@ from signing_helpers import build_model
 
 def test_unit_is_the_model_folder_minus_other_versions_and_signatures(tmp_path):
     model = build_model(tmp_path / "m", (1, 2), extra={"labels.txt": b"a\n", ".gitattributes": b"x\n",
-                                                       "notes/readme.md": b"hi"})
+                                                       "notes/readme.md": b"hi", ".git/HEAD": b"ref",
+                                                       "1/.github/x": b"y"})
     for name in ("1.sig", "2.sig", "2.provenance.sig", "7.sig"):
         (model / name).write_text("{}")
     scan = scan_unit(model, 1)
-    assert scan.files == (".gitattributes", "1/metadata.json", "1/mf_backend/__init__.py", "1/mf_backend/model.py",
+    # OMS v1.0 6.2.1: the default exclusions are top-level components of the model root only.
+    assert scan.files == ("1/.github/x", "1/metadata.json", "1/mf_backend/__init__.py", "1/mf_backend/model.py",
                           "1/model.onnx", "1/model.py", "config.pbtxt", "labels.txt", "notes/readme.md")
     assert scan.problems == () and scan.empty_dirs == ()
     assert "2/model.py" in scan_unit(model, 2).files and "1/model.py" not in scan_unit(model, 2).files
@@ -60,7 +62,8 @@ def test_entries_and_ignores(tmp_path):
     (model / "5.sig").write_text("{}")
     entries = model_entries(model)
     assert entries.versions == (1, 3) and entries.signed_versions == (3, 5)
-    assert other_version_ignores(model, 1) == ["1.provenance.sig", "1.sig", "3", "3.provenance.sig", "3.sig", "5.sig"]
+    assert other_version_ignores(model, 1) == [".git", ".gitattributes", ".github", ".gitignore", "1.provenance.sig",
+                                               "1.sig", "3", "3.provenance.sig", "3.sig", "5.sig"]
     assert signature_path(model, 3) == model / "3.sig"
     assert provenance_path(model, 3) == model / "3.provenance.sig"
 
@@ -69,3 +72,4 @@ def test_outside_unit():
     assert outside_unit("2/model.onnx", 1) and outside_unit("1.sig", 1) and outside_unit("9.provenance.sig", 1)
     assert not outside_unit("1/model.onnx", 1) and not outside_unit("config.pbtxt", 1)
     assert not outside_unit("1/2.sig", 1) and not outside_unit("02/x", 1)
+    assert outside_unit(".git/HEAD", 1) and outside_unit(".gitignore", 1) and not outside_unit("1/.git/HEAD", 1)

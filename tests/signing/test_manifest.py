@@ -1,4 +1,4 @@
-"""The signed statement: model_signing v1.0 layout, strict parsing, readable differences."""
+"""The signed statement: OMS v1.0 layout, strict parsing, readable differences."""
 
 from __future__ import annotations
 
@@ -22,12 +22,29 @@ def test_statement_layout():
     st = statement()
     assert st["_type"] == "https://in-toto.io/Statement/v1"
     assert st["predicateType"] == PREDICATE_TYPE
-    assert [r["name"] for r in st["predicate"]["resources"]] == ["1/a", "1/a/b", "1/a-b/c", "config.pbtxt"]
+    # OMS v1.0 5.2.1: code point order ('-' < '/'), not model_signing's component order.
+    assert [r["name"] for r in st["predicate"]["resources"]] == ["1/a", "1/a-b/c", "1/a/b", "config.pbtxt"]
+    assert set(st["predicate"]) == {"resources", "serialization"}
     assert st["subject"] == [{"name": "encoder", "digest": {"sha256": root_digest(
         r["digest"] for r in st["predicate"]["resources"])}}]
     assert st["predicate"]["serialization"] == {"method": "files", "hash_type": "sha256", "allow_symlinks": False,
                                                 "ignore_paths": ["1.sig", "2"]}
-    assert st["predicate"]["model_factory"] == {"format": 1, "version": 1, "empty_directories": ["1/tok"]}
+    first, *rest = st["predicate"]["resources"]
+    assert first["annotations"] == {"model_factory": {"format": 2, "version": 1, "empty_directories": ["1/tok"]}}
+    assert not any("annotations" in r for r in rest)
+
+
+def test_legacy_predicate_member_still_read():
+    # model-factory 0.1 wrote the version and empty folders as a predicate member.
+    st = statement()
+    st["predicate"]["resources"][0].pop("annotations")
+    st["predicate"]["model_factory"] = {"format": 1, "version": 1, "empty_directories": ["1/tok"]}
+    m = parse_statement(st)
+    assert m.version == 1 and m.empty_dirs == ("1/tok",)
+
+
+def _ext(st):
+    return st["predicate"]["resources"][0]["annotations"]["model_factory"]
 
 
 def test_parse_round_trip():
@@ -58,8 +75,14 @@ def _refresh_root(st):
     (lambda st: (st["predicate"]["resources"][0].update(name="1/./a"), _refresh_root(st)), "not a normalized path"),
     (lambda st: (st["predicate"]["resources"][0].update(name="a/../../b"), _refresh_root(st)), "through '..'"),
     (lambda st: st["predicate"]["resources"].pop(), "statement is inconsistent"),
-    (lambda st: st["predicate"]["model_factory"].update(format=9), "unknown format"),
-    (lambda st: st["predicate"]["model_factory"].update(empty_directories=["/tmp"]), "absolute path"),
+    (lambda st: _ext(st).update(format=9), "unknown format"),
+    (lambda st: _ext(st).update(empty_directories=["/tmp"]), "absolute path"),
+    (lambda st: st["predicate"].update(extra={}), "OMS v1.0 does not allow"),
+    (lambda st: st.update(extra={}), "statement does not allow"),
+    (lambda st: st["predicate"]["serialization"].update(allow_symlinks=True), "allow_symlinks = true"),
+    (lambda st: (st["predicate"].update(resources=[]), _refresh_root(st)), "lists no file"),
+    (lambda st: st["predicate"]["resources"][1].update(annotations={"model_factory": {"format": 2}}),
+     "2 model-factory annotations"),
 ])
 def test_parse_rejects(edit, message):
     with pytest.raises(ManifestError, match=message):

@@ -50,6 +50,27 @@ def test_statement_content(repo, keys):
     assert run["byproducts"][0]["annotations"] == FACTS["accuracy_report"]
 
 
+def test_statement_lists_every_output_and_the_rebuild_facts(repo, keys, key_policy):
+    # The signer adds every file of the signed unit with its digest; TensorRT plans are marked as the
+    # files a rebuild cannot reproduce. The recipe file, cost model and stage times ride along.
+    (repo / "encoder" / "1" / "model.fp16.plan").write_bytes(b"plan")
+    (repo / "encoder" / "1" / "model.fp16.plan.json").write_text("{}")
+    facts = FACTS | {"recipe_path": "/recipes/encoder.toml", "queue_cost_model": [0.002, 1e-6, 1e-9],
+                     "stage_seconds": {"export": 12.5}}
+    sign_model_version(repo / "encoder", 1, SignerConfig(keys["trusted"].private), provenance=facts)
+    signed = parse_bundle((repo / "encoder" / "1.sig").read_text()).statement()["predicate"]["resources"]
+    prov = parse_bundle(provenance_path(repo / "encoder", 1).read_text()).statement()["predicate"]
+    outputs = {b["name"]: b for b in prov["runDetails"]["byproducts"] if b["annotations"].get("kind") == "output"}
+    assert {n: b["digest"]["sha256"] for n, b in outputs.items()} == {r["name"]: r["digest"] for r in signed}
+    assert sorted(n for n, b in outputs.items() if not b["annotations"]["reproducible"]) == [
+        "1/model.fp16.plan", "1/model.fp16.plan.json"]
+    assert prov["buildDefinition"]["internalParameters"] == {
+        "toolVersions": FACTS["tool_versions"], "recipePath": "/recipes/encoder.toml",
+        "queueCostModel": [0.002, 1e-6, 1e-9]}
+    assert {"name": "stage-seconds", "annotations": {"export": 12.5}} in prov["runDetails"]["byproducts"]
+    assert by_version(repo, key_policy())[("encoder", 1)].ok
+
+
 @pytest.mark.parametrize("change, message", [
     ({"colour": "red"}, "provenance key 'colour' is unknown"),
     ({"source_model_digest": None}, "'source_model_digest' is missing"),

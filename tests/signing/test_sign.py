@@ -21,7 +21,8 @@ def test_bundle_location_and_content(repo, keys):
                      "2/model.py", "config.pbtxt"]
     assert statement["subject"][0]["name"] == "encoder"
     assert statement["predicate"]["serialization"]["ignore_paths"] == [
-        "1", "1.provenance.sig", "1.sig", "2.provenance.sig", "2.sig"]
+        ".git", ".gitattributes", ".github", ".gitignore", "1", "1.provenance.sig", "1.sig", "2.provenance.sig",
+        "2.sig"]
     assert not list((repo / "encoder").glob(".*.tmp"))  # the temporary file was renamed away
 
 

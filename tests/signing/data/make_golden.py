@@ -1,6 +1,9 @@
 """Write the golden signatures of this release (run once per format change, then commit the output).
 
-    PYTHONPATH=. .venv/bin/python tests/signing/data/make_golden.py tests/signing/data/golden-0.1.0
+    PYTHONPATH=. .venv/bin/python tests/signing/data/make_golden.py tests/signing/data/golden-<format>
+
+golden-0.1.0: release 0.1.0 (a "model_factory" predicate member); golden-oms-1.0: OMS v1.0 to the
+letter (the annotation on the first resource, provenance with output digests).
 
 The private keys are thrown away: only public material and the signed files stay, and
 tests/signing/test_golden.py checks that every kept release still verifies, with

@@ -1,0 +1,1 @@
+# golden model, version 2
