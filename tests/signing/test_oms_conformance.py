@@ -71,8 +71,7 @@ def test_key_bundles_conform(repo, keys):
 
 
 def test_p521_bundle_conforms_and_verifies(repo, tmp_path):
-    from model_factory.signing import generate_keypair
-    from model_factory.signing.runtime import load_signed_digests
+    from model_factory.signing import generate_keypair, signed_digests
 
     paths = generate_keypair(tmp_path / "k", "P-521")
     assert schema_errors(_doc(sign_model_version(repo / "encoder", 1, SignerConfig(paths.private_key))), "key") == []
@@ -80,8 +79,8 @@ def test_p521_bundle_conforms_and_verifies(repo, tmp_path):
     policy.write_text(f'version = 1\n[[keys]]\nname = "p521"\npath = "{paths.public_key}"\n')
     result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(policy))}[("encoder", 1)]
     assert result.ok and result.signer == "key:p521", result.reasons
-    # The backend's load-time check with a pinned key (stdlib + cryptography) takes P-521 too.
-    assert "1/model.onnx" in load_signed_digests(repo / "encoder", 1, public_key_pem=paths.public_key.read_bytes())
+    # The digests serve hands to the backend's load-time check come from a P-521 verification too.
+    assert "1/model.onnx" in signed_digests(repo / "encoder", 1, load_policy(policy))
 
 
 def test_certificate_chain_bundle_conforms(repo, pki):
