@@ -217,7 +217,7 @@ class BatchingTable(_Table):
         "ignores padding. Default: true exactly when an input is called attention_mask.")
     max_queue_size: Annotated[Union[Literal["auto"], Whole], Fix(
         'give a number of requests (0: unbounded), or "auto" to size it from the cost model')] = Field(
-        "auto", description='Triton\'s queue bound: "auto" sizes it at packaging to about queue_budget_ms of work '
+        "auto", description='Triton\'s queue bound: "auto": `serve` sizes it on the serving machine to about queue_budget_ms of work '
         "on a model with two or more instances (unbounded on one instance); 0: unbounded; N: N requests. Past it "
         "Triton answers 503 / UNAVAILABLE at once.")
     queue_budget_ms: Positive = Field(300, description='The work, in ms, the "auto" queue bound holds.')

@@ -93,9 +93,9 @@ class BatchingSpec:
     # (it reads an attention mask); the default is true exactly when an input is called attention_mask.
     pad_sequences: bool = True
     # Triton's queue policy (dynamic_batching.default_queue_policy): an overloaded replica answers
-    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto", the default): sized at
-    # packaging from the measured cost model to about queue_budget_ms of work (repository.default_queue_size)
-    # on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
+    # UNAVAILABLE / 503 at once instead of queueing without bound. None ("auto", the default): sized by
+    # `serve` on the serving machine from the engine's measured cost to about queue_budget_ms of work
+    # (serving/queue_bound.py; the signed config.pbtxt keeps a fallback) on a model with two or more instances; unbounded on a one-instance model, where Triton's batcher with
     # any queue policy can lose wake-ups and sleep up to its 500 ms idle wait (benchmarks/RESULTS.md,
     # "Overload"; docs/operations.md, "Overload shedding"). 0: unbounded; N: N requests.
     max_queue_size: int | None = None
