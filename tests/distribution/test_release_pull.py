@@ -145,7 +145,8 @@ def test_honest_pull_then_a_repointed_tag_is_refused_as_a_rollback(registry, fac
 def test_expired_timestamp_is_refused_as_a_freeze(registry, factory, reg_options, tmp_path):
     ref = f"oci://{registry.host}/rel2/enc:1"
     # Nobody re-signed the timestamp: the one pushed was signed two days ago and lived one.
-    refresh_timestamp(factory.repo, [factory.keys["online"]], now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
+    two_days_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
+    refresh_timestamp(factory.repo, [factory.keys["online"]], now=two_days_ago)
     push(factory.repo, "enc", ref, options=reg_options)
     refused(ref, tmp_path / "dest", factory.policy(), reg_options, "freeze attack")
     # The fix: re-sign the timestamp and push again (the release referrer is replaced).
