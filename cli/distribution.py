@@ -41,12 +41,16 @@ def _options(registry_config, ca_file, plain_http, chunk_mib):
               help="modelpack: the CNCF ModelPack artifact `pull` reads; modelcar: an image with the files "
                    "under /models/<model>/ for KServe model cars and image volumes.")
 @click.option("--release-file", "release_files", multiple=True, type=click.Path(exists=True, dir_okay=False,
-              path_type=Path), help="Release metadata to attach (repeat), e.g. the signed TUF role files.")
+              path_type=Path), help="Release metadata to attach (repeat) instead of REPOSITORY/.release/ (attached by "
+                         "default when it exists).")
 @_registry_options
 @user_errors
 def push(repository: Path, reference: str, model: str, version: int | None, form: str,
          release_files: tuple[Path, ...], registry_config, ca_file, plain_http, chunk_mib) -> None:
-    """Push a signed model version to REFERENCE, with its signature, provenance and BOM attached.
+    """Push a signed model version to REFERENCE, with its signature, provenance, BOM and release attached.
+
+    A repository with signed releases (.release/, docs/releases.md) has its release metadata attached;
+    the version must be in its current release.
 
     \b
     REFERENCE is oci://HOST[:PORT]/NAMESPACE/NAME:TAG or oci-layout:DIR[:TAG] (removable media).
@@ -84,14 +88,19 @@ def _throttled(say):
               help="Trust policy TOML the signature must satisfy.")
 @click.option("--expect-version", type=click.IntRange(min=0), help="Refuse any other signed version.")
 @click.option("--allow-downgrade", is_flag=True, help="Accept a version older than the one already in DEST.")
+@click.option("--release-state", type=click.Path(file_okay=False, path_type=Path),
+              help="Where this machine keeps the release state it trusts (default: the policy's [release] "
+                   "state_dir). Only with a [release] section.")
 @_registry_options
 @user_errors
 def pull(reference: str, dest: Path, policy: Path, expect_version: int | None, allow_downgrade: bool,
-         registry_config, ca_file, plain_http, chunk_mib) -> None:
+         release_state: Path | None, registry_config, ca_file, plain_http, chunk_mib) -> None:
     """Pull a model from REFERENCE into the repository DEST, verified before anything lands there.
 
     The signature referrer must be trusted by the policy and cover exactly the manifest's files; every
     blob is hashed; the staged model is verified; only then does DEST/<model> change (one rename).
+    With a [release] section in the policy, the attached signed release must list this version and
+    be neither older than the release already trusted here (rollback) nor expired (freeze).
 
     \b
     Examples:
@@ -101,7 +110,7 @@ def pull(reference: str, dest: Path, policy: Path, expect_version: int | None, a
     from model_factory.distribution.push_pull import pull as do_pull
 
     result = do_pull(reference, dest, policy, options=_options(registry_config, ca_file, plain_http, chunk_mib),
-                     expect_version=expect_version, allow_downgrade=allow_downgrade)
+                     expect_version=expect_version, allow_downgrade=allow_downgrade, release_state=release_state)
     click.echo(f"pulled {result.model} version {result.version} ({result.digest}) -> {result.model_dir}, "
                f"signed by {result.signer}; checked {', '.join(result.referrers)}")
 

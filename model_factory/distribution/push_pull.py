@@ -1,11 +1,15 @@
 """Push a signed model version to a registry or an OCI layout, and pull it back, verified, into a repository.
 
 ``push`` sends the version as a ModelPack artifact (or a model-car image) and attaches its signature,
-provenance, BOM and release files as referrers. ``pull`` checks everything before DEST changes:
+provenance, BOM and release files (the repository's ``.release/``, when it has one) as referrers.
+``pull`` checks everything before DEST changes:
 
-1. the manifest and its referrers are read; the signature referrer must exist;
+1. the manifest and its referrers are read; the signature referrer must exist (and the release
+   referrer, when the policy has a ``[release]`` section);
 2. the signature's signer must be trusted by the policy, and the manifest's files must be exactly the
-   signed files with the signed digests (checked before any weights are downloaded);
+   signed files with the signed digests (checked before any weights are downloaded); with ``[release]``,
+   the signed release must list this version's signature, and must not be older (rollback) or
+   expired (freeze) compared with the release state trusted on this machine;
 3. each blob is hashed while it streams into a staging folder beside DEST (a digest mismatch stops the pull);
 4. the staged model folder is verified as ``model-factory verify`` would (signer, files, provenance);
 5. the signed version must match a numeric tag, must not be older than the version already in DEST
@@ -123,13 +127,16 @@ def push(repo: Path, model: str, ref: str, *, version: int | None = None, form: 
 
     ``form`` is ``modelpack`` (the ModelPack artifact that ``pull`` reads) or ``modelcar`` (an image whose
     files sit under ``/models/<model>/``, for KServe model cars and image volumes). ``release_files``
-    (release metadata, e.g. the signed TUF role files) are attached as one ``release`` referrer.
+    (release metadata) are attached as one ``release`` referrer; when none are given and ``repo`` has a
+    ``.release/`` folder, its signed TUF files are attached, and the version must be in that release.
     """
     if form not in ("modelpack", "modelcar"):
         raise FactoryError(f"unknown form {form!r}. Fix: use modelpack or modelcar")
     if not ref.startswith(("oci://", "oci-layout:")):
         open_target(ref, options, create=False)  # says which forms are accepted
     content = mp.collect_version(Path(repo), model, version)
+    if not release_files:
+        release_files = _repository_release(Path(repo), content)
     target, reference = open_target(ref, options, create=True)
     if reference.startswith("sha256:"):
         raise FactoryError("push needs a tag, not a digest. Fix: write ...:TAG (e.g. the version number)")
@@ -154,6 +161,37 @@ def push(repo: Path, model: str, ref: str, *, version: int | None = None, form: 
         files = [(Path(p).name, mp.file_blob(Path(p)), "application/json") for p in release_files]
         attached["release"] = attach(target, subject, mp.RELEASE_TYPE, "release", files, progress)
     return PushResult(f"{ref}", digest, form, attached)
+
+
+def _repository_release(repo: Path, content: mp.VersionContent) -> list[Path]:
+    """The repository's release files, when it has a ``.release/``; the version must be listed in that release."""
+    from model_factory.signing.release import release_dir, release_files
+
+    if not release_dir(repo).is_dir():
+        return []
+    files = release_files(repo)
+    name = f"{content.model}/{content.signature.name}"
+    try:
+        listed = json.loads((release_dir(repo) / "targets.json").read_bytes())["signed"]["targets"]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if not isinstance(listed, dict) or name not in listed:
+        # A pull whose policy has [release] would refuse it (mix-and-match): say so here, where it is fixed.
+        raise FactoryError(f"{content.model} version {content.version} is not in the repository's signed release "
+                           f"({repo / '.release'}): a pull that checks releases would refuse it. Fix: publish a "
+                           "release that lists it (model-factory release add), then push")
+    return files
+
+
+def _release_gate(metadata_dir: Path, staged: Path, version: int, trust: Any, state_dir: Path | None,
+                  ref: str) -> None:
+    """The TUF release check of the policy's ``[release]`` on the staged signature files; one-line refusal."""
+    from model_factory.signing.release_check import verify_release_files
+
+    verdict = verify_release_files(metadata_dir, staged, version, trust, state_dir=state_dir)
+    if not verdict.ok:
+        problems = " ".join("; ".join(verdict.all_problems()).split())  # one line, whatever python-tuf said
+        raise FactoryError(f"{ref} is refused by the signed release check: {problems}")
 
 
 def _by_role(found: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -255,15 +293,22 @@ def _install(staged: Path, dest: Path, model: str) -> Path:
 
 def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = RegistryOptions(),
          expect_version: int | None = None, allow_downgrade: bool = False,
-         release_check: ReleaseCheck | None = None, progress: Progress | None = None) -> PullResult:
+         release_check: ReleaseCheck | None = None, release_state: Path | None = None,
+         progress: Progress | None = None) -> PullResult:
     """Pull a ModelPack artifact into the repository ``dest`` (as ``dest/<model>``), verified first (see module doc).
 
-    ``release_check`` (the release layer's hook) receives the staged model folder, the version and the
-    release files fetched from the ``release`` referrer, and raises FactoryError to refuse.
+    When the policy has a ``[release]`` section, the ``release`` referrer must be attached and the TUF
+    release check runs on it before any weights are fetched; ``release_state`` overrides the policy's
+    ``state_dir`` (what this machine has trusted). ``release_check`` (an extra hook) receives the staged
+    model folder, the version and the release files, after every other check, and raises FactoryError
+    to refuse.
     """
     from model_factory.signing import load_policy, verify_model_version
 
     trust = load_policy(Path(policy))
+    if release_state is not None and trust.release is None:
+        raise FactoryError(f"a release state dir was given but the trust policy {policy} has no [release] section. "
+                           "Fix: add one (docs/releases.md), or drop --release-state")
     dest = Path(dest).absolute()
     target, reference = open_target(ref, options, create=False)
     data, digest = target.get_manifest(reference)
@@ -281,6 +326,10 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
         raise FactoryError(f"{ref} has no signature attached (no signature referrer of {digest[:19]}...): "
                            "unsigned models are never pulled. Fix: push it again with model-factory push, which "
                            "attaches the signature (or copy the sha256-<hex> referrers tag with it)")
+    if trust.release is not None and "release" not in roles:
+        raise FactoryError(f"{ref} has no release metadata attached (no release referrer of {digest[:19]}...), and the "
+                           "trust policy's [release] section requires a signed release. Fix: publish a release in the "
+                           "factory (model-factory release add) and push again: push attaches .release/ itself")
     dest.parent.mkdir(parents=True, exist_ok=True)
     blobs = dest.parent / f".{dest.name}.oci-blobs"  # kept on failure: a retry resumes downloads
     blobs.mkdir(exist_ok=True)
@@ -300,6 +349,8 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
         if "provenance" in fetched and len(fetched["provenance"]) == 1:
             shutil.copyfile(fetched["provenance"][0], staged / f"{version}.provenance.sig")
         listed = _precheck(manifest, Path(sig), trust, model, version)
+        if trust.release is not None:  # before any weights: a rolled-back or frozen release costs no download
+            _release_gate(extras / "release", staged, version, trust, release_state, ref)
         sizes = {layer["digest"]: int(layer["size"]) for layer in manifest["layers"]}
         for d, size in sizes.items():
             cached = blobs / d.split(":", 1)[1]
