@@ -28,6 +28,27 @@ class BuildResult:
     engines: tuple[str, ...]
     signature: Path | None
     seconds: dict[str, float] = field(default_factory=dict)
+    # What the version folder holds (top-level entries, folders with a trailing '/'): the build's summary.
+    files: tuple[str, ...] = ()
+    # One line per stage the recipe asked for and the build skipped, with why and the fix.
+    skipped: tuple[str, ...] = ()
+
+
+def folder_listing(version_dir: Path) -> tuple[str, ...]:
+    """The top-level entries of a version folder, sorted, folders marked with a trailing '/'."""
+    return tuple(sorted(p.name + ("/" if p.is_dir() else "") for p in Path(version_dir).iterdir()))
+
+
+def engines_skipped_line(recipe: Recipe, precisions: Any) -> str | None:
+    """The line that says TensorRT engines the recipe enables are not built here, or None when they can be."""
+    from model_factory.build_engines.tensorrt import tensorrt_available
+
+    if tensorrt_available() is not None:
+        return None
+    plans = ", ".join(f"model.{p}.plan" for p in precisions)
+    return (f"[build-engine] skipped: {plans} not built: neither tensorrt nor tensorrt_rtx imports here "
+            "(the model serves with ONNX Runtime or torch). Fix: pip install 'model-factory[tensorrt-rtx]' "
+            "(or NVIDIA's tensorrt) to build them, or set [tensorrt] enabled = false to skip them quietly")
 
 
 def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[], Any]) -> Any:
@@ -63,6 +84,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.build.loadcheck import check_packaged
     from model_factory.build.repository import bounds_queue_by_default, package_model, queue_policy_note
 
     import datetime as dt
@@ -109,7 +131,14 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         build_info["quantization"] = {"float_nodes": list(q.float_nodes),
                                       "calibration_digest": q.calibration_digest}
     built_engines: list[str] = []
-    if engines if engines is not None else recipe.tensorrt.enabled:
+    skipped: list[str] = []
+    want_engines = engines if engines is not None else recipe.tensorrt.enabled
+    # Enabled by the recipe on a machine without TensorRT: said in one line, not a failure (--engines forces it).
+    no_trt = engines_skipped_line(recipe, models) if want_engines and engines is None else None
+    if no_trt:
+        say(no_trt)
+        skipped.append(no_trt)
+    elif want_engines:
         from model_factory.build_engines.tensorrt import build_engines
 
         results = _timed(seconds, "build-engine", say, lambda: stage("build-engine", build_engines, recipe, models))
@@ -140,7 +169,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
                                        recipe.work_dir / "acceptance", progress=say)
         return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
                              parameters=parameters, build_info=build_info, cost_model=cost, sign=sign,
-                             acceptance_dir=golden)
+                             acceptance_dir=golden, check=check_packaged)
 
     packaged = _timed(seconds, "package", say, package)
     signature = None
@@ -149,7 +178,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
         signature = signature_path(packaged.model_dir, recipe.version)
     return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines),
-                       signature, seconds)
+                       signature, seconds, folder_listing(packaged.version_dir), tuple(skipped))
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
@@ -211,8 +240,10 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     tokenizer_dir = tok if tok.is_dir() else None
     golden = write_acceptance_data(recipe, export_dir / "model.onnx", tokenizer_dir, recipe.work_dir / "acceptance",
                                    progress=progress)
+    from model_factory.build.loadcheck import check_packaged
+
     return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra, cost_model=cost,
-                         acceptance_dir=golden)
+                         acceptance_dir=golden, check=check_packaged)
 
 
 def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, float, float] | None:
@@ -230,6 +261,13 @@ def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, flo
         from model_factory.backend.grouping import measure_cost_model
     except ImportError:
         return None
+    from model_factory.backend.input_bounds import sample_value
+    from model_factory.build.bounds import input_bounds
+
+    try:
+        bounds = input_bounds(recipe, Path(onnx_path))
+    except Exception:  # conflicting bounds are reported by packaging; the fallback queue bound applies here
+        return None
     engine = OnnxRuntimeEngine(Path(onnx_path))
     try:
         inputs = engine._session.get_inputs()
@@ -238,7 +276,9 @@ def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, flo
         dtypes = {i.name: np.int64 if i.type == "tensor(int64)" else np.int32 for i in inputs}
 
         def run(n: int, length: int) -> None:
-            engine.run({name: np.ones((n, length), dtype=dt) for name, dt in dtypes.items()})
+            # Values every input accepts (a one-row token-type table takes only 0), as the backend's warm-up.
+            engine.run({name: np.full((n, length), sample_value(name, bounds), dtype=dt)
+                        for name, dt in dtypes.items()})
 
         model = measure_cost_model(run, recipe.shapes.sequence_buckets or (recipe.shapes.max_sequence_length,),
                                    recipe.shapes.max_batch, repeats=1)

@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
 from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.backend.input_bounds import PARAMETER as BOUNDS_PARAMETER, format_bounds
+from model_factory.build.bounds import input_bounds
 from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
@@ -355,6 +357,7 @@ def package_model(
     acceptance_dir: Path | None = None,
     cost_model: Sequence[float] | None = None,
     sign: Callable[[Path], Any] | None = None,
+    check: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
     """Write ``<repo>/<model>/`` for ``recipe`` atomically.
 
@@ -365,7 +368,8 @@ def package_model(
     whole model folder is swapped in with one rename, so an interrupted run
     leaves the previous one intact. ``acceptance_dir`` (golden inputs and FP32
     outputs, ``build_engines/golden.py``) is copied to ``<version>/acceptance/``,
-    where the version's signature covers it.
+    where the version's signature covers it. ``check`` is called with the staged version folder before it
+    is signed and goes live (build's load check, ``loadcheck.check_packaged``): raising leaves the old one.
     """
     serve = recipe.repository.serve
     onnx_name = onnx_file_for(serve)
@@ -403,6 +407,9 @@ def package_model(
     vocab_size = hf_vocab_size(recipe)
     if vocab_size is not None:
         params["vocab_size"] = str(vocab_size)
+    bounds = input_bounds(recipe, artifacts.get("model.onnx") or artifacts.get(onnx_name))
+    if bounds:  # index-like inputs: the backend refuses values outside these before any engine sees them
+        params[BOUNDS_PARAMETER] = format_bounds(bounds)
     params.update(parameters or {})
     # The queue bound comes from a measured cost model: the build's (``cost_model``), else one the
     # parameters fix for the backend.
@@ -417,14 +424,14 @@ def package_model(
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
         metadata = _stage_model(recipe, model_dir, version, pbtxt, files, tokenizer_dir, extra_files,
-                                build_info, sign, labels, acceptance_dir)
+                                build_info, sign, labels, acceptance_dir, check)
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
 
 
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
                  sign: Callable[[Path], Any] | None, labels: Sequence[str],
-                 acceptance_dir: Path | None = None) -> dict[str, Any]:
+                 acceptance_dir: Path | None = None, check: Callable[[Path], Any] | None = None) -> dict[str, Any]:
     files = artifacts  # already the version folder's selection (select_artifacts)
     serve = recipe.repository.serve
     onnx_name, plan_name = onnx_file_for(serve), f"model.{serve}.plan"
@@ -481,6 +488,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "engines": sorted(name for name in files if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        if check is not None:
+            check(vdir)
         if sign is not None:
             # Signed while staged (the staged folder bears the model's name): the repository never
             # holds this version unsigned, even for an instant.

@@ -43,6 +43,8 @@ class TensorSpec:
     dtype: str
     dims: tuple[int, ...]
     optional: bool = False
+    # The allowed values [low, high] of an integer input (an index); requests outside are refused (400).
+    range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,7 @@ def _tensor_specs(items: Any, section: str) -> tuple[TensorSpec, ...]:
     specs = []
     for i, item in enumerate(items):
         where = f"{section}[{i}]"
-        t = _take(item, where, {"name", "dtype", "dims", "optional"})
+        t = _take(item, where, {"name", "dtype", "dims", "optional", "range"})
         for key in ("name", "dtype", "dims"):
             if key not in t:
                 raise _err(f"{where}.{key}", "missing", f"add {key} to the [[{section}]] entry")
@@ -283,7 +285,15 @@ def _tensor_specs(items: Any, section: str) -> tuple[TensorSpec, ...]:
         dims = t["dims"]
         if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) and (d == -1 or d > 0) for d in dims):
             raise _err(f"{where}.dims", f"{dims!r} is not a list of sizes", "use positive sizes or -1 for a dynamic axis, without the batch axis")
-        specs.append(TensorSpec(name, dtype, tuple(dims), bool(t.get("optional", False))))
+        bounds = t.get("range")
+        if bounds is not None and not (section == "inputs" and dtype in ("INT64", "INT32", "INT16", "INT8", "UINT8")
+                                       and isinstance(bounds, list) and len(bounds) == 2
+                                       and all(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
+                                       and bounds[0] <= bounds[1]):
+            raise _err(f"{where}.range", f"{bounds!r} is not a range of an integer input",
+                       "give range = [low, high] (whole numbers, low <= high) on an integer [[inputs]] entry")
+        specs.append(TensorSpec(name, dtype, tuple(dims), bool(t.get("optional", False)),
+                                tuple(bounds) if bounds is not None else None))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise _err(section, f"duplicate tensor names {names}", "give every tensor a distinct name")
@@ -413,8 +423,8 @@ def _hf_io_from_folder(folder: Path, text_input: bool, task: str = "embedding", 
     if not isinstance(hidden, int):
         raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",
                    "declare [[outputs]] in the recipe")
-    # BERT-like models take token_type_ids; the ONNX export keeps only the inputs the model uses.
-    with_tti = cfg.get("type_vocab_size", 0) > 0
+    # BERT-like models take token_type_ids; a one-row table (RoBERTa, XLM-R) only ever reads row 0: no input.
+    with_tti = cfg.get("type_vocab_size", 0) > 1
     return hf_tensor_specs(hidden, with_tti, text_input, task, len(hf_labels(cfg)), probabilities)
 
 

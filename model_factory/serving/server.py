@@ -444,11 +444,28 @@ class ServeReport:
     refused: dict[str, str]
     # model -> "engine (file) on device", from acceptance or from the backend's metric labels
     engines: dict[str, str] = field(default_factory=dict)
+    # model -> Triton's full load error (the backend's stack included), shown with --debug
+    load_details: dict[str, str] = field(default_factory=dict)
+
+
+def load_error_line(text: str) -> str:
+    """Triton's load error for a model as one line: the backend's stack (``At:`` ...) cut, a fix appended.
+
+    The backend raises its refusals with their fix (``Fix:`` or ``: <what to do>``); other causes get one.
+    """
+    head = re.split(r"\n\s*At:\s*\n", text, maxsplit=1)[0]
+    line = " ".join(head.split()).rstrip(";").strip()
+    line = re.sub(r"^load failed for model '[^']*': version \d+ is at UNAVAILABLE state: (Internal: )?", "", line)
+    if "Fix:" in line or "repackage" in line or "rebuild" in line:
+        return line
+    return (f"{line}. Fix: run model-factory accept on the repository to see why this machine cannot load it, "
+            "then rebuild it or serve it where its engine loads")
 
 
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
                           allow_unsigned: bool = False, log_file: Path | None = None,
-                          accept: bool = False, cost_cache: Path | None = None) -> tuple[TritonServer, ServeReport]:
+                          accept: bool = False, cost_cache: Path | None = None,
+                          allow_empty: bool = False) -> tuple[TritonServer, ServeReport]:
     """Verify the repository against ``policy``, then start Triton loading only verified models.
 
     Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
@@ -459,7 +476,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     ``model_factory.serving.acceptance``) or it is refused like an unverified one. ``cost_cache``: a
     folder outside the repository where the backend keeps the cost-model
     constants it learned (per engine and device), so that a restart needs no
-    warm-up.
+    warm-up. When no model loads, the server is stopped and FactoryError names every refusal, unless
+    ``allow_empty`` keeps it up for later loads.
     """
     repository = Path(repository)
     if not repository.is_dir():
@@ -508,11 +526,17 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         server.extra_env[VERIFIED_DIGESTS_ENV] = str(digests_file)
         server.trust, server.digests_file = trust, digests_file
     server.start()
-    refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
+    details = {m: why for m, why in server.load_errors.items()}
+    refused.update({m: f"failed to load: {load_error_line(why)}" for m, why in server.load_errors.items()})
     served = tuple(server.ready_models)
+    if not served and not allow_empty:
+        server.stop()
+        raise FactoryError("no model could be served:\n" + "\n".join(f"  {m}: {why}" for m, why in refused.items())
+                           + "\nFix: correct the models above, or pass --allow-empty to keep the server up for "
+                           "later loads")
     labelled = _engines_from_metrics(server) if any(not engines.get(m) for m in served) else {}
     engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
-    return server, ServeReport(served, refused, engines)
+    return server, ServeReport(served, refused, engines, details)
 
 
 def _accepted(repository: Path, models: list[str], table: dict | None, refused: dict[str, str],
