@@ -4,6 +4,7 @@ the backend; a one-row token-type table gets no token_type_ids input."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,30 +12,8 @@ import pytest
 
 from model_factory.errors import FactoryError
 
-
-def lookup_onnx(path: Path, rows: int = 50, positions: int = 16) -> Path:
-    """``ids`` INT64 [batch, seq] -> Gather(E[rows, 8]); ``pos`` INT64 -> Cast(int32) -> Gather(P[positions, 8])
-    through an FP16 table and a Cast (as an FP16 export holds it); ``y`` = the sum [batch, seq, 8]."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    table = numpy_helper.from_array(rng.normal(size=(rows, 8)).astype(np.float32), "E")
-    pos_table = numpy_helper.from_array(rng.normal(size=(positions, 8)).astype(np.float16), "P16")
-    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"]),
-             helper.make_node("Cast", ["pos"], ["pos32"], to=TensorProto.INT32),
-             helper.make_node("Cast", ["P16"], ["P"], to=TensorProto.FLOAT),
-             helper.make_node("Gather", ["P", "pos32"], ["p"]),
-             helper.make_node("Add", ["e", "p"], ["y"])]
-    graph = helper.make_graph(nodes, "lookup",
-                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
-                               helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
-                              [table, pos_table])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo_models import make_lookup_onnx as lookup_onnx  # noqa: E402
 
 
 def _generic(tmp_path: Path, inputs=None):

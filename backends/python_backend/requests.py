@@ -89,13 +89,15 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
             fix = ("truncate the input or send text, which is truncated for you" if settings.input("text") is not None
                    else "send at most that many positions")
             raise RequestError(f"sequence length {length} exceeds the maximum {settings.max_sequence_length}; {fix}")
-    ids = given.get("input_ids")
-    if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
     for name, arr in given.items():
         problem = check_bounds(name, arr, settings.input_bounds)
         if problem:
             raise RequestError(f"{problem}; send values in that range")
+    ids = given.get("input_ids")
+    if ids is not None and vocab_size is not None:  # the tokenizer's vocabulary, when config.pbtxt names none
+        problem = check_bounds("input_ids", ids, {"input_ids": (0, vocab_size - 1)})
+        if problem:
+            raise RequestError(f"{problem} (the vocabulary); send ids in that range")
     mask = given.get("attention_mask")
     if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
