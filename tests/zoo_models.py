@@ -232,3 +232,39 @@ def lookup_reference(path: Path, ids, pos):
 
     tables = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
     return tables["E"][np.asarray(ids)] + tables["P16"].astype(np.float32)[np.asarray(pos)]
+
+
+def make_one_row_onnx(path: Path) -> Path:
+    """A generic model that runs on zeros but not on ones: ``k`` INT64 [batch, seq] -> Add(k, 0) -> Gather on a
+    one-row table [1, 4] -> ``y`` [batch, seq, 4]. The Add hides the table's size from the graph walk, as an op
+    the bounds do not follow would: its warm-up (ones) indexes row 1, which does not exist."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Add", ["k", "zero"], ["k0"]), helper.make_node("Gather", ["T", "k0"], ["y"])]
+    graph = helper.make_graph(nodes, "one_row",
+                              [helper.make_tensor_value_info("k", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+                              [numpy_helper.from_array(np.ones((1, 4), np.float32), "T"),
+                               numpy_helper.from_array(np.zeros((), np.int64), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def make_matmul_onnx(path: Path) -> Path:
+    """``x`` FP32 [batch, 8] -> ``y`` = x W [batch, 4]: a generic model INT8 quantizes (MatMul)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
