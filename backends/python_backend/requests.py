@@ -103,8 +103,8 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
         raise RequestError("input_ids were sent without attention_mask")
     if ids is None and settings.input("input_ids") is not None:
         # Found by fuzzing: a mask alone reached the engine and failed the whole window.
-        raise RequestError(f"{', '.join(sorted(given))} sent without input_ids. Send 'text', or input_ids with "
-                           "its attention_mask")
+        send = "Send 'text', or input_ids" if settings.input("text") is not None else "Send input_ids"
+        raise RequestError(f"{', '.join(sorted(given))} sent without input_ids. {send} with its attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from model_factory.build_engines.golden import (ACCEPTANCE_DIR, INPUTS_FILE, OUTPUTS_FILE, SPEC_FILE, AcceptanceSpec,
                                                 read_inputs, read_outputs, read_spec)
 from model_factory.errors import FactoryError
+from model_factory.serving.refusals import one_line
 
 
 @dataclass(frozen=True)
@@ -204,15 +205,6 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     if not result.passed and layers and result.score is not None:
         result = _with_departures(result, model_dir / version, inputs, spec)
     return result
-
-
-def one_line(exc: BaseException, fix: str = "rebuild the model (model-factory build), or serve it where its "
-                                             "engine loads") -> str:
-    """An exception as one line (no stack, whitespace collapsed) that ends with a fix."""
-    text = " ".join(str(exc).split())
-    if not isinstance(exc, FactoryError) and not text.startswith(type(exc).__name__):
-        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return text if "Fix:" in text or "fix:" in text.lower() else f"{text}. Fix: {fix}"
 
 
 def _d(digests: Mapping[str, str] | None) -> dict[str, str] | None:

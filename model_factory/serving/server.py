@@ -29,6 +29,7 @@ from typing import Sequence
 
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_file
+from model_factory.serving.refusals import load_error_line
 
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
 # Read by the Python backend (backends/python_backend/integrity.py).
@@ -446,20 +447,6 @@ class ServeReport:
     engines: dict[str, str] = field(default_factory=dict)
     # model -> Triton's full load error (the backend's stack included), shown with --debug
     load_details: dict[str, str] = field(default_factory=dict)
-
-
-def load_error_line(text: str) -> str:
-    """Triton's load error for a model as one line: the backend's stack (``At:`` ...) cut, a fix appended.
-
-    The backend raises its refusals with their fix (``Fix:`` or ``: <what to do>``); other causes get one.
-    """
-    head = re.split(r"\n\s*At:\s*\n", text, maxsplit=1)[0]
-    line = " ".join(head.split()).rstrip(";").strip()
-    line = re.sub(r"^load failed for model '[^']*': version \d+ is at UNAVAILABLE state: (Internal: )?", "", line)
-    if "Fix:" in line or "repackage" in line or "rebuild" in line:
-        return line
-    return (f"{line}. Fix: run model-factory accept on the repository to see why this machine cannot load it, "
-            "then rebuild it or serve it where its engine loads")
 
 
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
