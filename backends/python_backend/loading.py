@@ -275,13 +275,11 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     return engine, info
 
 
-# The BYTES inputs the backend tokenizes (requests.TEXT_INPUTS; repeated to keep this module's imports light).
-_TEXT_INPUTS = ("text", "query", "passage")
-
-
 def text_inputs(settings: Settings) -> tuple[str, ...]:
     """The model's text inputs (``text``, or ``query`` + ``passage``), tokenized by the backend."""
-    return tuple(i.name for i in settings.inputs if i.data_type == "TYPE_STRING" and i.name in _TEXT_INPUTS)
+    from .requests import TEXT_INPUTS
+
+    return tuple(i.name for i in settings.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
 
 
 def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
-from .requests import TEXT_INPUTS, RequestError, check_items, items_from_tensors, items_from_text_inputs
+from .requests import RequestError, check_items, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
 

@@ -39,7 +39,7 @@ def folder_listing(version_dir: Path) -> tuple[str, ...]:
     return tuple(sorted(p.name + ("/" if p.is_dir() else "") for p in Path(version_dir).iterdir()))
 
 
-def engines_skipped_line(recipe: Recipe, precisions: Any) -> str | None:
+def engines_skipped_line(precisions: Any) -> str | None:
     """The line that says TensorRT engines the recipe enables are not built here, or None when they can be."""
     from model_factory.build_engines.tensorrt import tensorrt_available
 
@@ -134,7 +134,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     skipped: list[str] = []
     want_engines = engines if engines is not None else recipe.tensorrt.enabled
     # Enabled by the recipe on a machine without TensorRT: said in one line, not a failure (--engines forces it).
-    no_trt = engines_skipped_line(recipe, models) if want_engines and engines is None else None
+    no_trt = engines_skipped_line(models) if want_engines and engines is None else None
     if no_trt:
         say(no_trt)
         skipped.append(no_trt)
