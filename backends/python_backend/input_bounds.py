@@ -53,6 +53,14 @@ def parse_bounds(text: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def bounds_from_parameters(params: Mapping[str, str], vocab_size: int | None = None) -> dict[str, tuple[int, int]]:
+    """The bounds of a model's string parameters: ``input_bounds``, and ``input_ids`` below ``vocab_size``."""
+    bounds = parse_bounds(params.get(PARAMETER, ""))
+    if vocab_size is not None:
+        bounds.setdefault("input_ids", (0, vocab_size - 1))
+    return bounds
+
+
 def check_bounds(name: str, values: np.ndarray, bounds: Bounds) -> str | None:
     """None when every value of input ``name`` is inside its range (or it has none), else the message.
 

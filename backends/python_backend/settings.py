@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .input_bounds import PARAMETER as BOUNDS_PARAMETER, BoundsError, parse_bounds
+from .input_bounds import bounds_from_parameters
 
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -68,8 +68,7 @@ class Settings:
     # Send responses just after execute() returns (deferred_responses), not as its return value: by default
     # exactly when the configuration sets a queue policy, the case where Triton's batcher needs it.
     respond_after_return: bool = False
-    # The allowed [low, high] of each index-like input (input_bounds: the ``input_bounds`` parameter, and
-    # input_ids below vocab_size): a request outside them is refused before it reaches an engine.
+    # The allowed [low, high] of each index-like input (input_bounds.py): checked per request before any engine.
     input_bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def input(self, name: str) -> IOSpec | None:
@@ -158,14 +157,8 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     online_text = params.get("cost_model_online", "").strip().lower()
     if online_text not in ("", "true", "false"):
         raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
-    try:
-        bounds = parse_bounds(params.get(BOUNDS_PARAMETER, ""))
-    except BoundsError as exc:
-        raise SettingsError(str(exc)) from None
-    if vocab_size is not None:
-        bounds.setdefault("input_ids", (0, vocab_size - 1))
     return Settings(
-        input_bounds=bounds,
+        input_bounds=bounds_from_parameters(params, vocab_size),
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
         inputs=inputs,

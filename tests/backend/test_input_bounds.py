@@ -9,7 +9,7 @@ from model_factory.backend.input_bounds import (BoundsError, check_bounds, forma
                                                 sample_value)
 from model_factory.backend.requests import RequestError, check_items, items_from_tensors
 from model_factory.backend.samples import WarmupError, sample_feeds, warm_up
-from model_factory.backend.settings import SettingsError, parse_settings
+from model_factory.backend.settings import parse_settings
 
 BERT_BOUNDS = {"input_ids": (0, 99), "token_type_ids": (0, 1), "attention_mask": (0, 1)}
 
@@ -36,7 +36,7 @@ def test_the_parameter_round_trips_and_a_bad_one_is_refused_at_load() -> None:
     for bad in ("{", "[1, 2]", '{"a": [3, 1]}', '{"a": [0]}', '{"a": [0, true]}', '{"a": [0, 1.5]}'):
         with pytest.raises(BoundsError):
             parse_bounds(bad)
-    with pytest.raises(SettingsError, match="input_bounds"):
+    with pytest.raises(BoundsError, match="input_bounds"):
         parse_settings(_config([_int("ids")], {"input_bounds": '{"ids": [5, 1]}'}))
 
 
