@@ -77,7 +77,7 @@ def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_o
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors arrive as exceptions; ORT's coloured stderr lines are noise
     if basic_optimizations:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     source = bytes(model) if isinstance(model, (bytes, bytearray)) else str(model)

@@ -12,15 +12,34 @@ import click
 from model_factory.errors import FactoryError
 
 
+def debug_enabled() -> bool:
+    """Whether ``model-factory --debug`` was given (then errors show their stack)."""
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and isinstance(root.obj, dict) and root.obj.get("debug"))
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a FactoryError into a click error (message, exit 1, no traceback)."""
+    """Turn an error into one line (exit 1, no traceback): a FactoryError's message (problem and fix), any
+    other exception's type and message with the way to see its stack. With ``--debug`` the stack is shown."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except FactoryError as exc:
+            if debug_enabled():
+                raise
             raise click.ClickException(str(exc)) from None
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:  # a bug or an environment problem: one line here, the stack with --debug
+            if debug_enabled():
+                raise
+            text = " ".join(str(exc).split())
+            raise click.ClickException(f"{type(exc).__name__}: {text[:500]}. Fix: rerun as model-factory --debug "
+                                       f"{click.get_current_context().info_name} ... to see where it failed, "
+                                       "and report it if the cause is not yours") from None
 
     return wrapper
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from model_factory.cli.common import (progress_printer, recipe_argument, recipe_overrides, repository_option,
+from model_factory.cli.common import (debug_enabled, progress_printer, recipe_argument, recipe_overrides, repository_option,
                                       user_errors)
 
 
@@ -77,7 +77,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
                     min_accuracy=min_accuracy, engines=engines, isolate=True)
     click.echo(f"built {res.version_dir}")
-    for name in sorted(res.artifacts):
+    for name in res.files:  # what the version folder holds, not what the stages made
         click.echo(f"  {name}")
     if res.signature:
         click.echo(f"signed: {res.signature}")
@@ -111,10 +111,14 @@ class _Interrupted(Exception):
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
                    "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
 @click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
+@click.option("--allow-empty", is_flag=True,
+              help="Keep serving when no model loads (models are loaded later through the admin API); by default "
+                   "serve then exits 1.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
-          watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool) -> None:
+          watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
+          allow_empty: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -150,18 +154,21 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         signal.signal(sig, on_signal)
     try:
         server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
-                                               allow_unsigned, accept=accept, cost_cache=cache)
+                                               allow_unsigned, accept=accept, cost_cache=cache,
+                                               allow_empty=allow_empty)
         starting = False
     except _Interrupted as exc:
         raise click.ClickException(f"interrupted by signal {exc.args[0]} while starting; tritonserver stopped")
     if stop.is_set():  # a signal between the end of start-up and here
         server.stop()
         raise click.ClickException("interrupted while starting; tritonserver stopped")
-    click.echo(f"serving {', '.join(report.served)}")
+    click.echo(f"serving {', '.join(report.served) or 'no model yet (--allow-empty)'}")
     for name, where in report.engines.items():
         click.echo(f"  {name}: {where}")
     for name, why in report.refused.items():
         click.echo(f"refused {name}: {why}", err=True)
+        if debug_enabled() and name in report.load_details:
+            click.echo(report.load_details[name], err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None

@@ -30,7 +30,9 @@ _COMMAND_MODULES = (
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="model-factory")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the full stack of an error (and Triton's full load errors).")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """Turn a model into a signed, fast Triton deployment, offline.
 
     \b
@@ -40,6 +42,7 @@ def main() -> None:
       model-factory accept model_repository
       model-factory serve --policy policy.toml model_repository
     """
+    ctx.ensure_object(dict)["debug"] = debug
 
 
 for _name in _COMMAND_MODULES:

@@ -197,7 +197,7 @@ def test_accept_on_a_machine_where_the_tensorrt_plan_cannot_run_says_why(accept_
     (tmp_path / "good" / "config.pbtxt").write_text(text_format.MessageToString(config))
     result = accept_model(tmp_path / "good")
     assert not result.passed and result.engine is None
-    assert result.reason.startswith("the engine does not load here (GPU instance): EngineError")
+    assert result.reason.startswith("the model does not load here (GPU instance): EngineError")
 
 
 def test_a_missing_polygraphy_names_the_extra(monkeypatch) -> None:

@@ -167,3 +167,105 @@ def make_reranker(root: Path, tokenizer_source: Path) -> ZooModel:
 
 
 MAKERS = (make_encoder, make_distilbert_classifier, make_token_classifier, make_reranker)
+
+
+def make_roberta(root: Path) -> ZooModel:
+    """A RoBERTa-style encoder: a one-row token-type table (``type_vocab_size = 1``, as RoBERTa and XLM-R
+    ship) and a byte-level BPE tokenizer trained here on the calibration texts (RoBERTa's special tokens)."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast
+
+    folder = root / "roberta-model"
+    folder.mkdir(parents=True)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(_texts() + _heldout(), vocab_size=400, min_frequency=1,
+                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.save_model(str(folder))
+    tok = RobertaTokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
+                               model_max_length=64)
+    tok.save_pretrained(folder)
+    torch.manual_seed(5)
+    config = RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=2)
+    RobertaModel(config).eval().save_pretrained(folder)
+    write_text_data(root)
+    recipe = root / "roberta.toml"
+    recipe.write_text('[model]\nname = "roberta"\ntask = "embedding"\n\n[source]\nkind = "huggingface"\n'
+                      'path = "roberta-model"\n\n[quantization]\nheldout_data = "heldout.txt"\n' + RECIPE_TAIL
+                      + "instance_count = 1\n")
+    return ZooModel("roberta", "embedding", folder, recipe, False)
+
+
+def make_lookup_onnx(path: Path, rows: int = 50, positions: int = 16) -> Path:
+    """A generic model of two index inputs: ``ids`` INT64 [batch, seq] -> Gather(E[rows, 8]); ``pos`` INT64 ->
+    Cast(int32) -> Gather(P[positions, 8]), P an FP16 table behind a Cast (as an FP16 export holds one);
+    ``y`` = their sum [batch, seq, 8]. ``lookup_reference`` computes it with numpy."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table = numpy_helper.from_array(rng.normal(size=(rows, 8)).astype(np.float32), "E")
+    pos_table = numpy_helper.from_array(rng.normal(size=(positions, 8)).astype(np.float16), "P16")
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"]),
+             helper.make_node("Cast", ["pos"], ["pos32"], to=TensorProto.INT32),
+             helper.make_node("Cast", ["P16"], ["P"], to=TensorProto.FLOAT),
+             helper.make_node("Gather", ["P", "pos32"], ["p"]),
+             helper.make_node("Add", ["e", "p"], ["y"])]
+    graph = helper.make_graph(nodes, "lookup",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+                               helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+                              [table, pos_table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def lookup_reference(path: Path, ids, pos):
+    """``make_lookup_onnx``'s output for ``ids`` and ``pos``, computed from its tables with numpy."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    tables = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    return tables["E"][np.asarray(ids)] + tables["P16"].astype(np.float32)[np.asarray(pos)]
+
+
+def make_one_row_onnx(path: Path) -> Path:
+    """A generic model that runs on zeros but not on ones: ``k`` INT64 [batch, seq] -> Add(k, 0) -> Gather on a
+    one-row table [1, 4] -> ``y`` [batch, seq, 4]. The Add hides the table's size from the graph walk, as an op
+    the bounds do not follow would: its warm-up (ones) indexes row 1, which does not exist."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Add", ["k", "zero"], ["k0"]), helper.make_node("Gather", ["T", "k0"], ["y"])]
+    graph = helper.make_graph(nodes, "one_row",
+                              [helper.make_tensor_value_info("k", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+                              [numpy_helper.from_array(np.ones((1, 4), np.float32), "T"),
+                               numpy_helper.from_array(np.zeros((), np.int64), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def make_matmul_onnx(path: Path) -> Path:
+    """``x`` FP32 [batch, 8] -> ``y`` = x W [batch, 4]: a generic model INT8 quantizes (MatMul)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path

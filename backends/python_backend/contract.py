@@ -132,6 +132,9 @@ class ModelParameters:
     # machine that serves, as queue_budget_ms of work by the cost model measured there (serving/queue_bound.py).
     queue_bound: str = _param("choice", "fixed", choices=QUEUE_BOUNDS)
     queue_budget_ms: int = _param("int", 0, minimum=0)
+    # The allowed [low, high] of each index-like input, as JSON {"name": [low, high]} (input_bounds.py parses it:
+    # it needs numpy, which this file may not import); None: no bounds beyond input_ids < vocab_size.
+    input_bounds: str | None = _param("str?", None)
 
 
 def _names(choices: tuple[str, ...]) -> str:

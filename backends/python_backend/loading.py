@@ -274,3 +274,37 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     if gpu:
         info["cpu_fallback"] = "allowed by the recipe (allow_cpu_fallback = true)"
     return engine, info
+
+
+def text_inputs(settings: Settings) -> tuple[str, ...]:
+    """The model's text inputs (``text``, or ``query`` + ``passage``), tokenized by the backend."""
+    from .requests import TEXT_INPUTS
+
+    return tuple(i.name for i in settings.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
+
+
+def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,
+                     digests: Any = _FROM_ENV):
+    """``(engine, info, tokenizer or None)``: :func:`load_engine`, the tokenizer of a text model, and a warm-up.
+
+    The one load path of the backend's ``initialize()``, ``model-factory accept`` and ``build``'s check of the
+    packaged model: what passes here loads in Triton. A failing warm-up closes the engine and raises
+    :class:`~.samples.WarmupError`.
+    """
+    from .grouping import profile_for_length
+    from .samples import warm_up
+
+    if digests is _FROM_ENV:
+        digests = verified_digests(Path(version_dir).parent.name, Path(version_dir).name)
+    engine, info = load_engine(version_dir, settings, instance_kind, device_id, digests)
+    try:
+        tokenizer = None
+        if text_inputs(settings):
+            from .tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(version_dir), settings.max_sequence_length, digests)
+        warm_up(engine, settings, profile_for_length)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, info, tokenizer

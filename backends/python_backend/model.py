@@ -19,8 +19,8 @@ import triton_python_backend_utils as pb_utils
 
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
-from .loading import load_engine
-from .requests import TEXT_INPUTS, RequestError, items_from_tensors, items_from_text_inputs
+from .loading import load_for_serving, text_inputs
+from .requests import RequestError, check_items, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
 
@@ -31,17 +31,15 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.settings = s = parse_settings(args["model_config"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        self.engine, self.engine_info = load_engine(version_dir, s, args.get("model_instance_kind", "CPU"),
-                                                     int(args.get("model_instance_device_id", 0) or 0))
-        self.tokenizer = None
+        # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
+        # with values the model accepts. A model that cannot run its warm-up is refused here, with the fix.
+        self.engine, self.engine_info, self.tokenizer = load_for_serving(
+            version_dir, s, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0))
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
-        self.text_inputs = tuple(i.name for i in s.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
-        if self.text_inputs:
-            from .tokenizer import load_tokenizer
-
-            self.tokenizer = load_tokenizer(version_dir, s.max_sequence_length)
+        self.text_inputs = text_inputs(s)
+        if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
         seq_inputs = s.sequence_inputs
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
@@ -124,6 +122,7 @@ class TritonPythonModel:
                 raw = {n: v for n, v in raw.items() if v is not None}
                 if raw:
                     items = items_from_text_inputs(raw, self.tokenizer, self.engine.input_names)
+                    check_items(items, s)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .input_bounds import check_bounds
 from .samples import NUMPY_DTYPES
 from .settings import Settings
 
@@ -85,19 +86,35 @@ def items_from_tensors(tensors: Mapping[str, np.ndarray | None], settings: Setti
         if length == 0:
             raise RequestError("the request has an empty sequence (length 0)")
         if length > settings.max_sequence_length:
-            raise RequestError(f"sequence length {length} exceeds the maximum {settings.max_sequence_length}; "
-                               "truncate the input or send text, which is truncated for you")
+            fix = ("truncate the input or send text, which is truncated for you" if settings.input("text") is not None
+                   else "send at most that many positions")
+            raise RequestError(f"sequence length {length} exceeds the maximum {settings.max_sequence_length}; {fix}")
+    for name, arr in given.items():
+        problem = check_bounds(name, arr, settings.input_bounds)
+        if problem:
+            raise RequestError(f"{problem}; send values in that range")
     ids = given.get("input_ids")
-    if ids is not None and vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise RequestError(f"input_ids hold values outside [0, {vocab_size})")
+    if ids is not None and vocab_size is not None:  # the tokenizer's vocabulary, when config.pbtxt names none
+        problem = check_bounds("input_ids", ids, {"input_ids": (0, vocab_size - 1)})
+        if problem:
+            raise RequestError(f"{problem} (the vocabulary); send ids in that range")
     mask = given.get("attention_mask")
     if ids is not None and mask is None and settings.input("attention_mask") is not None:
         raise RequestError("input_ids were sent without attention_mask")
     if ids is None and settings.input("input_ids") is not None:
         # Found by fuzzing: a mask alone reached the engine and failed the whole window.
-        raise RequestError(f"{', '.join(sorted(given))} sent without input_ids. Send 'text', or input_ids with "
-                           "its attention_mask")
+        send = "Send 'text', or input_ids" if settings.input("text") is not None else "Send input_ids"
+        raise RequestError(f"{', '.join(sorted(given))} sent without input_ids. {send} with its attention_mask")
     return [{name: np.ascontiguousarray(arr[r]) for name, arr in given.items()} for r in range(rows)]
+
+
+def check_items(items: Sequence[Item], settings: Settings) -> None:
+    """Refuse items (e.g. tokenized text) holding a value outside an input's bounds (never sent to an engine)."""
+    for row, item in enumerate(items):
+        for name, arr in item.items():
+            problem = check_bounds(name, arr, settings.input_bounds)
+            if problem:
+                raise RequestError(f"row {row}: {problem}")
 
 
 def decode_texts(raw: np.ndarray, name: str = "text") -> list[str]:

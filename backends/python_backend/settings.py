@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .contract import (ENGINES, PRECISIONS, Files, ParameterError, parse_parameters, plan_file,  # noqa: F401
                        string_parameters)
+from .input_bounds import bounds_from_parameters
 
 
 class SettingsError(ValueError):
@@ -65,6 +66,8 @@ class Settings:
     # Send responses just after execute() returns (deferred_responses), not as its return value: by default
     # exactly when the configuration sets a queue policy, the case where Triton's batcher needs it.
     respond_after_return: bool = False
+    # The allowed [low, high] of each index-like input (input_bounds.py): checked per request before any engine.
+    input_bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -105,6 +108,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     cpu_instances = sum(int(g.get("count", 1) or 1) for g in cfg.get("instance_group") or []
                         if g.get("kind") == "KIND_CPU")
     return Settings(
+        input_bounds=bounds_from_parameters(params, p.vocab_size),
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
         inputs=inputs,

@@ -29,6 +29,27 @@ class BuildResult:
     engines: tuple[str, ...]
     signature: Path | None
     seconds: dict[str, float] = field(default_factory=dict)
+    # What the version folder holds (top-level entries, folders with a trailing '/'): the build's summary.
+    files: tuple[str, ...] = ()
+    # One line per stage the recipe asked for and the build skipped, with why and the fix.
+    skipped: tuple[str, ...] = ()
+
+
+def folder_listing(version_dir: Path) -> tuple[str, ...]:
+    """The top-level entries of a version folder, sorted, folders marked with a trailing '/'."""
+    return tuple(sorted(p.name + ("/" if p.is_dir() else "") for p in Path(version_dir).iterdir()))
+
+
+def engines_skipped_line(precisions: Any) -> str | None:
+    """The line that says TensorRT engines the recipe enables are not built here, or None when they can be."""
+    from model_factory.build_engines.tensorrt import tensorrt_available
+
+    if tensorrt_available() is not None:
+        return None
+    plans = ", ".join(f"model.{p}.plan" for p in precisions)
+    return (f"[build-engine] skipped: {plans} not built: neither tensorrt nor tensorrt_rtx imports here "
+            "(the model serves with ONNX Runtime or torch). Fix: pip install 'model-factory[tensorrt-rtx]' "
+            "(or NVIDIA's tensorrt) to build them, or set [tensorrt] enabled = false to skip them quietly")
 
 
 def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[], Any]) -> Any:
@@ -67,6 +88,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.build.loadcheck import check_packaged
     from model_factory.build.repository import package_model, queue_policy_note
 
     import datetime as dt
@@ -113,7 +135,14 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         build_info["quantization"] = {"float_nodes": list(q.float_nodes),
                                       "calibration_digest": q.calibration_digest}
     built_engines: list[str] = []
-    if engines if engines is not None else recipe.tensorrt.enabled:
+    skipped: list[str] = []
+    want_engines = engines if engines is not None else recipe.tensorrt.enabled
+    # Enabled by the recipe on a machine without TensorRT: said in one line, not a failure (--engines forces it).
+    no_trt = engines_skipped_line(models) if want_engines and engines is None else None
+    if no_trt:
+        say(no_trt)
+        skipped.append(no_trt)
+    elif want_engines:
         from model_factory.build_engines.tensorrt import build_engines
 
         results = _timed(seconds, "build-engine", say, lambda: stage("build-engine", build_engines, recipe, models))
@@ -145,7 +174,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
                                        recipe.work_dir / "acceptance", progress=say)
         return package_model(recipe, artifacts, tokenizer_dir=exported.tokenizer_dir, extra_files=extra,
                              parameters=parameters, build_info=build_info, sign=sign,
-                             acceptance_dir=golden)
+                             acceptance_dir=golden, check=check_packaged)
 
     packaged = _timed(seconds, "package", say, package)
     signature = None
@@ -154,7 +183,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
         signature = signature_path(packaged.model_dir, recipe.version)
     return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines),
-                       signature, seconds)
+                       signature, seconds, folder_listing(packaged.version_dir), tuple(skipped))
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
@@ -221,5 +250,7 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     tokenizer_dir = tok if tok.is_dir() else None
     golden = write_acceptance_data(recipe, export_dir / Files.ONNX, tokenizer_dir, recipe.work_dir / "acceptance",
                                    progress=progress)
+    from model_factory.build.loadcheck import check_packaged
+
     return package_model(recipe, artifacts, tokenizer_dir=tokenizer_dir, extra_files=extra,
-                         acceptance_dir=golden)
+                         acceptance_dir=golden, check=check_packaged)

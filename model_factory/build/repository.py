@@ -23,6 +23,7 @@ Layout of one model::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -35,6 +36,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from model_factory import __version__
 from model_factory.backend.contract import (Files, ModelParameters, ParameterError, file_precision, format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file)
+from model_factory.backend.input_bounds import format_bounds
+from model_factory.build.bounds import input_bounds
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
 from model_factory.build_engines.onnx_files import data_file, hardlink_or_copy
@@ -330,6 +333,7 @@ def package_model(
     build_info: Mapping[str, Any] | None = None,
     acceptance_dir: Path | None = None,
     sign: Callable[[Path], Any] | None = None,
+    check: Callable[[Path], Any] | None = None,
 ) -> PackageResult:
     """Write ``<repo>/<model>/`` for ``recipe`` atomically.
 
@@ -340,7 +344,8 @@ def package_model(
     whole model folder is swapped in with one rename, so an interrupted run
     leaves the previous one intact. ``acceptance_dir`` (golden inputs and FP32
     outputs, ``build_engines/golden.py``) is copied to ``<version>/acceptance/``,
-    where the version's signature covers it.
+    where the version's signature covers it. ``check`` is called with the staged version folder before it
+    is signed and goes live (build's load check, ``loadcheck.check_packaged``): raising leaves the old one.
     """
     serve = recipe.repository.serve
     onnx_name = onnx_file_for(serve)
@@ -355,7 +360,10 @@ def package_model(
     plan_name = plan_file(serve)
     model_dir = recipe.repository.path / recipe.name
     version = str(recipe.version)
-    params = format_parameters(model_parameters(recipe, onnx_name, plan_name if plan_name in files else None))
+    bounds = input_bounds(recipe, artifacts.get(Files.ONNX) or artifacts.get(onnx_name))
+    typed = model_parameters(recipe, onnx_name, plan_name if plan_name in files else None)
+    # Index-like inputs: the backend refuses values outside these before any engine sees them.
+    params = format_parameters(dataclasses.replace(typed, input_bounds=format_bounds(bounds) if bounds else None))
     unknown = sorted(set(parameters or {}) - parameter_names())
     if unknown:
         raise FactoryError(f"parameters {', '.join(unknown)} are not model parameters the backend reads. Fix: use "
@@ -371,7 +379,7 @@ def package_model(
     with exclusive(model_dir, f"packaging or signing of {recipe.name}"):
         remove_stale_staging(model_dir.parent, model_dir.name)
         metadata = _stage_model(recipe, model_dir, version, pbtxt, files, tokenizer_dir, extra_files,
-                                build_info, sign, labels, acceptance_dir)
+                                build_info, sign, labels, acceptance_dir, check)
     return PackageResult(model_dir, model_dir / version, model_dir / "config.pbtxt", metadata)
 
 
@@ -401,7 +409,7 @@ def _recipe_source_path(recipe: Recipe) -> str | None:
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
                  sign: Callable[[Path], Any] | None, labels: Sequence[str],
-                 acceptance_dir: Path | None = None) -> dict[str, Any]:
+                 acceptance_dir: Path | None = None, check: Callable[[Path], Any] | None = None) -> dict[str, Any]:
     files = artifacts  # already the version folder's selection (select_artifacts)
     serve = recipe.repository.serve
     onnx_name, plan_name = onnx_file(serve), plan_file(serve)
@@ -459,6 +467,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "engines": sorted(name for name in files if name.endswith(".plan") or name == Files.TORCHSCRIPT),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        if check is not None:
+            check(vdir)
         if sign is not None:
             # Signed while staged (the staged folder bears the model's name): the repository never
             # holds this version unsigned, even for an instant.

@@ -141,7 +141,8 @@ def _hf_io_from_folder(folder: Path, text_input: bool, task: str = "embedding", 
     if not isinstance(hidden, int):
         raise _err("outputs", f"cannot infer the hidden size from {cfg_file}",
                    "declare [[outputs]] in the recipe")
-    # BERT-like models take token_type_ids; the ONNX export keeps only the inputs the model uses.
-    with_tti = cfg.get("type_vocab_size", 0) > 0
+    # BERT-like models take token_type_ids; a one-row table (RoBERTa, XLM-R) only ever reads row 0: no input.
+    types = cfg.get("type_vocab_size", 0)
+    with_tti = isinstance(types, int) and not isinstance(types, bool) and types > 1
     return hf_tensor_specs(hidden, with_tti, text_input, task, len(hf_labels(cfg)), probabilities)
 

@@ -62,10 +62,20 @@ def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
     return None, src.factory
 
 
+INTEGER_DTYPES = ("INT64", "INT32", "INT16", "INT8", "UINT8")
+
+
 def _tensor_specs(items: list[TensorTable] | None, section: str) -> tuple[TensorSpec, ...]:
     if items is None:
         raise _err(section, "expected a non-empty array of tables", f"add [[{section}]] entries with name, dtype, dims")
-    specs = tuple(TensorSpec(t.name, t.dtype.upper(), tuple(t.dims), t.optional) for t in items)
+    for i, t in enumerate(items):
+        bounds = t.range
+        if bounds is not None and not (section == "inputs" and t.dtype.upper() in INTEGER_DTYPES
+                                       and bounds[0] <= bounds[1]):
+            raise _err(f"{section}[{i}].range", f"{bounds!r} is not a range of an integer input",
+                       "give range = [low, high] (whole numbers, low <= high) on an integer [[inputs]] entry")
+    specs = tuple(TensorSpec(t.name, t.dtype.upper(), tuple(t.dims), t.optional,
+                             (int(t.range[0]), int(t.range[1])) if t.range is not None else None) for t in items)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise _err(section, f"duplicate tensor names {names}", "give every tensor a distinct name")

@@ -110,6 +110,12 @@ class TensorTable(_Table):
                            "`optional` in config.pbtxt; a request without a required input is refused). Hugging "
                            "Face text models mark their id tensors optional, since a request may send text "
                            "instead. Ignored on outputs.")
+    range: Annotated[Optional[list[Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]]], Field(min_length=2, max_length=2),
+                     Fix("give range = [low, high] (whole numbers, low <= high) on an integer [[inputs]] entry")] = Field(
+        None, description="Integer inputs only: the values a request may hold, [low, high] inclusive (an index into "
+        "a table of the model). Outside it a request is refused with 400 before it reaches the engine. Packaging "
+        "also finds bounds itself (the Hugging Face config, lookup tables in the ONNX graph) and keeps the "
+        "tightest.")
 
 
 class EmbeddingTable(_Table):

@@ -14,6 +14,8 @@ class TensorSpec:
     dtype: str
     dims: tuple[int, ...]
     optional: bool = False
+    # The allowed values [low, high] of an integer input (an index); requests outside are refused (400).
+    range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

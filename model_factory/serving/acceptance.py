@@ -2,8 +2,8 @@
 
 Verification proves the bytes are the ones that were signed; acceptance proves they compute the right
 answer *on this machine*. ``accept_model`` reads the configuration Triton would read, picks and loads
-the engine with the backend's own loader (``model_factory.backend.loading.load_engine``: same choice,
-same files, bytes checked against the verified digests when given), runs ``acceptance/inputs.json``
+the engine with the backend's own load path (``model_factory.backend.loading.load_for_serving``: same choice,
+same files, the tokenizer and the warm-up ``serve`` runs, bytes checked against the verified digests when given), runs ``acceptance/inputs.json``
 through it, and scores every output against ``acceptance/outputs.json`` (the FP32 references, paired
 by exact output name) with the task's metrics (``accuracy.task_metrics``: one place, keyed by task, the
 same the quantize gate uses). The gate is the primary output's worst gated metric (its score and any
@@ -28,6 +28,7 @@ import numpy as np
 from model_factory.build_engines.golden import (ACCEPTANCE_DIR, INPUTS_FILE, OUTPUTS_FILE, SPEC_FILE, AcceptanceSpec,
                                                 read_inputs, read_outputs, read_spec)
 from model_factory.errors import FactoryError
+from model_factory.serving.refusals import one_line
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     (only plans built on that GPU product count).
     """
     from model_factory.backend.integrity import read_checked
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.loading import load_for_serving
     from model_factory.build.repository import read_config
 
     model_dir = Path(model_dir)
@@ -183,12 +184,13 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     except Exception as exc:  # an unreadable or tampered file: refuse, with the reason
         return AcceptanceResult(name, version, False, reason=f"{type(exc).__name__}: {exc}")
     try:
+        # Serve's own load path (backend initialize()): engine, tokenizer and warm-up; what fails here fails there.
         with gpu_product_env(gpu_product):
-            engine, info = load_engine(model_dir / version, settings, kind, dev, digests=_d(digests))
+            engine, info, _tokenizer = load_for_serving(model_dir / version, settings, kind, dev, digests=_d(digests))
     except Exception as exc:  # the model would not load in Triton either: that is the verdict
         return AcceptanceResult(name, version, False, metric=spec.metric, threshold=spec.threshold,
                                 primary_output=spec.primary_output,
-                                reason=f"the engine does not load here ({kind} instance): {type(exc).__name__}: {exc}")
+                                reason=f"the model does not load here ({kind} instance): {one_line(exc)}")
     where = dict(engine=info.get("flavour"), file=info.get("file"),
                  device=info.get("device") or ("cpu" if info.get("flavour") == "onnxruntime" else f"cuda:{dev}"),
                  fallbacks={k: v for k, v in info.items() if k.startswith("fallback_from_")})

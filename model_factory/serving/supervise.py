@@ -168,7 +168,9 @@ class StubWatch:
                 _kill(pid)
             error = self.server.load_model(model)
             if error:
-                return self._done(model, start, False, f"reload failed: {error}")
+                from model_factory.serving.refusals import load_error_line
+
+                return self._done(model, start, False, f"reload failed: {load_error_line(error)}")
             return self._done(model, start, True)
         finally:
             self.healing = None

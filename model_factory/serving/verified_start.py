@@ -17,6 +17,7 @@ from typing import Any
 from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
 from model_factory.serving.metrics_scrape import engines_from_metrics
+from model_factory.serving.refusals import load_error_line
 from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer,
                                                   discover_models)
 
@@ -33,6 +34,8 @@ class ServeReport:
     digests: VerifiedDigests | None = None
     # model -> the cost model measured here for its queue bound (models whose bound is derived here)
     queue_costs: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # model -> Triton's full load error (the backend's stack included), shown with --debug
+    load_details: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ def _cost_cache_env(repository: Path, cost_cache: Path | None) -> dict[str, str]
 
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
                           allow_unsigned: bool = False, log_file: Path | None = None,
-                          accept: bool = False, cost_cache: Path | None = None) -> tuple[TritonServer, ServeReport]:
+                          accept: bool = False, cost_cache: Path | None = None,
+                          allow_empty: bool = False) -> tuple[TritonServer, ServeReport]:
     """Verify the repository against ``policy``, then start Triton loading only verified models.
 
     Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
@@ -169,7 +173,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     ``max_queue_size = "auto"`` gets its queue bound from its engine's cost model measured here
     (``model_factory.serving.queue_bound``). ``cost_cache``: a folder outside the repository where the
     backend keeps the cost-model constants it learned (per engine and device), so that a restart needs no
-    warm-up.
+    warm-up. When no model loads, the server is stopped and FactoryError names every refusal, unless
+    ``allow_empty`` keeps it up for later loads.
     """
     repository = Path(repository)
     if not repository.is_dir():
@@ -192,9 +197,15 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         env[VERIFIED_DIGESTS_ENV] = str(path)
     server = TritonServer(repository, checks.passed, options, log_file=log_file, env=env, queue_costs=checks.costs)
     server.start()
-    refused.update({m: f"failed to load: {why}" for m, why in server.load_errors.items()})
+    details = dict(server.load_errors)
+    refused.update({m: f"failed to load: {load_error_line(why)}" for m, why in details.items()})
     served = tuple(server.ready_models)
+    if not served and not allow_empty:
+        server.stop()
+        raise FactoryError("no model could be served:\n" + "\n".join(f"  {m}: {why}" for m, why in refused.items())
+                           + "\nFix: correct the models above, or pass --allow-empty to keep the server up for "
+                           "later loads")
     engines = dict(checks.engines)
     labelled = engines_from_metrics(server.metrics_url) if any(not engines.get(m) for m in served) else {}
     engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
-    return server, ServeReport(served, refused, engines, digests, dict(checks.costs))
+    return server, ServeReport(served, refused, engines, digests, dict(checks.costs), details)

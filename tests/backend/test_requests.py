@@ -70,7 +70,7 @@ def test_rows_become_items(settings) -> None:
     ({"input_ids": np.zeros((2, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}, "batch"),
     ({"input_ids": np.zeros((1, 17), np.int64), "attention_mask": np.ones((1, 17), np.int64)}, "exceeds the maximum 16"),
     ({"input_ids": np.zeros((1, 0), np.int64), "attention_mask": np.ones((1, 0), np.int64)}, "empty sequence"),
-    ({"input_ids": np.full((1, 4), 100, np.int64), "attention_mask": np.ones((1, 4), np.int64)}, "outside"),
+    ({"input_ids": np.full((1, 4), 100, np.int64), "attention_mask": np.ones((1, 4), np.int64)}, "allowed values are 0..99"),
 ])
 def test_bad_tensor_requests(settings, tensors, message) -> None:
     with pytest.raises(RequestError, match=message):

@@ -98,7 +98,7 @@ class OnnxRuntimeEngine:
         """
         ort = import_onnxruntime()
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
         if threads:
             opts.intra_op_num_threads = threads
         if simulate_qdq:
@@ -167,7 +167,7 @@ class OnnxRuntimeCudaEngine:
                 initial = int(getattr(settings, "pool_initial_mib", 0)) * _MIB
                 self._pool = MemoryPool(self.device_id, threshold, initial)
             opts = ort.SessionOptions()
-            opts.log_severity_level = 3
+            opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
             provider = {"device_id": str(self.device_id), "user_compute_stream": str(int(self._stream)),
                         "has_user_compute_stream": "1", "arena_extend_strategy": "kSameAsRequested",
                         "do_copy_in_default_stream": "1"}

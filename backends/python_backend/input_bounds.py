@@ -1,0 +1,89 @@
+"""The allowed values of a model's index-like inputs, and the check every request goes through.
+
+An index-like input (token ids, token types, an attention mask, position ids, any integer tensor that
+feeds an embedding lookup) has a closed range of allowed values ``[low, high]``. Packaging finds them
+(the recipe's ``range``, the Hugging Face config, the ONNX graph's lookup tables) and writes them as one
+model parameter, ``input_bounds``: a JSON object ``{"<input>": [low, high], ...}``. The backend parses it
+once (:func:`parse_bounds`) and refuses a request holding a value outside its input's range
+(:func:`check_bounds`) before anything reaches an engine: ONNX Runtime would fail the whole window on an
+index past a table (a 500), and a negative index would wrap to the end of the table (a wrong answer).
+
+Standard library and numpy only: this module runs inside the Triton stub.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+import numpy as np
+
+PARAMETER = "input_bounds"
+
+Bounds = Mapping[str, tuple[int, int]]
+
+
+class BoundsError(ValueError):
+    """The ``input_bounds`` parameter cannot be read (the model is refused at load)."""
+
+
+def format_bounds(bounds: Bounds) -> str:
+    """The parameter's text: ``{"name": [low, high]}``, sorted, compact."""
+    return json.dumps({k: [int(lo), int(hi)] for k, (lo, hi) in sorted(bounds.items())}, separators=(",", ":"))
+
+
+def parse_bounds(text: str) -> dict[str, tuple[int, int]]:
+    """Parse the parameter's text ('' means no bounds); a malformed one raises :class:`BoundsError`."""
+    if not text.strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise BoundsError(f"parameter {PARAMETER} is not JSON ({exc}): repackage the model") from None
+    if not isinstance(raw, dict):
+        raise BoundsError(f"parameter {PARAMETER} must be a JSON object of input -> [low, high]: repackage the model")
+    out = {}
+    for name, pair in raw.items():
+        ok = (isinstance(pair, list) and len(pair) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) and pair[0] <= pair[1])
+        if not ok:
+            raise BoundsError(f"parameter {PARAMETER}: {name!r} has {pair!r}, expected [low, high] with "
+                              "whole numbers low <= high: repackage the model")
+        out[str(name)] = (int(pair[0]), int(pair[1]))
+    return out
+
+
+def bounds_from_parameters(params: Mapping[str, str], vocab_size: int | None = None) -> dict[str, tuple[int, int]]:
+    """The bounds of a model's string parameters: ``input_bounds``, and ``input_ids`` below ``vocab_size``."""
+    bounds = parse_bounds(params.get(PARAMETER, ""))
+    if vocab_size is not None:
+        bounds.setdefault("input_ids", (0, vocab_size - 1))
+    return bounds
+
+
+def check_bounds(name: str, values: np.ndarray, bounds: Bounds) -> str | None:
+    """None when every value of input ``name`` is inside its range (or it has none), else the message.
+
+    The message names the input, the first offending position (row, then axes) and value, and the range.
+    """
+    limits = bounds.get(name)
+    if limits is None or values.size == 0 or values.dtype.kind not in "iu":
+        return None
+    low, high = limits
+    # Compare in int64/uint64 space without a cast that could wrap (a uint64 above 2**63, say).
+    bad = (values < low) | (values > high)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    value = values[where]
+    return (f"input '{name}' holds {int(value)} at position {list(where)}; allowed values are {low}..{high}"
+            + (" (0 or 1)" if (low, high) == (0, 1) else ""))
+
+
+def sample_value(name: str, bounds: Bounds, default: int = 1) -> int:
+    """A value input ``name`` accepts, for warm-up feeds: ``default`` when inside its range, else its low end."""
+    limits = bounds.get(name)
+    if limits is None:
+        return default
+    low, high = limits
+    return default if low <= default <= high else low
