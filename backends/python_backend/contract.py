@@ -137,6 +137,13 @@ class ModelParameters:
     input_bounds: str | None = _param("str?", None)
 
 
+def format_bounds(bounds: Mapping[str, tuple[int, int]]) -> str:
+    """The ``input_bounds`` parameter's text: ``{"name": [low, high]}``, sorted, compact (input_bounds.py reads it)."""
+    import json
+
+    return json.dumps({k: [int(lo), int(hi)] for k, (lo, hi) in sorted(bounds.items())}, separators=(",", ":"))
+
+
 def _names(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
 

@@ -18,6 +18,8 @@ from typing import Mapping
 
 import numpy as np
 
+from .contract import format_bounds  # noqa: F401  (the writer's half lives in the contract, stdlib only)
+
 PARAMETER = "input_bounds"
 
 Bounds = Mapping[str, tuple[int, int]]
@@ -27,9 +29,6 @@ class BoundsError(ValueError):
     """The ``input_bounds`` parameter cannot be read (the model is refused at load)."""
 
 
-def format_bounds(bounds: Bounds) -> str:
-    """The parameter's text: ``{"name": [low, high]}``, sorted, compact."""
-    return json.dumps({k: [int(lo), int(hi)] for k, (lo, hi) in sorted(bounds.items())}, separators=(",", ":"))
 
 
 def parse_bounds(text: str) -> dict[str, tuple[int, int]]:

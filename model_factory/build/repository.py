@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.contract import (Files, ModelParameters, ParameterError, file_precision, format_parameters,
+from model_factory.backend.contract import (Files, ModelParameters, ParameterError, file_precision, format_bounds,
+                                            format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file)
-from model_factory.backend.input_bounds import format_bounds
 from model_factory.build.bounds import input_bounds
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
