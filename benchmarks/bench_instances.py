@@ -35,9 +35,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
+sys.path.insert(0, str(HERE.parent))  # the repository root: benchmarks.harness
 from results_file import publish, say  # noqa: E402
 
-EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- instances:start -->", "<!-- instances:end -->"
 
 
@@ -54,11 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from model_factory.measure import bench
     from model_factory.backend.loading import available_cpus
-    from model_factory.build_engines.export import export_model
+    from benchmarks.harness.minilm import export_minilm, package_variant, start_server
     from benchmarks.harness.onnx_cost import measure_onnx_cost_model
-    from model_factory.recipe import load_recipe
-    from model_factory.build.repository import package_model
-    from model_factory.serving.server import ServerOptions, TritonServer
 
     cores = available_cpus()
     configs = {"1 x all": (1, 0), "2 x split": (2, 0), "2 x all": (2, cores)}
@@ -66,22 +63,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[tuple[str, int], list[bench.BenchResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-instances-") as tmp:
         work = Path(tmp)
-        recipe = load_recipe(EXAMPLE, {"repository.path": str(work / "unused"), "precisions": ["fp32"],
-                                       "batching.max_queue_size": 0})
         say("export")
-        exported = export_model(recipe)
+        recipe, exported = export_minilm(work, {"batching.max_queue_size": 0})
         cost = measure_onnx_cost_model(exported.onnx_path, recipe)
         fixed = {"cost_model": ",".join(repr(float(x)) for x in cost)}
         for i, (label, (instances, threads)) in enumerate(configs.items()):
             r = dataclasses.replace(recipe, repository=dataclasses.replace(
-                recipe.repository, path=work / f"repo{i}", instance_count=instances, cpu_threads=threads))
-            package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir, parameters=fixed)
+                recipe.repository, instance_count=instances, cpu_threads=threads))
+            package_variant(r, exported, work / f"repo{i}", parameters=fixed)
         tok = bench.load_tokenizer(exported.tokenizer_dir, 128)
         stream = bench.make_payloads(bench.draw_texts(bench.load_texts(HERE / "texts.txt"), 600, seed=0), tok)
         servers = {}
         try:
             for i, label in enumerate(configs):
-                servers[label] = TritonServer(work / f"repo{i}", ["minilm"], ServerOptions(0, 0, 0, exit_timeout_s=30)).start()
+                servers[label] = start_server(work / f"repo{i}", exit_timeout_s=30)
             for rnd in range(args.rounds):
                 for label in (list(configs) if rnd % 2 == 0 else list(reversed(configs))):
                     url = servers[label].grpc_url

@@ -64,7 +64,6 @@ def merge(reports: "list[soak.SoakReport]") -> "soak.SoakReport":
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
 from results_file import say  # noqa: E402
-EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 
 
@@ -73,18 +72,15 @@ START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 def build(work: Path, instances: int = 2, preferred: list[int] | None = None
           ) -> tuple[dict[str, Path], Any, int, tuple[float, float, float] | None, Any]:
     """Export once; package (policy) and (unbounded) into their own repositories."""
-    from model_factory.build_engines.export import export_model
+    from benchmarks.harness.minilm import export_minilm, package_variant
     from benchmarks.harness.onnx_cost import measure_onnx_cost_model
-    from model_factory.recipe import load_recipe
-    from model_factory.build.repository import fallback_queue_size, package_model
+    from model_factory.build.repository import fallback_queue_size
     from model_factory.serving.queue_bound import queue_size
 
-    overrides: dict[str, Any] = {"repository.path": str(work / "unused"), "precisions": ["fp32"],
-                                 "repository.instance_count": instances}
+    overrides: dict[str, Any] = {"repository.instance_count": instances}
     if preferred:
         overrides["batching.preferred_batch_sizes"] = preferred
-    recipe = load_recipe(EXAMPLE, overrides)
-    exported = export_model(recipe)
+    recipe, exported = export_minilm(work, overrides)
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
     shapes = recipe.shapes
     size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or (shapes.max_sequence_length,))[0],
@@ -92,16 +88,13 @@ def build(work: Path, instances: int = 2, preferred: list[int] | None = None
             if cost else None) or fallback_queue_size(recipe)
     repos = {}
     for label, queue, inline in (("policy", size, False), ("policy-inline", size, True), ("unbounded", 0, False)):
-        r = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, path=work / label),
-                                batching=dataclasses.replace(recipe.batching, max_queue_size=queue))
+        r = dataclasses.replace(recipe, batching=dataclasses.replace(recipe.batching, max_queue_size=queue))
         # All servers split with the same constants: measured at each load on a busy machine they differ
         # by up to 13x, and the comparison would be of two cost models instead of two queue policies.
         params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
         if inline:  # the responses returned from execute(), as before deferred_responses
             params["respond_after_return"] = "false"
-        package_model(r, {"model.onnx": exported.onnx_path}, tokenizer_dir=exported.tokenizer_dir,
-                      parameters=params)
-        repos[label] = work / label
+        repos[label] = package_variant(r, exported, work / label, parameters=params)
     return repos, exported, size, cost, recipe
 
 
@@ -132,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    f"-preferred-{args.preferred.replace(',', '-')}" if args.preferred else ""])
     start, end = (START, END) if not tag else (f"<!-- overload{tag}:start -->", f"<!-- overload{tag}:end -->")
 
-    from model_factory.serving.server import ServerOptions, TritonServer
+    from benchmarks.harness.minilm import start_server
 
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
         work = Path(tmp)
@@ -147,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for label, repo in repos.items():
                 say(f"start {label}")
-                servers[label] = TritonServer(repo, ["minilm"], ServerOptions(0, 0, 0, exit_timeout_s=30)).start()
+                servers[label] = start_server(repo, exit_timeout_s=30)
             # The replica's own latency and capacity come from the unbounded server: with a queue policy
             # Triton 2.51's batcher loses wake-ups at low load (RESULTS.md, "Overload"), which would set the
             # baseline by the defect. The policy server's unloaded latency is measured beside it.
