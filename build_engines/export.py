@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from model_factory.backend.engines.torch import IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.backend.engines.torch import EXPORTED_PROGRAM_FILE, IO_EXTRA_FILE, TORCHSCRIPT_FILE
 from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
@@ -284,8 +284,8 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
-        ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
-                                            out_names, recipe, say)
+        ts_path, ts_err = save_exported_program(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
+                                                out_names, recipe, say, dynamic={n: (0, 1) for n in in_names})
     tok_dir = tmp / "tokenizer"
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
@@ -378,12 +378,64 @@ def _as_outputs(torch: Any, value: Any) -> list[Any]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
+def save_exported_program(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
+                          out_names: list[str], recipe: Recipe, say: Callable[[str], None],
+                          dynamic: dict[str, tuple[int, ...]]) -> tuple[Path, float]:
+    """Export ``module`` (the one the ONNX export used) with ``torch.export`` into ``model.pt2``.
+
+    ``dynamic`` names, per input, its dynamic axes (the batch axis, a sequence axis): each becomes a
+    ``torch.export.Dim`` shared by every input that has it at that position, so one program serves every
+    (batch, length). The input and output names travel inside the archive (an extra file), in the
+    order of ``forward``'s positional arguments and returned tuple. The saved program is loaded back
+    and checked against the eager module at every sample shape.
+    """
+    path = tmp / EXPORTED_PROGRAM_FILE
+    fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
+          "control flow from the model's forward()"
+    say("exporting the torch engine's program (torch.export)")
+    dims: dict[int, Any] = {}
+    shapes = []
+    for name in in_names:
+        axes = dynamic.get(name, ())
+        # One Dim per axis position: the batch (and the sequence) of every input must agree.
+        shapes.append({k: dims.setdefault(k, torch.export.Dim(f"axis{k}")) for k in axes} or None)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(module, tuple(samples[0]), dynamic_shapes=tuple(shapes))
+    except Exception as exc:  # torch.export raises many types; all mean "this model did not export"
+        raise FactoryError(f"torch.export failed: {type(exc).__name__}: {str(exc)[:400]}. Fix: {fix}") from exc
+    io_names = {"format": 1, "inputs": list(in_names), "outputs": list(out_names), "torch": torch.__version__}
+    torch.export.save(program, str(path), extra_files={IO_EXTRA_FILE: json.dumps(io_names)})
+    loaded = torch.export.load(str(path)).module()
+    err = 0.0
+    for sample in samples:
+        with torch.no_grad():
+            ref = _as_outputs(torch, module(*sample))
+            got = _as_outputs(torch, loaded(*sample))
+        if len(got) != len(out_names):
+            raise FactoryError(f"the exported program returns {len(got)} tensors but the recipe declares "
+                               f"{len(out_names)} outputs {out_names}. Fix: make forward() return one tensor per "
+                               "[[outputs]] entry, in order, or set export.torchscript = false")
+        for g, r in zip(got, ref):
+            if tuple(g.shape) != tuple(r.shape):
+                raise FactoryError(f"the exported program gives shape {tuple(g.shape)} where the source model "
+                                   f"gives {tuple(r.shape)}. Fix: {fix}")
+            err = max(err, float((g.double() - r.double()).abs().max()) if r.numel() else 0.0)
+    say(f"exported program max abs error vs torch: {err:.3g}")
+    if not np.isfinite(err) or err > recipe.export.tolerance:
+        raise FactoryError(f"the exported program differs from the source model by {err:.3g} (max abs), over the "
+                           f"tolerance {recipe.export.tolerance:g}. Fix: {fix}")
+    return path, err
+
+
 def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
                       out_names: list[str], recipe: Recipe, say: Callable[[str], None]) -> tuple[Path, float]:
     """Trace ``module`` (the same module the ONNX export used) into ``model.torchscript.pt``.
 
-    A plain ``torch.jit.trace`` + ``torch.jit.save``, so an older torch (the serving machine's) loads
-    what this one saved. The input and output names travel inside the file (an extra file), in the
+    Repositories built before ``torch.export`` hold this file (the torch engine still loads it); new
+    builds write :func:`save_exported_program`'s ``model.pt2`` instead. A plain ``torch.jit.trace`` +
+    ``torch.jit.save``, so an older torch (the serving machine's) loads what this one saved. The input and output names travel inside the file (an extra file), in the
     order of the traced ``forward``'s positional arguments and returned tuple. The saved file is
     loaded back and checked against the eager module at every sample shape (different batch sizes
     and lengths): a trace that baked a shape in fails here, not in the server.
@@ -622,7 +674,9 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
-        ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
+        dynamic = {s.name: tuple(k for k, d in enumerate((-1,) + tuple(s.dims)) if d == -1) for s in recipe.inputs}
+        ts_path, ts_err = save_exported_program(torch, module, samples, tmp, in_names, out_names, recipe, say,
+                                                dynamic=dynamic)
     digest = digest_path(mod_file) if mod_file else hashlib.sha256(factory.encode()).hexdigest()
     return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)

@@ -86,14 +86,21 @@ class TritonPythonModel:
             if key.startswith("fallback_from_"):
                 pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: {key[len('fallback_from_'):]} "
                                          f"engine not used: {why}")
+        if self.engine_info.get("format") == "TorchScript":
+            pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: serving a TorchScript trace "
+                                     f"({self.engine_info['file']}), which torch deprecates: rebuild the repository "
+                                     "with this model-factory to serve model.pt2 (torch.export)")
         if "cpu_fallback" in self.engine_info:
             pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: GPU instance serving on the CPU "
                                      f"(ONNX Runtime): {self.engine_info['cpu_fallback']}")
         device = self.engine_info.get("device")
+        kernels = self.engine_info.get("int8_kernels")
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
-            f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
-            f"{start.note}")
+            f"({self.engine_info['file']}){f' on {device}' if device else ''}"
+            + (f", {self.engine_info['threads']} threads" if "threads" in self.engine_info else "")
+            + (f", int8 kernels: {kernels} ({self.engine_info.get('int8_kernels_why')})" if kernels else "")
+            + f", grouping={s.grouping}, {start.note}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.

@@ -66,6 +66,9 @@ class Settings:
     # Send responses just after execute() returns (deferred_responses), not as its return value: by default
     # exactly when the configuration sets a queue policy, the case where Triton's batcher needs it.
     respond_after_return: bool = False
+    # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
+    # integer or simulated (Q/DQ in float); see cpu_features.
+    int8_kernels: str = "auto"
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -153,6 +156,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     online_text = params.get("cost_model_online", "").strip().lower()
     if online_text not in ("", "true", "false"):
         raise SettingsError(f"parameter cost_model_online={online_text!r}: use true or false")
+    int8_kernels = params.get("int8_kernels", "").strip().lower() or "auto"
+    if int8_kernels not in ("auto", "integer", "simulated"):
+        raise SettingsError(f"parameter int8_kernels={int8_kernels!r}: use auto, integer or simulated")
     return Settings(
         model_name=cfg.get("name", "model"),
         max_batch_size=int(cfg.get("max_batch_size", 0)),
@@ -181,6 +187,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         cpu_threads=cpu_threads or None,
         cpu_instances=cpu_instances,
         respond_after_return=after_return == "true" or (after_return in ("", "auto") and has_queue_policy(cfg)),
+        int8_kernels=int8_kernels,
     )
 
 
@@ -204,12 +211,20 @@ def has_queue_policy(cfg: Mapping[str, Any]) -> bool:
 
 
 def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
-    """ONNX Runtime intra-op threads for one CPU instance: the cores split between the model's instances.
+    """ONNX Runtime intra-op threads for one CPU instance: every core, unless ``cpu_threads`` says otherwise.
 
-    Each instance is its own stub process with its own session; left at ONNX Runtime's default, every
-    session starts a thread per core, and two instances on 2 cores ran slower than one (0.81x,
-    benchmarks/RESULTS.md, "Instances"), their spinning threads contending for the same cores.
+    Each instance is its own stub process with its own session. With one thread per instance (the cores
+    split) a lone request ran on one core; with a thread per core in each instance and ONNX Runtime's
+    spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md, "Instances"),
+    their spinning threads contending. Every core per instance with spinning off (:func:`cpu_spinning`)
+    gives a lone request all the cores and lets loaded instances sleep instead of spin
+    (benchmarks/RESULTS.md, "INT8 on the CPU").
     """
     if settings.cpu_threads:
         return settings.cpu_threads
-    return max(1, int(cpus) // max(1, settings.cpu_instances))
+    return max(1, int(cpus))
+
+
+def cpu_spinning(settings: Settings, cpus: int, threads: int) -> bool:
+    """Whether ONNX Runtime's intra-op threads may spin: only when the instances' threads fit the cores."""
+    return max(1, settings.cpu_instances) * max(1, threads) <= max(1, int(cpus))

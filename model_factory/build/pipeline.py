@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.backend.engines.torch import EXPORTED_PROGRAM_FILE, TORCHSCRIPT_FILE
 from model_factory.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -193,9 +193,10 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     artifacts: dict[str, Path] = {("model.onnx" if p == "fp32" else f"model.{p}.onnx"): path
                                   for p, path in models.items()}
     extra = [p for p in (export_dir / "export.json",) if p.is_file()]
-    torchscript = export_dir / TORCHSCRIPT_FILE
-    if torchscript.is_file():
-        artifacts[torchscript.name] = torchscript
+    for torch_file in (export_dir / EXPORTED_PROGRAM_FILE, export_dir / TORCHSCRIPT_FILE):
+        if torch_file.is_file():  # the program; a trace only in a work dir from before torch.export
+            artifacts[torch_file.name] = torch_file
+            break
     quant_dir = recipe.work_dir / "quantize"
     extra += sorted(quant_dir.glob("*.json")) if quant_dir.is_dir() else []
     engine_dir = recipe.work_dir / "engines"

@@ -14,7 +14,7 @@ Layout of one model::
                                                model.int8.onnx; every built one with keep_all_precisions),
                                                with its external data (<file>.data) when it has one
     <repo>/<model>/<version>/model.<p>.plan    the served precision's TensorRT engine, with .plan.json metadata
-    <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
+    <repo>/<model>/<version>/model.pt2  the torch engine's program (export.torchscript = true; torch.export)
     <repo>/<model>/<version>/tokenizer/        for text models
     <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
     <repo>/<model>/<version>/export.json, accuracy.json   the export check and the accuracy report
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.engines.torch import TORCHSCRIPT_FILE
+from model_factory.backend.engines.torch import EXPORTED_PROGRAM_FILE, TORCHSCRIPT_FILE
 from model_factory.build_engines.golden import ACCEPTANCE_DIR, SPEC_FILE
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
@@ -312,7 +312,7 @@ def _copy_backend(dest: Path) -> None:
 
 def artifact_precision(name: str) -> str | None:
     """The precision a version-folder file belongs to (``model.int8.onnx`` -> int8), None for shared files."""
-    if name in ("model.onnx", "model.onnx.data", TORCHSCRIPT_FILE):
+    if name in ("model.onnx", "model.onnx.data", TORCHSCRIPT_FILE, EXPORTED_PROGRAM_FILE):
         return "fp32"
     parts = name.split(".")
     if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
@@ -391,6 +391,7 @@ def package_model(
         "pool_release_threshold_mib": str(recipe.repository.memory_pool_release_threshold_mib),
         "pool_initial_mib": str(recipe.repository.memory_pool_initial_mib),
         "cpu_threads": str(recipe.repository.cpu_threads),
+        "int8_kernels": recipe.repository.int8_kernels,
         "task": recipe.task,
         "pooling": recipe.pooling,
         "normalize": str(recipe.normalize).lower(),
@@ -478,7 +479,7 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "labels": list(labels) or None,
             "acceptance": (f"{ACCEPTANCE_DIR}/{SPEC_FILE}" if acceptance_dir is not None else None),
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
-            "engines": sorted(name for name in files if name.endswith(".plan") or name == TORCHSCRIPT_FILE),
+            "engines": sorted(name for name in files if name.endswith(".plan") or name in (TORCHSCRIPT_FILE, EXPORTED_PROGRAM_FILE)),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         if sign is not None:

@@ -157,6 +157,8 @@ class RepositorySpec:
     keep_all_precisions: bool = False
     # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
     cpu_threads: int = 0
+    # INT8 on ONNX Runtime CPU: auto (integer kernels where the CPU has VNNI/AMX/dot products), integer, simulated.
+    int8_kernels: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -642,7 +644,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     r = _take(top.get("repository", {}), "repository",
               {"path", "instance_count", "instance_kind", "engine", "memory_pool_release_threshold_mib",
-               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions", "cpu_threads"})
+               "memory_pool_initial_mib", "allow_cpu_fallback", "serve", "keep_all_precisions", "cpu_threads",
+               "int8_kernels"})
     engine = _choice(r.get("engine", "auto"), "repository.engine", ENGINES)
     # An engine the package will not have files for would leave the model unavailable at load: say so now.
     if engine == "torch" and not export.torchscript:
@@ -674,6 +677,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                                   "write true or false"),
         serve=serve,
         keep_all_precisions=keep_all,
+        int8_kernels=_choice(r.get("int8_kernels", "auto"), "repository.int8_kernels", ("auto", "integer", "simulated")),
     )
 
     return Recipe(

@@ -43,6 +43,7 @@ def default_cost_cache() -> Path:
     return Path(base) / "model-factory" / "cost-models"
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
+INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/cpu_features.py reads it
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
 # caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
@@ -69,6 +70,9 @@ class ServerOptions:
     # The GPU product this server runs on (the nvidia.com/gpu.product node label): the backend then
     # loads only TensorRT plans whose metadata says they were built on it. None: any plan.
     gpu_product: str | None = None
+    # INT8 kernels on ONNX Runtime CPU (auto | integer | simulated; backend/cpu_features.py): None leaves
+    # each model's int8_kernels parameter in force; acceptance replays the same choice.
+    int8_kernels: str | None = None
     # The key of the restricted admin APIs: None generates one per run (held by this process only);
     # an operator's fleet passes its own (admin_key_from). restrict_admin=False opens them (tests only).
     admin_key: str | None = field(default=None, repr=False)
@@ -228,6 +232,8 @@ class TritonServer:
         self.extra_env = dict(env or {})
         if opts.gpu_product:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
+        if opts.int8_kernels:
+            self.extra_env[INT8_KERNELS_ENV] = opts.int8_kernels
         self.work_dir = self._work
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
         # Set by start_verified_server when it verified against a policy (reverify_model uses them).
@@ -489,7 +495,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     table = _verified_digests(repository, results, trust) if policy is not None else None
     engines: dict[str, str] = {}
     if accept:
-        to_load = _accepted(repository, to_load, table, refused, engines, options.gpu_product)
+        to_load = _accepted(repository, to_load, table, refused, engines, options.gpu_product,
+                            options.int8_kernels)
         if not to_load:
             raise FactoryError("no model passed verification and acceptance:\n"
                                + "\n".join(f"  {m}: {why}" for m, why in refused.items()))
@@ -516,7 +523,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
 
 
 def _accepted(repository: Path, models: list[str], table: dict | None, refused: dict[str, str],
-              engines: dict[str, str], gpu_product: str | None = None) -> list[str]:
+              engines: dict[str, str], gpu_product: str | None = None,
+              int8_kernels: str | None = None) -> list[str]:
     """The models that pass acceptance here; the others go to ``refused`` with the reason.
 
     Acceptance runs in a child process: the engines it loads (GPU memory, a CUDA context, torch's
@@ -535,13 +543,13 @@ def _accepted(repository: Path, models: list[str], table: dict | None, refused: 
             if digests is None:
                 refused[m] = "acceptance failed: the served version was not verified"
                 continue
-        jobs.append((str(repository / m), digests, gpu_product))
+        jobs.append((str(repository / m), digests, gpu_product, int8_kernels))
     if not jobs:
         return []
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         verdicts = pool.map(_accept_one, jobs)
     passed = []
-    for (path, _, _), (ok, where, reason) in zip(jobs, verdicts):
+    for (path, *_), (ok, where, reason) in zip(jobs, verdicts):
         m = Path(path).name
         if ok:
             passed.append(m)
@@ -551,12 +559,12 @@ def _accepted(repository: Path, models: list[str], table: dict | None, refused: 
     return passed
 
 
-def _accept_one(job: tuple[str, dict | None, str | None]) -> tuple[bool, str, str | None]:
+def _accept_one(job: tuple[str, dict | None, str | None, str | None]) -> tuple[bool, str, str | None]:
     """One model's acceptance verdict (run in the child process of :func:`_accepted`)."""
     from model_factory.serving.acceptance import accept_model
 
-    path, digests, gpu_product = job
-    result = accept_model(Path(path), digests=digests, gpu_product=gpu_product)
+    path, digests, gpu_product, int8_kernels = job
+    result = accept_model(Path(path), digests=digests, gpu_product=gpu_product, int8_kernels=int8_kernels)
     return result.passed, result.where, result.reason
 
 
