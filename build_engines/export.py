@@ -397,8 +397,10 @@ def save_exported_program(torch: Any, module: Any, samples: list[tuple], tmp: Pa
     shapes = []
     for name in in_names:
         axes = dynamic.get(name, ())
-        # One Dim per axis position: the batch (and the sequence) of every input must agree.
-        shapes.append({k: dims.setdefault(k, torch.export.Dim(f"axis{k}")) for k in axes} or None)
+        # One Dim per axis position: the batch (and the sequence) of every input must agree. The sequence
+        # axis is bounded as the repository bounds it (position embeddings end somewhere).
+        shapes.append({k: dims.setdefault(k, torch.export.Dim(f"axis{k}", max=recipe.shapes.max_sequence_length)
+                                          if k == 1 else torch.export.Dim(f"axis{k}")) for k in axes} or None)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

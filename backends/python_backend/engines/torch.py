@@ -117,6 +117,17 @@ def read_io_names(module: Any, extra: dict[str, Any]) -> tuple[tuple[str, ...], 
     return inputs, outputs
 
 
+def is_exported_program(data: bytes) -> bool:
+    """Whether ``data`` is a ``torch.export`` archive (it names its ``archive_format``), not TorchScript."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+            return any(n == "archive_format" or n.endswith("/archive_format") for n in archive.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
 def retarget_device_constants(module: Any, device: str) -> int:
     """Point every device constant in the module's graphs at ``device``; return how many were changed.
 
@@ -200,14 +211,15 @@ class TorchEngine:
     the device (an out-of-range embedding index is a device-side assert on CUDA,
     which would poison the process's CUDA context for every later request).
     ``threads``: torch's intra-op threads on the CPU (process-wide; default: torch's).
-    ``exported_program``: ``data`` is a ``torch.export`` archive (``model.pt2``), else a TorchScript file.
+    ``exported_program``: ``data`` is a ``torch.export`` archive (``model.pt2``), else a TorchScript file;
+    None: read from the archive (:func:`is_exported_program`).
     """
 
     flavour = "torch"
 
     def __init__(self, data: bytes, device: str = "cpu", *, input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None, vocab_size: int | None = None,
-                 threads: int | None = None, exported_program: bool = False) -> None:
+                 threads: int | None = None, exported_program: bool | None = None) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise EngineError("TorchEngine takes the TorchScript file's bytes (as read by the integrity check)")
         self.device = str(device)
@@ -232,6 +244,8 @@ class TorchEngine:
             self._device = torch.device("cpu")
             if threads:
                 torch.set_num_threads(int(threads))
+        if exported_program is None:
+            exported_program = is_exported_program(data)
         self.format = "ExportedProgram" if exported_program else "TorchScript"
         self.retargeted = 0
         if exported_program:
