@@ -173,11 +173,11 @@ def test_accept_runs_the_torch_engine_the_backend_would_load(tmp_path: Path, mon
     recipe = parse_recipe(data, tmp_path)
     exported = export_model(recipe)
     golden = write_acceptance_data(recipe, exported.onnx_path, None, tmp_path / "golden")
-    package_model(recipe, {"model.onnx": exported.onnx_path, "model.torchscript.pt": exported.torchscript_path},
+    package_model(recipe, {"model.onnx": exported.onnx_path, "model.pt2": exported.torchscript_path},
                   acceptance_dir=golden)
     result = accept_model(tmp_path / "repo" / "enc")
     assert result.passed, result.reason
-    assert (result.engine, result.file, result.device) == ("torch", "model.torchscript.pt", "cpu")
+    assert (result.engine, result.file, result.device) == ("torch", "model.pt2", "cpu")
     assert result.samples == 12 and result.score > 0.99999
 
 

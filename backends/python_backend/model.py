@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_engine
+from .memory_guard import guard_for
 from .requests import TEXT_INPUTS, RequestError, items_from_tensors, items_from_text_inputs
 from .samples import sample_feeds
 from .settings import parse_settings
@@ -55,7 +56,8 @@ class TritonPythonModel:
         self.executor = GroupedExecutor(
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
-            max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences)
+            max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences,
+            memory_guard=guard_for(self.engine))
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None

@@ -167,18 +167,28 @@ class TorchCudaPool:
         self._torch = torch
         self._device = device
         self._closed = False
+        # The engine resets torch's peaks around each group (to measure its activations): the marks since
+        # load are kept here.
+        self._peaks = (0, 0)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    def reset_peaks(self) -> None:
+        """Fold torch's peaks into the marks kept here, then reset torch's (a group's own peak follows)."""
+        self.raw_stats()
+        self._torch.cuda.reset_peak_memory_stats(self._device)
+
     def raw_stats(self) -> dict[str, int]:
         stats = self._torch.cuda.memory_stats(self._device)  # one call: memory_reserved() etc. each make one
+        self._peaks = (max(self._peaks[0], int(stats.get("reserved_bytes.all.peak", 0))),
+                       max(self._peaks[1], int(stats.get("allocated_bytes.all.peak", 0))))
         return {
             "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
             "used_bytes": int(stats.get("allocated_bytes.all.current", 0)),
-            "high_water_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
-            "used_high_water_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "high_water_bytes": self._peaks[0],
+            "used_high_water_bytes": self._peaks[1],
         }
 
     def stats(self) -> Any:
@@ -234,6 +244,7 @@ class TorchEngine:
         self._stream = None
         self.pool: TorchCudaPool | None = None
         self._vocab_size = vocab_size
+        self._bytes_per_token: float | None = None  # peak activation memory per token seen (CUDA)
         if self._cuda:
             index = int(self.device.partition(":")[2] or 0)
             why = cuda_unavailable_reason(index)
@@ -365,13 +376,37 @@ class TorchEngine:
                 # .numpy() shares the tensors' memory, which is ours alone (kept alive by the arrays).
                 return {n: o.detach().contiguous().numpy() for n, o in zip(self._outputs, outs)}
             stream = self._stream
+            self.pool.reset_peaks()
+            base = torch.cuda.memory_allocated(self._device)
             with torch.cuda.stream(stream):
                 # Pageable source memory: the copies are ordered on this stream before the module runs.
                 args = [torch.from_numpy(a).to(self._device, non_blocking=True) for a in arrays]
                 outs = self._outputs_of(self._module(*args))
                 host = [o.to("cpu") for o in outs]
             stream.synchronize()  # every copy done before the host arrays leave this function
+            self._observe_peak(arrays, torch.cuda.max_memory_allocated(self._device) - base)
             return {n: h.numpy() for n, h in zip(self._outputs, host)}
+
+    def _observe_peak(self, arrays: list[np.ndarray], peak: int) -> None:
+        """Keep the most activation memory per token seen (the warm-up sweep runs the longest shapes)."""
+        first = arrays[0] if arrays else None
+        tokens = int(first.shape[0] * (first.shape[1] if first.ndim > 1 else 1)) if first is not None else 0
+        if tokens > 0 and peak > 0:
+            self._bytes_per_token = max(self._bytes_per_token or 0.0, peak / tokens)
+
+    def activation_bytes(self, n: int, length: int, profile: int = 0) -> int | None:
+        """Device memory a group of ``n`` sequences of ``length`` tokens needs (CUDA, once a group has run)."""
+        if not self._cuda or not self._bytes_per_token:
+            return None
+        return int(self._bytes_per_token * n * max(1, length))
+
+    def free_device_bytes(self) -> int | None:
+        """Memory the driver has free on the device plus what torch's cache holds unused; None on the CPU."""
+        if not self._cuda:
+            return None
+        torch = self._torch
+        free, _total = torch.cuda.mem_get_info(self._device)
+        return int(free + torch.cuda.memory_reserved(self._device) - torch.cuda.memory_allocated(self._device))
 
     def memory_stats(self) -> dict[str, int]:
         """``reserved_bytes``, ``used_bytes``, ``high_water_bytes``, ``used_high_water_bytes`` on CUDA; {} on CPU."""
