@@ -130,8 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def col(label: str, c: int, attr: str) -> list[float]:
         return [getattr(r, attr) for r in results[(label, c)]]
 
-    def ratio(label: str, c: int) -> list[float]:
-        return [a.throughput / b.throughput for a, b in zip(results[(label, c)], results[(BASE, c)])]
+    def ratio(label: str, c: int, base: str = BASE) -> list[float]:
+        return [a.throughput / b.throughput for a, b in zip(results[(label, c)], results[(base, c)])]
 
     rows = ["| configuration | kernels, threads per instance (from /metrics) | accept (mean cos, gate 0.99) | "
             + " | ".join(f"seq/s at {c}" for c in levels) + " | p50 ms at 1 | "
@@ -162,7 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "unbounded queues), its own real Triton; gRPC, token ids of real-text lengths, closed loop; "
         f"{args.rounds} rounds in alternating order; medians over rounds with (min-max); ratios within each round. "
         "`accept` = model-factory accept through the same kernels.", "",
-        *rows, "", END])
+        *rows, "",
+        "Same threads, precision alone — (INT8 integer) vs (FP32, 2 x all): "
+        + ", ".join(f"{_rng(ratio('INT8 integer', c, 'FP32, 2 x all'), '{:.2f}')}x at {c}" for c in levels)
+        + "; (INT8 simulated) vs (FP32, 2 x all): "
+        + ", ".join(f"{_rng(ratio('INT8 simulated', c, 'FP32, 2 x all'), '{:.2f}')}x at {c}" for c in levels) + ".",
+        "", END])
     publish(section, args.results, START, END, write=not args.no_write)
     return 0
 
