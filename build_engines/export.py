@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from model_factory.backend.engines.torch import EXPORTED_PROGRAM_FILE, IO_EXTRA_FILE, TORCHSCRIPT_FILE
+from model_factory.backend.engines.torch import EXPORTED_PROGRAM_FILE, IO_EXTRA_FILE
 from model_factory.build_engines import onnx_files
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path
@@ -58,7 +58,7 @@ class ExportResult:
     opset: int
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
-    # model.torchscript.pt (export.torchscript = true) and its max abs error vs the source model
+    # The torch engine's file (export.torchscript = true: model.pt2, an ExportedProgram) and its max abs error
     torchscript_path: Path | None = None
     torchscript_max_abs_error: float | None = None
 
@@ -427,58 +427,6 @@ def save_exported_program(torch: Any, module: Any, samples: list[tuple], tmp: Pa
     say(f"exported program max abs error vs torch: {err:.3g}")
     if not np.isfinite(err) or err > recipe.export.tolerance:
         raise FactoryError(f"the exported program differs from the source model by {err:.3g} (max abs), over the "
-                           f"tolerance {recipe.export.tolerance:g}. Fix: {fix}")
-    return path, err
-
-
-def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
-                      out_names: list[str], recipe: Recipe, say: Callable[[str], None]) -> tuple[Path, float]:
-    """Trace ``module`` (the same module the ONNX export used) into ``model.torchscript.pt``.
-
-    Repositories built before ``torch.export`` hold this file (the torch engine still loads it); new
-    builds write :func:`save_exported_program`'s ``model.pt2`` instead. A plain ``torch.jit.trace`` +
-    ``torch.jit.save``, so an older torch (the serving machine's) loads what this one saved. The input and output names travel inside the file (an extra file), in the
-    order of the traced ``forward``'s positional arguments and returned tuple. The saved file is
-    loaded back and checked against the eager module at every sample shape (different batch sizes
-    and lengths): a trace that baked a shape in fails here, not in the server.
-    """
-    path = tmp / TORCHSCRIPT_FILE
-    fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
-          "control flow from the model's forward()"
-    say("tracing to TorchScript")
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # Same reason as the ONNX export: the tracer warns about every Python-level branch; the
-            # numerical check below decides.
-            warnings.simplefilter("ignore")
-            traced = torch.jit.trace(module, samples[0], check_trace=False)
-            n_out = len(_as_outputs(torch, traced(*samples[0])))
-    except Exception as exc:  # the tracer raises many types; all mean "this model did not trace"
-        raise FactoryError(f"torch.jit.trace failed: {type(exc).__name__}: {str(exc)[:300]}. Fix: {fix}") from exc
-    if n_out != len(out_names):
-        raise FactoryError(f"the traced model returns {n_out} tensors but the recipe declares {len(out_names)} "
-                           f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry, "
-                           "in order, or set export.torchscript = false")
-    io_names = {"format": 1, "inputs": list(in_names), "outputs": list(out_names), "torch": torch.__version__}
-    with warnings.catch_warnings():
-        # torch >= 2.10 marks TorchScript deprecated in favour of torch.export; a plain trace is kept on
-        # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(traced, str(path), _extra_files={IO_EXTRA_FILE: json.dumps(io_names)})
-        loaded = torch.jit.load(str(path), map_location="cpu")
-    err = 0.0
-    for sample in samples:
-        with torch.no_grad():
-            ref = _as_outputs(torch, module(*sample))
-            got = _as_outputs(torch, loaded(*sample))
-        for g, r in zip(got, ref):
-            if tuple(g.shape) != tuple(r.shape):
-                raise FactoryError(f"the TorchScript trace gives shape {tuple(g.shape)} where the source model "
-                                   f"gives {tuple(r.shape)} (a shape was baked into the trace). Fix: {fix}")
-            err = max(err, float((g.double() - r.double()).abs().max()) if r.numel() else 0.0)
-    say(f"TorchScript max abs error vs torch: {err:.3g}")
-    if not np.isfinite(err) or err > recipe.export.tolerance:
-        raise FactoryError(f"the TorchScript trace differs from the source model by {err:.3g} (max abs), over the "
                            f"tolerance {recipe.export.tolerance:g}. Fix: {fix}")
     return path, err
 

@@ -91,6 +91,21 @@ def test_accept_fails_on_an_int8_engine_below_the_gate_and_names_the_layers(acce
     assert "layer.0" in result.departures[0]["tensor"] and "first departs from FP32 at" in result.reason
 
 
+def test_accept_replays_the_int8_kernels_that_will_serve(accept_repo) -> None:
+    import os
+
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels
+
+    repo, _ = accept_repo
+    assert accept_model(repo / "int8", layers=False).int8_kernels == choose_int8_kernels("auto")[0]  # this CPU's
+    for kernels in ("integer", "simulated"):  # serve --int8-kernels / accept --int8-kernels
+        result = accept_model(repo / "int8", int8_kernels=kernels, layers=False)
+        assert result.int8_kernels == kernels and f"int8 {kernels} kernels" in result.where
+        assert result.to_dict()["int8_kernels"] == kernels
+    assert INT8_KERNELS_ENV not in os.environ  # set for the acceptance run only
+    assert accept_model(repo / "good", layers=False).int8_kernels is None
+
+
 def test_accept_checks_the_bytes_against_verified_digests(accept_repo) -> None:
     from model_factory.signing import load_policy, signed_digests
 

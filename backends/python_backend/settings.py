@@ -59,7 +59,8 @@ class Settings:
     # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
     # model is batched only with requests of exactly its shape.
     pad_sequences: bool = True
-    # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (split the cores).
+    # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (every core, see
+    # cpu_threads_per_instance).
     cpu_threads: int | None = None
     # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
     cpu_instances: int = 0
@@ -147,7 +148,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         raise SettingsError(f"parameter cost_model_warmup={warmup!r}: use short or sweep")
     cpu_threads = num("cpu_threads", 0)
     if cpu_threads < 0:
-        raise SettingsError(f"parameter cpu_threads={cpu_threads} must be 0 (split the cores) or positive")
+        raise SettingsError(f"parameter cpu_threads={cpu_threads} must be 0 (every core) or positive")
     cpu_instances = sum(int(g.get("count", 1) or 1) for g in cfg.get("instance_group") or []
                         if g.get("kind") == "KIND_CPU")
     after_return = params.get("respond_after_return", "").strip().lower()

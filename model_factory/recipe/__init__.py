@@ -140,9 +140,9 @@ class RepositorySpec:
     """Where and how the Triton model repository is written."""
 
     path: Path
-    # Two, as Triton's own default for CPU models: on a CPU the cores are split between them (the backend's
-    # ONNX Runtime threads), which served 1.05-1.47x one instance's requests on 2 cores (RESULTS.md,
-    # "Instances"), and a second instance is what lets the default queue bound work (max_queue_size above).
+    # Two, as Triton's own default for CPU models: on a CPU each gets every core as ONNX Runtime threads,
+    # spinning off (RESULTS.md, "INT8 on the CPU"); two served 1.05-1.47x one instance's requests on 2 cores
+    # (RESULTS.md, "Instances"), and a second instance is what lets the default queue bound work (max_queue_size above).
     # A large model on a small GPU: 1.
     instance_count: int = 2
     instance_kind: str = "auto"
@@ -155,7 +155,7 @@ class RepositorySpec:
     serve: str = "fp32"
     # False: the version folder holds only the served precision's files; True: every built precision.
     keep_all_precisions: bool = False
-    # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
+    # ONNX Runtime threads per CPU instance; 0: every core (affinity and cgroup quota), spinning off when shared.
     cpu_threads: int = 0
     # INT8 on ONNX Runtime CPU: auto (integer kernels where the CPU has VNNI/AMX/dot products), integer, simulated.
     int8_kernels: str = "auto"
@@ -672,7 +672,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                                                     "repository.memory_pool_release_threshold_mib"),
         memory_pool_initial_mib=int(r.get("memory_pool_initial_mib", 0)),
         cpu_threads=_whole(r.get("cpu_threads", 0), "repository.cpu_threads", 0,
-                           "give ONNX Runtime threads per CPU instance (0: split the cores between the instances)"),
+                           "give ONNX Runtime threads per CPU instance (0: every core, spinning off when the instances share them)"),
         allow_cpu_fallback=_typed(r.get("allow_cpu_fallback", False), "repository.allow_cpu_fallback", bool,
                                   "write true or false"),
         serve=serve,

@@ -1,7 +1,8 @@
 """ONNX Runtime engines: the CPU provider, and the CUDA provider for GPU instances (``onnxruntime-gpu``).
 
 CPU
-    ``OnnxRuntimeEngine``: ONNX Runtime's CPU provider, telemetry off.
+    ``OnnxRuntimeEngine``: ONNX Runtime's CPU provider, telemetry off; an INT8 Q/DQ model on integer
+    kernels or with Q/DQ simulated in float (``cpu_features`` chooses), weights dequantized once at load.
 
 CUDA (``OnnxRuntimeCudaEngine``)
     Needs the ``onnxruntime-gpu`` wheel (extra ``onnxruntime-gpu``), which installs the same
@@ -91,16 +92,15 @@ class OnnxRuntimeEngine:
     flavour = "onnxruntime"
     device = "cpu"
 
-    def __init__(self, model: Path | bytes, threads: int | None = None, simulate_qdq: bool = False,
-                 spinning: bool = True, int8: str | None = None) -> None:
+    def __init__(self, model: Path | bytes, threads: int | None = None, spinning: bool = True,
+                 int8: str | None = None) -> None:
         """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
 
         ``int8`` (an INT8 Q/DQ model): ``integer`` fuses Q/DQ into ONNX Runtime's integer kernels,
         ``simulated`` keeps every activation's Q/DQ as float arithmetic; both fold the weights'
         DequantizeLinear into float constants once, at load, instead of on every call (see
-        :func:`_int8_session`). ``simulate_qdq``: the old float simulation (basic graph optimizations
-        only, weights dequantized on every call), as the quantize gate scores. ``spinning=False`` lets idle
-        intra-op threads sleep at once (instances whose threads outnumber the cores).
+        :func:`_int8_session`). ``spinning=False`` lets idle intra-op threads sleep at once (instances
+        whose threads outnumber the cores).
         """
         ort = import_onnxruntime()
 
@@ -111,8 +111,6 @@ class OnnxRuntimeEngine:
                 opts.intra_op_num_threads = threads
             if not spinning:
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            if simulate_qdq:
-                opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             return opts
 
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
@@ -142,15 +140,16 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
     it skips DequantizeLinear on purpose). Simulated: that, in one session; every activation's Q/DQ still
     runs in float, as the gate scored it. Integer: a first session fuses what it can into integer kernels
     (``MatMulIntegerToFloat``) and writes the optimized graph to a private folder; a second one loads that
-    graph with the fusions off, which folds the weights of MatMuls left unfused (MiniLM's Q/K/V
-    projections: their input's Q feeds three MatMuls). Measured on MiniLM, batch 1 x 16 tokens: weights
-    dequantized per call took about half of the INT8 run (benchmarks/RESULTS.md, "INT8 on the CPU").
+    graph with the fusions off, which folds the weights of MatMuls left unfused (ONNX Runtime fuses a
+    DequantizeLinear only into its one reader: INT8 models quantized before the quantize stage wrote a Q/DQ
+    pair per reader left MiniLM's Q/K/V projections, 18 of 44 MatMuls, in float). Profiled on MiniLM at batch 1 x 16 tokens, dequantizing the weights
+    on every call was about half of the INT8 run; served, see benchmarks/RESULTS.md, "INT8 on the CPU".
     """
     import shutil
     import tempfile
 
-    def session(src: str | bytes, options: Any) -> Any:
-        return ort.InferenceSession(src, sess_options=options, providers=["CPUExecutionProvider"])
+    def session(src: str | bytes, options: Any, **kwargs: Any) -> Any:
+        return ort.InferenceSession(src, sess_options=options, providers=["CPUExecutionProvider"], **kwargs)
 
     def folding(options: Any) -> Any:
         options.add_session_config_entry("session.disable_quant_qdq", "1")
@@ -165,7 +164,9 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
         # Weights past protobuf's 2 GB limit go to a file beside the graph.
         first.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
         first.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1048576")
-        session(source, first)
+        # Common-subexpression elimination would merge the per-reader Q/DQ pairs the quantize stage writes
+        # back into one shared pair, which ONNX Runtime does not fuse: off for the fusing pass only.
+        session(source, first, disabled_optimizers=["CommonSubexpressionElimination"])
         return session(first.optimized_model_filepath, folding(options()))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
