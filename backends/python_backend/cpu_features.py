@@ -61,4 +61,5 @@ def choose_int8_kernels(requested: str = "auto", flags: frozenset[str] | None = 
     if found:
         return "integer", f"the CPU has integer dot products ({', '.join(found)})"
     return "simulated", ("no integer dot-product instruction (VNNI/AMX/asimddp/i8mm) on this CPU: ONNX Runtime's "
-                         "int8 kernels may saturate here, so Q/DQ runs in float")
+                         "int8 kernels may saturate here, so Q/DQ runs in float, which is not faster than FP32 "
+                         "(MiniLM: 0.6-1.0x FP32, benchmarks/RESULTS.md): serve fp32 on this CPU for speed")

@@ -88,6 +88,9 @@ class TritonPythonModel:
             if key.startswith("fallback_from_"):
                 pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: {key[len('fallback_from_'):]} "
                                          f"engine not used: {why}")
+        if self.engine_info.get("int8_kernels") == "simulated":  # say plainly that INT8 buys no speed here
+            pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: INT8 with Q/DQ simulated in float: "
+                                     f"{self.engine_info.get('int8_kernels_why')}")
         if self.engine_info.get("format") == "TorchScript":
             pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: serving a TorchScript trace "
                                      f"({self.engine_info['file']}), which torch deprecates: rebuild the repository "
