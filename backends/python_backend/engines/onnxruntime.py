@@ -139,7 +139,8 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
     folding evaluate ``DequantizeLinear(int8 weight)`` into a float constant (with the QDQ fusions on,
     it skips DequantizeLinear on purpose). Simulated: that, in one session; every activation's Q/DQ still
     runs in float, as the gate scored it. Integer: a first session fuses what it can into integer kernels
-    (``MatMulIntegerToFloat``) and writes the optimized graph to a private folder; a second one loads that
+    (``MatMulIntegerToFloat``) and writes the optimized graph to a private folder (models under
+    :data:`FOLD_LIMIT_BYTES` only: a larger one loads once, as fused); a second one loads that
     graph with the fusions off, which folds the weights of MatMuls left unfused (ONNX Runtime fuses a
     DequantizeLinear only into its one reader: INT8 models quantized before the quantize stage wrote a Q/DQ
     pair per reader left MiniLM's Q/K/V projections, 18 of 44 MatMuls, in float). Profiled on MiniLM at batch 1 x 16 tokens, dequantizing the weights
@@ -157,6 +158,8 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
 
     if not integer:
         return session(source, folding(options()))
+    if not _small(source):  # a second pass would write the whole model (GBs) to disk at every load
+        return session(source, options())
     folder = tempfile.mkdtemp(prefix="mf-int8-")
     try:
         first = options()
@@ -170,6 +173,19 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
         return session(first.optimized_model_filepath, folding(options()))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# Past this size (graph + external data) the integer path loads once, without folding leftover weights.
+FOLD_LIMIT_BYTES = 1 << 30
+
+
+def _small(source: str | bytes) -> bool:
+    """Whether the model (its bytes, or its file and the external data beside it) is under FOLD_LIMIT_BYTES."""
+    if isinstance(source, bytes):
+        return len(source) < FOLD_LIMIT_BYTES
+    path = Path(source)
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0) < FOLD_LIMIT_BYTES
 
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
