@@ -277,12 +277,77 @@ def check_cost_model_on_gpu() -> str:
     return "\n    ".join(lines)
 
 
+def check_memory_guard_on_gpu() -> str:
+    """The torch engine (an ExportedProgram) measures activations per token; a group that would not fit the
+    free memory is split before launch (no failed launch, no retry) and answers as the unsplit group does."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise Skip(f"torch is not installed ({exc})") from exc
+    if not torch.cuda.is_available():
+        raise Skip("torch has no CUDA")
+    import io
+    import json
+
+    import numpy as np
+
+    from mf_backend.engines.torch import IO_EXTRA_FILE, TorchEngine
+    from mf_backend.executor import GroupedExecutor
+    from mf_backend.memory_guard import MemoryGuard
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1000, 256)
+            layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def forward(self, input_ids, attention_mask):  # noqa: ANN001
+            hidden = self.encoder(self.embed(input_ids))
+            return (hidden * attention_mask.unsqueeze(-1)).sum(1)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (4, 16))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=128)
+    program = torch.export.export(Encoder().eval(), (ids, torch.ones_like(ids)),
+                                  dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    buf = io.BytesIO()
+    torch.export.save(program, buf, extra_files={IO_EXTRA_FILE: json.dumps({"inputs": ["input_ids", "attention_mask"],
+                                                                             "outputs": ["embedding"]})})
+    engine = TorchEngine(buf.getvalue(), "cuda:0")
+    rng = np.random.default_rng(0)
+    window = [[{"input_ids": rng.integers(0, 1000, 128), "attention_mask": np.ones(128, np.int64)}] for _ in range(64)]
+    engine.run({"input_ids": np.ones((8, 128), np.int64), "attention_mask": np.ones((8, 128), np.int64)})
+    per_group_of_8 = engine.activation_bytes(8, 128)
+    free_now = engine.free_device_bytes()
+    assert per_group_of_8 and per_group_of_8 > 0, "no activation measured after a launch"
+    assert free_now and free_now <= torch.cuda.mem_get_info()[1], f"free bytes {free_now} beyond the device"
+
+    def executor(guard):
+        return GroupedExecutor(engine, grouping.CostModel(1.0, 1e-9, 0.0), max_batch=64, buckets=(128,),
+                               seq_inputs=frozenset({"input_ids", "attention_mask"}), seq_outputs=frozenset(),
+                               mode="pad_to_longest", memory_guard=guard)
+
+    whole, _ = executor(None).run(window)
+    # Pretend only a little more than a group of 8 fits: 64 -> 32 -> 16 -> 8, split before launching.
+    tight = MemoryGuard(lambda: int(per_group_of_8 / 0.9) + 1, engine.activation_bytes)
+    split, stats = executor(tight).run(window)
+    assert stats.memory_splits == 7 and stats.retries == 0, (stats.memory_splits, stats.retries)
+    for a, b in zip(whole, split):
+        np.testing.assert_allclose(a["embedding"], b["embedding"], rtol=1e-4, atol=1e-4)
+    engine.close()
+    return (f"{per_group_of_8 / 8 / 128:.0f} B/token measured, {free_now / MIB:.0f} MiB free; 64 x 128 tokens "
+            f"planned as {len(stats.groups)} group(s), {stats.memory_splits} split for memory before launch, "
+            "0 retries, same answers")
+
+
 CHECKS = [
     ("device", check_device),
     ("memory pool: reservation, round trip, stats, trim, close", check_pool_basics),
     ("TensorRT allocator adapter over a real pool", check_allocator),
     ("allocation microbenchmark: pool vs cudaMalloc", check_alloc_benchmark),
     ("cost model measured on this GPU picks a good plan", check_cost_model_on_gpu),
+    ("memory-aware groups: split before launch on the torch engine", check_memory_guard_on_gpu),
 ]
 
 

@@ -59,7 +59,7 @@ class ExportResult:
     opset: int
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
-    # model.torchscript.pt (export.torchscript = true) and its max abs error vs the source model
+    # The torch engine's file (export.torchscript = true: model.pt2, an ExportedProgram) and its max abs error
     torchscript_path: Path | None = None
     torchscript_max_abs_error: float | None = None
 
@@ -285,8 +285,8 @@ def _export_huggingface(recipe: Recipe, tmp: Path, say: Callable[[str], None]) -
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
-        ts_path, ts_err = _save_torchscript(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
-                                            out_names, recipe, say)
+        ts_path, ts_err = save_exported_program(torch, wrapper, [tuple(args), tuple(single_args)], tmp, in_names,
+                                                out_names, recipe, say, dynamic={n: (0, 1) for n in in_names})
     tok_dir = tmp / Files.TOKENIZER_DIR
     tok.save_pretrained(str(tok_dir))
     return ExportResult(onnx_path, err, recipe.export.tolerance, tok_dir, digest_path(src), opset,
@@ -379,54 +379,56 @@ def _as_outputs(torch: Any, value: Any) -> list[Any]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
-def _save_torchscript(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
-                      out_names: list[str], recipe: Recipe, say: Callable[[str], None]) -> tuple[Path, float]:
-    """Trace ``module`` (the same module the ONNX export used) into ``model.torchscript.pt``.
+def save_exported_program(torch: Any, module: Any, samples: list[tuple], tmp: Path, in_names: list[str],
+                          out_names: list[str], recipe: Recipe, say: Callable[[str], None],
+                          dynamic: dict[str, tuple[int, ...]]) -> tuple[Path, float]:
+    """Export ``module`` (the one the ONNX export used) with ``torch.export`` into ``model.pt2``.
 
-    A plain ``torch.jit.trace`` + ``torch.jit.save``, so an older torch (the serving machine's) loads
-    what this one saved. The input and output names travel inside the file (an extra file), in the
-    order of the traced ``forward``'s positional arguments and returned tuple. The saved file is
-    loaded back and checked against the eager module at every sample shape (different batch sizes
-    and lengths): a trace that baked a shape in fails here, not in the server.
+    ``dynamic`` names, per input, its dynamic axes (the batch axis, a sequence axis): each becomes a
+    ``torch.export.Dim`` shared by every input that has it at that position, so one program serves every
+    (batch, length). The input and output names travel inside the archive (an extra file), in the
+    order of ``forward``'s positional arguments and returned tuple. The saved program is loaded back
+    and checked against the eager module at every sample shape.
     """
-    path = tmp / Files.TORCHSCRIPT
+    path = tmp / Files.EXPORTED_PROGRAM
     fix = "set export.torchscript = false (the ONNX model still serves), or remove data-dependent Python " \
           "control flow from the model's forward()"
-    say("tracing to TorchScript")
+    say("exporting the torch engine's program (torch.export)")
+    dims: dict[int, Any] = {}
+    shapes = []
+    for name in in_names:
+        axes = dynamic.get(name, ())
+        # One Dim per axis position: the batch (and the sequence) of every input must agree. The sequence
+        # axis is bounded as the repository bounds it (position embeddings end somewhere).
+        shapes.append({k: dims.setdefault(k, torch.export.Dim(f"axis{k}", max=recipe.shapes.max_sequence_length)
+                                          if k == 1 else torch.export.Dim(f"axis{k}")) for k in axes} or None)
     try:
         with torch.no_grad(), warnings.catch_warnings():
-            # Same reason as the ONNX export: the tracer warns about every Python-level branch; the
-            # numerical check below decides.
             warnings.simplefilter("ignore")
-            traced = torch.jit.trace(module, samples[0], check_trace=False)
-            n_out = len(_as_outputs(torch, traced(*samples[0])))
-    except Exception as exc:  # the tracer raises many types; all mean "this model did not trace"
-        raise FactoryError(f"torch.jit.trace failed: {type(exc).__name__}: {str(exc)[:300]}. Fix: {fix}") from exc
-    if n_out != len(out_names):
-        raise FactoryError(f"the traced model returns {n_out} tensors but the recipe declares {len(out_names)} "
-                           f"outputs {out_names}. Fix: make forward() return one tensor per [[outputs]] entry, "
-                           "in order, or set export.torchscript = false")
+            program = torch.export.export(module, tuple(samples[0]), dynamic_shapes=tuple(shapes))
+    except Exception as exc:  # torch.export raises many types; all mean "this model did not export"
+        raise FactoryError(f"torch.export failed: {type(exc).__name__}: {str(exc)[:400]}. Fix: {fix}") from exc
     io_names = {"format": 1, "inputs": list(in_names), "outputs": list(out_names), "torch": torch.__version__}
-    with warnings.catch_warnings():
-        # torch >= 2.10 marks TorchScript deprecated in favour of torch.export; a plain trace is kept on
-        # purpose: the serving machine's older torch loads it, which a pt2 archive does not promise.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(traced, str(path), _extra_files={Files.TORCHSCRIPT_IO: json.dumps(io_names)})
-        normalize_torchscript(path)  # same model, same bytes (checked by loading it back below)
-        loaded = torch.jit.load(str(path), map_location="cpu")
+    torch.export.save(program, str(path), extra_files={Files.TORCHSCRIPT_IO: json.dumps(io_names)})
+    normalize_torchscript(path)  # a PyTorch zip archive: same program, same bytes (loaded back below)
+    loaded = torch.export.load(str(path)).module()
     err = 0.0
     for sample in samples:
         with torch.no_grad():
             ref = _as_outputs(torch, module(*sample))
             got = _as_outputs(torch, loaded(*sample))
+        if len(got) != len(out_names):
+            raise FactoryError(f"the exported program returns {len(got)} tensors but the recipe declares "
+                               f"{len(out_names)} outputs {out_names}. Fix: make forward() return one tensor per "
+                               "[[outputs]] entry, in order, or set export.torchscript = false")
         for g, r in zip(got, ref):
             if tuple(g.shape) != tuple(r.shape):
-                raise FactoryError(f"the TorchScript trace gives shape {tuple(g.shape)} where the source model "
-                                   f"gives {tuple(r.shape)} (a shape was baked into the trace). Fix: {fix}")
+                raise FactoryError(f"the exported program gives shape {tuple(g.shape)} where the source model "
+                                   f"gives {tuple(r.shape)}. Fix: {fix}")
             err = max(err, float((g.double() - r.double()).abs().max()) if r.numel() else 0.0)
-    say(f"TorchScript max abs error vs torch: {err:.3g}")
+    say(f"exported program max abs error vs torch: {err:.3g}")
     if not np.isfinite(err) or err > recipe.export.tolerance:
-        raise FactoryError(f"the TorchScript trace differs from the source model by {err:.3g} (max abs), over the "
+        raise FactoryError(f"the exported program differs from the source model by {err:.3g} (max abs), over the "
                            f"tolerance {recipe.export.tolerance:g}. Fix: {fix}")
     return path, err
 
@@ -530,7 +532,9 @@ def _export_torch_module(recipe: Recipe, tmp: Path, say: Callable[[str], None]) 
     _check_tolerance(err, recipe)
     ts_path, ts_err = None, None
     if recipe.export.torchscript:
-        ts_path, ts_err = _save_torchscript(torch, module, samples, tmp, in_names, out_names, recipe, say)
+        dynamic = {s.name: tuple(k for k, d in enumerate((-1,) + tuple(s.dims)) if d == -1) for s in recipe.inputs}
+        ts_path, ts_err = save_exported_program(torch, module, samples, tmp, in_names, out_names, recipe, say,
+                                                dynamic=dynamic)
     digest = digest_path(mod_file) if mod_file else hashlib.sha256(factory.encode()).hexdigest()
     return ExportResult(onnx_path, err, recipe.export.tolerance, None, digest, opset,
                         tuple(in_names), tuple(out_names), ts_path, ts_err)

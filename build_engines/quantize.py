@@ -354,7 +354,13 @@ class QdqBuilder:
         new_nodes: list[Any] = []
         new_inits = [numpy_helper.from_array(np.zeros((), np.int8), "qdq_zero_point_int8")]
         zero = new_inits[0].name
-        act_dq: dict[str, str] = {}  # activation tensor -> its dequantized name (shared by quantized readers)
+        # (activation tensor, reader) -> its dequantized name. The final model gives every quantized reader its
+        # own Q/DQ pair (same scale, same numbers): ONNX Runtime fuses a DequantizeLinear into an integer
+        # MatMul only when that MatMul is its one reader, and a pair shared by MiniLM's Q/K/V projections left
+        # 18 of 44 MatMuls in float on the CPU (benchmarks/RESULTS.md, "INT8 on the CPU"). The search's
+        # switchable model shares one pair per tensor.
+        act_dq: dict[tuple[str, str], str] = {}
+        act_scales: set[str] = set()
         weight_dq: dict[str, str] = {}
         replaced_weights: set[str] = set()
         switches: dict[str, str] = {}
@@ -368,17 +374,22 @@ class QdqBuilder:
                 graph.input.append(helper.make_tensor_value_info(switches[c.node], onnx.TensorProto.BOOL, []))
             for pos, x in enumerate(list(node.input)):
                 if x in c.activations:
-                    if x not in act_dq:
+                    key = (x, "" if switchable else node.name)
+                    if key not in act_dq:
                         scale_name = f"{x}_act_scale"
-                        scale = max(self.amax.get(x, 0.0), 1e-8) / INT8_MAX
-                        new_inits.append(numpy_helper.from_array(np.array(scale, np.float32), scale_name))
-                        q, dq = f"{x}_QuantizeLinear", f"{x}_DequantizeLinear"
+                        if scale_name not in act_scales:
+                            act_scales.add(scale_name)
+                            scale = max(self.amax.get(x, 0.0), 1e-8) / INT8_MAX
+                            new_inits.append(numpy_helper.from_array(np.array(scale, np.float32), scale_name))
+                        nth = sum(k[0] == x for k in act_dq)  # the first pair keeps the plain names
+                        suffix = f"_{nth}" if nth else ""
+                        q, dq = f"{x}_QuantizeLinear{suffix}", f"{x}_DequantizeLinear{suffix}"
                         new_nodes.append(helper.make_node("QuantizeLinear", [x, scale_name, zero], [q + "_output"],
                                                           name=q))
                         new_nodes.append(helper.make_node("DequantizeLinear", [q + "_output", scale_name, zero],
                                                           [dq + "_output"], name=dq))
-                        act_dq[x] = dq + "_output"
-                    quantized = act_dq[x]
+                        act_dq[key] = dq + "_output"
+                    quantized = act_dq[key]
                 elif x == c.weight:
                     key = f"{x}|{c.weight_axis}"
                     if key not in weight_dq:

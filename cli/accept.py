@@ -16,9 +16,12 @@ from model_factory.cli.common import user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record per model.")
 @click.option("--gpu-product", metavar="LABEL",
               help="As serve --gpu-product: only TensorRT plans built on this GPU product count.")
+@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "simulated"]), default=None,
+              help="As serve --int8-kernels: INT8 on the CPU with ONNX Runtime's integer kernels or Q/DQ in float.")
 @click.pass_context
 @user_errors
-def accept(ctx: click.Context, repository: Path, model: str | None, as_json: bool, gpu_product: str | None) -> None:
+def accept(ctx: click.Context, repository: Path, model: str | None, as_json: bool, gpu_product: str | None,
+           int8_kernels: str | None) -> None:
     """Check that each model's engine computes the right answer on this machine.
 
     Loads exactly the engine the backend would serve here (same loader, same choice:
@@ -34,7 +37,8 @@ def accept(ctx: click.Context, repository: Path, model: str | None, as_json: boo
     """
     from model_factory.serving.acceptance import accept_repository, render
 
-    results = accept_repository(repository, model, gpu_product=gpu_product or None)
+    results = accept_repository(repository, model, gpu_product=gpu_product or None,
+                                int8_kernels=int8_kernels)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

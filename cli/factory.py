@@ -99,6 +99,9 @@ class _Interrupted(Exception):
 @click.option("--gpu-product", metavar="LABEL",
               help="Load only TensorRT plans built on this GPU product (the nvidia.com/gpu.product node label, "
                    "e.g. NVIDIA-H100-80GB-HBM3); others fall back as if absent.")
+@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "simulated"]), default=None,
+              help="INT8 on the CPU: ONNX Runtime's integer kernels, or Q/DQ simulated in float. Default: each "
+                   "model's [repository] int8_kernels (auto: integer where the CPU has VNNI/AMX/dot products).")
 @click.option("--admin-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File whose first line is the key of the restricted admin APIs (model repository, shared "
                    "memory, logging, trace), sent as header 'model-factory-admin-key'. Default: "
@@ -116,8 +119,8 @@ class _Interrupted(Exception):
                    "serve then exits 1.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
-          metrics_port: int, log_verbose: int, gpu_product: str | None, admin_key_file: str | None,
-          watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
+          metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
+          admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           allow_empty: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
@@ -140,6 +143,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
+                         int8_kernels=int8_kernels,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     stop = threading.Event()

@@ -91,6 +91,21 @@ def test_accept_fails_on_an_int8_engine_below_the_gate_and_names_the_layers(acce
     assert "layer.0" in result.departures[0]["tensor"] and "first departs from FP32 at" in result.reason
 
 
+def test_accept_replays_the_int8_kernels_that_will_serve(accept_repo) -> None:
+    import os
+
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels
+
+    repo, _ = accept_repo
+    assert accept_model(repo / "int8", layers=False).int8_kernels == choose_int8_kernels("auto")[0]  # this CPU's
+    for kernels in ("integer", "simulated"):  # serve --int8-kernels / accept --int8-kernels
+        result = accept_model(repo / "int8", int8_kernels=kernels, layers=False)
+        assert result.int8_kernels == kernels and f"int8 {kernels} kernels" in result.where
+        assert result.to_dict()["int8_kernels"] == kernels
+    assert INT8_KERNELS_ENV not in os.environ  # set for the acceptance run only
+    assert accept_model(repo / "good", layers=False).int8_kernels is None
+
+
 def test_accept_checks_the_bytes_against_verified_digests(accept_repo) -> None:
     from model_factory.signing import load_policy, signed_digests
 
@@ -173,11 +188,11 @@ def test_accept_runs_the_torch_engine_the_backend_would_load(tmp_path: Path, mon
     recipe = parse_recipe(data, tmp_path)
     exported = export_model(recipe)
     golden = write_acceptance_data(recipe, exported.onnx_path, None, tmp_path / "golden")
-    package_model(recipe, {"model.onnx": exported.onnx_path, "model.torchscript.pt": exported.torchscript_path},
+    package_model(recipe, {"model.onnx": exported.onnx_path, "model.pt2": exported.torchscript_path},
                   acceptance_dir=golden)
     result = accept_model(tmp_path / "repo" / "enc")
     assert result.passed, result.reason
-    assert (result.engine, result.file, result.device) == ("torch", "model.torchscript.pt", "cpu")
+    assert (result.engine, result.file, result.device) == ("torch", "model.pt2", "cpu")
     assert result.samples == 12 and result.score > 0.99999
 
 

@@ -102,6 +102,14 @@ def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path
     assert serve.GPU_PRODUCT_ENV not in TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0)).extra_env
 
 
+def test_int8_kernels_reach_the_backend_and_acceptance(tmp_path: Path) -> None:
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+
+    forced = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, int8_kernels="simulated"))
+    assert forced.extra_env[INT8_KERNELS_ENV] == "simulated" and serve.INT8_KERNELS_ENV == INT8_KERNELS_ENV
+    assert INT8_KERNELS_ENV not in TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0)).extra_env
+
+
 def test_a_cost_cache_inside_the_signed_repository_is_refused(tmp_path: Path) -> None:
     from model_factory.errors import FactoryError
     from model_factory.serving.server import ServerOptions, default_cost_cache, start_verified_server

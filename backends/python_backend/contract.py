@@ -26,6 +26,7 @@ ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")
 QUEUE_BOUNDS = ("fixed", "auto")
+INT8_KERNELS = ("auto", "integer", "simulated")
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -41,7 +42,8 @@ class Files:
     ONNX = "model.onnx"  # the FP32 ONNX; other precisions: onnx_file(p)
     DATA_SUFFIX = ".data"  # an ONNX file's external data: <file>.data
     PLAN_METADATA_SUFFIX = ".json"  # a plan's build metadata: model.<p>.plan.json
-    TORCHSCRIPT = "model.torchscript.pt"  # the torch engine's trace
+    TORCHSCRIPT = "model.torchscript.pt"  # the torch engine's trace (repositories built before torch.export)
+    EXPORTED_PROGRAM = "model.pt2"  # the torch engine's ExportedProgram (torch.export)
     TORCHSCRIPT_IO = "model_factory_io.json"  # extra file inside the TorchScript archive: input/output names
     TOKENIZER_DIR = "tokenizer"
     TOKENIZER_JSON = "tokenizer.json"
@@ -70,7 +72,7 @@ def data_file(name: str) -> str:
 
 def file_precision(name: str) -> str | None:
     """The precision a version-folder file belongs to (``model.int8.onnx`` -> int8), None for shared files."""
-    if name in (Files.ONNX, data_file(Files.ONNX), Files.TORCHSCRIPT):
+    if name in (Files.ONNX, data_file(Files.ONNX), Files.TORCHSCRIPT, Files.EXPORTED_PROGRAM):
         return "fp32"
     parts = name.split(".")
     if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
@@ -111,8 +113,11 @@ class ModelParameters:
     cpu_fallback: bool = _param("bool", False)
     pool_release_threshold_mib: int = _param("int", 256, minimum=0)
     pool_initial_mib: int = _param("int", 0, minimum=0)
-    # ONNX Runtime threads per CPU instance (0: split the cores between the instances).
-    cpu_threads: int = _param("int", 0, minimum=0, why="0 (split the cores) or positive")
+    # ONNX Runtime threads per CPU instance (0: every core, spinning off when the instances' threads outnumber them).
+    cpu_threads: int = _param("int", 0, minimum=0, why="0 (every core) or positive")
+    # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
+    # integer, or simulated (Q/DQ as float arithmetic); see cpu_features.py.
+    int8_kernels: str = _param("choice", "auto", choices=INT8_KERNELS)
     # The precision served and its files: the backend loads these and no other.
     precision: str = _param("choice", "fp32", choices=PRECISIONS)
     onnx_file: str = _param("str", Files.ONNX)

@@ -3,7 +3,9 @@
 Items (one sequence each) from all requests of the window are sorted by length
 and split into groups by the cost model (``grouping.plan_groups``). Each group
 is padded only to its own longest item, run on the engine with the profile that
-covers its length, and its outputs are sliced back to each item. A group that
+covers its length, and its outputs are sliced back to each item. On a GPU, a group
+whose activations would not fit the memory free now is split in halves before it
+is launched (``memory_guard``). A group that
 fails (out of memory included) is split in halves and retried, down to single
 items; only the items that still fail get an error. The result is one entry
 per request, in order: a dict of outputs or the exception for that request.
@@ -31,6 +33,7 @@ import numpy as np
 from .adaptive_planner import AdaptivePlanner, PlanReport
 from .cost_estimator import CostEstimator
 from .grouping import CostModel, ProfileCostModel, profile_for_length, token_counts
+from .memory_guard import MemoryGuard
 from .requests import Item
 
 Engine = object  # anything with input_names, output_names and run(feeds, profile)
@@ -44,6 +47,7 @@ class WindowStats:
     real_tokens: int = 0
     computed_tokens: int = 0  # each group padded to its longest item
     retries: int = 0
+    memory_splits: int = 0  # groups split before launch: their activations would not fit the free memory
     # The cost model's side (see adaptive_planner and cost_estimator).
     plan: PlanReport = field(default_factory=PlanReport)
     timings: int = 0  # launches timed and fed back to the estimator
@@ -97,7 +101,8 @@ class GroupedExecutor:
     def __init__(self, engine: Engine, cost: CostModel | ProfileCostModel | CostEstimator, *, max_batch: int,
                  buckets: Sequence[int], seq_inputs: frozenset[str], seq_outputs: frozenset[str],
                  mode: str = "cost_model", max_tokens: int | None = None,
-                 fill: Callable[[Item], Item] | None = None, pad_sequences: bool = True) -> None:
+                 fill: Callable[[Item], Item] | None = None, pad_sequences: bool = True,
+                 memory_guard: MemoryGuard | None = None) -> None:
         self.engine = engine
         self.planner = AdaptivePlanner(cost, max_batch=max_batch, max_tokens=max_tokens, mode=mode)
         self.estimator = self.planner.estimator  # None with fixed constants
@@ -107,6 +112,7 @@ class GroupedExecutor:
         self.mode = mode
         self.fill = fill or (lambda item: item)
         self.pad_sequences = pad_sequences
+        self.memory_guard = memory_guard
 
     def _partitions(self, flat: Sequence[tuple[int, Item]]) -> dict[tuple, list[int]]:
         """Items that may share a launch, by shape: equal shapes, apart from the sequence axis when padding.
@@ -163,6 +169,17 @@ class GroupedExecutor:
 
     def _run_group(self, group: list[int], flat, lengths, per_item, stats: WindowStats) -> None:
         length = max(lengths[i] for i in group)
+        if len(group) > 1 and self.memory_guard is not None:
+            try:
+                fits = self.memory_guard.fits(len(group), length, profile_for_length(length, self.buckets))
+            except Exception:  # noqa: BLE001 - an estimate that fails must not fail the group: launch it
+                fits = True
+            if not fits:  # split first, instead of failing on the device and retrying
+                stats.memory_splits += 1
+                half = len(group) // 2
+                self._run_group(group[:half], flat, lengths, per_item, stats)
+                self._run_group(group[half:], flat, lengths, per_item, stats)
+                return
         start = time.perf_counter()
         try:
             profile = profile_for_length(length, self.buckets)

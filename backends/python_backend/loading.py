@@ -3,12 +3,13 @@
 ``engine`` (config parameter) decides:
 
 - ``tensorrt``: the TensorRT plan, or the model does not load;
-- ``torch``: the TorchScript file on the instance's device (``cuda:<id>`` for a GPU
+- ``torch``: the torch program (``model.pt2``; a TorchScript trace in repositories built
+  before) on the instance's device (``cuda:<id>`` for a GPU
   instance, ``cpu`` for a CPU instance), or the model does not load;
 - ``onnxruntime``: the ONNX model with ONNX Runtime: on a GPU instance its CUDA provider
   (``onnxruntime-gpu``), on a CPU instance the CPU provider;
 - ``auto`` (default): on a GPU instance TensorRT (a plan that loads), then ONNX Runtime
-  CUDA, then torch (a TorchScript file and torch with CUDA), each skip recorded with its
+  CUDA, then torch (a torch program and torch with CUDA), each skip recorded with its
   reason in ``info`` (``fallback_from_tensorrt``, ``fallback_from_onnxruntime_cuda``,
   ``fallback_from_torch``); on a CPU instance ONNX Runtime on the CPU.
 
@@ -19,11 +20,17 @@ unless the configuration parameter ``cpu_fallback`` is ``true`` (recipe
 says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``cpu``,
 ``cuda:<id>``).
 
+On the CPU, an INT8 model runs on ONNX Runtime's integer kernels where the CPU has integer dot
+products (VNNI, AMX, Arm dot product), else with Q/DQ simulated in float (``cpu_features``; parameter
+``int8_kernels``, environment ``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]`` says which.
+Each CPU instance gets every core as ONNX Runtime threads (``cpu_threads`` overrides), spinning off
+when the instances' threads outnumber the cores (``settings.cpu_spinning``); ``info["threads"]``.
+
 Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
 nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
 external-data file ``<onnx_file>.data`` when it has one, copied while hashed into a private folder
 and loaded from there), and the
-TorchScript trace, which is FP32, is used only when the precision is fp32.
+torch program, which is FP32, is used only when the precision is fp32.
 
 When the server was started for one GPU product (``serve --gpu-product``, which sets
 ``MODEL_FACTORY_GPU_PRODUCT``; the Helm chart does it for every pod), only plans whose
@@ -43,7 +50,8 @@ from typing import Any
 
 from .contract import Files
 from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
-from .settings import Settings, SettingsError, cpu_threads_per_instance
+from .cpu_features import choose_int8_kernels
+from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
 
 DATA_SUFFIX = Files.DATA_SUFFIX  # an ONNX file's external data (build_engines/onnx_files.py writes it)
@@ -97,18 +105,27 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         raise SettingsError(f"{path} is missing: repackage the model")
     data_name = settings.onnx_file + DATA_SUFFIX
     has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
-    # INT8 runs with Q/DQ simulated in float, as it was scored for the accuracy gate (and as TensorRT
-    # computes it): ONNX Runtime's fused int8 CPU kernels saturate on AVX2 without VNNI.
-    int8 = settings.precision == "int8"
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
+            "device": "cpu" if device_id is None else f"cuda:{int(device_id)}"}
+    # INT8 on the CPU: ONNX Runtime's integer kernels where the CPU has integer dot products, else Q/DQ
+    # simulated in float, as the accuracy gate scored it (the u8s8 kernels can saturate on AVX2 alone).
+    if settings.precision == "int8" and device_id is None:
+        try:
+            kernels, why = choose_int8_kernels(settings.int8_kernels)
+        except ValueError as exc:
+            raise SettingsError(f"{exc}: fix serve --int8-kernels or the recipe's [repository] int8_kernels") from exc
+        info["int8_kernels"], info["int8_kernels_why"] = kernels, why
+    cpus = available_cpus()
+    threads = cpu_threads_per_instance(settings, cpus)
 
     def make(source: Path | bytes):
         if device_id is None:
-            return OnnxRuntimeEngine(source, threads=cpu_threads_per_instance(settings, available_cpus()),
-                                     simulate_qdq=int8)
+            return OnnxRuntimeEngine(source, threads=threads, spinning=cpu_spinning(settings, cpus, threads),
+                                     int8=info.get("int8_kernels"))
         return OnnxRuntimeCudaEngine(source, device_id=device_id, settings=settings)
 
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
-            "device": "cpu" if device_id is None else f"cuda:{int(device_id)}"}
+    if device_id is None:
+        info["threads"] = threads
     if device_id is not None:
         info["provider"] = "CUDAExecutionProvider"
     if not has_data:
@@ -152,13 +169,25 @@ def instance_device(instance_kind: str, device_id: int) -> str:
     return f"cuda:{int(device_id)}" if instance_kind == "GPU" else "cpu"
 
 
+def torch_file(version_dir: Path, settings: Settings) -> Path:
+    """The torch engine's file: the ExportedProgram (``model.pt2``) when the version has one and the
+    configuration names no other file, else the configured one (a TorchScript trace from before)."""
+    from .engines.torch import EXPORTED_PROGRAM_FILE, TORCHSCRIPT_FILE
+
+    program = version_dir / EXPORTED_PROGRAM_FILE
+    if settings.torchscript_file == TORCHSCRIPT_FILE and program.is_file():
+        return program
+    return version_dir / settings.torchscript_file
+
+
 def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dict[str, str] | None):
     from .engines.torch import TorchEngine
 
     model_dir, version = version_dir.parent, version_dir.name
-    data = read_checked(model_dir, f"{version}/{settings.torchscript_file}", digests)
+    file = torch_file(version_dir, settings).name
+    data = read_checked(model_dir, f"{version}/{file}", digests)
     engine_inputs = [i.name for i in settings.inputs if i.data_type != "TYPE_STRING"]
-    engine = TorchEngine(data, device, vocab_size=settings.vocab_size)
+    engine = TorchEngine(data, device, vocab_size=settings.vocab_size, exported_program=file.endswith(".pt2"))
     # The names come from the file (written by the export); they must fit the model configuration.
     if settings.inputs:
         unknown = [n for n in engine.input_names if n not in engine_inputs]
@@ -166,11 +195,11 @@ def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dic
         if unknown or missing:
             engine.close()
             raise SettingsError(
-                f"{settings.torchscript_file} takes {list(engine.input_names)} and returns "
+                f"{file} takes {list(engine.input_names)} and returns "
                 f"{list(engine.output_names)}, which does not fit config.pbtxt (inputs not declared: "
                 f"{unknown or 'none'}, outputs not produced: {missing or 'none'}): repackage the model")
-    info = {"flavour": "torch", "file": settings.torchscript_file, "device": device,
-            "verified": digests is not None}
+    info = {"flavour": "torch", "file": file, "device": device, "verified": digests is not None,
+            "format": engine.format}
     if engine.allocator_backend:
         info["allocator"] = engine.allocator_backend
     return engine, info
@@ -192,13 +221,13 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     if digests is _FROM_ENV:
         digests = verified_digests(model_dir.name, version)
     gpu = instance_kind == "GPU"
-    torchscript = version_dir / settings.torchscript_file
+    torchscript = torch_file(version_dir, settings)
     if settings.engine == "torch":
         if settings.precision != "fp32":
-            raise SettingsError(f"engine=torch serves the FP32 TorchScript trace, but precision={settings.precision}: "
+            raise SettingsError(f"engine=torch serves the FP32 torch program, but precision={settings.precision}: "
                                 "repackage with repository.serve = \"fp32\" or engine = \"auto\"")
         if not torchscript.is_file():
-            raise SettingsError(f"engine=torch but {torchscript} is missing: repackage the model with "
+            raise SettingsError(f"engine=torch but {torchscript.parent / 'model.pt2'} is missing: repackage the model with "
                                 "export.torchscript = true in its recipe (or use engine=auto)")
         return _load_torch(version_dir, settings, instance_device(instance_kind, device_id), digests)
     fallback: dict[str, str] = {}
@@ -243,10 +272,10 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
         fallback["fallback_from_onnxruntime_cuda"] = why
     if settings.engine == "auto" and gpu:
         if settings.precision != "fp32":
-            fallback["fallback_from_torch"] = (f"the TorchScript trace is FP32 and this deployment serves "
+            fallback["fallback_from_torch"] = (f"the torch program is FP32 and this deployment serves "
                                                f"{settings.precision}")
         elif not torchscript.is_file():
-            fallback["fallback_from_torch"] = (f"no {settings.torchscript_file} in the version folder (package with "
+            fallback["fallback_from_torch"] = (f"no model.pt2 (or {settings.torchscript_file}) in the version folder (package with "
                                                "export.torchscript = true to serve with torch on the GPU)")
         else:
             from .engines.torch import cuda_unavailable_reason

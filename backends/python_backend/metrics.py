@@ -33,6 +33,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Tokens computed, each group padded to its longest sequence; computed / real = padding ratio.",
     ),
     "group_retries_total": ("COUNTER", "Groups split and retried after a failure (out of memory included)."),
+    "groups_split_for_memory_total": (
+        "COUNTER", "Groups split before launch because their activations would not fit the GPU memory free now."),
+    "engine_info": ("GAUGE", "1, labelled with what the instance runs: precision, int8_kernels (integer or "
+                             "simulated, ONNX Runtime CPU INT8), threads (ONNX Runtime CPU intra-op threads)."),
     "execute_seconds_total": ("COUNTER", "Wall time spent in execute(), in seconds."),
     "pool_reserved_bytes": ("GAUGE", "GPU memory the instance's pool holds (in use + cached)."),
     "pool_used_bytes": ("GAUGE", "GPU memory handed out by the instance's pool and not yet freed."),
@@ -66,12 +70,16 @@ _WINDOW_COUNTERS = {
     "real_tokens_total": "real_tokens",
     "computed_tokens_total": "computed_tokens",
     "group_retries_total": "retries",
+    "groups_split_for_memory_total": "memory_splits",
     "cost_model_timings_total": "timings",
     "cost_model_outliers_total": "outliers",
     "cost_model_refits_total": "refits",
     "cost_model_plan_changes_total": "plan_changes",
     "cost_model_explorations_total": "explorations",
 }
+
+# engine_info keys published as labels of the engine_info gauge (loading.load_engine's info).
+ENGINE_INFO_LABELS = ("precision", "int8_kernels", "threads")
 
 PoolSource = Callable[[], Any]  # returns PoolStats-like (reserved, used, high_water) or a dict, or None
 
@@ -125,6 +133,8 @@ class BackendMetrics:
             self._metric(short)
         for plan in PLANS:
             self._metric("cost_model_modelled_seconds_total", plan=plan)
+        info = {k: str(engine_info[k]) for k in ENGINE_INFO_LABELS if engine_info and engine_info.get(k) is not None}
+        self._metric("engine_info", **info).set(1.0)
         self._estimator = cost if cost is not None and hasattr(cost, "profiles") else None
         self._last_cost: dict[str, tuple[float, ...]] = {}
         if self._estimator is not None:

@@ -21,6 +21,7 @@ from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
 from .requests import RequestError, check_items, items_from_tensors, items_from_text_inputs
+from .memory_guard import guard_for
 from .samples import sample_feeds
 from .settings import parse_settings
 
@@ -53,7 +54,8 @@ class TritonPythonModel:
         self.executor = GroupedExecutor(
             self.engine, cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets,
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
-            max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences)
+            max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences,
+            memory_guard=guard_for(self.engine))
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None
@@ -84,14 +86,24 @@ class TritonPythonModel:
             if key.startswith("fallback_from_"):
                 pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: {key[len('fallback_from_'):]} "
                                          f"engine not used: {why}")
+        if self.engine_info.get("int8_kernels") == "simulated":  # say plainly that INT8 buys no speed here
+            pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: INT8 with Q/DQ simulated in float: "
+                                     f"{self.engine_info.get('int8_kernels_why')}")
+        if self.engine_info.get("format") == "TorchScript":
+            pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: serving a TorchScript trace "
+                                     f"({self.engine_info['file']}), which torch deprecates: rebuild the repository "
+                                     "with this model-factory to serve model.pt2 (torch.export)")
         if "cpu_fallback" in self.engine_info:
             pb_utils.Logger.log_warn(f"model-factory backend: {s.model_name}: GPU instance serving on the CPU "
                                      f"(ONNX Runtime): {self.engine_info['cpu_fallback']}")
         device = self.engine_info.get("device")
+        kernels = self.engine_info.get("int8_kernels")
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
-            f"({self.engine_info['file']}){f' on {device}' if device else ''}, grouping={s.grouping}, "
-            f"{start.note}")
+            f"({self.engine_info['file']}){f' on {device}' if device else ''}"
+            + (f", {self.engine_info['threads']} threads" if "threads" in self.engine_info else "")
+            + (f", int8 kernels: {kernels} ({self.engine_info.get('int8_kernels_why')})" if kernels else "")
+            + f", grouping={s.grouping}, {start.note}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.

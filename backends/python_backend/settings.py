@@ -59,7 +59,8 @@ class Settings:
     # model that ignores padding (it reads an attention mask) gives the same outputs padded; any other
     # model is batched only with requests of exactly its shape.
     pad_sequences: bool = True
-    # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (split the cores).
+    # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (every core, see
+    # cpu_threads_per_instance).
     cpu_threads: int | None = None
     # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
     cpu_instances: int = 0
@@ -68,6 +69,9 @@ class Settings:
     respond_after_return: bool = False
     # The allowed [low, high] of each index-like input (input_bounds.py): checked per request before any engine.
     input_bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
+    # integer or simulated (Q/DQ in float); see cpu_features.
+    int8_kernels: str = "auto"
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -136,6 +140,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         cpu_instances=cpu_instances,
         respond_after_return=p.respond_after_return == "true"
         or (p.respond_after_return == "auto" and has_queue_policy(cfg)),
+        int8_kernels=p.int8_kernels,
     )
 
 
@@ -159,12 +164,20 @@ def has_queue_policy(cfg: Mapping[str, Any]) -> bool:
 
 
 def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
-    """ONNX Runtime intra-op threads for one CPU instance: the cores split between the model's instances.
+    """ONNX Runtime intra-op threads for one CPU instance: every core, unless ``cpu_threads`` says otherwise.
 
-    Each instance is its own stub process with its own session; left at ONNX Runtime's default, every
-    session starts a thread per core, and two instances on 2 cores ran slower than one (0.81x,
-    benchmarks/RESULTS.md, "Instances"), their spinning threads contending for the same cores.
+    Each instance is its own stub process with its own session. With one thread per instance (the cores
+    split) a lone request ran on one core; with a thread per core in each instance and ONNX Runtime's
+    spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md, "Instances"),
+    their spinning threads contending. Every core per instance with spinning off (:func:`cpu_spinning`)
+    gives a lone request all the cores and lets loaded instances sleep instead of spin
+    (benchmarks/RESULTS.md, "INT8 on the CPU").
     """
     if settings.cpu_threads:
         return settings.cpu_threads
-    return max(1, int(cpus) // max(1, settings.cpu_instances))
+    return max(1, int(cpus))
+
+
+def cpu_spinning(settings: Settings, cpus: int, threads: int) -> bool:
+    """Whether ONNX Runtime's intra-op threads may spin: only when the instances' threads fit the cores."""
+    return max(1, settings.cpu_instances) * max(1, threads) <= max(1, int(cpus))

@@ -234,9 +234,10 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     models = quantized_models(recipe)
     artifacts: dict[str, Path] = {onnx_file(p): path for p, path in models.items()}
     extra = [p for p in (export_dir / Files.EXPORT_REPORT,) if p.is_file()]
-    torchscript = export_dir / Files.TORCHSCRIPT
-    if torchscript.is_file():
-        artifacts[torchscript.name] = torchscript
+    for torch_file in (export_dir / Files.EXPORTED_PROGRAM, export_dir / Files.TORCHSCRIPT):
+        if torch_file.is_file():  # the program; a trace only in a work dir from before torch.export
+            artifacts[torch_file.name] = torch_file
+            break
     quant_dir = recipe.work_dir / "quantize"
     extra += sorted(quant_dir.glob("*.json")) if quant_dir.is_dir() else []
     engine_dir = recipe.work_dir / "engines"

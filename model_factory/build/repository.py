@@ -14,7 +14,7 @@ Layout of one model::
                                                model.int8.onnx; every built one with keep_all_precisions),
                                                with its external data (<file>.data) when it has one
     <repo>/<model>/<version>/model.<p>.plan    the served precision's TensorRT engine, with .plan.json metadata
-    <repo>/<model>/<version>/model.torchscript.pt  the torch engine's trace (export.torchscript = true)
+    <repo>/<model>/<version>/model.pt2  the torch engine's program (export.torchscript = true; torch.export)
     <repo>/<model>/<version>/tokenizer/        for text models
     <repo>/<model>/<version>/acceptance/       held-out inputs + FP32 outputs (Polygraphy JSON), gate
     <repo>/<model>/<version>/export.json, accuracy.json   the export check and the accuracy report
@@ -390,7 +390,7 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         max_sequence_length=shapes.max_sequence_length, sequence_buckets=tuple(shapes.sequence_buckets) or None,
         grouping=b.grouping, max_group_tokens=b.max_group_tokens, pad_sequences=b.pad_sequences,
         engine=r.engine, cpu_fallback=r.allow_cpu_fallback, pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
-        pool_initial_mib=r.memory_pool_initial_mib, cpu_threads=r.cpu_threads,
+        pool_initial_mib=r.memory_pool_initial_mib, cpu_threads=r.cpu_threads, int8_kernels=r.int8_kernels,
         # The precision this deployment serves, and its files: the backend loads these and no other.
         precision=r.serve, onnx_file=onnx_name, plan_file=plan_name, vocab_size=hf_vocab_size(recipe),
         # "auto" on two or more instances: serve derives the bound where the model is served.
@@ -464,7 +464,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "labels": list(labels) or None,
             "acceptance": (f"{Files.ACCEPTANCE_DIR}/{Files.ACCEPTANCE_SPEC}" if acceptance_dir is not None else None),
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
-            "engines": sorted(name for name in files if name.endswith(".plan") or name == Files.TORCHSCRIPT),
+            "engines": sorted(name for name in files if name.endswith(".plan")
+                              or name in (Files.TORCHSCRIPT, Files.EXPORTED_PROGRAM)),
         }
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         if check is not None:

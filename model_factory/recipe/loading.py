@@ -134,13 +134,14 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
         raise _err("repository.serve", f"{r.serve!r} is not among precisions {list(precisions)}",
                    f"add \"{r.serve}\" to precisions, or serve one of {', '.join(precisions)}")
     if r.engine == "torch" and r.serve != "fp32":
-        raise _err("repository.serve", f"engine = \"torch\" serves the FP32 TorchScript trace, not {r.serve}",
+        raise _err("repository.serve", f"engine = \"torch\" serves the FP32 torch program (model.pt2), not {r.serve}",
                    "set serve = \"fp32\", or engine = \"auto\" (TensorRT plan on a GPU, ONNX Runtime on a CPU)")
     return RepositorySpec(
         path=_path(r.path, base_dir), instance_count=r.instance_count, instance_kind=r.instance_kind,
         engine=r.engine, memory_pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
         memory_pool_initial_mib=r.memory_pool_initial_mib, allow_cpu_fallback=r.allow_cpu_fallback,
-        serve=r.serve, keep_all_precisions=r.keep_all_precisions, cpu_threads=r.cpu_threads)
+        serve=r.serve, keep_all_precisions=r.keep_all_precisions, cpu_threads=r.cpu_threads,
+        int8_kernels=r.int8_kernels)
 
 
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:

@@ -27,6 +27,7 @@ INSTANCE_KINDS = ("auto", "cpu", "gpu")
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
 GROUPING_MODES = ("cost_model", "pad_to_longest", "none")
 POOLINGS = ("mean", "cls")
+INT8_KERNELS = ("auto", "integer", "simulated")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 TIMEOUT_ACTIONS = ("reject", "delay")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -260,9 +261,14 @@ class RepositoryTable(_Table):
     keep_all_precisions: Annotated[bool, Fix("write true (keep every precision in the version folder) or false "
                                              "(only the served one)")] = Field(
         False, description="Keep every built precision in the version folder, not only the served one.")
-    cpu_threads: Annotated[Whole, Fix("give ONNX Runtime threads per CPU instance (0: split the cores between the "
-                                      "instances)")] = Field(
-        0, description="ONNX Runtime threads per CPU instance (0: the cores split between the instances).")
+    cpu_threads: Annotated[Whole, Fix("give ONNX Runtime threads per CPU instance (0: every core, spinning off "
+                                      "when the instances share them)")] = Field(
+        0, description="ONNX Runtime threads per CPU instance (0: every core, with ONNX Runtime's spinning off when "
+        "the instances' threads outnumber the cores).")
+    int8_kernels: _choice(INT8_KERNELS) = Field("auto", description="INT8 on ONNX Runtime's CPU engine: auto "
+                                                "(integer kernels where the serving CPU has VNNI, AMX or dot "
+                                                "products, else Q/DQ simulated in float), integer, or simulated. "
+                                                "serve/accept --int8-kernels override it.")
 
 
 def _table(description: str) -> Fix:

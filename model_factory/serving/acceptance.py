@@ -59,6 +59,7 @@ class AcceptanceResult:
     engine: str | None = None  # the backend's engine flavour: tensorrt, torch, onnxruntime
     file: str | None = None  # the engine's file in the version folder
     device: str | None = None  # cpu, cuda:0, ...
+    int8_kernels: str | None = None  # INT8 on ONNX Runtime CPU: integer or simulated (Q/DQ in float)
     metric: str | None = None
     threshold: float | None = None
     score: float | None = None
@@ -74,11 +75,12 @@ class AcceptanceResult:
         """``engine (file) on device``, as the reports print it."""
         if self.engine is None:
             return "-"
-        return f"{self.engine} ({self.file}) on {self.device}"
+        kernels = f", int8 {self.int8_kernels} kernels" if self.int8_kernels else ""
+        return f"{self.engine} ({self.file}) on {self.device}{kernels}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "passed": self.passed, "engine": self.engine,
-                "file": self.file, "device": self.device, "metric": self.metric, "threshold": self.threshold,
+                "file": self.file, "device": self.device, "int8_kernels": self.int8_kernels, "metric": self.metric, "threshold": self.threshold,
                 "score": _num(self.score), "primary_output": self.primary_output, "samples": self.samples,
                 "outputs": [{"name": o.name, "metric": o.metric, "score": _num(o.score),
                              "min_cosine": _num(o.min_cosine), "max_abs_error": _num(o.max_abs_error),
@@ -132,32 +134,43 @@ def engine_settings(config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def gpu_product_env(product: str | None):
-    """The backend reads the GPU product the server was started for from its environment: set it alike."""
+def gpu_product_env(product: str | None, int8_kernels: str | None = None):
+    """The backend reads the GPU product (and INT8 kernels) the server was started with from its environment:
+    set them alike."""
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
     from model_factory.backend.loading import GPU_PRODUCT_ENV
 
-    if not product:
+    with _env(INT8_KERNELS_ENV, int8_kernels):
+        with _env(GPU_PRODUCT_ENV, product):
+            yield
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name] = value`` for the block (nothing when value is None)."""
+    if not value:
         yield
         return
-    old = os.environ.get(GPU_PRODUCT_ENV)
-    os.environ[GPU_PRODUCT_ENV] = product
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(GPU_PRODUCT_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[GPU_PRODUCT_ENV] = old
+            os.environ[name] = old
 
 
 def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, instance_kind: str | None = None,
-                 device_id: int | None = None, layers: bool = True, gpu_product: str | None = None) -> AcceptanceResult:
+                 device_id: int | None = None, layers: bool = True, gpu_product: str | None = None,
+                 int8_kernels: str | None = None) -> AcceptanceResult:
     """Accept the served version of ``model_dir`` on this machine (never raises for a failing engine).
 
     ``digests`` (``relpath -> sha256``, as ``serve`` hands to the backend) makes every file read here
     (acceptance data and engine) be checked against the verified bytes. ``instance_kind`` / ``device_id``
     override what ``config.pbtxt`` says (``GPU``/``CPU``); ``gpu_product`` is ``serve --gpu-product``'s
-    (only plans built on that GPU product count).
+    (only plans built on that GPU product count); ``int8_kernels`` is ``serve --int8-kernels``'s.
     """
     from model_factory.backend.integrity import read_checked
     from model_factory.backend.loading import load_for_serving
@@ -185,7 +198,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
         return AcceptanceResult(name, version, False, reason=f"{type(exc).__name__}: {exc}")
     try:
         # Serve's own load path (backend initialize()): engine, tokenizer and warm-up; what fails here fails there.
-        with gpu_product_env(gpu_product):
+        with gpu_product_env(gpu_product, int8_kernels):
             engine, info, _tokenizer = load_for_serving(model_dir / version, settings, kind, dev, digests=_d(digests))
     except Exception as exc:  # the model would not load in Triton either: that is the verdict
         return AcceptanceResult(name, version, False, metric=spec.metric, threshold=spec.threshold,
@@ -193,6 +206,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
                                 reason=f"the model does not load here ({kind} instance): {one_line(exc)}")
     where = dict(engine=info.get("flavour"), file=info.get("file"),
                  device=info.get("device") or ("cpu" if info.get("flavour") == "onnxruntime" else f"cuda:{dev}"),
+                 int8_kernels=info.get("int8_kernels"),
                  fallbacks={k: v for k, v in info.items() if k.startswith("fallback_from_")})
     try:
         got = _run(engine, inputs, settings, spec)
@@ -327,7 +341,8 @@ def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:
     for col in ("model", "engine", "device", "output", "metric", "score", "min cos", "max abs err", "gate"):
         table.add_column(col, justify="right" if col in ("score", "min cos", "max abs err") else "left")
     for r in results:
-        where = (f"{r.engine} ({r.file})" if r.engine else "-", r.device or "-")
+        kernels = f", int8 {r.int8_kernels}" if r.int8_kernels else ""
+        where = (f"{r.engine} ({r.file}{kernels})" if r.engine else "-", r.device or "-")
         if not r.outputs:
             table.add_row(f"{r.model}/{r.version}", *where, "-", r.metric or "-", "-", "-", "-", "FAIL")
         for o in r.outputs:

@@ -90,7 +90,7 @@ def needs_measuring(model_dir: Path) -> bool:
 
 
 def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = None,
-                        gpu_product: str | None = None) -> CostModel | None:
+                        gpu_product: str | None = None, int8_kernels: str | None = None) -> CostModel | None:
     """The cost model of the engine the backend would serve for ``model_dir``, timed on this machine.
 
     Loads the engine with the backend's own loader (same choice, same files, bytes checked against
@@ -110,7 +110,7 @@ def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = Non
     settings = engine_settings(config)
     kind, device = instance_of(config)
     try:
-        with gpu_product_env(gpu_product):
+        with gpu_product_env(gpu_product, int8_kernels):
             engine, _info = load_engine(Path(model_dir) / served_version(Path(model_dir), config), settings, kind,
                                         device, digests=None if digests is None else dict(digests))
     except Exception:  # noqa: BLE001 - the model's own load says why; the signed bound stays meanwhile

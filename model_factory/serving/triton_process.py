@@ -47,6 +47,7 @@ def default_cost_cache() -> Path:
 
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
+INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/cpu_features.py reads it
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
 # caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
@@ -73,6 +74,9 @@ class ServerOptions:
     # The GPU product this server runs on (the nvidia.com/gpu.product node label): the backend then
     # loads only TensorRT plans whose metadata says they were built on it. None: any plan.
     gpu_product: str | None = None
+    # INT8 kernels on ONNX Runtime CPU (auto | integer | simulated; backend/cpu_features.py): None leaves
+    # each model's int8_kernels parameter in force; acceptance replays the same choice.
+    int8_kernels: str | None = None
     # The key of the restricted admin APIs: None generates one per run (held by this process only);
     # an operator's fleet passes its own (admin_key_from). restrict_admin=False opens them (tests only).
     admin_key: str | None = field(default=None, repr=False)
@@ -237,6 +241,8 @@ class TritonServer:
         self.extra_env = dict(env or {})
         if opts.gpu_product:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
+        if opts.int8_kernels:
+            self.extra_env[INT8_KERNELS_ENV] = opts.int8_kernels
         self.work_dir = self._work
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
         self.queue_costs = dict(queue_costs or {})

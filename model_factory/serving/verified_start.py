@@ -88,7 +88,7 @@ def verify(repository: Path, policy: Path | None, allow_unsigned: bool) -> Verif
 
 
 def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict | None, *, accept: bool,
-                          gpu_product: str | None) -> MachineChecks:
+                          gpu_product: str | None, int8_kernels: str | None = None) -> MachineChecks:
     """Acceptance (with ``accept``) and the queue-bound cost model of each model, in one child process.
 
     The engines a child loads (GPU memory, a CUDA context, torch's cache) are gone before Triton loads
@@ -110,10 +110,10 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
                 if accept:
                     refused[m] = "acceptance failed: the served version was not verified"
                 else:  # its load is refused by the backend, with the reason; nothing unverified is read here
-                    jobs.append((str(repository / m), None, gpu_product, False, False))
+                    jobs.append((str(repository / m), None, gpu_product, False, False, int8_kernels))
                 continue
         measure = needs_measuring(repository / m)
-        jobs.append((str(repository / m), digests, gpu_product, accept, measure))
+        jobs.append((str(repository / m), digests, gpu_product, accept, measure, int8_kernels))
     todo = [j for j in jobs if j[3] or j[4]]
     verdicts = {}
     if todo:
@@ -134,17 +134,18 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
     return MachineChecks(tuple(passed), refused, engines, costs)
 
 
-def _check_one(job: tuple[str, dict | None, str | None, bool, bool]) -> tuple[bool, str | None, str | None, Any]:
+def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None]
+               ) -> tuple[bool, str | None, str | None, Any]:
     """One model's verdict and cost model (run in the child process of :func:`check_on_this_machine`)."""
     from model_factory.serving.acceptance import accept_model
     from model_factory.serving.queue_bound import measure_engine_cost
 
-    path, digests, gpu_product, accept, measure = job
+    path, digests, gpu_product, accept, measure, int8_kernels = job
     ok, where, reason = True, None, None
     if accept:
-        result = accept_model(Path(path), digests=digests, gpu_product=gpu_product)
+        result = accept_model(Path(path), digests=digests, gpu_product=gpu_product, int8_kernels=int8_kernels)
         ok, where, reason = result.passed, result.where, result.reason
-    cost = measure_engine_cost(Path(path), digests, gpu_product) if measure and ok else None
+    cost = measure_engine_cost(Path(path), digests, gpu_product, int8_kernels) if measure and ok else None
     return ok, where, reason, cost
 
 
@@ -182,7 +183,7 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     checked = verify(repository, policy, allow_unsigned)
     env = _cost_cache_env(repository, cost_cache)
     checks = check_on_this_machine(repository, checked.to_load, checked.table, accept=accept,
-                                   gpu_product=options.gpu_product)
+                                   gpu_product=options.gpu_product, int8_kernels=options.int8_kernels)
     refused = {**checked.refused, **checks.refused}
     if not checks.passed:
         raise FactoryError("no model passed verification and acceptance:\n"

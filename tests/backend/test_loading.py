@@ -84,10 +84,30 @@ def _torchscript(path: Path) -> None:
         def forward(self, x):  # noqa: ANN001
             return x * 1.0
 
-    traced = torch.jit.trace(Same(), (torch.ones(2, 3),))
-    buf = io.BytesIO()
-    torch.jit.save(traced, buf, _extra_files={IO_EXTRA_FILE: json.dumps({"inputs": ["x"], "outputs": ["y"]})})
+    import warnings
+
+    with warnings.catch_warnings():  # a repository from before torch.export: TorchScript is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(Same(), (torch.ones(2, 3),))
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf, _extra_files={IO_EXTRA_FILE: json.dumps({"inputs": ["x"], "outputs": ["y"]})})
     path.write_bytes(buf.getvalue())
+
+
+def _exported_program(path: Path) -> None:
+    """y = 2x as the export writes it now (torch.export, model.pt2), dynamic batch."""
+    import json
+
+    import torch
+
+    from model_factory.backend.engines.torch import IO_EXTRA_FILE
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):  # noqa: ANN001
+            return x * 2.0
+
+    program = torch.export.export(Twice(), (torch.ones(2, 3),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, str(path), extra_files={IO_EXTRA_FILE: json.dumps({"inputs": ["x"], "outputs": ["y"]})})
 
 
 @pytest.fixture
@@ -104,7 +124,8 @@ def _cuda_available() -> bool:
 
 def test_engine_torch_on_a_cpu_instance(torch_version_dir: Path) -> None:
     engine, info = load_engine(torch_version_dir, settings("torch"), "CPU", 0)
-    assert info == {"flavour": "torch", "file": "model.torchscript.pt", "device": "cpu", "verified": False}
+    assert info == {"flavour": "torch", "file": "model.torchscript.pt", "device": "cpu", "verified": False,
+                    "format": "TorchScript"}
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     ort, _ = load_engine(torch_version_dir, settings("onnxruntime"), "CPU", 0)
     np.testing.assert_array_equal(engine.run({"x": x})["y"], ort.run({"x": x})["y"])
@@ -113,8 +134,18 @@ def test_engine_torch_on_a_cpu_instance(torch_version_dir: Path) -> None:
 def test_engine_torch_without_the_file_names_the_fix(version_dir: Path) -> None:
     from model_factory.backend.settings import SettingsError
 
-    with pytest.raises(SettingsError, match="model.torchscript.pt is missing.*export.torchscript = true"):
+    with pytest.raises(SettingsError, match="model.pt2 is missing.*export.torchscript = true"):
         load_engine(version_dir, settings("torch"), "CPU", 0)
+
+
+def test_the_exported_program_is_preferred_over_a_trace(torch_version_dir: Path) -> None:
+    _exported_program(torch_version_dir / "model.pt2")
+    engine, info = load_engine(torch_version_dir, settings("torch"), "CPU", 0)
+    assert (info["file"], info["format"]) == ("model.pt2", "ExportedProgram")
+    for n in (1, 5):  # the batch axis is dynamic
+        x = np.arange(3 * n, dtype=np.float32).reshape(n, 3)
+        np.testing.assert_array_equal(engine.run({"x": x})["y"], 2 * x)
+    engine.close()
 
 
 def test_auto_on_a_cpu_instance_stays_on_onnxruntime(torch_version_dir: Path) -> None:

@@ -238,42 +238,43 @@ def tiny_bert(tmp_path_factory, minilm_recipe) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("ts") / "tiny-bert", minilm_recipe.source.path)
 
 
-def _torchscript_outputs(path: Path, feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+def _program_outputs(path: Path, feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
     import torch
 
-    module = torch.jit.load(str(path), map_location="cpu")
+    module = torch.export.load(str(path)).module()
     with torch.no_grad():
         outs = module(*(torch.from_numpy(feeds[n]) for n in names))
     return [o.numpy() for o in outs]
 
 
-def test_hf_torchscript_export_matches_onnxruntime(tiny_bert: Path, tmp_path: Path) -> None:
+def test_hf_exported_program_matches_onnxruntime(tiny_bert: Path, tmp_path: Path) -> None:
     import torch
 
     recipe = parse_recipe({"model": {"name": "tiny"}, "source": {"kind": "huggingface", "path": str(tiny_bert)},
                            "export": {"torchscript": True},
                            "shapes": {"max_batch": 8, "max_sequence_length": 64, "sequence_buckets": [64]}}, tmp_path)
     res = export_model(recipe)
-    assert res.torchscript_path == res.onnx_path.parent / "model.torchscript.pt" and res.torchscript_path.is_file()
+    assert res.torchscript_path == res.onnx_path.parent / "model.pt2" and res.torchscript_path.is_file()
+    assert not (res.onnx_path.parent / "model.torchscript.pt").exists()  # new builds write no TorchScript
     assert res.torchscript_max_abs_error is not None and res.torchscript_max_abs_error <= recipe.export.tolerance
     report = json.loads((res.onnx_path.parent / "export.json").read_text())
-    assert report["torchscript"]["file"] == "model.torchscript.pt"
+    assert report["torchscript"]["file"] == "model.pt2"
     assert report["torchscript"]["torch"] == torch.__version__
     # The names travel inside the file, in forward()'s positional order.
-    extra = {"model_factory_io.json": b""}
-    torch.jit.load(str(res.torchscript_path), _extra_files=extra)
+    extra = {"model_factory_io.json": ""}
+    torch.export.load(str(res.torchscript_path), extra_files=extra)
     assert json.loads(extra["model_factory_io.json"]) | {"torch": None} == {
         "format": 1, "inputs": ["input_ids", "attention_mask", "token_type_ids"],
         "outputs": ["last_hidden_state", "embedding"], "torch": None}
     sess = onnxruntime_session(res.onnx_path)
     rng = np.random.default_rng(0)
-    for batch, length in ((1, 3), (5, 40)):  # shapes other than the traced one
+    for batch, length in ((1, 3), (5, 40)):  # shapes other than the exported one (dynamic batch and sequence)
         ids = rng.integers(0, 30522, (batch, length))
         mask = np.ones_like(ids)
         mask[0, length // 2:] = 0
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
         want = sess.run(list(res.output_names), feeds)
-        got = _torchscript_outputs(res.torchscript_path, feeds, list(res.input_names))
+        got = _program_outputs(res.torchscript_path, feeds, list(res.input_names))
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(g, w, atol=1e-4)
@@ -281,7 +282,7 @@ def test_hf_torchscript_export_matches_onnxruntime(tiny_bert: Path, tmp_path: Pa
 
 def test_default_export_makes_no_torchscript(tmp_path: Path, factory_module: str) -> None:
     res = export_model(parse_recipe(torch_recipe(tmp_path, f"{factory_module}:make"), tmp_path))
-    assert res.torchscript_path is None and not (res.onnx_path.parent / "model.torchscript.pt").exists()
+    assert res.torchscript_path is None and not (res.onnx_path.parent / "model.pt2").exists()
     assert json.loads((res.onnx_path.parent / "export.json").read_text())["torchscript"] is None
 
 
@@ -293,7 +294,7 @@ def test_torch_factory_torchscript_export(tmp_path: Path, monkeypatch) -> None:
     assert res.torchscript_path.is_file()
     feeds = {"input_ids": np.arange(12).reshape(2, 6) % 50, "attention_mask": np.ones((2, 6), np.int64)}
     want = onnxruntime_session(res.onnx_path).run(list(res.output_names), feeds)
-    got = _torchscript_outputs(res.torchscript_path, feeds, list(res.input_names))
+    got = _program_outputs(res.torchscript_path, feeds, list(res.input_names))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
@@ -382,19 +383,20 @@ def test_cli_names_a_missing_factory_module_in_one_line(tmp_path: Path) -> None:
            "recipe" in result.output
 
 
-def test_torchscript_check_catches_a_baked_shape_on_its_own(tmp_path: Path, monkeypatch) -> None:
-    """The trace's own check (kept for exports whose ONNX graph did not bake the shape in)."""
+def test_exported_program_refuses_a_branch_on_a_dynamic_axis(tmp_path: Path, monkeypatch) -> None:
+    """The exported program's own check at a second batch size (kept for exports whose ONNX graph did not bake it in)."""
     import importlib
 
     import torch
     from tiny_torch_models import encoder_recipe, write_factory
 
-    from model_factory.build_engines.export import _save_torchscript
+    from model_factory.build_engines.export import save_exported_program
 
     name = write_factory(tmp_path, monkeypatch)
     module, example = importlib.import_module(name).make_branchy()
     args = (example["input_ids"], example["attention_mask"])
     recipe = parse_recipe(encoder_recipe(f"{name}:make_branchy", torchscript=True), tmp_path)
-    with pytest.raises(FactoryError, match="TorchScript trace differs.*Fix: set export.torchscript = false"):
-        _save_torchscript(torch, module, [args, tuple(a[:1] for a in args)], tmp_path,
-                          ["input_ids", "attention_mask"], ["last_hidden_state", "embedding"], recipe, lambda _m: None)
+    with pytest.raises(FactoryError, match="exported program differs.*Fix: set export.torchscript = false"):
+        save_exported_program(torch, module, [args, tuple(a[:1] for a in args)], tmp_path,
+                              ["input_ids", "attention_mask"], ["last_hidden_state", "embedding"], recipe,
+                              lambda _m: None, dynamic={"input_ids": (0, 1), "attention_mask": (0, 1)})

@@ -1,5 +1,6 @@
-"""The torch engine behind the real Triton server: a tiny BERT built with export.torchscript = true,
-served with engine=torch on a CPU instance, answers match ONNX Runtime on the same export."""
+"""The torch engine behind the real Triton server: a tiny BERT built with export.torchscript = true (an
+ExportedProgram, model.pt2), served with engine=torch on a CPU instance, answers match ONNX Runtime on the
+same export, and the version accepts."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ def torch_served(tmp_path_factory, minilm_recipe):
         "export": {"torchscript": True},
         "shapes": {"max_batch": 8, "max_sequence_length": 64, "sequence_buckets": [16, 64]},
         "repository": {"path": str(root / "model_repository"), "instance_kind": "cpu"},
+        # Held-out text for the acceptance data (the tiny BERT has MiniLM's tokenizer).
+        "quantization": {"heldout_data": str(Path(__file__).resolve().parents[2] / "model_factory" / "examples"
+                                             / "heldout.txt")},
     }, root)
     # A fixed cost model: nothing to measure at load, so the server is ready in a couple of seconds.
     result = build(recipe, parameters={"engine": "torch", "cost_model": "1e-4,1e-8,1e-11"})
-    assert (result.version_dir / "model.torchscript.pt").is_file()
+    assert (result.version_dir / "model.pt2").is_file() and not (result.version_dir / "model.torchscript.pt").exists()
     server = TritonServer(recipe.repository.path, options=ServerOptions(0, 0, 0)).start()
     yield server, result.version_dir
     server.stop()
@@ -45,8 +49,8 @@ def test_engine_torch_answers_like_onnxruntime(torch_served) -> None:
     server, version_dir = torch_served
     assert server.ready_models == ["tiny-torch"]
     log = server.log_file.read_text(errors="replace")
-    assert "tiny-torch serves fp32 on torch (model.torchscript.pt)" in log, server.log_tail()
-    assert "TorchScript on cpu" in log
+    assert "tiny-torch serves fp32 on torch (model.pt2)" in log, server.log_tail()
+    assert "ExportedProgram on cpu" in log and "TorchScript" not in log
     ort = OnnxRuntimeEngine(version_dir / "model.onnx")
     rng = np.random.default_rng(0)
     requests = [rng.integers(1000, 30000, (1, n)) for n in (3, 17, 64, 9, 40, 1, 25, 12)]
@@ -72,5 +76,14 @@ def test_metadata_records_the_torch_engine(torch_served) -> None:
 
     _, version_dir = torch_served
     meta = json.loads(Path(version_dir / "metadata.json").read_text())
-    assert meta["engines"] == ["model.torchscript.pt"] and "model.torchscript.pt" in meta["files"]
-    assert meta["build"]["export"]["torchscript"]["file"] == "model.torchscript.pt"
+    assert meta["engines"] == ["model.pt2"] and "model.pt2" in meta["files"]
+    assert meta["build"]["export"]["torchscript"]["file"] == "model.pt2"
+
+
+def test_the_exported_program_accepts_on_the_cpu(torch_served) -> None:
+    from model_factory.serving.acceptance import accept_model
+
+    _, version_dir = torch_served
+    result = accept_model(version_dir.parent)
+    assert result.passed, result.reason
+    assert (result.engine, result.file, result.device) == ("torch", "model.pt2", "cpu") and result.score > 0.9999

@@ -1,7 +1,8 @@
 """ONNX Runtime engines: the CPU provider, and the CUDA provider for GPU instances (``onnxruntime-gpu``).
 
 CPU
-    ``OnnxRuntimeEngine``: ONNX Runtime's CPU provider, telemetry off.
+    ``OnnxRuntimeEngine``: ONNX Runtime's CPU provider, telemetry off; an INT8 Q/DQ model on integer
+    kernels or with Q/DQ simulated in float (``cpu_features`` chooses), weights dequantized once at load.
 
 CUDA (``OnnxRuntimeCudaEngine``)
     Needs the ``onnxruntime-gpu`` wheel (extra ``onnxruntime-gpu``), which installs the same
@@ -91,21 +92,33 @@ class OnnxRuntimeEngine:
     flavour = "onnxruntime"
     device = "cpu"
 
-    def __init__(self, model: Path | bytes, threads: int | None = None, simulate_qdq: bool = False) -> None:
+    def __init__(self, model: Path | bytes, threads: int | None = None, spinning: bool = True,
+                 int8: str | None = None) -> None:
         """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
 
-        ``simulate_qdq`` keeps Q/DQ pairs as float arithmetic (basic graph optimizations only).
+        ``int8`` (an INT8 Q/DQ model): ``integer`` fuses Q/DQ into ONNX Runtime's integer kernels,
+        ``simulated`` keeps every activation's Q/DQ as float arithmetic; both fold the weights'
+        DequantizeLinear into float constants once, at load, instead of on every call (see
+        :func:`_int8_session`). ``spinning=False`` lets idle intra-op threads sleep at once (instances
+        whose threads outnumber the cores).
         """
         ort = import_onnxruntime()
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
-        if threads:
-            opts.intra_op_num_threads = threads
-        if simulate_qdq:
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+        def options() -> Any:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
+            if threads:
+                opts.intra_op_num_threads = threads
+            if not spinning:
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            return opts
+
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
         source = model if isinstance(model, bytes) else str(model)
-        self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
+        if int8 in ("integer", "simulated"):
+            self._session = _int8_session(ort, source, options, integer=int8 == "integer")
+        else:
+            self._session = ort.InferenceSession(source, sess_options=options(), providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self._session.get_inputs())
         self.output_names = tuple(o.name for o in self._session.get_outputs())
 
@@ -117,6 +130,62 @@ class OnnxRuntimeEngine:
     def close(self) -> None:
         """Drop the session."""
         self._session = None
+
+
+def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer: bool) -> Any:
+    """An INT8 Q/DQ session whose weights are dequantized once, at load (``options()``: fresh session options).
+
+    ``session.disable_quant_qdq`` turns ONNX Runtime's Q/DQ fusions off and, with them, lets constant
+    folding evaluate ``DequantizeLinear(int8 weight)`` into a float constant (with the QDQ fusions on,
+    it skips DequantizeLinear on purpose). Simulated: that, in one session; every activation's Q/DQ still
+    runs in float, as the gate scored it. Integer: a first session fuses what it can into integer kernels
+    (``MatMulIntegerToFloat``) and writes the optimized graph to a private folder (models under
+    :data:`FOLD_LIMIT_BYTES` only: a larger one loads once, as fused); a second one loads that
+    graph with the fusions off, which folds the weights of MatMuls left unfused (ONNX Runtime fuses a
+    DequantizeLinear only into its one reader: INT8 models quantized before the quantize stage wrote a Q/DQ
+    pair per reader left MiniLM's Q/K/V projections, 18 of 44 MatMuls, in float). Profiled on MiniLM at batch 1 x 16 tokens, dequantizing the weights
+    on every call was about half of the INT8 run; served, see benchmarks/RESULTS.md, "INT8 on the CPU".
+    """
+    import shutil
+    import tempfile
+
+    def session(src: str | bytes, options: Any, **kwargs: Any) -> Any:
+        return ort.InferenceSession(src, sess_options=options, providers=["CPUExecutionProvider"], **kwargs)
+
+    def folding(options: Any) -> Any:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        return options
+
+    if not integer:
+        return session(source, folding(options()))
+    if not _small(source):  # a second pass would write the whole model (GBs) to disk at every load
+        return session(source, options())
+    folder = tempfile.mkdtemp(prefix="mf-int8-")
+    try:
+        first = options()
+        first.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
+        # Weights past protobuf's 2 GB limit go to a file beside the graph.
+        first.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+        first.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1048576")
+        # Common-subexpression elimination would merge the per-reader Q/DQ pairs the quantize stage writes
+        # back into one shared pair, which ONNX Runtime does not fuse: off for the fusing pass only.
+        session(source, first, disabled_optimizers=["CommonSubexpressionElimination"])
+        return session(first.optimized_model_filepath, folding(options()))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# Past this size (graph + external data) the integer path loads once, without folding leftover weights.
+FOLD_LIMIT_BYTES = 1 << 30
+
+
+def _small(source: str | bytes) -> bool:
+    """Whether the model (its bytes, or its file and the external data beside it) is under FOLD_LIMIT_BYTES."""
+    if isinstance(source, bytes):
+        return len(source) < FOLD_LIMIT_BYTES
+    path = Path(source)
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0) < FOLD_LIMIT_BYTES
 
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,

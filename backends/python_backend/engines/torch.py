@@ -1,11 +1,15 @@
-"""Torch engine: the export's TorchScript trace (``model.torchscript.pt``) on the instance's GPU or CPU.
+"""Torch engine: the export's ExportedProgram (``model.pt2``, ``torch.export``) on the instance's GPU or CPU.
+
+Repositories built before ``torch.export`` hold a TorchScript trace (``model.torchscript.pt``): it still
+loads (with a note in the log that TorchScript is deprecated and a rebuild writes ``model.pt2``).
 
 For GPU machines without a TensorRT that can run there (the H200 test machine has
 no TensorRT, and TensorRT-RTX refuses compute capability 9.0): torch with CUDA is
 the GPU executor.
 
-- The module is loaded with ``torch.jit.load`` from the bytes the integrity check
-  read (never re-read from disk), mapped to the instance's device.
+- The program is loaded with ``torch.export.load`` (a trace with ``torch.jit.load``) from the bytes the
+  integrity check read (never re-read from disk), moved to the instance's device
+  (``torch.export.passes.move_to_device_pass``; a trace is mapped there).
 - Input and output names come from the file itself: the export stores them in an
   extra file (:data:`IO_EXTRA_FILE`) in the order of the traced ``forward``'s
   positional arguments and returned tuple; the count is checked against the
@@ -30,6 +34,7 @@ module is imported: the backend package imports without torch.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -43,7 +48,8 @@ import numpy as np
 from ..contract import Files
 from .base import EngineError
 
-TORCHSCRIPT_FILE = Files.TORCHSCRIPT
+TORCHSCRIPT_FILE = Files.TORCHSCRIPT  # repositories built before torch.export
+EXPORTED_PROGRAM_FILE = Files.EXPORTED_PROGRAM
 # Extra file inside the TorchScript archive: {"inputs": [...], "outputs": [...]} in positional order.
 IO_EXTRA_FILE = Files.TORCHSCRIPT_IO
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -112,6 +118,17 @@ def read_io_names(module: Any, extra: dict[str, Any]) -> tuple[tuple[str, ...], 
     return inputs, outputs
 
 
+def is_exported_program(data: bytes) -> bool:
+    """Whether ``data`` is a ``torch.export`` archive (it names its ``archive_format``), not TorchScript."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+            return any(n == "archive_format" or n.endswith("/archive_format") for n in archive.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
 def retarget_device_constants(module: Any, device: str) -> int:
     """Point every device constant in the module's graphs at ``device``; return how many were changed.
 
@@ -151,18 +168,28 @@ class TorchCudaPool:
         self._torch = torch
         self._device = device
         self._closed = False
+        # The engine resets torch's peaks around each group (to measure its activations): the marks since
+        # load are kept here.
+        self._peaks = (0, 0)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    def reset_peaks(self) -> None:
+        """Fold torch's peaks into the marks kept here, then reset torch's (a group's own peak follows)."""
+        self.raw_stats()
+        self._torch.cuda.reset_peak_memory_stats(self._device)
+
     def raw_stats(self) -> dict[str, int]:
         stats = self._torch.cuda.memory_stats(self._device)  # one call: memory_reserved() etc. each make one
+        self._peaks = (max(self._peaks[0], int(stats.get("reserved_bytes.all.peak", 0))),
+                       max(self._peaks[1], int(stats.get("allocated_bytes.all.peak", 0))))
         return {
             "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
             "used_bytes": int(stats.get("allocated_bytes.all.current", 0)),
-            "high_water_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
-            "used_high_water_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "high_water_bytes": self._peaks[0],
+            "used_high_water_bytes": self._peaks[1],
         }
 
     def stats(self) -> Any:
@@ -195,13 +222,15 @@ class TorchEngine:
     the device (an out-of-range embedding index is a device-side assert on CUDA,
     which would poison the process's CUDA context for every later request).
     ``threads``: torch's intra-op threads on the CPU (process-wide; default: torch's).
+    ``exported_program``: ``data`` is a ``torch.export`` archive (``model.pt2``), else a TorchScript file;
+    None: read from the archive (:func:`is_exported_program`).
     """
 
     flavour = "torch"
 
     def __init__(self, data: bytes, device: str = "cpu", *, input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None, vocab_size: int | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, exported_program: bool | None = None) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise EngineError("TorchEngine takes the TorchScript file's bytes (as read by the integrity check)")
         self.device = str(device)
@@ -216,6 +245,7 @@ class TorchEngine:
         self._stream = None
         self.pool: TorchCudaPool | None = None
         self._vocab_size = vocab_size
+        self._bytes_per_token: float | None = None  # peak activation memory per token seen (CUDA)
         if self._cuda:
             index = int(self.device.partition(":")[2] or 0)
             why = cuda_unavailable_reason(index)
@@ -226,7 +256,46 @@ class TorchEngine:
             self._device = torch.device("cpu")
             if threads:
                 torch.set_num_threads(int(threads))
-        extra = {IO_EXTRA_FILE: b""}
+        if exported_program is None:
+            exported_program = is_exported_program(data)
+        self.format = "ExportedProgram" if exported_program else "TorchScript"
+        self.retargeted = 0
+        if exported_program:
+            module, extra = self._load_program(torch, data)
+        else:
+            module, extra = self._load_torchscript(torch, data)
+        self._module = module
+        self._inputs, self._outputs = self._resolve_names(module, extra, input_names, output_names)
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=self._device)
+            self.pool = TorchCudaPool(torch, self._device)
+            self.allocator_backend = torch.cuda.get_allocator_backend()
+        else:
+            self.allocator_backend = None
+        print(f"[model-factory torch engine] {self.format} on {self.device} (torch {torch.__version__}"
+              + (f", {self.retargeted} device constants retargeted; TorchScript is deprecated in torch: rebuild "
+                 f"the repository to serve {EXPORTED_PROGRAM_FILE} (torch.export)" if not exported_program else "")
+              + (f", allocator {self.allocator_backend}; {self.allocator_note}" if self._cuda else "") + ")",
+              file=sys.stderr, flush=True)
+
+    def _load_program(self, torch: Any, data: bytes) -> tuple[Any, dict[str, Any]]:
+        """The ExportedProgram's module on the engine's device, and the archive's extra files."""
+        extra: dict[str, Any] = {IO_EXTRA_FILE: ""}
+        try:
+            program = torch.export.load(io.BytesIO(bytes(data)), extra_files=extra)
+            if self._cuda:
+                from torch.export.passes import move_to_device_pass
+
+                program = move_to_device_pass(program, self._device)
+            # An exported module has no train/eval switch (export captured it in eval mode).
+            return program.module(), extra
+        except Exception as exc:  # torch raises many types for a bad or too-new archive
+            raise EngineError(f"torch {torch.__version__} cannot load the exported program ({EXPORTED_PROGRAM_FILE}): "
+                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+
+    def _load_torchscript(self, torch: Any, data: bytes) -> tuple[Any, dict[str, Any]]:
+        """A TorchScript trace (repositories built before torch.export) on the engine's device."""
+        extra: dict[str, Any] = {IO_EXTRA_FILE: b""}
         try:
             with warnings.catch_warnings():  # torch >= 2.10 calls TorchScript deprecated; it still loads
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -234,37 +303,27 @@ class TorchEngine:
         except Exception as exc:  # torch raises RuntimeError and others for a bad or too-new archive
             raise EngineError(f"torch {torch.__version__} cannot load the TorchScript file: {type(exc).__name__}: "
                               f"{str(exc)[:300]}") from exc
-        self._module = module.eval()
-        self._inputs, self._outputs = self._resolve_names(module, extra, input_names, output_names)
+        module = module.eval()
         try:
             self.retargeted = retarget_device_constants(module, str(self._device))
         except (AttributeError, RuntimeError) as exc:  # a torch whose graph API differs
             raise EngineError(f"cannot point the traced module at {self.device}: {type(exc).__name__}: {exc}") from exc
-        if self._cuda:
-            self._stream = torch.cuda.Stream(device=self._device)
-            self.pool = TorchCudaPool(torch, self._device)
-            self.allocator_backend = torch.cuda.get_allocator_backend()
-        else:
-            self.allocator_backend = None
-        print(f"[model-factory torch engine] TorchScript on {self.device} (torch {torch.__version__}, "
-              f"{self.retargeted} device constants retargeted"
-              + (f", allocator {self.allocator_backend}; {self.allocator_note}" if self._cuda else "") + ")",
-              file=sys.stderr, flush=True)
+        return module, extra
 
     def _resolve_names(self, module: Any, extra: dict[str, Any], input_names: Sequence[str] | None,
                        output_names: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
         stored = read_io_names(module, extra)
         given = None if input_names is None or output_names is None else (tuple(input_names), tuple(output_names))
         if stored is None and given is None:
-            raise EngineError(f"the TorchScript file names no inputs/outputs ({IO_EXTRA_FILE} is missing) and none "
+            raise EngineError(f"the {self.format} file names no inputs/outputs ({IO_EXTRA_FILE} is missing) and none "
                               "were given: re-export the model with model-factory (export.torchscript = true)")
         if stored is not None and given is not None and stored != given:
-            raise EngineError(f"the TorchScript file takes inputs {list(stored[0])} and returns {list(stored[1])}, "
+            raise EngineError(f"the {self.format} file takes inputs {list(stored[0])} and returns {list(stored[1])}, "
                               f"but {list(given[0])} -> {list(given[1])} were expected: repackage the model")
         inputs, outputs = stored if stored is not None else given
         try:
             params = [a.name for a in module.forward.schema.arguments][1:]  # drop self
-        except AttributeError:  # an older torch without schema on methods: trust the names
+        except AttributeError:  # an exported program (or an older torch): trust the names
             params = list(inputs)
         if len(params) != len(inputs):
             raise EngineError(f"the traced forward() takes {len(params)} inputs {params}, but the file names "
@@ -311,19 +370,44 @@ class TorchEngine:
         # Optimized execution off, as Triton's own PyTorch backend offers (DISABLE_OPTIMIZED_EXECUTION): the
         # profiling executor specializes the graph on the shapes it sees and re-optimizes when they change,
         # and every group here has a new (batch, length): that would be recompiling, not serving.
-        with self._lock, torch.inference_mode(), torch.jit.optimized_execution(False):
+        optimized = torch.jit.optimized_execution(False) if self.format == "TorchScript" else contextlib.nullcontext()
+        with self._lock, torch.inference_mode(), optimized:
             if not self._cuda:
                 outs = self._outputs_of(self._module(*(torch.from_numpy(a) for a in arrays)))
                 # .numpy() shares the tensors' memory, which is ours alone (kept alive by the arrays).
                 return {n: o.detach().contiguous().numpy() for n, o in zip(self._outputs, outs)}
             stream = self._stream
+            self.pool.reset_peaks()
+            base = torch.cuda.memory_allocated(self._device)
             with torch.cuda.stream(stream):
                 # Pageable source memory: the copies are ordered on this stream before the module runs.
                 args = [torch.from_numpy(a).to(self._device, non_blocking=True) for a in arrays]
                 outs = self._outputs_of(self._module(*args))
                 host = [o.to("cpu") for o in outs]
             stream.synchronize()  # every copy done before the host arrays leave this function
+            self._observe_peak(arrays, torch.cuda.max_memory_allocated(self._device) - base)
             return {n: h.numpy() for n, h in zip(self._outputs, host)}
+
+    def _observe_peak(self, arrays: list[np.ndarray], peak: int) -> None:
+        """Keep the most activation memory per token seen (the warm-up sweep runs the longest shapes)."""
+        first = arrays[0] if arrays else None
+        tokens = int(first.shape[0] * (first.shape[1] if first.ndim > 1 else 1)) if first is not None else 0
+        if tokens > 0 and peak > 0:
+            self._bytes_per_token = max(self._bytes_per_token or 0.0, peak / tokens)
+
+    def activation_bytes(self, n: int, length: int, profile: int = 0) -> int | None:
+        """Device memory a group of ``n`` sequences of ``length`` tokens needs (CUDA, once a group has run)."""
+        if not self._cuda or not self._bytes_per_token:
+            return None
+        return int(self._bytes_per_token * n * max(1, length))
+
+    def free_device_bytes(self) -> int | None:
+        """Memory the driver has free on the device plus what torch's cache holds unused; None on the CPU."""
+        if not self._cuda:
+            return None
+        torch = self._torch
+        free, _total = torch.cuda.mem_get_info(self._device)
+        return int(free + torch.cuda.memory_reserved(self._device) - torch.cuda.memory_allocated(self._device))
 
     def memory_stats(self) -> dict[str, int]:
         """``reserved_bytes``, ``used_bytes``, ``high_water_bytes``, ``used_high_water_bytes`` on CUDA; {} on CPU."""
