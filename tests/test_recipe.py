@@ -274,7 +274,7 @@ def test_torch_engine_serves_only_fp32(tmp_path: Path) -> None:
             "precisions": ["fp32", "fp16"], "quantization": {"heldout_data": "held.npz"},
             "export": {"torchscript": True}, "repository": {"engine": "torch", "serve": "fp16"}}
     (tmp_path / "held.npz").write_bytes(b"")
-    with pytest.raises(FactoryError, match=r"'repository.serve'.*FP32 TorchScript.*Fix: set serve = \"fp32\""):
+    with pytest.raises(FactoryError, match=r"'repository.serve'.*FP32 torch program.*Fix: set serve = \"fp32\""):
         parse_recipe(data, tmp_path)
 
 
