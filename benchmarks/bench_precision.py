@@ -155,7 +155,7 @@ def ort_kernel_accuracy(int8_path: Path, recipe: Any, export: Any) -> dict[str, 
     from model_factory.build_engines.accuracy import Evaluator
     from model_factory.build_engines.calibration import InputEncoder, split_data
     from model_factory.build_engines.export import onnxruntime_session
-    from model_factory.build_engines.quantize import _input_types
+    from model_factory.build_engines.calibration import input_types as _input_types
 
     ref = onnxruntime_session(export.onnx_path)
     split = split_data(recipe.quantization, need_calibration=True)
