@@ -190,9 +190,8 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
                    started_on: str | None = None, stage_seconds: dict[str, float] | None = None) -> dict[str, Any]:
     """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys).
 
-    Besides the recipe and the inputs' digests: the recipe file (its folder is where its relative paths point),
-    the measured queue cost model and the stage times, so that ``model-factory rebuild --check`` can
-    rebuild from it. The outputs' digests are added by the signer, which hashes them anyway.
+    Besides the recipe and the inputs' digests: the recipe file (its folder is where its relative paths point)
+    and the stage times, so that ``model-factory rebuild --check`` can rebuild from it. The outputs' digests are added by the signer, which hashes them anyway.
     """
     import datetime as dt
 

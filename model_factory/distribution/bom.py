@@ -114,7 +114,9 @@ def build_bom(model_dir: Path, version: int, facts: Mapping[str, Any] | None,
     data_components, data_refs = [], []
     calibration = facts.get("calibration_data_digest") or ((meta.get("build") or {}).get("quantization") or {}).get(
         "calibration_digest")
-    held = _heldout(recipe, meta.get("recipe"))
+    # The recipe's folder is where its relative paths point: the provenance records it (metadata.json keeps only
+    # the file's name, so that two builds in two folders give the same bytes).
+    held = _heldout(recipe, facts.get("recipe_path") or meta.get("recipe"))
     for kind, name, digest in (("calibration", ((recipe.get("quantization") or {}).get("calibration_data")
                                                 or "calibration data"), calibration),
                                ("held-out", held[0] if held else None, held[1] if held else None)):
@@ -204,6 +206,7 @@ def facts_from_provenance(statement: Mapping[str, Any]) -> dict[str, Any]:
             "source_model": (deps.get("source-model") or {}).get("uri"),
             "source_model_digest": ((deps.get("source-model") or {}).get("digest") or {}).get("sha256"),
             "calibration_data_digest": ((deps.get("calibration-data") or {}).get("digest") or {}).get("sha256"),
+            "recipe_path": (build.get("internalParameters") or {}).get("recipePath"),
             "accuracy_report": report}
 
 
