@@ -246,7 +246,8 @@ class RepositoryTable(_Table):
     path: PathText = Field("model_repository", description="The model repository folder, relative to the recipe. "
                            "Build artifacts go to build/<model name> beside it.")
     instance_count: Positive = Field(2, description="Model instances (Triton's instance_group count). On a CPU "
-                                     "they split the cores; each GPU instance holds its own engine.")
+                                     "each runs on every core (spinning off when they share them); each GPU "
+                                     "instance holds its own engine.")
     instance_kind: _choice(INSTANCE_KINDS) = Field("auto", description="auto: GPU when there is one, else CPU.")
     engine: _choice(ENGINES) = Field("auto", description="Which engine the backend serves with (auto: TensorRT plan "
                                      "on a GPU, ONNX Runtime on a CPU).")
