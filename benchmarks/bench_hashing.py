@@ -115,8 +115,9 @@ def render(size_mib: int, n_files: int, scenarios: list[tuple[str, int, dict[str
         f"Python {platform.python_version()}, {ssl.OPENSSL_VERSION}; {default_workers()} hashing threads. "
         "Files are in the page cache; median of the runs, with the range (fastest–slowest) in brackets. "
         "Ratio = hashlib median time / method median time (above 1 is faster than plain hashlib). "
-        f"Load average (1 min) before / after the timed runs: {load[0]:.2f} / {load[1]:.2f} "
-        "(the machine is shared: other work on the cores lowers the parallel speed-up).",
+        f"Load average (1 min) before / after the timed runs: {load[0]:.2f} / {load[1]:.2f} ("
+        + ("other work shared the cores, which lowers the parallel speed-up" if max(load) > (os.cpu_count() or 1)
+           else "no sign of other work on the cores") + ").",
         "",
         "| scenario | method | median s (range) | GiB/s at the median | ratio vs hashlib |",
         "|---|---|---|---|---|",
