@@ -99,7 +99,7 @@ def _data() -> dict:
     (lambda d: d.update(batching={"max_group_tokens": "lots"}), "batching.max_group_tokens", "whole number"),
     (lambda d: d.update(batching={"max_queue_size": -1}), "batching.max_queue_size", "unbounded"),
     (lambda d: d.update(batching={"max_queue_size": "lots"}), "batching.max_queue_size", '"auto"'),
-    (lambda d: d.update(repository={"cpu_threads": -2}), "repository.cpu_threads", "every core"),
+    (lambda d: d.update(repository={"cpu_threads": -2}), "repository.cpu_threads", "split the cores"),
     (lambda d: d.update(batching={"timeout_action": "drop"}), "batching.timeout_action", "reject, delay"),
     (lambda d: d.update(batching={"queue_timeout_us": 1.5}), "batching.queue_timeout_us", "microseconds"),
     (lambda d: d.update(batching={"priority_levels": 2, "default_priority": 3}), "batching.default_priority",

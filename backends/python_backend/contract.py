@@ -113,8 +113,8 @@ class ModelParameters:
     cpu_fallback: bool = _param("bool", False)
     pool_release_threshold_mib: int = _param("int", 256, minimum=0)
     pool_initial_mib: int = _param("int", 0, minimum=0)
-    # ONNX Runtime threads per CPU instance (0: every core, spinning off when the instances' threads outnumber them).
-    cpu_threads: int = _param("int", 0, minimum=0, why="0 (every core) or positive")
+    # ONNX Runtime threads per CPU instance (0: split the cores; spinning off when the threads outnumber them).
+    cpu_threads: int = _param("int", 0, minimum=0, why="0 (split the cores) or positive")
     # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
     # integer, or simulated (Q/DQ as float arithmetic); see cpu_features.py.
     int8_kernels: str = _param("choice", "auto", choices=INT8_KERNELS)

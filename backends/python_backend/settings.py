@@ -164,18 +164,19 @@ def has_queue_policy(cfg: Mapping[str, Any]) -> bool:
 
 
 def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
-    """ONNX Runtime intra-op threads for one CPU instance: every core, unless ``cpu_threads`` says otherwise.
+    """ONNX Runtime intra-op threads for one CPU instance: the cores split between the instances, unless
+    ``cpu_threads`` says otherwise.
 
-    Each instance is its own stub process with its own session. With one thread per instance (the cores
-    split) a lone request ran on one core; with a thread per core in each instance and ONNX Runtime's
-    spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md, "Instances"),
-    their spinning threads contending. Every core per instance with spinning off (:func:`cpu_spinning`)
-    gives a lone request all the cores and lets loaded instances sleep instead of spin
-    (benchmarks/RESULTS.md, "INT8 on the CPU").
+    Each instance is its own stub process with its own session. With a thread per core in each instance and
+    ONNX Runtime's spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md,
+    "Instances"). Every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the core
+    count) gives a lone request all the cores (1.26x FP32 throughput at one in flight on a calm machine) but
+    lost the loaded case there (0.85x at 64 in flight, INT8 integer 0.74x; benchmarks/RESULTS.md, "INT8 on
+    the CPU"), so the split stays the default.
     """
     if settings.cpu_threads:
         return settings.cpu_threads
-    return max(1, int(cpus))
+    return max(1, int(cpus) // max(1, settings.cpu_instances))
 
 
 def cpu_spinning(settings: Settings, cpus: int, threads: int) -> bool:

@@ -246,8 +246,7 @@ class RepositoryTable(_Table):
     path: PathText = Field("model_repository", description="The model repository folder, relative to the recipe. "
                            "Build artifacts go to build/<model name> beside it.")
     instance_count: Positive = Field(2, description="Model instances (Triton's instance_group count). On a CPU "
-                                     "each runs on every core (spinning off when they share them); each GPU "
-                                     "instance holds its own engine.")
+                                     "they split the cores; each GPU instance holds its own engine.")
     instance_kind: _choice(INSTANCE_KINDS) = Field("auto", description="auto: GPU when there is one, else CPU.")
     engine: _choice(ENGINES) = Field("auto", description="Which engine the backend serves with (auto: TensorRT plan "
                                      "on a GPU, ONNX Runtime on a CPU).")
@@ -262,10 +261,11 @@ class RepositoryTable(_Table):
     keep_all_precisions: Annotated[bool, Fix("write true (keep every precision in the version folder) or false "
                                              "(only the served one)")] = Field(
         False, description="Keep every built precision in the version folder, not only the served one.")
-    cpu_threads: Annotated[Whole, Fix("give ONNX Runtime threads per CPU instance (0: every core, spinning off "
-                                      "when the instances share them)")] = Field(
-        0, description="ONNX Runtime threads per CPU instance (0: every core, with ONNX Runtime's spinning off when "
-        "the instances' threads outnumber the cores).")
+    cpu_threads: Annotated[Whole, Fix("give ONNX Runtime threads per CPU instance (0: split the cores between "
+                                      "the instances)")] = Field(
+        0, description="ONNX Runtime threads per CPU instance (0: the cores split between the instances; more than "
+        "that turns ONNX Runtime's spinning off). The core count serves a lone client faster, the split serves load "
+        "better (benchmarks/RESULTS.md, \"INT8 on the CPU\").")
     int8_kernels: _choice(INT8_KERNELS) = Field("auto", description="INT8 on ONNX Runtime's CPU engine: auto "
                                                 "(integer kernels where the serving CPU has VNNI, AMX or dot "
                                                 "products, else Q/DQ simulated in float), integer, or simulated. "

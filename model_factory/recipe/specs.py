@@ -113,8 +113,8 @@ class RepositorySpec:
     """Where and how the Triton model repository is written."""
 
     path: Path
-    # Two, as Triton's own default for CPU models: on a CPU each gets every core as ONNX Runtime threads,
-    # spinning off (RESULTS.md, "INT8 on the CPU"); two served 1.44x one instance's requests on 2 cores
+    # Two, as Triton's own default for CPU models: on a CPU they split the cores (ONNX Runtime threads,
+    # RESULTS.md, "INT8 on the CPU"); two served 1.44x one instance's requests on 2 cores
     # (RESULTS.md, "Instances"), and a second instance is what lets the default queue bound work (max_queue_size above).
     # A large model on a small GPU: 1.
     instance_count: int = 2
@@ -128,7 +128,7 @@ class RepositorySpec:
     serve: str = "fp32"
     # False: the version folder holds only the served precision's files; True: every built precision.
     keep_all_precisions: bool = False
-    # ONNX Runtime threads per CPU instance; 0: every core (affinity and cgroup quota), spinning off when shared.
+    # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
     cpu_threads: int = 0
     # INT8 on ONNX Runtime CPU: auto (integer kernels where the CPU has VNNI/AMX/dot products), integer, simulated.
     int8_kernels: str = "auto"
