@@ -170,8 +170,8 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
     Each instance is its own stub process with its own session. With a thread per core in each instance and
     ONNX Runtime's spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md,
     "Instances"). Every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the core
-    count) gives a lone request all the cores (1.26x FP32 throughput at one in flight on a calm machine) but
-    lost the loaded case there (0.85x at 64 in flight, INT8 integer 0.74x; benchmarks/RESULTS.md, "INT8 on
+    count) gives a lone request all the cores (1.46x FP32 throughput at one in flight on a calm machine) but
+    lost the loaded case there (0.90x at 64 in flight, INT8 integer 0.80x; benchmarks/RESULTS.md, "INT8 on
     the CPU"), so the split stays the default.
     """
     if settings.cpu_threads:
