@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file.py is beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.harness
 import results_file  # noqa: E402
+from benchmarks.harness.run_header import cpu_model  # noqa: E402
 
 from model_factory.signing.digests import default_workers, file_tasks, hash_tasks
 
@@ -93,16 +95,6 @@ def time_methods(methods: dict[str, Callable], folder: Path, rels: list[str], re
             elif subset != reference:
                 raise SystemExit(f"{name} computed different digests: the benchmark is void")
     return times
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def render(size_mib: int, n_files: int, scenarios: list[tuple[str, int, dict[str, list[float]]]],

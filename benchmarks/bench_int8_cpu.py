@@ -147,13 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + " | ".join(_rng(col(label, c, "throughput")) for c in levels)
                     + f" | {_rng(col(label, levels[0], 'p50_ms'))} | "
                     + " | ".join(_rng(ratio(label, c), "{:.2f}") + "x" for c in levels) + " |")
-    from benchmarks.harness.run_header import LoadReading, load_sentence
+    from benchmarks.harness.run_header import LoadReading, cpu_model, load_sentence
 
     # Busy: more load than this run's own four servers and client account for.
     busy = max(load_start[0], load_start[1], load_end[0], load_end[1]) > cores + 4
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown") \
-        if Path("/proc/cpuinfo").is_file() else platform.processor()
+    model = cpu_model()
     section = "\n".join([
         START, "## INT8 on the CPU: integer kernels vs Q/DQ in float, and threads per instance "
         "(benchmarks/bench_int8_cpu.py)", "",

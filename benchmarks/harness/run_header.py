@@ -24,15 +24,10 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> tuple[str, ...]:
-    """The flags of :data:`FLAGS_OF_INTEREST` this CPU has, in that order."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    have: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            have.update(line.split(":", 1)[1].split())
+    """The flags of :data:`FLAGS_OF_INTEREST` this CPU has, in that order (read as the backend reads them)."""
+    from model_factory.backend.cpu_features import cpu_flags as backend_cpu_flags
+
+    have = backend_cpu_flags()
     return tuple(f for f in FLAGS_OF_INTEREST if f in have)
 
 

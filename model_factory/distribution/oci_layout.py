@@ -153,6 +153,11 @@ def copy_checked(src: Path, digest: str, size: int, dest: Path, what: str, progr
             fout.write(chunk)
             if progress:
                 progress(what, check.n, size)
+    commit_checked(check, tmp, dest)
+
+
+def commit_checked(check: StreamCheck, tmp: Path, dest: Path) -> None:
+    """Rename a fully streamed ``tmp`` to ``dest`` if its digest and size match; otherwise delete it and raise."""
     try:
         check.finish()
     except FactoryError:

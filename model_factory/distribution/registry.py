@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_factory.distribution.oci_layout import (OCI_INDEX, OCI_MANIFEST, Blob, Progress, StreamCheck,
-                                                   check_digest)
+from model_factory.distribution.oci_layout import (OCI_INDEX, OCI_MANIFEST, Blob, Progress, StreamCheck, check_digest,
+                                                   commit_checked)
 from model_factory.errors import FactoryError, require
 
 DEFAULT_CHUNK = 64 << 20
@@ -332,12 +332,7 @@ class RegistryTarget:
                     out.write(chunk)
                     if progress:
                         progress(f"blob {digest[:19]}", check.n, size)
-        try:
-            check.finish()
-        except FactoryError:
-            part.unlink(missing_ok=True)
-            raise
-        os.replace(part, dest)
+        commit_checked(check, part, dest)
 
     # -- manifests -----------------------------------------------------------------------------------------
 

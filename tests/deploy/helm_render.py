@@ -115,6 +115,18 @@ def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
     return hits[0]
 
 
+def write_projected(docs: list[dict], vol: dict, folder: Path) -> None:
+    """Write a projected volume's ConfigMap items and Secret entries into ``folder``, as the kubelet would."""
+    for source in vol.get("projected", {}).get("sources", []):
+        if "configMap" in source:
+            data = find(docs, "ConfigMap", source["configMap"]["name"])["data"]
+            for item in source["configMap"]["items"]:
+                (folder / item["path"]).write_text(data[item["key"]])
+        if "secret" in source:
+            for name, text in find(docs, "Secret", source["secret"]["name"])["stringData"].items():
+                (folder / name).write_text(text)
+
+
 def schema_errors(values: dict[str, Any]) -> str:
     """Helm's values.schema.json verdict on ``values`` merged over the defaults ('' when accepted)."""
     helm, chart = _chart()

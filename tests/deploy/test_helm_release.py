@@ -12,7 +12,7 @@ import pytest
 import yaml
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from .helm_render import find, objects, render, schema_errors
+from .helm_render import find, objects, render, schema_errors, write_projected
 
 pytest.importorskip("helm_python", reason="pip install 'model-factory[test]' (helm-python-sdk renders the chart)")
 pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
@@ -74,14 +74,7 @@ def _volumes(docs: list[dict], pod: dict, root: Path, repo: Path) -> dict[str, P
         if vol["name"] == "models":
             sub = next(m["subPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == "models")
             shutil.copytree(repo, folder / sub)
-        for source in vol.get("projected", {}).get("sources", []):
-            if "configMap" in source:
-                data = find(docs, "ConfigMap", source["configMap"]["name"])["data"]
-                for item in source["configMap"]["items"]:
-                    (folder / item["path"]).write_text(data[item["key"]])
-            if "secret" in source:
-                for name, text in find(docs, "Secret", source["secret"]["name"])["stringData"].items():
-                    (folder / name).write_text(text)
+        write_projected(docs, vol, folder)
         out[vol["name"]] = folder
     # The policy names the state volume's mount path: point it at this pod's local folder, as
     # run_container does for the paths in a command line.

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helm_render import KSERVE, find, render
+from .helm_render import KSERVE, find, render, write_projected
 
 pytest.importorskip("helm_python", reason="pip install 'model-factory[test]' (helm-python-sdk renders the chart)")
 pytestmark = pytest.mark.slow
@@ -59,14 +59,7 @@ def materialize_volumes(docs: list[dict], pod: dict, root: Path, repo: Path, rep
             # The claim as the factory Jobs leave it: <product>/trt-<version>/<model>/...
             sub = next(m["subPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == vol["name"])
             shutil.copytree(repo / repo_name, folder / sub / repo_name)
-        for source in vol.get("projected", {}).get("sources", []):
-            if "configMap" in source:
-                data = find(docs, "ConfigMap", source["configMap"]["name"])["data"]
-                for item in source["configMap"]["items"]:
-                    (folder / item["path"]).write_text(data[item["key"]])
-            if "secret" in source:
-                for name, text in find(docs, "Secret", source["secret"]["name"])["stringData"].items():
-                    (folder / name).write_text(text)
+        write_projected(docs, vol, folder)
         out[vol["name"]] = folder
     return out
 

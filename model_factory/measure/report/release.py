@@ -58,15 +58,18 @@ class Release:
 
 def model_names(repo: Path) -> list[str]:
     """Model folders in ``repo`` (those holding a config.pbtxt; hidden staging folders are not)."""
+    from model_factory.build.repository import discover_models
+
     if not repo.is_dir():
         raise FactoryError(f"model repository {repo} does not exist. Fix: pass the folder model-factory build wrote")
-    return sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file() and not p.name.startswith("."))
+    return discover_models(repo)
 
 
 def version_numbers(model_dir: Path) -> list[int]:
     """The canonical version folders of a model, lowest first."""
-    return sorted(int(p.name) for p in model_dir.iterdir()
-                  if p.is_dir() and p.name.isdigit() and str(int(p.name)) == p.name)
+    from model_factory.signing.layout import is_version_name
+
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and is_version_name(p.name))
 
 
 def read_release(repo: Path, model: str, version: int) -> Release:
