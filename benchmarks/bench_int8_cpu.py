@@ -1,25 +1,30 @@
 """INT8 on the CPU behind the real Triton: FP32 vs INT8 with Q/DQ simulated in float vs ONNX Runtime's integer
-kernels, and the instances' threads: the cores split (the default) against every core each with spinning off.
+kernels, and the instances' threads: the cores split with idle cores lent (the default), split alone (the
+default before lending), and every core each with spinning off.
 
-    .venv/bin/python benchmarks/bench_int8_cpu.py            # ~10 min on 2 busy cores, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_int8_cpu.py            # ~25 min on 2 cores, writes RESULTS.md
     .venv/bin/python benchmarks/bench_int8_cpu.py --quick    # a smoke run, RESULTS.md untouched
 
-MiniLM built once (FP32 + INT8, the example recipe's gate), then packaged five times as the default package
+MiniLM built once (FP32 + INT8, the example recipe's gate), then packaged seven times as the default package
 (2 instances, unbounded queues), each served by its own real Triton in this one process:
 
-(FP32)                 the default package: the cores split between the instances (2 x 1 on 2 cores);
-(FP32, 2 x all)        every core per instance, spinning off (cpu_threads = the core count);
-(INT8 simulated)       INT8 with Q/DQ as float arithmetic (weights folded at load), cores split;
-(INT8 integer)         ONNX Runtime's integer kernels, cores split (the default on a CPU with VNNI/AMX);
+(FP32, split)           the cores split between the instances (2 x 1 on 2 cores), nothing lent: the baseline;
+(FP32)                  the default package: split, and a run takes every core while the other instance is
+                        idle (``lend_idle_cores``, backends/python_backend/idle_cores.py);
+(FP32, 2 x all)         every core per instance, spinning off (cpu_threads = the core count);
+(INT8 simulated)        INT8 with Q/DQ as float arithmetic (weights folded at load), the default threads;
+(INT8 integer, split)   ONNX Runtime's integer kernels, cores split, nothing lent;
+(INT8 integer)          ONNX Runtime's integer kernels, the default threads (the default on a CPU with VNNI/AMX);
 (INT8 integer, 2 x all) ONNX Runtime's integer kernels, every core per instance.
 
 Each package's acceptance (``model-factory accept``'s score: mean cosine vs FP32 on the held-out data)
 is taken through the same choice of kernels, and the kernels and threads each server really runs are
-read back from its ``/metrics`` (``model_factory_engine_info``). Then, over rounds in alternating order:
-throughput and latency at 1, 8 and 64 requests in flight (gRPC, token ids of real-text lengths, closed
-loop; the load generator shares the cores). Medians over rounds, with the range; ratios are taken within
-each round. The section between ``<!-- int8cpu:start -->`` and ``<!-- int8cpu:end -->`` of RESULTS.md is
-replaced.
+read back from its ``/metrics`` (``model_factory_engine_info``), with the share of engine runs that took
+borrowed cores at each load (``model_factory_borrowed_core_runs_total`` / ``model_factory_groups_total``).
+Then, over rounds in alternating order: throughput and latency at 1, 8 and 64 requests in flight (gRPC,
+token ids of real-text lengths, closed loop; the load generator shares the cores). Medians over rounds, with
+the range; ratios are taken within each round. The section between ``<!-- int8cpu:start -->`` and
+``<!-- int8cpu:end -->`` of RESULTS.md is replaced.
 """
 
 from __future__ import annotations
@@ -46,21 +51,34 @@ from results_file import publish, say  # noqa: E402
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 START, END = "<!-- int8cpu:start -->", "<!-- int8cpu:end -->"
 FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")
-# label: (served precision, int8_kernels, cpu_threads per instance; 0 = the default: the cores split,
-# "all" = every core per instance, spinning off)
+# label: (served precision, int8_kernels, cpu_threads per instance, lend_idle_cores); threads 0 = the cores
+# split, "all" = every core per instance, spinning off.
 CONFIGS = {
-    "FP32": ("fp32", "auto", 0),
-    "FP32, 2 x all": ("fp32", "auto", "all"),
-    "INT8 simulated": ("int8", "simulated", 0),
-    "INT8 integer": ("int8", "integer", 0),
-    "INT8 integer, 2 x all": ("int8", "integer", "all"),
+    "FP32, split": ("fp32", "auto", 0, False),
+    "FP32": ("fp32", "auto", 0, True),
+    "FP32, 2 x all": ("fp32", "auto", "all", True),
+    "INT8 simulated": ("int8", "simulated", 0, True),
+    "INT8 integer, split": ("int8", "integer", 0, False),
+    "INT8 integer": ("int8", "integer", 0, True),
+    "INT8 integer, 2 x all": ("int8", "integer", "all", True),
 }
-BASE = "FP32"
+BASE = "FP32, split"
+BORROWED, GROUPS = "model_factory_borrowed_core_runs_total", "model_factory_groups_total"
 
 
 def _rng(values: Sequence[float], fmt: str = "{:.1f}") -> str:
     """``median (min-max)``."""
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def _counts(bench, url: str) -> tuple[float, float]:
+    """(runs on borrowed cores, engine runs) of the served model so far, after the backend's next flush."""
+    import time
+
+    time.sleep(1.2)  # the backend sends its counters about once a second
+    samples = bench.scrape_metrics(url)
+    return (bench.metric_total(samples, BORROWED, model="minilm") or 0.0,
+            bench.metric_total(samples, GROUPS, model="minilm") or 0.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (RESULTS.md untouched)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--only", default="", help="semicolon-separated configuration labels to run (RESULTS.md untouched)")
     args = ap.parse_args(argv)
+    if args.only:
+        keep = {x.strip() for x in args.only.split(";")}
+        for label in [k for k in CONFIGS if k not in keep and k != BASE]:
+            del CONFIGS[label]
+        args.no_write = True
     if args.quick:
         args.rounds, args.concurrency, args.no_write = 1, "1,8", True
 
@@ -87,17 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     load_start = os.getloadavg()
     results: dict[tuple[str, int], list[bench.BenchResult]] = {}
-    accepted, running = {}, {}
+    accepted, running, borrowed = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-int8-cpu-") as tmp:
         work = Path(tmp)
         recipe = load_recipe(EXAMPLE, {"repository.path": str(work / "repo_build"), "precisions": ["fp32", "int8"],
                                        "tensorrt.enabled": False, "batching.max_queue_size": 0})
         say("build (export, quantize with the example's gate, package)")
         build(recipe)
-        for i, (label, (precision, kernels, threads)) in enumerate(CONFIGS.items()):
+        for i, (label, (precision, kernels, threads, lend)) in enumerate(CONFIGS.items()):
             r = dataclasses.replace(recipe, repository=dataclasses.replace(
                 recipe.repository, path=work / f"repo{i}", serve=precision, int8_kernels=kernels,
-                cpu_threads=cores if threads == "all" else threads))
+                cpu_threads=cores if threads == "all" else threads, lend_idle_cores=lend))
             package_existing(r)
             res = accept_model(work / f"repo{i}" / "minilm", layers=False)
             accepted[label] = res
@@ -111,18 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               ServerOptions(0, 0, 0, exit_timeout_s=30)).start()
                 info = [s.labels for s in bench.scrape_metrics(servers[label].metrics_url)
                         if s.name == "model_factory_engine_info"]
-                running[label] = sorted({(x.get("precision", "?"), x.get("int8_kernels", "-"), x.get("threads", "?"))
-                                         for x in info})
+                running[label] = sorted({(x.get("precision", "?"), x.get("int8_kernels", "-"), x.get("threads", "?"),
+                                          x.get("wide_threads", "0")) for x in info})
                 say(f"{label}: serving {running[label]}")
             for rnd in range(args.rounds):
                 order = list(CONFIGS) if rnd % 2 == 0 else list(reversed(CONFIGS))
                 for label in order:
                     url = servers[label].grpc_url
                     for c in levels:
-                        count = 120 if c == 1 else max(4 * c, 160)
+                        count = 120 if c == 1 else max(16 * c, 320)  # at 64 in flight: 1024 requests, some seconds
+                        lends = CONFIGS[label][2] == 0 and CONFIGS[label][3]
+                        before = _counts(bench, servers[label].metrics_url) if lends else (0.0, 0.0)
                         res = bench.run_load(url, "minilm", stream[:count], protocol="grpc", concurrency=c,
                                              warmup=8 if c == 1 else c, send="ids", label=f"c={c}")
                         results.setdefault((label, c), []).append(res)
+                        if lends:
+                            after = _counts(bench, servers[label].metrics_url)
+                            runs = after[1] - before[1]
+                            borrowed.setdefault((label, c), []).append((after[0] - before[0]) / runs if runs else 0.0)
                     say(f"round {rnd + 1} {label}: " + ", ".join(
                         f"c={c} {results[(label, c)][-1].throughput:.0f} seq/s" for c in levels))
         finally:
@@ -142,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "|" + " --- |" * (4 + 2 * len(levels))]
     for label in CONFIGS:
         a = accepted[label]
-        shown = "; ".join(f"{p} {k}, {t}" for p, k, t in running[label]) or "?"
+        shown = "; ".join(f"{p} {k}, {t}" + (f" (borrows {w})" if w not in ("0", "") else "")
+                          for p, k, t, w in running[label]) or "?"
         rows.append(f"| ({label}) | {shown} | {a.score:.5f} {'pass' if a.passed else 'FAIL'} | "
                     + " | ".join(_rng(col(label, c, "throughput")) for c in levels)
                     + f" | {_rng(col(label, levels[0], 'p50_ms'))} | "
@@ -165,10 +196,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.rounds} rounds in alternating order; medians over rounds with (min-max); ratios within each round. "
         "`accept` = model-factory accept through the same kernels.", "",
         *rows, "",
-        "Every core per instance against the split, same precision — (FP32, 2 x all) vs (FP32): "
-        + ", ".join(f"{_rng(ratio('FP32, 2 x all', c, 'FP32'), '{:.2f}')}x at {c}" for c in levels)
-        + "; (INT8 integer, 2 x all) vs (INT8 integer): "
-        + ", ".join(f"{_rng(ratio('INT8 integer, 2 x all', c, 'INT8 integer'), '{:.2f}')}x at {c}" for c in levels)
+        "Same precision, against the split with nothing lent — "
+        + "; ".join(f"({new}) vs ({old}): " + ", ".join(f"{_rng(ratio(new, c, old), '{:.2f}')}x at {c}" for c in levels)
+                    for new, old in (("FP32", "FP32, split"), ("FP32, 2 x all", "FP32, split"),
+                                     ("INT8 integer", "INT8 integer, split"),
+                                     ("INT8 integer, 2 x all", "INT8 integer, split"))
+                    if new in CONFIGS and old in CONFIGS)
+        + ".", "",
+        "Engine runs on borrowed cores (all cores, the other instance idle), share of runs — "
+        + "; ".join(f"({label}): " + ", ".join(f"{_rng(borrowed[(label, c)], '{:.2f}')} at {c}" for c in levels)
+                    for label in CONFIGS if (label, levels[0]) in borrowed)
         + ".",
         "", END])
     publish(section, args.results, START, END, write=not args.no_write)

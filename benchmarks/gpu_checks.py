@@ -341,6 +341,55 @@ def check_memory_guard_on_gpu() -> str:
             "0 retries, same answers")
 
 
+def check_tensorrt_memory_estimate() -> str:
+    """The TensorRT engine's estimate of a group's memory (its input and output buffers, the contexts holding each
+    profile's activations from load on) against what the pool really handed out during the launch."""
+    try:
+        trt = import_tensorrt()
+    except ImportError as exc:
+        raise Skip(f"no TensorRT here ({exc})") from exc
+    import numpy as np
+
+    from mf_backend.engines.tensorrt import TensorRTEngine
+    from mf_backend.memory_guard import guard_for
+
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    net = builder.create_network(0)
+    ids = net.add_input("input_ids", trt.DataType.INT64, (-1, -1))
+    as_float = net.add_cast(ids, trt.DataType.FLOAT).get_output(0)
+    two = net.add_constant((1, 1), np.array([[2.0]], dtype=np.float32)).get_output(0)
+    out = net.add_elementwise(as_float, two, trt.ElementWiseOperation.PROD).get_output(0)
+    out.name = "out"
+    net.mark_output(out)
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape("input_ids", (1, 1), (64, 256), (64, 512))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(net, config)
+    assert plan is not None, "TensorRT could not build the check's plan"
+    engine = TensorRTEngine(bytes(plan), trt_module=trt)
+    try:
+        pool = engine.pool
+        n, length = 64, 512
+        feeds = {"input_ids": np.arange(n * length, dtype=np.int64).reshape(n, length) % 97}
+        pool.reset_high_water()
+        before = pool.stats().used
+        got = engine.run(feeds)["out"]
+        assert np.array_equal(got, 2 * feeds["input_ids"].astype(np.float32)), "wrong answer from the plan"
+        taken = pool.stats().used_high_water - before
+        estimate = engine.activation_bytes(n, length, 0)
+        free = engine.free_device_bytes()
+        guard = guard_for(engine)
+        assert guard is not None and guard.fits(n, length, 0)
+        assert estimate >= taken, f"estimate {estimate} B below the {taken} B the pool handed out"
+        return (f"{trt.__name__} {getattr(trt, '__version__', '?')}: {n} x {length} tokens, estimate "
+                f"{estimate / MIB:.2f} MiB, pool handed out {taken / MIB:.2f} MiB during the launch, "
+                f"{free / MIB:.0f} MiB free")
+    finally:
+        engine.close()
+
+
 CHECKS = [
     ("device", check_device),
     ("memory pool: reservation, round trip, stats, trim, close", check_pool_basics),
@@ -348,6 +397,7 @@ CHECKS = [
     ("allocation microbenchmark: pool vs cudaMalloc", check_alloc_benchmark),
     ("cost model measured on this GPU picks a good plan", check_cost_model_on_gpu),
     ("memory-aware groups: split before launch on the torch engine", check_memory_guard_on_gpu),
+    ("memory-aware groups: the TensorRT engine's estimate vs the pool", check_tensorrt_memory_estimate),
 ]
 
 

@@ -169,6 +169,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     click.echo(f"serving {', '.join(report.served) or 'no model yet (--allow-empty)'}")
     for name, where in report.engines.items():
         click.echo(f"  {name}: {where}")
+    for name, note in report.notes.items():
+        click.echo(f"note: {name}: {note}", err=True)
     for name, why in report.refused.items():
         click.echo(f"refused {name}: {why}", err=True)
         if debug_enabled() and name in report.load_details:

@@ -115,6 +115,8 @@ class ModelParameters:
     pool_initial_mib: int = _param("int", 0, minimum=0)
     # ONNX Runtime threads per CPU instance (0: split the cores; spinning off when the threads outnumber them).
     cpu_threads: int = _param("int", 0, minimum=0, why="0 (split the cores) or positive")
+    # With the cores split: a run takes every core while no other CPU instance computes (idle_cores.py).
+    lend_idle_cores: bool = _param("bool", True)
     # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
     # integer, or simulated (Q/DQ as float arithmetic); see cpu_features.py.
     int8_kernels: str = _param("choice", "auto", choices=INT8_KERNELS)

@@ -200,7 +200,8 @@ class GroupedExecutor:
             per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs and lengths[i] < length
                                   else val[row])
                            for name, val in outs.items()}
-        if self.estimator is not None:
+        # A run on borrowed cores (idle_cores) is faster than the loaded case the cost model plans for.
+        if self.estimator is not None and not getattr(self.engine, "last_run_borrowed", False):
             self.planner.observe(len(group), max(1, length), time.perf_counter() - start)
 
     def _assemble(self, requests, flat, per_item, wanted) -> list[dict[str, np.ndarray] | Exception]:

@@ -23,8 +23,10 @@ says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``c
 On the CPU, an INT8 model runs on ONNX Runtime's integer kernels where the CPU has integer dot
 products (VNNI, AMX, Arm dot product), else with Q/DQ simulated in float (``cpu_features``; parameter
 ``int8_kernels``, environment ``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]`` says which.
-Each CPU instance gets every core as ONNX Runtime threads (``cpu_threads`` overrides), spinning off
-when the instances' threads outnumber the cores (``settings.cpu_spinning``); ``info["threads"]``.
+The CPU instances split the cores as ONNX Runtime threads (``cpu_threads`` overrides), spinning off
+when the instances' threads outnumber the cores (``settings.cpu_spinning``); ``info["threads"]``. With
+the cores split, an instance also borrows every core for a lone request while the others are idle
+(``idle_cores``; parameter ``lend_idle_cores``); ``info["wide_threads"]`` (0: it never borrows).
 
 Every engine serves the configuration's ``precision`` (the recipe's ``repository.serve``) and
 nothing else: ``plan_file`` is that precision's plan, ``onnx_file`` its ONNX model (with its
@@ -117,15 +119,23 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         info["int8_kernels"], info["int8_kernels_why"] = kernels, why
     cpus = available_cpus()
     threads = cpu_threads_per_instance(settings, cpus)
+    wide = None
+    if device_id is None:
+        info["threads"] = threads
+        wide, info["lend_idle_cores"] = _lending(version_dir, settings, cpus, threads, data_name)
+        info["wide_threads"] = wide or 0
 
     def make(source: Path | bytes):
         if device_id is None:
+            ledger = None
+            if wide:
+                from .idle_cores import BusyLedger, ledger_path
+
+                ledger = BusyLedger(ledger_path())
             return OnnxRuntimeEngine(source, threads=threads, spinning=cpu_spinning(settings, cpus, threads),
-                                     int8=info.get("int8_kernels"))
+                                     int8=info.get("int8_kernels"), wide_threads=wide, ledger=ledger)
         return OnnxRuntimeCudaEngine(source, device_id=device_id, settings=settings)
 
-    if device_id is None:
-        info["threads"] = threads
     if device_id is not None:
         info["provider"] = "CUDAExecutionProvider"
     if not has_data:
@@ -143,6 +153,17 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         return make(private / settings.onnx_file), info
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _lending(version_dir: Path, settings: Settings, cpus: int, threads: int, data_name: str) -> tuple[int | None, str]:
+    """``(wide threads or None, why)`` for a CPU instance (idle_cores.lending_plan)."""
+    from .engines.onnxruntime import FOLD_LIMIT_BYTES
+    from .idle_cores import lending_plan
+
+    if not settings.lend_idle_cores:
+        return None, "off (lend_idle_cores = false)"
+    size = sum(p.stat().st_size for p in (version_dir / settings.onnx_file, version_dir / data_name) if p.is_file())
+    return lending_plan(cpus, threads, settings.cpu_instances, bool(settings.cpu_threads), size, FOLD_LIMIT_BYTES)
 
 
 def available_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:

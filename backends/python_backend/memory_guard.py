@@ -6,9 +6,9 @@ failed may leave the context fragmented. Before each launch the executor asks :c
 whether the group's activation memory fits what is free *now*: memory the driver reports free
 (``cudaMemGetInfo``) plus what the instance's own pool holds unused (its cached blocks serve the
 next allocation first). The activation memory of a group of ``n`` sequences padded to ``length`` comes
-from the engine (``activation_bytes(n, length, profile)``): TensorRT's device memory for the
-optimization profile, scaled to the group's tokens, or torch's peak allocation per token measured
-on the groups it has run. Until the engine can say, every group launches (and the split-and-retry
+from the engine (``activation_bytes(n, length, profile)``): for TensorRT the group's input and output
+buffers (each profile's activation memory is held by its context from load on), for torch its peak
+allocation per token measured on the groups it has run. Until the engine can say, every group launches (and the split-and-retry
 stays the safety net).
 """
 

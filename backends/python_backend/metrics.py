@@ -36,7 +36,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "groups_split_for_memory_total": (
         "COUNTER", "Groups split before launch because their activations would not fit the GPU memory free now."),
     "engine_info": ("GAUGE", "1, labelled with what the instance runs: precision, int8_kernels (integer or "
-                             "simulated, ONNX Runtime CPU INT8), threads (ONNX Runtime CPU intra-op threads)."),
+                             "simulated, ONNX Runtime CPU INT8), threads (ONNX Runtime CPU intra-op threads), "
+                             "wide_threads (the threads of a run on borrowed idle cores; 0: it never borrows)."),
+    "borrowed_core_runs_total": (
+        "COUNTER", "Engine runs that took every core because no other CPU instance was computing (idle cores lent)."),
     "execute_seconds_total": ("COUNTER", "Wall time spent in execute(), in seconds."),
     "pool_reserved_bytes": ("GAUGE", "GPU memory the instance's pool holds (in use + cached)."),
     "pool_used_bytes": ("GAUGE", "GPU memory handed out by the instance's pool and not yet freed."),
@@ -79,7 +82,7 @@ _WINDOW_COUNTERS = {
 }
 
 # engine_info keys published as labels of the engine_info gauge (loading.load_engine's info).
-ENGINE_INFO_LABELS = ("precision", "int8_kernels", "threads")
+ENGINE_INFO_LABELS = ("precision", "int8_kernels", "threads", "wide_threads")
 
 PoolSource = Callable[[], Any]  # returns PoolStats-like (reserved, used, high_water) or a dict, or None
 
@@ -195,6 +198,11 @@ class BackendMetrics:
             if report is not None:
                 for plan in PLANS:
                     self._add("cost_model_modelled_seconds_total", getattr(report, plan, 0.0) or 0.0, plan)
+
+    def add_borrowed_runs(self, count: int) -> None:
+        """Runs on borrowed cores since the last call (the engine's ``wide_runs`` difference)."""
+        with self._lock:
+            self._add("borrowed_core_runs_total", count)
 
     def flush(self) -> None:
         """Send what was added since the last flush, and the pool gauges if they changed."""

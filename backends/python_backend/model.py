@@ -102,6 +102,7 @@ class TritonPythonModel:
             f"model-factory backend: {s.model_name} serves {s.precision} on {self.engine_info['flavour']} "
             f"({self.engine_info['file']}){f' on {device}' if device else ''}"
             + (f", {self.engine_info['threads']} threads" if "threads" in self.engine_info else "")
+            + (f", idle cores: {self.engine_info['lend_idle_cores']}" if "lend_idle_cores" in self.engine_info else "")
             + (f", int8 kernels: {kernels} ({self.engine_info.get('int8_kernels_why')})" if kernels else "")
             + f", grouping={s.grouping}, {start.note}")
 
@@ -125,6 +126,15 @@ class TritonPythonModel:
         return run
 
     def execute(self, requests: list) -> list | None:
+        # The whole window counts as computing; a window of one request (nothing else queued) may borrow the
+        # other instances' idle cores (idle_cores).
+        busy = getattr(self.engine, "busy", None)
+        if busy is None:
+            return self._execute(requests)
+        with busy(borrow=len(requests) == 1):
+            return self._execute(requests)
+
+    def _execute(self, requests: list) -> list | None:
         start = time.perf_counter()
         s = self.settings
         batches, errors, wanted = [], {}, []
@@ -144,6 +154,7 @@ class TritonPythonModel:
                 items = []
             batches.append(items)
             wanted.append(tuple(request.requested_output_names()) or tuple(o.name for o in s.outputs))
+        borrowed = getattr(self.engine, "wide_runs", 0)
         results, stats = self.executor.run(batches, wanted)
         responses = []
         for idx, result in enumerate(results):
@@ -157,6 +168,7 @@ class TritonPythonModel:
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
+            self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
         if self.trimmer is not None:
             self.trimmer.touch()
         if self.cost_keeper is not None:

@@ -62,6 +62,8 @@ class Settings:
     # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (every core, see
     # cpu_threads_per_instance).
     cpu_threads: int | None = None
+    # With the cores split, runs borrow every core while no other CPU instance computes (idle_cores).
+    lend_idle_cores: bool = True
     # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
     cpu_instances: int = 0
     # Send responses just after execute() returns (deferred_responses), not as its return value: by default
@@ -137,6 +139,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         plan_file=p.plan_file or (None if "precision" in params else plan_file(p.precision)),
         pad_sequences=pad_sequences,
         cpu_threads=p.cpu_threads or None,
+        lend_idle_cores=p.lend_idle_cores,
         cpu_instances=cpu_instances,
         respond_after_return=p.respond_after_return == "true"
         or (p.respond_after_return == "auto" and has_queue_policy(cfg)),
@@ -169,10 +172,9 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
 
     Each instance is its own stub process with its own session. With a thread per core in each instance and
     ONNX Runtime's spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md,
-    "Instances"). Every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the core
-    count) gives a lone request all the cores (1.46x FP32 throughput at one in flight on a calm machine) but
-    lost the loaded case there (0.90x at 64 in flight, INT8 integer 0.80x; benchmarks/RESULTS.md, "INT8 on
-    the CPU"), so the split stays the default.
+    "Instances"); every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the
+    core count) gives a lone request all the cores but loses the loaded case (benchmarks/RESULTS.md, "INT8
+    on the CPU"). So the split stays, and a lone request borrows the idle cores instead (``idle_cores``).
     """
     if settings.cpu_threads:
         return settings.cpu_threads

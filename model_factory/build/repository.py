@@ -391,6 +391,7 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         grouping=b.grouping, max_group_tokens=b.max_group_tokens, pad_sequences=b.pad_sequences,
         engine=r.engine, cpu_fallback=r.allow_cpu_fallback, pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
         pool_initial_mib=r.memory_pool_initial_mib, cpu_threads=r.cpu_threads, int8_kernels=r.int8_kernels,
+        lend_idle_cores=r.lend_idle_cores,
         # The precision this deployment serves, and its files: the backend loads these and no other.
         precision=r.serve, onnx_file=onnx_name, plan_file=plan_name, vocab_size=hf_vocab_size(recipe),
         # "auto" on two or more instances: serve derives the bound where the model is served.

@@ -141,7 +141,7 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
         engine=r.engine, memory_pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
         memory_pool_initial_mib=r.memory_pool_initial_mib, allow_cpu_fallback=r.allow_cpu_fallback,
         serve=r.serve, keep_all_precisions=r.keep_all_precisions, cpu_threads=r.cpu_threads,
-        int8_kernels=r.int8_kernels)
+        lend_idle_cores=r.lend_idle_cores, int8_kernels=r.int8_kernels)
 
 
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:

@@ -130,6 +130,8 @@ class RepositorySpec:
     keep_all_precisions: bool = False
     # ONNX Runtime threads per CPU instance; 0: the cores (affinity and cgroup quota) split between them.
     cpu_threads: int = 0
+    # With the cores split: a run borrows every core while no other CPU instance computes (backend idle_cores).
+    lend_idle_cores: bool = True
     # INT8 on ONNX Runtime CPU: auto (integer kernels where the CPU has VNNI/AMX/dot products), integer, simulated.
     int8_kernels: str = "auto"
 

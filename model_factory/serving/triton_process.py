@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -48,6 +49,7 @@ def default_cost_cache() -> Path:
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/cpu_features.py reads it
+RUNTIME_DIR_ENV = "MODEL_FACTORY_RUNTIME_DIR"  # backends/python_backend/idle_cores.py keeps its ledger there
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
 # caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
@@ -235,10 +237,13 @@ class TritonServer:
         self._requested = opts  # ports left at 0 are ours to pick (again, if one is taken before Triton binds)
         self.options = self._pick_ports(opts)
         self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
+        # The work folder (a 3 MB copy of the Python backend, the default log) lives as long as this object:
+        # the log stays readable after stop(), and nothing is left in the temp folder once the object is gone.
+        weakref.finalize(self, shutil.rmtree, str(self._work), ignore_errors=True)
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self._log: Any = None
-        self.extra_env = dict(env or {})
+        self.extra_env = {RUNTIME_DIR_ENV: str(self._work), **(env or {})}
         if opts.gpu_product:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         if opts.int8_kernels:

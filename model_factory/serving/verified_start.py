@@ -16,7 +16,7 @@ from typing import Any
 
 from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
-from model_factory.serving.metrics_scrape import engines_from_metrics
+from model_factory.serving.metrics_scrape import engine_info_from_metrics, engines_from_metrics, serving_notes
 from model_factory.serving.refusals import load_error_line
 from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer,
                                                   discover_models)
@@ -36,6 +36,8 @@ class ServeReport:
     queue_costs: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # model -> Triton's full load error (the backend's stack included), shown with --debug
     load_details: dict[str, str] = field(default_factory=dict)
+    # model -> what the operator should know about how it computes here (INT8 simulated in float: FP32 is faster)
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -209,4 +211,11 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     engines = dict(checks.engines)
     labelled = engines_from_metrics(server.metrics_url) if any(not engines.get(m) for m in served) else {}
     engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
-    return server, ServeReport(served, refused, engines, digests, dict(checks.costs), details)
+    info = engine_info_from_metrics(server.metrics_url) if served else {}
+    for m, labels in info.items():
+        if m in engines and labels.get("threads"):
+            borrow = labels.get("wide_threads", "0")
+            engines[m] += (f", {labels['threads']} threads per instance"
+                           + (f" ({borrow} for a lone request)" if borrow not in ("", "0") else ""))
+    notes = serving_notes({m: labels for m, labels in info.items() if m in served})
+    return server, ServeReport(served, refused, engines, digests, dict(checks.costs), details, notes)

@@ -189,3 +189,19 @@ def test_fixed_constants_are_not_timed() -> None:
     ex = executor(SumEngine())
     _, stats = ex.run([[item(3)], [item(30)]])
     assert ex.estimator is None and stats.timings == 0 and stats.plan.chosen > 0
+
+
+def test_runs_on_borrowed_cores_do_not_teach_the_cost_model() -> None:
+    """A run on every core (idle_cores) is faster than the loaded case the planner prices: not a timing."""
+    from model_factory.backend.cost_estimator import CostEstimator
+
+    class Borrowing(SumEngine):
+        last_run_borrowed = True
+
+    est = CostEstimator((8, 32), CostModel(1.0, 1e-6, 0.0))
+    engine = Borrowing()
+    _, stats = executor(engine, cost=est).run([[item(3)], [item(30)]])
+    assert engine.launches and stats.timings == 0 and est.stats.timings == 0
+    plain = SumEngine()
+    _, stats = executor(plain, cost=CostEstimator((8, 32), CostModel(1.0, 1e-6, 0.0))).run([[item(3)], [item(30)]])
+    assert stats.timings == len(plain.launches) > 0

@@ -21,7 +21,7 @@ import pytest
 from model_factory.backend.engines import tensorrt as trt_engine
 from model_factory.backend.engines.base import Engine, EngineError
 from model_factory.backend.engines.tensorrt import TensorRTEngine
-from model_factory.backend.memory_pool import cuda_device_count
+from model_factory.backend.memory_pool import PoolStats, cuda_device_count
 
 PROFILES = [((1, 1), (8, 32)), ((1, 33), (8, 128))]  # (min, max) of input_ids per profile
 
@@ -69,6 +69,11 @@ class FakeCuda:
         self.log.append(("stream_destroy", stream))
         return (self.cudaError_t.cudaSuccess,)
 
+    free_bytes = 1 << 30
+
+    def cudaMemGetInfo(self):  # noqa: N802
+        return (self.cudaError_t.cudaSuccess, self.free_bytes, 2 << 30)
+
 
 class HostPool:
     """A MemoryPool stand-in handing out host buffers by address."""
@@ -91,6 +96,10 @@ class HostPool:
 
     def close(self):
         self.closed = True
+
+    def stats(self):
+        used = sum(b.nbytes for b in self.live.values())
+        return PoolStats(reserved=used + 4096, used=used, high_water=used + 4096, used_high_water=used)
 
 
 # --------------------------------------------------------------------------- fake TensorRT
@@ -215,7 +224,7 @@ class FakeCudaEngine:
         return FakeTrt.TensorLocation.DEVICE
 
     def get_tensor_shape(self, name):
-        return (-1, -1)
+        return {"input_ids": (-1, -1), "last_hidden_state": (-1, -1, 2), "token_count": (-1,)}[name]
 
     def get_tensor_profile_shape(self, name, profile):
         lo, hi = PROFILES[profile]
@@ -418,9 +427,35 @@ def test_fake_cuda_names_exist_in_cuda_bindings():
         "cudaStreamSynchronize",
         "cudaStreamDestroy",
         "cudaGetErrorString",
+        "cudaMemGetInfo",
     ):
         assert hasattr(rt, name), name
     assert rt.cudaMemcpyKind.cudaMemcpyHostToDevice and rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+
+
+def test_a_group_whose_buffers_would_not_fit_is_split_before_launch(fakes):
+    """Memory-aware groups on the TensorRT engine: a group's input and output buffers against the memory free
+    now (the driver's free plus the pool's cached bytes); one that does not fit is split, none is retried."""
+    from model_factory.backend.executor import GroupedExecutor
+    from model_factory.backend.grouping import CostModel
+    from model_factory.backend.memory_guard import guard_for
+
+    cuda, _ = fakes
+    engine = _engine(fakes)
+    # input_ids int64 + last_hidden_state float32 x 2 + token_count float32, for 4 x 20 tokens.
+    assert engine.activation_bytes(4, 20, 0) == 4 * 20 * 8 + 4 * 20 * 2 * 4 + 4 * 4
+    assert engine.free_device_bytes() == cuda.free_bytes + 4096
+    guard = guard_for(engine)
+    assert guard is not None and guard.fits(8, 32, 0)
+    cuda.free_bytes = 0  # 4 KiB cached in the pool, times the headroom
+    assert guard.fits(4, 20, 0) and not guard.fits(8, 32, 0)
+    executor = GroupedExecutor(engine, CostModel(1.0, 0.0, 0.0), max_batch=8, buckets=(32, 128),
+                               seq_inputs=frozenset({"input_ids"}), seq_outputs=frozenset({"last_hidden_state"}),
+                               mode="pad_to_longest", memory_guard=guard)
+    items = [{"input_ids": np.full(30, k + 1, np.int64)} for k in range(8)]
+    results, stats = executor.run([[item] for item in items], [("token_count",)] * 8)
+    assert stats.memory_splits >= 1 and stats.retries == 0
+    assert [np.asarray(r["token_count"]).item() for r in results] == [30.0] * 8
 
 
 def _tiny_plan(trt) -> bytes:

@@ -120,6 +120,36 @@ def test_metrics_endpoint_is_up(triton) -> None:
         assert name in body, name
 
 
+def test_a_lone_client_borrows_the_idle_cores(triton, torch_reference) -> None:
+    """Two CPU instances split the cores; a request alone in its window runs on every core (idle_cores)."""
+    import time
+
+    from model_factory.backend.loading import available_cpus
+    from model_factory.measure import bench
+    from model_factory.measure.client import embed_texts
+
+    cores = available_cpus()
+    if cores < 2:
+        pytest.skip(f"one usable core here: nothing to lend")
+    info = [s.labels for s in bench.scrape_metrics(triton.metrics_url) if s.name == "model_factory_engine_info"]
+    assert info and all(x["threads"] == str(max(1, cores // 2)) and x["wide_threads"] == str(cores) for x in info)
+
+    def borrowed() -> float:
+        return bench.metric_total(bench.scrape_metrics(triton.metrics_url), "model_factory_borrowed_core_runs_total",
+                                  model="minilm") or 0.0
+
+    time.sleep(1.5)  # counters are flushed about once a second
+    before = borrowed()
+    for text in TEXTS:  # one client, one request at a time
+        emb = embed_texts(triton.grpc_url, "minilm", [text], protocol="grpc")[0]
+        expected = torch_reference[0][TEXTS.index(text)]
+        assert float(cosine(emb, expected)) > 0.9999
+    deadline = time.monotonic() + 10
+    while borrowed() - before < len(TEXTS) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert borrowed() - before == len(TEXTS)
+
+
 def test_clean_shutdown(minilm_repository) -> None:
     """A separate server instance: SIGTERM ends it with exit code 0."""
     from model_factory.serving.server import ServerOptions, TritonServer

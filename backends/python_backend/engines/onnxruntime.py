@@ -18,10 +18,11 @@ CUDA (``OnnxRuntimeCudaEngine``)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -93,47 +94,93 @@ class OnnxRuntimeEngine:
     device = "cpu"
 
     def __init__(self, model: Path | bytes, threads: int | None = None, spinning: bool = True,
-                 int8: str | None = None) -> None:
+                 int8: str | None = None, wide_threads: int | None = None, ledger: Any = None) -> None:
         """``model``: the ONNX bytes, or a path (a model with external data is loaded from its path).
 
         ``int8`` (an INT8 Q/DQ model): ``integer`` fuses Q/DQ into ONNX Runtime's integer kernels,
         ``simulated`` keeps every activation's Q/DQ as float arithmetic; both fold the weights'
         DequantizeLinear into float constants once, at load, instead of on every call (see
-        :func:`_int8_session`). ``spinning=False`` lets idle intra-op threads sleep at once (instances
+        :func:`_int8_sessions`). ``spinning=False`` lets idle intra-op threads sleep at once (instances
         whose threads outnumber the cores).
+
+        ``wide_threads`` and ``ledger`` (an ``idle_cores.BusyLedger``): a second session with that many
+        threads (spinning off) runs whenever no other CPU instance of the server is computing
+        (``idle_cores``); ``wide_runs``/``runs`` count how often.
         """
         ort = import_onnxruntime()
 
-        def options() -> Any:
+        def options(count: int | None = threads, spin: bool = spinning) -> Any:
             opts = ort.SessionOptions()
             opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
-            if threads:
-                opts.intra_op_num_threads = threads
-            if not spinning:
+            if count:
+                opts.intra_op_num_threads = count
+            if not spin:
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             return opts
 
+        kinds = [options]
+        if wide_threads and ledger is not None:
+            # Spinning off: a borrowed core must go back the moment another instance starts computing.
+            kinds.append(lambda: options(wide_threads, False))
         # Bytes come from the integrity check: the session is built from exactly what was hashed.
         source = model if isinstance(model, bytes) else str(model)
         if int8 in ("integer", "simulated"):
-            self._session = _int8_session(ort, source, options, integer=int8 == "integer")
+            sessions = _int8_sessions(ort, source, kinds, integer=int8 == "integer")
         else:
-            self._session = ort.InferenceSession(source, sess_options=options(), providers=["CPUExecutionProvider"])
+            sessions = [ort.InferenceSession(source, sess_options=make(), providers=["CPUExecutionProvider"])
+                        for make in kinds]
+        self._session = sessions[0]
+        self._wide = sessions[1] if len(sessions) > 1 else None
+        self._ledger = ledger if self._wide is not None else None
+        self.runs = self.wide_runs = 0
+        # Whether the last run took borrowed cores: its timing says nothing of the loaded case (cost model).
+        self.last_run_borrowed = False
+        self._may_borrow = False
         self.input_names = tuple(i.name for i in self._session.get_inputs())
         self.output_names = tuple(o.name for o in self._session.get_outputs())
 
+    @property
+    def lends_cores(self) -> bool:
+        """Whether runs take every core when no other instance computes."""
+        return self._wide is not None
+
+    @contextlib.contextmanager
+    def busy(self, borrow: bool) -> Iterator[None]:
+        """Mark this instance as computing for a whole ``execute()`` (its Python work holds a core too), and
+        let its runs borrow idle cores only when ``borrow`` (the window is one request: nothing else was
+        queued). Outside it (warm-up, the cost model's timings) runs keep the instance's own threads: the
+        cost model must describe the loaded case. A no-op when the engine does not lend."""
+        if self._ledger is None:
+            yield
+            return
+        with self._ledger.busy():
+            self._may_borrow = borrow
+            try:
+                yield
+            finally:
+                self._may_borrow = False
+
     def run(self, feeds: dict[str, np.ndarray], profile: int = 0) -> dict[str, np.ndarray]:
         """Run one group; ``profile`` is ignored (ONNX Runtime takes any shape)."""
-        outs = self._session.run(list(self.output_names), {k: feeds[k] for k in self.input_names})
-        return dict(zip(self.output_names, outs))
+        names, inputs = list(self.output_names), {k: feeds[k] for k in self.input_names}
+        self.runs += 1
+        session, self.last_run_borrowed = self._session, False
+        if self._may_borrow and not self._ledger.others_busy():
+            session, self.last_run_borrowed = self._wide, True
+            self.wide_runs += 1
+        return dict(zip(self.output_names, session.run(names, inputs)))
 
     def close(self) -> None:
-        """Drop the session."""
-        self._session = None
+        """Drop the sessions."""
+        self._session = self._wide = None
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
 
 
-def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer: bool) -> Any:
-    """An INT8 Q/DQ session whose weights are dequantized once, at load (``options()``: fresh session options).
+def _int8_sessions(ort: ModuleType, source: str | bytes, kinds: list, *, integer: bool) -> list:
+    """INT8 Q/DQ sessions, one per session-options maker in ``kinds``, whose weights are dequantized once, at
+    load (the fusing pass runs once, with the first maker's options).
 
     ``session.disable_quant_qdq`` turns ONNX Runtime's Q/DQ fusions off and, with them, lets constant
     folding evaluate ``DequantizeLinear(int8 weight)`` into a float constant (with the QDQ fusions on,
@@ -157,12 +204,12 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
         return options
 
     if not integer:
-        return session(source, folding(options()))
+        return [session(source, folding(make())) for make in kinds]
     if not _small(source):  # a second pass would write the whole model (GBs) to disk at every load
-        return session(source, options())
+        return [session(source, make()) for make in kinds]
     folder = tempfile.mkdtemp(prefix="mf-int8-")
     try:
-        first = options()
+        first = kinds[0]()
         first.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
         # Weights past protobuf's 2 GB limit go to a file beside the graph.
         first.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
@@ -170,7 +217,7 @@ def _int8_session(ort: ModuleType, source: str | bytes, options: Any, *, integer
         # Common-subexpression elimination would merge the per-reader Q/DQ pairs the quantize stage writes
         # back into one shared pair, which ONNX Runtime does not fuse: off for the fusing pass only.
         session(source, first, disabled_optimizers=["CommonSubexpressionElimination"])
-        return session(first.optimized_model_filepath, folding(options()))
+        return [session(first.optimized_model_filepath, folding(make())) for make in kinds]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -221,6 +221,29 @@ class TensorRTEngine:
             self._shape_cache[key] = (tuple(low), tuple(opt), tuple(high))
         return self._shape_cache[key]
 
+    def activation_bytes(self, n: int, length: int, profile: int = 0) -> int | None:
+        """Device memory a group of ``n`` sequences padded to ``length`` takes from the pool when launched:
+        its input and output buffers. The context's own activation memory for ``profile`` was taken from the
+        pool when the profile was selected, at load (``ON_PROFILE_CHANGE``), and stays held, so it is not
+        needed again. In a tensor's engine shape the first dynamic axis is the batch, the others the sequence.
+        """
+        total = 0
+        for name in (*self._inputs, *self._outputs):
+            count = 1
+            for axis, dim in enumerate(self._engine.get_tensor_shape(name)):
+                count *= (n if axis == 0 else max(1, length)) if dim < 0 else int(dim)
+            total += count * self._dtypes[name].itemsize
+        return total
+
+    def free_device_bytes(self) -> int | None:
+        """Memory the driver has free on the device plus what the instance's pool holds unused (its cached
+        blocks serve the next allocation first)."""
+        rt = self._rt
+        free, _total = check(rt, rt.cudaMemGetInfo(), "cudaMemGetInfo")
+        stats = self._pool.stats() if self._pool is not None and hasattr(self._pool, "stats") else None
+        cached = max(0, int(stats.reserved) - int(stats.used)) if stats is not None else 0
+        return int(free) + cached
+
     def _check_feeds(self, feeds: dict[str, np.ndarray], profile: int) -> dict[str, np.ndarray]:
         if not 0 <= profile < len(self._contexts):
             raise EngineError(f"profile {profile} does not exist: the engine has {len(self._contexts)}")
