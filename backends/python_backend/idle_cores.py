@@ -10,8 +10,9 @@ windows hold several requests and the instances are busy, so nearly every run ke
 "Computing now" is a lock on one byte of a file that every instance of one server opens (the byte at the
 instance's process id), held for its whole ``execute()`` (its Python work holds a core too). Asking is a
 non-blocking shared lock on every other byte. The kernel drops a process's locks when it exits, so an
-instance that crashed never keeps cores lent or taken. A request that arrives during a borrowed run is
-computed beside it on the instance's own threads: a short oversubscription, not an error. Runs on
+instance that crashed never keeps cores lent or taken. A borrowed run also holds byte 0: an instance
+that starts computing meanwhile waits for it to end (one request on every core, a few milliseconds)
+instead of running beside it, where three threads on two cores slowed both. Runs on
 borrowed cores are not fed to the cost model, which prices the loaded case. The file lives in
 ``MODEL_FACTORY_RUNTIME_DIR`` (``serve`` points it at the server's private work folder) or else in
 ``/dev/shm``, named after the server's process id.
@@ -85,6 +86,20 @@ class BusyLedger:
             self._depth -= 1
             if self._depth == 0:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, self._me)
+
+    @contextmanager
+    def borrowing(self) -> Iterator[None]:
+        """Mark a run on borrowed cores (byte 0, which no process id takes) for the block."""
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+
+    def wait_for_borrower(self) -> None:
+        """Return once no run on borrowed cores is in progress (at once, nearly always)."""
+        fcntl.lockf(self._fd, fcntl.LOCK_SH, 1, 0)
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
 
     def close(self) -> None:
         """Close the file (dropping this instance's lock)."""

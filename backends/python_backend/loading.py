@@ -97,7 +97,7 @@ def _gpu_plan(version_dir: Path, settings: Settings,
 
 
 def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None,
-                      device_id: int | None = None):
+                      device_id: int | None = None, server_instance: bool = False):
     """ONNX Runtime on the CPU, or with ``device_id`` its CUDA provider on that GPU."""
     from .engines.onnxruntime import OnnxRuntimeCudaEngine, OnnxRuntimeEngine
 
@@ -122,7 +122,8 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     wide = None
     if device_id is None:
         info["threads"] = threads
-        wide, info["lend_idle_cores"] = _lending(version_dir, settings, cpus, threads, data_name)
+        wide, info["lend_idle_cores"] = (_lending(version_dir, settings, cpus, threads, data_name) if server_instance
+                                         else (None, "not an instance of a running server"))
         info["wide_threads"] = wide or 0
 
     def make(source: Path | bytes):
@@ -230,8 +231,12 @@ _FROM_ENV = object()
 
 
 def load_engine(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,
-                digests: Any = _FROM_ENV):
+                digests: Any = _FROM_ENV, server_instance: bool = False):
     """Return ``(engine, info)`` as the module docstring describes.
+
+    ``server_instance``: loaded by a model instance inside Triton (its ``initialize()``), where a CPU
+    instance may borrow the other instances' idle cores (``idle_cores``); ``accept``, ``build``'s check and
+    the queue bound's timing load without.
 
     The engine is built from bytes read once and checked against the verified
     digests (by default those ``serve`` handed to the server, see ``integrity``;
@@ -319,7 +324,7 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             f"serving on the CPU instead ({reasons}). Fix: install the engine the model was built for (TensorRT "
             "bindings matching the plan, onnxruntime-gpu, or torch with CUDA), or set [repository] "
             "allow_cpu_fallback = true in the recipe, or give the model a KIND_CPU instance group")
-    engine, info = _load_onnxruntime(version_dir, settings, digests)
+    engine, info = _load_onnxruntime(version_dir, settings, digests, server_instance=server_instance)
     info = {**info, "precision": settings.precision, **fallback}
     if gpu:
         info["cpu_fallback"] = "allowed by the recipe (allow_cpu_fallback = true)"
@@ -334,7 +339,7 @@ def text_inputs(settings: Settings) -> tuple[str, ...]:
 
 
 def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, device_id: int,
-                     digests: Any = _FROM_ENV):
+                     digests: Any = _FROM_ENV, server_instance: bool = False):
     """``(engine, info, tokenizer or None)``: :func:`load_engine`, the tokenizer of a text model, and a warm-up.
 
     The one load path of the backend's ``initialize()``, ``model-factory accept`` and ``build``'s check of the
@@ -346,7 +351,7 @@ def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, 
 
     if digests is _FROM_ENV:
         digests = verified_digests(Path(version_dir).parent.name, Path(version_dir).name)
-    engine, info = load_engine(version_dir, settings, instance_kind, device_id, digests)
+    engine, info = load_engine(version_dir, settings, instance_kind, device_id, digests, server_instance)
     try:
         tokenizer = None
         if text_inputs(settings):

@@ -35,7 +35,8 @@ class TritonPythonModel:
         # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
         # with values the model accepts. A model that cannot run its warm-up is refused here, with the fix.
         self.engine, self.engine_info, self.tokenizer = load_for_serving(
-            version_dir, s, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0))
+            version_dir, s, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0),
+            server_instance=True)
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.

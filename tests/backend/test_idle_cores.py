@@ -151,11 +151,15 @@ def test_loading_lends_where_the_cores_are_split(tmp_path: Path, monkeypatch) ->
     monkeypatch.setattr(loading, "available_cpus", lambda: 2)
     monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
     two = {"name": "m", "instance_group": [{"kind": "KIND_CPU", "count": 2}]}
-    engine, info = loading.load_engine(version, parse_settings(two), "CPU", 0, digests=None)
+    engine, info = loading.load_engine(version, parse_settings(two), "CPU", 0, digests=None, server_instance=True)
     assert (info["threads"], info["wide_threads"]) == (1, 2) and engine.lends_cores
     engine.close()
+    # accept, build's check and the queue bound's timing load outside a server: nothing to borrow from.
+    engine, info = loading.load_engine(version, parse_settings(two), "CPU", 0, digests=None)
+    assert info["wide_threads"] == 0 and not engine.lends_cores
+    engine.close()
     off = dict(two, parameters={"lend_idle_cores": {"string_value": "false"}})
-    engine, info = loading.load_engine(version, parse_settings(off), "CPU", 0, digests=None)
+    engine, info = loading.load_engine(version, parse_settings(off), "CPU", 0, digests=None, server_instance=True)
     assert info["wide_threads"] == 0 and "lend_idle_cores = false" in info["lend_idle_cores"]
     assert not engine.lends_cores
     engine.close()
