@@ -2,13 +2,14 @@
 kernels, and the instances' threads: the cores split with idle cores lent (the default), split alone (the
 default before lending), and every core each with spinning off.
 
-    .venv/bin/python benchmarks/bench_int8_cpu.py            # ~25 min on 2 cores, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_int8_cpu.py            # ~12 min on 2 cores, writes RESULTS.md
     .venv/bin/python benchmarks/bench_int8_cpu.py --quick    # a smoke run, RESULTS.md untouched
 
-MiniLM built once (FP32 + INT8, the example recipe's gate), then packaged seven times as the default package
+MiniLM built once (FP32 + INT8, the example recipe's gate), then packaged eight times as the default package
 (2 instances, unbounded queues), each served by its own real Triton in this one process:
 
 (FP32, split)           the cores split between the instances (2 x 1 on 2 cores), nothing lent: the baseline;
+(FP32, split again)     the baseline a second time, its own server: how far two equal packages differ here;
 (FP32)                  the default package: split, and a run takes every core while the other instance is
                         idle (``lend_idle_cores``, backends/python_backend/idle_cores.py);
 (FP32, 2 x all)         every core per instance, spinning off (cpu_threads = the core count);
@@ -55,6 +56,7 @@ FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")
 # split, "all" = every core per instance, spinning off.
 CONFIGS = {
     "FP32, split": ("fp32", "auto", 0, False),
+    "FP32, split again": ("fp32", "auto", 0, False),  # the baseline twice: the noise floor of every ratio
     "FP32": ("fp32", "auto", 0, True),
     "FP32, 2 x all": ("fp32", "auto", "all", True),
     "INT8 simulated": ("int8", "simulated", 0, True),
@@ -196,9 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.rounds} rounds in alternating order; medians over rounds with (min-max); ratios within each round. "
         "`accept` = model-factory accept through the same kernels.", "",
         *rows, "",
-        "Same precision, against the split with nothing lent — "
+        "Same precision, against the split with nothing lent (the first pair is the baseline against itself: "
+        "the noise of this machine) — "
         + "; ".join(f"({new}) vs ({old}): " + ", ".join(f"{_rng(ratio(new, c, old), '{:.2f}')}x at {c}" for c in levels)
-                    for new, old in (("FP32", "FP32, split"), ("FP32, 2 x all", "FP32, split"),
+                    for new, old in (("FP32, split again", "FP32, split"), ("FP32", "FP32, split"),
+                                     ("FP32, 2 x all", "FP32, split"),
                                      ("INT8 integer", "INT8 integer, split"),
                                      ("INT8 integer, 2 x all", "INT8 integer, split"))
                     if new in CONFIGS and old in CONFIGS)
