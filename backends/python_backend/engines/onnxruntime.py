@@ -104,8 +104,8 @@ class OnnxRuntimeEngine:
         whose threads outnumber the cores).
 
         ``wide_threads`` and ``ledger`` (an ``idle_cores.BusyLedger``): a second session with that many
-        threads (spinning off) runs whenever no other CPU instance of the server is computing
-        (``idle_cores``); ``wide_runs``/``runs`` count how often.
+        threads (spinning off) runs inside :meth:`busy` with ``borrow`` while no other CPU instance of the
+        server is computing (``idle_cores``); ``wide_runs``/``runs`` count how often.
         """
         ort = import_onnxruntime()
 
