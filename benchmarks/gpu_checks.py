@@ -353,22 +353,12 @@ def check_tensorrt_memory_estimate() -> str:
     from mf_backend.engines.tensorrt import TensorRTEngine
     from mf_backend.memory_guard import guard_for
 
-    logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
-    net = builder.create_network(0)
-    ids = net.add_input("input_ids", trt.DataType.INT64, (-1, -1))
-    as_float = net.add_cast(ids, trt.DataType.FLOAT).get_output(0)
-    two = net.add_constant((1, 1), np.array([[2.0]], dtype=np.float32)).get_output(0)
-    out = net.add_elementwise(as_float, two, trt.ElementWiseOperation.PROD).get_output(0)
-    out.name = "out"
-    net.mark_output(out)
-    config = builder.create_builder_config()
-    profile = builder.create_optimization_profile()
-    profile.set_shape("input_ids", (1, 1), (64, 256), (64, 512))
-    config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(net, config)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.harness.tiny_plan import doubling_plan
+
+    plan = doubling_plan(trt, [((1, 1), (64, 256), (64, 512))])
     assert plan is not None, "TensorRT could not build the check's plan"
-    engine = TensorRTEngine(bytes(plan), trt_module=trt)
+    engine = TensorRTEngine(plan, trt_module=trt)
     try:
         pool = engine.pool
         n, length = 64, 512

@@ -460,24 +460,12 @@ def test_a_group_whose_buffers_would_not_fit_is_split_before_launch(fakes):
 
 def _tiny_plan(trt) -> bytes:
     """out = 2 * float(input_ids), two profiles like PROFILES; builds on a CPU with tensorrt_rtx."""
-    logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
-    net = builder.create_network(0)
-    ids = net.add_input("input_ids", trt.DataType.INT64, (-1, -1))
-    as_float = net.add_cast(ids, trt.DataType.FLOAT).get_output(0)
-    two = net.add_constant((1, 1), np.array([[2.0]], dtype=np.float32)).get_output(0)
-    out = net.add_elementwise(as_float, two, trt.ElementWiseOperation.PROD).get_output(0)
-    out.name = "out"
-    net.mark_output(out)
-    config = builder.create_builder_config()
-    for lo, hi in PROFILES:
-        profile = builder.create_optimization_profile()
-        profile.set_shape("input_ids", lo, hi, hi)
-        config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(net, config)
+    from benchmarks.harness.tiny_plan import doubling_plan
+
+    plan = doubling_plan(trt, [(lo, hi, hi) for lo, hi in PROFILES])
     if plan is None:
         pytest.skip("this TensorRT cannot build engines on this machine")
-    return bytes(plan)
+    return plan
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="checks the error seen without a GPU")
