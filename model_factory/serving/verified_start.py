@@ -215,7 +215,7 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     for m, labels in info.items():
         if m in engines and labels.get("threads"):
             borrow = labels.get("wide_threads", "0")
-            engines[m] += (f", {labels['threads']} threads per instance"
+            engines[m] += (f", {labels['threads']} thread{'' if labels['threads'] == '1' else 's'} per instance"
                            + (f" ({borrow} for a lone request)" if borrow not in ("", "0") else ""))
     notes = serving_notes({m: labels for m, labels in info.items() if m in served})
     return server, ServeReport(served, refused, engines, digests, dict(checks.costs), details, notes)

@@ -22,7 +22,7 @@ def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> No
         assert "model.int8.onnx" in report.refused["int8"] and "first departs from FP32 at" in report.refused["int8"]
         assert list(report.engines) == ["good"]
         assert report.engines["good"].startswith("onnxruntime (model.onnx) on cpu, ")
-        assert "threads per instance" in report.engines["good"]
+        assert " per instance" in report.engines["good"]
         assert embed_texts(server.http_url, "good", ["accepted and served"]).shape == (1, 384)
         index = {m["name"]: m.get("state") for m in server.model_status()}
         assert index.get("good") == "READY" and index.get("swapped") != "READY" and index.get("int8") != "READY"
@@ -41,7 +41,8 @@ def test_serve_reports_engine_and_device_without_accept(accept_repo) -> None:
         assert set(report.served) == {"good", "swapped", "int8"}  # verification alone lets them all through
         # From the backend's own metric labels: engine flavour, where it computes, its threads.
         cores = available_cpus()
-        threads = f"{max(1, cores // 2)} threads per instance" + (f" ({cores} for a lone request)" if cores > 1 else "")
+        own = max(1, cores // 2)
+        threads = f"{own} thread{'' if own == 1 else 's'} per instance" + (f" ({cores} for a lone request)" if cores > 1 else "")
         assert report.engines == {m: f"onnxruntime on cpu, {threads}" for m in report.served}
         assert list(report.notes) == ["int8"]
         assert "FP32 is the faster choice here" in report.notes["int8"] and 'serve = "fp32"' in report.notes["int8"]
