@@ -14,7 +14,9 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -127,9 +129,13 @@ def visit_page(path: Path, script: str = "null", width: int = 1200, timeout_s: f
     binary = chromium_binary()
     if binary is None:
         raise RuntimeError("chromium is not installed (scripts/setup.sh installs it: apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    try:
+        # Its own process group: the browser's helpers (renderer, crashpad) go with it, so none is left writing
+        # into the profile while it is removed.
         proc = subprocess.Popen([binary, *OFFLINE_FLAGS, "--remote-debugging-port=0", f"--user-data-dir={profile}",
-                                 "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         try:
             port_file = Path(profile) / "DevToolsActivePort"
             deadline = time.monotonic() + timeout_s
@@ -142,9 +148,27 @@ def visit_page(path: Path, script: str = "null", width: int = 1200, timeout_s: f
             return asyncio.run(asyncio.wait_for(_visit(ws_url, Path(path).resolve().as_uri(), script, width),
                                                 timeout_s))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
+    finally:
+        for _ in range(20):  # a helper that outlived the group's signal may still be closing a file
+            shutil.rmtree(profile, ignore_errors=True)
+            if not os.path.exists(profile):
+                break
+            time.sleep(0.1)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the browser's process group, wait up to 10 s for it, then SIGKILL what is left of the group."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    except ProcessLookupError:
+        pass
+    proc.wait()
