@@ -16,7 +16,7 @@ from typing import Any
 
 from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
-from model_factory.serving.metrics_scrape import engine_info_from_metrics, engines_from_metrics, serving_notes
+from model_factory.serving.metrics_scrape import engine_info_from_metrics, serving_notes
 from model_factory.serving.refusals import load_error_line
 from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer,
                                                   discover_models)
@@ -209,9 +209,9 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
                            + "\nFix: correct the models above, or pass --allow-empty to keep the server up for "
                            "later loads")
     engines = dict(checks.engines)
-    labelled = engines_from_metrics(server.metrics_url) if any(not engines.get(m) for m in served) else {}
+    info = engine_info_from_metrics(server.metrics_url) if served else {}  # one scrape: engine, device, threads
+    labelled = {m: f"{x['engine']} on {x.get('device', '?')}" for m, x in info.items() if "engine" in x}
     engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
-    info = engine_info_from_metrics(server.metrics_url) if served else {}
     for m, labels in info.items():
         if m in engines and labels.get("threads"):
             borrow = labels.get("wide_threads", "0")
