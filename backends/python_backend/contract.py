@@ -18,10 +18,11 @@ version (``mf_backend/contract.py``) and runs inside Triton's stub.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, generative models only
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")
@@ -53,6 +54,13 @@ class Files:
     ACCEPTANCE_OUTPUTS = "outputs.json"
     EXPORT_REPORT = "export.json"
     METADATA = "metadata.json"
+    # text-generation models (GenerationSpec below): the engine's KV layout and the generation defaults, and the
+    # golden continuations in ACCEPTANCE_DIR that `accept` replays (greedy tokens of the FP32 reference).
+    GENERATION = "generation.json"
+    # acceptance/continuations.json: {"max_tokens": N, "min_agreement": x, "prompts": [{"text": str|null,
+    # "prompt_ids": [..], "tokens": [..] (FP32 greedy), "near_tie": k|null (first step whose top-two FP32 logits
+    # differ by < 1e-3: tokens from there on may differ by float rounding alone)}]}
+    CONTINUATIONS = "continuations.json"
 
 
 def onnx_file(precision: str) -> str:
@@ -142,6 +150,129 @@ class ModelParameters:
     # The allowed [low, high] of each index-like input, as JSON {"name": [low, high]} (input_bounds.py parses it:
     # it needs numpy, which this file may not import); None: no bounds beyond input_ids < vocab_size.
     input_bounds: str | None = _param("str?", None)
+    # The recipe's task; "text-generation" makes the backend a decoupled, continuously batching generator that
+    # reads generation.json (GenerationSpec); anything else (or None) is the one-response-per-request path.
+    task: str | None = _param("str?", None)
+
+
+# --------------------------------------------------------------------------- generative engines
+
+TEXT_GENERATION = "text-generation"
+# The engine I/O of a text-generation ONNX graph (one graph for prefill and decode):
+#   inputs  input_ids [batch, new_tokens] int64
+#           attention_mask [batch, total_tokens] int64  -- row r: ones for its (cached + new) tokens, then zeros
+#           past_key_values.<i>.key / .value [batch, kv_heads, max_context, head_dim] (kv_dtype)
+#   outputs logits [batch, new_tokens, vocab] float32
+#           present.<i>.key / .value -- the SAME buffers as the past ones (bound to one preallocated KV slot
+#           per sequence: the graph writes the new tokens' keys and values in place, at each row's own length)
+# Each row keeps its own length (the mask's row sum), so sequences of different lengths decode in one batched
+# step and a slot is never reallocated per token. Positions come from the mask (rotary inside attention).
+KV_LAYOUT_SHARED_SLOTS = "shared-slots"
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+KV_DTYPES = {"float32": 4, "float16": 2}
+
+
+def past_name(layer: int, kind: str) -> str:
+    """``past_key_values.<layer>.key`` / ``.value`` (kind: ``key`` or ``value``)."""
+    if kind not in ("key", "value"):
+        raise ValueError(f"kind={kind!r}: use key or value")
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    """``present.<layer>.key`` / ``.value``: the output that shares its buffer with :func:`past_name`."""
+    if kind not in ("key", "value"):
+        raise ValueError(f"kind={kind!r}: use key or value")
+    return f"present.{layer}.{kind}"
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The model's generation defaults (its ``generation_config.json``), applied when a request omits them."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 128
+    do_sample: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """``generation.json`` of a text-generation version: what the backend needs to run the graph and size its cache.
+
+    Packaging writes it (from the Hugging Face config and the exported graph); the backend and ``accept`` read it.
+    ``max_context`` is the most tokens (prompt + generated) one sequence may hold: the model's positions, or less.
+    ``weights_bytes`` maps each packaged precision to the bytes of its graph's weights; admission sizes the cache
+    as ``max_sequences = (budget - weights) / (kv_bytes_per_token * max_context)`` (the seed formula).
+    """
+
+    family: str  # Hugging Face model_type (llama, mistral, qwen2, qwen3, phi3, gemma, ...)
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    kv_dtype: str = "float32"
+    kv_layout: str = KV_LAYOUT_SHARED_SLOTS
+    sliding_window: int | None = None
+    weights_bytes: Mapping[str, int] = field(default_factory=dict)
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # The tokenizer's chat template (Jinja), if it has one: applied by the OpenAI chat endpoint.
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ParameterError(f"generation.json kv_dtype={self.kv_dtype!r}: use {', '.join(KV_DTYPES)}")
+        if self.kv_layout != KV_LAYOUT_SHARED_SLOTS:
+            raise ParameterError(f"generation.json kv_layout={self.kv_layout!r}: this backend reads "
+                                 f"{KV_LAYOUT_SHARED_SLOTS!r} (rebuild the model with this model-factory)")
+        if not self.eos_token_ids:
+            raise ParameterError("generation.json names no eos token: generation could never stop")
+        for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context"):
+            if int(getattr(self, name)) < 1:
+                raise ParameterError(f"generation.json {name}={getattr(self, name)} must be at least 1")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token holds across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPES[self.kv_dtype]
+
+    def kv_shape(self, slots: int, max_context: int | None = None) -> tuple[int, int, int, int]:
+        """The shape of one layer's key (or value) buffer for ``slots`` sequences."""
+        return (int(slots), self.num_kv_heads, int(max_context or self.max_context), self.head_dim)
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        data["weights_bytes"] = dict(sorted(self.weights_bytes.items()))
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "GenerationSpec":
+        try:
+            data = json.loads(text)
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ParameterError(f"generation.json has unknown fields {unknown} (written by a newer "
+                                     "model-factory?)")
+            data["eos_token_ids"] = tuple(int(x) for x in data["eos_token_ids"])
+            data["defaults"] = SamplingDefaults(**(data.get("defaults") or {}))
+            data["weights_bytes"] = {str(k): int(v) for k, v in (data.get("weights_bytes") or {}).items()}
+            return cls(**data)
+        except ParameterError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ParameterError(f"generation.json does not parse: {exc}") from None
 
 
 def format_bounds(bounds: Mapping[str, tuple[int, int]]) -> str:
