@@ -174,6 +174,46 @@ LOGITS = "logits"
 KV_DTYPES = {"float32": 4, "float16": 2}
 
 
+@dataclass(frozen=True)
+class TritonTensor:
+    """One input or output of a Triton model as ``config.pbtxt`` declares it (dims without a batch axis)."""
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+# The Triton-facing I/O of a text-generation model: a decoupled model (``max_batch_size: 0``; the backend batches
+# continuously itself), with the names Triton's vLLM and TensorRT-LLM backends use, so their clients work
+# (generate / generate_stream, gRPC streaming). ``prompt_ids`` (token ids instead of text) and the token outputs
+# are ours: exact-token checks and OpenAI usage counts. Packaging writes exactly these; the backend reads them.
+GENERATE_INPUTS = (
+    TritonTensor("text_input", "TYPE_STRING", (1,), optional=True),
+    TritonTensor("prompt_ids", "TYPE_INT32", (-1,), optional=True),
+    TritonTensor("stream", "TYPE_BOOL", (1,), optional=True),
+    TritonTensor("max_tokens", "TYPE_INT32", (1,), optional=True),
+    TritonTensor("min_tokens", "TYPE_INT32", (1,), optional=True),
+    TritonTensor("ignore_eos", "TYPE_BOOL", (1,), optional=True),
+    TritonTensor("temperature", "TYPE_FP32", (1,), optional=True),
+    TritonTensor("top_k", "TYPE_INT32", (1,), optional=True),
+    TritonTensor("top_p", "TYPE_FP32", (1,), optional=True),
+    TritonTensor("repetition_penalty", "TYPE_FP32", (1,), optional=True),
+    TritonTensor("seed", "TYPE_INT64", (1,), optional=True),
+    TritonTensor("stop", "TYPE_STRING", (-1,), optional=True),
+    TritonTensor("exclude_input_in_output", "TYPE_BOOL", (1,), optional=True),
+    # vLLM backend style: the sampling parameters as one JSON object (explicit inputs win over it).
+    TritonTensor("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+)
+GENERATE_OUTPUTS = (
+    TritonTensor("text_output", "TYPE_STRING", (-1,)),
+    TritonTensor("output_ids", "TYPE_INT32", (-1,)),
+    TritonTensor("finish_reason", "TYPE_STRING", (1,)),  # "" while streaming; then stop | length | cancelled
+    TritonTensor("num_input_tokens", "TYPE_INT32", (1,)),
+    TritonTensor("num_output_tokens", "TYPE_INT32", (1,)),
+)
+
+
 def past_name(layer: int, kind: str) -> str:
     """``past_key_values.<layer>.key`` / ``.value`` (kind: ``key`` or ``value``)."""
     if kind not in ("key", "value"):
