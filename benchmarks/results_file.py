@@ -31,3 +31,26 @@ def publish(section: str, path: Path, start: str, end: str, write: bool) -> None
     if write:
         write_section(path, start, end, section)
         say(f"wrote {path}")
+
+
+def machine_header(note: str = "") -> str:
+    """One line for a section's header: the date, the CPU (model, cores, the flags INT8 depends on), the load."""
+    import datetime as dt
+    import os
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine()):
+                name = value.strip()
+            elif key.strip().lower() in ("flags", "features"):
+                flags.update(value.split())
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm") if f in flags]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"*{when}; {name}, {os.cpu_count()} cores, flags {' '.join(shown) or 'none of the INT8 ones'}; "
+            f"load average {load} (the machine is shared with other work){'; ' + note if note else ''}.*")

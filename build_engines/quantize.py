@@ -171,6 +171,7 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
     float_nodes: tuple[str, ...] = ()
     search_steps: list[dict[str, Any]] = []
     calibration_digest = split.calibration.digest if split.calibration is not None and "int8" in wanted else None
+    seven_bit: dict[str, Any] | None = None
     with atomic_dir(out_dir) as tmp:
         if "fp16" in wanted:
             say("converting to FP16")
@@ -189,6 +190,7 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
                                                    evaluator, gate, tmp, say)
             results.append(res)
             models["int8"] = out_dir / "model.int8.onnx"
+            seven_bit = _int8_7bit(tmp, evaluator, gate, say)
         report = AccuracyReport(
             model=recipe.name, task=recipe.task, output=output,
             heldout_source=str(split.heldout.source), heldout_samples=evaluator.samples, heldout_note=split.note,
@@ -201,6 +203,7 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
             "input_digest": digest_path(Path(export.onnx_path)), "calibration_digest": calibration_digest,
             "models": {p: path.name for p, path in models.items() if p != "fp32"},
             "float_nodes": list(float_nodes),
+            **({"int8_7bit": seven_bit} if seven_bit is not None else {}),
         }, indent=2) + "\n")
     report_path = out_dir / REPORT_NAME
     say("accuracy vs FP32: " + "; ".join(
@@ -209,6 +212,29 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
         for r in report.results))
     check_gate(report, report_path, _departure_report(report, export.onnx_path, out_dir, evaluator.feeds))
     return QuantizeResult(models, report, report_path, float_nodes, calibration_digest)
+
+
+def _int8_7bit(tmp: Path, evaluator: Evaluator, gate: float | None,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    """The INT8 model's 7-bit weight form (:mod:`.int8_7bit`), scored like INT8; kept only when it passes the gate.
+
+    It is what ONNX Runtime's integer kernels run on CPUs without VNNI/AMX. Its score goes to ``quantize.json``,
+    not into the gate: a 7-bit form below the gate only means such CPUs run INT8 simulated in float (or FP32).
+    """
+    from model_factory.backend.contract import Files
+    from model_factory.build_engines.int8_7bit import write_7bit
+
+    path, changed = write_7bit(tmp / "model.int8.onnx", tmp / Files.INT8_7BIT)
+    res = evaluator.score(ort_session(path, simulate_qdq=True), "int8")
+    release_memory()
+    passed = gate is None or res.gate_score >= gate
+    if not passed:
+        for f in onnx_files.files_of(path):
+            f.unlink()
+    say(f"int8 with 7-bit weights (integer kernels without VNNI/AMX): {res.metric} {res.gate_score:.5f}, "
+        + ("kept" if passed else f"below the gate {gate:g}: not kept (such CPUs run INT8 simulated in float)"))
+    return {"file": Files.INT8_7BIT if passed else None, "metric": res.metric, "score": res.gate_score,
+            "passed": passed, "weights_changed": changed}
 
 
 def _departure_report(report: AccuracyReport, fp32: Path, out_dir: Path, feeds: Feeds) -> str:

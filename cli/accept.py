@@ -16,7 +16,7 @@ from model_factory.cli.common import user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record per model.")
 @click.option("--gpu-product", metavar="LABEL",
               help="As serve --gpu-product: only TensorRT plans built on this GPU product count.")
-@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "simulated"]), default=None,
+@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "integer-7bit", "simulated"]), default=None,
               help="As serve --int8-kernels: INT8 on the CPU with ONNX Runtime's integer kernels or Q/DQ in float.")
 @click.pass_context
 @user_errors

@@ -99,9 +99,10 @@ class _Interrupted(Exception):
 @click.option("--gpu-product", metavar="LABEL",
               help="Load only TensorRT plans built on this GPU product (the nvidia.com/gpu.product node label, "
                    "e.g. NVIDIA-H100-80GB-HBM3); others fall back as if absent.")
-@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "simulated"]), default=None,
-              help="INT8 on the CPU: ONNX Runtime's integer kernels, or Q/DQ simulated in float. Default: each "
-                   "model's [repository] int8_kernels (auto: integer where the CPU has VNNI/AMX/dot products).")
+@click.option("--int8-kernels", type=click.Choice(["auto", "integer", "integer-7bit", "simulated"]), default=None,
+              help="INT8 on the CPU: ONNX Runtime's integer kernels (7-bit weights on a CPU without VNNI/AMX/dot "
+                   "products, where 8-bit ones can saturate; integer-7bit: those everywhere), or Q/DQ simulated "
+                   "in float. Default: each model's [repository] int8_kernels (auto).")
 @click.option("--admin-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File whose first line is the key of the restricted admin APIs (model repository, shared "
                    "memory, logging, trace), sent as header 'model-factory-admin-key'. Default: "
@@ -112,8 +113,10 @@ class _Interrupted(Exception):
               help="Also run each model's acceptance data through its engine here; refuse models below their gate.")
 @click.option("--cost-cache", type=click.Path(file_okay=False), default=None, envvar="MODEL_FACTORY_COST_CACHE",
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
-                   "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
-@click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
+                   "per engine and device, so a restart skips the warm-up, and the queue bound's measured cost, per "
+                   "served version and machine, so a restart measures nothing. Default: "
+                   "~/.cache/model-factory/cost-models.")
+@click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants or measured costs (warm up and measure every start).")
 @click.option("--allow-empty", is_flag=True,
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")

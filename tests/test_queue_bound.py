@@ -67,3 +67,33 @@ def test_a_fixed_bound_or_one_instance_is_left_as_signed(minilm_recipe, tmp_path
     model_dir = _package(fixed, tmp_path)
     assert load_configs(model_dir.parent, [model_dir.name], {model_dir.name: (0.001, 1e-5, 0.0)}) == {}
     assert not needs_measuring(model_dir)
+
+
+def test_a_measured_cost_is_kept_per_served_version_and_machine(minilm_recipe, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+    from model_factory.serving.queue_bound import cached_cost, cost_file, remember_cost
+    from model_factory.serving.verified_start import check_on_this_machine
+
+    monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
+    model_dir = _package(minilm_recipe, tmp_path)
+    cache = tmp_path / "cost-cache"
+    path = cost_file(cache, model_dir)
+    assert path is not None and cached_cost(path) is None and cost_file(None, model_dir) is None
+    remember_cost(path, (0.002, 3e-6, 1e-9), model_dir.name)
+    assert cached_cost(path) == (0.002, 3e-6, 1e-9)
+    # Another build (other digests), other INT8 kernels or another GPU product never read this file.
+    assert cost_file(cache, model_dir, {"1/model.onnx": "0" * 64}) != path
+    assert cost_file(cache, model_dir, int8_kernels="simulated") != path
+    assert cost_file(cache, model_dir, gpu_product="NVIDIA H200") != path
+    # A start on this machine reads the kept cost and measures nothing (this model's engine file is not ONNX:
+    # a measurement would give no cost at all).
+    checks = check_on_this_machine(model_dir.parent, (model_dir.name,), None, accept=False, gpu_product=None,
+                                   cost_cache=cache)
+    assert checks.costs == {model_dir.name: (0.002, 3e-6, 1e-9)} and checks.passed == (model_dir.name,)
+    assert check_on_this_machine(model_dir.parent, (model_dir.name,), None, accept=False, gpu_product=None,
+                                 ).costs == {}  # no cache: measured, and "not read" is no engine
+    for bad in ("{", "[]", json.dumps({"queue_cost": {"a": "x"}}), json.dumps({"queue_cost": {"a": 0, "b": 0,
+                                                                                             "c": 0}})):
+        path.write_text(bad)
+        assert cached_cost(path) is None  # a file that does not fit is ignored: the start measures

@@ -27,7 +27,9 @@ ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")
 QUEUE_BOUNDS = ("fixed", "auto")
-INT8_KERNELS = ("auto", "integer", "simulated")
+# integer: ONNX Runtime's integer kernels (8-bit weights where the CPU has integer dot products, the 7-bit
+# form elsewhere); integer-7bit: the 7-bit form on any CPU; simulated: Q/DQ as float arithmetic (cpu_features).
+INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -61,6 +63,10 @@ class Files:
     # "prompt_ids": [..], "tokens": [..] (FP32 greedy), "near_tie": k|null (first step whose top-two FP32 logits
     # differ by < 1e-3: tokens from there on may differ by float rounding alone)}]}
     CONTINUATIONS = "continuations.json"
+    # The INT8 model with its weights re-quantized to 7 bits (|w| <= 63), written by the quantize stage when it
+    # passes the gate: ONNX Runtime's integer kernels cannot saturate on it on CPUs without VNNI/AMX (AVX2's
+    # u8 x s8 pair sums fit 16 bits). Packaged beside model.int8.onnx.
+    INT8_7BIT = "model.int8.w7.onnx"
 
 
 def onnx_file(precision: str) -> str:
@@ -82,6 +88,8 @@ def file_precision(name: str) -> str | None:
     """The precision a version-folder file belongs to (``model.int8.onnx`` -> int8), None for shared files."""
     if name in (Files.ONNX, data_file(Files.ONNX), Files.TORCHSCRIPT, Files.EXPORTED_PROGRAM):
         return "fp32"
+    if name in (Files.INT8_7BIT, data_file(Files.INT8_7BIT)):
+        return "int8"
     parts = name.split(".")
     if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
         return parts[1]

@@ -78,15 +78,19 @@ def cache_path(folder: Path, model: str, key: str) -> Path:
     return Path(folder) / f"{safe}-{key}.json"
 
 
-def load_state(path: Path) -> tuple[dict[str, Any] | None, str]:
-    """``(state, why)``: the saved state, or None and the reason (missing, unreadable, malformed)."""
+def load_state(path: Path, required: str = "estimator") -> tuple[dict[str, Any] | None, str]:
+    """``(state, why)``: the saved state, or None and the reason (missing, unreadable, malformed).
+
+    ``required``: the field a usable file holds (an object): the estimator's state for the backend, the
+    measured queue-bound cost for ``serve`` (``model_factory.serving.queue_bound``).
+    """
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return None, "no learned constants yet"
     except (OSError, ValueError) as exc:
         return None, f"cannot read {path}: {exc}"
-    if not isinstance(data, dict) or not isinstance(data.get("estimator"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get(required), dict):
         return None, f"{path} is not a cost model cache file"
     return data, ""
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from .contract import Files
 from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
-from .cpu_features import choose_int8_kernels
+from .cpu_features import Int8Refused, choose_int8_kernels
 from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
 
@@ -102,21 +102,29 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     from .engines.onnxruntime import OnnxRuntimeCudaEngine, OnnxRuntimeEngine
 
     model_dir, version = version_dir.parent, version_dir.name
-    path = version_dir / settings.onnx_file
-    if not path.is_file():
-        raise SettingsError(f"{path} is missing: repackage the model")
-    data_name = settings.onnx_file + DATA_SUFFIX
-    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
-    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
-            "device": "cpu" if device_id is None else f"cuda:{int(device_id)}"}
-    # INT8 on the CPU: ONNX Runtime's integer kernels where the CPU has integer dot products, else Q/DQ
-    # simulated in float, as the accuracy gate scored it (the u8s8 kernels can saturate on AVX2 alone).
+    onnx_name = settings.onnx_file
+    info: dict = {}
+    # INT8 on the CPU: ONNX Runtime's integer kernels where they compute right (8-bit weights with integer dot
+    # products, the 7-bit form elsewhere), else Q/DQ simulated in float, as the accuracy gate scored it.
     if settings.precision == "int8" and device_id is None:
+        seven = Files.INT8_7BIT
+        has_seven = (version_dir / seven).is_file() if digests is None else f"{version}/{seven}" in digests
         try:
-            kernels, why = choose_int8_kernels(settings.int8_kernels)
+            kernels, weights, why = choose_int8_kernels(settings.int8_kernels, seven_bit=has_seven)
+        except Int8Refused as exc:
+            raise SettingsError(str(exc)) from exc
         except ValueError as exc:
             raise SettingsError(f"{exc}: fix serve --int8-kernels or the recipe's [repository] int8_kernels") from exc
-        info["int8_kernels"], info["int8_kernels_why"] = kernels, why
+        info["int8_kernels"], info["int8_weights"], info["int8_kernels_why"] = kernels, weights, why
+        if weights == "7-bit":
+            onnx_name = seven
+    path = version_dir / onnx_name
+    if not path.is_file():
+        raise SettingsError(f"{path} is missing: repackage the model")
+    data_name = onnx_name + DATA_SUFFIX
+    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
+    info = {"flavour": "onnxruntime", "file": path.name, "verified": digests is not None,
+            "device": "cpu" if device_id is None else f"cuda:{int(device_id)}", **info}
     cpus = available_cpus()
     threads = cpu_threads_per_instance(settings, cpus)
     wide = None
@@ -140,7 +148,7 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     if device_id is not None:
         info["provider"] = "CUDAExecutionProvider"
     if not has_data:
-        return make(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests)), info
+        return make(read_checked(model_dir, f"{version}/{onnx_name}", digests)), info
     info["external_data"] = data_name
     if digests is None:  # no verification: ONNX Runtime reads the weights beside the graph itself
         return make(path), info
@@ -149,9 +157,9 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     # are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
     private = Path(tempfile.mkdtemp(prefix="mf-verified-"))
     try:
-        (private / settings.onnx_file).write_bytes(read_checked(model_dir, f"{version}/{settings.onnx_file}", digests))
+        (private / onnx_name).write_bytes(read_checked(model_dir, f"{version}/{onnx_name}", digests))
         copy_checked(model_dir, f"{version}/{data_name}", digests, private / data_name)
-        return make(private / settings.onnx_file), info
+        return make(private / onnx_name), info
     finally:
         shutil.rmtree(private, ignore_errors=True)
 

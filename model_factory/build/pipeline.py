@@ -129,6 +129,9 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
         for precision, path in q.models.items():
             if precision != "fp32":
                 artifacts[onnx_file(precision)] = path
+        seven_bit = q.models.get("int8", Path()).parent / Files.INT8_7BIT
+        if "int8" in q.models and seven_bit.is_file():  # kept when it passed the gate (build_engines/int8_7bit.py)
+            artifacts[Files.INT8_7BIT] = seven_bit
         extra.append(q.report_path)
         say(q.report.render())
         accuracy = q.report.to_dict() if hasattr(q.report, "to_dict") else None
@@ -232,6 +235,8 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
     models = quantized_models(recipe)
     artifacts: dict[str, Path] = {onnx_file(p): path for p, path in models.items()}
+    if "int8" in models and (models["int8"].parent / Files.INT8_7BIT).is_file():
+        artifacts[Files.INT8_7BIT] = models["int8"].parent / Files.INT8_7BIT
     extra = [p for p in (export_dir / Files.EXPORT_REPORT,) if p.is_file()]
     for torch_file in (export_dir / Files.EXPORTED_PROGRAM, export_dir / Files.TORCHSCRIPT):
         if torch_file.is_file():  # the program; a trace only in a work dir from before torch.export

@@ -89,19 +89,53 @@ def docker_config_path(explicit: Path | None) -> Path | None:
     return None
 
 
-def _errors_of(resp: Any) -> str:
+_ERROR_BODY_MAX = 64 << 10  # an error document is small: never read more of a failed response than this
+
+
+def _error_body(resp: Any) -> str:
+    """The start of a *failed* response's body ('' for a success: a success's body is the caller's to read)."""
+    if resp.status_code < 400:
+        return ""
+    cached = getattr(resp, "_factory_error_body", None)
+    if cached is None:  # read once: a streamed body cannot be read twice
+        try:
+            cached = next(resp.iter_content(_ERROR_BODY_MAX), b"").decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - a body that cannot be read says nothing more than the status
+            cached = ""
+        resp._factory_error_body = cached
+    return cached
+
+
+def _error_list(resp: Any) -> list[dict[str, Any]]:
+    """The registry's error entries (``{"errors": [{"code", "message"}]}``) of a failed response, else []."""
+    text = _error_body(resp)
     try:
-        errs = resp.json().get("errors") or []
-        return "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs if isinstance(e, dict))
+        doc = json.loads(text) if text else None
     except ValueError:
-        return (resp.text or "")[:200]
+        return []
+    errors = doc.get("errors") if isinstance(doc, dict) else None
+    return [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else []
+
+
+def _errors_of(resp: Any) -> str:
+    errors = _error_list(resp)
+    if errors:
+        return "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+    return " ".join(_error_body(resp).split())[:200]
 
 
 def _codes(resp: Any) -> set[str]:
+    return {str(e.get("code")) for e in _error_list(resp)}
+
+
+def _json_field(resp: Any, key: str) -> list[Any]:
+    """A list field of a successful JSON answer (tags, referrers); [] when the body is not that shape."""
     try:
-        return {e.get("code") for e in resp.json().get("errors") or [] if isinstance(e, dict)}
+        doc = resp.json()
     except ValueError:
-        return set()
+        return []
+    value = doc.get(key) if isinstance(doc, dict) else None
+    return list(value) if isinstance(value, list) else []
 
 
 class RegistryTarget:
@@ -354,7 +388,7 @@ class RegistryTarget:
             if tags.status_code == 404 or "NAME_UNKNOWN" in _codes(tags):
                 raise FactoryError(f"repository {self.label} does not exist. Fix: check the namespace and name "
                                    "(push the model there first)")
-            names = sorted((tags.json().get("tags") or []) if tags.status_code == 200 else [])
+            names = sorted(str(t) for t in (_json_field(tags, "tags") if tags.status_code == 200 else []))
             shown = [t for t in names if not t.startswith("sha256-")]
             raise FactoryError(f"{self.label} has no {'manifest' if reference.startswith('sha256:') else 'tag'} "
                                f"{reference!r}. Fix: use one of its tags: {', '.join(shown) or 'none'}")
@@ -370,4 +404,4 @@ class RegistryTarget:
         resp = self._send("GET", f"{self._base}/referrers/{check_digest(digest)}", headers={"Accept": OCI_INDEX})
         if resp.status_code != 200 or not resp.headers.get("Content-Type", "").startswith(OCI_INDEX):
             return None  # no referrers API (CNCF Distribution 2.8): the caller uses the tag schema
-        return list(resp.json().get("manifests") or [])
+        return [m for m in _json_field(resp, "manifests") if isinstance(m, dict)]

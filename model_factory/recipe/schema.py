@@ -27,7 +27,7 @@ INSTANCE_KINDS = ("auto", "cpu", "gpu")
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")  # the backend's `engine` parameter
 GROUPING_MODES = ("cost_model", "pad_to_longest", "none")
 POOLINGS = ("mean", "cls")
-INT8_KERNELS = ("auto", "integer", "simulated")
+INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 TIMEOUT_ACTIONS = ("reject", "delay")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -271,8 +271,12 @@ class RepositoryTable(_Table):
                                   "client is served on all cores and a loaded server keeps the split "
                                   "(benchmarks/RESULTS.md, \"INT8 on the CPU\").")
     int8_kernels: _choice(INT8_KERNELS) = Field("auto", description="INT8 on ONNX Runtime's CPU engine: auto "
-                                                "(integer kernels where the serving CPU has VNNI, AMX or dot "
-                                                "products, else Q/DQ simulated in float), integer, or simulated. "
+                                                "(integer kernels: 8-bit weights where the serving CPU has VNNI, "
+                                                "AMX or dot products; elsewhere the 7-bit weights of "
+                                                "model.int8.w7.onnx when the build's gate passed them, else Q/DQ "
+                                                "simulated in float), integer (the same forms; refused on a CPU "
+                                                "without dot products when the package has no 7-bit form), "
+                                                "integer-7bit (the 7-bit form on any CPU), or simulated. "
                                                 "serve/accept --int8-kernels override it.")
 
 

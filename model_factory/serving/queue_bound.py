@@ -8,6 +8,12 @@ cost model of the engine measured on this machine (or the constants the configur
 the model with that configuration through Triton's load API (its ``config`` parameter: Triton then
 uses it instead of reading ``config.pbtxt``). The signed bytes stay reproducible; only the per-deployment
 bound differs, and it exists only in the server's memory.
+
+Measuring takes a child process that loads and times the engine (2-3 s for MiniLM on 2 cores): done at every
+start it put ``serve`` → READY past 3 s. So the measured cost model is kept in the cost cache folder (the one the
+backend keeps its learned constants in, :mod:`model_factory.backend.cost_cache`), one file per (the served
+version's signed digests, this machine, the INT8 kernels and GPU product asked for): a restart of the same
+engine on the same machine reads it and measures nothing (:func:`cached_cost`, :func:`remember_cost`).
 """
 
 from __future__ import annotations
@@ -136,3 +142,86 @@ def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = Non
         return None
     finally:
         engine.close()
+
+
+QUEUE_COST = "queue_cost"  # the cache file's field: {"a", "b", "c"} in seconds
+
+
+def _served_digests(model_dir: Path, digests: Mapping[str, str] | None) -> dict[str, str]:
+    """The served version's file digests: the verified ones, else those its metadata.json lists (else {})."""
+    from model_factory.backend.contract import Files
+    from model_factory.build.repository import read_config
+    from model_factory.serving.acceptance import served_version
+
+    if digests:
+        return dict(digests)
+    version = served_version(Path(model_dir), read_config(model_dir))
+    try:
+        files = json.loads((Path(model_dir) / version / Files.METADATA).read_text()).get("files")
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def cost_file(cache_dir: Path | None, model_dir: Path, digests: Mapping[str, str] | None = None,
+              gpu_product: str | None = None, int8_kernels: str | None = None) -> Path | None:
+    """The cost cache file for this model's measured queue-bound cost on this machine (None: nothing to key on).
+
+    The key: every file digest of the served version (engines, config, metadata: another build never reads
+    this build's cost), this host and its CPU (model, usable cores), the GPU product and INT8 kernels ``serve``
+    was given (they change which engine loads), through the backend's own :func:`cost_cache.cache_key`.
+    """
+    import hashlib
+    import os
+    import platform
+
+    from model_factory.backend import cost_cache
+    from model_factory.backend.contract import parse_parameters
+    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+    from model_factory.build.repository import config_parameters, read_config
+
+    if cache_dir is None:
+        return None
+    files = _served_digests(model_dir, digests)
+    if not files:
+        return None
+    engine = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+    kernels = int8_kernels or os.environ.get(INT8_KERNELS_ENV, "") or "auto"
+    flavour = f"queue-bound measurement, int8_kernels={kernels}, gpu_product={gpu_product or 'any'}"
+    device = f"{platform.node()} cpu:{cost_cache.cpu_description()}"
+    params = parse_parameters(config_parameters(read_config(model_dir)))
+    buckets = params.sequence_buckets or (params.max_sequence_length or 1,)
+    key = cost_cache.cache_key(engine, flavour, device, buckets, False)
+    return cost_cache.cache_path(Path(cache_dir), f"{Path(model_dir).name}.queue-bound", key)
+
+
+def cached_cost(path: Path | None) -> CostModel | None:
+    """The cost model a start on this machine measured before (None: none kept, or a file that does not fit)."""
+    from model_factory.backend import cost_cache
+
+    if path is None:
+        return None
+    state, _why = cost_cache.load_state(path, required=QUEUE_COST)
+    if state is None:
+        return None
+    try:
+        cost = tuple(float(state[QUEUE_COST][k]) for k in ("a", "b", "c"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return cost if all(math.isfinite(x) and x >= 0 for x in cost) and sum(cost) > 0 else None  # type: ignore
+
+
+def remember_cost(path: Path | None, cost: Sequence[float], model: str) -> None:
+    """Keep a measured cost model for the next start (atomically); a cache that cannot be written is skipped."""
+    import datetime as dt
+
+    from model_factory.backend import cost_cache
+
+    if path is None:
+        return
+    a, b, c = (float(x) for x in cost)
+    try:
+        cost_cache.save_state(path, {QUEUE_COST: {"a": a, "b": b, "c": c}, "model": model,
+                                     "saved_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")})
+    except OSError:
+        pass  # a cache is a nicety: the next start measures again

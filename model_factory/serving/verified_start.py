@@ -90,20 +90,25 @@ def verify(repository: Path, policy: Path | None, allow_unsigned: bool) -> Verif
 
 
 def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict | None, *, accept: bool,
-                          gpu_product: str | None, int8_kernels: str | None = None) -> MachineChecks:
+                          gpu_product: str | None, int8_kernels: str | None = None,
+                          cost_cache: Path | None = None) -> MachineChecks:
     """Acceptance (with ``accept``) and the queue-bound cost model of each model, in one child process.
 
     The engines a child loads (GPU memory, a CUDA context, torch's cache) are gone before Triton loads
-    the same models.
+    the same models. A cost model measured before for the same engine on this machine (kept in
+    ``cost_cache``, :func:`.queue_bound.cost_file`) is read instead of measured: without acceptance to run,
+    such a start spawns no child at all.
     """
     import multiprocessing
 
     from model_factory.build.repository import read_config
     from model_factory.serving.acceptance import served_version
-    from model_factory.serving.queue_bound import needs_measuring
+    from model_factory.serving.queue_bound import cached_cost, cost_file, needs_measuring, remember_cost
 
     refused: dict[str, str] = {}
     jobs = []
+    known: dict[str, tuple[float, float, float]] = {}
+    files: dict[str, Path | None] = {}
     for m in models:
         digests = None
         if table is not None:
@@ -115,18 +120,24 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
                     jobs.append((str(repository / m), None, gpu_product, False, False, int8_kernels))
                 continue
         measure = needs_measuring(repository / m)
+        if measure:
+            files[m] = cost_file(cost_cache, repository / m, digests, gpu_product, int8_kernels)
+            cached = cached_cost(files[m])
+            if cached is not None:
+                known[m], measure = cached, False
         jobs.append((str(repository / m), digests, gpu_product, accept, measure, int8_kernels))
     todo = [j for j in jobs if j[3] or j[4]]
     verdicts = {}
     if todo:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             verdicts = dict(zip((j[0] for j in todo), pool.map(_check_one, todo)))
-    passed, engines, costs = [], {}, {}
+    passed, engines, costs = [], {}, dict(known)
     for path, *_ in jobs:
         m = Path(path).name
         ok, where, reason, cost = verdicts.get(path, (True, None, None, None))
         if cost is not None:
             costs[m] = cost
+            remember_cost(files.get(m), cost, m)
         if ok:
             passed.append(m)
             if where:
@@ -176,7 +187,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     ``max_queue_size = "auto"`` gets its queue bound from its engine's cost model measured here
     (``model_factory.serving.queue_bound``). ``cost_cache``: a folder outside the repository where the
     backend keeps the cost-model constants it learned (per engine and device), so that a restart needs no
-    warm-up. When no model loads, the server is stopped and FactoryError names every refusal, unless
+    warm-up, and where the queue bound's measured cost is kept (per served version and machine), so that a
+    restart measures nothing. When no model loads, the server is stopped and FactoryError names every refusal, unless
     ``allow_empty`` keeps it up for later loads.
     """
     repository = Path(repository)
@@ -185,7 +197,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     checked = verify(repository, policy, allow_unsigned)
     env = _cost_cache_env(repository, cost_cache)
     checks = check_on_this_machine(repository, checked.to_load, checked.table, accept=accept,
-                                   gpu_product=options.gpu_product, int8_kernels=options.int8_kernels)
+                                   gpu_product=options.gpu_product, int8_kernels=options.int8_kernels,
+                                   cost_cache=cost_cache)
     refused = {**checked.refused, **checks.refused}
     if not checks.passed:
         raise FactoryError("no model passed verification and acceptance:\n"

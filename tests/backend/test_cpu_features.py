@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels, cpu_flags, integer_dot_product
+from model_factory.backend.cpu_features import (INT8_KERNELS_ENV, Int8Refused, choose_int8_kernels, cpu_flags,
+                                                integer_dot_product)
 
 XEON = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni avx_vnni amx_int8\n"
 EPYC = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
@@ -24,16 +25,35 @@ def test_integer_dot_product_flags(tmp_path: Path, text: str, expected: tuple) -
 
 def test_auto_chooses_by_the_cpu_and_explicit_choices_win(monkeypatch) -> None:
     monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
-    assert choose_int8_kernels("auto", frozenset({"avx2", "avx512_vnni"}))[0] == "integer"
-    kernels, why = choose_int8_kernels("auto", frozenset({"avx2"}))
-    assert kernels == "simulated" and "saturate" in why
-    assert choose_int8_kernels("integer", frozenset({"avx2"}))[0] == "integer"  # the recipe forces it
+    vnni, avx2 = frozenset({"avx2", "avx512_vnni"}), frozenset({"avx2"})
+    assert choose_int8_kernels("auto", vnni)[:2] == ("integer", "8-bit")
+    assert choose_int8_kernels("auto", vnni, seven_bit=True)[:2] == ("integer", "8-bit")  # 8 bits where they fit
+    kernels, weights, why = choose_int8_kernels("auto", avx2)
+    assert (kernels, weights) == ("simulated", "8-bit") and "saturate" in why
+    kernels, weights, why = choose_int8_kernels("auto", avx2, seven_bit=True)  # the safe form, where it was built
+    assert (kernels, weights) == ("integer", "7-bit") and "cannot saturate" in why
+    assert choose_int8_kernels("integer", avx2, seven_bit=True)[:2] == ("integer", "7-bit")  # the recipe forces it
+    assert choose_int8_kernels("integer-7bit", vnni, seven_bit=True)[:2] == ("integer", "7-bit")
+    assert choose_int8_kernels("simulated", vnni)[:2] == ("simulated", "8-bit")
     monkeypatch.setenv(INT8_KERNELS_ENV, "simulated")  # serve --int8-kernels wins over the recipe
-    kernels, why = choose_int8_kernels("integer", frozenset({"avx512_vnni"}))
+    kernels, _weights, why = choose_int8_kernels("integer", frozenset({"avx512_vnni"}))
     assert kernels == "simulated" and INT8_KERNELS_ENV in why
     monkeypatch.setenv(INT8_KERNELS_ENV, "fast")
     with pytest.raises(ValueError, match="fast"):
         choose_int8_kernels("auto")
+
+
+def test_integer_kernels_on_8_bit_weights_are_refused_without_dot_products(monkeypatch) -> None:
+    """What the issue saw: forcing integer kernels on an AVX2-only CPU. Never 8-bit weights there."""
+    monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
+    with pytest.raises(Int8Refused, match="saturate.*Fix: serve --int8-kernels simulated"):
+        choose_int8_kernels("integer", frozenset({"avx2"}))
+    monkeypatch.setenv(INT8_KERNELS_ENV, "integer")  # serve --int8-kernels integer: the same
+    with pytest.raises(Int8Refused, match=INT8_KERNELS_ENV):
+        choose_int8_kernels("auto", frozenset({"avx2", "fma"}))
+    monkeypatch.setenv(INT8_KERNELS_ENV, "integer-7bit")
+    with pytest.raises(Int8Refused, match="model.int8.w7.onnx"):
+        choose_int8_kernels("auto", frozenset({"avx512_vnni"}))
 
 
 def _int8_matmul_onnx(path: Path) -> np.ndarray:
@@ -58,23 +78,93 @@ def _int8_matmul_onnx(path: Path) -> np.ndarray:
     return q.astype(np.float32) * scale
 
 
-@pytest.mark.parametrize("kernels", ["integer", "simulated"])
-def test_loading_runs_int8_with_the_chosen_kernels(tmp_path: Path, monkeypatch, kernels: str) -> None:
-    from model_factory.backend.loading import load_engine
-    from model_factory.backend.settings import parse_settings
+HAS_DOT = bool(integer_dot_product())
+IS_X86_AVX2 = "avx2" in cpu_flags()
 
+
+def _int8_version(tmp_path: Path, seven_bit: bool) -> tuple[Path, np.ndarray, np.ndarray | None]:
+    """A version folder with the INT8 MatMul (and its 7-bit form, made by the build's own code)."""
     version = tmp_path / "m" / "1"
     version.mkdir(parents=True)
     w = _int8_matmul_onnx(version / "model.int8.onnx")
-    monkeypatch.setenv(INT8_KERNELS_ENV, kernels)
-    s = parse_settings({"name": "m", "parameters": {"precision": {"string_value": "int8"},
-                                                    "onnx_file": {"string_value": "model.int8.onnx"}}})
-    engine, info = load_engine(version, s, "CPU", 0, digests=None)
-    assert info["int8_kernels"] == kernels and info["threads"] >= 1
-    x = np.random.default_rng(1).uniform(-3, 3, size=(5, 16)).astype(np.float32)
+    w7 = None
+    if seven_bit:
+        from model_factory.build_engines.int8_7bit import WEIGHT_MAX, seven_bit as requantize, write_7bit
+
+        write_7bit(version / "model.int8.onnx", version / "model.int8.w7.onnx")
+        q = np.rint(w / (np.abs(w).max(axis=0) / 127)).astype(np.int8)
+        q7, s7 = requantize(q, (np.abs(w).max(axis=0) / 127).astype(np.float32), 1)
+        assert np.abs(q7).max() <= WEIGHT_MAX
+        w7 = q7.astype(np.float32) * s7
+    return version, w, w7
+
+
+def _settings():
+    from model_factory.backend.settings import parse_settings
+
+    return parse_settings({"name": "m", "parameters": {"precision": {"string_value": "int8"},
+                                                       "onnx_file": {"string_value": "model.int8.onnx"}}})
+
+
+def _check(engine, w: np.ndarray) -> None:
+    # Inputs over the whole calibrated range: every quantized activation near +-127, the sums that saturate.
+    x = np.random.default_rng(1).uniform(-6.4, 6.4, size=(64, 16)).astype(np.float32)
     xq = np.clip(np.round(x / 0.05), -128, 127) * np.float32(0.05)  # what the Q/DQ pair computes
     np.testing.assert_allclose(engine.run({"x": x})["y"], xq @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [
+    pytest.param("integer", marks=pytest.mark.skipif(not HAS_DOT, reason=(
+        "needs an integer dot-product instruction (VNNI/AMX/asimddp/i8mm): ONNX Runtime's integer kernels on 8-bit "
+        "weights saturate without one, and the product never runs them there (the 7-bit form is tested below)"))),
+    "simulated"])
+def test_loading_runs_int8_with_the_chosen_kernels(tmp_path: Path, monkeypatch, kernels: str) -> None:
+    from model_factory.backend.loading import load_engine
+
+    version, w, _ = _int8_version(tmp_path, seven_bit=False)
+    monkeypatch.setenv(INT8_KERNELS_ENV, kernels)
+    engine, info = load_engine(version, _settings(), "CPU", 0, digests=None)
+    assert info["int8_kernels"] == kernels and info["int8_weights"] == "8-bit" and info["threads"] >= 1
+    assert info["file"] == "model.int8.onnx"
+    _check(engine, w)
     engine.close()
+
+
+@pytest.mark.skipif(not IS_X86_AVX2, reason="the 7-bit form is the remedy for x86 kernels (AVX2 and up)")
+@pytest.mark.parametrize("kernels", ["integer-7bit", "auto"])
+def test_the_7_bit_form_runs_right_on_integer_kernels_on_any_avx2_cpu(tmp_path: Path, monkeypatch,
+                                                                      kernels: str) -> None:
+    """On an AVX2-only CPU this is the path ``auto`` and ``integer`` take (and AVX2's kernels are exercised); on a
+    VNNI/AMX CPU ``integer-7bit`` runs the same file on those kernels. The outputs are the 7-bit weights' exactly."""
+    from model_factory.backend.loading import load_engine
+
+    version, w, w7 = _int8_version(tmp_path, seven_bit=True)
+    monkeypatch.setenv(INT8_KERNELS_ENV, kernels)
+    engine, info = load_engine(version, _settings(), "CPU", 0, digests=None)
+    if kernels == "auto" and HAS_DOT:
+        assert (info["file"], info["int8_weights"]) == ("model.int8.onnx", "8-bit")
+        _check(engine, w)
+    else:
+        assert (info["file"], info["int8_kernels"], info["int8_weights"]) == ("model.int8.w7.onnx", "integer", "7-bit")
+        _check(engine, w7)
+    engine.close()
+
+
+def test_integer_forced_without_the_safe_form_is_refused_on_an_avx2_only_cpu(tmp_path: Path, monkeypatch) -> None:
+    """Forcing integer where it would saturate refuses the load with the reason (the CPU's flags read from an
+    AVX2-only EPYC's cpuinfo: the refusal happens before any kernel runs, so this holds on every CPU)."""
+    from model_factory.backend import cpu_features
+    from model_factory.backend.loading import load_engine
+    from model_factory.backend.settings import SettingsError
+
+    info_file = tmp_path / "cpuinfo"
+    info_file.write_text(EPYC)
+    real = cpu_features.cpu_flags
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo=info_file: real(cpuinfo))
+    version, _, _ = _int8_version(tmp_path, seven_bit=False)
+    monkeypatch.setenv(INT8_KERNELS_ENV, "integer")
+    with pytest.raises(SettingsError, match="refused on this CPU.*saturate"):
+        load_engine(version, _settings(), "CPU", 0, digests=None)
 
 
 def test_fp32_says_nothing_about_int8_kernels(tmp_path: Path) -> None:

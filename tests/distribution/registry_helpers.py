@@ -149,8 +149,10 @@ def docker_config(path: Path, host: str, user: str, password: str) -> Path:
     return path
 
 
-def start_registry(folder: Path, token: bool = False) -> TestRegistry:
+def start_registry(folder: Path, token: bool = False, tls: bool = True) -> TestRegistry:
     """Start docker-registry with TLS on a free loopback port; wait until it answers.
+
+    Without ``tls`` it talks plain HTTP (what ``--plain-http`` is for), still with htpasswd auth.
 
     Auth is htpasswd (basic), or with ``token`` the Docker token flow: a small token service here (the
     registry's real JWT verification) that checks the same htpasswd user and signs ES256 tokens.
@@ -194,10 +196,10 @@ storage:
 http:
   addr: {host}
   secret: test-secret
-  tls:
+""" + (f"""  tls:
     certificate: {cert}
     key: {key}
-{auth}""")
+""" if tls else "") + auth)
     log = folder / "registry.log"
     proc = subprocess.Popen([shutil.which("docker-registry") or "docker-registry", "serve", str(config)],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
@@ -206,7 +208,8 @@ http:
     deadline = time.monotonic() + 20
     while True:
         try:
-            if requests.get(f"https://{host}/v2/", verify=str(ca), timeout=2).status_code == 401:
+            if requests.get(f"{'https' if tls else 'http'}://{host}/v2/", verify=str(ca),
+                            timeout=2).status_code == 401:
                 break
         except requests.exceptions.ConnectionError:
             pass
@@ -242,6 +245,18 @@ def registry(tmp_path_factory):
         pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs docker-registry and "
                     "apache2-utils as root)")
     reg = start_registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    stop_registry(reg)
+
+
+@pytest.fixture(scope="session")
+def plain_registry(tmp_path_factory):
+    """The same registry over plain HTTP (htpasswd auth), for ``--plain-http``."""
+    missing = [b for b in ("docker-registry", "htpasswd") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs docker-registry and "
+                    "apache2-utils as root)")
+    reg = start_registry(tmp_path_factory.mktemp("plain-registry"), tls=False)
     yield reg
     stop_registry(reg)
 

@@ -1,4 +1,5 @@
-"""A 2 GB+ weight file through the registry: chunked upload, resumed after the pushing process is killed."""
+"""A 2 GB+ weight file through the registry: chunked upload, resumed after the pushing process is killed; the pull
+streams it to disk with bounded memory (its peak RSS is measured in a child process)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+RSS_BOUND_MIB = 400  # the pulling process: Python, oras, requests and a few MiB of buffers, never the layer
 SIZE = (2 << 30) + 12345  # just past 2 GiB: an odd size, so the last chunk is partial
 CHUNK = 256 << 20
 
@@ -26,6 +28,26 @@ def progress(what, done, total):
 push(Path(repo), "big", ref, options=RegistryOptions(config=Path(config), ca_file=Path(ca), chunk_size={chunk},
      state_dir=Path(state)), progress=progress)
 """
+
+
+_PULL = """
+import resource, sys
+from pathlib import Path
+from model_factory.distribution.push_pull import pull
+from model_factory.distribution.registry import RegistryOptions
+ref, dest, policy, config, ca = sys.argv[1:6]
+pull(ref, Path(dest), Path(policy), options=RegistryOptions(config=Path(config), ca_file=Path(ca) if ca else None,
+     plain_http=not ca))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+"""
+
+
+def pull_peak_rss_mib(ref: str, dest: Path, policy: Path, options) -> float:
+    """``model-factory pull``'s work in a child process; its peak resident memory in MiB."""
+    proc = subprocess.run([sys.executable, "-c", _PULL, ref, str(dest), str(policy), str(options.config),
+                           str(options.ca_file or "")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1]) / 1024
 
 
 def test_two_gib_layer_chunked_and_resumed_after_a_kill(registry, oci_keys, tmp_path):
@@ -58,8 +80,9 @@ def test_two_gib_layer_chunked_and_resumed_after_a_kill(registry, oci_keys, tmp_
     assert sent[0] == 4 * CHUNK and sent[-1] == SIZE  # resumed after the three acknowledged chunks
     assert not list(state.glob("*.json"))
 
-    result = pull(ref, tmp_path / "dest", oci_keys["policy"], options=options)
-    pulled = result.model_dir / "1" / "model.onnx.data"
+    peak_mib = pull_peak_rss_mib(ref, tmp_path / "dest", oci_keys["policy"], options)
+    assert peak_mib < RSS_BOUND_MIB, f"pulling a 2 GiB layer peaked at {peak_mib:.0f} MiB"
+    pulled = tmp_path / "dest" / "big" / "1" / "model.onnx.data"
     assert pulled.stat().st_size == SIZE
     with open(pulled, "rb") as f:
         f.seek(SIZE - 16)

@@ -37,3 +37,22 @@ def test_serve_loads_the_bound_it_derived_here_and_the_signed_bytes_stay(minilm_
     finally:
         assert server.stop() == 0
     assert config_file.read_bytes() == signed_bytes
+
+
+def test_a_restart_reads_the_cost_it_measured_before(minilm_repository, tmp_path):
+    from model_factory.serving.queue_bound import cached_cost, cost_file
+    from model_factory.serving.server import ServerOptions, start_verified_server
+
+    cache = tmp_path / "cost-cache"
+    costs = []
+    for start in range(2):
+        server, report = start_verified_server(minilm_repository, ServerOptions(0, 0, 0), None, allow_unsigned=True,
+                                               log_file=tmp_path / f"triton-{start}.log", cost_cache=cache)
+        try:
+            assert "minilm" in report.served, report.refused
+            costs.append(report.queue_costs["minilm"])
+        finally:
+            assert server.stop() == 0
+    kept = cached_cost(cost_file(cache, minilm_repository / "minilm"))
+    # Two measurements never time alike to the last bit: the same floats mean the restart read the first one's.
+    assert costs[0] == costs[1] == kept
