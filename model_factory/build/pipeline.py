@@ -114,7 +114,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     accuracy = None
     models = {"fp32": exported.onnx_path}
     build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset},
-                                  "source_digest": exported.source_digest}
+                                  "source_digest": exported.source_digest, "source_scan": exported.source_scan}
     if exported.torchscript_path is not None:
         # The torch engine's file (export.torchscript = true) travels like the other engine files.
         artifacts[exported.torchscript_path.name] = exported.torchscript_path
@@ -163,7 +163,10 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             if importlib.util.find_spec("cyclonedx") is not None:
                 from model_factory.distribution.bom import write_bom
 
-                write_bom(staged, recipe.version, provenance)
+                from model_factory.signing.tensors import source_manifest
+
+                # The source's tensors, one digest each (streamed from its safetensors): trust per tensor.
+                write_bom(staged, recipe.version, provenance, source_tensors=source_manifest(recipe))
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 
@@ -205,6 +208,8 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
         "precisions": list(recipe.precisions),
         "finished_on": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if build_info.get("source_scan"):
+        facts["source_scan"] = dict(build_info["source_scan"])
     calibration = (build_info.get("quantization") or {}).get("calibration_digest")
     if calibration:
         facts["calibration_data_digest"] = calibration
