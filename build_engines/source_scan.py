@@ -35,7 +35,7 @@ from model_factory.errors import FactoryError
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib", ".dat", ".data", ".model")
 TEXT_SUFFIXES = (".json", ".txt", ".md", ".jsonl", ".toml", ".yaml", ".yml", ".csv")
 # The kinds a file can be; only those that carry a pickle are scanned.
-PICKLE_KINDS = ("pickle", "torch-zip", "numpy-object", "numpy-zip")
+PICKLE_KINDS = ("pickle", "torch-zip", "numpy-object", "numpy-object-zip")
 NUMPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
 ALLOW_FIX = "set [source] allow_pickle = true in the recipe (files the scanner flags stay refused)"
@@ -46,7 +46,7 @@ class FileVerdict:
     """One source file: what it is, what its pickles import, and whether it may be read."""
 
     path: str  # relative to the source's folder
-    kind: str  # safetensors, onnx, gguf, pickle, torch-zip, numpy, numpy-object, numpy-zip, text, python, other
+    kind: str  # safetensors onnx gguf pickle torch-zip numpy numpy-object numpy-zip numpy-object-zip text python other
     imports: tuple[str, ...] = ()  # module.name of every global its pickles import (scanned kinds only)
     flagged: tuple[str, ...] = ()  # those the scanner calls dangerous or does not know
     verdict: str = "ok"  # ok | allowed (a clean pickle, allow_pickle) | refused
@@ -104,7 +104,7 @@ def refusal_line(f: FileVerdict, scanner: str, allow_pickle: bool) -> str:
 def _kind_text(kind: str) -> str:
     return {"pickle": "pickle", "torch-zip": "zip-format torch file (a pickle inside)",
             "numpy-object": "numpy object array (a pickle inside)",
-            "numpy-zip": ".npz whose arrays hold pickles"}.get(kind, kind)
+            "numpy-object-zip": ".npz whose arrays hold pickles"}.get(kind, kind)
 
 
 def classify(path: Path) -> str:
@@ -122,7 +122,10 @@ def classify(path: Path) -> str:
         if any(n.endswith(".pkl") or n.endswith("/data.pkl") for n in names):
             return "torch-zip"
         if names and all(n.endswith(".npy") for n in names):
-            return "numpy-zip"  # scanned: an .npz member may be an object array
+            # an .npz: plain arrays are data; an object array is a pickle (scanned)
+            with zipfile.ZipFile(path) as z:
+                objects = any(_npy_holds_objects(z.open(n)) for n in names)
+            return "numpy-object-zip" if objects else "numpy-zip"
         return "zip"
     if _looks_like_safetensors(path, head):
         return "safetensors"
@@ -146,10 +149,11 @@ def _looks_like_safetensors(path: Path, head: bytes) -> bool:
     return 2 <= n <= Path(path).stat().st_size - 8 and head[8:9] == b"{"
 
 
-def _npy_holds_objects(path: Path) -> bool:
+def _npy_holds_objects(source: Any) -> bool:
+    """Whether an .npy (a path or an open stream) holds an object array, from its header alone."""
     import numpy as np
 
-    with Path(path).open("rb") as f:
+    with (Path(source).open("rb") if isinstance(source, (str, Path)) else source) as f:
         version = np.lib.format.read_magic(f)
         header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                   else np.lib.format.read_array_header_2_0)(f)
@@ -172,7 +176,7 @@ def scan_pickles(path: Path, kind: str) -> tuple[tuple[str, ...], tuple[str, ...
     # picklescan logs every finding at WARNING: the verdict is ours to say, once.
     logging.getLogger("picklescan").setLevel(logging.CRITICAL)
     with Path(path).open("rb") as f:
-        if kind in ("torch-zip", "numpy-zip"):
+        if kind in ("torch-zip", "numpy-object-zip"):
             result = scanner.scan_zip_bytes(f, path.name)
         elif kind == "numpy-object":
             result = scanner.scan_numpy(f, path.name)

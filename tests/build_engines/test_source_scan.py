@@ -116,13 +116,17 @@ def test_files_are_classified_by_their_bytes_not_their_names(tmp_path: Path) -> 
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\0\0\0" + b"\0" * 16)
     (tmp_path / "config.json").write_text("{}")
+    np.savez(tmp_path / "calib.npz", x=np.ones((2, 3), np.float32))
+    np.savez(tmp_path / "objects.npz", x=np.ones(2), o=np.array([None], dtype=object))
     kinds = {p.name: classify(p) for p in tmp_path.iterdir()}
     assert kinds == {"weights.safetensors": "pickle", "real.safetensors": "safetensors", "plain.npy": "numpy",
-                     "objects.npy": "numpy-object", "model.gguf": "gguf", "config.json": "text"}
+                     "objects.npy": "numpy-object", "model.gguf": "gguf", "config.json": "text",
+                     "calib.npz": "numpy-zip", "objects.npz": "numpy-object-zip"}
     scan = scan_files(list(tmp_path.iterdir()), tmp_path, allow_pickle=True)
     verdicts = {f.path: f.verdict for f in scan.files}
     assert verdicts["weights.safetensors"] == "refused" and verdicts["real.safetensors"] == "ok"
     assert verdicts["objects.npy"] == "allowed" and verdicts["plain.npy"] == "ok"
+    assert verdicts["objects.npz"] == "allowed" and verdicts["calib.npz"] == "ok"
 
 
 def test_the_verdict_goes_into_the_export_report(tmp_path: Path, minilm_export) -> None:
