@@ -101,14 +101,14 @@ def _sandbox_says(sandbox: str, isolate: bool, say: Progress) -> bool:
             raise FactoryError("a sandboxed build needs its stages in child processes. Fix: build with "
                                "isolate=True (model-factory build does)")
         return False
-    from model_factory.sandbox import support
+    from model_factory.sandbox import support, support_line
 
     have = support()
     if sandbox == "require" and not have.complete:
         raise FactoryError(f"--require-sandbox: {'; '.join(have.missing)}, so the build stages cannot be walled in. "
                            "Fix: build on a Linux kernel with Landlock (5.13+, in the lsm= list) and seccomp, or drop "
                            "--require-sandbox")
-    say(have.line())
+    say(support_line(have))
     return have.landlock_abi > 0 or have.seccomp
 
 

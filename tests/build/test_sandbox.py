@@ -90,8 +90,8 @@ def _build(recipe, sandbox_mode="auto"):
 def test_a_walled_torch_source_builds_and_the_build_says_the_sandbox_is_on(source: Path) -> None:
     result, said = _build(_recipe(source, "good"))
     assert (result.version_dir / "model.onnx").is_file()
-    assert [s for s in said if s.startswith("[sandbox]")] == [HAVE.line()]
-    assert HAVE.line().startswith(f"[sandbox] on: Landlock ABI {HAVE.landlock_abi}")
+    assert [s for s in said if s.startswith("[sandbox]")] == [sandbox.support_line(HAVE)]
+    assert sandbox.support_line(HAVE).startswith(f"[sandbox] on: Landlock ABI {HAVE.landlock_abi}")
 
 
 @needs_walls
@@ -117,12 +117,14 @@ def test_require_sandbox_refuses_a_kernel_without_it_and_auto_says_so_in_one_lin
     with pytest.raises(FactoryError, match=r"^--require-sandbox: this kernel has no Landlock .*Fix: "):
         _build(_recipe(source, "good"), "require")
     assert not (source / "out" / "repo").exists()
-    line = bare.line()
+    line = sandbox.support_line(bare)
     assert line.startswith("[sandbox] off here: this kernel has no Landlock") and "Fix:" in line and "\n" not in line
 
 
-def test_the_network_filter_is_a_whole_bpf_program() -> None:
-    prog = sandbox.network_filter("x86_64")
+@pytest.mark.parametrize("no_new_processes", [False, True])
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_syscall_filter_is_a_whole_bpf_program(machine: str, no_new_processes: bool) -> None:
+    prog = sandbox.syscall_filter(machine, no_new_processes)
     assert len(prog) % 8 == 0
     ops = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
     for i, (code, jt, jf, _k) in enumerate(ops):  # every jump lands inside the program
@@ -130,4 +132,38 @@ def test_the_network_filter_is_a_whole_bpf_program() -> None:
             assert i + 1 + max(jt, jf) < len(ops)
         else:
             assert (jt, jf) == (0, 0)
-    assert ops[-1][0] == 0x06 and ops[-1][3] & 0xFFFF == 13  # the last: return EACCES
+    assert ops[-1][0] == 0x06 and (0x00050000 | 13) in [k for code, _, _, k in ops if code == 0x06]
+
+
+SERVE_WALLS = """
+import os, socket, subprocess, sys, threading
+from model_factory.backend import sandbox
+sandbox.apply(sandbox.Walls(read=tuple(sys.argv[2:]), write=(sys.argv[1],), read_files=("/etc/ld.so.cache",),
+                            no_new_processes=True))
+def attempt(name, fn):
+    try:
+        fn()
+        print(name, "allowed")
+    except OSError as exc:
+        print(name, "refused", exc.errno)
+attempt("thread", lambda: [t.start() or t.join() for t in [threading.Thread(target=lambda: None)]])
+attempt("fork", lambda: os._exit(0) if os.fork() == 0 else None)
+attempt("exec", lambda: subprocess.run(["/bin/true"]))
+attempt("socket", lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM))
+attempt("passwd", lambda: open("/etc/passwd").read())
+attempt("scratch", lambda: open(os.path.join(sys.argv[1], "ok"), "w").write("x"))
+"""
+
+
+@needs_walls
+def test_serving_walls_allow_threads_and_refuse_processes_sockets_and_files(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from model_factory.build.walls import python_paths
+
+    done = subprocess.run([sys.executable, "-c", SERVE_WALLS, str(tmp_path), *python_paths()], capture_output=True,
+                          text=True, timeout=60)
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert said == {"thread": "allowed", "fork": "refused 13", "exec": "refused 13", "socket": "refused 13",
+                    "passwd": "refused 13", "scratch": "allowed"}, done.stdout + done.stderr
