@@ -58,6 +58,8 @@ class ExportResult:
     # The torch engine's file (export.torchscript = true: model.pt2, an ExportedProgram) and its max abs error
     torchscript_path: Path | None = None
     torchscript_max_abs_error: float | None = None
+    # The scan of every source file before anything read it (build_engines/source_scan.py), as a table.
+    source_scan: dict[str, Any] | None = None
 
 
 def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_optimizations: bool = False) -> Any:
@@ -87,6 +89,11 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
     if recipe.export.torchscript and recipe.source.kind == "onnx":
         raise FactoryError("export.torchscript = true, but an onnx source has no torch module to trace. Fix: set "
                            "export.torchscript = false, or build from the huggingface folder or torch factory")
+    from model_factory.build_engines.source_scan import scan_source, scan_summary
+
+    # Before any library opens a source file: classified, its pickles scanned; a refused one stops here.
+    scan = scan_source(recipe).to_dict()
+    say(f"[scan] {scan_summary(scan)}")
     with atomic_dir(out_dir) as tmp:
         if recipe.source.kind == "huggingface":
             result = _export_huggingface(recipe, tmp, say)
@@ -96,7 +103,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
             result = _import_onnx(recipe, tmp, say)
         (tmp / Files.EXPORT_REPORT).write_text(json.dumps({
             "max_abs_error": result.max_abs_error, "tolerance": result.tolerance,
-            "source_digest": result.source_digest, "opset": result.opset,
+            "source_digest": result.source_digest, "opset": result.opset, "source_scan": scan,
             "inputs": list(result.input_names), "outputs": list(result.output_names),
             "torchscript": None if result.torchscript_path is None else {
                 "file": result.torchscript_path.name, "max_abs_error": result.torchscript_max_abs_error,
@@ -110,7 +117,7 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
         source_digest=result.source_digest, opset=result.opset,
         input_names=result.input_names, output_names=result.output_names,
         torchscript_path=(out_dir / result.torchscript_path.name) if result.torchscript_path else None,
-        torchscript_max_abs_error=result.torchscript_max_abs_error,
+        torchscript_max_abs_error=result.torchscript_max_abs_error, source_scan=scan,
     )
 
 

@@ -57,17 +57,30 @@ def package(recipe: str, repository: str | None) -> None:
               help="Signing certificate, then intermediates (repeat). Omit for key mode.")
 @click.option("--min-accuracy", type=float, default=None, help="Override quantization.min_accuracy.")
 @click.option("--engines/--no-engines", default=None, help="Build TensorRT engines (default: the recipe's tensorrt.enabled).")
+@click.option("--require-sandbox", is_flag=True,
+              help="Refuse to build where the kernel cannot wall in the stages (Landlock and seccomp).")
+@click.option("--no-sandbox", is_flag=True,
+              help="Run export, quantize and engine build unwalled (a source you trust, a kernel that breaks it).")
 @user_errors
 def build(recipe: str, repository: str | None, key: str | None, cert_chain: tuple[str, ...],
-          min_accuracy: float | None, engines: bool | None) -> None:
+          min_accuracy: float | None, engines: bool | None, require_sandbox: bool, no_sandbox: bool) -> None:
     """Run export → quantize → build-engine → package (→ sign) for RECIPE.
+
+    Every source file is scanned before it is read (pickles refused unless [source] allow_pickle), and
+    export, quantize and engine build run in child processes walled in by Landlock and seccomp: they read
+    the source, the Python environment and the data, write only the work folder, and open no network
+    socket. Where the kernel lacks these, the build says so in one line (--require-sandbox refuses).
 
     \b
     Example:
       model-factory build examples/minilm.toml --key keys/signing-key.pem
     """
     from model_factory.build.pipeline import build as run_build
+    from model_factory.errors import FactoryError
     from model_factory.recipe import load_recipe
+
+    if require_sandbox and no_sandbox:
+        raise FactoryError("--require-sandbox and --no-sandbox contradict each other. Fix: pass one of them")
 
     signer = None
     if key:
@@ -75,7 +88,8 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
-                    min_accuracy=min_accuracy, engines=engines, isolate=True)
+                    min_accuracy=min_accuracy, engines=engines, isolate=True,
+                    sandbox="off" if no_sandbox else "require" if require_sandbox else "auto")
     click.echo(f"built {res.version_dir}")
     for name in res.files:  # what the version folder holds, not what the stages made
         click.echo(f"  {name}")

@@ -10,6 +10,10 @@ The child's progress lines reach the caller's ``progress`` callback as they are 
 its exception (a :class:`~model_factory.errors.FactoryError` stays one, with its message) comes back
 through a pipe. A child that dies without answering (killed for memory, say) is a FactoryError
 naming its exit status.
+
+With ``walls`` (:class:`model_factory.sandbox.Walls`) the child puts itself behind them before it runs the
+stage: Landlock (files) and seccomp (no network sockets), where the kernel offers them. What the walls
+stop comes back as one line that says the sandbox refused it, what it allows, and the fix.
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ from model_factory.errors import FactoryError
 
 
 def run_isolated(fn: Callable[..., Any], /, *args: Any, progress: Callable[[str], None] | None = None,
-                 what: str = "stage", **kwargs: Any) -> Any:
-    """``fn(*args, progress=..., **kwargs)`` in a spawned child; its return value (picklable) or exception."""
+                 what: str = "stage", walls: Any = None, require_sandbox: bool = False, **kwargs: Any) -> Any:
+    """``fn(*args, progress=..., **kwargs)`` in a spawned child; its return value (picklable) or exception.
+
+    ``walls`` (a :class:`~model_factory.sandbox.Walls`) sandboxes the child first; ``require_sandbox`` refuses
+    to run it where the kernel lacks Landlock or seccomp.
+    """
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, fn, args, kwargs), name=f"model-factory {what}")
+    child = ctx.Process(target=_child, args=(send, fn, args, kwargs, walls, require_sandbox),
+                        name=f"model-factory {what}")
     child.start()
     send.close()  # the child holds the only writing end: EOF when it ends
     outcome: tuple[str, Any] | None = None
@@ -58,16 +67,39 @@ def run_isolated(fn: Callable[..., Any], /, *args: Any, progress: Callable[[str]
     return value
 
 
-def _child(send: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _child(send: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, walls: Any = None,
+           require_sandbox: bool = False) -> None:
     def say(message: str) -> None:
         send.send(("progress", message))
 
     try:
+        if walls is not None:
+            from model_factory import sandbox
+
+            sandbox.apply(walls, required=require_sandbox)
         send.send(("ok", fn(*args, progress=say, **kwargs)))
     except BaseException as exc:  # everything goes back to the caller, which raises it there
-        send.send(("error", _transportable(exc)))
+        send.send(("error", _transportable(_explained(exc, walls))))
     finally:
         send.close()
+
+
+def _explained(exc: BaseException, walls: Any) -> BaseException:
+    """A refusal by the walls as one line naming what was refused and what the walls allow."""
+    if walls is None:
+        return exc
+    from model_factory import sandbox
+
+    if sandbox.active() is None:
+        return exc
+    blocked = sandbox.blocked_by_walls(exc)
+    if blocked is None:
+        return exc
+    target = f" {blocked.filename}" if blocked.filename else " a network socket"
+    return FactoryError(f"the build sandbox stopped the {walls.what}: permission denied for{target} "
+                        f"(the {walls.what} {walls.describe()}). Fix: keep what the model needs inside its source "
+                        "folder and make its code open no network connection and run no program; if this source is "
+                        "trusted, build with --no-sandbox")
 
 
 def _transportable(exc: BaseException) -> BaseException:

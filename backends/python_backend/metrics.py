@@ -38,7 +38,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "engine_info": ("GAUGE", "1, labelled with what the instance runs: precision, int8_kernels (integer or "
                              "simulated, ONNX Runtime CPU INT8), int8_weights (8-bit, or 7-bit: model.int8.w7.onnx on a CPU "
                              "without VNNI/AMX), threads (ONNX Runtime CPU intra-op threads), "
-                             "wide_threads (the threads of a run on borrowed idle cores; 0: it never borrows)."),
+                             "wide_threads (the threads of a run on borrowed idle cores; 0: it never borrows), sandbox (on (Landlock "
+                             "ABI n, seccomp): the stub is walled in since it loaded; off (why))."),
     "borrowed_core_runs_total": (
         "COUNTER", "Engine runs that took every core because no other CPU instance was computing (idle cores lent)."),
     "execute_seconds_total": ("COUNTER", "Wall time spent in execute(), in seconds."),
@@ -83,7 +84,7 @@ _WINDOW_COUNTERS = {
 }
 
 # engine_info keys published as labels of the engine_info gauge (loading.load_engine's info).
-ENGINE_INFO_LABELS = ("precision", "int8_kernels", "int8_weights", "threads", "wide_threads")
+ENGINE_INFO_LABELS = ("precision", "int8_kernels", "int8_weights", "threads", "wide_threads", "sandbox")
 
 PoolSource = Callable[[], Any]  # returns PoolStats-like (reserved, used, high_water) or a dict, or None
 

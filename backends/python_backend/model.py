@@ -11,6 +11,7 @@ request alone.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +58,15 @@ class TritonPythonModel:
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
             max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences,
             memory_guard=guard_for(self.engine))
+        # Loaded: from here on the stub reads only its model folder, the Python environment and system libraries,
+        # writes only its scratch (and the cost cache), starts no process and opens no network socket (sandbox.py).
+        from .integrity import ENV as DIGESTS_ENV
+        from .sandbox import wall_in_stub
+
+        digests = os.environ.get(DIGESTS_ENV)
+        self.engine_info["sandbox"] = wall_in_stub(
+            version_dir, writable=(str(Path(cache_file).parent),) if cache_file else (),
+            readable_files=(digests,) if digests else ())
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None
@@ -105,7 +115,7 @@ class TritonPythonModel:
             + (f", {self.engine_info['threads']} threads" if "threads" in self.engine_info else "")
             + (f", idle cores: {self.engine_info['lend_idle_cores']}" if "lend_idle_cores" in self.engine_info else "")
             + (f", int8 kernels: {kernels} ({self.engine_info.get('int8_kernels_why')})" if kernels else "")
-            + f", grouping={s.grouping}, {start.note}")
+            + f", grouping={s.grouping}, {start.note}, sandbox {self.engine_info['sandbox']}")
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.

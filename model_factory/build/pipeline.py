@@ -63,7 +63,7 @@ def _timed(seconds: dict[str, float], name: str, say: Progress, fn: Callable[[],
 
 def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = None,
           min_accuracy: float | None = None, engines: bool | None = None,
-          parameters: dict[str, str] | None = None, isolate: bool = False) -> BuildResult:
+          parameters: dict[str, str] | None = None, isolate: bool = False, sandbox: str = "auto") -> BuildResult:
     """Run every stage for ``recipe``.
 
     ``engines`` forces TensorRT engine builds on (True) or off (False); by
@@ -72,7 +72,9 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
     it goes live. A second build of the same recipe (same work folder) while
     one runs is refused at once (:mod:`model_factory.locking`). With ``isolate`` the heavy stages
     (export, quantize, engines) each run in a child process (:mod:`model_factory.isolation`), so the
-    build's peak memory is its largest stage's: ``model-factory build`` does this.
+    build's peak memory is its largest stage's: ``model-factory build`` does this. Isolated stages run in a
+    sandbox (:mod:`model_factory.build.walls`): ``sandbox="auto"`` where the kernel offers it (said in one line
+    where it does not), ``"require"`` refuses a machine without it, ``"off"`` runs them unwalled.
 
     Nothing packaged depends on this machine's speed (the queue bound is derived where the model is
     served), so a rebuild (:mod:`model_factory.build.rebuild`) gives the same bytes.
@@ -81,11 +83,38 @@ def build(recipe: Recipe, *, progress: Progress | None = None, signer: Any = Non
 
     with exclusive(recipe.work_dir, f"a build of {recipe.name}"):
         return _build(recipe, progress=progress, signer=signer, min_accuracy=min_accuracy, engines=engines,
-                      parameters=parameters, isolate=isolate)
+                      parameters=parameters, isolate=isolate, sandbox=sandbox)
+
+
+def _sandbox_says(sandbox: str, isolate: bool, say: Progress) -> bool:
+    """Whether the stages get walls; the one line that says so (or why not); a refusal under "require"."""
+    from model_factory.errors import FactoryError
+
+    if sandbox not in ("auto", "require", "off"):
+        raise FactoryError(f"sandbox={sandbox!r}. Fix: pass auto, require or off")
+    if sandbox == "off":
+        if isolate:
+            say("[sandbox] off (--no-sandbox): the stages run with every right of this user")
+        return False
+    if not isolate:
+        if sandbox == "require":
+            raise FactoryError("a sandboxed build needs its stages in child processes. Fix: build with "
+                               "isolate=True (model-factory build does)")
+        return False
+    from model_factory.sandbox import support, support_line
+
+    have = support()
+    if sandbox == "require" and not have.complete:
+        raise FactoryError(f"--require-sandbox: {'; '.join(have.missing)}, so the build stages cannot be walled in. "
+                           "Fix: build on a Linux kernel with Landlock (5.13+, in the lsm= list) and seccomp, or drop "
+                           "--require-sandbox")
+    say(support_line(have))
+    return have.landlock_abi > 0 or have.seccomp
 
 
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
-           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False) -> BuildResult:
+           engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False,
+           sandbox: str = "auto") -> BuildResult:
     from model_factory.build_engines.export import export_model
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.build.loadcheck import check_packaged
@@ -98,11 +127,16 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     if note:
         say(note)
 
+    walled = _sandbox_says(sandbox, isolate, say)
+
     def stage(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if isolate:
+            from model_factory.build.walls import stage_walls
             from model_factory.isolation import run_isolated
 
-            return run_isolated(fn, *args, progress=say, what=f"{name} stage", **kwargs)
+            walls = stage_walls(recipe, name) if walled else None
+            return run_isolated(fn, *args, progress=say, what=f"{name} stage", walls=walls,
+                                require_sandbox=sandbox == "require", **kwargs)
         return fn(*args, progress=say, **kwargs)
 
     started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -114,7 +148,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     accuracy = None
     models = {"fp32": exported.onnx_path}
     build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset},
-                                  "source_digest": exported.source_digest}
+                                  "source_digest": exported.source_digest, "source_scan": exported.source_scan}
     if exported.torchscript_path is not None:
         # The torch engine's file (export.torchscript = true) travels like the other engine files.
         artifacts[exported.torchscript_path.name] = exported.torchscript_path
@@ -166,7 +200,10 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
             if importlib.util.find_spec("cyclonedx") is not None:
                 from model_factory.distribution.bom import write_bom
 
-                write_bom(staged, recipe.version, provenance)
+                from model_factory.signing.tensors import source_manifest
+
+                # The source's tensors, one digest each (streamed from its safetensors): trust per tensor.
+                write_bom(staged, recipe.version, provenance, source_tensors=source_manifest(recipe))
             return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
                                                                            provenance=provenance))
 
@@ -208,6 +245,8 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
         "precisions": list(recipe.precisions),
         "finished_on": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if build_info.get("source_scan"):
+        facts["source_scan"] = dict(build_info["source_scan"])
     calibration = (build_info.get("quantization") or {}).get("calibration_digest")
     if calibration:
         facts["calibration_data_digest"] = calibration

@@ -7,7 +7,10 @@ What it holds:
   sha256), and the accuracy gate's result per precision as quantitative analysis;
 * every file of the signed unit as a ``file`` component with its sha256 (the same digests the
   signature lists; the BOM itself is the one file it cannot list);
-* the tools and packages of the build (``library`` components) from the provenance's tool versions.
+* the tools and packages of the build (``library`` components) from the provenance's tool versions;
+* trust per tensor (:mod:`model_factory.signing.tensors`): the source's tensors (name, dtype, shape, sha256)
+  under the source ancestor, with the scan of its files (``model-factory:source-scan`` properties), and the
+  initializers of each built ONNX file under the model, one ``data`` component each.
 
 The JSON is built here (cyclonedx-python-lib has no model-card classes) and validated with that
 library's own JSON-schema validator. ``<v>/bom.cdx.json`` lives in the version folder, so the version's
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib.util
 import json
 import uuid
 from pathlib import Path
@@ -88,12 +92,40 @@ def _heldout(recipe: Mapping[str, Any], recipe_path: str | None) -> tuple[str, s
         return None
 
 
+def _scan_properties(scan: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """The source scan's verdict as properties: one summary, then one per file that holds a pickle."""
+    if not scan:
+        return []
+    from model_factory.build_engines.source_scan import PICKLE_KINDS, scan_summary
+
+    props = [{"name": "model-factory:source-scan", "value": scan_summary(scan)}]
+    for f in scan.get("files") or []:
+        if f.get("kind") in PICKLE_KINDS:
+            props.append({"name": f"model-factory:source-scan:{f.get('path')}",
+                          "value": f"{f.get('kind')} {f.get('verdict')}; imports {', '.join(f.get('imports') or [])}"})
+    return props
+
+
+def _built_tensors(model_dir: Path, version: int) -> list[dict[str, Any]]:
+    """The initializers of every ONNX file in the version folder, as BOM data components."""
+    from model_factory.signing.tensors import bom_components, onnx_manifest
+
+    out: list[dict[str, Any]] = []
+    for onnx_path in sorted((Path(model_dir) / str(version)).glob("*.onnx")):
+        if importlib.util.find_spec("onnx") is None:
+            break
+        out += bom_components(onnx_manifest(onnx_path), "tensor:")
+    return out
+
+
 def build_bom(model_dir: Path, version: int, facts: Mapping[str, Any] | None,
-              digests: Mapping[str, str] | None = None) -> dict[str, Any]:
+              digests: Mapping[str, str] | None = None, source_tensors: Any = ()) -> dict[str, Any]:
     """The BOM of ``model_dir`` version ``version``; ``facts`` are the provenance's (``BuildProvenance`` keys).
 
-    ``digests`` (relpath -> sha256 hex) are computed from the files when not given.
+    ``digests`` (relpath -> sha256 hex) are computed from the files when not given. ``source_tensors``
+    (:class:`~model_factory.signing.tensors.TensorDigest`) are the source's, when the build read them.
     """
+    from model_factory.signing.tensors import bom_components
     from model_factory import __version__
     from model_factory.signing import layout
     from model_factory.signing.digests import file_tasks, hash_tasks
@@ -144,10 +176,18 @@ def build_bom(model_dir: Path, version: int, facts: Mapping[str, Any] | None,
         "description": f"{model} version {version}, precisions {', '.join(facts.get('precisions') or [])}",
         "modelCard": card,
     }
+    built_tensors = _built_tensors(model_dir, version)
+    if built_tensors:
+        model_component["components"] = built_tensors
     if facts.get("source_model_digest"):
-        model_component["pedigree"] = {"ancestors": [{"type": "machine-learning-model", "bom-ref": "model:source",
-                                                      "name": str(source),
-                                                      "hashes": _sha(str(facts["source_model_digest"]))}]}
+        ancestor: dict[str, Any] = {"type": "machine-learning-model", "bom-ref": "model:source", "name": str(source),
+                                    "hashes": _sha(str(facts["source_model_digest"]))}
+        scan = _scan_properties(facts.get("source_scan") or (meta.get("build") or {}).get("source_scan"))
+        if scan:
+            ancestor["properties"] = scan
+        if source_tensors:
+            ancestor["components"] = bom_components(list(source_tensors), "tensor:source:")
+        model_component["pedigree"] = {"ancestors": [ancestor]}
     file_components = [{"type": "file", "bom-ref": f"file:{p}", "name": p, "hashes": _sha(d)}
                        for p, d in sorted(digests.items())]
     tools = facts.get("tool_versions") or meta.get("tools") or {}
@@ -181,9 +221,9 @@ def validate_bom(doc: Mapping[str, Any] | str) -> None:
         raise FactoryError(f"the BOM is not valid CycloneDX {SPEC_VERSION}: {str(error)[:300]}")
 
 
-def write_bom(model_dir: Path, version: int, facts: Mapping[str, Any] | None) -> Path:
+def write_bom(model_dir: Path, version: int, facts: Mapping[str, Any] | None, source_tensors: Any = ()) -> Path:
     """Write ``<model_dir>/<version>/bom.cdx.json`` (validated), before the version is signed."""
-    doc = build_bom(model_dir, version, facts)
+    doc = build_bom(model_dir, version, facts, source_tensors=source_tensors)
     validate_bom(doc)
     path = Path(model_dir) / str(version) / BOM_FILE
     tmp = path.with_name(f".{BOM_FILE}.tmp")
@@ -207,7 +247,9 @@ def facts_from_provenance(statement: Mapping[str, Any]) -> dict[str, Any]:
             "source_model_digest": ((deps.get("source-model") or {}).get("digest") or {}).get("sha256"),
             "calibration_data_digest": ((deps.get("calibration-data") or {}).get("digest") or {}).get("sha256"),
             "recipe_path": (build.get("internalParameters") or {}).get("recipePath"),
-            "accuracy_report": report}
+            "accuracy_report": report,
+            "source_scan": next((b.get("annotations") for b in run.get("byproducts") or []
+                                 if isinstance(b, dict) and b.get("name") == "source-scan"), None)}
 
 
 def read_bom(repo: Path, model: str, version: int | None = None) -> tuple[str, bool]:

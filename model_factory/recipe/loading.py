@@ -213,7 +213,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     return Recipe(
         name=name, version=version, task=task,
-        source=SourceSpec(kind, path, factory, doc.source.package, base_dir),
+        source=SourceSpec(kind, path, factory, doc.source.package, base_dir, doc.source.allow_pickle),
         inputs=inputs, outputs=outputs, shapes=shapes,
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,
         batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,

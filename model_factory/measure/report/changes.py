@@ -3,7 +3,9 @@
 The older release is the highest version of the same model in the other repository.
 Compared: accuracy per precision (and the layers INT8 keeps in float), latency and
 throughput per concurrency (when both sweeps are given), sizes, files (by the digests
-``metadata.json`` records), the source and calibration data digests, and the signer.
+``metadata.json`` records), the source and calibration data digests, the signer, and the tensors
+(from both versions' signed BOMs: which tensors of the source and of each ONNX file changed, or
+"identical weights").
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Changes:
     files_unchanged: int
     provenance: tuple[Delta, ...]
     signer: Delta
+    # One line per tensor set both BOMs list (model-factory diff's lines); empty when a BOM lacks tensors.
+    tensors: tuple[str, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -127,7 +131,18 @@ def compare(new: Release, old: Release, *, new_built: Built, old_built: Built, n
     signer = Delta("signer (as the bundle names it)", old_trust.signer or "unsigned", new_trust.signer or "unsigned")
     return Changes(str(old.repo), old.title, tuple(accuracy), tuple(n for n in new_float if n not in old_float),
                    tuple(n for n in old_float if n not in new_float), tuple(_speed(new_points, old_points)),
-                   tuple(sizes), tuple(files), unchanged, tuple(provenance), signer)
+                   tuple(sizes), tuple(files), unchanged, tuple(provenance), signer, _tensors(old, new))
+
+
+def _tensors(old: Release, new: Release) -> tuple[str, ...]:
+    """What ``model-factory diff`` says about the two versions' tensors, when both BOMs list them."""
+    from model_factory.errors import FactoryError
+    from model_factory.signing.tensors import diff_paths
+
+    try:
+        return tuple(line for d in diff_paths(old.version_dir, new.version_dir) for line in d.lines())
+    except (FactoryError, OSError, ValueError):
+        return ()
 
 
 def _same_bytes(old: Release, new: Release, path: str) -> bool:
