@@ -27,6 +27,16 @@ GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")
 QUEUE_BOUNDS = ("fixed", "auto")
 INT8_KERNELS = ("auto", "integer", "simulated")
+# A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
+# counted), or cut into overlapping windows pooled into one vector (embeddings only).
+LONG_INPUTS = ("refuse", "truncate", "chunk")
+# How chunks are pooled: none (the model cannot chunk: not an embedding), mean (token-weighted mean of the
+# windows' vectors), mean_normalized (that mean scaled back to unit length).
+CHUNK_POOLINGS = ("none", "mean", "mean_normalized")
+# The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
+TEXT_INPUT_NAMES = ("text", "query", "passage")
+# The output a text model declares beside its own: per text row, the tokens the model did not see.
+TRUNCATED_TOKENS_OUTPUT = "truncated_tokens"
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -142,6 +152,11 @@ class ModelParameters:
     # The allowed [low, high] of each index-like input, as JSON {"name": [low, high]} (input_bounds.py parses it:
     # it needs numpy, which this file may not import); None: no bounds beyond input_ids < vocab_size.
     input_bounds: str | None = _param("str?", None)
+    # Texts over max_sequence_length (long_inputs.py): the model's default; a request may ask for another.
+    long_inputs: str = _param("choice", "refuse", choices=LONG_INPUTS)
+    # Tokens two neighbouring chunks share, and how chunk vectors are pooled ("none": chunking not offered).
+    chunk_overlap: int = _param("int", 32, minimum=0)
+    chunk_pooling: str = _param("choice", "none", choices=CHUNK_POOLINGS)
 
 
 def format_bounds(bounds: Mapping[str, tuple[int, int]]) -> str:

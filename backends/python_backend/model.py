@@ -20,7 +20,9 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
-from .requests import RequestError, check_items, items_from_tensors, items_from_text_inputs
+from .contract import TRUNCATED_TOKENS_OUTPUT
+from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
+from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
 from .samples import sample_feeds
 from .settings import parse_settings
@@ -41,8 +43,14 @@ class TritonPythonModel:
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
         self.text_inputs = text_inputs(s)
+        self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
+            # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
+            self.encoder = TextEncoder(self.tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
+        # What the engine computes; truncated_tokens (declared beside them for text models) is the backend's.
+        self._engine_outputs = tuple(o.name for o in s.outputs if o.name != TRUNCATED_TOKENS_OUTPUT)
+        self._says_truncation = any(o.name == TRUNCATED_TOKENS_OUTPUT for o in s.outputs)
         seq_inputs = s.sequence_inputs
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
         # An engine with one optimization profile per bucket (TensorRT) gets a cost model per profile.
@@ -138,23 +146,33 @@ class TritonPythonModel:
     def _execute(self, requests: list) -> list | None:
         start = time.perf_counter()
         s = self.settings
-        batches, errors, wanted = [], {}, []
+        batches, errors, wanted, encoded = [], {}, [], {}
+        long = {"refused": 0, "truncated": 0, "chunked": 0, "dropped": 0}
         for idx, request in enumerate(requests):
+            asked = tuple(request.requested_output_names())
             try:
                 raw = {n: _as_numpy(pb_utils.get_input_tensor_by_name(request, n)) for n in self.text_inputs}
                 raw = {n: v for n, v in raw.items() if v is not None}
                 if raw:
-                    items = items_from_text_inputs(raw, self.tokenizer, self.engine.input_names)
+                    enc = self._encode_texts(request, raw)
+                    items, encoded[idx] = enc.items, enc
                     check_items(items, s)
+                    long["truncated"] += enc.truncated_rows
+                    long["chunked"] += enc.chunked_rows
+                    long["dropped"] += sum(enc.dropped)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
                     items = items_from_tensors(tensors, s, self.vocab_size)
+                engine_wanted = self._engine_wanted(asked, encoded.get(idx))
             except RequestError as exc:
+                if isinstance(exc, LongInputRefused):
+                    long["refused"] += 1
                 errors[idx] = str(exc)
-                items = []
+                items, engine_wanted = [], self._engine_outputs
+                encoded.pop(idx, None)
             batches.append(items)
-            wanted.append(tuple(request.requested_output_names()) or tuple(o.name for o in s.outputs))
+            wanted.append(engine_wanted)
         borrowed = getattr(self.engine, "wide_runs", 0)
         results, stats = self.executor.run(batches, wanted)
         responses = []
@@ -165,10 +183,13 @@ class TritonPythonModel:
             elif isinstance(result, Exception):
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
+                if idx in encoded:
+                    result = self._text_outputs(result, encoded[idx], requests[idx])
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
+            self.metrics.observe_long_inputs(**long)
             self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
         if self.trimmer is not None:
             self.trimmer.touch()
@@ -178,6 +199,32 @@ class TritonPythonModel:
             self.dispatcher.dispatch([request.get_response_sender() for request in requests], responses)
             return None
         return responses
+
+    def _encode_texts(self, request, raw: dict):
+        """A request's texts as items, under its long-input mode (long_inputs.py)."""
+        mode = self.encoder.mode_for(request.parameters(), self.settings.long_inputs)
+        return self.encoder.encode(texts_from_text_inputs(raw), mode, self.engine.input_names)
+
+    def _engine_wanted(self, asked: tuple, enc) -> tuple:
+        """The engine outputs a request gets; a chunked text has pooled ones only (a sequence has no pooling)."""
+        names = tuple(n for n in asked if n != TRUNCATED_TOKENS_OUTPUT) if asked else self._engine_outputs
+        if enc is not None and enc.chunked_rows:
+            # Triton names every output when the request names none: the sequence ones are left out then;
+            # a request that asks for sequence outputs alone is told why it cannot have them.
+            pooled = tuple(n for n in names if n not in self.settings.sequence_outputs)
+            if not pooled:
+                raise RequestError(f"output {names[0]!r} is per token and a chunked text has no single sequence: "
+                                   "ask for the pooled outputs (e.g. 'embedding') with long_inputs=chunk")
+            names = pooled
+        return names
+
+    def _text_outputs(self, result: dict, enc, request) -> dict:
+        """Chunk rows pooled back to one per text, and ``truncated_tokens`` when declared and wanted."""
+        result = pool_chunks(result, enc, self.settings.chunk_pooling)
+        asked = tuple(request.requested_output_names())
+        if self._says_truncation and (not asked or TRUNCATED_TOKENS_OUTPUT in asked):
+            result[TRUNCATED_TOKENS_OUTPUT] = np.asarray(enc.dropped, dtype=np.int64).reshape(-1, 1)
+        return result
 
     def _publish_pool(self, pool) -> None:
         if self.metrics is not None:
