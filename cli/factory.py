@@ -114,6 +114,13 @@ class _Interrupted(Exception):
               help="Folder (outside the repository) where instances keep the cost-model constants they learned, "
                    "per engine and device, so a restart skips the warm-up. Default: ~/.cache/model-factory/cost-models.")
 @click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants (warm up every start).")
+@click.option("--events", "events_file", type=click.Path(dir_okay=False), default=None,
+              help="Append decision events (JSON lines: windows grouped, inputs refused, long texts, splits, engine "
+                   "fallbacks, stubs healed; request ids and input hashes, never input text) to this file. "
+                   "Default: Triton's log.")
+@click.option("--events-rate", type=click.FloatRange(min=0.1), default=None,
+              help="Decision events a second per model instance at most (a burst of 5x that); the rest are "
+                   "counted (model_factory_events_dropped_total). Default: 20.")
 @click.option("--allow-empty", is_flag=True,
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")
@@ -121,7 +128,7 @@ class _Interrupted(Exception):
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
-          allow_empty: bool) -> None:
+          events_file: str | None, events_rate: float | None, allow_empty: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -134,6 +141,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --policy policy.toml model_repository
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
       model-factory serve --accept --policy policy.toml model_repository
+      model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
     """
     import functools
 
@@ -143,7 +151,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
-                         int8_kernels=int8_kernels,
+                         int8_kernels=int8_kernels, events_file=Path(events_file) if events_file else None,
+                         events_rate=events_rate,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     stop = threading.Event()
@@ -178,8 +187,13 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
+    events = None
+    if events_file:
+        from model_factory.backend.events import EventLog
+
+        events = EventLog("serve", path=str(Path(events_file).resolve()), rate=events_rate or 20.0)
     watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True),
-                      reverify=reverify).start() if watch_interval > 0 else None
+                      reverify=reverify, events=events).start() if watch_interval > 0 else None
     try:
         while not stop.wait(0.5):
             if server.process is not None and server.process.poll() is not None:

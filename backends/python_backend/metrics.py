@@ -43,6 +43,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "execute_seconds_total": ("COUNTER", "Wall time spent in execute(), in seconds."),
     "long_inputs_total": ("COUNTER", "Texts over max_sequence_length, by what was done (action=refused: 400, "
                                      "truncated: cut and said in truncated_tokens, chunked: pooled from windows)."),
+    "events_dropped_total": ("COUNTER", "Decision events the rate limit did not write (each written event says "
+                                        "how many it follows)."),
     "truncated_tokens_total": ("COUNTER", "Tokens cut from truncated texts (the model never saw them)."),
     "pool_reserved_bytes": ("GAUGE", "GPU memory the instance's pool holds (in use + cached)."),
     "pool_used_bytes": ("GAUGE", "GPU memory handed out by the instance's pool and not yet freed."),
@@ -145,6 +147,8 @@ class BackendMetrics:
         for action in LONG_INPUT_ACTIONS:
             self._metric("long_inputs_total", action=action)
         self._metric("truncated_tokens_total")
+        self._metric("events_dropped_total")
+        self._events_dropped_sent = 0
         info = {k: str(engine_info[k]) for k in ENGINE_INFO_LABELS if engine_info and engine_info.get(k) is not None}
         self._metric("engine_info", **info).set(1.0)
         self._estimator = cost if cost is not None and hasattr(cost, "profiles") else None
@@ -214,6 +218,12 @@ class BackendMetrics:
             for action, count in (("refused", refused), ("truncated", truncated), ("chunked", chunked)):
                 self._add("long_inputs_total", count, action, "action")
             self._add("truncated_tokens_total", dropped)
+
+    def set_events_dropped(self, total: int) -> None:
+        """The instance's events refused by the rate limit so far (the counter gets the difference)."""
+        with self._lock:
+            self._add("events_dropped_total", max(0, int(total) - self._events_dropped_sent))
+            self._events_dropped_sent = max(self._events_dropped_sent, int(total))
 
     def add_borrowed_runs(self, count: int) -> None:
         """Runs on borrowed cores since the last call (the engine's ``wide_runs`` difference)."""

@@ -20,7 +20,9 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
+from . import decisions
 from .contract import TRUNCATED_TOKENS_OUTPUT
+from .events import EventLog, request_id
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
 from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
@@ -43,6 +45,10 @@ class TritonPythonModel:
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
         self.text_inputs = text_inputs(s)
+        # Decision events (events.py): rate-limited JSON lines to serve's --events file, else Triton's log.
+        self.events = EventLog.from_env(s.model_name, str(args.get("model_instance_name", "")),
+                                        log=pb_utils.Logger.log_info)
+        decisions.engine_choices(self.events, self.engine_info)
         self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
@@ -148,6 +154,7 @@ class TritonPythonModel:
         s = self.settings
         batches, errors, wanted, encoded = [], {}, [], {}
         long = {"refused": 0, "truncated": 0, "chunked": 0, "dropped": 0}
+        seen = [self._seen(request) for request in requests]
         for idx, request in enumerate(requests):
             asked = tuple(request.requested_output_names())
             try:
@@ -160,6 +167,8 @@ class TritonPythonModel:
                     long["truncated"] += enc.truncated_rows
                     long["chunked"] += enc.chunked_rows
                     long["dropped"] += sum(enc.dropped)
+                    if enc.truncated_rows or enc.chunked_rows:
+                        decisions.long_input(self.events, seen[idx], enc, s.max_sequence_length)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
@@ -169,6 +178,7 @@ class TritonPythonModel:
                 if isinstance(exc, LongInputRefused):
                     long["refused"] += 1
                 errors[idx] = str(exc)
+                decisions.refused(self.events, seen[idx], str(exc))
                 items, engine_wanted = [], self._engine_outputs
                 encoded.pop(idx, None)
             batches.append(items)
@@ -181,6 +191,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG)))
             elif isinstance(result, Exception):
+                decisions.failed(self.events, seen[idx], result)
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
                 if idx in encoded:
@@ -190,6 +201,10 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
             self.metrics.observe_long_inputs(**long)
+        decisions.window(self.events, [x for i, x in enumerate(seen) if i not in errors], stats,
+                         time.perf_counter() - start, s.grouping)
+        if self.metrics is not None:
+            self.metrics.set_events_dropped(self.events.dropped_total)
             self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
         if self.trimmer is not None:
             self.trimmer.touch()
@@ -199,6 +214,14 @@ class TritonPythonModel:
             self.dispatcher.dispatch([request.get_response_sender() for request in requests], responses)
             return None
         return responses
+
+    def _seen(self, request) -> "decisions.Seen":
+        """The request as events name it: its id (KServe id, X-Request-ID header, or generated) and its inputs."""
+        rid, source = request_id(request.request_id(), request.parameters())
+        names = [i.name for i in self.settings.inputs]
+        return decisions.Seen(rid, source, lambda: [t.as_numpy() for t in
+                                                    (pb_utils.get_input_tensor_by_name(request, n) for n in names)
+                                                    if t is not None])
 
     def _encode_texts(self, request, raw: dict):
         """A request's texts as items, under its long-input mode (long_inputs.py)."""
@@ -239,6 +262,7 @@ class TritonPythonModel:
             self.trimmer.close()
         if self.metrics is not None:
             self.metrics.close()
+        self.events.close()
         self.engine.close()
 
 
