@@ -23,6 +23,7 @@ from .loading import load_for_serving, text_inputs
 from . import decisions
 from .contract import TRUNCATED_TOKENS_OUTPUT
 from .events import EventLog, request_id
+from .tracing import SpanExporter, parse_context, window_spans
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
 from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
@@ -49,6 +50,9 @@ class TritonPythonModel:
         self.events = EventLog.from_env(s.model_name, str(args.get("model_instance_name", "")),
                                         log=pb_utils.Logger.log_info)
         decisions.engine_choices(self.events, self.engine_info)
+        # OpenTelemetry spans under Triton's request span (serve --trace-endpoint); None: tracing off, no cost.
+        self.tracer = SpanExporter.from_env({"model": s.model_name,
+                                             "instance": str(args.get("model_instance_name", ""))})
         self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
@@ -155,13 +159,22 @@ class TritonPythonModel:
         batches, errors, wanted, encoded = [], {}, [], {}
         long = {"refused": 0, "truncated": 0, "chunked": 0, "dropped": 0}
         seen = [self._seen(request) for request in requests]
+        parents = [self._trace_parent(r) for r in requests] if self.tracer is not None else None
+        self.executor.record_spans = bool(parents) and any(parents)
+        own: dict[int, list] = {}  # traced requests' own spans: (name, start_ns, end_ns, attributes)
         for idx, request in enumerate(requests):
             asked = tuple(request.requested_output_names())
+            traced = parents is not None and parents[idx] is not None
+            t0 = time.time_ns() if traced else 0
             try:
                 raw = {n: _as_numpy(pb_utils.get_input_tensor_by_name(request, n)) for n in self.text_inputs}
                 raw = {n: v for n, v in raw.items() if v is not None}
                 if raw:
+                    tok0 = time.time_ns() if traced else 0
                     enc = self._encode_texts(request, raw)
+                    if traced:
+                        own.setdefault(idx, []).append(("tokenize", tok0, time.time_ns(),
+                                                        {"texts": len(enc.spans), "tokens": sum(enc.lengths)}))
                     items, encoded[idx] = enc.items, enc
                     check_items(items, s)
                     long["truncated"] += enc.truncated_rows
@@ -183,10 +196,14 @@ class TritonPythonModel:
                 encoded.pop(idx, None)
             batches.append(items)
             wanted.append(engine_wanted)
+            if traced:
+                own.setdefault(idx, []).append(("validate", t0, time.time_ns(),
+                                                {"sequences": len(items), "refused": idx in errors}))
         borrowed = getattr(self.engine, "wide_runs", 0)
         results, stats = self.executor.run(batches, wanted)
         responses = []
         for idx, result in enumerate(results):
+            r0 = time.time_ns() if parents is not None and parents[idx] is not None else 0
             if idx in errors:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG)))
@@ -198,6 +215,8 @@ class TritonPythonModel:
                     result = self._text_outputs(result, encoded[idx], requests[idx])
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
+            if r0:
+                own.setdefault(idx, []).append(("respond", r0, time.time_ns(), {"error": idx in errors}))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
             self.metrics.observe_long_inputs(**long)
@@ -205,6 +224,8 @@ class TritonPythonModel:
                          time.perf_counter() - start, s.grouping)
         if self.metrics is not None:
             self.metrics.set_events_dropped(self.events.dropped_total)
+        if parents is not None and any(parents):
+            self.tracer.add(window_spans(parents, [x.id for x in seen], own, stats.spans))
             self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
         if self.trimmer is not None:
             self.trimmer.touch()
@@ -222,6 +243,12 @@ class TritonPythonModel:
         return decisions.Seen(rid, source, lambda: [t.as_numpy() for t in
                                                     (pb_utils.get_input_tensor_by_name(request, n) for n in names)
                                                     if t is not None])
+
+    @staticmethod
+    def _trace_parent(request):
+        """Triton's span for this request when it sampled it (OpenTelemetry mode), else None."""
+        trace = request.trace()
+        return parse_context(trace.get_context()) if trace is not None else None
 
     def _encode_texts(self, request, raw: dict):
         """A request's texts as items, under its long-input mode (long_inputs.py)."""
@@ -263,6 +290,8 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.close()
         self.events.close()
+        if self.tracer is not None:
+            self.tracer.close()
         self.engine.close()
 
 

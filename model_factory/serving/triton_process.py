@@ -91,6 +91,23 @@ class ServerOptions:
     # limit, events a second per instance (None: the backend's default).
     events_file: Path | None = None
     events_rate: float | None = None
+    # OpenTelemetry: the OTLP/HTTP endpoint (host:port/v1/traces) Triton and the backend send spans to, and
+    # Triton's sampling rate (one request in trace_rate). None: tracing off.
+    trace_endpoint: str | None = None
+    trace_rate: int = 1
+
+
+def trace_arguments(endpoint: str | None, rate: int = 1) -> list[str]:
+    """tritonserver's OpenTelemetry tracing flags: one request in ``rate`` sampled, spans sent to ``endpoint``
+    (OTLP/HTTP, ``host:port/v1/traces``); none when ``endpoint`` is None."""
+    if not endpoint:
+        return []
+    if int(rate) < 1:
+        raise FactoryError(f"trace rate {rate} is not a sampling rate. Fix: give 1 (every request) or more "
+                           "(one request in that many)")
+    return ["--trace-config=mode=opentelemetry", f"--trace-config=rate={int(rate)}", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=count=-1", f"--trace-config=opentelemetry,url={endpoint}",
+            "--trace-config=opentelemetry,resource=service.name=model-factory-triton"]
 
 
 def admin_key_from(key_file: Path | None = None, environ: dict[str, str] | None = None) -> str | None:
@@ -260,6 +277,10 @@ class TritonServer:
             from model_factory.backend.events import EVENTS_FILE_ENV
 
             self.extra_env[EVENTS_FILE_ENV] = str(Path(opts.events_file).resolve())
+        if opts.trace_endpoint:
+            from model_factory.backend.tracing import TRACE_ENDPOINT_ENV
+
+            self.extra_env[TRACE_ENDPOINT_ENV] = opts.trace_endpoint
         if opts.events_rate is not None:
             from model_factory.backend.events import EVENTS_RATE_ENV
 
@@ -320,6 +341,7 @@ class TritonServer:
             apis = ",".join(RESTRICTED_APIS)
             cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+        cmd += trace_arguments(o.trace_endpoint, o.trace_rate)
         # No --load-model: models are loaded one by one after start, so a model that fails to
         # load is reported with its reason instead of taking the whole server down.
         return cmd + list(o.extra_args)
