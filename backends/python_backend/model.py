@@ -219,6 +219,7 @@ class TritonPythonModel:
                 own.setdefault(idx, []).append(("respond", r0, time.time_ns(), {"error": idx in errors}))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
+            self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
             self.metrics.observe_long_inputs(**long)
         decisions.window(self.events, [x for i, x in enumerate(seen) if i not in errors], stats,
                          time.perf_counter() - start, s.grouping)
@@ -226,7 +227,6 @@ class TritonPythonModel:
             self.metrics.set_events_dropped(self.events.dropped_total)
         if parents is not None and any(parents):
             self.tracer.add(window_spans(parents, [x.id for x in seen], own, stats.spans))
-            self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
         if self.trimmer is not None:
             self.trimmer.touch()
         if self.cost_keeper is not None:
