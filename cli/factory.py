@@ -131,6 +131,18 @@ class _Interrupted(Exception):
                    "served version and machine, so a restart measures nothing. Default: "
                    "~/.cache/model-factory/cost-models.")
 @click.option("--no-cost-cache", is_flag=True, help="Neither read nor write learned constants or measured costs (warm up and measure every start).")
+@click.option("--events", "events_file", type=click.Path(dir_okay=False), default=None,
+              help="Append decision events (JSON lines: windows grouped, inputs refused, long texts, splits, engine "
+                   "fallbacks, stubs healed; request ids and input hashes, never input text) to this file. "
+                   "Default: Triton's log.")
+@click.option("--events-rate", type=click.FloatRange(min=0.1), default=None,
+              help="Decision events a second per model instance at most (a burst of 5x that); the rest are "
+                   "counted (model_factory_events_dropped_total). Default: 20.")
+@click.option("--trace-endpoint", metavar="URL", default=None,
+              help="Send OpenTelemetry traces over OTLP/HTTP to URL (e.g. 127.0.0.1:4318/v1/traces): Triton's "
+                   "request spans, and the backend's validate, tokenize, group, engine_run and respond under them.")
+@click.option("--trace-rate", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="With --trace-endpoint: trace one request in this many (1: every request).")
 @click.option("--allow-empty", is_flag=True,
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")
@@ -138,6 +150,7 @@ class _Interrupted(Exception):
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
+          events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
           allow_empty: bool) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
@@ -151,6 +164,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --policy policy.toml model_repository
       model-factory serve --policy policy.toml --admin-key-file /run/secrets/admin-key model_repository
       model-factory serve --accept --policy policy.toml model_repository
+      model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
+      model-factory serve --trace-endpoint 127.0.0.1:4318/v1/traces --trace-rate 100 model_repository
     """
     import functools
 
@@ -160,7 +175,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
 
     opts = ServerOptions(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
-                         int8_kernels=int8_kernels,
+                         int8_kernels=int8_kernels, events_file=Path(events_file) if events_file else None,
+                         events_rate=events_rate, trace_endpoint=trace_endpoint or None, trace_rate=trace_rate,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     stop = threading.Event()
@@ -195,8 +211,13 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
+    events = None
+    if events_file:
+        from model_factory.backend.events import EventLog
+
+        events = EventLog("serve", path=str(Path(events_file).resolve()), rate=events_rate or 20.0)
     watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True),
-                      reverify=reverify).start() if watch_interval > 0 else None
+                      reverify=reverify, events=events).start() if watch_interval > 0 else None
     try:
         while not stop.wait(0.5):
             if server.process is not None and server.process.poll() is not None:

@@ -27,7 +27,8 @@ def test_config_round_trips_through_protobuf(minilm_recipe) -> None:
 
     assert by_name["text"].data_type == model_config_pb2.TYPE_STRING
     assert not by_name["text"].allow_ragged_batch  # fixed dims: nothing to be ragged about
-    assert [o.name for o in cfg.output] == ["last_hidden_state", "embedding"]
+    # The backend's own output beside the model's: per row, the tokens a truncated text lost (docs/inputs.md).
+    assert [o.name for o in cfg.output] == ["last_hidden_state", "embedding", "truncated_tokens"]
     assert list(cfg.dynamic_batching.preferred_batch_size) == list(minilm_recipe.batching.preferred_batch_sizes)
     assert config_parameters(cfg) == {"grouping": "cost_model"}
     # Rendering the parsed message again gives the same text: nothing lost in the round trip.
@@ -229,7 +230,8 @@ def test_classifier_labels_become_the_outputs_label_file(tmp_path: Path) -> None
     assert (res.model_dir / "labels.txt").read_text() == "negative\npositive\nneutral\n"
     config = read_config(res.model_dir)
     assert {o.name: o.label_filename for o in config.output} == {"logits": "labels.txt",
-                                                                 "probabilities": "labels.txt"}
+                                                                 "probabilities": "labels.txt",
+                                                                 "truncated_tokens": ""}  # the backend's
     meta = json.loads((res.version_dir / "metadata.json").read_text())
     assert meta["labels"] == ["negative", "positive", "neutral"] and "../labels.txt" in meta["files"]
     # Rebuilt as an embedding model, the label file goes (no stale labels beside a config without them).

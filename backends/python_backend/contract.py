@@ -30,6 +30,16 @@ QUEUE_BOUNDS = ("fixed", "auto")
 # integer: ONNX Runtime's integer kernels (8-bit weights where the CPU has integer dot products, the 7-bit
 # form elsewhere); integer-7bit: the 7-bit form on any CPU; simulated: Q/DQ as float arithmetic (cpu_features).
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
+# A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
+# counted), or cut into overlapping windows pooled into one vector (embeddings only).
+LONG_INPUTS = ("refuse", "truncate", "chunk")
+# How chunks are pooled: none (the model cannot chunk: not an embedding), mean (token-weighted mean of the
+# windows' vectors), mean_normalized (that mean scaled back to unit length).
+CHUNK_POOLINGS = ("none", "mean", "mean_normalized")
+# The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
+TEXT_INPUT_NAMES = ("text", "query", "passage")
+# The output a text model declares beside its own: per text row, the tokens the model did not see.
+TRUNCATED_TOKENS_OUTPUT = "truncated_tokens"
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -161,6 +171,11 @@ class ModelParameters:
     # The recipe's task; "text-generation" makes the backend a decoupled, continuously batching generator that
     # reads generation.json (GenerationSpec); anything else (or None) is the one-response-per-request path.
     task: str | None = _param("str?", None)
+    # Texts over max_sequence_length (long_inputs.py): the model's default; a request may ask for another.
+    long_inputs: str = _param("choice", "refuse", choices=LONG_INPUTS)
+    # Tokens two neighbouring chunks share, and how chunk vectors are pooled ("none": chunking not offered).
+    chunk_overlap: int = _param("int", 32, minimum=0)
+    chunk_pooling: str = _param("choice", "none", choices=CHUNK_POOLINGS)
 
 
 # --------------------------------------------------------------------------- generative engines

@@ -54,6 +54,8 @@ class WindowStats:
     outliers: int = 0  # of those, timings far (> 3x) from their cell's median
     refits: int = 0
     plan_changes: int = 0
+    # With span recording on (tracing.py): ("group" | "engine_run", start_ns, end_ns, request indices, attributes).
+    spans: list = field(default_factory=list)
 
     @property
     def explorations(self) -> int:
@@ -113,6 +115,7 @@ class GroupedExecutor:
         self.fill = fill or (lambda item: item)
         self.pad_sequences = pad_sequences
         self.memory_guard = memory_guard
+        self.record_spans = False  # set when the backend traces (tracing.py): the window's phases, timed
 
     def _partitions(self, flat: Sequence[tuple[int, Item]]) -> dict[tuple, list[int]]:
         """Items that may share a launch, by shape: equal shapes, apart from the sequence axis when padding.
@@ -150,11 +153,15 @@ class GroupedExecutor:
         padded = self.pad_sequences and bool(self.seq_inputs)
         mode = self.mode if padded or self.mode == "none" else "pad_to_longest"
         reports = []
+        plan_start = time.time_ns() if self.record_spans else 0
         for members in self._partitions(flat).values():
             planned, report = self.planner.plan([lengths[i] for i in members], mode)
             reports.append(report)
             groups.extend([members[k] for k in g] for g in planned)
         stats.plan = PlanReport.total(reports)
+        if self.record_spans:
+            stats.spans.append(("group", plan_start, time.time_ns(), sorted({r for r, _ in flat}),
+                                {"groups": len(groups), "sequences": len(flat)}))
         stats.groups = [len(g) for g in groups]
         stats.computed_tokens, stats.real_tokens = token_counts(groups, lengths)
         per_item: list[dict[str, np.ndarray] | Exception | None] = [None] * len(flat)
@@ -181,6 +188,7 @@ class GroupedExecutor:
                 self._run_group(group[half:], flat, lengths, per_item, stats)
                 return
         start = time.perf_counter()
+        start_ns = time.time_ns() if self.record_spans else 0
         try:
             profile = profile_for_length(length, self.buckets)
             feeds = pad_items([flat[i][1] for i in group], self.engine.input_names, self.seq_inputs, length)
@@ -195,6 +203,9 @@ class GroupedExecutor:
             self._run_group(group[:half], flat, lengths, per_item, stats)
             self._run_group(group[half:], flat, lengths, per_item, stats)
             return
+        if self.record_spans:
+            stats.spans.append(("engine_run", start_ns, time.time_ns(), sorted({flat[i][0] for i in group}),
+                                {"sequences": len(group), "padded_length": length, "profile": profile}))
         for row, i in enumerate(group):
             # Only a padded item's sequence outputs are cut back to its own length.
             per_item[i] = {name: (val[row, : lengths[i]] if name in self.seq_outputs and lengths[i] < length

@@ -43,6 +43,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "borrowed_core_runs_total": (
         "COUNTER", "Engine runs that took every core because no other CPU instance was computing (idle cores lent)."),
     "execute_seconds_total": ("COUNTER", "Wall time spent in execute(), in seconds."),
+    "long_inputs_total": ("COUNTER", "Texts over max_sequence_length, by what was done (action=refused: 400, "
+                                     "truncated: cut and said in truncated_tokens, chunked: pooled from windows)."),
+    "events_dropped_total": ("COUNTER", "Decision events the rate limit did not write (each written event says "
+                                        "how many it follows)."),
+    "truncated_tokens_total": ("COUNTER", "Tokens cut from truncated texts (the model never saw them)."),
     "pool_reserved_bytes": ("GAUGE", "GPU memory the instance's pool holds (in use + cached)."),
     "pool_used_bytes": ("GAUGE", "GPU memory handed out by the instance's pool and not yet freed."),
     "pool_high_water_bytes": ("GAUGE", "Most GPU memory the instance's pool has held since load or reset."),
@@ -82,6 +87,9 @@ _WINDOW_COUNTERS = {
     "cost_model_plan_changes_total": "plan_changes",
     "cost_model_explorations_total": "explorations",
 }
+
+# What happened to texts over the limit (label action of long_inputs_total).
+LONG_INPUT_ACTIONS = ("refused", "truncated", "chunked")
 
 # engine_info keys published as labels of the engine_info gauge (loading.load_engine's info).
 ENGINE_INFO_LABELS = ("precision", "int8_kernels", "int8_weights", "threads", "wide_threads", "sandbox")
@@ -130,7 +138,7 @@ class BackendMetrics:
             )
         self._lock = threading.Lock()  # guards _pending (execute() adds, the flusher takes)
         self._send_lock = threading.Lock()  # one flush at a time, so counters are sent in order
-        self._pending: dict[tuple[str, str], float] = {}  # (short name, plan label or "")
+        self._pending: dict[tuple[str, str, str], float] = {}  # (short name, label value or "", label name)
         self._pool_source = pool_source
         self._last_pool: tuple[float, float, float] | None = None
         # Counters exist (at 0) from load, so a scrape before any traffic already lists them.
@@ -138,6 +146,11 @@ class BackendMetrics:
             self._metric(short)
         for plan in PLANS:
             self._metric("cost_model_modelled_seconds_total", plan=plan)
+        for action in LONG_INPUT_ACTIONS:
+            self._metric("long_inputs_total", action=action)
+        self._metric("truncated_tokens_total")
+        self._metric("events_dropped_total")
+        self._events_dropped_sent = 0
         info = {k: str(engine_info[k]) for k in ENGINE_INFO_LABELS if engine_info and engine_info.get(k) is not None}
         self._metric("engine_info", **info).set(1.0)
         self._estimator = cost if cost is not None and hasattr(cost, "profiles") else None
@@ -170,9 +183,9 @@ class BackendMetrics:
             self._metrics[key] = metric
         return metric
 
-    def _add(self, short: str, value: float, plan: str = "") -> None:
+    def _add(self, short: str, value: float, plan: str = "", label: str = "plan") -> None:
         if value:
-            key = (short, plan)
+            key = (short, plan, label)
             self._pending[key] = self._pending.get(key, 0.0) + float(value)
 
     def _flusher(self) -> None:
@@ -201,6 +214,19 @@ class BackendMetrics:
                 for plan in PLANS:
                     self._add("cost_model_modelled_seconds_total", getattr(report, plan, 0.0) or 0.0, plan)
 
+    def observe_long_inputs(self, refused: int = 0, truncated: int = 0, chunked: int = 0, dropped: int = 0) -> None:
+        """Texts over the limit in one window, by action, and the tokens truncation cut."""
+        with self._lock:
+            for action, count in (("refused", refused), ("truncated", truncated), ("chunked", chunked)):
+                self._add("long_inputs_total", count, action, "action")
+            self._add("truncated_tokens_total", dropped)
+
+    def set_events_dropped(self, total: int) -> None:
+        """The instance's events refused by the rate limit so far (the counter gets the difference)."""
+        with self._lock:
+            self._add("events_dropped_total", max(0, int(total) - self._events_dropped_sent))
+            self._events_dropped_sent = max(self._events_dropped_sent, int(total))
+
     def add_borrowed_runs(self, count: int) -> None:
         """Runs on borrowed cores since the last call (the engine's ``wide_runs`` difference)."""
         with self._lock:
@@ -211,8 +237,8 @@ class BackendMetrics:
         with self._send_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
-            for (short, plan), value in pending.items():
-                (self._metric(short, plan=plan) if plan else self._metric(short)).increment(value)
+            for (short, value_label, label), value in pending.items():
+                (self._metric(short, **{label: value_label}) if value_label else self._metric(short)).increment(value)
             if self._estimator is not None:
                 self._publish_estimator()
             if self._pool_source is not None:

@@ -21,7 +21,12 @@ import triton_python_backend_utils as pb_utils
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
-from .requests import RequestError, check_items, items_from_tensors, items_from_text_inputs
+from . import decisions
+from .contract import TRUNCATED_TOKENS_OUTPUT
+from .events import EventLog, request_id
+from .tracing import SpanExporter, parse_context, window_spans
+from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
+from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
 from .samples import sample_feeds
 from .settings import parse_settings
@@ -42,8 +47,21 @@ class TritonPythonModel:
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
         self.text_inputs = text_inputs(s)
+        # Decision events (events.py): rate-limited JSON lines to serve's --events file, else Triton's log.
+        self.events = EventLog.from_env(s.model_name, str(args.get("model_instance_name", "")),
+                                        log=pb_utils.Logger.log_info)
+        decisions.engine_choices(self.events, self.engine_info)
+        # OpenTelemetry spans under Triton's request span (serve --trace-endpoint); None: tracing off, no cost.
+        self.tracer = SpanExporter.from_env({"model": s.model_name,
+                                             "instance": str(args.get("model_instance_name", ""))})
+        self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
+            # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
+            self.encoder = TextEncoder(self.tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
+        # What the engine computes; truncated_tokens (declared beside them for text models) is the backend's.
+        self._engine_outputs = tuple(o.name for o in s.outputs if o.name != TRUNCATED_TOKENS_OUTPUT)
+        self._says_truncation = any(o.name == TRUNCATED_TOKENS_OUTPUT for o in s.outputs)
         seq_inputs = s.sequence_inputs
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
         # An engine with one optimization profile per bucket (TensorRT) gets a cost model per profile.
@@ -148,38 +166,77 @@ class TritonPythonModel:
     def _execute(self, requests: list) -> list | None:
         start = time.perf_counter()
         s = self.settings
-        batches, errors, wanted = [], {}, []
+        batches, errors, wanted, encoded = [], {}, [], {}
+        long = {"refused": 0, "truncated": 0, "chunked": 0, "dropped": 0}
+        seen = [self._seen(request) for request in requests]
+        parents = [self._trace_parent(r) for r in requests] if self.tracer is not None else None
+        self.executor.record_spans = bool(parents) and any(parents)
+        own: dict[int, list] = {}  # traced requests' own spans: (name, start_ns, end_ns, attributes)
         for idx, request in enumerate(requests):
+            asked = tuple(request.requested_output_names())
+            traced = parents is not None and parents[idx] is not None
+            t0 = time.time_ns() if traced else 0
             try:
                 raw = {n: _as_numpy(pb_utils.get_input_tensor_by_name(request, n)) for n in self.text_inputs}
                 raw = {n: v for n, v in raw.items() if v is not None}
                 if raw:
-                    items = items_from_text_inputs(raw, self.tokenizer, self.engine.input_names)
+                    tok0 = time.time_ns() if traced else 0
+                    enc = self._encode_texts(request, raw)
+                    if traced:
+                        own.setdefault(idx, []).append(("tokenize", tok0, time.time_ns(),
+                                                        {"texts": len(enc.spans), "tokens": sum(enc.lengths)}))
+                    items, encoded[idx] = enc.items, enc
                     check_items(items, s)
+                    long["truncated"] += enc.truncated_rows
+                    long["chunked"] += enc.chunked_rows
+                    long["dropped"] += sum(enc.dropped)
+                    if enc.truncated_rows or enc.chunked_rows:
+                        decisions.long_input(self.events, seen[idx], enc, s.max_sequence_length)
                 else:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
                     items = items_from_tensors(tensors, s, self.vocab_size)
+                engine_wanted = self._engine_wanted(asked, encoded.get(idx))
             except RequestError as exc:
+                if isinstance(exc, LongInputRefused):
+                    long["refused"] += 1
                 errors[idx] = str(exc)
-                items = []
+                decisions.refused(self.events, seen[idx], str(exc))
+                items, engine_wanted = [], self._engine_outputs
+                encoded.pop(idx, None)
             batches.append(items)
-            wanted.append(tuple(request.requested_output_names()) or tuple(o.name for o in s.outputs))
+            wanted.append(engine_wanted)
+            if traced:
+                own.setdefault(idx, []).append(("validate", t0, time.time_ns(),
+                                                {"sequences": len(items), "refused": idx in errors}))
         borrowed = getattr(self.engine, "wide_runs", 0)
         results, stats = self.executor.run(batches, wanted)
         responses = []
         for idx, result in enumerate(results):
+            r0 = time.time_ns() if parents is not None and parents[idx] is not None else 0
             if idx in errors:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(errors[idx], pb_utils.TritonError.INVALID_ARG)))
             elif isinstance(result, Exception):
+                decisions.failed(self.events, seen[idx], result)
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
+                if idx in encoded:
+                    result = self._text_outputs(result, encoded[idx], requests[idx])
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
+            if r0:
+                own.setdefault(idx, []).append(("respond", r0, time.time_ns(), {"error": idx in errors}))
         if self.metrics is not None:
             self.metrics.observe_window(stats, time.perf_counter() - start)
             self.metrics.add_borrowed_runs(getattr(self.engine, "wide_runs", 0) - borrowed)
+            self.metrics.observe_long_inputs(**long)
+        decisions.window(self.events, [x for i, x in enumerate(seen) if i not in errors], stats,
+                         time.perf_counter() - start, s.grouping)
+        if self.metrics is not None:
+            self.metrics.set_events_dropped(self.events.dropped_total)
+        if parents is not None and any(parents):
+            self.tracer.add(window_spans(parents, [x.id for x in seen], own, stats.spans))
         if self.trimmer is not None:
             self.trimmer.touch()
         if self.cost_keeper is not None:
@@ -188,6 +245,46 @@ class TritonPythonModel:
             self.dispatcher.dispatch([request.get_response_sender() for request in requests], responses)
             return None
         return responses
+
+    def _seen(self, request) -> "decisions.Seen":
+        """The request as events name it: its id (KServe id, X-Request-ID header, or generated) and its inputs."""
+        rid, source = request_id(request.request_id(), request.parameters())
+        names = [i.name for i in self.settings.inputs]
+        return decisions.Seen(rid, source, lambda: [t.as_numpy() for t in
+                                                    (pb_utils.get_input_tensor_by_name(request, n) for n in names)
+                                                    if t is not None])
+
+    @staticmethod
+    def _trace_parent(request):
+        """Triton's span for this request when it sampled it (OpenTelemetry mode), else None."""
+        trace = request.trace()
+        return parse_context(trace.get_context()) if trace is not None else None
+
+    def _encode_texts(self, request, raw: dict):
+        """A request's texts as items, under its long-input mode (long_inputs.py)."""
+        mode = self.encoder.mode_for(request.parameters(), self.settings.long_inputs)
+        return self.encoder.encode(texts_from_text_inputs(raw), mode, self.engine.input_names)
+
+    def _engine_wanted(self, asked: tuple, enc) -> tuple:
+        """The engine outputs a request gets; a chunked text has pooled ones only (a sequence has no pooling)."""
+        names = tuple(n for n in asked if n != TRUNCATED_TOKENS_OUTPUT) if asked else self._engine_outputs
+        if enc is not None and enc.chunked_rows:
+            # Triton names every output when the request names none: the sequence ones are left out then;
+            # a request that asks for sequence outputs alone is told why it cannot have them.
+            pooled = tuple(n for n in names if n not in self.settings.sequence_outputs)
+            if not pooled:
+                raise RequestError(f"output {names[0]!r} is per token and a chunked text has no single sequence: "
+                                   "ask for the pooled outputs (e.g. 'embedding') with long_inputs=chunk")
+            names = pooled
+        return names
+
+    def _text_outputs(self, result: dict, enc, request) -> dict:
+        """Chunk rows pooled back to one per text, and ``truncated_tokens`` when declared and wanted."""
+        result = pool_chunks(result, enc, self.settings.chunk_pooling)
+        asked = tuple(request.requested_output_names())
+        if self._says_truncation and (not asked or TRUNCATED_TOKENS_OUTPUT in asked):
+            result[TRUNCATED_TOKENS_OUTPUT] = np.asarray(enc.dropped, dtype=np.int64).reshape(-1, 1)
+        return result
 
     def _publish_pool(self, pool) -> None:
         if self.metrics is not None:
@@ -202,6 +299,9 @@ class TritonPythonModel:
             self.trimmer.close()
         if self.metrics is not None:
             self.metrics.close()
+        self.events.close()
+        if self.tracer is not None:
+            self.tracer.close()
         self.engine.close()
 
 

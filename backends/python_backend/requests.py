@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .contract import TEXT_INPUT_NAMES
 from .input_bounds import check_bounds
 from .samples import NUMPY_DTYPES
 from .settings import Settings
@@ -22,7 +23,7 @@ _NP = NUMPY_DTYPES
 
 
 # The BYTES inputs the backend tokenizes: `text`, or a reranker's `query` + `passage`.
-TEXT_INPUTS = ("text", "query", "passage")
+TEXT_INPUTS = TEXT_INPUT_NAMES
 
 
 class RequestError(ValueError):
@@ -138,24 +139,28 @@ def decode_texts(raw: np.ndarray, name: str = "text") -> list[str]:
     return texts
 
 
+def item_from_encoding(enc: Any, input_names: Sequence[str]) -> Item:
+    """One item from a tokenizer's encoding: ``input_ids``, ``attention_mask`` and, if the model takes them,
+    ``token_type_ids``."""
+    item = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+            "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+    if "token_type_ids" in input_names:
+        item["token_type_ids"] = np.asarray(enc.type_ids, dtype=np.int64)
+    return item
+
+
 def items_from_texts(texts: Sequence[str | tuple[str, str]], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
-    """Tokenize texts, or (query, passage) pairs, truncated to the maximum length, into items with the id inputs.
+    """Tokenize texts, or (query, passage) pairs, as the tokenizer is set up, into items with the id inputs.
 
     A pair is tokenized as a pair: ``[CLS] query [SEP] passage [SEP]`` with ``token_type_ids`` 0 then 1
-    (the model's own post-processor decides), which is what a cross-encoder was trained on.
+    (the model's own post-processor decides), which is what a cross-encoder was trained on. Texts over the
+    model's maximum are the job of ``long_inputs`` (refused, truncated said, or chunked).
     """
-    items = []
-    for enc in tokenizer.encode_batch(list(texts)):
-        item = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
-                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
-        if "token_type_ids" in input_names:
-            item["token_type_ids"] = np.asarray(enc.type_ids, dtype=np.int64)
-        items.append(item)
-    return items
+    return [item_from_encoding(enc, input_names) for enc in tokenizer.encode_batch(list(texts))]
 
 
-def items_from_text_inputs(raw: Mapping[str, np.ndarray], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
-    """Items from a request's BYTES inputs: ``text``, or ``query`` + ``passage`` (a reranker's pairs)."""
+def texts_from_text_inputs(raw: Mapping[str, np.ndarray]) -> list[str] | list[tuple[str, str]]:
+    """A request's BYTES inputs decoded: the ``text`` rows, or (query, passage) pairs (a reranker's)."""
     if "query" in raw or "passage" in raw:
         missing = [n for n in ("query", "passage") if n not in raw]
         if missing:
@@ -165,5 +170,10 @@ def items_from_text_inputs(raw: Mapping[str, np.ndarray], tokenizer: Any, input_
         if len(queries) != len(passages):
             raise RequestError(f"'query' has {len(queries)} rows and 'passage' {len(passages)}; send one query "
                                "row per passage row")
-        return items_from_texts(list(zip(queries, passages)), tokenizer, input_names)
-    return items_from_texts(decode_texts(raw["text"]), tokenizer, input_names)
+        return list(zip(queries, passages))
+    return decode_texts(raw["text"])
+
+
+def items_from_text_inputs(raw: Mapping[str, np.ndarray], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
+    """Items from a request's BYTES inputs: ``text``, or ``query`` + ``passage`` (a reranker's pairs)."""
+    return items_from_texts(texts_from_text_inputs(raw), tokenizer, input_names)

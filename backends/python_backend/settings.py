@@ -74,6 +74,11 @@ class Settings:
     # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
     # integer or simulated (Q/DQ in float); see cpu_features.
     int8_kernels: str = "auto"
+    # Texts over max_sequence_length: refuse | truncate | chunk (long_inputs.py), the chunks' overlap in tokens
+    # and how chunk vectors are pooled (none: this model does not chunk).
+    long_inputs: str = "refuse"
+    chunk_overlap: int = 32
+    chunk_pooling: str = "none"
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -144,6 +149,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         respond_after_return=p.respond_after_return == "true"
         or (p.respond_after_return == "auto" and has_queue_policy(cfg)),
         int8_kernels=p.int8_kernels,
+        long_inputs=p.long_inputs,
+        chunk_overlap=p.chunk_overlap,
+        chunk_pooling=p.chunk_pooling,
     )
 
 

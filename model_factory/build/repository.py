@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.contract import (Files, ModelParameters, ParameterError, file_precision, format_bounds,
-                                            format_parameters,
+from model_factory.backend.contract import (TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, Files, ModelParameters,
+                                            ParameterError, file_precision, format_bounds, format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file)
 from model_factory.build.bounds import input_bounds
 from model_factory.errors import FactoryError, require
@@ -184,6 +184,9 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
                                    f"{len(labels)} labels. Fix: make [[outputs]] dims match the model's id2label")
             d["label_filename"] = LABELS_FILE
         outputs.append(d)
+    if any(s.dtype == "BYTES" and s.name in TEXT_INPUT_NAMES for s in recipe.inputs):
+        # The backend's own output for text models: per row, the tokens a truncated text lost (docs/inputs.md).
+        outputs.append({"name": TRUNCATED_TOKENS_OUTPUT, "data_type": "TYPE_INT64", "dims": [1]})
     return {
         "name": recipe.name,
         "backend": "python",
@@ -396,7 +399,10 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         precision=r.serve, onnx_file=onnx_name, plan_file=plan_name, vocab_size=hf_vocab_size(recipe),
         # "auto" on two or more instances: serve derives the bound where the model is served.
         queue_bound="auto" if bounds_queue_by_default(recipe) else "fixed",
-        queue_budget_ms=b.queue_budget_ms if bounds_queue_by_default(recipe) else 0)
+        queue_budget_ms=b.queue_budget_ms if bounds_queue_by_default(recipe) else 0,
+        # Texts over max_sequence_length (docs/inputs.md); only an embedding model pools chunks.
+        long_inputs=shapes.long_inputs, chunk_overlap=shapes.chunk_overlap,
+        chunk_pooling=("mean_normalized" if recipe.normalize else "mean") if recipe.task == "embedding" else "none")
 
 
 def _recipe_source_path(recipe: Recipe) -> str | None:

@@ -171,7 +171,15 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                    "add [[inputs]] and [[outputs]] tables with name, dtype and dims")
 
     sh = doc.shapes
-    shapes = ShapeSpec(sh.max_batch, sh.max_sequence_length, _buckets(sh.sequence_buckets, sh.max_sequence_length))
+    overlap = sh.chunk_overlap if sh.chunk_overlap is not None else min(32, sh.max_sequence_length // 4)
+    shapes = ShapeSpec(sh.max_batch, sh.max_sequence_length, _buckets(sh.sequence_buckets, sh.max_sequence_length),
+                       sh.long_inputs, overlap)
+    if sh.long_inputs == "chunk" and task != "embedding":
+        raise _err("shapes.long_inputs", f"chunk pools windows into one vector, which a {task} model does not return",
+                   "use refuse or truncate")
+    if overlap and overlap >= sh.max_sequence_length // 2:
+        raise _err("shapes.chunk_overlap", f"{sh.chunk_overlap} tokens is half max_sequence_length "
+                   f"{sh.max_sequence_length} or more", f"use fewer than {sh.max_sequence_length // 2} tokens")
 
     ex = doc.export
     if ex.torchscript and kind == "onnx":

@@ -30,6 +30,7 @@ POOLINGS = ("mean", "cls")
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 TIMEOUT_ACTIONS = ("reject", "delay")
+LONG_INPUTS = ("refuse", "truncate", "chunk")  # the backend's long_inputs parameter (docs/inputs.md)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -146,8 +147,17 @@ class ShapesTable(_Table):
     """[shapes]: the batch limit and the sequence-length buckets (one TensorRT profile each)."""
 
     max_batch: Positive = Field(32, description="The largest batch one launch holds (Triton's max_batch_size).")
-    max_sequence_length: Positive = Field(128, description="The longest sequence served; longer text is "
-                                          "truncated.")
+    max_sequence_length: Positive = Field(128, description="The longest sequence served; what happens to "
+                                          "longer text is long_inputs.")
+    long_inputs: _choice(LONG_INPUTS) = Field(
+        "refuse", description="A text over max_sequence_length: refuse (400 naming its length and the limit), "
+        "truncate (the response's truncated_tokens says how many tokens were cut, /metrics counts them) or chunk "
+        "(embedding models: overlapping windows pooled into one vector). A request may ask for another with its "
+        "long_inputs (or truncate) parameter. See docs/inputs.md.")
+    chunk_overlap: Annotated[Optional[Whole], Fix("give a whole number of tokens, below half max_sequence_length")] = (
+        Field(None, description="Tokens two neighbouring chunks share (long_inputs = chunk, or a request asking "
+              "for it), below half max_sequence_length. Default: 32, or a quarter of max_sequence_length when "
+              "that is less."))
     sequence_buckets: Annotated[Optional[list[Positive]], Field(min_length=1),
                                 Fix("list lengths greater than 0, smallest first, ending with max_sequence_length, "
                                     "e.g. sequence_buckets = [32, 128]")] = Field(

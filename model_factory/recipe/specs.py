@@ -42,6 +42,8 @@ class ShapeSpec:
     max_batch: int = 32
     max_sequence_length: int = 128
     sequence_buckets: tuple[int, ...] = (32, 128)
+    long_inputs: str = "refuse"  # a text over max_sequence_length: refuse | truncate | chunk (docs/inputs.md)
+    chunk_overlap: int = 32  # tokens neighbouring chunks share
 
 
 @dataclass(frozen=True)

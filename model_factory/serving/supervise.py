@@ -108,8 +108,10 @@ class StubWatch:
 
     def __init__(self, server: Any, models: list[str] | tuple[str, ...], interval_s: float = 1.0,
                  echo: Callable[[str], None] | None = None,
-                 settle_s: float = SETTLE_S, reverify: Callable[[str], None] | None = None) -> None:
+                 settle_s: float = SETTLE_S, reverify: Callable[[str], None] | None = None,
+                 events: Any = None) -> None:
         self.server = server
+        self.events = events  # a backend.events.EventLog (serve --events): each heal is a decision event
         self.reverify = reverify
         self.interval_s = interval_s
         self.settle_s = settle_s
@@ -182,6 +184,9 @@ class StubWatch:
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)
         self.recoveries.append(rec)
+        if self.events is not None:
+            self.events.emit("stub_healed" if ok else "stub_not_healed",
+                             {"healed_model": model, "seconds": round(rec.seconds, 3), **({"why": reason} if reason else {})})
         if ok:
             self.echo(f"model {model}: ready again after {rec.seconds:.1f} s")
         else:

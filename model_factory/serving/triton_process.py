@@ -61,6 +61,10 @@ GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 ADMIN_KEY_ENV = "MODEL_FACTORY_ADMIN_KEY"
 
 
+# Triton forwards headers matching this (RE2) as request parameters: the request id clients send.
+REQUEST_ID_HEADER_PATTERN = "(?i)^x-request-id$"
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """How to start the server. A port of 0 picks a free one."""
@@ -83,6 +87,27 @@ class ServerOptions:
     # an operator's fleet passes its own (admin_key_from). restrict_admin=False opens them (tests only).
     admin_key: str | None = field(default=None, repr=False)
     restrict_admin: bool = True
+    # Decision events (backend/events.py): the file they are appended to (None: Triton's log) and the rate
+    # limit, events a second per instance (None: the backend's default).
+    events_file: Path | None = None
+    events_rate: float | None = None
+    # OpenTelemetry: the OTLP/HTTP endpoint (host:port/v1/traces) Triton and the backend send spans to, and
+    # Triton's sampling rate (one request in trace_rate). None: tracing off.
+    trace_endpoint: str | None = None
+    trace_rate: int = 1
+
+
+def trace_arguments(endpoint: str | None, rate: int = 1) -> list[str]:
+    """tritonserver's OpenTelemetry tracing flags: one request in ``rate`` sampled, spans sent to ``endpoint``
+    (OTLP/HTTP, ``host:port/v1/traces``); none when ``endpoint`` is None."""
+    if not endpoint:
+        return []
+    if int(rate) < 1:
+        raise FactoryError(f"trace rate {rate} is not a sampling rate. Fix: give 1 (every request) or more "
+                           "(one request in that many)")
+    return ["--trace-config=mode=opentelemetry", f"--trace-config=rate={int(rate)}", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=count=-1", f"--trace-config=opentelemetry,url={endpoint}",
+            "--trace-config=opentelemetry,resource=service.name=model-factory-triton"]
 
 
 def admin_key_from(key_file: Path | None = None, environ: dict[str, str] | None = None) -> str | None:
@@ -248,6 +273,18 @@ class TritonServer:
             self.extra_env[GPU_PRODUCT_ENV] = opts.gpu_product
         if opts.int8_kernels:
             self.extra_env[INT8_KERNELS_ENV] = opts.int8_kernels
+        if opts.events_file is not None:
+            from model_factory.backend.events import EVENTS_FILE_ENV
+
+            self.extra_env[EVENTS_FILE_ENV] = str(Path(opts.events_file).resolve())
+        if opts.trace_endpoint:
+            from model_factory.backend.tracing import TRACE_ENDPOINT_ENV
+
+            self.extra_env[TRACE_ENDPOINT_ENV] = opts.trace_endpoint
+        if opts.events_rate is not None:
+            from model_factory.backend.events import EVENTS_RATE_ENV
+
+            self.extra_env[EVENTS_RATE_ENV] = str(float(opts.events_rate))
         self.work_dir = self._work
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
         self.queue_costs = dict(queue_costs or {})
@@ -296,11 +333,15 @@ class TritonServer:
                # Our config.pbtxt is complete (written through the protobuf): without this flag the Python
                # backend starts one extra stub process per model load only to ask it to auto-complete
                # the config (~1 s of a 2 s start on 2 cores).
-               "--disable-auto-complete-config"]
+               "--disable-auto-complete-config",
+               # A client's X-Request-ID header reaches the backend as a request parameter (its events name it).
+               f"--http-header-forward-pattern={REQUEST_ID_HEADER_PATTERN}",
+               f"--grpc-header-forward-pattern={REQUEST_ID_HEADER_PATTERN}"]
         if self.admin_key:
             apis = ",".join(RESTRICTED_APIS)
             cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+        cmd += trace_arguments(o.trace_endpoint, o.trace_rate)
         # No --load-model: models are loaded one by one after start, so a model that fails to
         # load is reported with its reason instead of taking the whole server down.
         return cmd + list(o.extra_args)

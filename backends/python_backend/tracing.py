@@ -1,0 +1,157 @@
+"""OpenTelemetry spans of the backend's work, children of the span Triton opened for the request.
+
+``serve --trace-endpoint URL --trace-rate R`` starts Triton with OpenTelemetry tracing (one request in R
+sampled) and gives the backend the same OTLP/HTTP endpoint in ``$MODEL_FACTORY_TRACE_ENDPOINT``. For a sampled
+request Triton hands the backend a W3C ``traceparent`` (``request.trace().get_context()``) naming the model's
+span; the backend adds its own spans under it: ``validate`` (decode and check), ``tokenize``, ``group`` (the
+window's split), ``engine_run`` (each launch holding the request's sequences) and ``respond``.
+
+Exported as OTLP/HTTP JSON (what Triton 2.51's own exporter sends: ids in hex, times as decimal strings) by a
+background thread, about once a second, from a bounded queue: a slow or absent collector drops spans (counted),
+never slows a request. With no endpoint, nothing here runs: the backend does not even ask Triton for the
+trace. Standard library only (no OpenTelemetry SDK inside the stub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import threading
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+TRACE_ENDPOINT_ENV = "MODEL_FACTORY_TRACE_ENDPOINT"
+SERVICE_NAME = "model-factory-backend"
+MAX_QUEUED = 4096  # spans waiting for export; more are dropped
+
+
+@dataclass(frozen=True)
+class TraceParent:
+    """The request's trace and the span (Triton's model span) the backend's spans hang under."""
+
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+
+
+def parse_context(context: Any) -> TraceParent | None:
+    """The ``traceparent`` in Triton's trace context (JSON ``{"traceparent": "00-<trace>-<span>-<flags>"}``)."""
+    if not context:
+        return None
+    try:
+        value = json.loads(context).get("traceparent") if isinstance(context, str) else context.get("traceparent")
+        _version, trace_id, span_id, flags = str(value).split("-")
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if len(trace_id) != 32 or len(span_id) != 16 or not int(flags, 16) & 1 or set(trace_id) == {"0"}:
+        return None
+    return TraceParent(trace_id.lower(), span_id.lower())
+
+
+def _value(v: Any) -> dict:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    return {"stringValue": str(v)}
+
+
+def span(parent: TraceParent, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None
+         ) -> dict:
+    """One OTLP JSON span, a child of ``parent``."""
+    return {"traceId": parent.trace_id, "spanId": secrets.token_hex(8), "parentSpanId": parent.span_id,
+            "name": name, "kind": 1, "startTimeUnixNano": str(int(start_ns)), "endTimeUnixNano": str(int(end_ns)),
+            "attributes": [{"key": k, "value": _value(v)} for k, v in (attributes or {}).items()]}
+
+
+def export_body(spans: Sequence[dict], resource: Mapping[str, Any]) -> bytes:
+    """An OTLP ``ExportTraceServiceRequest`` in JSON."""
+    return json.dumps({"resourceSpans": [{
+        "resource": {"attributes": [{"key": k, "value": _value(v)} for k, v in resource.items()]},
+        "scopeSpans": [{"scope": {"name": "model-factory"}, "spans": list(spans)}]}]},
+        separators=(",", ":")).encode()
+
+
+class SpanExporter:
+    """Sends spans to an OTLP/HTTP endpoint from a background thread (``interval_s`` batches)."""
+
+    def __init__(self, endpoint: str, resource: Mapping[str, Any], interval_s: float = 1.0,
+                 timeout_s: float = 2.0) -> None:
+        self.url = endpoint if "://" in endpoint else f"http://{endpoint}"
+        self.resource = {"service.name": SERVICE_NAME, **resource}
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.dropped = 0
+        self.sent = 0
+        self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="model-factory-spans", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, resource: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "SpanExporter | None":
+        endpoint = (os.environ if environ is None else environ).get(TRACE_ENDPOINT_ENV, "").strip()
+        return cls(endpoint, resource) if endpoint else None
+
+    def add(self, spans: Sequence[dict]) -> None:
+        for s in spans:
+            try:
+                self._queue.put_nowait(s)
+            except queue.Full:
+                self.dropped += 1
+
+    def _take(self) -> list[dict]:
+        out = []
+        while len(out) < 1024:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def flush(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                return
+            try:
+                req = urllib.request.Request(self.url, data=export_body(batch, self.resource),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    resp.read()
+                self.sent += len(batch)
+            except Exception:  # noqa: BLE001 - a collector away drops its spans, never fails serving
+                self.dropped += len(batch)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+
+def window_spans(parents: Sequence[TraceParent | None], request_ids: Sequence[str],
+                 own: Mapping[int, Sequence[tuple]], shared: Sequence[tuple]) -> list[dict]:
+    """The spans of one window for its sampled requests.
+
+    ``own[idx]``: ``(name, start_ns, end_ns, attributes)`` timed for request ``idx`` alone (validate, tokenize,
+    respond); ``shared``: the executor's ``(name, start_ns, end_ns, request indices, attributes)`` (group,
+    engine_run), each put under every sampled request it served.
+    """
+    out = []
+    for idx, parent in enumerate(parents):
+        if parent is None:
+            continue
+        tag = {"model_factory.request_id": request_ids[idx]}
+        for name, start, end, attrs in own.get(idx, ()):
+            out.append(span(parent, name, start, end, {**tag, **attrs}))
+        for name, start, end, members, attrs in shared:
+            if idx in members:
+                out.append(span(parent, name, start, end, {**tag, **attrs, "requests": len(members)}))
+    return out

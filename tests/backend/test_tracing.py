@@ -1,0 +1,59 @@
+"""The backend's span pieces alone: the traceparent Triton hands over, the span tree of a window, and an
+exporter whose collector is away (it drops and counts, never raises)."""
+
+from __future__ import annotations
+
+import json
+
+from model_factory.backend.executor import GroupedExecutor
+from model_factory.backend.grouping import CostModel
+from model_factory.backend.tracing import SpanExporter, TraceParent, export_body, parse_context, window_spans
+
+import numpy as np
+
+TRACE, SPAN = "15af0f3181d746d428259278cb59a131", "1f2b434d23b8c29c"
+
+
+def test_the_traceparent_is_read_and_an_unsampled_or_broken_one_is_not() -> None:
+    assert parse_context(json.dumps({"traceparent": f"00-{TRACE}-{SPAN}-01"})) == TraceParent(TRACE, SPAN)
+    assert parse_context(json.dumps({"traceparent": f"00-{TRACE}-{SPAN}-00"})) is None  # not sampled
+    assert parse_context('{"traceparent": "garbage"}') is None
+    assert parse_context(None) is None and parse_context("") is None
+
+
+class Engine:
+    input_names, output_names = ("input_ids", "attention_mask"), ("embedding",)
+
+    def run(self, feeds, profile):
+        return {"embedding": np.ones((feeds["input_ids"].shape[0], 4), np.float32)}
+
+
+def test_a_window_s_spans_go_under_each_sampled_request_that_they_served() -> None:
+    ex = GroupedExecutor(Engine(), CostModel(1.0, 1e-9, 0.0), max_batch=8, buckets=(16,),
+                         seq_inputs=frozenset({"input_ids", "attention_mask"}), seq_outputs=frozenset())
+    ex.record_spans = True
+    item = {"input_ids": np.ones(5, np.int64), "attention_mask": np.ones(5, np.int64)}
+    _, stats = ex.run([[item], [item, item]])
+    assert [s[0] for s in stats.spans] == ["group", "engine_run"]  # a launch this costly: one group
+    parents = [TraceParent(TRACE, SPAN), None]  # the second request was not sampled
+    own = {0: [("validate", 10, 20, {"sequences": 1})]}
+    spans = window_spans(parents, ["r0", "r1"], own, stats.spans)
+    assert [s["name"] for s in spans] == ["validate", "group", "engine_run"]
+    assert all(s["traceId"] == TRACE and s["parentSpanId"] == SPAN and len(s["spanId"]) == 16 for s in spans)
+    run = spans[-1]
+    attrs = {a["key"]: a["value"] for a in run["attributes"]}
+    assert attrs["model_factory.request_id"] == {"stringValue": "r0"} and attrs["sequences"] == {"intValue": "3"}
+    body = json.loads(export_body(spans, {"service.name": "x"}))
+    assert body["resourceSpans"][0]["scopeSpans"][0]["spans"] == spans
+
+
+def test_an_exporter_without_a_collector_drops_and_counts() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = SpanExporter(f"127.0.0.1:{port}/v1/traces", {}, interval_s=60, timeout_s=0.5)
+    exporter.add([{"name": "x"}] * 3)
+    exporter.close()
+    assert exporter.dropped == 3 and exporter.sent == 0

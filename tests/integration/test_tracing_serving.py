@@ -1,0 +1,115 @@
+"""OpenTelemetry on the real server: Triton's request spans and the backend's under them reach an OTLP/HTTP
+receiver started here on 127.0.0.1; the span tree of a real request is asserted, and no span holds its text."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TEXTS = ["the lighthouse keeper counted ships", "a kettle whistled in the empty kitchen of the old farmhouse"]
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver: POST /v1/traces, JSON bodies (what Triton 2.51 and the backend send)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.content_types: set[str] = set()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/traces":
+                    outer.bodies.append(body)
+                    outer.content_types.add(self.headers.get("Content-Type", ""))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def spans(self) -> list[dict]:
+        out = []
+        for body in list(self.bodies):
+            for rs in json.loads(body)["resourceSpans"]:
+                service = {a["key"]: a["value"].get("stringValue") for a in rs["resource"]["attributes"]}
+                for ss in rs["scopeSpans"]:
+                    for s in ss["spans"]:
+                        s["service"] = service.get("service.name")
+                        s["attrs"] = {a["key"]: next(iter(a["value"].values())) for a in s.get("attributes", [])}
+                        out.append(s)
+        return out
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def traced(minilm_repository):
+    from model_factory.serving.server import ServerOptions, TritonServer
+
+    receiver = Receiver()
+    srv = TritonServer(minilm_repository, options=ServerOptions(0, 0, 0, trace_endpoint=receiver.endpoint,
+                                                                trace_rate=1))
+    srv.start()
+    yield srv, receiver
+    srv.stop()
+    receiver.close()
+
+
+def _infer(server, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/minilm/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_a_request_has_triton_spans_and_the_backend_spans_under_its_model_span(traced) -> None:
+    server, receiver = traced
+    body = {"id": "trace-me-1", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": TEXTS}],
+            "outputs": [{"name": "embedding"}]}
+    assert _infer(server, body)["id"] == "trace-me-1"
+    want = {"validate", "tokenize", "group", "engine_run", "respond"}
+    deadline = time.monotonic() + 20  # both exporters batch (Triton's every 5 s)
+    while True:
+        spans = receiver.spans()
+        model_spans = [s for s in spans if s["name"] == "minilm" and s["attrs"].get("triton.request_id") == "trace-me-1"]
+        mine = [s for s in spans if s["attrs"].get("model_factory.request_id") == "trace-me-1"]
+        if model_spans and want <= {s["name"] for s in mine} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert model_spans, [s["name"] for s in spans]
+    model_span = model_spans[0]
+    by_id = {s["spanId"]: s for s in spans}
+    root = by_id[model_span["parentSpanId"]]
+    assert root["name"] == "InferRequest" and not root.get("parentSpanId")
+    assert want <= {s["name"] for s in mine}, sorted(s["name"] for s in mine)
+    for s in mine:  # children of Triton's model span, in its trace, inside its time
+        assert s["traceId"] == model_span["traceId"] and s["parentSpanId"] == model_span["spanId"], s
+        assert s["service"] == "model-factory-backend"
+        assert int(model_span["startTimeUnixNano"]) <= int(s["startTimeUnixNano"]) <= int(s["endTimeUnixNano"])
+        assert int(s["endTimeUnixNano"]) <= int(model_span["endTimeUnixNano"]) + 50_000_000
+    (run,) = [s for s in mine if s["name"] == "engine_run"]  # two short texts: one launch
+    assert int(run["attrs"]["sequences"]) == 2
+    compute = [s for s in spans if s["name"] == "compute" and s["parentSpanId"] == model_span["spanId"]]
+    assert compute  # Triton's own compute span beside ours
+    everything = b"".join(receiver.bodies).decode()
+    for text in TEXTS:
+        assert text not in everything and "lighthouse" not in everything
