@@ -115,6 +115,9 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
     src = builder_input(Path(folder), out.parent / f".{out.name}.input")
     extra = [f"{k}={v}" for k, v in {"hf_token": "false", **(options or {})}.items()]
     log = io.StringIO()
+    import logging
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one INFO line per node otherwise
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             opts = builder.parse_extra_options(None, str(src), str(out), precision, "cpu", str(cache), extra)
