@@ -233,6 +233,11 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
         say(q.report.render())
         accuracy = q.report.to_dict()
         build_info["quantization"] = {"float_nodes": list(q.float_nodes), "calibration_digest": q.calibration_digest}
+    skipped = []
+    if recipe.tensorrt.enabled:
+        skipped.append("[build-engine] skipped: TensorRT engines of text-generation models are not built yet (the "
+                       "ONNX Runtime graphs serve on the CPU). Fix: set [tensorrt] enabled = false to skip quietly")
+        say(skipped[-1])
     sign = _signer_for(recipe, signer, build_info, accuracy, started_on, seconds, say)
     packaged = _timed(seconds, "package", say, lambda: layout_generative_version(
         recipe, artifacts, export_dir=export_dir, extra_files=tuple(extra), build_info=build_info, sign=sign,
@@ -243,7 +248,7 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
 
         signature = signature_path(packaged.model_dir, recipe.version)
     return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, (), signature, seconds,
-                       folder_listing(packaged.version_dir), ())
+                       folder_listing(packaged.version_dir), tuple(skipped))
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
@@ -285,10 +290,17 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     from model_factory.build.repository import package_model, queue_policy_note
     from model_factory.build_engines.quantize import quantized_models
 
+    export_dir = recipe.work_dir / "export"
+    if recipe.is_generative:
+        from model_factory.build.generative import layout_generative_version
+
+        artifacts = {onnx_file(p): path for p, path in quantized_models(recipe).items()}
+        reports = [p for p in (export_dir / Files.EXPORT_REPORT, recipe.work_dir / "quantize" / "accuracy.json")
+                   if p.is_file()]
+        return layout_generative_version(recipe, artifacts, export_dir=export_dir, extra_files=tuple(reports))
     note = queue_policy_note(recipe)
     if note and progress is not None:
         progress(note)
-    export_dir = recipe.work_dir / "export"
     # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
     models = quantized_models(recipe)
     artifacts: dict[str, Path] = {onnx_file(p): path for p, path in models.items()}
