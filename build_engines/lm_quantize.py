@@ -1,8 +1,7 @@
 """Quantize stage of a text-generation model: INT8 / INT4 weight-only graphs, gated on the customer's text.
 
 Each precision is built by the model builder (``MatMulNBits``, block-wise, symmetric; activations stay float
-in the graph: ONNX Runtime's CPU kernel with ``accuracy_level`` 4 quantizes them to int8 per block inside the
-kernel). INT4 is rounded to nearest (``rtn``), after activation-aware scaling of the Hugging Face weights
+in the graph; INT4's kernel quantizes them to int8 per block inside, INT8's keeps them float: ``ACCURACY_LEVEL``). INT4 is rounded to nearest (``rtn``), after activation-aware scaling of the Hugging Face weights
 (``awq``, :mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
 
 The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
@@ -163,8 +162,17 @@ def weights_bytes(graph: Path) -> int:
     return total
 
 
+# MatMulNBits' accuracy_level: 4 quantizes the activations to int8 per block inside the kernel. On a CPU without
+# VNNI (AVX2 only) MLAS multiplies with vpmaddubsw (u8 x s8 pairs summed in int16, saturating): INT4 weights are
+# u4 (0..15), so a pair sums at most 2*15*128 = 3840 (7680 after its hadd): no saturation, level 4 is exact enough
+# everywhere. INT8 weights as u8 (0..255) could reach 2*255*128 = 65280 > 32767: the INT8 graph keeps float
+# activations (level 1), right on every CPU the signed graph may meet.
+ACCURACY_LEVEL = {"int4": 4, "int8": 1}
+
+
 def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32, "accuracy_level": 4}
+    opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
+                            "accuracy_level": ACCURACY_LEVEL[precision]}
     if precision == "int4" and method == "k_quant":
         opts["algo_config"] = "k_quant"
     if mixed:
