@@ -84,6 +84,10 @@ def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_o
 
 def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
     """Run the export stage for ``recipe`` into ``out_dir`` (default: the recipe's work dir)."""
+    if recipe.is_generative:  # a decoder with its KV cache: the model builder, checked against transformers
+        from model_factory.build_engines.causal_lm import export_causal_lm
+
+        return export_causal_lm(recipe, out_dir, progress)
     out_dir = Path(out_dir or recipe.work_dir / "export")
     say = progress or (lambda _msg: None)
     if recipe.export.torchscript and recipe.source.kind == "onnx":

@@ -125,6 +125,10 @@ def quantize_model(recipe: Recipe, export: ExportResult, out_dir: Path | None = 
     (default ``recipe.work_dir / "quantize"``) atomically. When a precision misses the gate the folder is
     still written (the report is the evidence) and :class:`AccuracyGateError` is raised.
     """
+    if recipe.is_generative:  # weight-only INT8/INT4 behind the perplexity and agreement gate
+        from model_factory.build_engines.lm_quantize import quantize_causal_lm
+
+        return quantize_causal_lm(recipe, export, out_dir, progress, min_accuracy)
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir or recipe.work_dir / "quantize")
     q = recipe.quantization
@@ -365,8 +369,10 @@ def quantized_models(recipe: Recipe) -> dict[str, Path]:
     report_path = quant_dir / REPORT_NAME
     if not report_path.is_file():
         raise FactoryError(f"{report_path} is missing. Fix: run model-factory quantize on the recipe first")
-    report = AccuracyReport.read(report_path)
-    failed = {r.precision for r in report.failures}
+    if recipe.is_generative:  # its own report shape: each row carries its verdict
+        failed = {r["precision"] for r in json.loads(report_path.read_text())["results"] if not r["passed"]}
+    else:
+        failed = {r.precision for r in AccuracyReport.read(report_path).failures}
     for p in wanted:
         path = quant_dir / f"model.{p}.onnx"
         if not path.is_file():

@@ -83,7 +83,7 @@ def _data() -> dict:
     (lambda d: d.update(shapes={"max_sequence_length": 128, "sequence_buckets": [32, 64]}),
      "shapes.sequence_buckets", "end the list"),
     (lambda d: d.update(precisions=["fp16"]), "precisions", "keep \"fp32\""),
-    (lambda d: d.update(precisions=["fp32", "int4"]), "precisions", "one of"),
+    (lambda d: d.update(precisions=["fp32", "int2"]), "precisions", "one of"),
     (lambda d: d.update(precisions=["fp32", "int8"]), "quantization.calibration_data", "local"),
     (lambda d: d.update(quantization={"min_accuracy": 1.5}), "quantization.min_accuracy", "(0, 1]"),
     (lambda d: d.update(precisions=["fp32", "fp16"]), "quantization.heldout_data", "local"),

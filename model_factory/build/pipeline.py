@@ -141,6 +141,8 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
 
     started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     seconds: dict[str, float] = {}
+    if recipe.is_generative:
+        return _build_generative(recipe, stage, say, signer, min_accuracy, parameters, started_on, seconds)
     exported = _timed(seconds, "export", say, lambda: stage("export", export_model, recipe))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
     artifacts: dict[str, Path] = {Files.ONNX: exported.onnx_path}
@@ -226,6 +228,69 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
                        signature, seconds, folder_listing(packaged.version_dir), tuple(skipped))
 
 
+def _signer_for(recipe: Recipe, signer: Any, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
+                started_on: str, seconds: dict[str, float], say: Progress) -> Callable[[Path], Path] | None:
+    """Sign a staged model folder (BOM first, so the signature covers it), or None without a signer."""
+    if signer is None:
+        return None
+    from model_factory.signing import sign_model_version
+
+    def sign_staged(staged: Path) -> Path:
+        provenance = provenance_for(recipe, build_info, accuracy, started_on, seconds)
+        if importlib.util.find_spec("cyclonedx") is not None:
+            from model_factory.distribution.bom import write_bom
+
+            write_bom(staged, recipe.version, provenance)
+        return _timed(seconds, "sign", say, lambda: sign_model_version(staged, recipe.version, signer,
+                                                                       provenance=provenance))
+    return sign_staged
+
+
+def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, signer: Any,
+                      min_accuracy: float | None, parameters: dict[str, str] | None, started_on: str,
+                      seconds: dict[str, float]) -> BuildResult:
+    """text-generation: export (builder + transformers check) → INT8/INT4 behind the gate → package → sign."""
+    from model_factory.build.generative import layout_generative_version
+    from model_factory.build_engines.causal_lm import export_causal_lm
+
+    exported = _timed(seconds, "export", say, lambda: stage("export", export_causal_lm, recipe))
+    export_dir = exported.onnx_path.parent
+    artifacts: dict[str, Path] = {Files.ONNX: exported.onnx_path}
+    extra: list[Path] = [export_dir / Files.EXPORT_REPORT]
+    build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset,
+                                             "exporter": "onnxruntime-genai model builder"},
+                                  "source_digest": exported.source_digest}
+    accuracy = None
+    if set(recipe.precisions) - {"fp32"}:
+        from model_factory.build_engines.lm_quantize import quantize_causal_lm
+
+        q = _timed(seconds, "quantize", say, lambda: stage("quantize", quantize_causal_lm, recipe, exported,
+                                                           min_accuracy=min_accuracy))
+        for precision, path in q.models.items():
+            if precision != "fp32":
+                artifacts[onnx_file(precision)] = path
+        extra.append(q.report_path)
+        say(q.report.render())
+        accuracy = q.report.to_dict()
+        build_info["quantization"] = {"float_nodes": list(q.float_nodes), "calibration_digest": q.calibration_digest}
+    skipped = []
+    if recipe.tensorrt.enabled:
+        skipped.append("[build-engine] skipped: TensorRT engines of text-generation models are not built yet (the "
+                       "ONNX Runtime graphs serve on the CPU). Fix: set [tensorrt] enabled = false to skip quietly")
+        say(skipped[-1])
+    sign = _signer_for(recipe, signer, build_info, accuracy, started_on, seconds, say)
+    packaged = _timed(seconds, "package", say, lambda: layout_generative_version(
+        recipe, artifacts, export_dir=export_dir, extra_files=tuple(extra), build_info=build_info, sign=sign,
+        parameters=parameters))
+    signature = None
+    if signer is not None:
+        from model_factory.signing.layout import signature_path
+
+        signature = signature_path(packaged.model_dir, recipe.version)
+    return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, (), signature, seconds,
+                       folder_listing(packaged.version_dir), tuple(skipped))
+
+
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,
                    started_on: str | None = None, stage_seconds: dict[str, float] | None = None) -> dict[str, Any]:
     """The build facts the signed provenance statement records (``signing.BuildProvenance`` keys).
@@ -267,10 +332,17 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     from model_factory.build.repository import package_model, queue_policy_note
     from model_factory.build_engines.quantize import quantized_models
 
+    export_dir = recipe.work_dir / "export"
+    if recipe.is_generative:
+        from model_factory.build.generative import layout_generative_version
+
+        artifacts = {onnx_file(p): path for p, path in quantized_models(recipe).items()}
+        reports = [p for p in (export_dir / Files.EXPORT_REPORT, recipe.work_dir / "quantize" / "accuracy.json")
+                   if p.is_file()]
+        return layout_generative_version(recipe, artifacts, export_dir=export_dir, extra_files=tuple(reports))
     note = queue_policy_note(recipe)
     if note and progress is not None:
         progress(note)
-    export_dir = recipe.work_dir / "export"
     # Refuses models whose accuracy gate failed, and missing stages, with the command to run.
     models = quantized_models(recipe)
     artifacts: dict[str, Path] = {onnx_file(p): path for p, path in models.items()}

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.contract import (TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, Files, ModelParameters,
-                                            ParameterError, file_precision, format_bounds, format_parameters,
+from model_factory.backend.contract import (TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, Files, GenerationSpec,
+                                            ModelParameters, ParameterError, file_precision, format_bounds,
+                                            format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file)
 from model_factory.build.bounds import input_bounds
 from model_factory.errors import FactoryError, require
@@ -416,7 +417,11 @@ def _recipe_source_path(recipe: Recipe) -> str | None:
 def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, artifacts: Mapping[str, Path],
                  tokenizer_dir: Path | None, extra_files: Iterable[Path], build_info: Mapping[str, Any] | None,
                  sign: Callable[[Path], Any] | None, labels: Sequence[str],
-                 acceptance_dir: Path | None = None, check: Callable[[Path], Any] | None = None) -> dict[str, Any]:
+                 acceptance_dir: Path | None = None, check: Callable[[Path], Any] | None = None, *,
+                 acceptance_file: str = f"{Files.ACCEPTANCE_DIR}/{Files.ACCEPTANCE_SPEC}",
+                 generation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Stage, check and sign the model folder; ``acceptance_file`` and ``generation`` (a text-generation model's
+    ``generation.json`` summary) go into ``metadata.json``."""
     files = artifacts  # already the version folder's selection (select_artifacts)
     serve = recipe.repository.serve
     onnx_name, plan_name = onnx_file(serve), plan_file(serve)
@@ -469,11 +474,16 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "files": _file_digests(vdir) | {"../config.pbtxt": hashlib.sha256(pbtxt.encode()).hexdigest()}
             | ({f"../{LABELS_FILE}": digest_path(tmp / LABELS_FILE)} if labels else {}),
             "labels": list(labels) or None,
-            "acceptance": (f"{Files.ACCEPTANCE_DIR}/{Files.ACCEPTANCE_SPEC}" if acceptance_dir is not None else None),
+            "acceptance": acceptance_file if acceptance_dir is not None else None,
             # The engine files the backend can load, beside model.onnx (which ONNX Runtime always can).
             "engines": sorted(name for name in files if name.endswith(".plan")
                               or name in (Files.TORCHSCRIPT, Files.EXPORTED_PROGRAM)),
         }
+        if generation is not None:
+            metadata["generation"] = {"family": generation["family"], "max_context": generation["max_context"],
+                                      "weights_bytes": generation["weights_bytes"],
+                                      "kv_bytes_per_token": GenerationSpec.from_json(json.dumps(generation))
+                                      .kv_bytes_per_token}
         (vdir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         if check is not None:
             check(vdir)

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from model_factory.fileio import read_toml
 from model_factory.recipe.errors import field_error as _err
 from model_factory.recipe.errors import from_validation_error
-from model_factory.recipe.huggingface import _hf_io_from_folder, resolve_package_model
+from model_factory.recipe.causal_lm import check_causal_lm, generate_tensor_specs
+from model_factory.recipe.huggingface import _hf_io_from_folder, read_hf_config, resolve_package_model
 from model_factory.recipe.onnx_io import onnx_tensor_specs
 from model_factory.recipe.schema import (BatchingTable, RecipeFile, RepositoryTable, SourceTable, TensorTable)
 from model_factory.recipe.specs import (BatchingSpec, ExportSpec, QuantizationSpec, Recipe, RepositorySpec,
@@ -144,6 +145,17 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
         lend_idle_cores=r.lend_idle_cores, int8_kernels=r.int8_kernels)
 
 
+def _check_generative_precisions(precisions: tuple[str, ...], calib: Path | None, heldout: Path | None) -> None:
+    if "fp16" in precisions:
+        # The model builder's CPU FP16 graph has no fused-rotary GroupQueryAttention: it takes position_ids and
+        # FP16 caches, which is not the shared-slot engine I/O the backend runs (contract.py).
+        raise _err("precisions", "fp16 of a text-generation model is not built on the CPU (the exporter's CPU FP16 "
+                   "graph is not the shared-slot KV engine the backend serves)", "build fp32, int8 and/or int4")
+    if set(precisions) & {"int8", "int4"} and calib is None and heldout is None:
+        raise _err("quantization.heldout_data", "int8/int4 are gated on held-out text and none is set",
+                   "point heldout_data (or calibration_data) at a local .txt of your text, one sample per line")
+
+
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     doc = validate_recipe_data(data)
@@ -156,7 +168,18 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         raise _err("classification.probabilities", f"task {task!r} has no class logits to turn into probabilities",
                    "remove it, or set model.task = \"classification\" or \"token-classification\"")
 
-    if doc.inputs is not None or doc.outputs is not None:
+    generation, max_context = None, None
+    if task == "text-generation":
+        if kind != "huggingface" or path is None:
+            raise _err("source.kind", f"text-generation builds Hugging Face causal-LM folders, not a {kind} source",
+                       "set kind = \"huggingface\" and path to a folder saved with save_pretrained()")
+        if doc.inputs is not None or doc.outputs is not None:
+            raise _err("inputs", "a text-generation model's inputs and outputs are the generate API's (text_input, "
+                       "max_tokens, ... -> text_output), not declared", "remove [[inputs]] and [[outputs]]")
+        defaults = {k: v for k, v in doc.generation.model_dump().items() if v is not None}
+        generation, max_context = check_causal_lm(path, read_hf_config(path), doc.shapes.max_context, defaults)
+        inputs, outputs = generate_tensor_specs()
+    elif doc.inputs is not None or doc.outputs is not None:
         inputs = _tensor_specs(doc.inputs, "inputs")
         outputs = _tensor_specs(doc.outputs, "outputs")
         text_input = text_input and any(s.dtype == "BYTES" for s in inputs)
@@ -173,13 +196,19 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     sh = doc.shapes
     overlap = sh.chunk_overlap if sh.chunk_overlap is not None else min(32, sh.max_sequence_length // 4)
     shapes = ShapeSpec(sh.max_batch, sh.max_sequence_length, _buckets(sh.sequence_buckets, sh.max_sequence_length),
-                       sh.long_inputs, overlap)
+                       sh.long_inputs, overlap, max_context)
     if sh.long_inputs == "chunk" and task != "embedding":
         raise _err("shapes.long_inputs", f"chunk pools windows into one vector, which a {task} model does not return",
                    "use refuse or truncate")
     if overlap and overlap >= sh.max_sequence_length // 2:
         raise _err("shapes.chunk_overlap", f"{sh.chunk_overlap} tokens is half max_sequence_length "
                    f"{sh.max_sequence_length} or more", f"use fewer than {sh.max_sequence_length // 2} tokens")
+    if task != "text-generation" and sh.max_context is not None:
+        raise _err("shapes.max_context", f"is for text-generation models, not task {task!r}",
+                   "remove it (max_sequence_length bounds an encoder's input)")
+    if task != "text-generation" and any(v is not None for v in doc.generation.model_dump().values()):
+        raise _err("generation", f"[generation] sets sampling defaults of a text-generation model, not task {task!r}",
+                   "remove the [generation] table")
 
     ex = doc.export
     if ex.torchscript and kind == "onnx":
@@ -196,7 +225,12 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     q = doc.quantization
     calib = _path(q.calibration_data, base_dir) if q.calibration_data is not None else None
     heldout = _path(q.heldout_data, base_dir) if q.heldout_data is not None else None
-    if "int8" in precisions and calib is None:
+    if task == "text-generation":
+        _check_generative_precisions(precisions, calib, heldout)
+    elif "int4" in precisions:
+        raise _err("precisions", f"int4 (weight-only) is built for text-generation models, not task {task!r}",
+                   "use fp32, fp16 or int8")
+    elif "int8" in precisions and calib is None:
         raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
                    "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
     if "fp16" in precisions and calib is None and heldout is None:
@@ -208,7 +242,10 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     quant = QuantizationSpec(
         calibration_data=calib, heldout_data=heldout, method=q.method,
         max_calibration_samples=q.max_calibration_samples, max_heldout_samples=q.max_heldout_samples,
-        min_accuracy=None if q.min_accuracy is None else float(q.min_accuracy), mixed_precision=q.mixed_precision)
+        min_accuracy=None if q.min_accuracy is None else float(q.min_accuracy), mixed_precision=q.mixed_precision,
+        int4_method=q.int4_method, int4_block_size=q.int4_block_size,
+        max_perplexity_ratio=1.1 if q.max_perplexity_ratio is None else float(q.max_perplexity_ratio),
+        min_token_agreement=0.9 if q.min_token_agreement is None else float(q.min_token_agreement))
 
     t = doc.tensorrt
     trt = TensorRTSpec(
@@ -225,7 +262,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         inputs=inputs, outputs=outputs, shapes=shapes,
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,
         batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,
-        text_input=text_input, probabilities=probabilities, recipe_path=recipe_path,
+        text_input=text_input, probabilities=probabilities, recipe_path=recipe_path, generation=generation,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,
         raw=data,

@@ -17,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema
 
 SOURCE_KINDS = ("huggingface", "torch", "onnx")
-TASKS = ("embedding", "classification", "token-classification", "reranker", "generic")
-PRECISIONS = ("fp32", "fp16", "int8")
+TASKS = ("embedding", "classification", "token-classification", "reranker", "generic", "text-generation")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, text-generation only
+INT4_METHODS = ("rtn", "awq", "k_quant")
+INT4_BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
 # ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
 ONNX_DTYPES = {1: "FP32", 10: "FP16", 11: "FP64", 7: "INT64", 6: "INT32", 5: "INT16", 3: "INT8", 2: "UINT8", 9: "BOOL"}
@@ -163,6 +165,10 @@ class ShapesTable(_Table):
                                     "e.g. sequence_buckets = [32, 128]")] = Field(
         None, description="Sequence lengths, strictly increasing and ending with max_sequence_length: one TensorRT "
         "optimization profile each. Default: [32, max_sequence_length] (or just the maximum when it is 32 or less).")
+    max_context: Annotated[Optional[int], Field(gt=0, le=INT32_MAX), POSITIVE_FIX] = Field(
+        None, description="text-generation: the most tokens (prompt + generated) one sequence may hold, the length "
+        "of each KV-cache slot; at most the model's max_position_embeddings. Default: the model's positions, "
+        "capped at 4096.")
 
 
 class ExportTable(_Table):
@@ -197,7 +203,37 @@ class QuantizationTable(_Table):
         None, description="The task's gate vs FP32 (e.g. mean cosine for embeddings); a precision below it fails "
         "the build. Default: no gate (reported only; the INT8 search aims at 0.99).")
     mixed_precision: Flag = Field(True, description="When the all-INT8 model misses min_accuracy (or 0.99), keep "
-                                  "its most harmful nodes in float until it is met.")
+                                  "its most harmful nodes in float until it is met. text-generation: when INT4 misses "
+                                  "the gate, keep its most sensitive MatMuls at INT8 until it passes.")
+    int4_method: _choice(INT4_METHODS) = Field(
+        "awq", description="text-generation INT4 (block-wise weight-only, MatMulNBits): rtn (round to nearest), awq "
+        "(per-input-channel scales searched per layer on the calibration text and folded into the preceding norm "
+        "or projection before rounding; without calibration_data, rtn) or k_quant (ONNX Runtime's k-quant).")
+    int4_block_size: _choice(INT4_BLOCK_SIZES) = Field(32, description="text-generation INT4: weights per "
+                                                       "quantization block (one scale each).")
+    max_perplexity_ratio: Annotated[Optional[float], Field(ge=1), Fix("give a number of at least 1, e.g. 1.05")] = (
+        Field(None, description="text-generation gate: the held-out text's perplexity under a reduced precision "
+              "divided by FP32's may not exceed this. Default: 1.1."))
+    min_token_agreement: Annotated[Optional[float], Field(gt=0, le=1), Fix("give a number in (0, 1], e.g. 0.9")] = (
+        Field(None, description="text-generation gate: the share of the FP32 greedy continuation's tokens a reduced "
+              "precision predicts the same (teacher-forced, up to the first near-tie). Default: 0.9."))
+
+
+class GenerationTable(_Table):
+    """[generation]: text-generation defaults applied when a request omits them (else generation_config.json's)."""
+
+    max_tokens: Optional[Positive] = Field(None, description="Tokens generated when a request names no max_tokens. "
+                                           "Default: generation_config.json's max_new_tokens, else 128.")
+    temperature: Annotated[Optional[float], Field(ge=0), Fix("give a number of at least 0")] = Field(
+        None, description="Sampling temperature (0: greedy). Default: generation_config.json's, else 1.0.")
+    top_k: Annotated[Optional[int], Field(ge=0, le=INT32_MAX), Fix("give a whole number (0: no top-k)")] = Field(
+        None, description="Top-k sampling (0: off). Default: generation_config.json's, else 0.")
+    top_p: Annotated[Optional[float], Field(gt=0, le=1), Fix("give a number in (0, 1]")] = Field(
+        None, description="Nucleus sampling mass. Default: generation_config.json's, else 1.0.")
+    repetition_penalty: Annotated[Optional[float], Field(gt=0), Fix("give a positive number (1.0: none)")] = Field(
+        None, description="Repetition penalty (1.0: none). Default: generation_config.json's, else 1.0.")
+    do_sample: MaybeFlag = Field(None, description="Sample (true) or decode greedily (false) when a request says "
+                                 "nothing. Default: generation_config.json's, else false.")
 
 
 class TensorRTTable(_Table):
@@ -305,9 +341,10 @@ class RecipeFile(_Table):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, title="model-factory recipe")
 
     precisions: Annotated[list[Literal[PRECISIONS]], Field(min_length=1),  # type: ignore[valid-type]
-                          Fix('use one of: fp32, fp16, int8, in a list, e.g. precisions = ["fp32", "fp16", "int8"]')
+                          Fix('use one of: fp32, fp16, int8, int4, in a list, e.g. precisions = ["fp32", "int8"]')
                           ] = Field(["fp32"], description="The precisions built; fp32 is required (the reference "
-                                    "FP16/INT8 are scored against).")
+                                    "FP16/INT8/INT4 are scored against). int4 (weight-only) is for text-generation "
+                                    "only.")
     model: Annotated[ModelTable, Fix("add a [model] table with name and version")] = Field(
         description="What the served model is called and what it does.")
     source: Annotated[SourceTable, Fix("add a [source] table with kind and path (or factory)")] = Field(
@@ -328,6 +365,8 @@ class RecipeFile(_Table):
     export: Annotated[ExportTable, _table("[export]")] = Field(ExportTable(), description="The ONNX export.")
     quantization: Annotated[QuantizationTable, _table("[quantization]")] = Field(
         QuantizationTable(), description="FP16/INT8 data, method and accuracy gate.")
+    generation: Annotated[GenerationTable, _table("[generation]")] = Field(
+        GenerationTable(), description="text-generation defaults (sampling, max_tokens).")
     tensorrt: Annotated[TensorRTTable, _table("[tensorrt]")] = Field(
         TensorRTTable(), description="TensorRT engine builds.")
     batching: Annotated[BatchingTable, _table("[batching]")] = Field(

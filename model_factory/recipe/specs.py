@@ -44,6 +44,8 @@ class ShapeSpec:
     sequence_buckets: tuple[int, ...] = (32, 128)
     long_inputs: str = "refuse"  # a text over max_sequence_length: refuse | truncate | chunk (docs/inputs.md)
     chunk_overlap: int = 32  # tokens neighbouring chunks share
+    # text-generation: the tokens one sequence may hold (prompt + generated), one KV-cache slot's length.
+    max_context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class QuantizationSpec:
     max_heldout_samples: int = 64
     min_accuracy: float | None = None
     mixed_precision: bool = True
+    # text-generation: INT4 method and block, and the gate on the held-out text (perplexity ratio, agreement).
+    int4_method: str = "awq"
+    int4_block_size: int = 32
+    max_perplexity_ratio: float = 1.1
+    min_token_agreement: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,21 @@ class RepositorySpec:
 
 
 @dataclass(frozen=True)
+class GenerationSettings:
+    """A text-generation model: what the Hugging Face folder says (checked) and the recipe's defaults.
+
+    ``family`` is the config's ``model_type``; ``defaults`` holds only the sampling defaults the recipe's
+    ``[generation]`` table sets (the rest come from ``generation_config.json`` at packaging).
+    """
+
+    family: str
+    architecture: str
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """One model build, end to end."""
 
@@ -161,8 +183,14 @@ class Recipe:
     text_input: bool = True
     probabilities: bool = False  # classification heads: also return softmax probabilities
     recipe_path: Path | None = None
+    generation: GenerationSettings | None = None  # text-generation only
     work_dir: Path = field(default_factory=lambda: Path("build"))
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_generative(self) -> bool:
+        """True for a text-generation model (a decoder with its KV cache; packaged by build/generative.py)."""
+        return self.task == "text-generation"
 
     @property
     def is_text_model(self) -> bool:

@@ -1,0 +1,185 @@
+"""Decode speed of our text-generation graphs (FP32 / INT8 / INT4) against transformers and ORT GenAI's generator.
+
+One run, side by side, on a 116M-parameter Llama (SmolLM-135M's shape: hidden 576, 30 layers, 9 heads, 3 kv heads,
+intermediate 1536; random weights, a 16k BPE vocabulary trained here): 128-token prompts, 64 new tokens, greedy,
+batch 1 and 8, two threads. Decode tokens/s counts the new tokens after the first (prefill is timed apart).
+
+* ours: the packaged graph (onnxruntime-genai's builder output, the contract's shared-slot I/O) driven through
+  ONNX Runtime I/O binding: each row prefilled into its own slot of one [batch, kv, max_context, head_dim] buffer
+  per layer, then all rows decoded together, written in place (no per-token copy);
+* ORT GenAI: the same folder through ``onnxruntime_genai.Generator`` (its own C++ loop);
+* transformers: ``LlamaForCausalLM`` FP32 with its dynamic cache, one forward per token.
+
+    python benchmarks/bench_generate_graphs.py [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+START, END = "<!-- bench_generate_graphs:start -->", "<!-- bench_generate_graphs:end -->"
+PROMPT, NEW, THREADS = 128, 64, 2
+SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=16384, max_positions=2048,
+             tie=True)
+
+
+def prompts(tok, batch: int) -> list[list[int]]:
+    text = (ROOT / "benchmarks" / "texts.txt").read_text().split()
+    out = []
+    for b in range(batch):
+        ids = tok(" ".join(text[b * 40:]), add_special_tokens=False)["input_ids"][:PROMPT]
+        out.append(ids)
+    return out
+
+
+def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, float]:
+    """(prefill seconds, decode tokens/s) of the shared-slot graph, rows prefilled per slot, decoded together."""
+    from model_factory.backend.contract import past_name, present_name
+    from model_factory.build_engines.export import onnxruntime_session
+
+    sess = onnxruntime_session(graph, threads=THREADS)
+    pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
+    layers, kv = len(pasts), int(pasts[0].shape[1])
+    b, ctx = len(rows), PROMPT + NEW + 1
+    cache = {(i, k): np.zeros((b, kv, ctx, head_dim), np.float32) for i in range(layers) for k in ("key", "value")}
+
+    def run(lo: int, hi: int, ids: np.ndarray, lens: list[int]) -> np.ndarray:
+        n, s = ids.shape
+        mask = np.zeros((n, max(lens) + s), np.int64)
+        for r, ln in enumerate(lens):
+            mask[r, :ln + s] = 1
+        io = sess.io_binding()
+        io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("attention_mask", mask)
+        for (layer, kind), buf in cache.items():
+            view = buf[lo:hi]
+            io.bind_input(past_name(layer, kind), "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+            io.bind_output(present_name(layer, kind), "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+        io.bind_output("logits", "cpu")
+        sess.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()[-1]
+
+    t0 = time.perf_counter()
+    nxt = [int(run(r, r + 1, np.array([p], np.int64), [0])[0, -1].argmax()) for r, p in enumerate(rows)]
+    prefill = time.perf_counter() - t0
+    lens = [len(p) for p in rows]
+    t0 = time.perf_counter()
+    for _ in range(NEW - 1):
+        lg = run(0, b, np.array([[t] for t in nxt], np.int64), lens)
+        nxt = [int(lg[r, -1].argmax()) for r in range(b)]
+        lens = [x + 1 for x in lens]
+    return prefill, b * (NEW - 1) / (time.perf_counter() - t0)
+
+
+def genai(folder: Path, rows: list[list[int]]) -> tuple[float, float]:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=PROMPT + NEW, min_length=PROMPT + NEW, do_sample=False,
+                              batch_size=len(rows))
+    gen = og.Generator(model, params)
+    t0 = time.perf_counter()
+    gen.append_tokens(np.array(rows, np.int32))
+    gen.generate_next_token()
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(NEW - 1):
+        gen.generate_next_token()
+    return prefill, len(rows) * (NEW - 1) / (time.perf_counter() - t0)
+
+
+def hf(folder: Path, rows: list[list[int]]) -> tuple[float, float]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor(rows)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill = time.perf_counter() - t0
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(NEW - 1):
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return prefill, len(rows) * (NEW - 1) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from benchmarks.results_file import publish, say
+    from generative_models import make_causal_lm
+
+    from model_factory.build_engines.causal_lm import run_builder
+    from model_factory.build_engines.lm_quantize import weights_bytes
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    load = LoadReading.begin()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-gen-"))
+    src = work / "llama-116m"
+    if not (src / "config.json").is_file():
+        say("making the 116M Llama folder")
+        make_causal_lm("llama", src, **SHAPE)
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(src))
+    graphs = {}
+    for p in ("fp32", "int8", "int4"):
+        out = work / f"graph-{p}"
+        if not (out / "model.onnx").is_file():
+            say(f"building {p}")
+            run_builder(src, out, p, {"block_size": 32, "accuracy_level": 4} if p != "fp32" else None)
+        graphs[p] = out
+    head_dim = SHAPE["hidden"] // SHAPE["heads"]
+    n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])
+                   .load_file(str(src / "model.safetensors")).values())
+    rows_md = []
+    results: dict[tuple[str, int], float] = {}
+    for batch in (1, 8):
+        rows = prompts(tok, batch)
+        for name, fn in [("transformers FP32", lambda r: hf(src, r))] + [
+                (f"ours {p.upper()}", (lambda r, p=p: ours(graphs[p] / "model.onnx", head_dim, r))) for p in graphs] + [
+                (f"ORT GenAI {p.upper()}", (lambda r, p=p: genai(graphs[p], r))) for p in graphs]:
+            say(f"{name} batch {batch}")
+            fn(prompts(tok, 1))  # warm-up (sessions, allocations)
+            prefill, tps = fn(rows)
+            results[(name, batch)] = tps
+            rows_md.append((name, batch, prefill, tps))
+    load = load.finish()
+    lines = [START, "## Text-generation graphs: decode tokens/s (benchmarks/bench_generate_graphs.py)", "",
+             run_header("benchmarks/bench_generate_graphs.py", load), "",
+             f"A {n_params / 1e6:.0f}M-parameter Llama (SmolLM-135M shape, random weights, tied embeddings), "
+             f"{PROMPT}-token prompts, {NEW} new tokens, greedy, {THREADS} threads. Decode tokens/s: new tokens after "
+             "the first, all rows together. Graph weights: " + ", ".join(
+                 f"{p.upper()} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in graphs.items()) + ".", "",
+             "| engine | batch | prefill (s) | decode tokens/s | vs ours FP32 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, batch, prefill, tps in rows_md:
+        lines.append(f"| {name} | {batch} | {prefill:.2f} | {tps:.1f} | {tps / results[('ours FP32', batch)]:.2f}x |")
+    lines += ["", "Ratios from this run: " + "; ".join(
+        f"batch {b}: ours INT4 / ours FP32 {results[('ours INT4', b)] / results[('ours FP32', b)]:.2f}x, "
+        f"ours INT4 / ORT GenAI INT4 {results[('ours INT4', b)] / results[('ORT GenAI INT4', b)]:.2f}x" for b in (1, 8)),
+              END]
+    publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Quantize stage of a text-generation model: INT8 / INT4 weight-only graphs, gated on the customer's text.
+
+Each precision is built by the model builder (``MatMulNBits``, block-wise, symmetric; activations stay float
+in the graph; INT4's kernel quantizes them to int8 per block inside, INT8's keeps them float: ``ACCURACY_LEVEL``). INT4 is rounded to nearest (``rtn``), after activation-aware scaling of the Hugging Face weights
+(``awq``, :mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
+
+The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
+FP32's (at most ``max_perplexity_ratio``) and the teacher-forced greedy agreement with the FP32 reference
+continuations up to their first near-tie (at least ``min_token_agreement``). A precision that misses it is
+built again with its most sensitive MatMuls at INT8 (the builder's ``matmul_mixed_precision``: the LM head,
+then llama.cpp's mixed layers), as the encoders keep their most harmful nodes in float; one that still misses
+fails the build, and ``accuracy.json`` says by how much.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from model_factory.backend.contract import Files, onnx_file
+from model_factory.build_engines.causal_lm import Continuation, prompt_ids, read_reference, run_builder
+from model_factory.build_engines.lm_graph import DecoderRunner, head_dim_of, teacher_forced_agreement
+from model_factory.errors import FactoryError
+from model_factory.fileio import atomic_dir, atomic_file
+from model_factory.recipe import Recipe, read_hf_config
+
+REPORT_NAME = "accuracy.json"
+PPL_TOKENS = 128  # tokens per held-out sample scored for perplexity
+CALIBRATION_TOKENS = 128
+# The ladder a precision that misses the gate climbs: each step keeps more MatMuls at INT8.
+MIXED_STEPS = ((), ("last_matmul:int8",), ("last_matmul:int8", "mixed_layers:int8"))
+
+
+@dataclass(frozen=True)
+class GenerativeResult:
+    """One precision against FP32 on the held-out text."""
+
+    precision: str
+    method: str
+    score: float  # greedy token agreement (the report's main figure)
+    perplexity: float
+    perplexity_fp32: float
+    perplexity_ratio: float
+    max_abs_error: float  # prefill logits vs FP32 on the golden prompts
+    samples: int
+    compared_tokens: int
+    passed: bool
+    int8_matmuls: tuple[str, ...] = ()  # matmul_mixed_precision selectors kept at INT8
+    weights_bytes: int = 0
+    metric: str = "token_agreement"
+
+    def row(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["extra"] = {"perplexity_ratio": self.perplexity_ratio}
+        d["float_nodes"] = list(self.int8_matmuls)
+        return d
+
+
+@dataclass(frozen=True)
+class GenerativeAccuracy:
+    """``accuracy.json`` of a text-generation model (read by the report's accuracy section)."""
+
+    model: str
+    heldout_source: str
+    heldout_samples: int
+    heldout_note: str
+    calibration_source: str | None
+    calibration_samples: int
+    min_accuracy: float  # the agreement gate
+    max_perplexity_ratio: float
+    results: tuple[GenerativeResult, ...] = ()
+    search: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
+    task: str = "text-generation"
+    output: str = "logits"
+    calibration_method: str | None = None
+    scoring: str = ("ONNX Runtime CPU (MatMulNBits, the kernels that serve); agreement teacher-forced on the FP32 "
+                    "greedy continuations up to their first near-tie")
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("results", "search")}
+        d["results"] = [r.row() for r in self.results]
+        d["search"] = [dict(s) for s in self.search]
+        d["passed"] = self.passed
+        return d
+
+    def write(self, path: Path) -> Path:
+        with atomic_file(path) as f:
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
+            f.write("\n")
+        return path
+
+    def render(self, width: int = 110) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"Accuracy of {self.model} vs FP32 ({self.heldout_samples} held-out samples)",
+                      title_justify="left")
+        for col in ("precision", "method", "agreement", "perplexity", "ppl ratio", "max abs err", "INT8 MatMuls",
+                    "gate"):
+            table.add_column(col)
+        for r in self.results:
+            table.add_row(r.precision, r.method, f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
+                          f"{r.max_abs_error:.3g}", ",".join(r.int8_matmuls) or "-", "pass" if r.passed else "FAIL")
+        console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
+        console.print(table)
+        console.print(f"held-out: {self.heldout_note}; gate: agreement >= {self.min_accuracy:g} and perplexity ratio "
+                      f"<= {self.max_perplexity_ratio:g} -> {'passed' if self.passed else 'FAILED'}",
+                      highlight=False, markup=False, soft_wrap=True)
+        return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
+
+
+class Scorer:
+    """FP32's perplexity and logits on the held-out text, kept to score each candidate against."""
+
+    def __init__(self, fp32: Path, head_dim: int, heldout: Sequence[Sequence[int]],
+                 reference: Sequence[Continuation]) -> None:
+        self.head_dim, self.heldout, self.reference = head_dim, heldout, reference
+        self.context = max([len(c.prompt_ids) + len(c.tokens) for c in reference] + [len(h) for h in heldout])
+        runner = DecoderRunner(fp32, self.context, head_dim)
+        self.ppl_fp32 = self._perplexity(runner)
+        self.prompt_logits = [runner.logits(c.prompt_ids) for c in reference]
+
+    def _perplexity(self, runner: DecoderRunner) -> float:
+        total = count = 0.0
+        for ids in self.heldout:
+            nll, n = runner.token_nll(ids)
+            total, count = total + nll, count + n
+        return math.exp(total / max(count, 1))
+
+    def score(self, path: Path) -> tuple[float, float, float, int]:
+        """(agreement, perplexity, max abs logits error, compared tokens) of one candidate graph."""
+        import numpy as np
+
+        runner = DecoderRunner(path, self.context, self.head_dim)
+        agree = compared = 0
+        err = 0.0
+        for c, ref in zip(self.reference, self.prompt_logits):
+            a, n = teacher_forced_agreement(runner, c.prompt_ids, c.tokens, c.near_tie)
+            agree, compared = agree + a, compared + n
+            err = max(err, float(np.max(np.abs(runner.logits(c.prompt_ids) - ref))))
+        return agree / max(compared, 1), self._perplexity(runner), err, compared
+
+
+def weights_bytes(graph: Path) -> int:
+    """Bytes of a graph's weights: its initializers (external data and inline)."""
+    import onnx
+
+    m = onnx.load(str(graph), load_external_data=False)
+    total = 0
+    for t in m.graph.initializer:
+        ext = {e.key: e.value for e in t.external_data}
+        total += int(ext["length"]) if "length" in ext else len(t.raw_data)
+    return total
+
+
+# MatMulNBits' accuracy_level: 4 quantizes the activations to int8 per block inside the kernel. On a CPU without
+# VNNI (AVX2 only) MLAS multiplies with vpmaddubsw (u8 x s8 pairs summed in int16, saturating): INT4 weights are
+# u4 (0..15), so a pair sums at most 2*15*128 = 3840 (7680 after its hadd): no saturation, level 4 is exact enough
+# everywhere. INT8 weights as u8 (0..255) could reach 2*255*128 = 65280 > 32767: the INT8 graph keeps float
+# activations (level 1), right on every CPU the signed graph may meet.
+ACCURACY_LEVEL = {"int4": 4, "int8": 1}
+
+
+def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
+                            "accuracy_level": ACCURACY_LEVEL[precision]}
+    if precision == "int4" and method == "k_quant":
+        opts["algo_config"] = "k_quant"
+    if mixed:
+        opts["matmul_mixed_precision"] = ",".join(mixed)
+    return opts
+
+
+def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
+                       progress: Callable[[str], None] | None = None, min_accuracy: float | None = None) -> Any:
+    """Build and gate the recipe's INT8/INT4 graphs; ``accuracy.json`` beside them. Returns a QuantizeResult."""
+    from model_factory.build_engines.accuracy import AccuracyGateError
+    from model_factory.build_engines.calibration import split_data
+    from model_factory.build_engines.quantize import QuantizeResult
+
+    say = progress or (lambda _m: None)
+    out_dir = Path(out_dir or recipe.work_dir / "quantize")
+    q, gen, src = recipe.quantization, recipe.generation, recipe.source.path
+    assert gen is not None and src is not None
+    agreement_gate = min_accuracy if min_accuracy is not None else q.min_token_agreement
+    split = split_data(q, need_calibration=False)
+    export_dir = Path(export.onnx_path).parent
+    reference = read_reference(export_dir)
+    tok = _tokenizer(export_dir)
+    heldout = [prompt_ids(tok, t, PPL_TOKENS) for t in split.heldout.texts if isinstance(t, str) and t.strip()]
+    calib_texts = [t for t in (split.calibration.texts if split.calibration else ()) if isinstance(t, str)]
+    head_dim = head_dim_of(read_hf_config(src))
+    scorer = Scorer(export.onnx_path, head_dim, heldout, reference)
+    say(f"[quantize] FP32 perplexity {scorer.ppl_fp32:.3f} on {len(heldout)} held-out samples")
+    results, search, models = [], [], {"fp32": Path(export.onnx_path)}
+    with atomic_dir(out_dir) as tmp:
+        for precision in [p for p in ("int8", "int4") if p in recipe.precisions]:
+            method = q.int4_method if precision == "int4" else "rtn"
+            if method == "awq" and not calib_texts:
+                say("[quantize] awq needs calibration_data: int4 rounded to nearest (rtn)")
+                method = "rtn"
+            source = src
+            if method == "awq":
+                from model_factory.build_engines.awq import write_scaled_model
+
+                batches = [prompt_ids(tok, t, CALIBRATION_TOKENS) for t in calib_texts]
+                source, scales = write_scaled_model(src, tmp / ".awq-model", gen.family, batches,
+                                                    q.int4_block_size, say)
+                search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
+            steps = MIXED_STEPS if q.mixed_precision else MIXED_STEPS[:1]
+            for mixed in steps:
+                work = tmp / f".{precision}"
+                shutil.rmtree(work, ignore_errors=True)
+                graph = run_builder(source, work, precision,
+                                    _builder_options(precision, method, q.int4_block_size, mixed), say)
+                agree, ppl, err, compared = scorer.score(graph)
+                ratio = ppl / scorer.ppl_fp32
+                ok = agree >= agreement_gate and ratio <= q.max_perplexity_ratio
+                search.append({"step": "gate", "precision": precision, "method": method, "int8": list(mixed),
+                               "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
+                say(f"[quantize] {precision} ({method}{', int8: ' + ','.join(mixed) if mixed else ''}): agreement "
+                    f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
+                if ok:
+                    break
+            name = onnx_file(precision)
+            shutil.move(str(graph), tmp / name)
+            shutil.move(str(work / data_name(graph)), tmp / data_name(tmp / name))
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(tmp / ".awq-model", ignore_errors=True)
+            _point_at_data(tmp / name)
+            results.append(GenerativeResult(precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout),
+                                            compared, ok, tuple(mixed), weights_bytes(tmp / name)))
+            models[precision] = out_dir / name
+        report = GenerativeAccuracy(
+            model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),
+            heldout_note=split.note, calibration_source=split.calibration.source.name if split.calibration else None,
+            calibration_samples=len(calib_texts), min_accuracy=agreement_gate,
+            max_perplexity_ratio=q.max_perplexity_ratio, results=tuple(results), search=tuple(search),
+            calibration_method="awq" if q.int4_method == "awq" and "int4" in recipe.precisions else None)
+        report.write(tmp / REPORT_NAME)
+        if not report.passed:
+            failed = ", ".join(r.precision for r in report.results if not r.passed)
+            raise AccuracyGateError(
+                f"{failed} missed the accuracy gate on the held-out text (agreement >= {agreement_gate:g}, "
+                f"perplexity ratio <= {q.max_perplexity_ratio:g}), even with its most sensitive MatMuls at INT8:\n"
+                f"{report.render()}\nFix: build fp32/int8 only, give calibration_data for awq, or relax "
+                "quantization.min_token_agreement / max_perplexity_ratio if this is acceptable",
+                report, out_dir / REPORT_NAME)  # type: ignore[arg-type]
+    return QuantizeResult(models=models, report=report, report_path=out_dir / REPORT_NAME,  # type: ignore[arg-type]
+                          float_nodes=tuple(s for r in results for s in r.int8_matmuls),
+                          calibration_digest=split.calibration.digest if split.calibration else None)
+
+
+def data_name(graph: Path) -> str:
+    return Path(graph).name + Files.DATA_SUFFIX
+
+
+def _point_at_data(graph: Path) -> None:
+    """Rename the graph's external-data reference to ``<graph>.data`` (the builder names it after model.onnx)."""
+    import onnx
+
+    m = onnx.load(str(graph), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = data_name(graph)
+    onnx.save(m, str(graph))
+
+
+def _tokenizer(export_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(export_dir / Files.TOKENIZER_DIR))

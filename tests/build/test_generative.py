@@ -1,0 +1,156 @@
+"""Text-generation builds end to end: export checked against transformers, the gate, packaging, signing.
+
+A zoo of tiny causal LMs (six families, random weights, a BPE tokenizer trained in the test) is built FP32 and
+signed once per session; a llama is built FP32 + INT8 + INT4 behind the gate. Real builds: marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from model_factory.backend.contract import (GENERATE_INPUTS, GENERATE_OUTPUTS, TEXT_GENERATION, Files,
+                                            GenerationSpec, parse_parameters)
+
+pytestmark = pytest.mark.slow
+
+ZOO_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+
+
+def _policy(tmp_path, keys):
+    from model_factory.signing import load_policy
+
+    path = tmp_path / "policy.toml"
+    path.write_text(f'version = 1\n[[keys]]\nname = "k"\npath = "{keys.public_key}"\n[provenance]\nrequired = true\n')
+    return load_policy(path)
+
+
+@pytest.mark.parametrize("family", ZOO_FAMILIES)
+def test_each_family_builds_signs_and_verifies(zoo_builds, generative_keys, tmp_path, family):
+    from model_factory.signing import verify_model_version
+
+    recipe, result = zoo_builds[family]
+    report = json.loads((result.version_dir / Files.EXPORT_REPORT).read_text())
+    assert report["family"] == family
+    assert report["check"]["greedy_identical"] and report["check"]["greedy_tokens"] == 64
+    assert report["max_abs_error"] < 1e-3
+    verdict = verify_model_version(result.model_dir, recipe.version, _policy(tmp_path, generative_keys))
+    assert verdict.ok, verdict
+
+
+@pytest.mark.parametrize("family", ZOO_FAMILIES)
+def test_fp32_greedy_equals_transformers_generate(zoo_builds, causal_lm_folders, family):
+    """The packaged graph's 64 greedy tokens are generate(do_sample=False)'s, up to the first near-tie."""
+    import torch
+    import transformers
+
+    from model_factory.build_engines.lm_graph import DecoderRunner
+
+    _recipe, result = zoo_builds[family]
+    spec = GenerationSpec.from_json((result.version_dir / Files.GENERATION).read_text())
+    golden = json.loads((result.version_dir / Files.ACCEPTANCE_DIR / Files.CONTINUATIONS).read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(causal_lm_folders[family])
+    runner = DecoderRunner(result.version_dir / Files.ONNX, 128, spec.head_dim)
+    for prompt in golden["prompts"]:
+        ids = torch.tensor([prompt["prompt_ids"]])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                                 min_new_tokens=64, pad_token_id=spec.eos_token_ids[0])[0, ids.shape[1]:].tolist()
+        got = runner.greedy(prompt["prompt_ids"], 64, suppress=spec.eos_token_ids)
+        upto = 64 if prompt["near_tie"] is None else prompt["near_tie"]
+        assert got[:upto] == ref[:upto]
+        assert prompt["tokens"] == ref
+
+
+def test_config_is_decoupled_with_the_contract_io(zoo_builds):
+    from model_factory.build.repository import config_parameters, read_config
+
+    _recipe, result = zoo_builds["qwen2"]
+    config = read_config(result.model_dir)
+    assert config.max_batch_size == 0 and config.model_transaction_policy.decoupled
+    assert [i.name for i in config.input] == [t.name for t in GENERATE_INPUTS]
+    assert [o.name for o in config.output] == [t.name for t in GENERATE_OUTPUTS]
+    assert all(i.optional for i in config.input)
+    assert len(config.instance_group) == 1 and config.instance_group[0].count == 1
+    params = parse_parameters(config_parameters(config))
+    assert params.task == TEXT_GENERATION and params.precision == "fp32" and params.onnx_file == Files.ONNX
+
+
+def test_generation_json_describes_the_graph_and_tokenizer(zoo_builds, causal_lm_folders):
+    _recipe, result = zoo_builds["qwen3"]
+    spec = GenerationSpec.from_json((result.version_dir / Files.GENERATION).read_text())
+    cfg = json.loads((causal_lm_folders["qwen3"] / "config.json").read_text())
+    assert (spec.family, spec.num_layers, spec.num_kv_heads, spec.vocab_size) == (
+        "qwen3", cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["vocab_size"])
+    assert spec.eos_token_ids == (cfg["eos_token_id"],) and spec.max_context == 256
+    assert spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert spec.chat_template and "<|im_start|>" in spec.chat_template
+    assert spec.weights_bytes["fp32"] > 0
+    tok = result.version_dir / Files.TOKENIZER_DIR
+    assert (tok / "tokenizer.json").is_file() and (tok / "tokenizer_config.json").is_file()
+    meta = json.loads((result.version_dir / Files.METADATA).read_text())
+    assert meta["task"] == TEXT_GENERATION
+    assert meta["acceptance"] == f"{Files.ACCEPTANCE_DIR}/{Files.CONTINUATIONS}"
+    assert meta["generation"]["kv_bytes_per_token"] == spec.kv_bytes_per_token
+
+
+def test_int8_and_int4_gate_figures_in_accuracy_json(llama_quantized):
+    _recipe, result, _path = llama_quantized
+    acc = json.loads((result.version_dir / "accuracy.json").read_text())
+    rows = {r["precision"]: r for r in acc["results"]}
+    assert set(rows) == {"int8", "int4"}
+    for r in rows.values():
+        assert 0 < r["score"] <= 1 and r["metric"] == "token_agreement"
+        assert np.isfinite(r["perplexity_ratio"]) and r["perplexity_ratio"] <= acc["max_perplexity_ratio"]
+        assert r["passed"] and r["score"] >= acc["min_accuracy"]
+    assert rows["int4"]["method"] == "awq"
+    assert rows["int4"]["weights_bytes"] < rows["int8"]["weights_bytes"]
+    spec = GenerationSpec.from_json((result.version_dir / Files.GENERATION).read_text())
+    assert set(spec.weights_bytes) == {"fp32", "int8", "int4"}
+    assert spec.weights_bytes["int4"] < spec.weights_bytes["int8"] < spec.weights_bytes["fp32"]
+
+
+def test_int4_graph_is_matmulnbits(llama_quantized):
+    import onnx
+
+    _recipe, result, _path = llama_quantized
+    m = onnx.load(str(result.version_dir / "model.int4.onnx"), load_external_data=False)
+    bits = {a.i for n in m.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert 4 in bits
+    ops = {n.op_type for n in m.graph.node}
+    assert "GroupQueryAttention" in ops and "MatMul" not in ops
+
+
+def test_a_precision_below_the_gate_fails_the_build(causal_lm_folders, generative_recipe, tmp_path):
+    from model_factory.build.pipeline import build
+    from model_factory.build_engines.accuracy import AccuracyGateError
+    from model_factory.recipe import load_recipe
+
+    path = generative_recipe(tmp_path, causal_lm_folders["llama"], "strict", ("fp32", "int4"), "int4",
+                                   extra="mixed_precision = false\nint4_method = \"rtn\"")
+    text = path.read_text().replace("min_token_agreement = 0.4", "min_token_agreement = 0.99")
+    path.write_text(text)
+    with pytest.raises(AccuracyGateError) as err:
+        build(load_recipe(path))
+    assert "int4 missed the accuracy gate" in str(err.value) and "Fix:" in str(err.value)
+    assert not (tmp_path / "repo" / "strict").exists()
+
+
+def test_rebuild_check_reproduces_a_generative_version(llama_quantized):
+    from model_factory.build.rebuild import rebuild_check
+
+    _recipe, result, _path = llama_quantized
+    report = rebuild_check(result.version_dir)
+    assert report.ok, report.differences
+
+
+def test_report_accuracy_section_reads_the_gate(llama_quantized):
+    from model_factory.measure.report.accuracy import collect
+    from model_factory.measure.report.release import read_release
+
+    recipe, result, _path = llama_quantized
+    acc = collect(read_release(recipe.repository.path, recipe.name, recipe.version))
+    assert acc.present and {r.precision for r in acc.rows} == {"int8", "int4"}
+    assert all(r.passed for r in acc.rows)

@@ -1,0 +1,128 @@
+"""``task = "text-generation"``: what a causal-LM folder must be, refused in one line naming the fix.
+
+Folders here are config and tokenizer files only (nothing loads weights before these checks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model_factory.errors import FactoryError
+from model_factory.recipe import parse_recipe
+from model_factory.recipe.causal_lm import FAMILIES
+
+TOKENIZER = {"added_tokens": [{"id": 0, "content": "<s>"}, {"id": 7, "content": "</s>"}], "model": {"vocab": {}}}
+
+
+def _folder(tmp_path: Path, **config) -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512,
+           "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "eos_token_id": 7}
+    cfg.update(config)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    (folder / "tokenizer.json").write_text(json.dumps(TOKENIZER))
+    return folder
+
+
+def _recipe(tmp_path: Path, **extra):
+    data = {"model": {"name": "m", "task": "text-generation"}, "source": {"kind": "huggingface", "path": "m"}}
+    for key, value in extra.items():
+        section, _, name = key.partition("__")
+        if name:
+            data.setdefault(section, {})[name] = value
+        else:
+            data[section] = value
+    return parse_recipe(data, tmp_path)
+
+
+def _refused(tmp_path, match, **extra):
+    with pytest.raises(FactoryError, match=match) as err:
+        _recipe(tmp_path, **extra)
+    assert "\n" not in str(err.value) and ". Fix: " in str(err.value)
+    return str(err.value)
+
+
+def test_a_llama_folder_is_a_text_generation_recipe(tmp_path):
+    _folder(tmp_path)
+    recipe = _recipe(tmp_path, precisions=["fp32", "int8", "int4"], quantization__heldout_data="h.txt",
+                     generation__temperature=0.7)
+    assert recipe.is_generative and recipe.generation.family == "llama"
+    assert recipe.generation.eos_token_ids == (7,) and recipe.shapes.max_context == 512
+    assert recipe.generation.defaults == {"temperature": 0.7}
+    assert [s.name for s in recipe.inputs][:2] == ["text_input", "prompt_ids"]
+    assert recipe.outputs[0].name == "text_output"
+    assert recipe.quantization.int4_method == "awq" and recipe.quantization.max_perplexity_ratio == 1.1
+
+
+@pytest.fixture(autouse=True)
+def _heldout(tmp_path):
+    (tmp_path / "h.txt").write_text("some held-out text\n")
+
+
+def test_the_models_own_code_is_refused(tmp_path):
+    _folder(tmp_path, auto_map={"AutoModelForCausalLM": "modeling_x.X"})
+    assert "never runs a model's code" in _refused(tmp_path, "auto_map")
+
+
+def test_an_unsupported_family_names_the_supported_ones(tmp_path):
+    _folder(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    message = _refused(tmp_path, "gpt2")
+    assert all(f in message for f in FAMILIES)
+
+
+def test_a_folder_without_a_language_model_head(tmp_path):
+    _folder(tmp_path, architectures=["LlamaModel"])
+    _refused(tmp_path, "language-model head")
+
+
+def test_a_folder_without_an_eos_token(tmp_path):
+    _folder(tmp_path, eos_token_id=None)
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {}}}))
+    _refused(tmp_path, "no end-of-sequence token")
+
+
+def test_the_eos_token_is_found_in_the_tokenizer(tmp_path):
+    _folder(tmp_path, eos_token_id=None)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert _recipe(tmp_path).generation.eos_token_ids == (7,)
+
+
+def test_a_context_longer_than_the_positions(tmp_path):
+    _folder(tmp_path)
+    _refused(tmp_path, "longer than the 512 positions", shapes__max_context=1024)
+
+
+def test_fp16_is_refused_for_generation(tmp_path):
+    _folder(tmp_path)
+    _refused(tmp_path, "fp16", precisions=["fp32", "fp16"], quantization__heldout_data="h.txt")
+
+
+def test_quantized_precisions_need_heldout_text(tmp_path):
+    _folder(tmp_path)
+    _refused(tmp_path, "held-out text", precisions=["fp32", "int4"])
+
+
+def test_int4_is_for_generation_only(tmp_path):
+    (tmp_path / "x.onnx").write_bytes(b"")
+    with pytest.raises(FactoryError, match="int4"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "onnx", "path": "x.onnx"}, "precisions": ["fp32", "int4"],
+                      "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                      "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}, tmp_path)
+
+
+def test_generation_keys_on_another_task_are_refused(tmp_path):
+    (tmp_path / "x.onnx").write_bytes(b"")
+    with pytest.raises(FactoryError, match="max_context"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "onnx", "path": "x.onnx"},
+                      "shapes": {"max_context": 64}, "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                      "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}, tmp_path)
+
+
+def test_declared_inputs_are_refused(tmp_path):
+    _folder(tmp_path)
+    _refused(tmp_path, "inputs", inputs=[{"name": "x", "dtype": "FP32", "dims": [-1]}],
+             outputs=[{"name": "y", "dtype": "FP32", "dims": [-1]}])
