@@ -74,6 +74,13 @@ class Settings:
     # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),
     # integer or simulated (Q/DQ in float); see cpu_features.
     int8_kernels: str = "auto"
+    # The recipe's task ("text-generation": the decoupled generator, generate_model.py) and its serving knobs.
+    task: str | None = None
+    memory_budget_mib: int = 0
+    max_active_sequences: int = 32
+    max_waiting_sequences: int = 64
+    preemption_wait_ms: int = 0
+    max_prefill_tokens: int = 2048
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -144,6 +151,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         respond_after_return=p.respond_after_return == "true"
         or (p.respond_after_return == "auto" and has_queue_policy(cfg)),
         int8_kernels=p.int8_kernels,
+        task=p.task,
+        memory_budget_mib=p.memory_budget_mib,
+        max_active_sequences=p.max_active_sequences,
+        max_waiting_sequences=p.max_waiting_sequences,
+        preemption_wait_ms=p.preemption_wait_ms,
+        max_prefill_tokens=p.max_prefill_tokens,
     )
 
 
