@@ -146,12 +146,15 @@ class _Interrupted(Exception):
 @click.option("--allow-empty", is_flag=True,
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")
+@click.option("--openai-port", type=click.IntRange(min=0), default=None,
+              help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for the "
+                   "text-generation models on this port (0 picks a free one); stopped with the server.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
-          allow_empty: bool) -> None:
+          allow_empty: bool, openai_port: int | None) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -166,6 +169,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --accept --policy policy.toml model_repository
       model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
       model-factory serve --trace-endpoint 127.0.0.1:4318/v1/traces --trace-rate 100 model_repository
+      model-factory serve --policy policy.toml --openai-port 9000 model_repository
     """
     import functools
 
@@ -209,6 +213,17 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         if debug_enabled() and name in report.load_details:
             click.echo(report.load_details[name], err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
+    frontend = None
+    if openai_port is not None:
+        from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+
+        try:
+            frontend = OpenAIFrontend(server.http_url, generative_models(Path(repository), report.served), host,
+                                      openai_port).start()
+        except BaseException:
+            server.stop()
+            raise
+        click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(frontend.models) or 'no text-generation model'})")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
     events = None
@@ -226,6 +241,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     finally:
         if watch is not None:
             watch.stop()
+        if frontend is not None:
+            frontend.stop()
     # New requests refused, those in flight answered, then tritonserver stopped.
     if not server.drain():
         click.echo("requests were still in flight when the exit timeout expired", err=True)

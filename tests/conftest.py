@@ -138,3 +138,19 @@ def accept_repo(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
                                                 for n, k in (("a", key_a), ("b", key_b)))
                       + "[provenance]\nrequired = true\n")
     return repo, policy
+
+
+# --------------------------------------------------------------------------- generative models (issue 32)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory):
+    """A random-weight Llama (hidden 64, 2 layers, 4 heads, 2 KV heads) and its FP32 ONNX from onnxruntime-genai's
+    builder: ``(hf_dir, onnx_dir)``; 2048 positions (a stream long enough to cancel midway)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tests.generative_models import make_causal_lm
+    from tests.generative_repository import build_onnx
+
+    root = tmp_path_factory.mktemp("tiny-llm")
+    hf = make_causal_lm("llama", root / "hf", max_positions=2048)
+    return hf, build_onnx(hf, root / "onnx-fp32", "fp32")

@@ -176,6 +176,18 @@ class ModelParameters:
     # Tokens two neighbouring chunks share, and how chunk vectors are pooled ("none": chunking not offered).
     chunk_overlap: int = _param("int", 32, minimum=0)
     chunk_pooling: str = _param("choice", "none", choices=CHUNK_POOLINGS)
+    # text-generation serving (generate_model.py). The memory the model may use, weights included: the KV cache
+    # gets what the weights leave (admission: budget - weights >= kv bytes of every running sequence's prompt +
+    # max_tokens); 0: half the memory available when the instance loads.
+    memory_budget_mib: int = _param("int", 0, minimum=0, why="0 (half the available memory) or positive")
+    # KV slots: the most sequences decoding together.
+    max_active_sequences: int = _param("int", 32, minimum=1)
+    # Requests that may wait for memory; past it a request is refused at once (503 + Retry-After).
+    max_waiting_sequences: int = _param("int", 64, minimum=0)
+    # A request that waited this long for memory preempts the youngest running sequence (0: never).
+    preemption_wait_ms: int = _param("int", 0, minimum=0)
+    # Padded tokens one prefill launch may hold (a longer prompt runs alone).
+    max_prefill_tokens: int = _param("int", 2048, minimum=1)
 
 
 # --------------------------------------------------------------------------- generative engines

@@ -147,19 +147,31 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
 
     if device_id is not None:
         info["provider"] = "CUDAExecutionProvider"
+    if has_data:
+        info["external_data"] = data_name
+    return load_verified_onnx(version_dir, onnx_name, digests, make), info
+
+
+def load_verified_onnx(version_dir: Path, onnx_file: str, digests: dict[str, str] | None, make):
+    """``make(source)`` on the ONNX file's verified bytes, or on a private verified copy of it and its data.
+
+    A model with external data (past protobuf's 2 GB limit) is loaded from a path. The graph and its
+    data are copied, hashed on the way, into a private folder and loaded from there: the bytes loaded
+    are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
+    Without verification (``digests`` None) ONNX Runtime reads the weights beside the graph itself.
+    """
+    model_dir, version = version_dir.parent, version_dir.name
+    data_name = onnx_file + DATA_SUFFIX
+    has_data = (version_dir / data_name).is_file() or (digests is not None and f"{version}/{data_name}" in digests)
     if not has_data:
-        return make(read_checked(model_dir, f"{version}/{onnx_name}", digests)), info
-    info["external_data"] = data_name
-    if digests is None:  # no verification: ONNX Runtime reads the weights beside the graph itself
-        return make(path), info
-    # A model with external data (past protobuf's 2 GB limit) is loaded from a path. The graph and its
-    # data are copied, hashed on the way, into a private folder and loaded from there: the bytes loaded
-    # are the bytes checked, and a large file is never held in memory twice. The copies go after loading.
+        return make(read_checked(model_dir, f"{version}/{onnx_file}", digests))
+    if digests is None:
+        return make(version_dir / onnx_file)
     private = Path(tempfile.mkdtemp(prefix="mf-verified-"))
     try:
-        (private / onnx_name).write_bytes(read_checked(model_dir, f"{version}/{onnx_name}", digests))
+        (private / onnx_file).write_bytes(read_checked(model_dir, f"{version}/{onnx_file}", digests))
         copy_checked(model_dir, f"{version}/{data_name}", digests, private / data_name)
-        return make(private / onnx_name), info
+        return make(private / onnx_file)
     finally:
         shutil.rmtree(private, ignore_errors=True)
 

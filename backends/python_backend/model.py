@@ -6,7 +6,8 @@ tokenizer for text models, and fixes the cost model (measured by a warm-up over
 the optimization profiles unless given). ``execute()`` validates each request
 alone, runs the window through the grouped executor and returns exactly one
 response per request, in order: outputs, or an INVALID_ARG error for that
-request alone.
+request alone. A ``task = "text-generation"`` model is a decoupled generator instead (``generate_model``):
+its instance hands every call over to it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from .contract import TEXT_GENERATION
 from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
@@ -35,8 +37,15 @@ from .settings import parse_settings
 class TritonPythonModel:
     """One model instance."""
 
+    generator = None  # a text-generation model's decoupled generator (generate_model), else None
+
     def initialize(self, args: dict) -> None:
         self.settings = s = parse_settings(args["model_config"])
+        if s.task == TEXT_GENERATION:
+            from .generate_model import GenerativeModel
+
+            self.generator = GenerativeModel(pb_utils, args, s)
+            return
         version_dir = Path(args["model_repository"]) / args["model_version"]
         # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
         # with values the model accepts. A model that cannot run its warm-up is refused here, with the fix.
@@ -155,6 +164,8 @@ class TritonPythonModel:
         return run
 
     def execute(self, requests: list) -> list | None:
+        if self.generator is not None:
+            return self.generator.execute(requests)
         # The whole window counts as computing; a window of one request (nothing else queued) may borrow the
         # other instances' idle cores (idle_cores).
         busy = getattr(self.engine, "busy", None)
@@ -291,6 +302,9 @@ class TritonPythonModel:
             self.metrics.set_pool_stats(pool.stats())
 
     def finalize(self) -> None:
+        if self.generator is not None:
+            self.generator.finalize()
+            return
         if self.dispatcher is not None:  # what was computed is still sent
             self.dispatcher.close()
         if self.cost_keeper is not None:

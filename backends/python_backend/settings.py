@@ -79,6 +79,13 @@ class Settings:
     long_inputs: str = "refuse"
     chunk_overlap: int = 32
     chunk_pooling: str = "none"
+    # The recipe's task ("text-generation": the decoupled generator, generate_model.py) and its serving knobs.
+    task: str | None = None
+    memory_budget_mib: int = 0
+    max_active_sequences: int = 32
+    max_waiting_sequences: int = 64
+    preemption_wait_ms: int = 0
+    max_prefill_tokens: int = 2048
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -152,6 +159,12 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         long_inputs=p.long_inputs,
         chunk_overlap=p.chunk_overlap,
         chunk_pooling=p.chunk_pooling,
+        task=p.task,
+        memory_budget_mib=p.memory_budget_mib,
+        max_active_sequences=p.max_active_sequences,
+        max_waiting_sequences=p.max_waiting_sequences,
+        preemption_wait_ms=p.preemption_wait_ms,
+        max_prefill_tokens=p.max_prefill_tokens,
     )
 
 

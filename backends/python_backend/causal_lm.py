@@ -1,0 +1,87 @@
+"""One step of a text-generation graph on ONNX Runtime: prefill of new prompts, or a batched decode.
+
+The graph (``contract``: "shared-slots") takes ``input_ids [n, s]``, ``attention_mask [n, total]`` (row r:
+ones for its cached and new tokens, then zeros) and the past keys and values, and writes the new tokens'
+keys and values in place into the same buffers (``present.*`` bound to the ``past_key_values.*`` pointers).
+A step runs on a contiguous slice of the KV slots (``kv_slots.KVSlots.views``), so every active sequence
+decodes in one launch, each at its own length, and a group of new prompts is prefilled in one launch,
+right-padded to its longest.
+
+Only the last position's logits of each row are returned (a prefill's other positions are never sampled).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS
+
+
+class CausalLM:
+    """An ONNX Runtime session of a text-generation graph, run with I/O binding on the KV slots."""
+
+    flavour = "onnxruntime"
+    device = "cpu"
+
+    def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
+                 pad_token_id: int = 0) -> None:
+        from .engines.onnxruntime import import_onnxruntime
+
+        ort = import_onnxruntime()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4  # errors arrive as exceptions
+        if threads:
+            opts.intra_op_num_threads = int(threads)
+        if not spinning:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source),
+                                            sess_options=opts, providers=["CPUExecutionProvider"])
+        self.input_names = tuple(i.name for i in self.session.get_inputs())
+        self.output_names = tuple(o.name for o in self.session.get_outputs())
+        self.pad = int(pad_token_id)
+        for needed in (INPUT_IDS, ATTENTION_MASK):
+            if needed not in self.input_names:
+                raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
+                                 "shared-slots layout (rebuild the model with this model-factory)")
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray]) -> np.ndarray:
+        io = self.session.io_binding()
+        io.bind_cpu_input(INPUT_IDS, ids)
+        io.bind_cpu_input(ATTENTION_MASK, mask)
+        io.bind_output(LOGITS, "cpu")  # bound first: copy_outputs_to_cpu() returns outputs in binding order
+        for name, view in views.items():
+            if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
+                raise ValueError(f"{name}: KV view is not contiguous")
+            shape, ptr, dtype = list(view.shape), view.ctypes.data, view.dtype.type
+            io.bind_input(name, "cpu", 0, dtype, shape, ptr)
+            io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
+        self.session.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()[0]
+
+    def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, np.ndarray]) -> np.ndarray:
+        """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
+        returns each row's last real position's logits ``[n, vocab]``."""
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        ids = np.full((n, longest), self.pad, dtype=np.int64)
+        mask = np.zeros((n, longest), dtype=np.int64)
+        for r, prompt in enumerate(prompts):
+            ids[r, :len(prompt)] = prompt
+            mask[r, :len(prompt)] = 1
+        logits = self._run(ids, mask, views)
+        last = np.asarray([len(p) - 1 for p in prompts])
+        return logits[np.arange(n), last]
+
+    def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
+        """One new token per row, each row holding ``lengths[r]`` cached tokens; returns ``[n, vocab]``."""
+        n = len(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(n, 1)
+        mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
+        return self._run(ids, mask, views)[:, -1]
+
+    def close(self) -> None:
+        self.session = None

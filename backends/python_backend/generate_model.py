@@ -1,0 +1,232 @@
+"""The decoupled Triton model of a text-generation version (``task = "text-generation"``).
+
+Three threads with one job each, as Triton's vLLM backend: ``execute()`` only reads and checks each request
+(``generate_requests``) and hands it to the scheduler, answering a bad one at once with INVALID_ARG and a
+refused one (waiting queue full) with UNAVAILABLE ("server busy ... retry after N s"); the engine loop runs
+``scheduler.Scheduler.step`` while there is work; a response thread sends what the steps produced through
+each request's response sender, so sending never stalls the engine. A streamed request gets a response per
+token (text delta, its id), the last one flagged final and carrying the finish reason; a request with
+``stream`` false gets exactly one response (Triton's ``generate`` endpoint accepts nothing else). A client that
+goes away (``is_cancelled()``) frees its slot at the next step.
+
+Load: ``generation.json`` (``contract.GenerationSpec``), the served precision's ONNX file and its tokenizer,
+each read through the integrity check; the KV slots sized from ``memory_budget_mib`` less the weights; the
+prefill cost model measured by a short warm-up (or the configured ``cost_model`` constants).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .causal_lm import CausalLM
+from .contract import Files, GenerationSpec
+from .deferred_responses import ResponseDispatcher
+from .generate_requests import GenerateRequest, read_generate_request
+from .grouping import CostModel, measure_cost_model
+from .integrity import read_checked, verified_digests
+from .kv_slots import KVSlots
+from .loading import available_cpus, load_verified_onnx
+from .sampling import SamplingError
+from .scheduler import Generation, QueueFull, Scheduler, TokenEvent
+from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
+
+_MIB = 1 << 20
+
+
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo"),
+                           cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process may still take: MemAvailable, capped by a cgroup v2 limit less its usage."""
+    free = 0
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text().strip())
+            free = min(free or 1 << 62, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def kv_budget_bytes(settings: Settings, spec: GenerationSpec, available: int) -> int:
+    """The KV cache's share: the configured memory budget (or half of ``available``) less the weights."""
+    budget = settings.memory_budget_mib * _MIB if settings.memory_budget_mib else available // 2
+    weights = int(spec.weights_bytes.get(settings.precision, 0))
+    kv = budget - weights
+    if kv <= 0:
+        raise SettingsError(f"parameter memory_budget_mib={budget // _MIB} leaves no room for the KV cache beside "
+                            f"{weights // _MIB} MiB of weights: raise it")
+    return kv
+
+
+class GenerativeModel:
+    """One instance of a text-generation model inside Triton (``pb_utils`` passed in)."""
+
+    def __init__(self, pb_utils: Any, args: dict, settings: Settings) -> None:
+        self.pb = pb_utils
+        self.settings = s = settings
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        digests = verified_digests(version_dir.parent.name, version_dir.name)
+        relpath = f"{version_dir.name}/{Files.GENERATION}"
+        if not (version_dir.parent / relpath).is_file():
+            raise SettingsError(f"{relpath} is missing: a text-generation model needs it (rebuild the model)")
+        self.spec = spec = GenerationSpec.from_json(read_checked(version_dir.parent, relpath, digests).decode())
+        cpus = available_cpus()
+        threads = cpu_threads_per_instance(s, cpus)
+        self.model = load_verified_onnx(
+            version_dir, s.onnx_file, digests,
+            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
+                                 pad_token_id=spec.pad_token_id or 0))
+        self.tokenizer = _load_tokenizer(version_dir, digests)
+        self.slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
+        cost = CostModel(*s.cost_model) if s.cost_model else self._measure_cost()
+        self.metrics = _make_metrics(pb_utils, s.model_name, {"instance": str(args.get("model_instance_name", ""))})
+        self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
+                                   max_waiting=s.max_waiting_sequences, cost=cost,
+                                   max_prefill_tokens=s.max_prefill_tokens,
+                                   preemption_wait_s=s.preemption_wait_ms / 1000.0, metrics=self.metrics,
+                                   log_error=pb_utils.Logger.log_error)
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._final = final
+        self.responses = ResponseDispatcher(lambda sender, item: sender.send(item[0], flags=item[1]),
+                                            pb_utils.Logger.log_error)
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._engine_loop, name="mf-engine-loop", daemon=True)
+        self._loop.start()
+        usage = self.slots.usage()
+        pb_utils.Logger.log_info(
+            f"model-factory backend: {s.model_name} generates with {s.precision} on onnxruntime "
+            f"({s.onnx_file}) on cpu, {threads} threads, {self.slots.slots} KV slots of {self.slots.max_context} "
+            f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
+            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}")
+
+    # ------------------------------------------------------------------ load
+
+    def _measure_cost(self) -> CostModel:
+        """The prefill cost model, timed on dummy prompts in the slots (cleared after)."""
+        bucket = max(1, min(128, self.slots.max_context - 1))
+        batch = min(8, self.slots.slots)
+
+        def run(n: int, length: int) -> None:
+            self.model.prefill([[1] * length] * n, self.slots.views(0, n))
+
+        try:
+            cost = measure_cost_model(run, (bucket,), batch, repeats=1,
+                                      max_tokens=max(bucket, self.settings.max_prefill_tokens))
+        finally:
+            self.slots.clear()
+        return cost if hasattr(cost, "a") else cost.models[0]
+
+    # ------------------------------------------------------------------ Triton
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = read_generate_request(lambda n: _input(self.pb, request, n), self.tokenizer, self.spec,
+                                            self.slots.max_context)
+                gen = Generation(list(req.prompt_ids), req.params, self._emitter(sender, req),
+                                 is_cancelled=request.is_cancelled)
+                self.scheduler.submit(gen)
+            except SamplingError as exc:
+                self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
+            except QueueFull as exc:
+                code = getattr(self.pb.TritonError, "UNAVAILABLE", self.pb.TritonError.INTERNAL)
+                self._send_error(sender, str(exc), code)
+        return None
+
+    def _send_error(self, sender: Any, message: str, code: Any) -> None:
+        response = self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
+        self.responses.dispatch([sender], [(response, self._final)])
+
+    def _emitter(self, sender: Any, req: GenerateRequest):
+        """What a step's event for this request sends: a delta per token when streaming, else one response."""
+        pieces: list[str] = [req.prompt_text] if (not req.stream and not req.exclude_input and req.prompt_text) else []
+        ids: list[int] = []
+        n_in = len(req.prompt_ids)
+
+        def emit(gen: Generation, event: TokenEvent) -> None:
+            if event.error is not None:
+                response = self.pb.InferenceResponse(error=self.pb.TritonError(event.error))
+                self.responses.dispatch([sender], [(response, self._final)])
+                return
+            final = event.finish_reason is not None
+            if req.stream:
+                out_text, out_ids = event.text, ([] if event.token is None else [event.token])
+            else:
+                if event.token is not None:
+                    ids.append(event.token)
+                pieces.append(event.text)
+                if not final:
+                    return
+                out_text, out_ids = "".join(pieces), ids
+            if event.finish_reason == "cancelled":  # nobody listens: close the stream without a payload
+                self.responses.dispatch([sender], [(None, self._final)])
+                return
+            tensors = [
+                self.pb.Tensor("text_output", np.array([out_text.encode("utf-8")], dtype=np.object_)),
+                self.pb.Tensor("output_ids", np.asarray(out_ids, dtype=np.int32)),
+                self.pb.Tensor("finish_reason", np.array([(event.finish_reason or "").encode()], dtype=np.object_)),
+                self.pb.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
+                self.pb.Tensor("num_output_tokens", np.array([len(gen.generated)], dtype=np.int32)),
+            ]
+            self.responses.dispatch([sender], [(self.pb.InferenceResponse(output_tensors=tensors),
+                                                self._final if final else 0)])
+
+        return emit
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.scheduler.has_work():
+                self.scheduler.wake.wait(0.05)
+                self.scheduler.wake.clear()
+                continue
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - logged; the loop keeps serving
+                self.pb.Logger.log_error(f"model-factory backend: {self.settings.model_name}: step failed: {exc}")
+                time.sleep(0.01)
+
+    def finalize(self) -> None:
+        self._stop.set()
+        self.scheduler.wake.set()
+        self._loop.join(timeout=30)
+        self.responses.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.model.close()
+
+
+def _input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _load_tokenizer(version_dir: Path, digests: Any) -> Any:
+    """The version's tokenizer, never truncating (a prompt past the context is refused with both lengths)."""
+    from .tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(version_dir, 1 << 30, digests)
+    except FileNotFoundError:
+        return None  # prompt_ids only
+    tok.no_truncation()
+    return tok
+
+
+def _make_metrics(pb_utils: Any, model_name: str, labels: dict):
+    if not hasattr(pb_utils, "MetricFamily"):
+        return None
+    from .generation_metrics import GenerationMetrics
+
+    return GenerationMetrics(pb_utils, model_name, extra_labels=labels)

@@ -1,0 +1,110 @@
+"""A generate request's inputs (``contract.GENERATE_INPUTS``) read into a prompt and checked parameters.
+
+The names are those of Triton's vLLM and TensorRT-LLM backends: ``text_input`` (or our ``prompt_ids``),
+``stream``, ``max_tokens``, the sampling parameters, ``exclude_input_in_output``, and vLLM's
+``sampling_parameters`` JSON object (an explicit input wins over the same name in it). Every bad value is a
+:class:`~.sampling.SamplingError` naming it; no exception of another kind leaves :func:`read_generate_request`
+for what a client sent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .sampling import JSON_NAMES, SamplingError, SamplingParams, parse_sampling
+
+_SCALARS = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate for one request."""
+
+    prompt_ids: tuple[int, ...]
+    prompt_text: str | None
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+
+
+def _text(name: str, value: np.ndarray) -> str:
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1:
+        raise SamplingError(f"{name} must be one string, got {flat.size}")
+    item = flat[0]
+    if isinstance(item, bytes):
+        try:
+            return item.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SamplingError(f"{name} is not UTF-8 text") from None
+    return str(item)
+
+
+def _json_parameters(raw: np.ndarray | None) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    text = _text("sampling_parameters", raw)
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise SamplingError(f"sampling_parameters is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SamplingError("sampling_parameters must be a JSON object")
+    unknown = sorted(set(data) - set(JSON_NAMES) - {"stream"})
+    if unknown:
+        raise SamplingError(f"sampling_parameters has unknown names {unknown}: use {', '.join(JSON_NAMES)}")
+    return data
+
+
+def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: Any, spec: Any,
+                          max_context: int) -> GenerateRequest:
+    """Read one request; ``get(name)`` returns an input as numpy or None when absent."""
+    given = _json_parameters(get("sampling_parameters"))
+    for name in _SCALARS:
+        value = get(name)
+        if value is not None:
+            given[name] = value
+    stop = get("stop")
+    if stop is not None:
+        given["stop"] = stop
+    text_raw, ids_raw = get("text_input"), get("prompt_ids")
+    if text_raw is not None and ids_raw is not None:
+        raise SamplingError("give text_input or prompt_ids, not both")
+    text = None
+    if ids_raw is not None:
+        ids = np.asarray(ids_raw).reshape(-1)
+        if ids.dtype.kind not in "iu":
+            raise SamplingError("prompt_ids must be integers")
+        bad = ids[(ids < 0) | (ids >= spec.vocab_size)]
+        if bad.size:
+            raise SamplingError(f"prompt_ids holds {int(bad[0])}, outside the vocabulary [0, {spec.vocab_size})")
+        prompt = tuple(int(t) for t in ids)
+    elif text_raw is not None:
+        if tokenizer is None:
+            raise SamplingError("this model has no tokenizer: give prompt_ids")
+        text = _text("text_input", text_raw)
+        prompt = tuple(tokenizer.encode(text).ids)
+    else:
+        raise SamplingError("the request has neither text_input nor prompt_ids")
+    params = parse_sampling(given, spec.defaults, prompt_tokens=len(prompt), max_context=max_context)
+    stream = _flag_input(get("stream"), given.get("stream"), "stream")
+    exclude = _flag_input(get("exclude_input_in_output"), given.get("exclude_input_in_output"),
+                          "exclude_input_in_output")
+    return GenerateRequest(prompt, text, params, stream, exclude)
+
+
+def _flag_input(value: np.ndarray | None, fallback: Any, name: str) -> bool:
+    if value is None:
+        value = fallback
+    if value is None:
+        return False
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1 or flat.dtype.kind not in "b":
+        raise SamplingError(f"{name} must be one boolean")
+    return bool(flat[0])

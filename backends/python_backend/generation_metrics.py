@@ -1,0 +1,174 @@
+"""Metrics of a text-generation instance: first-token and inter-token latency, jitter, tokens, KV, queues.
+
+What the scheduler reports (``scheduler.NullMetrics`` names the calls) is summed in-process and sent about
+once a second by a background thread, as in ``metrics.py``: every metric call is a round trip to the Triton
+process (~0.3 ms), and a step makes one observation per running sequence. Latencies are Prometheus
+histograms written as their series: ``<name>_bucket{le="..."}`` (cumulative), ``<name>_sum`` and
+``<name>_count``, so ``histogram_quantile(0.99, rate(<name>_bucket[1m]))`` works as on a native histogram
+(each series is typed a counter: they are sent in batches). See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any, Mapping
+
+from .metrics import PREFIX
+
+# Seconds: first tokens wait for a prefill (and, under load, for memory); token intervals are a decode step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "time_to_first_token_seconds": ("Time from a request's arrival to its first token.", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Time between consecutive tokens of one sequence.", ITL_BUCKETS),
+    "token_jitter_seconds": ("Standard deviation of 10 consecutive inter-token intervals of one sequence.",
+                             ITL_BUCKETS),
+}
+COUNTERS: dict[str, str] = {
+    "prompt_tokens_total": "Prompt tokens prefilled (a preempted sequence's recomputation not counted).",
+    "generation_tokens_total": "Tokens generated.",
+    "generate_requests_total": "Generate requests finished, by finish_reason (stop, length, cancelled, error).",
+    "generate_refused_total": "Generate requests refused because the waiting queue was full (503).",
+    "preemptions_total": "Running sequences preempted for a request that waited past preemption_wait_ms.",
+}
+GAUGES: dict[str, str] = {
+    "running_sequences": "Sequences holding a KV slot and decoding.",
+    "waiting_sequences": "Sequences waiting for KV cache memory.",
+    "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
+    "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (prompt + max_tokens each).",
+    "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",
+}
+
+
+class GenerationMetrics:
+    """The generation metrics of one instance (``pb_utils`` passed in; tests use a fake)."""
+
+    def __init__(self, pb_utils: Any, model_name: str, *, extra_labels: Mapping[str, str] | None = None,
+                 interval_s: float | None = 1.0) -> None:
+        family = pb_utils.MetricFamily
+        self.labels = {"model": str(model_name), **{str(k): str(v) for k, v in (extra_labels or {}).items()}}
+        self._families: dict[str, Any] = {}
+        self._metrics: dict[tuple[str, tuple], Any] = {}
+        for name, (description, _) in HISTOGRAMS.items():
+            for suffix, text in (("_bucket", " Cumulative count per upper bound le."), ("_sum", " Sum."),
+                                 ("_count", " Count.")):
+                self._families[name + suffix] = family(name=PREFIX + name + suffix, description=description + text,
+                                                       kind=family.COUNTER)
+        for name, description in COUNTERS.items():
+            self._families[name] = family(name=PREFIX + name, description=description, kind=family.COUNTER)
+        for name, description in GAUGES.items():
+            self._families[name] = family(name=PREFIX + name, description=description, kind=family.GAUGE)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, tuple], float] = {}
+        self._gauges: dict[str, float] = {}
+        self._sent_gauges: dict[str, float] = {}
+        for name, (_, buckets) in HISTOGRAMS.items():  # every series exists at 0 from load
+            for le in (*buckets, float("inf")):
+                self._metric(name + "_bucket", le=_le(le))
+            self._metric(name + "_sum")
+            self._metric(name + "_count")
+        for name in COUNTERS:
+            if name != "generate_requests_total":
+                self._metric(name)
+        for name in GAUGES:
+            self._metric(name).set(0.0)
+        self._stop = threading.Event()
+        self._thread = None
+        if interval_s is not None:
+            self._interval = float(interval_s)
+            self._thread = threading.Thread(target=self._flusher, name="mf-generation-metrics", daemon=True)
+            self._thread.start()
+
+    def _metric(self, name: str, **more: str) -> Any:
+        labels = dict(self.labels, **more)
+        key = (name, tuple(sorted(more.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = self._families[name].Metric(labels=labels)
+        return metric
+
+    def _add(self, name: str, value: float, **more: str) -> None:
+        key = (name, tuple(sorted(more.items())))
+        self._pending[key] = self._pending.get(key, 0.0) + value
+
+    def _observe(self, name: str, seconds: float) -> None:
+        buckets = HISTOGRAMS[name][1]
+        with self._lock:
+            first = bisect.bisect_left(buckets, seconds)  # cumulative: every bound >= the value counts it
+            for le in buckets[first:]:
+                self._add(name + "_bucket", 1.0, le=_le(le))
+            self._add(name + "_bucket", 1.0, le="+Inf")
+            self._add(name + "_sum", max(0.0, float(seconds)))
+            self._add(name + "_count", 1.0)
+
+    # ------------------------------------------------------------------ the scheduler's reports
+
+    def first_token(self, seconds: float) -> None:
+        self._observe("time_to_first_token_seconds", seconds)
+
+    def token_interval(self, seconds: float) -> None:
+        self._observe("inter_token_latency_seconds", seconds)
+
+    def jitter(self, seconds: float) -> None:
+        self._observe("token_jitter_seconds", seconds)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        with self._lock:
+            if prompt:
+                self._add("prompt_tokens_total", float(prompt))
+            if generated:
+                self._add("generation_tokens_total", float(generated))
+
+    def preempted(self) -> None:
+        with self._lock:
+            self._add("preemptions_total", 1.0)
+
+    def finished(self, reason: str) -> None:
+        with self._lock:
+            self._add("generate_requests_total", 1.0, finish_reason=str(reason))
+
+    def refused(self) -> None:
+        with self._lock:
+            self._add("generate_refused_total", 1.0)
+
+    def state(self, running: int, waiting: int, usage: Any) -> None:
+        with self._lock:
+            self._gauges.update(running_sequences=float(running), waiting_sequences=float(waiting),
+                                kv_cache_usage_ratio=float(usage.ratio),
+                                kv_cache_reserved_bytes=float(usage.reserved_bytes),
+                                kv_cache_budget_bytes=float(usage.budget_bytes))
+
+    # ------------------------------------------------------------------ sending
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - metrics never take the model down; retried next tick
+                pass
+
+    def flush(self) -> None:
+        """Send what was added since the last flush, and the gauges that changed."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            gauges = {k: v for k, v in self._gauges.items() if self._sent_gauges.get(k) != v}
+            self._sent_gauges.update(gauges)
+        for (name, more), value in pending.items():
+            self._metric(name, **dict(more)).increment(value)
+        for name, value in gauges.items():
+            self._metric(name).set(value)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.flush()
+        finally:
+            self._metrics.clear()
+            self._families.clear()
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))

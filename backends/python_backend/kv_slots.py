@@ -1,0 +1,159 @@
+"""The KV cache of a generative model: one preallocated buffer per layer and kind, a slot per sequence.
+
+Each layer's keys and values live in a buffer ``[slots, kv_heads, max_context, head_dim]`` allocated once
+at load (the graph's "shared-slots" layout, ``contract``): the graph writes each new token's keys and values
+in place, at its row's own length, so nothing is reallocated per token. The active sequences always hold a
+contiguous prefix of the slots, ``[0, active)``: a batched step binds one contiguous slice of every buffer
+(a pointer, no copy). When a sequence ends, the last active slot's rows are moved into its place
+(:meth:`KVSlots.release` says which sequence moved), so the prefix stays contiguous.
+
+Admission is by memory, the seed's formula: a sequence needing ``prompt + max_tokens`` tokens is admitted
+while ``budget - weights >= kv bytes of the tokens reserved by the running sequences and it``. The buffers
+are zero pages until written (``numpy.zeros`` maps them lazily): memory is committed as tokens are written,
+and a freed slot's pages are given back to the system (``madvise(MADV_DONTNEED)``) so what is resident stays
+within the reservations. A token's bytes are counted in whole pages per head row, as they are committed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .contract import KV_DTYPES, past_name
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class AdmissionError(RuntimeError):
+    """A sequence that can never fit the cache (its tokens alone exceed the budget)."""
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Where the cache stands: slots in use, tokens and bytes reserved, and the budget."""
+
+    active: int
+    slots: int
+    reserved_tokens: int
+    reserved_bytes: int
+    budget_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.reserved_bytes / self.budget_bytes if self.budget_bytes else 0.0
+
+
+def _libc_madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):  # not Linux: freed slots keep their pages until reused
+        return None
+
+
+class KVSlots:
+    """Per-layer KV buffers, slot allocation with compaction, and admission by memory."""
+
+    def __init__(self, spec: Any, slots: int, budget_bytes: int, max_context: int | None = None) -> None:
+        """``spec``: the model's ``contract.GenerationSpec``; ``budget_bytes``: what the cache may hold
+        (the configured budget less the weights)."""
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be at least 1")
+        self.spec = spec
+        self.slots = int(slots)
+        self.max_context = int(max_context or spec.max_context)
+        self.budget_bytes = int(budget_bytes)
+        self.dtype = _NUMPY_DTYPES[spec.kv_dtype]
+        self.names = tuple(past_name(layer, kind) for layer in range(spec.num_layers) for kind in ("key", "value"))
+        shape = spec.kv_shape(self.slots, self.max_context)
+        self.buffers = {name: np.zeros(shape, dtype=self.dtype) for name in self.names}
+        self._row_bytes = self.max_context * spec.head_dim * KV_DTYPES[spec.kv_dtype]  # one head of one slot
+        self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
+        self._madvise = _libc_madvise()
+        if self.bytes_for(1) > self.budget_bytes:
+            raise AdmissionError(f"the KV budget of {self.budget_bytes} bytes cannot hold one token "
+                                 f"({self.bytes_for(1)} bytes): raise kv_budget_mib")
+
+    # ------------------------------------------------------------------ sizes
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes ``tokens`` tokens of one sequence commit: whole pages per head row, every layer, K and V."""
+        per_token = self.spec.head_dim * KV_DTYPES[self.spec.kv_dtype]
+        pages = -(-int(tokens) * per_token // _PAGE)
+        return len(self.names) * self.spec.num_kv_heads * pages * _PAGE
+
+    @property
+    def active(self) -> int:
+        return len(self._reserved)
+
+    def usage(self) -> KVUsage:
+        return KVUsage(self.active, self.slots, sum(self._reserved),
+                       sum(self.bytes_for(t) for t in self._reserved), self.budget_bytes)
+
+    def fits_ever(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` could be admitted into an empty cache."""
+        return tokens <= self.max_context and self.bytes_for(tokens) <= self.budget_bytes
+
+    def can_admit(self, tokens: int) -> bool:
+        """Whether a sequence reserving ``tokens`` fits now: a free slot and the budget."""
+        if self.active >= self.slots or tokens > self.max_context:
+            return False
+        return self.usage().reserved_bytes + self.bytes_for(tokens) <= self.budget_bytes
+
+    # ------------------------------------------------------------------ slots
+
+    def admit(self, tokens: int) -> int:
+        """Reserve the next slot (the end of the active prefix) for ``tokens``; returns its index."""
+        if not self.can_admit(tokens):
+            raise AdmissionError(f"no room for {tokens} tokens ({self.usage()})")
+        self._reserved.append(int(tokens))
+        return len(self._reserved) - 1
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``. The last active slot's rows move into it to keep the prefix contiguous: returns the
+        index it moved from (its sequence now lives at ``slot``), or None when nothing moved."""
+        last = self.active - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not active (active: {self.active})")
+        moved = None
+        if slot != last:
+            length = self._reserved[last]
+            for buf in self.buffers.values():
+                buf[slot, :, :length] = buf[last, :, :length]
+            self._reserved[slot] = self._reserved[last]
+            moved = last
+        self._reserved.pop()
+        self._give_back(last)
+        return moved
+
+    def _give_back(self, slot: int) -> None:
+        """Return a freed slot's pages to the system (they read as zeros when touched again)."""
+        if self._madvise is None:
+            return
+        for buf in self.buffers.values():
+            start = buf[slot].ctypes.data
+            end = start + buf[slot].nbytes
+            first = -(-start // _PAGE) * _PAGE
+            last = end // _PAGE * _PAGE
+            if last > first:
+                self._madvise(ctypes.c_void_p(first), last - first, _MADV_DONTNEED)
+
+    def views(self, start: int, count: int) -> dict[str, np.ndarray]:
+        """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer."""
+        return {name: buf[start:start + count] for name, buf in self.buffers.items()}
+
+    def clear(self) -> None:
+        """Free every slot (warm-up runs write into the buffers before any sequence is admitted)."""
+        while self._reserved:
+            self.release(self.active - 1)
+        for slot in range(self.slots):
+            self._give_back(slot)

@@ -1,0 +1,317 @@
+"""Continuous batching of generate requests: admission by KV memory, grouped prefill, one batched decode.
+
+One :meth:`Scheduler.step` is one iteration of the engine loop:
+
+1. sequences whose client went away (``is_cancelled()``) are dropped and their slots freed;
+2. waiting sequences are admitted in arrival order while their KV reservation fits
+   (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes of (prompt + max_tokens)`` of every
+   running sequence and the new one); the first that does not fit waits, and nothing overtakes it;
+3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
+   (``grouping.plan_groups``: a launch costs ``a + b n L + c n L^2``), each group in one launch on contiguous
+   slots; each new sequence gets its first token;
+4. every sequence that was already running decodes one token, all in one launch, each at its own length.
+
+New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
+:meth:`Scheduler.submit` raises :class:`QueueFull` (the frontends answer 503 with Retry-After), so the
+cache never holds more than it can, and nothing runs out of memory. With ``preemption_wait_s`` set, a
+request that waited longer than that for memory preempts the running sequence with the most tokens left
+(each at most once; its slot freed, its tokens kept: it resumes behind the request it made room for by
+prefilling its prompt and what it had generated, with its own sampler, so its output does not change).
+
+Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .detokenize import IncrementalDetokenizer, StopMatcher
+from .grouping import CostModel, plan_groups
+from .kv_slots import KVSlots
+from .sampling import Sampler, SamplingError, SamplingParams
+
+JITTER_WINDOW = 10  # token intervals per jitter sample (000 §4.1)
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: the request is refused now, to be retried after ``retry_after_s``."""
+
+    def __init__(self, waiting: int, retry_after_s: float) -> None:
+        super().__init__(f"server busy: {waiting} requests already wait for KV cache memory; retry after "
+                         f"{retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one sequence: its new token, the text it completed, and whether it ended."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Generation:
+    """One sequence being generated: its prompt, parameters, state, and where its events go."""
+
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[["Generation", TokenEvent], None]
+    is_cancelled: Callable[[], bool] = lambda: False
+    arrival: float = field(default_factory=time.perf_counter)
+    id: int = 0
+    generated: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0  # tokens whose keys and values are in its slot
+    finish_reason: str | None = None
+    last_token_time: float | None = None
+    intervals: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    sampler: Any = None
+    detok: Any = None
+    stopper: Any = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_tokens
+
+    def context(self) -> list[int]:
+        """The tokens a prefill runs: the prompt, and what was generated before a preemption."""
+        return self.prompt + self.generated
+
+
+class NullMetrics:
+    """What the scheduler reports, dropped (the metrics module's GenerationMetrics keeps it)."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def token_interval(self, seconds: float) -> None: ...
+    def jitter(self, seconds: float) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+    def preempted(self) -> None: ...
+    def finished(self, reason: str) -> None: ...
+    def refused(self) -> None: ...
+    def state(self, running: int, waiting: int, usage: Any) -> None: ...
+
+
+class Scheduler:
+    """Admits, prefills and decodes generate requests, one step at a time (see the module docstring)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, model: Any, slots: KVSlots, tokenizer: Any, eos_token_ids: Sequence[int], *,
+                 max_waiting: int = 64, cost: CostModel | None = None, max_prefill_tokens: int = 2048,
+                 max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, retry_after_s: float = 1.0,
+                 metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
+                 log_error: Callable[[str], None] = lambda _m: None) -> None:
+        self.model, self.slots, self.tokenizer = model, slots, tokenizer
+        self.eos = tuple(int(e) for e in eos_token_ids)
+        self.max_waiting = int(max_waiting)
+        self.cost = cost or CostModel(1e-3, 1e-5, 0.0)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.max_prefill_batch = max(1, int(max_prefill_batch))
+        self.preemption_wait_s = float(preemption_wait_s)
+        self.retry_after_s = float(retry_after_s)
+        self.metrics = metrics or NullMetrics()
+        self.clock = clock
+        self.log_error = log_error
+        self.running: list[Generation] = []  # running[i].slot == i
+        self.waiting: collections.deque[Generation] = collections.deque()
+        self._arrivals: list[Generation] = []
+        self._lock = threading.Lock()
+        self.wake = threading.Event()  # set when work arrives (the engine loop sleeps on it when idle)
+
+    # ------------------------------------------------------------------ from execute()
+
+    def submit(self, gen: Generation) -> Generation:
+        """Queue a sequence for the next step; :class:`QueueFull` past the waiting bound, a
+        :class:`SamplingError` for one that could never fit the cache."""
+        if not self.slots.fits_ever(gen.reserved_tokens):
+            raise SamplingError(f"the prompt ({len(gen.prompt)} tokens) and max_tokens ({gen.params.max_tokens}) "
+                                f"need {self.slots.bytes_for(gen.reserved_tokens)} bytes of KV cache, more than "
+                                f"its budget of {self.slots.budget_bytes}: lower max_tokens or shorten the prompt")
+        with self._lock:
+            if len(self.waiting) + len(self._arrivals) >= self.max_waiting:
+                self.metrics.refused()
+                raise QueueFull(len(self.waiting) + len(self._arrivals), self.retry_after_s)
+            gen.id = next(self._ids)
+            gen.arrival = self.clock()
+            gen.sampler = Sampler(gen.params, self.eos, gen.prompt)
+            gen.detok = IncrementalDetokenizer(self.tokenizer, gen.prompt) if self.tokenizer is not None else None
+            gen.stopper = StopMatcher(gen.params.stop)
+            self._arrivals.append(gen)
+        self.wake.set()
+        return gen
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.running or self.waiting or self._arrivals)
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def step(self) -> None:
+        """One iteration: drop cancelled sequences, admit, prefill the admitted, decode the others."""
+        with self._lock:
+            self.waiting.extend(self._arrivals)
+            self._arrivals.clear()
+        self._drop_cancelled()
+        admitted = self._admit()  # may preempt: count the sequences already running after it
+        old = len(self.running) - sum(len(group) for group in admitted)
+        try:
+            if old:
+                self._decode(old)
+            if admitted:
+                self._prefill(admitted)
+        except Exception as exc:  # noqa: BLE001 - an engine failure ends the sequences it ran, not the server
+            self.log_error(f"model-factory backend: a generation step failed: {type(exc).__name__}: {exc}")
+            for gen in list(self.running):
+                self._finish(gen, FINISH_ERROR, error=f"the engine failed: {exc}")
+        self._release_finished()
+        self.metrics.state(len(self.running), len(self.waiting), self.slots.usage())
+
+    def _drop_cancelled(self) -> None:
+        for gen in list(self.running):
+            if gen.is_cancelled():
+                self._finish(gen, FINISH_CANCELLED)
+        kept = collections.deque()
+        for gen in self.waiting:
+            if gen.is_cancelled():
+                self._finish(gen, FINISH_CANCELLED)
+            else:
+                kept.append(gen)
+        self.waiting = kept
+        self._release_finished()
+
+    def _admit(self) -> list[Generation]:
+        """Waiting sequences that fit now, in arrival order, slots assigned by prefill group."""
+        chosen: list[Generation] = []
+        free = self.slots.slots - self.slots.active
+        reserved = self.slots.usage().reserved_bytes
+        while self.waiting and len(chosen) < min(free, self.max_prefill_batch):
+            head = self.waiting[0]
+            need = self.slots.bytes_for(head.reserved_tokens)
+            if reserved + need > self.slots.budget_bytes:
+                if self._preempt_for(head):
+                    free = self.slots.slots - self.slots.active
+                    reserved = self.slots.usage().reserved_bytes
+                    continue
+                break
+            chosen.append(self.waiting.popleft())
+            reserved += need
+        if not chosen:
+            return []
+        lengths = [len(g.context()) for g in chosen]
+        groups = plan_groups(lengths, self.cost, max_batch=len(chosen),
+                             max_tokens=max(self.max_prefill_tokens, max(lengths)))
+        ordered = []
+        for group in groups:
+            members = [chosen[i] for i in group]
+            for gen in members:
+                gen.slot = self.slots.admit(gen.reserved_tokens)
+                self.running.append(gen)
+            ordered.append(members)
+        return ordered
+
+    def _preempt_for(self, head: Generation) -> bool:
+        """Free the most recently admitted running sequence for ``head`` when it waited past the bound."""
+        if self.preemption_wait_s <= 0 or not self.running or self.clock() - head.arrival < self.preemption_wait_s:
+            return False
+        # The sequence that would hold its memory longest (most tokens left), each preempted at most once.
+        candidates = [g for g in self.running if not g.preemptions and g.finish_reason is None]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
+        self._release(victim)
+        victim.cached, victim.slot = 0, None
+        victim.preemptions += 1
+        self.metrics.preempted()
+        self.waiting.insert(1, victim)  # right behind the request it made room for
+        return True
+
+    def _prefill(self, groups: list[list[Generation]]) -> None:
+        for members in groups:
+            start = members[0].slot
+            contexts = [g.context() for g in members]
+            logits = self.model.prefill(contexts, self.slots.views(start, len(members)))
+            for gen, ctx, row in zip(members, contexts, logits):
+                gen.cached = len(ctx)
+                if not gen.preemptions:
+                    self.metrics.tokens(len(gen.prompt), 0)
+                self._accept(gen, row)
+
+    def _decode(self, count: int) -> None:
+        active = self.running[:count]
+        logits = self.model.decode([g.generated[-1] for g in active], [g.cached for g in active],
+                                   self.slots.views(0, count))
+        for gen, row in zip(active, logits):
+            gen.cached += 1
+            self._accept(gen, row)
+
+    # ------------------------------------------------------------------ tokens out
+
+    def _accept(self, gen: Generation, logits: np.ndarray) -> None:
+        if gen.finish_reason is not None:
+            return
+        token = gen.sampler.choose(logits, len(gen.generated))
+        gen.generated.append(token)
+        now = self.clock()
+        if gen.last_token_time is None:
+            self.metrics.first_token(now - gen.arrival)
+        else:
+            interval = now - gen.last_token_time
+            self.metrics.token_interval(interval)
+            gen.intervals.append(interval)
+            if len(gen.intervals) == JITTER_WINDOW:
+                self.metrics.jitter(float(np.std(gen.intervals)))
+                gen.intervals.clear()
+        gen.last_token_time = now
+        self.metrics.tokens(0, 1)
+        text = gen.detok.add(token) if gen.detok is not None else ""
+        text = gen.stopper.feed(text)
+        p = gen.params
+        reason = None
+        if token in self.eos and not p.ignore_eos:
+            reason = FINISH_STOP
+        elif gen.stopper.stopped:
+            reason = FINISH_STOP
+        elif len(gen.generated) >= p.max_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            if not gen.stopper.stopped:
+                tail = gen.detok.flush() if gen.detok is not None else ""
+                text += gen.stopper.feed(tail) + gen.stopper.flush()
+            gen.finish_reason = reason
+            self.metrics.finished(reason)
+        gen.emit(gen, TokenEvent(token, text, reason))
+
+    def _finish(self, gen: Generation, reason: str, error: str | None = None) -> None:
+        if gen.finish_reason is not None:
+            return
+        gen.finish_reason = reason
+        self.metrics.finished(reason)
+        try:
+            gen.emit(gen, TokenEvent(None, "", reason, error))
+        except Exception:  # noqa: BLE001 - a client gone while being told it is gone
+            pass
+
+    def _release(self, gen: Generation) -> None:
+        slot = gen.slot
+        moved = self.slots.release(slot)
+        last = self.running.pop()
+        if moved is not None:
+            self.running[slot] = last
+            last.slot = slot
+        gen.slot = None
+
+    def _release_finished(self) -> None:
+        for gen in sorted((g for g in self.running if g.finish_reason is not None), key=lambda g: -g.slot):
+            self._release(gen)

@@ -1,0 +1,247 @@
+"""An OpenAI-compatible HTTP frontend for the text-generation models a Triton server serves.
+
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events, or one JSON answer),
+``/v1/models`` and ``/health``, served by aiohttp beside Triton (``serve --openai-port``). Each request is
+checked and translated (``openai_protocol``) into one call of Triton's generate extension on loopback:
+``generate_stream`` when the client streams (each Triton event becomes one OpenAI chunk, ``data: [DONE]``
+last), ``generate`` otherwise (the backend then sends exactly one response). A client that disconnects
+cancels its handler (aiohttp's handler cancellation), which closes the upstream stream, and the backend
+frees the sequence at its next step. Errors are OpenAI-shaped JSON with the status they deserve: 400 naming
+the bad value, 404 for an unknown model, 503 with ``Retry-After`` when the model's waiting queue is full.
+An error the backend reports before the first token is answered as that status, never as a broken stream.
+
+aiohttp is imported where the frontend starts: extra ``serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from model_factory.errors import FactoryError
+from model_factory.serving.openai_protocol import (OpenAIError, chat_chunk, chat_request, chat_response,
+                                                   completion_chunk, completion_request, completion_response,
+                                                   new_id, openai_finish, triton_error, usage)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A text-generation model as the frontend lists and prompts it."""
+
+    name: str
+    chat_template: str | None = None
+    max_context: int | None = None
+
+
+def generative_models(repository: Path, names: list[str]) -> dict[str, ServedModel]:
+    """The text-generation models among ``names`` in ``repository`` (``task`` parameter), with their chat
+    templates from the highest version's ``generation.json``."""
+    from model_factory.backend.contract import TEXT_GENERATION, Files, GenerationSpec
+    from model_factory.build.repository import config_parameters, read_config
+
+    out = {}
+    for name in names:
+        model_dir = Path(repository) / name
+        if config_parameters(read_config(model_dir)).get("task") != TEXT_GENERATION:
+            continue
+        versions = sorted((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        spec = None
+        if versions and (versions[-1] / Files.GENERATION).is_file():
+            spec = GenerationSpec.from_json((versions[-1] / Files.GENERATION).read_text())
+        out[name] = ServedModel(name, spec.chat_template if spec else None, spec.max_context if spec else None)
+    return out
+
+
+def _aiohttp():
+    try:
+        import aiohttp
+        from aiohttp import web
+    except ImportError as exc:
+        raise FactoryError("the OpenAI frontend needs aiohttp. Fix: pip install 'model-factory[serve]'") from exc
+    return aiohttp, web
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _count(value: Any) -> int:
+    value = _first(value)
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+class OpenAIFrontend:
+    """The frontend's aiohttp server, run on its own event-loop thread (:meth:`start` / :meth:`stop`)."""
+
+    def __init__(self, triton_http: str, models: Mapping[str, ServedModel], host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.triton = f"http://{triton_http}" if "://" not in triton_http else triton_http
+        self.models = dict(models)
+        self.host, self.port = host, int(port)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+        self._session: Any = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 30.0) -> "OpenAIFrontend":
+        _aiohttp()
+        self._thread = threading.Thread(target=self._run, name="mf-openai", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise FactoryError(f"the OpenAI frontend did not start within {timeout_s:.0f} s")
+        if self._error is not None:
+            raise FactoryError(f"the OpenAI frontend could not listen on {self.host}:{self.port} ({self._error}). "
+                               "Fix: pick a free --openai-port") from None
+        return self
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        loop.run_forever()
+        loop.run_until_complete(self._shutdown())
+        loop.close()
+
+    async def _serve(self) -> None:
+        aiohttp, web = _aiohttp()
+        app = web.Application(client_max_size=8 << 20)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                              connector=aiohttp.TCPConnector(limit=0))
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the port picked when 0 was asked
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=15)
+
+    def __enter__(self) -> "OpenAIFrontend":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _health(self, request: Any) -> Any:
+        _, web = _aiohttp()
+        return web.json_response({"status": "ok"})
+
+    async def _list_models(self, request: Any) -> Any:
+        _, web = _aiohttp()
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "model-factory",
+             **({"max_model_len": m.max_context} if m.max_context else {})} for name, m in sorted(self.models.items())]})
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._handle(request, chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Any, chat: bool) -> Any:
+        _, web = _aiohttp()
+        try:
+            try:
+                req = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise OpenAIError(400, "the body is not JSON") from None
+            call = (chat_request if chat else completion_request)(req, self.models)
+            if call.stream:
+                return await self._stream(request, call, chat)
+            return await self._once(call, chat)
+        except OpenAIError as err:
+            headers = {"Retry-After": str(int(max(1, err.retry_after_s)))} if err.retry_after_s else None
+            return web.json_response(err.body(), status=err.status, headers=headers)
+
+    async def _once(self, call: Any, chat: bool) -> Any:
+        _, web = _aiohttp()
+        url = f"{self.triton}/v2/models/{call.model}/generate"
+        async with self._session.post(url, json=call.body) as resp:
+            text = await resp.text()
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise OpenAIError(502, f"the inference server answered {resp.status}: {text[:200]}") from None
+        if resp.status != 200 or "error" in data:
+            raise triton_error(resp.status, str(data.get("error", text)))
+        make = chat_response if chat else completion_response
+        return web.json_response(make(call.model, str(_first(data.get("text_output")) or ""),
+                                      openai_finish(_first(data.get("finish_reason"))) or "stop",
+                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))))
+
+    async def _stream(self, request: Any, call: Any, chat: bool) -> Any:
+        _, web = _aiohttp()
+        url = f"{self.triton}/v2/models/{call.model}/generate_stream"
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        out = None
+        n_in = n_out = 0
+        async with self._session.post(url, json=call.body) as resp:
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                try:
+                    event = json.loads(line[5:])
+                except ValueError:
+                    continue
+                if "error" in event:
+                    err = triton_error(resp.status, str(event["error"]))
+                    if out is None:
+                        raise err
+                    await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
+                    break
+                if out is None:
+                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    await out.prepare(request)
+                    if chat:
+                        first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None)
+                        await out.write(f"data: {json.dumps(first)}\n\n".encode())
+                finish = openai_finish(_first(event.get("finish_reason")))
+                text = str(_first(event.get("text_output")) or "")
+                n_in, n_out = _count(event.get("num_input_tokens")), _count(event.get("num_output_tokens"))
+                if text or finish:
+                    chunk = (chat_chunk(rid, call.model, created, {"content": text} if text else {}, finish) if chat
+                             else completion_chunk(rid, call.model, created, text, finish))
+                    await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if out is None:
+                raise triton_error(resp.status, "the inference server closed the stream without an answer")
+        if call.include_usage:
+            tail = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": call.model, "choices": [], "usage": usage(n_in, n_out)}
+            await out.write(f"data: {json.dumps(tail)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out

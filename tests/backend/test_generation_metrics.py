@@ -1,0 +1,43 @@
+"""Generation metrics: histograms as cumulative counter series, counters by finish reason, gauges sent on change."""
+
+from __future__ import annotations
+
+from model_factory.backend.generation_metrics import GenerationMetrics
+from model_factory.backend.kv_slots import KVUsage
+from tests.backend.test_metrics import FakeMetric, FakeMetricFamily, FakePbUtils
+
+
+def _values(m: GenerationMetrics) -> dict:
+    return {(name, more): metric.value for (name, more), metric in m._metrics.items()}
+
+
+def test_observations_are_summed_and_sent_once_per_flush():
+    FakeMetricFamily.created = []
+    m = GenerationMetrics(FakePbUtils, "llm", interval_s=None)
+    for s in (0.004, 0.02, 0.3):
+        m.token_interval(s)
+    m.first_token(0.2)
+    m.jitter(0.001)
+    m.tokens(12, 0)
+    m.tokens(0, 3)
+    m.finished("length")
+    m.finished("cancelled")
+    m.state(2, 5, KVUsage(2, 8, 100, 4096, 8192))
+    before = FakeMetric.calls
+    m.flush()
+    v = _values(m)
+    itl = "inter_token_latency_seconds"
+    assert v[(itl + "_bucket", (("le", "0.005"),))] == 1
+    assert v[(itl + "_bucket", (("le", "0.025"),))] == 2
+    assert v[(itl + "_bucket", (("le", "+Inf"),))] == 3 and v[(itl + "_count", ())] == 3
+    assert abs(v[(itl + "_sum", ())] - 0.324) < 1e-9
+    assert v[("time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1
+    assert v[("time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
+    assert v[("prompt_tokens_total", ())] == 12 and v[("generation_tokens_total", ())] == 3
+    assert v[("generate_requests_total", (("finish_reason", "cancelled"),))] == 1
+    assert v[("running_sequences", ())] == 2 and v[("waiting_sequences", ())] == 5
+    assert v[("kv_cache_usage_ratio", ())] == 0.5
+    sent = FakeMetric.calls - before
+    m.flush()
+    assert FakeMetric.calls - before == sent  # nothing new: nothing sent
+    m.close()

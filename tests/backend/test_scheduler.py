@@ -1,0 +1,157 @@
+"""The scheduler on the real graph (onnxruntime-genai's builder output of a tiny Llama), without Triton:
+continuous batching, compaction and admission by memory give transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from model_factory.backend.causal_lm import CausalLM
+from model_factory.backend.contract import GenerationSpec
+from model_factory.backend.kv_slots import KVSlots
+from model_factory.backend.sampling import SamplingParams
+from model_factory.backend.scheduler import Generation, QueueFull, Scheduler
+from tests.generative_repository import agree_until_tie, generation_spec, reference_greedy
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llm):
+    hf, onnx_dir = tiny_llm
+    spec = generation_spec(hf, {})
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    return spec, CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0), tok, hf
+
+
+def _run_all(sched: Scheduler, gens: list[Generation], limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not sched.has_work():
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def _collector():
+    events: dict[int, list] = {}
+
+    def emit(gen, event):
+        events.setdefault(id(gen), []).append(event)
+
+    return events, emit
+
+
+def test_sixteen_mixed_sequences_match_transformers_through_admission_and_compaction(engine):
+    spec, model, tok, hf = engine
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(rng.randrange(1, 40))] for _ in range(16)]
+    max_tokens = [rng.randrange(1, 24) for _ in range(16)]
+    # 5 slots and a budget for about 3 long sequences: admission waits, finished slots are compacted.
+    slots = KVSlots(spec, 5, budget_bytes=KVSlots(spec, 1, 1 << 30).bytes_for(64) * 3)
+    events, emit = _collector()
+    sched = Scheduler(model, slots, tok, spec.eos_token_ids, max_waiting=16)
+    gens = [sched.submit(Generation(p, SamplingParams(max_tokens=n, min_tokens=n), emit))
+            for p, n in zip(prompts, max_tokens)]
+    peak = 0
+    while sched.has_work():
+        sched.step()
+        peak = max(peak, slots.active)
+        assert slots.usage().reserved_bytes <= slots.budget_bytes
+    assert 1 < peak <= 5
+    ref = reference_greedy(hf, prompts, max_tokens)
+    ties = 0
+    for gen, (want, tie) in zip(gens, ref):
+        assert len(gen.generated) == len(want)
+        assert agree_until_tie(gen.generated, want, tie), (gen.generated, want, tie)
+        ties += tie is not None
+        assert events[id(gen)][-1].finish_reason == "length"
+    assert ties <= 3
+    assert slots.active == 0 and slots.usage().reserved_bytes == 0
+
+
+def test_streamed_text_is_the_decoded_tokens(engine):
+    spec, model, tok, _ = engine
+    events, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 4, 1 << 26), tok, spec.eos_token_ids)
+    prompt = tok.encode("Permission is hereby granted").ids
+    gen = sched.submit(Generation(prompt, SamplingParams(max_tokens=30, min_tokens=30), emit))
+    _run_all(sched, [gen])
+    text = "".join(e.text for e in events[id(gen)])
+    assert text == tok.decode(gen.generated, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(e.text for e in events[id(gen)][:-1]) or text.count("\ufffd") >= 1
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    spec, model, tok, _ = engine
+    params = SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=1234)
+    outs = []
+    for company in (0, 5):
+        _, emit = _collector()
+        sched = Scheduler(model, KVSlots(spec, 8, 1 << 26), tok, spec.eos_token_ids)
+        target = sched.submit(Generation([5, 6, 7, 8], params, emit))
+        for k in range(company):
+            sched.submit(Generation([9 + k] * (k + 2), SamplingParams(max_tokens=7, temperature=1.0, seed=k), emit))
+        _run_all(sched, [target])
+        outs.append(target.generated)
+    assert outs[0] == outs[1]
+    other = SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=4321)
+    _, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 8, 1 << 26), tok, spec.eos_token_ids)
+    g = sched.submit(Generation([5, 6, 7, 8], other, emit))
+    _run_all(sched, [g])
+    assert g.generated != outs[0]
+
+
+def test_cancelled_sequence_frees_its_slot_at_the_next_step(engine):
+    spec, model, tok, _ = engine
+    events, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 4, 1 << 26), tok, spec.eos_token_ids)
+    cancelled = {"now": False}
+    gen = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=50, min_tokens=50), emit,
+                                  is_cancelled=lambda: cancelled["now"]))
+    other = sched.submit(Generation([8, 9], SamplingParams(max_tokens=10, min_tokens=10), emit))
+    sched.step()
+    sched.step()
+    assert sched.slots.active == 2
+    cancelled["now"] = True
+    sched.step()
+    assert gen.finish_reason == "cancelled" and sched.slots.active == 1
+    assert sched.running == [other] and other.slot == 0
+    _run_all(sched, [other])
+    assert len(other.generated) == 10
+
+
+def test_waiting_queue_is_bounded(engine):
+    spec, model, tok, _ = engine
+    _, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 1, 1 << 26), tok, spec.eos_token_ids, max_waiting=2)
+    sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    with pytest.raises(QueueFull, match="retry after"):
+        sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+
+
+def test_preempted_sequence_resumes_with_the_same_tokens(engine):
+    spec, model, tok, hf = engine
+    clock = {"t": 0.0}
+    events, emit = _collector()
+    one = KVSlots(spec, 2, 1 << 30).bytes_for(40)
+    sched = Scheduler(model, KVSlots(spec, 2, one), tok, spec.eos_token_ids, preemption_wait_s=0.2,
+                      clock=lambda: clock["t"])
+    first = sched.submit(Generation([5, 6, 7, 8], SamplingParams(max_tokens=30, min_tokens=30), emit))
+    for _ in range(3):
+        sched.step()
+    clock["t"] = 1.0
+    second = sched.submit(Generation([9, 10, 11], SamplingParams(max_tokens=8, min_tokens=8), emit))
+    sched.step()  # second waits: no memory
+    clock["t"] = 1.1
+    sched.step()
+    clock["t"] = 1.5
+    assert second.slot is None and first.preemptions == 0
+    sched.step()  # waited 0.5 s > 0.2 s: first (the most tokens left) is preempted, second admitted
+    assert first.preemptions == 1 and second.slot is not None
+    _run_all(sched, [first, second])
+    ref = reference_greedy(hf, [first.prompt, second.prompt], [30, 8])
+    assert agree_until_tie(first.generated, *ref[0]) and agree_until_tie(second.generated, *ref[1])

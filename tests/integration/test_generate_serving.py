@@ -1,0 +1,370 @@
+"""Text generation on the real Triton server: generate / generate_stream, gRPC streaming and the OpenAI API.
+
+One server for the module, two models of one tiny Llama: ``tiny_llm`` (8 KV slots) and ``tiny_llm_busy`` (one
+slot, no waiting queue: the second request in flight is refused with 503). Greedy outputs are compared with
+``transformers`` up to the first near-tie (counted), for 16 concurrent streams of mixed prompt lengths and
+max_tokens over each protocol.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import queue
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.generative_repository import agree_until_tie, layout_generative_model, reference_greedy
+
+pytestmark = pytest.mark.integration
+
+MODEL, BUSY = "tiny_llm", "tiny_llm_busy"
+STREAMS = 16
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llm, tmp_path_factory):
+    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.server import ServerOptions, TritonServer
+
+    hf, onnx_dir = tiny_llm
+    repo = tmp_path_factory.mktemp("gen-repo")
+    layout_generative_model(hf, onnx_dir, repo, MODEL, memory_budget_mib=256, max_active_sequences=8,
+                            max_waiting_sequences=64)
+    layout_generative_model(hf, onnx_dir, repo, BUSY, memory_budget_mib=256, max_active_sequences=1,
+                            max_waiting_sequences=0)
+    server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
+    assert not server.load_errors, server.load_errors
+    frontend = OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)).start()
+    yield server, frontend, hf
+    frontend.stop()
+    rc = server.stop()
+    assert rc == 0, server.log_tail(30)
+
+
+@pytest.fixture(scope="module")
+def workload(served):
+    """16 prompts of 1..60 tokens and their max_tokens, with transformers' greedy tokens and near-ties."""
+    _, _, hf = served
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(1, 60))] for _ in range(STREAMS)]
+    max_tokens = [rng.randrange(4, 40) for _ in range(STREAMS)]
+    return prompts, max_tokens, reference_greedy(hf, prompts, max_tokens)
+
+
+def _check(outputs, workload):
+    prompts, max_tokens, ref = workload
+    ties = 0
+    for got, n, (want, tie) in zip(outputs, max_tokens, ref):
+        assert len(got) == n
+        assert agree_until_tie(got, want, tie), (got, want, tie)
+        ties += tie is not None
+    assert ties <= STREAMS // 4, f"{ties} near-ties in {STREAMS} streams"
+    return ties
+
+
+def _post(url: str, body: dict, timeout: float = 120.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _sse_events(raw: bytes) -> list[dict]:
+    return [json.loads(line[5:]) for line in raw.decode().splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+def _ids(value) -> list[int]:
+    return value if isinstance(value, list) else [value]
+
+
+def test_generate_stream_sixteen_concurrent_streams_match_transformers(served, workload):
+    server, _, _ = served
+    prompts, max_tokens, _ = workload
+    url = f"http://{server.http_url}/v2/models/{MODEL}/generate_stream"
+
+    def one(i):
+        status, _, raw = _post(url, {"prompt_ids": prompts[i], "max_tokens": max_tokens[i],
+                                     "min_tokens": max_tokens[i], "stream": True})
+        assert status == 200, raw
+        events = _sse_events(raw)
+        assert all(e["finish_reason"] == "" for e in events[:-1]) and events[-1]["finish_reason"] == "length"
+        assert events[-1]["num_output_tokens"] == max_tokens[i] and events[-1]["num_input_tokens"] == len(prompts[i])
+        return [t for e in events for t in _ids(e["output_ids"])]
+
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        outputs = list(pool.map(one, range(STREAMS)))
+    _check(outputs, workload)
+
+
+def test_generate_answers_once_when_not_streaming(served, workload):
+    server, _, _ = served
+    prompts, max_tokens, ref = workload
+    status, _, raw = _post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                           {"prompt_ids": prompts[0], "max_tokens": max_tokens[0], "min_tokens": max_tokens[0]})
+    assert status == 200
+    body = json.loads(raw)
+    assert "error" not in body and body["finish_reason"] == "length"
+    assert agree_until_tie(_ids(body["output_ids"]), *ref[0])
+
+
+def test_grpc_streaming_sixteen_concurrent_requests_match_transformers(served, workload):
+    import tritonclient.grpc as grpcclient
+
+    server, _, _ = served
+    prompts, max_tokens, _ = workload
+    results: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(STREAMS):
+            ids = grpcclient.InferInput("prompt_ids", [len(prompts[i])], "INT32")
+            ids.set_data_from_numpy(np.asarray(prompts[i], dtype=np.int32))
+            inputs = [ids]
+            for name, value in (("max_tokens", max_tokens[i]), ("min_tokens", max_tokens[i])):
+                t = grpcclient.InferInput(name, [1], "INT32")
+                t.set_data_from_numpy(np.asarray([value], dtype=np.int32))
+                inputs.append(t)
+            stream = grpcclient.InferInput("stream", [1], "BOOL")
+            stream.set_data_from_numpy(np.asarray([True]))
+            inputs.append(stream)
+            client.async_stream_infer(MODEL, inputs, request_id=str(i))
+        tokens: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
+        done = 0
+        while done < STREAMS:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            i = int(result.get_response().id)
+            tokens[i] += result.as_numpy("output_ids").tolist()
+            if result.as_numpy("finish_reason")[0].decode():
+                done += 1
+    finally:
+        client.stop_stream()
+        client.close()
+    _check([tokens[i] for i in range(STREAMS)], workload)
+
+
+def _openai(frontend):
+    import openai
+
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_completions_streamed_and_not_match_transformers(served, workload):
+    _, frontend, hf = served
+    prompts, max_tokens, _ = workload
+    client = _openai(frontend)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+
+    def one(i):
+        extra = {"min_tokens": max_tokens[i]}
+        if i % 2:
+            chunks = list(client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i],
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body=extra))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert chunks[-1].usage.completion_tokens == max_tokens[i]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        else:
+            r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i], extra_body=extra)
+            text = r.choices[0].text
+            assert r.usage.prompt_tokens == len(prompts[i]) and r.usage.completion_tokens == max_tokens[i]
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        texts = list(pool.map(one, range(STREAMS)))
+    # The text is what the reference tokens decode to, up to the first near-tie.
+    _, _, ref = workload
+    for text, (want, tie) in zip(texts, ref):
+        expected = tok.decode(want[:tie] if tie is not None else want, skip_special_tokens=True).rstrip("\ufffd")
+        assert text.startswith(expected), (text, expected)
+
+
+def test_openai_chat_applies_the_template_and_matches_transformers(served):
+    from model_factory.serving.openai_protocol import render_chat
+    from tokenizers import Tokenizer
+
+    server, frontend, hf = served
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    template = json.loads((hf / "tokenizer_config.json").read_text())["chat_template"]
+    client = _openai(frontend)
+    chats = [[{"role": "user", "content": "Permission is hereby granted " * (k + 1)}] for k in range(STREAMS)]
+    n = [5 + k for k in range(STREAMS)]
+    prompts = [tok.encode(render_chat(template, c)).ids for c in chats]
+    ref = reference_greedy(hf, prompts, n)
+
+    def one(k):
+        if k % 2:
+            chunks = list(client.chat.completions.create(model=MODEL, messages=chats[k], max_tokens=n[k], stream=True,
+                                                         extra_body={"min_tokens": n[k]}))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        r = client.chat.completions.create(model=MODEL, messages=chats[k], max_tokens=n[k],
+                                           extra_body={"min_tokens": n[k]})
+        assert r.usage.prompt_tokens == len(prompts[k]) and r.choices[0].message.role == "assistant"
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        texts = list(pool.map(one, range(STREAMS)))
+    for text, (want, tie) in zip(texts, ref):
+        expected = tok.decode(want[:tie] if tie is not None else want, skip_special_tokens=True).rstrip("\ufffd")
+        assert text.startswith(expected)
+
+
+def test_seeded_sampling_is_reproducible_over_the_openai_api(served):
+    _, frontend, _ = served
+    client = _openai(frontend)
+
+    def sample(seed):
+        r = client.completions.create(model=MODEL, prompt="The license", max_tokens=24, temperature=0.8, top_p=0.9,
+                                      seed=seed, extra_body={"top_k": 40, "min_tokens": 24})
+        return r.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        a, b, c, d = pool.map(sample, (11, 11, 11, 12))
+    assert a == b == c
+    assert a != d
+
+
+def _metric(server, name: str, model: str = MODEL) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"model_factory_{name}{{") and f'model="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_cancelled_stream_frees_its_sequence(served):
+    import http.client
+
+    server, _, _ = served
+    host, port = server.http_url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                 body=json.dumps({"text_input": "Copyright", "max_tokens": 2000, "min_tokens": 2000, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # it runs: its first token came
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    pattern = re.compile(r'model_factory_generate_requests_total\{[^}]*finish_reason="cancelled"[^}]*\} (\S+)')
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        cancelled = sum(float(m) for m in pattern.findall(text))
+        if cancelled >= 1 and _metric(server, "running_sequences") == 0:
+            break
+        time.sleep(0.2)
+    assert cancelled >= 1, "the backend never saw the client go"
+    assert _metric(server, "running_sequences") == 0
+    assert _metric(server, "kv_cache_reserved_bytes") == 0
+    assert "model_factory_time_to_first_token_seconds_bucket" in text
+
+
+def test_a_full_queue_answers_503_with_retry_after(served):
+    server, frontend, _ = served
+    import threading
+
+    long = threading.Thread(target=_post, args=(f"{frontend.url}/v1/completions",
+                                                {"model": BUSY, "prompt": "x", "max_tokens": 200,
+                                                 "min_tokens": 200}))
+    long.start()
+    try:
+        deadline = time.monotonic() + 15
+        while _metric(server, "running_sequences", BUSY) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, headers, raw = _post(f"{frontend.url}/v1/completions", {"model": BUSY, "prompt": "y", "max_tokens": 4})
+        assert status == 503, raw
+        assert int(headers["Retry-After"]) >= 1
+        assert "busy" in json.loads(raw)["error"]["message"]
+    finally:
+        long.join()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"), ({"min_tokens": 50, "max_tokens": 4}, "min_tokens"),
+    ({"max_tokens": 100000}, "max_tokens"), ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, None),
+])
+def test_bad_values_answer_400_naming_them(served, body, param):
+    _, frontend, _ = served
+    status, _, raw = _post(f"{frontend.url}/v1/completions", {"model": MODEL, "prompt": "x", **body})
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    if param:
+        assert param in error["message"]
+
+
+def test_a_prompt_past_the_context_names_both_lengths(served):
+    server, frontend, _ = served
+    status, _, raw = _post(f"{frontend.url}/v1/completions", {"model": MODEL, "prompt": [5, 6] * 1050,
+                                                              "max_tokens": 4})
+    assert status == 400
+    message = json.loads(raw)["error"]["message"]
+    assert "2100" in message and "2048" in message  # the prompt's tokens and the context's
+
+
+_DECLARED = {"max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float,
+             "repetition_penalty": float, "ignore_eos": bool, "stream": bool}
+
+
+def _typed(name, value) -> bool:
+    kind = _DECLARED.get(name)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool) and -2**31 <= value < 2**31
+    if kind is float:
+        return isinstance(value, float) and np.isfinite(value)
+    if kind is bool:
+        return isinstance(value, bool)
+    return name == "stop" and isinstance(value, str) and value != ""
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.lists(st.integers(-5, 5000), max_size=4))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(fields=st.dictionaries(st.sampled_from(["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed",
+                                               "repetition_penalty", "ignore_eos", "stop", "stream", "prompt", "n"]),
+                              _values, max_size=4))
+def test_any_body_answers_200_or_400_never_500(served, fields):
+    server, frontend, _ = served
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **fields}
+    if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool) and body["max_tokens"] > 8:
+        body["max_tokens"] = 8  # keep the examples quick; out-of-range values still reach the checks below 1
+    try:
+        payload = json.dumps(body, allow_nan=True)
+    except ValueError:
+        return
+    req = urllib.request.Request(f"{frontend.url}/v1/completions", data=payload.encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status = r.status
+            r.read()
+    except urllib.error.HTTPError as e:
+        status = e.code
+    assert status in (200, 400), (status, body)
+    # Triton parses the generate JSON against the declared types itself (a null or a float in an INT32 field is
+    # its own 500, before any backend): the backend's checks are driven with values of the declared types.
+    generate = {k: v for k, v in fields.items() if _typed(k, v)}
+    status, _, raw = _post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                           {"text_input": "x", "max_tokens": 2, **generate})
+    assert status in (200, 400), (status, raw, generate)
