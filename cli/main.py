@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.recipe",
     "model_factory.cli.distribution",
     "model_factory.cli.report",
+    "model_factory.cli.contract",
 )
 
 
