@@ -72,8 +72,9 @@ def _tokenizer(version_dir: Path) -> dict[str, Any] | None:
     tok = Tokenizer.from_file(str(path))
     tok.no_truncation()
     tok.no_padding()
+    encodings = tok.encode_batch(list(GOLDEN_TEXTS))
     return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "golden": [{"text": t, "ids": list(e.ids)} for t, e in zip(GOLDEN_TEXTS, tok.encode_batch(list(GOLDEN_TEXTS)))]}
+            "golden": [{"text": t, "ids": list(e.ids)} for t, e in zip(GOLDEN_TEXTS, encodings)]}
 
 
 def _parse_config(text: str) -> Any:
