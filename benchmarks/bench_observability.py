@@ -178,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| tracing | seq/s (median) | p50 ms | p99 ms |", "| --- | --- | --- | --- |",
         *(f"| {k} | {med(k, 'throughput'):.1f} | {med(k, 'p50_ms'):.1f} | {med(k, 'p99_ms'):.1f} |" for k in results),
         "", f"rate 1 / off throughput: {statistics.median(ratios):.3f} (per round: "
-            f"{', '.join(f'{r:.3f}' for r in ratios)}).", "", END])
+            f"{', '.join(f'{r:.3f}' for r in ratios)})." + (
+            f" The rounds spread over {max(ratios) - min(ratios):.2f}: on this machine the run cannot resolve a 5 % "
+            "difference; rerun on a quiet one." if max(ratios) - min(ratios) > 0.1 else ""), "", END])
     publish(section, args.results, START, END, write=write)
     return 0
 
