@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "model_factory.cli.distribution",
     "model_factory.cli.report",
     "model_factory.cli.tensors",
+    "model_factory.cli.contract",
 )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import secrets
+import random
 import threading
 import urllib.request
 from dataclasses import dataclass
@@ -63,7 +63,8 @@ def _value(v: Any) -> dict:
 def span(parent: TraceParent, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None
          ) -> dict:
     """One OTLP JSON span, a child of ``parent``."""
-    return {"traceId": parent.trace_id, "spanId": secrets.token_hex(8), "parentSpanId": parent.span_id,
+    # Span ids need to be unique, not secret: a PRNG draw, not a system call per span.
+    return {"traceId": parent.trace_id, "spanId": f"{random.getrandbits(64) | 1:016x}", "parentSpanId": parent.span_id,
             "name": name, "kind": 1, "startTimeUnixNano": str(int(start_ns)), "endTimeUnixNano": str(int(end_ns)),
             "attributes": [{"key": k, "value": _value(v)} for k, v in (attributes or {}).items()]}
 

@@ -39,6 +39,7 @@ from model_factory.backend.contract import (TEXT_INPUT_NAMES, TRUNCATED_TOKENS_O
                                             format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file)
 from model_factory.build.bounds import input_bounds
+from model_factory.build.data_contract import write_contract
 from model_factory.errors import FactoryError, require
 from model_factory.fileio import atomic_dir, digest_path, remove_stale_staging
 from model_factory.build_engines.onnx_files import data_file, hardlink_or_copy
@@ -455,6 +456,8 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             shutil.copytree(acceptance_dir, vdir / Files.ACCEPTANCE_DIR)
         for extra in extra_files:
             shutil.copyfile(extra, vdir / Path(extra).name)
+        # What clients rely on (inputs, outputs, limits, the tokenizer's golden ids), signed with the rest.
+        write_contract(pbtxt, vdir)
         metadata = {
             "model": recipe.name,
             "version": recipe.version,

@@ -482,11 +482,16 @@ def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str
                 raise FactoryError(f"model {model!r} is not ready on {url}. Fix: check the model name "
                                    "(GET /v2/models) and that it loaded")
 
+            # Texts are cut at the model's limit as ids mode cuts them here (the backend refuses a long text
+            # unless asked: docs/inputs.md), so both modes send the same work.
+            params = {"long_inputs": "truncate"} if send == "text" else None
+
             async def one(i: int) -> None:
                 if protocol == "http":  # the client-side limit is conn_timeout; `timeout` would be the server's
-                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs)
+                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs, parameters=params)
                 else:
-                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs, client_timeout=timeout_s)
+                    await client.infer(model, inputs[i % len(inputs)], outputs=outputs, client_timeout=timeout_s,
+                                       parameters=params)
 
             if warmup:
                 await drive(one, warmup, concurrency)
