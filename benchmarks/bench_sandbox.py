@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [START, "## Serving with the stub sandbox on vs off", "",
              f"`benchmarks/bench_sandbox.py`, {_dt.date.today().isoformat()}, {platform.node()} "
              f"({os.cpu_count()} cores, **shared with other work**: load average {load_before[0]:.1f} before, "
-             f"{load_after[0]:.1f} after). MiniLM FP32 on ONNX Runtime CPU, 2 instances, {args.clients} closed-loop "
+             f"{load_after[0]:.1f} after). MiniLM FP32 on ONNX Runtime CPU (the example recipe's instances), {args.clients} closed-loop "
              f"HTTP clients, {args.seconds:.0f} s per turn after a 3 s warm-up, turns alternating on/off. Kernel: "
              f"{have.describe()}.", "",
              "| turn | sandbox | req/s | p50 ms | p99 ms |", "| --- | --- | ---: | ---: | ---: |"]
