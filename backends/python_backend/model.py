@@ -93,7 +93,7 @@ class TritonPythonModel:
         digests = os.environ.get(DIGESTS_ENV)
         self.engine_info["sandbox"] = wall_in_stub(
             version_dir, writable=(str(Path(cache_file).parent),) if cache_file else (),
-            readable_files=(digests,) if digests else ())
+            readable_files=(digests,) if digests else (), ip_sockets=self.tracer is not None)
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
         pool_source = self.pool.stats if self.pool is not None else None

@@ -123,6 +123,8 @@ class Walls:
     exec_allowed: bool = False
     tmpdir: str | None = None  # the process's TMPDIR and HOME (beneath ``write``)
     no_new_processes: bool = False  # seccomp also refuses fork, vfork, exec and clone but a thread's
+    # IP sockets stay allowed (a serving stub that exports OpenTelemetry spans over OTLP/HTTP: serve --trace-endpoint).
+    ip_sockets: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
@@ -188,9 +190,10 @@ _JSET_K = 0x45
 _PROCESS_NRS = {"x86_64": (57, 58, 56, 435, 59, 322), "aarch64": (-1, -1, 220, 435, 221, 281)}
 
 
-def syscall_filter(machine: str | None = None, no_new_processes: bool = False) -> bytes:
+def syscall_filter(machine: str | None = None, no_new_processes: bool = False, ip_sockets: bool = False) -> bytes:
     """The seccomp BPF program: no AF_INET/AF_INET6/AF_PACKET socket, no io_uring, no foreign-ABI syscalls;
-    with ``no_new_processes`` no fork/vfork/exec and no clone but a thread's."""
+    with ``no_new_processes`` no fork/vfork/exec and no clone but a thread's; with ``ip_sockets`` AF_INET and
+    AF_INET6 sockets are allowed (AF_PACKET never)."""
     machine = machine or platform.machine()
     arch, nr_socket, nr_uring = _SECCOMP_ARCH[machine]
     deny = _RET_ERRNO | errno.EACCES
@@ -214,7 +217,8 @@ def syscall_filter(machine: str | None = None, no_new_processes: bool = False) -
     prog.append((_RET_K, 0, 0, _RET_ALLOW))
     labels = {"socket": len(prog)}
     prog += [(_LD_W_ABS, 0, 0, 16),              # socket's domain (args[0], low 32 bits)
-             (_JEQ_K, "deny", 0, AF_INET), (_JEQ_K, "deny", 0, AF_INET6), (_JEQ_K, "deny", 0, AF_PACKET),
+             *(() if ip_sockets else ((_JEQ_K, "deny", 0, AF_INET), (_JEQ_K, "deny", 0, AF_INET6))),
+             (_JEQ_K, "deny", 0, AF_PACKET),
              (_RET_K, 0, 0, _RET_ALLOW)]         # UNIX sockets, netlink: allowed
     if no_new_processes:
         labels["clone"] = len(prog)
@@ -239,9 +243,9 @@ def network_filter(machine: str | None = None) -> bytes:
     return syscall_filter(machine)
 
 
-def _apply_seccomp(no_new_processes: bool = False) -> None:
+def _apply_seccomp(no_new_processes: bool = False, ip_sockets: bool = False) -> None:
     libc = _libc()
-    prog = syscall_filter(no_new_processes=no_new_processes)
+    prog = syscall_filter(no_new_processes=no_new_processes, ip_sockets=ip_sockets)
     filt = ctypes.create_string_buffer(prog, len(prog))
     fprog = struct.pack("=HxxxxxxQ", len(prog) // 8, ctypes.addressof(filt))  # struct sock_fprog
     fbuf = ctypes.create_string_buffer(fprog, len(fprog))
@@ -314,7 +318,7 @@ def apply(walls: Walls, required: bool = False) -> Support:
     if have.landlock_abi:
         _apply_landlock(walls, have.landlock_abi)
     if have.seccomp:
-        _apply_seccomp(walls.no_new_processes)
+        _apply_seccomp(walls.no_new_processes, walls.ip_sockets)
     _ACTIVE = walls
     return have
 
@@ -337,7 +341,7 @@ TEST_HOOK_ENV = "MODEL_FACTORY_SANDBOX_TEST_HOOK"  # tests only: a Python file r
 
 
 def serving_walls(version_dir: Path, scratch: Path, writable: tuple[str, ...] = (),
-                  readable_files: tuple[str, ...] = ()) -> Walls:
+                  readable_files: tuple[str, ...] = (), ip_sockets: bool = False) -> Walls:
     """What a loaded stub may touch: read its model folder (the version folder, with the backend's code,
     and config.pbtxt), the Python environment, Triton's Python backend and system libraries; write only
     ``scratch`` (and ``writable``: the learned-cost cache); the shared memory Triton talks through; the GPU's
@@ -352,13 +356,14 @@ def serving_walls(version_dir: Path, scratch: Path, writable: tuple[str, ...] = 
     return Walls(read=tuple(sorted(read)), write=tuple(sorted({str(scratch), "/dev/shm", *writable})),
                  read_files=tuple(sorted({*SYSTEM_FILES, *readable_files})),
                  rw_files=("/dev/null", *gpu_devices()), what="serving stub", tmpdir=str(scratch),
-                 no_new_processes=True)
+                 no_new_processes=True, ip_sockets=ip_sockets)
 
 
 def wall_in_stub(version_dir: Path, writable: tuple[str, ...] = (), readable_files: tuple[str, ...] = (),
-                 environ: "dict[str, str] | None" = None) -> str:
+                 environ: "dict[str, str] | None" = None, ip_sockets: bool = False) -> str:
     """Wall this stub in (unless ``MODEL_FACTORY_SERVE_SANDBOX=off``); what it is, for the load log and
-    ``/metrics``: ``on (Landlock ABI 7, seccomp)``, ``off (...)``."""
+    ``/metrics``: ``on (Landlock ABI 7, seccomp)``, ``off (...)``. ``ip_sockets``: the stub exports trace spans
+    over OTLP/HTTP, so IP sockets stay open to it (said in the state)."""
     import tempfile
 
     env = os.environ if environ is None else environ
@@ -372,8 +377,8 @@ def wall_in_stub(version_dir: Path, writable: tuple[str, ...] = (), readable_fil
     scratch = Path(tempfile.mkdtemp(prefix="mf-stub-"))
     for folder in writable:  # a folder the stub will write into later (the cost cache) must exist to be granted
         Path(folder).mkdir(parents=True, exist_ok=True)
-    apply(serving_walls(version_dir, scratch, writable, readable_files))
-    state = f"on ({have.describe()})"
+    apply(serving_walls(version_dir, scratch, writable, readable_files, ip_sockets=ip_sockets))
+    state = f"on ({have.describe()}{'; IP sockets allowed for the trace exporter' if ip_sockets else ''})"
     if hook is not None:
         exec(compile(hook, hook_path, "exec"), {"__name__": "sandbox_test_hook", "scratch": str(scratch),
                                                 "version_dir": str(version_dir), "sandbox": state})
