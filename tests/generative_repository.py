@@ -151,3 +151,18 @@ def agree_until_tie(got: Sequence[int], want: Sequence[int], tie: int | None) ->
     """Tokens equal up to (not including) the first near-tie step, or all of them without one."""
     end = len(want) if tie is None else tie
     return list(got[:end]) == list(want[:end])
+
+
+def write_continuations(vdir: Path, hf_dir: Path, prompts: Sequence[Sequence[int]], max_tokens: int,
+                        min_agreement: float = 0.99) -> dict:
+    """``acceptance/continuations.json`` (contract.Files.CONTINUATIONS) from transformers' greedy tokens."""
+    from model_factory.backend.contract import Files
+
+    ref = reference_greedy(hf_dir, prompts, [max_tokens] * len(prompts))
+    data = {"max_tokens": max_tokens, "min_agreement": min_agreement,
+            "prompts": [{"text": None, "prompt_ids": list(p), "tokens": t, "near_tie": tie}
+                        for p, (t, tie) in zip(prompts, ref)]}
+    folder = Path(vdir) / Files.ACCEPTANCE_DIR
+    folder.mkdir(exist_ok=True)
+    (folder / Files.CONTINUATIONS).write_text(json.dumps(data))
+    return data

@@ -51,7 +51,7 @@ class CausalLM:
         io = self.session.io_binding()
         io.bind_cpu_input(INPUT_IDS, ids)
         io.bind_cpu_input(ATTENTION_MASK, mask)
-        io.bind_output(LOGITS, "cpu")  # bound first: copy_outputs_to_cpu() returns outputs in binding order
+        io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         for name, view in views.items():
             if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
                 raise ValueError(f"{name}: KV view is not contiguous")
@@ -59,7 +59,8 @@ class CausalLM:
             io.bind_input(name, "cpu", 0, dtype, shape, ptr)
             io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
         self.session.run_with_iobinding(io)
-        return io.copy_outputs_to_cpu()[0]
+        # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
+        return io.get_outputs()[0].numpy()
 
     def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, np.ndarray]) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;

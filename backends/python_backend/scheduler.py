@@ -2,7 +2,8 @@
 
 One :meth:`Scheduler.step` is one iteration of the engine loop:
 
-1. sequences whose client went away (``is_cancelled()``) are dropped and their slots freed;
+1. sequences whose client went away (``is_cancelled()``, asked at most every ``cancel_check_s``: each call is
+   a round trip to the Triton process) are dropped and their slots freed;
 2. waiting sequences are admitted in arrival order while their KV reservation fits
    (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes of (prompt + max_tokens)`` of every
    running sequence and the new one); the first that does not fit waits, and nothing overtakes it;
@@ -112,7 +113,7 @@ class Scheduler:
                  max_waiting: int = 64, cost: CostModel | None = None, max_prefill_tokens: int = 2048,
                  max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, retry_after_s: float = 1.0,
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
-                 log_error: Callable[[str], None] = lambda _m: None) -> None:
+                 log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -124,6 +125,9 @@ class Scheduler:
         self.metrics = metrics or NullMetrics()
         self.clock = clock
         self.log_error = log_error
+        # is_cancelled() is a round trip to the Triton process per sequence: asked at most this often.
+        self.cancel_check_s = float(cancel_check_s)
+        self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
         self._arrivals: list[Generation] = []
@@ -179,6 +183,10 @@ class Scheduler:
         self.metrics.state(len(self.running), len(self.waiting), self.slots.usage())
 
     def _drop_cancelled(self) -> None:
+        now = self.clock()
+        if now - self._last_cancel_check < self.cancel_check_s:
+            return
+        self._last_cancel_check = now
         for gen in list(self.running):
             if gen.is_cancelled():
                 self._finish(gen, FINISH_CANCELLED)

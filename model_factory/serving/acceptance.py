@@ -180,6 +180,17 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     name = model_dir.name
     config = read_config(model_dir)
     version = served_version(model_dir, config)
+    from model_factory.backend.contract import TEXT_GENERATION
+
+    task = config.parameters["task"].string_value if "task" in config.parameters else None
+    if task == TEXT_GENERATION:  # golden continuations replayed instead of golden outputs
+        from model_factory.serving.generative_acceptance import accept_generative
+
+        try:
+            settings = engine_settings(config)
+        except Exception as exc:  # noqa: BLE001 - a configuration the backend refuses: that is the verdict
+            return AcceptanceResult(name, version, False, reason=one_line(exc))
+        return AcceptanceResult(name, version, **accept_generative(model_dir, version, settings, digests))
     try:
         settings = engine_settings(config)
         kind, dev = instance_of(config)

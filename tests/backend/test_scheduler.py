@@ -107,7 +107,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
 def test_cancelled_sequence_frees_its_slot_at_the_next_step(engine):
     spec, model, tok, _ = engine
     events, emit = _collector()
-    sched = Scheduler(model, KVSlots(spec, 4, 1 << 26), tok, spec.eos_token_ids)
+    sched = Scheduler(model, KVSlots(spec, 4, 1 << 26), tok, spec.eos_token_ids, cancel_check_s=0.0)
     cancelled = {"now": False}
     gen = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=50, min_tokens=50), emit,
                                   is_cancelled=lambda: cancelled["now"]))

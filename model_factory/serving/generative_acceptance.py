@@ -1,0 +1,94 @@
+"""Acceptance of a text-generation model on this machine: its golden continuations replayed through the runtime.
+
+``acceptance/continuations.json`` (``backend/contract.Files.CONTINUATIONS``) holds prompts with the FP32
+reference's greedy tokens and, for each, the first near-tie step (where the reference's top two logits differ
+by less than 1e-3 and float rounding may pick either). The served precision's graph is loaded as the backend
+loads it (``causal_lm.CausalLM`` through the integrity check) and every prompt is generated greedily by the
+backend's own scheduler, all of them batched together as under load. The score is the token agreement: tokens
+equal to the reference, counted up to each prompt's near-tie, over the tokens compared. The model passes when
+it reaches the file's ``min_agreement``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from model_factory.serving.refusals import one_line
+
+METRIC = "token_agreement"
+
+
+def agreement(got: list[list[int]], prompts: list[Mapping[str, Any]]) -> tuple[float, int]:
+    """``(agreeing / compared tokens, tokens compared)``, each prompt compared up to its near-tie."""
+    agree = compared = 0
+    for tokens, p in zip(got, prompts):
+        want = [int(t) for t in p["tokens"]]
+        end = len(want) if p.get("near_tie") is None else min(len(want), int(p["near_tie"]))
+        compared += end
+        for a, b in zip(tokens[:end], want[:end]):
+            if a != b:
+                break
+            agree += 1
+    return (agree / compared if compared else 1.0), compared
+
+
+def accept_generative(model_dir: Path, version: str, settings: Any, digests: Mapping[str, str] | None
+                      ) -> dict[str, Any]:
+    """Replay the golden continuations of ``model_dir/version`` on this machine (never raises): the fields of
+    its ``acceptance.AcceptanceResult`` after model and version (``passed``, ``score``, ``reason``, ...)."""
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.contract import Files, GenerationSpec
+    from model_factory.backend.generate_model import _load_tokenizer
+    from model_factory.backend.integrity import read_checked
+    from model_factory.backend.kv_slots import KVSlots
+    from model_factory.backend.loading import load_verified_onnx
+    from model_factory.backend.sampling import SamplingParams
+    from model_factory.backend.scheduler import Generation, Scheduler
+
+    d = None if digests is None else dict(digests)
+    rel = f"{version}/{Files.ACCEPTANCE_DIR}/{Files.CONTINUATIONS}"
+    if not (Path(model_dir) / rel).is_file():
+        return dict(passed=False, metric=METRIC, reason=f"no golden continuations ({rel}): "
+                                "rebuild the model with this model-factory")
+    try:
+        golden = json.loads(read_checked(Path(model_dir), rel, d))
+        spec = GenerationSpec.from_json(read_checked(Path(model_dir), f"{version}/{Files.GENERATION}", d).decode())
+        prompts, gate = list(golden["prompts"]), float(golden["min_agreement"])
+    except Exception as exc:  # noqa: BLE001 - an unreadable or tampered file: refused with the reason
+        return dict(passed=False, metric=METRIC, reason=f"{type(exc).__name__}: {exc}")
+    vdir = Path(model_dir) / version
+    where = dict(engine="onnxruntime", file=settings.onnx_file, device="cpu")
+    try:
+        model = load_verified_onnx(vdir, settings.onnx_file, d, lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0))
+        tokenizer = _load_tokenizer(vdir, d)
+    except Exception as exc:  # noqa: BLE001 - it would not load in Triton either: that is the verdict
+        return dict(passed=False, metric=METRIC, threshold=gate, **where,
+                                reason=f"the model does not load here (CPU instance): {one_line(exc)}")
+    try:
+        need = max(len(p["prompt_ids"]) + len(p["tokens"]) for p in prompts)
+        slots = KVSlots(spec, max(1, min(len(prompts), settings.max_active_sequences)),
+                        budget_bytes=KVSlots(spec, 1, 1 << 62).bytes_for(need) * len(prompts))
+        sched = Scheduler(model, slots, tokenizer, spec.eos_token_ids, max_waiting=len(prompts))
+        gens = []
+        for p in prompts:
+            # Greedy, exactly as many tokens as the reference made, eos not ending it (a reference that stopped
+            # at eos ends with it: the tokens compared are the same).
+            params = SamplingParams(max_tokens=len(p["tokens"]), ignore_eos=True)
+            gens.append(sched.submit(Generation([int(t) for t in p["prompt_ids"]], params, lambda g, e: None)))
+        while sched.has_work():
+            sched.step()
+        if any(g.finish_reason == "error" for g in gens):
+            raise RuntimeError("a generation step failed")
+    except Exception as exc:  # noqa: BLE001
+        return dict(passed=False, metric=METRIC, threshold=gate, **where,
+                                reason=f"the engine fails on the golden prompts: {type(exc).__name__}: {exc}")
+    finally:
+        model.close()
+    score, compared = agreement([g.generated for g in gens], prompts)
+    passed = score >= gate
+    return dict(passed=passed, metric=METRIC, threshold=gate, score=score,
+                            primary_output="output_ids", samples=len(prompts), **where,
+                            reason=None if passed else (f"token agreement {score:.4f} over {compared} tokens is "
+                                                        f"below the gate {gate}"))
