@@ -16,6 +16,7 @@ prefill cost model measured by a short warm-up (or the configured ``cost_model``
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -90,6 +91,14 @@ class GenerativeModel:
         self.tokenizer = _load_tokenizer(version_dir, digests)
         self.slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
         cost = CostModel(*s.cost_model) if s.cost_model else self._measure_cost()
+        # Loaded: wall the stub in before any thread starts (Landlock and seccomp bind the calling thread and the
+        # threads it starts later), as the encoder path does (sandbox.py): reads only its model folder, the Python
+        # environment and system libraries; writes only scratch; no new process, no network socket.
+        from .integrity import ENV as DIGESTS_ENV
+        from .sandbox import wall_in_stub
+
+        digests_file = os.environ.get(DIGESTS_ENV)
+        self.sandbox = wall_in_stub(version_dir, readable_files=(digests_file,) if digests_file else ())
         self.metrics = _make_metrics(pb_utils, s.model_name, {"instance": str(args.get("model_instance_name", ""))})
         self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
                                    max_waiting=s.max_waiting_sequences, cost=cost,
@@ -108,7 +117,7 @@ class GenerativeModel:
             f"model-factory backend: {s.model_name} generates with {s.precision} on onnxruntime "
             f"({s.onnx_file}) on cpu, {threads} threads, {self.slots.slots} KV slots of {self.slots.max_context} "
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
-            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}")
+            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}, sandbox {self.sandbox}")
 
     # ------------------------------------------------------------------ load
 
