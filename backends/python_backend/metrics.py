@@ -36,8 +36,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "groups_split_for_memory_total": (
         "COUNTER", "Groups split before launch because their activations would not fit the GPU memory free now."),
     "engine_info": ("GAUGE", "1, labelled with what the instance runs: precision, int8_kernels (integer or "
-                             "simulated, ONNX Runtime CPU INT8), int8_weights (8-bit, or 7-bit: model.int8.w7.onnx on a CPU "
-                             "without VNNI/AMX), threads (ONNX Runtime CPU intra-op threads), "
+                             "simulated, ONNX Runtime CPU INT8), int8_weights (8-bit, or 7-bit: model.int8.w7.onnx "
+                             "on a CPU without VNNI/AMX), threads (ONNX Runtime CPU intra-op threads), "
                              "wide_threads (the threads of a run on borrowed idle cores; 0: it never borrows)."),
     "borrowed_core_runs_total": (
         "COUNTER", "Engine runs that took every core because no other CPU instance was computing (idle cores lent)."),

@@ -174,7 +174,8 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
     ONNX Runtime's spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md,
     "Instances"); every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the
     core count) gives a lone request all the cores but loses the loaded case (a calm 2-core Xeon:
-    benchmarks/history/RESULTS-notebook-2026-12-01.md, "INT8 on the CPU"). So the split stays, and a lone request borrows the idle cores instead (``idle_cores``).
+    benchmarks/history/RESULTS-notebook-2026-12-01.md, "INT8 on the CPU"). So the split stays, and a lone
+    request borrows the idle cores instead (``idle_cores``).
     """
     if settings.cpu_threads:
         return settings.cpu_threads
