@@ -5,7 +5,7 @@
 
 A signed model whose weight file is sparse (no disk here, zeros on the wire, a marker at its end) is pushed to
 the real registry of the tests (Debian's docker-registry, TLS, htpasswd: tests/distribution/registry_helpers.py),
-then pulled (fetched, verified, placed) in a child process whose peak resident memory (``ru_maxrss``) is read.
+then pulled (fetched, verified, placed) in a child process whose peak resident memory (``VmHWM``) is read.
 The section between ``<!-- pullmem:start -->`` and ``<!-- pullmem:end -->`` of RESULTS.md is replaced.
 """
 
@@ -80,7 +80,8 @@ def main() -> None:
     lines = [START, "## Pull: peak memory against layer size (benchmarks/bench_pull_memory.py)", "", machine_header(),
              "", "One signed model with one large weight layer, pushed to the real registry (docker-registry 2.8, "
              "TLS, htpasswd) and pulled — fetched, verified, placed — in a child process; its peak RSS "
-             "(`ru_maxrss`, the interpreter and libraries included).", "",
+             "(`VmHWM` of /proc/self/status, the interpreter and libraries included: `ru_maxrss` would report "
+             "the forking parent's peak, which Linux carries across exec).", "",
              "| layer | pull peak RSS | push s | pull s |", "| --- | --- | --- | --- |"]
     lines += [f"| {mib} MiB | {peak:.0f} MiB | {pushed:.1f} | {pulled:.1f} |" for mib, peak, pushed, pulled in rows]
     spread = max(r[1] for r in rows) - min(r[1] for r in rows)

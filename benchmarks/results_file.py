@@ -6,7 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-HEADER = "# Benchmark results\n\nEach section is written by one script in benchmarks/ from a real run.\n"
+HEADER = ("# Benchmark results\n\nEach section is written by one script in benchmarks/ from a real run "
+          "(see the index).\n")
 
 
 def write_section(path: Path, start: str, end: str, section: str) -> None:

@@ -318,3 +318,20 @@ def test_a_queue_policy_on_one_instance_gets_a_note(minilm_recipe) -> None:
         assert note is not None and "instance_count = 2" in note and "500 ms" in note
         two = replace(bounded, repository=replace(bounded.repository, instance_count=2))
         assert queue_policy_note(two) is None
+
+
+def test_the_7_bit_int8_form_travels_with_the_served_int8_only(minilm_recipe, tmp_path: Path) -> None:
+    from model_factory.backend.contract import Files, file_precision
+    from model_factory.build.repository import select_artifacts
+
+    assert file_precision(Files.INT8_7BIT) == "int8" and file_precision(Files.INT8_7BIT + ".data") == "int8"
+    files = {}
+    for name in ("model.onnx", "model.int8.onnx", Files.INT8_7BIT):
+        files[name] = tmp_path / name
+        files[name].write_bytes(b"x")
+    (tmp_path / (Files.INT8_7BIT + ".data")).write_bytes(b"w")
+    fp32 = select_artifacts(minilm_recipe, files)
+    assert set(fp32) == {"model.onnx"}
+    int8 = select_artifacts(replace(minilm_recipe, precisions=("fp32", "int8"), repository=replace(
+        minilm_recipe.repository, serve="int8")), files)
+    assert set(int8) == {"model.int8.onnx", Files.INT8_7BIT, Files.INT8_7BIT + ".data"}

@@ -20,9 +20,11 @@ unless the configuration parameter ``cpu_fallback`` is ``true`` (recipe
 says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``cpu``,
 ``cuda:<id>``).
 
-On the CPU, an INT8 model runs on ONNX Runtime's integer kernels where the CPU has integer dot
-products (VNNI, AMX, Arm dot product), else with Q/DQ simulated in float (``cpu_features``; parameter
-``int8_kernels``, environment ``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]`` says which.
+On the CPU, an INT8 model runs on ONNX Runtime's integer kernels on its 8-bit weights where the CPU has
+integer dot products (VNNI, AMX, Arm dot product); elsewhere on the 7-bit weights of ``model.int8.w7.onnx``
+when the package has them (8-bit ones would saturate there), else with Q/DQ simulated in float
+(``cpu_features``; parameter ``int8_kernels``, environment ``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]``
+and ``info["int8_weights"]`` say which, ``info["file"]`` the file loaded.
 The CPU instances split the cores as ONNX Runtime threads (``cpu_threads`` overrides), spinning off
 when the instances' threads outnumber the cores (``settings.cpu_spinning``); ``info["threads"]``. With
 the cores split, an instance also borrows every core for a lone request while the others are idle

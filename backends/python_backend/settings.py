@@ -194,8 +194,9 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
     Each instance is its own stub process with its own session. With a thread per core in each instance and
     ONNX Runtime's spinning on, two instances on 2 cores ran slower than one (0.81x, benchmarks/RESULTS.md,
     "Instances"); every core per instance with spinning off (:func:`cpu_spinning`; ``cpu_threads`` = the
-    core count) gives a lone request all the cores but loses the loaded case (benchmarks/RESULTS.md, "INT8
-    on the CPU"). So the split stays, and a lone request borrows the idle cores instead (``idle_cores``).
+    core count) gives a lone request all the cores but loses the loaded case (a calm 2-core Xeon:
+    benchmarks/history/RESULTS-notebook-2026-12-01.md, "INT8 on the CPU"). So the split stays, and a lone
+    request borrows the idle cores instead (``idle_cores``).
     """
     if settings.cpu_threads:
         return settings.cpu_threads

@@ -316,11 +316,11 @@ class RepositoryTable(_Table):
                                       "the instances)")] = Field(
         0, description="ONNX Runtime threads per CPU instance (0: the cores split between the instances; more than "
         "that turns ONNX Runtime's spinning off). The core count serves a lone client faster, the split serves load "
-        "better (benchmarks/RESULTS.md, \"INT8 on the CPU\").")
+        "better (a calm 2-core Xeon: benchmarks/history/RESULTS-notebook-2026-12-01.md, \"INT8 on the CPU\").")
     lend_idle_cores: Flag = Field(True, description="With the cores split between CPU instances (cpu_threads = "
                                   "0): a run takes every core while no other CPU instance computes, so a lone "
                                   "client is served on all cores and a loaded server keeps the split "
-                                  "(benchmarks/RESULTS.md, \"INT8 on the CPU\").")
+                                  "(benchmarks/history/RESULTS-notebook-2026-12-01.md, \"INT8 on the CPU\").")
     int8_kernels: _choice(INT8_KERNELS) = Field("auto", description="INT8 on ONNX Runtime's CPU engine: auto "
                                                 "(integer kernels: 8-bit weights where the serving CPU has VNNI, "
                                                 "AMX or dot products; elsewhere the 7-bit weights of "

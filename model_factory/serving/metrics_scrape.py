@@ -31,6 +31,8 @@ def serving_notes(info: dict[str, dict[str, str]]) -> dict[str, str]:
         if labels.get("int8_kernels") == "simulated":
             notes[model] = ("INT8 runs with Q/DQ simulated in float on this CPU, so FP32 is the faster choice here "
                             "(benchmarks/RESULTS.md, \"INT8 on the CPU\"). "
-                            "Fix: package it with [repository] serve = \"fp32\" for this machine, or serve it on a "
-                            "CPU with VNNI, AMX or Arm dot products (integer kernels)")
+                            "Fix: package it with [repository] serve = \"fp32\" for this machine, rebuild it with a "
+                            "model-factory that writes model.int8.w7.onnx (integer kernels on 7-bit weights, safe "
+                            "here) or use --int8-kernels auto, or serve it on a CPU with VNNI, AMX or Arm dot "
+                            "products (integer kernels)")
     return notes

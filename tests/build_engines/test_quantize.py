@@ -225,6 +225,11 @@ def test_minilm_artifacts(quantized, precision_recipe, minilm_export):
         if n.op_type == "QuantizeLinear":
             assert "mask" not in n.input[0].lower()
     assert sum(n.op_type == "QuantizeLinear" for n in int8.graph.node) > 0
+    # The 7-bit weight form (integer kernels on CPUs without VNNI/AMX): scored, kept when it passes the gate.
+    seven = json.loads((out / "quantize.json").read_text())["int8_7bit"]
+    assert seven["metric"] == "cosine" and 0.9 < seven["score"] <= 1.0 and seven["weights_changed"] > 0
+    assert seven["passed"] == (seven["score"] >= on_disk["min_accuracy"])
+    assert (out / "model.int8.w7.onnx").is_file() == seven["passed"]
 
 
 def test_quantized_models_reads_the_work_dir(quantized, precision_recipe, minilm_export, tmp_path):

@@ -31,19 +31,20 @@ push(Path(repo), "big", ref, options=RegistryOptions(config=Path(config), ca_fil
 
 
 _PULL = """
-import resource, sys
+import sys
 from pathlib import Path
 from model_factory.distribution.push_pull import pull
 from model_factory.distribution.registry import RegistryOptions
 ref, dest, policy, config, ca = sys.argv[1:6]
 pull(ref, Path(dest), Path(policy), options=RegistryOptions(config=Path(config), ca_file=Path(ca) if ca else None,
      plain_http=not ca))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+# VmHWM: this process's own peak (ru_maxrss would carry over the forking parent's peak across exec on Linux).
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))  # KiB
 """
 
 
 def pull_peak_rss_mib(ref: str, dest: Path, policy: Path, options) -> float:
-    """``model-factory pull``'s work in a child process; its peak resident memory in MiB."""
+    """``model-factory pull``'s work in a child process; its peak resident memory (VmHWM) in MiB."""
     proc = subprocess.run([sys.executable, "-c", _PULL, ref, str(dest), str(policy), str(options.config),
                            str(options.ca_file or "")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
