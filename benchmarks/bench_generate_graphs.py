@@ -44,7 +44,7 @@ def prompts(tok, batch: int) -> list[list[int]]:
 def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, float]:
     """(prefill seconds, decode tokens/s) of the shared-slot graph, rows prefilled per slot, decoded together."""
     from model_factory.backend.contract import past_name, present_name
-    from model_factory.build_engines.export import onnxruntime_session
+    from model_factory.build_engines.ort_session import onnxruntime_session
 
     sess = onnxruntime_session(graph, threads=THREADS)
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]

@@ -208,7 +208,7 @@ def check_graph(onnx_path: Path, head_dim: int, reference: Sequence[Continuation
 def export_causal_lm(recipe: Recipe, out_dir: Path | None = None,
                      progress: Callable[[str], None] | None = None) -> Any:
     """The export stage for ``task = "text-generation"``: ``export/model.onnx`` (+ data), tokenizer, checks."""
-    from model_factory.build_engines.export import ExportResult
+    from model_factory.build_engines.export_result import ExportResult
 
     say = progress or (lambda _m: None)
     out_dir = Path(out_dir or recipe.work_dir / "export")
