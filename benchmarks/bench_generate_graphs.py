@@ -44,7 +44,7 @@ def prompts(tok, batch: int) -> list[list[int]]:
 def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, float]:
     """(prefill seconds, decode tokens/s) of the shared-slot graph, rows prefilled per slot, decoded together."""
     from model_factory.backend.contract import past_name, present_name
-    from model_factory.build_engines.export import onnxruntime_session
+    from model_factory.build_engines.ort_session import onnxruntime_session
 
     sess = onnxruntime_session(graph, threads=THREADS)
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
@@ -126,7 +126,7 @@ def main() -> None:
     from generative_models import make_causal_lm
 
     from model_factory.build_engines.causal_lm import run_builder
-    from model_factory.build_engines.lm_quantize import weights_bytes
+    from model_factory.build_engines.lm_quantize import _builder_options, weights_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
@@ -147,7 +147,8 @@ def main() -> None:
         out = work / f"graph-{p}"
         if not (out / "model.onnx").is_file():
             say(f"building {p}")
-            run_builder(src, out, p, {"block_size": 32, "accuracy_level": 4} if p != "fp32" else None)
+            # The factory's own options (INT4: block 32, accuracy_level 4; INT8: float activations), RTN.
+            run_builder(src, out, p, _builder_options(p, "rtn", 32, ()) if p != "fp32" else None)
         graphs[p] = out
     head_dim = SHAPE["hidden"] // SHAPE["heads"]
     n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])

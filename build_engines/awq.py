@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 GRID = tuple(i / 10 for i in range(11))
-MAX_ROWS = 2048  # calibration activations kept per group (tokens)
+MAX_ROWS = 512  # calibration activations kept per group (tokens): the search costs rows x weights x grid
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]
     for i, layer in enumerate(layers):
         for name, module, _, _ in _groups(layer, family):
             def hook(_m: Any, args: tuple, key: tuple[int, str] = (i, name)) -> None:
-                captured.setdefault(key, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
+                kept = captured.setdefault(key, [])
+                if sum(len(x) for x in kept) < MAX_ROWS:  # never more than the search reads
+                    kept.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
             hooks.append(module.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():

@@ -43,52 +43,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "added_tokens.json")
 
 
-@dataclass(frozen=True)
-class ExportResult:
-    """What the export stage produced and how close it is to the source framework."""
-
-    onnx_path: Path
-    max_abs_error: float
-    tolerance: float
-    tokenizer_dir: Path | None
-    source_digest: str
-    opset: int
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-    # The torch engine's file (export.torchscript = true: model.pt2, an ExportedProgram) and its max abs error
-    torchscript_path: Path | None = None
-    torchscript_max_abs_error: float | None = None
-    # The scan of every source file before anything read it (build_engines/source_scan.py), as a table.
-    source_scan: dict[str, Any] | None = None
-
-
-def onnxruntime_session(model: Path | bytes, threads: int | None = None, basic_optimizations: bool = False) -> Any:
-    """An ONNX Runtime CPU session with telemetry switched off (we are air-gapped).
-
-    ``model`` is a file or a serialized ModelProto; ``basic_optimizations`` stops at ORT's basic graph
-    optimizations (Q/DQ nodes stay float arithmetic, see :func:`accuracy.ort_session`).
-    """
-    ort = require("onnxruntime", "onnx")
-    # ORT 1.32 resolves a telemetry host during inference unless told not to.
-    if hasattr(ort, "disable_telemetry_events"):
-        ort.disable_telemetry_events()
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.log_severity_level = 4  # errors arrive as exceptions; ORT's coloured stderr lines are noise
-    if basic_optimizations:
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    source = bytes(model) if isinstance(model, (bytes, bytearray)) else str(model)
-    return ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
+from model_factory.build_engines.export_result import ExportResult  # noqa: E402,F401  (re-exported)
+from model_factory.build_engines.ort_session import onnxruntime_session  # noqa: E402,F401  (re-exported)
 
 
 def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
     """Run the export stage for ``recipe`` into ``out_dir`` (default: the recipe's work dir)."""
-    if recipe.is_generative:  # a decoder with its KV cache: the model builder, checked against transformers
-        from model_factory.build_engines.causal_lm import export_causal_lm
-
-        return export_causal_lm(recipe, out_dir, progress)
-    out_dir = Path(out_dir or recipe.work_dir / "export")
     say = progress or (lambda _msg: None)
     if recipe.export.torchscript and recipe.source.kind == "onnx":
         raise FactoryError("export.torchscript = true, but an onnx source has no torch module to trace. Fix: set "
@@ -98,6 +58,13 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
     # Before any library opens a source file: classified, its pickles scanned; a refused one stops here.
     scan = scan_source(recipe).to_dict()
     say(f"[scan] {scan_summary(scan)}")
+    if recipe.is_generative:  # a decoder with its KV cache: the model builder, checked against transformers
+        import dataclasses
+
+        from model_factory.build_engines.causal_lm import export_causal_lm
+
+        return dataclasses.replace(export_causal_lm(recipe, out_dir, progress), source_scan=scan)
+    out_dir = Path(out_dir or recipe.work_dir / "export")
     with atomic_dir(out_dir) as tmp:
         if recipe.source.kind == "huggingface":
             result = _export_huggingface(recipe, tmp, say)

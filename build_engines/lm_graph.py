@@ -58,7 +58,7 @@ class DecoderRunner:
     """One sequence at a time through a shared-slot decoder graph (CPU, ONNX Runtime)."""
 
     def __init__(self, onnx_path: Path, max_context: int, head_dim: int, threads: int | None = None) -> None:
-        from model_factory.build_engines.export import onnxruntime_session
+        from model_factory.build_engines.ort_session import onnxruntime_session
 
         self.session = onnxruntime_session(Path(onnx_path), threads=threads)
         self.shape = graph_shape(self.session, head_dim)

@@ -25,7 +25,6 @@ from typing import Any, Callable, Mapping, Sequence
 from model_factory.backend.contract import Files, onnx_file
 from model_factory.build_engines.causal_lm import Continuation, prompt_ids, read_reference, run_builder
 from model_factory.build_engines.lm_graph import DecoderRunner, head_dim_of, teacher_forced_agreement
-from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, atomic_file
 from model_factory.recipe import Recipe, read_hf_config
 
@@ -118,6 +117,17 @@ class GenerativeAccuracy:
         return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
 
 
+@dataclass(frozen=True)
+class GenerativeQuantizeResult:
+    """What the quantize stage produced (the pipeline reads it as the encoders' QuantizeResult)."""
+
+    models: dict[str, Path]  # precision -> ONNX file ("fp32" is the export's own file)
+    report: GenerativeAccuracy
+    report_path: Path
+    float_nodes: tuple[str, ...]  # matmul_mixed_precision selectors kept at INT8
+    calibration_digest: str | None
+
+
 class Scorer:
     """FP32's perplexity and logits on the held-out text, kept to score each candidate against."""
 
@@ -181,11 +191,10 @@ def _builder_options(precision: str, method: str, block: int, mixed: Sequence[st
 
 
 def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
-                       progress: Callable[[str], None] | None = None, min_accuracy: float | None = None) -> Any:
-    """Build and gate the recipe's INT8/INT4 graphs; ``accuracy.json`` beside them. Returns a QuantizeResult."""
+                       progress: Callable[[str], None] | None = None, min_accuracy: float | None = None) -> GenerativeQuantizeResult:
+    """Build and gate the recipe's INT8/INT4 graphs; ``accuracy.json`` beside them."""
     from model_factory.build_engines.accuracy import AccuracyGateError
     from model_factory.build_engines.calibration import split_data
-    from model_factory.build_engines.quantize import QuantizeResult
 
     say = progress or (lambda _m: None)
     out_dir = Path(out_dir or recipe.work_dir / "quantize")
@@ -255,9 +264,9 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 f"{report.render()}\nFix: build fp32/int8 only, give calibration_data for awq, or relax "
                 "quantization.min_token_agreement / max_perplexity_ratio if this is acceptable",
                 report, out_dir / REPORT_NAME)  # type: ignore[arg-type]
-    return QuantizeResult(models=models, report=report, report_path=out_dir / REPORT_NAME,  # type: ignore[arg-type]
-                          float_nodes=tuple(s for r in results for s in r.int8_matmuls),
-                          calibration_digest=split.calibration.digest if split.calibration else None)
+    return GenerativeQuantizeResult(models=models, report=report, report_path=out_dir / REPORT_NAME,
+                                    float_nodes=tuple(s for r in results for s in r.int8_matmuls),
+                                    calibration_digest=split.calibration.digest if split.calibration else None)
 
 
 def data_name(graph: Path) -> str:

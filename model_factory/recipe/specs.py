@@ -75,7 +75,7 @@ class QuantizationSpec:
     int4_method: str = "awq"
     int4_block_size: int = 32
     max_perplexity_ratio: float = 1.1
-    min_token_agreement: float = 0.9
+    min_token_agreement: float = 0.8
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,26 @@ def test_report_accuracy_section_reads_the_gate(llama_quantized):
     acc = collect(read_release(recipe.repository.path, recipe.name, recipe.version))
     assert acc.present and {r.precision for r in acc.rows} == {"int8", "int4"}
     assert all(r.passed for r in acc.rows)
+
+
+def test_push_and_pull_through_an_oci_layout(llama_quantized, generative_keys, tmp_path):
+    """A generative version travels as every model does: pushed with its signature and BOM, pulled verified."""
+    import hashlib
+
+    from model_factory.distribution.push_pull import pull, push
+
+    recipe, result, _path = llama_quantized
+    ref = f"oci-layout:{tmp_path / 'layout'}:1"
+    pushed = push(recipe.repository.path, recipe.name, ref)
+    assert set(pushed.referrers) == {"signature", "bom", "provenance"}
+    _policy(tmp_path, generative_keys)
+    pulled = pull(ref, tmp_path / "dest", tmp_path / "policy.toml")
+    assert pulled.version == recipe.version
+
+    def files(root):
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
+    got = files(tmp_path / "dest" / recipe.name / str(recipe.version))
+    assert got == files(result.version_dir)
+    assert "generation.json" in got and "acceptance/continuations.json" in got

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 def test_scales_fold_exactly_and_lower_the_rounding_error(tmp_path, family):
     from generative_models import make_causal_lm
 
-    from model_factory.build_engines.awq import fake_quant, search_scales
+    from model_factory.build_engines.awq import search_scales
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = make_causal_lm(family, tmp_path / family, vocab_size=512)

@@ -55,7 +55,7 @@ def test_a_llama_folder_is_a_text_generation_recipe(tmp_path):
     assert recipe.generation.defaults == {"temperature": 0.7}
     assert [s.name for s in recipe.inputs][:2] == ["text_input", "prompt_ids"]
     assert recipe.outputs[0].name == "text_output"
-    assert recipe.quantization.int4_method == "awq" and recipe.quantization.max_perplexity_ratio == 1.1
+    assert recipe.quantization.int4_method == "awq" and recipe.quantization.max_perplexity_ratio == 1.1 and recipe.quantization.min_token_agreement == 0.8
 
 
 @pytest.fixture(autouse=True)
