@@ -1,18 +1,11 @@
-"""A Triton repository holding one tiny text-generation model, laid out here for the serving tests.
+"""Text-generation models for the serving tests: built by the factory itself, deployed under a test's name.
 
-TO BE REPLACED AT MERGE by gen31's packaging (the one function that lays out a generative version folder):
-until it lands, this module is the only place that writes such a folder, so switching is one import. It lays
-out what ``backend/contract.py`` defines::
-
-    <repo>/<name>/config.pbtxt           Triton's protobuf: GENERATE_INPUTS / GENERATE_OUTPUTS, max_batch_size 0,
-                                          model_transaction_policy { decoupled: true }, one KIND_CPU instance,
-                                          parameters from contract.ModelParameters (task = text-generation, ...)
-    <repo>/<name>/1/model.py             the shim every model-factory version has, and mf_backend/ (the backend)
-    <repo>/<name>/1/model.onnx(.data)    onnxruntime-genai's builder output (fp32), or model.int4.onnx(.data)
-    <repo>/<name>/1/generation.json      contract.GenerationSpec from the Hugging Face config
-    <repo>/<name>/1/tokenizer/           tokenizer.json, tokenizer_config.json (with the chat template)
-
-Also the references the tests compare with: greedy tokens of ``transformers`` and the first near-tie.
+:func:`layout_generative_model` runs the real build (``model_factory.build.pipeline.build`` on a recipe with
+``task = "text-generation"``: the builder's graph checked against transformers, generation.json, the tokenizer,
+the golden continuations, config.pbtxt through Triton's protobuf) once per (model folder, precision), then
+copies the packaged model under the name a test asks for and sets the serving parameters it tunes in
+config.pbtxt (through the protobuf, as an operator would). The references the tests compare with are here
+too: greedy tokens of ``transformers`` and the first near-tie.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -41,82 +35,77 @@ def build_onnx(hf_dir: Path, out: Path, precision: str = "fp32") -> Path:
 
 
 def generation_spec(hf_dir: Path, weights_bytes: dict[str, int]):
-    from model_factory.backend.contract import GenerationSpec, SamplingDefaults
+    """The GenerationSpec the build packages for ``hf_dir`` (for in-process runtime tests)."""
+    from model_factory.backend.contract import GenerationSpec
 
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    eos = cfg["eos_token_id"]
-    tc = json.loads((Path(hf_dir) / "tokenizer_config.json").read_text())
-    return GenerationSpec(
-        family=cfg["model_type"], num_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], max_context=cfg["max_position_embeddings"],
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]), bos_token_id=cfg.get("bos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"), weights_bytes=weights_bytes, defaults=SamplingDefaults(),
-        chat_template=tc.get("chat_template"))
+    spec = GenerationSpec.from_json((_built(Path(hf_dir), "fp32") / "generation.json").read_text())
+    return replace(spec, weights_bytes=dict(weights_bytes))
 
 
-def _rename_onnx(src_dir: Path, dest: Path, name: str) -> None:
-    """Copy the builder's model.onnx (+ model.onnx.data) as ``name`` (+ ``name.data``), the data reference fixed."""
-    import onnx
-
-    model = onnx.load(str(src_dir / "model.onnx"), load_external_data=False)
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = name + ".data"
-    onnx.save(model, str(dest / name))
-    shutil.copyfile(src_dir / "model.onnx.data", dest / (name + ".data"))
+_BUILDS: dict[tuple[str, str], Path] = {}
 
 
-def config_pbtxt(name: str, parameters) -> str:
-    """config.pbtxt through Triton's protobuf, from the contract's generate I/O."""
-    from model_factory.backend.contract import GENERATE_INPUTS, GENERATE_OUTPUTS, format_parameters
-    from model_factory.build.repository import config_to_pbtxt
+def _built(hf_dir: Path, precision: str) -> Path:
+    """The version folder the factory builds from ``hf_dir`` serving ``precision`` (built once per session)."""
+    key = (str(Path(hf_dir).resolve()), precision)
+    if key in _BUILDS:
+        return _BUILDS[key]
+    from model_factory.build.pipeline import build
+    from model_factory.recipe import load_recipe
 
-    def tensor(t, is_input):
-        d = {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
-        if is_input and t.optional:
-            d["optional"] = True
-        return d
+    examples = Path(__file__).resolve().parents[1] / "model_factory" / "examples"
+    root = Path(tempfile.mkdtemp(prefix=f"mf-gen-build-{precision}-"))
+    for f in ("calibration.txt", "heldout.txt"):
+        shutil.copyfile(examples / f, root / f)
+    positions = json.loads((Path(hf_dir) / "config.json").read_text())["max_position_embeddings"]
+    precisions = ["fp32"] if precision == "fp32" else ["fp32", precision]
+    listed = ", ".join(f'"{p}"' for p in precisions)
+    recipe = root / "llm.toml"
+    recipe.write_text(f"""precisions = [{listed}]
+[model]
+name = "llm"
+task = "text-generation"
+[source]
+kind = "huggingface"
+path = "{Path(hf_dir).resolve()}"
+[shapes]
+max_context = {positions}
+[quantization]
+calibration_data = "calibration.txt"
+heldout_data = "heldout.txt"
+min_token_agreement = 0.01
+[repository]
+path = "repo"
+serve = "{precision}"
+""")
+    vdir = Path(build(load_recipe(recipe)).version_dir)
+    _BUILDS[key] = vdir
+    return vdir
 
-    config = {"name": name, "backend": "python", "max_batch_size": 0,
-              "input": [tensor(t, True) for t in GENERATE_INPUTS],
-              "output": [tensor(t, False) for t in GENERATE_OUTPUTS],
-              "model_transaction_policy": {"decoupled": True},
-              "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
-              "parameters": {k: {"string_value": v} for k, v in format_parameters(parameters).items()}}
-    return config_to_pbtxt(config)
 
-
-def layout_generative_model(hf_dir: Path, onnx_dir: Path, repository: Path, name: str = "tiny_llm",
+def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Path, name: str = "tiny_llm",
                             precision: str = "fp32", **parameters) -> Path:
-    """Lay out ``<repository>/<name>`` from a Hugging Face folder and its built ONNX; returns the version folder.
+    """``<repository>/<name>``: the factory's build of ``hf_dir`` (serving ``precision``), with ``parameters``
+    (contract.ModelParameters fields: memory_budget_mib, max_active_sequences, ...) set in its config.pbtxt;
+    returns the version folder. ``onnx_dir`` is not used (the build exports the graph itself)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
 
-    ``parameters``: contract.ModelParameters fields (memory_budget_mib, max_active_sequences, ...).
-    """
-    from model_factory.backend.contract import TEXT_GENERATION, Files, ModelParameters, onnx_file
-    from model_factory.build.repository import _copy_backend
+    from model_factory.backend.contract import Files, ModelParameters, format_parameters
 
+    built = _built(Path(hf_dir), precision)
     model_dir = Path(repository) / name
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    vdir = model_dir / "1"
-    vdir.mkdir(parents=True)
-    _copy_backend(vdir)
-    file = onnx_file(precision)
-    _rename_onnx(Path(onnx_dir), vdir, file)
-    weights = (vdir / file).stat().st_size + (vdir / (file + ".data")).stat().st_size
-    spec = generation_spec(hf_dir, {precision: weights})
-    (vdir / Files.GENERATION).write_text(spec.to_json())
-    tok = vdir / Files.TOKENIZER_DIR
-    tok.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(hf_dir) / f, tok / f)
-    params = replace(ModelParameters(), task=TEXT_GENERATION, precision=precision, onnx_file=file,
-                     vocab_size=spec.vocab_size, **parameters)
-    (model_dir / Files.CONFIG).write_text(config_pbtxt(name, params))
-    return vdir
+    shutil.copytree(built.parent, model_dir)
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((model_dir / Files.CONFIG).read_text(), config)
+    config.name = name
+    for key, value in format_parameters(replace(ModelParameters(), **parameters)).items():
+        if key in parameters:
+            config.parameters[key].string_value = value
+    (model_dir / Files.CONFIG).write_text(text_format.MessageToString(config))
+    return model_dir / built.name
 
 
 # --------------------------------------------------------------------------- references

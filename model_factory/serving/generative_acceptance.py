@@ -75,7 +75,11 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
         for p in prompts:
             # Greedy, exactly as many tokens as the reference made, eos not ending it (a reference that stopped
             # at eos ends with it: the tokens compared are the same).
-            params = SamplingParams(max_tokens=len(p["tokens"]), ignore_eos=True)
+            # The build's golden tokens were made with eos blocked until max_tokens (min_new_tokens): eos is
+            # blocked here too, up to a reference's own final eos.
+            n = len(p["tokens"])
+            ends_in_eos = bool(n) and int(p["tokens"][-1]) in spec.eos_token_ids
+            params = SamplingParams(max_tokens=n, min_tokens=n - 1 if ends_in_eos else n, ignore_eos=True)
             gens.append(sched.submit(Generation([int(t) for t in p["prompt_ids"]], params, lambda g, e: None)))
         while sched.has_work():
             sched.step()
