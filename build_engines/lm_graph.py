@@ -74,14 +74,14 @@ class DecoderRunner:
         io = self.session.io_binding()
         io.bind_cpu_input(INPUT_IDS, np.asarray([list(ids)], np.int64))
         io.bind_cpu_input(ATTENTION_MASK, np.ones((1, cached + len(ids)), np.int64))
+        io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         for (layer, kind), buf in self._cache.items():
             shape = list(buf.shape)
             io.bind_input(past_name(layer, kind), "cpu", 0, buf.dtype, shape, buf.ctypes.data)
             io.bind_output(present_name(layer, kind), "cpu", 0, buf.dtype, shape, buf.ctypes.data)
-        io.bind_output(LOGITS, "cpu")
         self.session.run_with_iobinding(io)
-        outputs = io.copy_outputs_to_cpu()  # in binding order: logits was bound last
-        return np.asarray(outputs[-1][0], np.float32)
+        # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
+        return np.asarray(io.get_outputs()[0].numpy()[0], np.float32)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits of every position of ``ids`` in one prefill (a fresh sequence)."""
