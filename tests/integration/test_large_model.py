@@ -143,10 +143,11 @@ serve = "int8"
     quant_dir = recipe.work_dir / "quantize"
     assert (quant_dir / "model.fp16.onnx.data").stat().st_size >= TABLE_BYTES // 2
     assert {r["precision"]: r["score"] >= 0.99 for r in result.accuracy["results"]} == {"fp16": True, "int8": True}
-    # The version folder holds the served INT8 model only, its weights hard-linked from the build.
+    # The version folder holds the served INT8 model only (with its 7-bit weight form for CPUs without VNNI/AMX),
+    # its weights hard-linked from the build.
     v = result.version_dir
     models = sorted(p.name for p in v.iterdir() if p.name.startswith("model.") and p.name != "model.py")
-    assert models == ["model.int8.onnx", "model.int8.onnx.data"]
+    assert models == ["model.int8.onnx", "model.int8.onnx.data", "model.int8.w7.onnx", "model.int8.w7.onnx.data"]
     assert (v / "model.int8.onnx.data").stat().st_ino == (quant_dir / "model.int8.onnx.data").stat().st_ino
     assert (v / "model.int8.onnx.data").stat().st_size > 2**31
 

@@ -66,7 +66,7 @@ heldout_data = "{HELDOUT}"
         assert report.served == ("tiny-bert",) and report.refused == {}
         assert list(report.engines) == ["tiny-bert"]
         assert report.engines["tiny-bert"].startswith("onnxruntime (model.onnx) on cpu, ")
-        emb = embed_texts(server.grpc_url, "tiny-bert", ["hello there", "a much longer sentence " * 20],
+        emb = embed_texts(server.grpc_url, "tiny-bert", ["hello there", "a much longer sentence " * 10],
                           protocol="grpc")
         assert emb.shape == (2, 32)
         np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
