@@ -207,7 +207,9 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
     tok = _tokenizer(export_dir)
     heldout = [prompt_ids(tok, t, PPL_TOKENS) for t in split.heldout.texts if isinstance(t, str) and t.strip()]
     calib_texts = [t for t in (split.calibration.texts if split.calibration else ()) if isinstance(t, str)]
-    head_dim = head_dim_of(read_hf_config(src))
+    hf_config = read_hf_config(src)
+    head_dim = head_dim_of(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
     scorer = Scorer(export.onnx_path, head_dim, heldout, reference)
     say(f"[quantize] FP32 perplexity {scorer.ppl_fp32:.3f} on {len(heldout)} held-out samples")
     results, search, models = [], [], {"fp32": Path(export.onnx_path)}
@@ -226,6 +228,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                                                     q.int4_block_size, say)
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
             steps = MIXED_STEPS if q.mixed_precision else MIXED_STEPS[:1]
+            if tied:  # the LM head shares the embedding's quantized table (4 bits only): it cannot go to INT8 alone
+                steps = tuple(dict.fromkeys(tuple(m for m in step if not m.startswith("last_matmul")) for step in steps))
             for mixed in steps:
                 work = tmp / f".{precision}"
                 shutil.rmtree(work, ignore_errors=True)

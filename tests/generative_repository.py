@@ -74,6 +74,7 @@ max_context = {positions}
 calibration_data = "calibration.txt"
 heldout_data = "heldout.txt"
 min_token_agreement = 0.01
+max_perplexity_ratio = 100.0
 [repository]
 path = "repo"
 serve = "{precision}"

@@ -177,3 +177,21 @@ def test_push_and_pull_through_an_oci_layout(llama_quantized, generative_keys, t
     got = files(tmp_path / "dest" / recipe.name / str(recipe.version))
     assert got == files(result.version_dir)
     assert "generation.json" in got and "acceptance/continuations.json" in got
+
+
+def test_a_tied_model_falls_back_without_an_int8_lm_head(generative_recipe, tmp_path):
+    """A model whose LM head shares the embedding table (tie_word_embeddings): the gate's fallback keeps the shared
+    4-bit table (the builder cannot make the head alone INT8) and steps to the mixed layers instead."""
+    from generative_models import make_causal_lm
+
+    from model_factory.build.pipeline import build
+    from model_factory.build_engines.accuracy import AccuracyGateError
+    from model_factory.recipe import load_recipe
+
+    folder = make_causal_lm("llama", tmp_path / "tied", tie=True)
+    path = generative_recipe(tmp_path, folder, "tied", ("fp32", "int4"), "int4", extra='int4_method = "rtn"')
+    path.write_text(path.read_text().replace("min_token_agreement = 0.4", "min_token_agreement = 1.0"))
+    with pytest.raises(AccuracyGateError) as err:  # nothing passes a gate of 1.0: every fallback step is tried
+        build(load_recipe(path))
+    steps = [s["int8"] for s in err.value.report.search if s.get("step") == "gate"]
+    assert steps == [[], ["mixed_layers:int8"]], steps
