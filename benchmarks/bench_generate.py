@@ -221,7 +221,7 @@ def main() -> None:
         "tokens / wall time. Ours is measured through HTTP (OpenAI `/v1/completions`, streamed, an asyncio client "
         "in the same machine); the peers run in-process with no HTTP. vLLM-CPU and llama.cpp were not run here "
         "(too heavy to install on the shared machine; issue 32 quotes their figures on it). Ours ran first, the "
-        "peers after it, while the load fell: the peers had the calmer cores.", "",
+        "peers after it; the header's load averages say whether other work shared the cores.", "",
         table(results, levels), "", END])
     publish(section, ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
