@@ -78,16 +78,11 @@ def request_id(kserve_id: str | None, parameters: str | Mapping[str, Any] | None
     """``(id, source)``: the request's KServe id, else its X-Request-ID header, else a generated one."""
     if kserve_id:
         return str(kserve_id), "client"
-    params = parameters
-    if isinstance(params, str):
-        try:
-            params = json.loads(params) if params.strip() else {}
-        except ValueError:
-            params = {}
-    if isinstance(params, Mapping):
-        for key, value in params.items():  # HTTP keeps the header's case, gRPC metadata is lower case
-            if str(key).lower() == REQUEST_ID_HEADER and value:
-                return str(value)[:128], "header"
+    from .requests import request_parameters
+
+    for key, value in request_parameters(parameters).items():  # HTTP keeps the header's case, gRPC lower case
+        if str(key).lower() == REQUEST_ID_HEADER and value:
+            return str(value)[:128], "header"
     return uuid.uuid4().hex[:16], "generated"
 
 

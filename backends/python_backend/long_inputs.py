@@ -19,14 +19,13 @@ The model's mode is its ``long_inputs`` parameter; a request may ask for another
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .contract import LONG_INPUTS
-from .requests import Item, RequestError, item_from_encoding
+from .requests import Item, RequestError, item_from_encoding, request_parameters
 
 
 class LongInputRefused(RequestError):
@@ -84,13 +83,7 @@ class TextEncoder:
 
     def mode_for(self, parameters: str | Mapping[str, Any] | None, default: str) -> str:
         """The mode a request asks for (its ``long_inputs`` or ``truncate`` parameter), else ``default``."""
-        params = parameters
-        if isinstance(params, str):
-            try:
-                params = json.loads(params) if params.strip() else {}
-            except ValueError:
-                params = {}
-        params = params if isinstance(params, Mapping) else {}
+        params = request_parameters(parameters)
         mode = default
         if "long_inputs" in params:
             mode = str(params["long_inputs"]).strip().lower()

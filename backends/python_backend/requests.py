@@ -177,3 +177,15 @@ def texts_from_text_inputs(raw: Mapping[str, np.ndarray]) -> list[str] | list[tu
 def items_from_text_inputs(raw: Mapping[str, np.ndarray], tokenizer: Any, input_names: Sequence[str]) -> list[Item]:
     """Items from a request's BYTES inputs: ``text``, or ``query`` + ``passage`` (a reranker's pairs)."""
     return items_from_texts(texts_from_text_inputs(raw), tokenizer, input_names)
+
+
+def request_parameters(parameters: "str | Mapping[str, Any] | None") -> "Mapping[str, Any]":
+    """A request's parameters (Triton hands them over as JSON text) as a mapping; ``{}`` when absent or unreadable."""
+    import json
+
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters) if parameters.strip() else {}
+        except ValueError:
+            return {}
+    return parameters if isinstance(parameters, Mapping) else {}
