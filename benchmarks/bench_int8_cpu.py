@@ -27,8 +27,10 @@ read back from its ``/metrics`` (``model_factory_engine_info``), with the share 
 borrowed cores at each load (``model_factory_borrowed_core_runs_total`` / ``model_factory_groups_total``).
 Then, over rounds in alternating order: throughput and latency at 1, 8 and 64 requests in flight (gRPC,
 token ids of real-text lengths, closed loop; the load generator shares the cores). Medians over rounds, with
-the range; ratios are taken within each round. The section between ``<!-- int8cpu:start -->`` and
-``<!-- int8cpu:end -->`` of RESULTS.md is replaced.
+the range; ratios are taken within each round. Each CPU kind owns its own section of RESULTS.md, replaced by its
+latest run: ``int8cpu`` on a CPU with integer dot products (VNNI/AMX/asimddp/i8mm), ``int8cpu-avx2`` on one
+without (AVX2 only). On an AVX2-only CPU the 8-bit integer rows are left out: ``integer`` runs the 7-bit form
+there, as ``auto`` does, and 8-bit weights on those kernels compute wrong values.
 """
 
 from __future__ import annotations
@@ -53,7 +55,17 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: benchmarks.harness
 from results_file import publish, say  # noqa: E402
 
 EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
-START, END = "<!-- int8cpu:start -->", "<!-- int8cpu:end -->"
+
+def markers(flags: frozenset[str]) -> tuple[str, str]:
+    """This CPU kind's section of RESULTS.md: ``int8cpu`` with integer dot products, ``int8cpu-avx2`` without."""
+    from model_factory.backend.cpu_features import integer_dot_product
+
+    name = "int8cpu" if integer_dot_product(flags) else "int8cpu-avx2"
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+# Rows that need integer dot products: on a CPU without them `integer` runs the 7-bit form (the last row).
+NEEDS_DOT = ("INT8 integer, split", "INT8 integer", "INT8 integer, 2 x all")
 FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")
 # label: (served precision, int8_kernels, cpu_threads per instance, lend_idle_cores); threads 0 = the cores
 # split, "all" = every core per instance, spinning off.
@@ -126,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.concurrency, args.no_write = 1, "1,8", True
 
-    from model_factory.backend.cpu_features import cpu_flags
+    from model_factory.backend.cpu_features import cpu_flags, integer_dot_product
     from model_factory.backend.loading import available_cpus
     from model_factory.build.pipeline import build, package_existing
     from model_factory.measure import bench
@@ -136,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cores = available_cpus()
     flags = cpu_flags()
+    START, END = markers(flags)
+    if not integer_dot_product(flags):
+        for label in NEEDS_DOT:
+            CONFIGS.pop(label, None)
     levels = [int(x) for x in args.concurrency.split(",")]
     load_start = os.getloadavg()
     results: dict[tuple[str, int], list[bench.BenchResult]] = {}
