@@ -147,7 +147,7 @@ class BackendMetrics:
         self._pool_source = pool_source
         self._last_pool: tuple[float, float, float] | None = None
         # Counters exist (at 0) from load, so a scrape before any traffic already lists them.
-        for short in ("executions_total", "execute_seconds_total", *_WINDOW_COUNTERS):
+        for short in ("executions_total", "execute_seconds_total", "borrowed_core_runs_total", *_WINDOW_COUNTERS):
             self._metric(short)
         for plan in PLANS:
             self._metric("cost_model_modelled_seconds_total", plan=plan)
