@@ -110,3 +110,22 @@ def test_a_queued_window_reaches_a_collector_as_its_spans() -> None:
     assert [s["name"] for s in spans] == ["validate", "group"] and all(s["parentSpanId"] == SPAN for s in spans)
     resource = {a["key"]: a["value"] for a in got[0]["resourceSpans"][0]["resource"]["attributes"]}
     assert resource["model"] == {"stringValue": "m"}
+
+
+def test_a_window_that_finds_the_queue_full_is_counted_as_the_spans_it_would_have_made(monkeypatch) -> None:
+    import socket
+
+    from model_factory.backend import tracing
+
+    monkeypatch.setattr(tracing, "MAX_QUEUED", 1)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = SpanExporter(f"127.0.0.1:{port}/v1/traces", {}, interval_s=60, timeout_s=0.5)
+    window = ([TraceParent(TRACE, SPAN), None, TraceParent(TRACE, SPAN)], ["a", "b", "c"],
+              {0: [("validate", 1, 2, {})], 1: [("validate", 1, 2, {})]}, [("group", 2, 3, [0, 1, 2], {})])
+    exporter.add_window(*window)  # queued
+    exporter.add_window(*window)  # full: 3 spans (validate and group of request 0, group of request 2) dropped
+    assert exporter.dropped == len(encode_window(*window)) == 3
+    exporter.close()  # the queued one fails to send: counted too
+    assert (exporter.sent, exporter.dropped) == (0, 6)
