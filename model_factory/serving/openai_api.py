@@ -45,16 +45,11 @@ def request_id_for(sent: str | None) -> str:
     return secrets.token_hex(8)
 
 
-def _request_id(request: Any) -> str:
-    """The request's id, decided once per request (kept in the aiohttp request's own mapping)."""
-    if "request_id" not in request:
-        request["request_id"] = request_id_for(request.headers.get(REQUEST_ID_HEADER))
-    return request["request_id"]
-
-
 async def _add_request_id(request: Any, response: Any) -> None:
-    """aiohttp's on_response_prepare: every answer, streamed or not, error or not, carries the request's id."""
-    response.headers[REQUEST_ID_HEADER] = _request_id(request)
+    """aiohttp's on_response_prepare: an answer the handlers did not give an id (models, health, an error of
+    aiohttp's own) gets the client's or a new one, so every answer, streamed or not, carries one."""
+    if REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = request_id_for(request.headers.get(REQUEST_ID_HEADER))
 
 
 @dataclass(frozen=True)
@@ -202,6 +197,7 @@ class OpenAIFrontend:
 
     async def _handle(self, request: Any, chat: bool) -> Any:
         _, web = _aiohttp()
+        rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))  # one id, forwarded to Triton and answered
         try:
             try:
                 req = await request.json()
@@ -209,10 +205,12 @@ class OpenAIFrontend:
                 raise OpenAIError(400, "the body is not JSON") from None
             call = (chat_request if chat else completion_request)(req, self.models)
             if call.stream:
-                return await self._stream(request, call, chat)
-            return await self._once(call, chat, _request_id(request))
+                return await self._stream(request, call, chat, rid)
+            return await self._once(call, chat, rid)
         except OpenAIError as err:
-            headers = {"Retry-After": str(int(max(1, err.retry_after_s)))} if err.retry_after_s else None
+            headers = {REQUEST_ID_HEADER: rid}
+            if err.retry_after_s:
+                headers["Retry-After"] = str(int(max(1, err.retry_after_s)))
             return web.json_response(err.body(), status=err.status, headers=headers)
 
     async def _once(self, call: Any, chat: bool, rid: str) -> Any:
@@ -229,16 +227,16 @@ class OpenAIFrontend:
         make = chat_response if chat else completion_response
         return web.json_response(make(call.model, str(_first(data.get("text_output")) or ""),
                                       openai_finish(_first(data.get("finish_reason"))) or "stop",
-                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))))
+                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))),
+                                 headers={REQUEST_ID_HEADER: rid})
 
-    async def _stream(self, request: Any, call: Any, chat: bool) -> Any:
+    async def _stream(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
         _, web = _aiohttp()
         url = f"{self.triton}/v2/models/{call.model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         out = None
         n_in = n_out = 0
-        forward = {REQUEST_ID_HEADER: _request_id(request)}
-        async with self._session.post(url, json=call.body, headers=forward) as resp:
+        async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: request_id}) as resp:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
@@ -254,7 +252,8 @@ class OpenAIFrontend:
                     await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
                     break
                 if out is None:
-                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                      REQUEST_ID_HEADER: request_id})
                     await out.prepare(request)
                     if chat:
                         first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None)

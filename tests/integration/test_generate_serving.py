@@ -312,6 +312,9 @@ def test_the_openai_frontend_answers_with_the_request_id_sent_or_one_it_made(ser
     made = [_post(url, body)[1]["X-Request-ID"] for _ in range(2)]
     made.append(_post(url, body, headers={"X-Request-ID": "x" * 200})[1]["X-Request-ID"])  # too long: replaced
     assert all(re.fullmatch(r"[0-9a-f]{16}", m) for m in made) and len(set(made)) == 3, made
+    listing = urllib.request.Request(f"{frontend.url}/v1/models", headers={"X-Request-ID": "list-1"})
+    with urllib.request.urlopen(listing, timeout=30) as r:  # answers without a handler-set id get one too
+        assert r.headers["X-Request-ID"] == "list-1"
 
 
 @pytest.mark.parametrize("body, param", [
