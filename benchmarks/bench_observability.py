@@ -1,17 +1,20 @@
 """Long inputs and tracing, measured on the real server (issue 30).
 
-    .venv/bin/python benchmarks/bench_observability.py           # ~3 min on 2 cores, writes RESULTS.md
-    .venv/bin/python benchmarks/bench_observability.py --quick   # a smoke run, RESULTS.md untouched
+    .venv/bin/python benchmarks/bench_observability.py                  # both parts, writes RESULTS.md
+    .venv/bin/python benchmarks/bench_observability.py --part tracing   # the tracing cost only (~3 min)
+    .venv/bin/python benchmarks/bench_observability.py --quick          # a smoke run, RESULTS.md untouched
 
-1. Long inputs: how close is a chunked embedding to the whole text's? MiniLM is packaged twice from one export:
-   ``minilm`` (max_sequence_length 128) and ``minilm512`` (512, buckets 128 and 512: MiniLM's position table has
-   512 rows, so no bucket of 1024 is possible). Texts of 200 to 500 tokens (benchmarks/texts.txt lines joined)
-   are sent to ``minilm`` with ``long_inputs=chunk`` and with ``truncate``, and whole to ``minilm512``; the
-   cosine of each against the whole text's embedding is reported.
-2. Tracing: throughput at 8 requests in flight (texts, HTTP) on a server without tracing and on one tracing
-   every request (``--trace-rate 1``) into an OTLP receiver in this process, in alternating rounds.
-
-Sections between ``<!-- observability:start -->`` and ``<!-- observability:end -->`` of RESULTS.md.
+1. Long inputs (section ``observability``): how close is a chunked embedding to the whole text's? MiniLM is
+   packaged twice from one export: ``minilm`` (max_sequence_length 128) and ``minilm512`` (512, buckets 128 and
+   512: MiniLM's position table has 512 rows, so no bucket of 1024 is possible). Texts of 200 to 500 tokens
+   (benchmarks/texts.txt lines joined) are sent to ``minilm`` with ``long_inputs=chunk`` and with ``truncate``,
+   and whole to ``minilm512``; the cosine of each against the whole text's embedding is reported.
+2. Tracing (section ``tracing``): throughput at 8 requests in flight (texts, HTTP) on a server without tracing
+   and on one tracing every request (``--trace-rate 1``) into an OTLP/HTTP receiver in its own process (so its
+   parsing never holds the load generator's interpreter). Built for a noisy shared machine: many short runs,
+   off and on interleaved in pairs whose order alternates (off-on, on-off, ...), the ratio taken within each
+   adjacent pair (both halves saw about the same background load), and the median and the spread of the
+   per-pair ratios reported, with the load averages (/proc/loadavg) at the start and the end and the CPU flags.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import dataclasses
 import datetime as _dt
 import http.server
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Sequence
@@ -42,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
 
 START, END = "<!-- observability:start -->", "<!-- observability:end -->"
+TRACING_START, TRACING_END = "<!-- tracing:start -->", "<!-- tracing:end -->"
 FIXED = {"cost_model": "0.002,1e-6,1e-9"}  # loads without a warm-up sweep
 
 
@@ -68,42 +73,178 @@ def _long_texts(lines: Sequence[str], tokenizer, targets: Sequence[int]) -> list
     return out
 
 
+def _receive(port_out, posts, spans) -> None:
+    """An OTLP/HTTP receiver (its own process): counts the exports and the spans in them, answers 200."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with posts.get_lock():
+                posts.value += 1
+            with spans.get_lock():
+                spans.value += body.count(b'"spanId"')
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port_out.put(httpd.server_address[1])
+    httpd.serve_forever()
+
+
 class _Receiver:
     def __init__(self) -> None:
-        self.posts = 0
-        outer = self
+        ctx = multiprocessing.get_context("spawn")
+        self.posts, self.spans = ctx.Value("i", 0), ctx.Value("i", 0)
+        port = ctx.Queue()
+        self.proc = ctx.Process(target=_receive, args=(port, self.posts, self.spans), daemon=True)
+        self.proc.start()
+        self.endpoint = f"127.0.0.1:{port.get(timeout=30)}/v1/traces"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))  # read, not parsed: it shares the
-                outer.posts += 1  # load generator's process, and a parse would slow the client, not the server
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(10)
 
-            def log_message(self, *args) -> None:
-                pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]
+
+
+def _long_inputs(work: Path, recipe, exported, lines: Sequence[str], quick: bool) -> str:
+    """Part 1: chunked and truncated embeddings against the whole text's; the ``observability`` section."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.harness.minilm import package_variant, start_server
+    from model_factory.backend.loading import available_cpus
+
+    repo = work / "repo"
+    package_variant(dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, instance_count=1)),
+                    exported, repo, parameters=FIXED)
+    wide = dataclasses.replace(recipe, name="minilm512", shapes=dataclasses.replace(
+        recipe.shapes, max_sequence_length=512, sequence_buckets=(128, 512)),
+        repository=dataclasses.replace(recipe.repository, instance_count=1))
+    package_variant(wide, exported, repo, parameters=FIXED)
+    tok = Tokenizer.from_file(str(exported.tokenizer_dir / "tokenizer.json"))
+    tok.no_truncation()
+    texts = _long_texts(lines, tok, [200, 300, 400, 500] if not quick else [300])
+    say("long inputs")
+    rows = []
+    server = start_server(repo, ("minilm", "minilm512"), exit_timeout_s=30)
+    try:
+        for text, n in texts:
+            whole = _embed(server.http_url, "minilm512", text)
+            chunk = _embed(server.http_url, "minilm", text, {"long_inputs": "chunk"})
+            cut = _embed(server.http_url, "minilm", text, {"long_inputs": "truncate"})
+            windows = 1 + -(-(n - 128) // (128 - 2 - 32))
+            rows.append(f"| {n} | {windows} | {float(chunk @ whole):.4f} | {float(cut @ whole):.4f} |")
+    finally:
+        server.stop()
+    return "\n".join([
+        START, "## Long inputs: chunked against the whole text (benchmarks/bench_observability.py)", "",
+        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
+        f"({available_cpus()} usable cores, shared with other work: load average {_loadavg()} at the end). MiniLM "
+        "FP32 ONNX Runtime CPU. The whole text runs on `minilm512` (max_sequence_length 512, buckets 128 and 512: "
+        "MiniLM's position table has 512 rows, so a 1024-token bucket cannot be built for it; texts stay under "
+        "512 tokens so the reference sees all of them); chunked and truncated on `minilm` (128, chunk_overlap 32). "
+        "Cosine of each against the whole text's unit embedding.", "",
+        "| tokens | windows of 128 | cosine chunk vs whole | cosine truncate(128) vs whole |",
+        "| --- | --- | --- | --- |", *rows, "",
+        "The tracing overhead is its own section (`tracing`), below.", END])
+
+
+def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
+    """Part 2: off vs rate 1 in interleaved pairs; the ``tracing`` section."""
+    from benchmarks.harness.minilm import package_variant, start_server
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from model_factory.measure import bench
+
+    load, loadavg_start = LoadReading.begin(), _loadavg()
+    say(f"tracing: /proc/loadavg {loadavg_start}")
+    package_variant(recipe, exported, work / "repo-trace", parameters=FIXED)
+    receiver = _Receiver()
+    stream = bench.make_payloads(bench.draw_texts(lines, args.requests, seed=0))
+    servers = {"off": start_server(work / "repo-trace", exit_timeout_s=30),
+               "on": start_server(work / "repo-trace", exit_timeout_s=30, trace_endpoint=receiver.endpoint,
+                                  trace_rate=1)}
+    runs: dict[str, list] = {k: [] for k in servers}
+    pairs: list[float] = []
+    try:
+        for label in servers:  # warm both (first-window costs, the exporter's first connection)
+            bench.run_load(servers[label].http_url, "minilm", stream, concurrency=8, warmup=16, send="text")
+        deadline = time.monotonic() + args.seconds
+        while len(pairs) < args.min_pairs or (time.monotonic() < deadline and len(pairs) < args.max_pairs):
+            order = ("off", "on") if len(pairs) % 2 == 0 else ("on", "off")
+            got = {}
+            for label in order:
+                got[label] = bench.run_load(servers[label].http_url, "minilm", stream, protocol="http",
+                                            concurrency=8, warmup=8, send="text", label=label)
+                runs[label].append(got[label])
+            pairs.append(got["on"].throughput / got["off"].throughput)
+            say(f"pair {len(pairs)} ({'-'.join(order)}): off {got['off'].throughput:.1f}, on "
+                f"{got['on'].throughput:.1f} seq/s, ratio {pairs[-1]:.3f}")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        receiver.close()
+    load, loadavg_end = load.finish(), _loadavg()
+    low, high = _quartiles(pairs)
+    median = statistics.median(pairs)
+
+    def med(label: str, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in runs[label])
+
+    seconds = sum(r.seconds for rs in runs.values() for r in rs)
+    verdict = (f"Every request traced costs {100 * (1 - median):.1f} % of throughput at the median"
+               if median < 1 else "No cost shows at the median")
+    spread = high - low
+    verdict += (f"; the middle half of the pairs spans {spread:.3f}, so this run resolves differences of about "
+                f"{spread / 2:.3f}" + (" and cannot tell 5 % apart: rerun on a quieter machine." if spread > 0.1
+                                       else "."))
+    return "\n".join([
+        TRACING_START,
+        "## Tracing overhead: OpenTelemetry off vs every request traced (benchmarks/bench_observability.py --part "
+        "tracing)", "",
+        run_header("benchmarks/bench_observability.py --part tracing", load, own_processes=1)
+        + f" /proc/loadavg at the start: `{loadavg_start}`, at the end: `{loadavg_end}`.", "",
+        f"Two servers from one package (MiniLM FP32, ONNX Runtime CPU, the example's instances), one without tracing "
+        f"and one with `--trace-rate 1` (Triton's OpenTelemetry spans and the backend's, every request) into an "
+        f"OTLP/HTTP receiver in its own process ({receiver.posts.value} exports, {receiver.spans.value} spans "
+        f"received). HTTP, texts, 8 requests in flight, {args.requests} requests per run after 8 of warm-up; "
+        f"{len(pairs)} pairs of runs, off and on back to back, the order alternating (off-on, on-off, ...), "
+        f"{seconds:.0f} s measured in all. The ratio is taken within each pair.", "",
+        "| tracing | runs | seq/s (median) | p50 ms (median) | p99 ms (median) |", "| --- | --- | --- | --- | --- |",
+        *(f"| {'rate 1' if k == 'on' else 'off'} | {len(runs[k])} | {med(k, 'throughput'):.1f} | "
+          f"{med(k, 'p50_ms'):.1f} | {med(k, 'p99_ms'):.1f} |" for k in runs), "",
+        f"rate 1 / off throughput per pair: median **{median:.3f}**, quartiles {low:.3f}–{high:.3f}, range "
+        f"{min(pairs):.3f}–{max(pairs):.3f} (pairs: {', '.join(f'{r:.3f}' for r in pairs)}).", "",
+        verdict, TRACING_END])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--part", choices=("all", "long-inputs", "tracing"), default="all")
+    ap.add_argument("--requests", type=int, default=64, help="requests per run (tracing)")
+    ap.add_argument("--seconds", type=float, default=110.0, help="time for the tracing pairs, after the warm-up")
+    ap.add_argument("--min-pairs", type=int, default=6)
+    ap.add_argument("--max-pairs", type=int, default=200)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
     write = not args.quick
     if args.quick:
-        args.rounds, args.requests = 1, 64
+        args.requests, args.seconds, args.min_pairs = 24, 0.0, 2
 
-    from tokenizers import Tokenizer
-
-    from benchmarks.harness.minilm import export_minilm, package_variant, start_server
-    from model_factory.backend.loading import available_cpus
+    from benchmarks.harness.minilm import export_minilm
     from model_factory.measure import bench
 
     lines = bench.load_texts(HERE / "texts.txt")
@@ -111,77 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         say("export")
         recipe, exported = export_minilm(work)
-        repo = work / "repo"
-        package_variant(dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository,
-                                                                                   instance_count=1)),
-                        exported, repo, parameters=FIXED)
-        wide = dataclasses.replace(recipe, name="minilm512", shapes=dataclasses.replace(
-            recipe.shapes, max_sequence_length=512, sequence_buckets=(128, 512)),
-            repository=dataclasses.replace(recipe.repository, instance_count=1))
-        package_variant(wide, exported, repo, parameters=FIXED)
-        tok = Tokenizer.from_file(str(exported.tokenizer_dir / "tokenizer.json"))
-        tok.no_truncation()
-        texts = _long_texts(lines, tok, [200, 300, 400, 500] if not args.quick else [300])
-        say("long inputs")
-        rows = []
-        server = start_server(repo, ("minilm", "minilm512"), exit_timeout_s=30)
-        try:
-            for text, n in texts:
-                whole = _embed(server.http_url, "minilm512", text)
-                chunk = _embed(server.http_url, "minilm", text, {"long_inputs": "chunk"})
-                cut = _embed(server.http_url, "minilm", text, {"long_inputs": "truncate"})
-                windows = 1 + -(-(n - 128) // (128 - 2 - 32))
-                rows.append(f"| {n} | {windows} | {float(chunk @ whole):.4f} | {float(cut @ whole):.4f} |")
-        finally:
-            server.stop()
-
-        say("tracing")
-        package_variant(recipe, exported, work / "repo-trace", parameters=FIXED)
-        receiver = _Receiver()
-        stream = bench.make_payloads(bench.draw_texts(lines, args.requests, seed=0))
-        servers = {"off": start_server(work / "repo-trace", exit_timeout_s=30),
-                   "rate 1": start_server(work / "repo-trace", exit_timeout_s=30, trace_endpoint=receiver.endpoint,
-                                          trace_rate=1)}
-        results: dict[str, list] = {k: [] for k in servers}
-        try:
-            for rnd in range(args.rounds):
-                for label in (list(servers) if rnd % 2 == 0 else list(reversed(servers))):
-                    res = bench.run_load(servers[label].http_url, "minilm", stream, protocol="http", concurrency=8,
-                                         warmup=16, send="text", label=label)
-                    results[label].append(res)
-                    say(f"round {rnd + 1} tracing {label}: {res.throughput:.1f} seq/s, p50 {res.p50_ms:.1f} ms")
-        finally:
-            for s in servers.values():
-                s.stop()
-    ratios = [on.throughput / off.throughput for off, on in zip(results["off"], results["rate 1"])]
-
-    def med(label: str, attr: str) -> float:
-        return statistics.median(getattr(r, attr) for r in results[label])
-
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = "\n".join([
-        START, "## Long inputs: chunked against the whole text (benchmarks/bench_observability.py)", "",
-        f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'} "
-        f"({available_cpus()} usable cores, shared with other work: load average {load} at the end). MiniLM FP32 "
-        "ONNX Runtime CPU. The whole text runs on `minilm512` (max_sequence_length 512, buckets 128 and 512: "
-        "MiniLM's position table has 512 rows, so a 1024-token bucket cannot be built for it; texts stay under "
-        "512 tokens so the reference sees all of them); chunked and truncated on `minilm` (128, chunk_overlap 32). "
-        "Cosine of each against the whole text's unit embedding.", "",
-        "| tokens | windows of 128 | cosine chunk vs whole | cosine truncate(128) vs whole |",
-        "| --- | --- | --- | --- |", *rows, "",
-        "## Tracing overhead: OpenTelemetry off vs every request traced (benchmarks/bench_observability.py)", "",
-        f"Same run. Two servers from one package (2 instances), one without tracing, one with `--trace-rate 1` "
-        f"into an OTLP/HTTP receiver in the benchmark's process ({receiver.posts} OTLP exports received); HTTP, texts, "
-        f"8 requests in flight, {args.requests} requests per run, {args.rounds} rounds in alternating order "
-        "(ratio taken within each round, median reported). The load generator and the receiver share the cores.",
-        "",
-        "| tracing | seq/s (median) | p50 ms | p99 ms |", "| --- | --- | --- | --- |",
-        *(f"| {k} | {med(k, 'throughput'):.1f} | {med(k, 'p50_ms'):.1f} | {med(k, 'p99_ms'):.1f} |" for k in results),
-        "", f"rate 1 / off throughput: {statistics.median(ratios):.3f} (per round: "
-            f"{', '.join(f'{r:.3f}' for r in ratios)})." + (
-            f" The rounds spread over {max(ratios) - min(ratios):.2f}: on this machine the run cannot resolve a 5 % "
-            "difference; rerun on a quiet one." if max(ratios) - min(ratios) > 0.1 else ""), "", END])
-    publish(section, args.results, START, END, write=write)
+        if args.part in ("all", "long-inputs"):
+            publish(_long_inputs(work, recipe, exported, lines, args.quick), args.results, START, END, write=write)
+        if args.part in ("all", "tracing"):
+            say("tracing")
+            publish(_tracing(work, recipe, exported, lines, args), args.results, TRACING_START, TRACING_END,
+                    write=write)
     return 0
 
 

@@ -151,6 +151,7 @@ def test_counter_deltas_between_scrapes() -> None:
         {"computed_tokens": 880, "served_tokens": 800, "inferences": 64, "executions": 16, "successes": 64}
     assert d["server_us"]["request"] == pytest.approx(1_280_000) and d["server_us"]["queue"] == 0
     assert d["execute_s"] == pytest.approx(0.16)
+    assert d["truncated_texts"] is None and d["truncated_tokens"] is None  # no such counter: unknown, not 0
     r = bench.with_counters(bench.summarize([0.025] * 64, 0, 1.0), **d)
     assert r.padding_ratio == pytest.approx(1.1) and r.mean_batch == pytest.approx(4.0)
     split = bench.time_split(r)
@@ -332,6 +333,36 @@ def test_library_run_sends_text_over_http_and_reads_the_counters(bench_server) -
     assert result.inferences == 16 and 1 <= result.executions <= 16
     assert result.served_tokens > 0 and result.computed_tokens >= result.served_tokens
     assert result.padding_ratio >= 1.0
+
+
+@pytest.mark.integration
+def test_a_sweep_of_texts_counts_the_truncations_and_the_report_shows_them(bench_server, tmp_path) -> None:
+    """Texts over the limit, sent as text (the bench asks for long_inputs=truncate): the backend's counters say
+    how many were cut and by how many tokens, the sweep keeps them and the report shows them."""
+    from tokenizers import Tokenizer
+
+    from model_factory.measure.report import ReportInputs, render
+    from model_factory.measure.sweep import read_sweep, run_sweep, write_sweep
+
+    server, tok_dir = bench_server
+    short = bench.load_texts(TEXTS)[:3]
+    long = [" ".join(bench.load_texts(TEXTS)[:40]), " ".join(bench.load_texts(TEXTS)[10:60])]
+    (tmp_path / "texts.txt").write_text("\n".join(short + long) + "\n")
+    whole = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    whole.no_truncation()
+    whole.no_padding()
+    drawn = bench.draw_texts(short + long, 12, seed=0)  # the stream run_sweep draws (same seed, same lines)
+    over = [len(whole.encode(t).ids) - 128 for t in drawn if len(whole.encode(t).ids) > 128]
+    assert over, "the stream must hold texts over the model's 128 tokens"
+    doc = run_sweep(server.http_url, "minilm", tmp_path / "texts.txt", [2], requests=12, warmup=0,
+                    metrics_url=server.metrics_url)
+    point = doc["points"][0]
+    assert (point["errors"], point["truncated_texts"], point["truncated_tokens"]) == (0, len(over), sum(over))
+    write_sweep(doc, tmp_path / "sweep.json")
+    assert read_sweep(tmp_path / "sweep.json")["points"][0]["truncated_tokens"] == sum(over)
+    repo = server.repository
+    html = render(ReportInputs(Path(repo), bench=tmp_path / "sweep.json"))
+    assert f'data-k="truncated-texts">{len(over)}<' in html and f'data-k="truncated-tokens">{sum(over)}<' in html
 
 
 @pytest.mark.integration

@@ -48,6 +48,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "events_dropped_total": ("COUNTER", "Decision events the rate limit did not write (each written event says "
                                         "how many it follows)."),
     "truncated_tokens_total": ("COUNTER", "Tokens cut from truncated texts (the model never saw them)."),
+    "trace_spans_total": ("COUNTER", "The backend's trace spans (serve --trace-endpoint), by outcome: sent to the "
+                                     "collector, or dropped (export queue full, collector away or refusing)."),
     "pool_reserved_bytes": ("GAUGE", "GPU memory the instance's pool holds (in use + cached)."),
     "pool_used_bytes": ("GAUGE", "GPU memory handed out by the instance's pool and not yet freed."),
     "pool_high_water_bytes": ("GAUGE", "Most GPU memory the instance's pool has held since load or reset."),
@@ -90,6 +92,9 @@ _WINDOW_COUNTERS = {
 
 # What happened to texts over the limit (label action of long_inputs_total).
 LONG_INPUT_ACTIONS = ("refused", "truncated", "chunked")
+
+# What became of the backend's trace spans (label outcome of trace_spans_total).
+TRACE_OUTCOMES = ("sent", "dropped")
 
 # engine_info keys published as labels of the engine_info gauge (loading.load_engine's info).
 ENGINE_INFO_LABELS = ("precision", "int8_kernels", "int8_weights", "threads", "wide_threads", "sandbox")
@@ -142,7 +147,7 @@ class BackendMetrics:
         self._pool_source = pool_source
         self._last_pool: tuple[float, float, float] | None = None
         # Counters exist (at 0) from load, so a scrape before any traffic already lists them.
-        for short in ("executions_total", "execute_seconds_total", *_WINDOW_COUNTERS):
+        for short in ("executions_total", "execute_seconds_total", "borrowed_core_runs_total", *_WINDOW_COUNTERS):
             self._metric(short)
         for plan in PLANS:
             self._metric("cost_model_modelled_seconds_total", plan=plan)
@@ -151,6 +156,9 @@ class BackendMetrics:
         self._metric("truncated_tokens_total")
         self._metric("events_dropped_total")
         self._events_dropped_sent = 0
+        for outcome in TRACE_OUTCOMES:
+            self._metric("trace_spans_total", outcome=outcome)
+        self._trace_spans_sent = dict.fromkeys(TRACE_OUTCOMES, 0)
         info = {k: str(engine_info[k]) for k in ENGINE_INFO_LABELS if engine_info and engine_info.get(k) is not None}
         self._metric("engine_info", **info).set(1.0)
         self._estimator = cost if cost is not None and hasattr(cost, "profiles") else None
@@ -226,6 +234,14 @@ class BackendMetrics:
         with self._lock:
             self._add("events_dropped_total", max(0, int(total) - self._events_dropped_sent))
             self._events_dropped_sent = max(self._events_dropped_sent, int(total))
+
+    def set_trace_spans(self, sent: int, dropped: int) -> None:
+        """The span exporter's totals so far (sent, dropped); the counter gets the differences."""
+        with self._lock:
+            for outcome, total in (("sent", sent), ("dropped", dropped)):
+                self._add("trace_spans_total", max(0, int(total) - self._trace_spans_sent[outcome]), outcome,
+                          "outcome")
+                self._trace_spans_sent[outcome] = max(self._trace_spans_sent[outcome], int(total))
 
     def add_borrowed_runs(self, count: int) -> None:
         """Runs on borrowed cores since the last call (the engine's ``wide_runs`` difference)."""

@@ -26,7 +26,7 @@ from .loading import load_for_serving, text_inputs
 from . import decisions
 from .contract import TRUNCATED_TOKENS_OUTPUT
 from .events import EventLog, request_id
-from .tracing import SpanExporter, parse_context, window_spans
+from .tracing import SpanExporter, parse_context
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
 from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
@@ -246,8 +246,10 @@ class TritonPythonModel:
                          time.perf_counter() - start, s.grouping)
         if self.metrics is not None:
             self.metrics.set_events_dropped(self.events.dropped_total)
-        if parents is not None and any(parents):
-            self.tracer.add(window_spans(parents, [x.id for x in seen], own, stats.spans))
+            if self.tracer is not None:  # as of the export thread's last batch
+                self.metrics.set_trace_spans(self.tracer.sent, self.tracer.dropped)
+        if parents is not None and any(parents):  # queued raw: the export thread makes the spans
+            self.tracer.add_window(parents, [x.id for x in seen], own, stats.spans)
         if self.trimmer is not None:
             self.trimmer.touch()
         if self.cost_keeper is not None:

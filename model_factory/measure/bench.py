@@ -45,6 +45,8 @@ REAL_TOKENS_METRIC = "model_factory_real_tokens_total"
 EXECUTIONS_METRIC = "model_factory_executions_total"
 GROUPS_METRIC = "model_factory_groups_total"
 EXECUTE_SECONDS_METRIC = "model_factory_execute_seconds_total"
+LONG_INPUTS_METRIC = "model_factory_long_inputs_total"  # label action: refused, truncated, chunked
+TRUNCATED_TOKENS_METRIC = "model_factory_truncated_tokens_total"
 SERVER_TIMES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
@@ -168,6 +170,11 @@ class BenchResult:
     # The backend's engine launches (groups) and execute() windows over the run (its counters).
     groups: int = 0
     windows: int = 0
+    # Texts over the model's limit that the backend truncated / chunked over the run, and the tokens truncation
+    # cut (its counters; None without a metrics URL or from a backend that has no such counters).
+    truncated_texts: int | None = None
+    truncated_tokens: int | None = None
+    chunked_texts: int | None = None
 
     @property
     def groups_per_window(self) -> float | None:
@@ -203,10 +210,12 @@ def summarize(latencies_s: Sequence[float], errors: int, seconds: float, *, labe
 def with_counters(result: BenchResult, *, computed_tokens: int = 0, served_tokens: int = 0,
                   inferences: int = 0, executions: int = 0, padding_source: str | None = None,
                   successes: int = 0, server_us: Mapping[str, float] | None = None,
-                  execute_s: float = 0.0, groups: int = 0, windows: int = 0) -> BenchResult:
+                  execute_s: float = 0.0, groups: int = 0, windows: int = 0, truncated_texts: int | None = None,
+                  truncated_tokens: int | None = None, chunked_texts: int | None = None) -> BenchResult:
     """``result`` with the server-side counters of its run, and the ratios they give."""
     ratio = computed_tokens / served_tokens if served_tokens > 0 else None
     return replace(result, successes=successes, groups=groups, windows=windows, server_us=dict(server_us or {}), execute_s=execute_s,
+                   truncated_texts=truncated_texts, truncated_tokens=truncated_tokens, chunked_texts=chunked_texts,
                    computed_tokens=computed_tokens, served_tokens=served_tokens, inferences=inferences,
                    executions=executions, padding_ratio=ratio,
                    padding_source=padding_source or ("backend metrics" if ratio is not None else "n/a"),
@@ -239,7 +248,16 @@ def merge_results(results: Sequence[BenchResult], label: str | None = None) -> B
                          server_us={k: sum(r.server_us.get(k, 0.0) for r in results) for k in SERVER_TIMES},
                          execute_s=sum(r.execute_s for r in results),
                          groups=sum(r.groups for r in results), windows=sum(r.windows for r in results),
+                         truncated_texts=_sum_known(r.truncated_texts for r in results),
+                         truncated_tokens=_sum_known(r.truncated_tokens for r in results),
+                         chunked_texts=_sum_known(r.chunked_texts for r in results),
                          padding_source=sources.pop() if len(sources) == 1 else None)
+
+
+def _sum_known(values: Any) -> int | None:
+    """The sum of the values that are known (None when none is)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def batches_padding_ratio(batches: Sequence[Sequence[int]]) -> float:
@@ -300,13 +318,20 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> list[Sample]:
 
 def counter_deltas(before: Sequence[Sample], after: Sequence[Sample], model: str) -> dict[str, float]:
     """What the server did for ``model`` between two scrapes: computed/real tokens, inferences, executions,
-    the backend's groups and windows."""
+    the backend's groups and windows, and the texts over the limit it truncated (and the tokens cut) or chunked."""
     def delta(name: str) -> float:
         a = metric_total(after, name, model=model)
         b = metric_total(before, name, model=model)
         return (a or 0.0) - (b or 0.0)
 
-    return {"computed_tokens": int(round(delta(COMPUTED_TOKENS_METRIC))),
+    def known(name: str, **labels: str) -> int | None:  # None: the server has no such counter (not ours)
+        a = metric_total(after, name, model=model, **labels)
+        return None if a is None else int(round(a - (metric_total(before, name, model=model, **labels) or 0.0)))
+
+    return {"truncated_texts": known(LONG_INPUTS_METRIC, action="truncated"),
+            "truncated_tokens": known(TRUNCATED_TOKENS_METRIC),
+            "chunked_texts": known(LONG_INPUTS_METRIC, action="chunked"),
+            "computed_tokens": int(round(delta(COMPUTED_TOKENS_METRIC))),
             "served_tokens": int(round(delta(REAL_TOKENS_METRIC))),
             "inferences": int(round(delta("nv_inference_count"))),
             "executions": int(round(delta("nv_inference_exec_count"))),

@@ -44,6 +44,11 @@ class SweepPoint:
     padding_ratio: float | None = None  # computed / real tokens (backend counters)
     mean_batch: float | None = None  # Triton's requests per model execution
     groups_per_window: float | None = None  # engine launches per execute() window (backend counters)
+    # Texts over the model's limit the backend truncated (and the tokens it cut) or chunked (its counters;
+    # None without them). Sent as ids, the texts were cut by the bench's tokenizer before the server saw them.
+    truncated_texts: int | None = None
+    truncated_tokens: int | None = None
+    chunked_texts: int | None = None
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -80,7 +85,9 @@ def point_from(result: Any) -> SweepPoint:
     return SweepPoint(concurrency=result.concurrency, throughput=result.throughput, p50_ms=result.p50_ms,
                       p99_ms=result.p99_ms, mean_ms=result.mean_ms, requests=result.requests, errors=result.errors,
                       rejected=result.rejected, seconds=result.seconds, padding_ratio=result.padding_ratio,
-                      mean_batch=result.mean_batch, groups_per_window=result.groups_per_window)
+                      mean_batch=result.mean_batch, groups_per_window=result.groups_per_window,
+                      truncated_texts=result.truncated_texts, truncated_tokens=result.truncated_tokens,
+                      chunked_texts=result.chunked_texts)
 
 
 def run_sweep(url: str, model: str, texts_file: str | Path, concurrencies: Sequence[int], *, protocol: str = "http",

@@ -9,6 +9,9 @@ cancels its handler (aiohttp's handler cancellation), which closes the upstream 
 frees the sequence at its next step. Errors are OpenAI-shaped JSON with the status they deserve: 400 naming
 the bad value, 404 for an unknown model, 503 with ``Retry-After`` when the model's waiting queue is full.
 An error the backend reports before the first token is answered as that status, never as a broken stream.
+Every answer (errors and streams included) carries ``X-Request-ID``: the client's own when it sent one (a
+printable id of at most 128 characters), else one generated here; it goes on to Triton in the same header, so
+the request is known by one id end to end (Triton's own responses cannot carry it back: docs/serving.md).
 
 aiohttp is imported where the frontend starts: extra ``serve``.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +31,25 @@ from model_factory.errors import FactoryError
 from model_factory.serving.openai_protocol import (OpenAIError, chat_chunk, chat_request, chat_response,
                                                    completion_chunk, completion_request, completion_response,
                                                    new_id, openai_finish, triton_error, usage)
+
+
+REQUEST_ID_HEADER = "X-Request-ID"
+MAX_REQUEST_ID = 128
+
+
+def request_id_for(sent: str | None) -> str:
+    """The id a request is known by: the client's ``X-Request-ID`` when it is a printable id of at most
+    128 characters, else a new one (16 hex digits, as the backend generates them)."""
+    if sent and len(sent) <= MAX_REQUEST_ID and sent.isprintable() and sent.strip() == sent:
+        return sent
+    return secrets.token_hex(8)
+
+
+async def _add_request_id(request: Any, response: Any) -> None:
+    """aiohttp's on_response_prepare: an answer the handlers did not give an id (models, health, an error of
+    aiohttp's own) gets the client's or a new one, so every answer, streamed or not, carries one."""
+    if REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = request_id_for(request.headers.get(REQUEST_ID_HEADER))
 
 
 @dataclass(frozen=True)
@@ -124,6 +147,7 @@ class OpenAIFrontend:
     async def _serve(self) -> None:
         aiohttp, web = _aiohttp()
         app = web.Application(client_max_size=8 << 20)
+        app.on_response_prepare.append(_add_request_id)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
@@ -173,6 +197,7 @@ class OpenAIFrontend:
 
     async def _handle(self, request: Any, chat: bool) -> Any:
         _, web = _aiohttp()
+        rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))  # one id, forwarded to Triton and answered
         try:
             try:
                 req = await request.json()
@@ -180,16 +205,18 @@ class OpenAIFrontend:
                 raise OpenAIError(400, "the body is not JSON") from None
             call = (chat_request if chat else completion_request)(req, self.models)
             if call.stream:
-                return await self._stream(request, call, chat)
-            return await self._once(call, chat)
+                return await self._stream(request, call, chat, rid)
+            return await self._once(call, chat, rid)
         except OpenAIError as err:
-            headers = {"Retry-After": str(int(max(1, err.retry_after_s)))} if err.retry_after_s else None
+            headers = {REQUEST_ID_HEADER: rid}
+            if err.retry_after_s:
+                headers["Retry-After"] = str(int(max(1, err.retry_after_s)))
             return web.json_response(err.body(), status=err.status, headers=headers)
 
-    async def _once(self, call: Any, chat: bool) -> Any:
+    async def _once(self, call: Any, chat: bool, rid: str) -> Any:
         _, web = _aiohttp()
         url = f"{self.triton}/v2/models/{call.model}/generate"
-        async with self._session.post(url, json=call.body) as resp:
+        async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: rid}) as resp:
             text = await resp.text()
         try:
             data = json.loads(text)
@@ -200,15 +227,16 @@ class OpenAIFrontend:
         make = chat_response if chat else completion_response
         return web.json_response(make(call.model, str(_first(data.get("text_output")) or ""),
                                       openai_finish(_first(data.get("finish_reason"))) or "stop",
-                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))))
+                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))),
+                                 headers={REQUEST_ID_HEADER: rid})
 
-    async def _stream(self, request: Any, call: Any, chat: bool) -> Any:
+    async def _stream(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
         _, web = _aiohttp()
         url = f"{self.triton}/v2/models/{call.model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         out = None
         n_in = n_out = 0
-        async with self._session.post(url, json=call.body) as resp:
+        async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: request_id}) as resp:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
@@ -224,7 +252,8 @@ class OpenAIFrontend:
                     await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
                     break
                 if out is None:
-                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                      REQUEST_ID_HEADER: request_id})
                     await out.prepare(request)
                     if chat:
                         first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None)

@@ -262,3 +262,18 @@ def test_a_learning_estimator_is_published_with_its_uncertainty_and_resent_when_
         assert FakeMetric.calls - calls == sent
     finally:
         m.close()
+
+
+def test_trace_spans_sent_and_dropped_are_counted_from_the_exporter_totals():
+    FakeMetricFamily.created = []
+    m = BackendMetrics(FakePbUtils, "m", interval_s=None)
+    try:
+        assert _only(m, "trace_spans_total", outcome="sent").value == 0  # listed at 0 from load
+        m.set_trace_spans(sent=40, dropped=0)
+        m.set_trace_spans(sent=40, dropped=0)  # unchanged totals add nothing
+        m.set_trace_spans(sent=95, dropped=7)
+        m.flush()
+        assert _only(m, "trace_spans_total", outcome="sent").value == 95
+        assert _only(m, "trace_spans_total", outcome="dropped").value == 7
+    finally:
+        m.close()

@@ -7,7 +7,8 @@ import json
 
 from model_factory.backend.executor import GroupedExecutor
 from model_factory.backend.grouping import CostModel
-from model_factory.backend.tracing import SpanExporter, TraceParent, export_body, parse_context, window_spans
+from model_factory.backend.tracing import (SpanExporter, TraceParent, encode_window, export_body, parse_context,
+                                          window_spans)
 
 import numpy as np
 
@@ -57,3 +58,74 @@ def test_an_exporter_without_a_collector_drops_and_counts() -> None:
     exporter.add([{"name": "x"}] * 3)
     exporter.close()
     assert exporter.dropped == 3 and exporter.sent == 0
+
+
+def _without_span_ids(body: bytes) -> list[dict]:
+    spans = json.loads(body)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert all(len(s["spanId"]) == 16 for s in spans)
+    return [{k: v for k, v in s.items() if k != "spanId"} for s in spans]
+
+
+def test_the_export_thread_s_json_text_is_the_same_spans() -> None:
+    """encode_window (what the export thread writes) and window_spans (dicts) are one OTLP document, request ids
+    needing JSON escapes included."""
+    parents = [TraceParent(TRACE, SPAN), None, TraceParent(TRACE, "2" * 16)]
+    ids = ["r0", "r1", 'we"ird\\id é\n']
+    own = {0: [("validate", 10, 20, {"sequences": 1, "refused": False})], 2: [("respond", 5, 6, {"error": True})]}
+    shared = [("engine_run", 30, 40, [0, 2], {"sequences": 2, "padded_length": 7, "share": 0.5})]
+    dicts = export_body(window_spans(parents, ids, own, shared), {"service.name": "x"})
+    text = export_body(encode_window(parents, ids, own, shared), {"service.name": "x"})
+    assert json.loads(dicts)["resourceSpans"][0]["resource"] == json.loads(text)["resourceSpans"][0]["resource"]
+    assert _without_span_ids(dicts) == _without_span_ids(text) and len(_without_span_ids(text)) == 4
+
+
+def test_a_queued_window_reaches_a_collector_as_its_spans() -> None:
+    """add_window only queues the timings; the export thread makes and sends the spans."""
+    import http.server
+    import threading
+
+    got = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        exporter = SpanExporter(f"127.0.0.1:{httpd.server_address[1]}/v1/traces", {"model": "m"}, interval_s=60)
+        exporter.add_window([TraceParent(TRACE, SPAN)], ["r0"], {0: [("validate", 1, 2, {})]},
+                            [("group", 2, 3, [0], {"groups": 1})])
+        exporter.close()  # the last flush sends what is queued
+    finally:
+        httpd.shutdown()
+    assert (exporter.sent, exporter.dropped) == (2, 0)
+    spans = got[0]["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert [s["name"] for s in spans] == ["validate", "group"] and all(s["parentSpanId"] == SPAN for s in spans)
+    resource = {a["key"]: a["value"] for a in got[0]["resourceSpans"][0]["resource"]["attributes"]}
+    assert resource["model"] == {"stringValue": "m"}
+
+
+def test_a_window_that_finds_the_queue_full_is_counted_as_the_spans_it_would_have_made(monkeypatch) -> None:
+    import socket
+
+    from model_factory.backend import tracing
+
+    monkeypatch.setattr(tracing, "MAX_QUEUED", 1)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = SpanExporter(f"127.0.0.1:{port}/v1/traces", {}, interval_s=60, timeout_s=0.5)
+    window = ([TraceParent(TRACE, SPAN), None, TraceParent(TRACE, SPAN)], ["a", "b", "c"],
+              {0: [("validate", 1, 2, {})], 1: [("validate", 1, 2, {})]}, [("group", 2, 3, [0, 1, 2], {})])
+    exporter.add_window(*window)  # queued
+    exporter.add_window(*window)  # full: 3 spans (validate and group of request 0, group of request 2) dropped
+    assert exporter.dropped == len(encode_window(*window)) == 3
+    exporter.close()  # the queued one fails to send: counted too
+    assert (exporter.sent, exporter.dropped) == (0, 6)

@@ -3,37 +3,15 @@ version whose tokenizer encodes the golden texts to other ids or whose limits we
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
-import sys
 from pathlib import Path
 
 from click.testing import CliRunner
+from contract_versions import package_version as _package
+from contract_versions import retrained_tokenizer as _retrained
 
 from model_factory.build.data_contract import CONTRACT_FILE, GOLDEN_TEXTS, diff_contracts, load_contract
 from model_factory.cli.main import main
-
-
-def _package(recipe, export, root: Path, tokenizer_dir=None, **shapes) -> Path:
-    from model_factory.build.repository import package_model
-
-    recipe = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, path=root),
-                                 shapes=dataclasses.replace(recipe.shapes, **shapes) if shapes else recipe.shapes)
-    package_model(recipe, {"model.onnx": export.onnx_path}, tokenizer_dir=tokenizer_dir or export.tokenizer_dir,
-                  parameters={"cost_model": "0.002,1e-6,1e-9"})
-    return root / recipe.name / str(recipe.version)
-
-
-def _retrained(tokenizer_dir: Path, dst: Path) -> Path:
-    """The tokenizer with two frequent word pieces swapped: same file shape, other ids for the same text."""
-    shutil.copytree(tokenizer_dir, dst)
-    path = dst / "tokenizer.json"
-    data = json.loads(path.read_text())
-    vocab = data["model"]["vocab"]
-    vocab["guitar"], vocab["playing"] = vocab["playing"], vocab["guitar"]
-    path.write_text(json.dumps(data))
-    return dst
 
 
 def _diff(old: Path, new: Path):

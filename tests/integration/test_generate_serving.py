@@ -71,8 +71,9 @@ def _check(outputs, workload):
     return ties
 
 
-def _post(url: str, body: dict, timeout: float = 120.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, timeout: float = 120.0, headers: dict | None = None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read()
@@ -294,6 +295,26 @@ def test_a_full_queue_answers_503_with_retry_after(served):
         assert "busy" in json.loads(raw)["error"]["message"]
     finally:
         long.join()
+
+
+def test_the_openai_frontend_answers_with_the_request_id_sent_or_one_it_made(served):
+    """X-Request-ID comes back on every answer of our frontend: the client's (plain, streamed, refused) or, when
+    it sent none or an unusable one, a generated one, different per request."""
+    _, frontend, _ = served
+    url = f"{frontend.url}/v1/completions"
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+    status, headers, raw = _post(url, body, headers={"X-Request-ID": "order-4711"})
+    assert status == 200 and headers["X-Request-ID"] == "order-4711", raw
+    status, headers, raw = _post(url, {**body, "stream": True}, headers={"X-Request-ID": "stream-42"})
+    assert status == 200 and headers["X-Request-ID"] == "stream-42" and _sse_events(raw)
+    status, headers, _ = _post(url, {**body, "max_tokens": 0}, headers={"X-Request-ID": "bad-1"})
+    assert status == 400 and headers["X-Request-ID"] == "bad-1"
+    made = [_post(url, body)[1]["X-Request-ID"] for _ in range(2)]
+    made.append(_post(url, body, headers={"X-Request-ID": "x" * 200})[1]["X-Request-ID"])  # too long: replaced
+    assert all(re.fullmatch(r"[0-9a-f]{16}", m) for m in made) and len(set(made)) == 3, made
+    listing = urllib.request.Request(f"{frontend.url}/v1/models", headers={"X-Request-ID": "list-1"})
+    with urllib.request.urlopen(listing, timeout=30) as r:  # answers without a handler-set id get one too
+        assert r.headers["X-Request-ID"] == "list-1"
 
 
 @pytest.mark.parametrize("body, param", [

@@ -113,3 +113,25 @@ def test_a_request_has_triton_spans_and_the_backend_spans_under_its_model_span(t
     everything = b"".join(receiver.bodies).decode()
     for text in TEXTS:
         assert text not in everything and "lighthouse" not in everything
+
+
+def test_the_backend_counts_the_spans_it_sent(traced) -> None:
+    """model_factory_trace_spans_total{outcome="sent"} follows what the collector got from the backend: more than
+    none, never more than it got (each instance reports its exporter's total at its next window)."""
+    from model_factory.measure import bench
+
+    server, receiver = traced
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": TEXTS[:1]}],
+            "outputs": [{"name": "embedding"}]}
+    deadline = time.monotonic() + 30
+    while True:
+        _infer(server, body)  # the counter is read from the exporter at each window
+        received = sum(1 for s in receiver.spans() if s["service"] == "model-factory-backend")
+        samples = bench.scrape_metrics(server.metrics_url)
+        sent = bench.metric_total(samples, "model_factory_trace_spans_total", model="minilm", outcome="sent") or 0
+        if sent > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    received = sum(1 for s in receiver.spans() if s["service"] == "model-factory-backend")
+    assert 0 < sent <= received, (sent, received)
+    assert bench.metric_total(samples, "model_factory_trace_spans_total", model="minilm", outcome="dropped") == 0

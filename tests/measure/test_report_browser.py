@@ -75,7 +75,7 @@ def test_the_page_opens_offline_without_errors_or_requests(rendered):
 def test_every_section_and_plot_is_drawn(rendered):
     _, visit, page = rendered
     a = "minilm-v1"
-    assert page["sections"] == [f"{a}-built", f"{a}-accuracy", f"{a}-engines", f"{a}-trust", f"{a}-speed",
+    assert page["sections"] == [f"{a}-built", f"{a}-inputs", f"{a}-accuracy", f"{a}-engines", f"{a}-trust", f"{a}-speed",
                                 f"{a}-changes"]
     figures = {p["figure"]: p for p in page["plots"]}
     assert set(figures) == {"plot-accuracy", "plot-sensitivity", "plot-speed", "plot-batching"}
@@ -178,3 +178,6 @@ def test_against_shows_the_accuracy_and_file_differences(rendered, release_a, re
                                                                           what="calibration data digest")
     signer = "signer (as the bundle names it)"
     assert _one(page, sec, "new", what=signer) != _one(page, sec, "old", what=signer)
+    # Same export, same tokenizer and limits: the data contract holds, and the page says so.
+    assert _one(page, sec, "contract-verdict").startswith("no breaking change")
+    assert _one(page, "minilm-v1-inputs", "long-inputs") == "refuse"

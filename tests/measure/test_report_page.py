@@ -104,3 +104,59 @@ def test_groups_per_window_from_the_backend_counters():
     assert bench.summarize([0.01], 0, 1.0).groups_per_window is None
     merged = bench.merge_results([r, r])
     assert (merged.groups, merged.windows) == (120, 40)
+
+
+def test_against_names_a_breaking_contract_change_and_a_rebuild_has_none(tmp_path, minilm_recipe, minilm_export):
+    """--against shows `contract diff`'s verdict: a retrained tokenizer is named as breaking, a rebuild is not."""
+    from contract_versions import package_version, retrained_tokenizer
+
+    from model_factory.build.data_contract import diff_contracts, load_contract
+    from model_factory.measure.report import ReportInputs, render
+
+    old = package_version(minilm_recipe, minilm_export, tmp_path / "old")
+    rebuild = package_version(minilm_recipe, minilm_export, tmp_path / "rebuild")
+    retrained = package_version(minilm_recipe, minilm_export, tmp_path / "retrained",
+                                tokenizer_dir=retrained_tokenizer(minilm_export.tokenizer_dir, tmp_path / "tok"))
+    expected = [c.what for c in diff_contracts(load_contract(old), load_contract(retrained)) if c.breaking]
+    assert expected  # the library function the report reuses finds the break
+
+    html = render(ReportInputs(tmp_path / "retrained", against=tmp_path / "old"))
+    assert f'data-k="contract-breaking-count">{len(expected)} breaking change(s)' in html
+    assert f'data-k="summary-contract">{len(expected)} breaking' in html
+    for what in expected:
+        assert f'<span class="tag removed bad">BREAKING</span> <span data-k="contract-change">{escape(what)}</span>' \
+            in html, what
+    assert "golden text &#39;A man is playing a guitar.&#39; is tokenized differently" in html
+
+    html = render(ReportInputs(tmp_path / "rebuild", against=tmp_path / "old"))
+    assert 'data-k="contract-verdict"><span class="ok">no breaking change</span>: the same contract' in html
+    assert 'data-k="summary-contract">no breaking change' in html and "BREAKING" not in html
+    # The inputs section states the long-input policy the contract records.
+    assert 'data-k="long-inputs">refuse</code>: a text over the limit is answered 400' in html
+    assert 'data-k="max-sequence-length">128<' in html
+    assert 'data-k="truncations-none"' in html  # no bench given: no counts, and it says so
+
+
+def test_the_speed_and_inputs_sections_show_the_sweeps_truncation_counts(tmp_path, minilm_recipe, minilm_export):
+    from contract_versions import package_version
+
+    from model_factory.measure.report import ReportInputs, render
+    from model_factory.measure.sweep import write_sweep
+
+    package_version(minilm_recipe, minilm_export, tmp_path / "repo")
+    doc = _doc([_point(1, truncated_texts=2, truncated_tokens=310, chunked_texts=0),
+                _point(8, truncated_texts=3, truncated_tokens=95, chunked_texts=0)]) | {"send": "text"}
+    write_sweep(doc, tmp_path / "sweep.json")
+    html = render(ReportInputs(tmp_path / "repo", bench=tmp_path / "sweep.json"))
+    assert 'data-k="truncated-texts">5<' in html and 'data-k="truncated-tokens">405<' in html
+    assert 'data-k="speed:truncated">3<' in html and 'data-k="speed:truncated-tokens">310<' in html
+    # Sent as ids, the bench's tokenizer cut the texts: the page says the server saw none, not "0 truncated".
+    write_sweep(_doc([_point(1)]), tmp_path / "ids.json")
+    html = render(ReportInputs(tmp_path / "repo", bench=tmp_path / "ids.json"))
+    assert 'data-k="truncations-ids"' in html and 'data-k="truncated-texts"' not in html
+
+
+def escape(text: str) -> str:
+    from markupsafe import escape as _escape
+
+    return str(_escape(text))

@@ -7,11 +7,13 @@ templates (``templates/``, shipped as package data); ``plots`` draws with matplo
 
 * ``release``  a model version on disk: metadata.json and its files
 * ``built``    source and digest, task, precisions, what is served, sizes
+* ``inputs``   the data contract (contract.json): inputs, outputs, limits, the long-input policy; and the texts
+               the backend truncated or chunked during the sweep (its counters)
 * ``accuracy`` accuracy.json: each precision against the gate, INT8's float layers and their sensitivity
 * ``engines``  the TensorRT plans' .plan.json sidecars
 * ``trust``    signature, provenance, the policy's verdict, acceptance on this machine
 * ``speed``    the ``bench --sweep`` JSON: throughput vs p99 latency, padding, groups per window
-* ``changes``  against an older release (``--against``)
+* ``changes``  against an older release (``--against``), the data-contract diff first (breaking changes named)
 """
 
 from __future__ import annotations

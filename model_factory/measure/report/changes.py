@@ -5,7 +5,8 @@ Compared: accuracy per precision (and the layers INT8 keeps in float), latency a
 throughput per concurrency (when both sweeps are given), sizes, files (by the digests
 ``metadata.json`` records), the source and calibration data digests, the signer, and the tensors
 (from both versions' signed BOMs: which tensors of the source and of each ONNX file changed, or
-"identical weights").
+"identical weights"), and the data contract (``model-factory contract diff``'s library function: an input
+gone, a limit lowered, a golden text tokenized differently are breaking changes, named first).
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ class FileChange:
 
 
 @dataclass(frozen=True)
+class ContractChange:
+    """One difference between the two versions' data contracts (``data_contract.Change``)."""
+
+    what: str
+    breaking: bool
+
+
+@dataclass(frozen=True)
 class Changes:
     old_repo: str
     old_title: str
@@ -64,11 +73,20 @@ class Changes:
     signer: Delta
     # One line per tensor set both BOMs list (model-factory diff's lines); empty when a BOM lacks tensors.
     tensors: tuple[str, ...] = ()
+    # The data contract's changes (breaking ones first); contract_error: why the contracts could not be compared.
+    contract: tuple[ContractChange, ...] = ()
+    contract_error: str | None = None
+
+    @property
+    def breaking(self) -> tuple[ContractChange, ...]:
+        return tuple(c for c in self.contract if c.breaking)
 
     @property
     def summary(self) -> str:
         moved = [d.what for d in self.accuracy if d.changed] + [d.what for d in self.sizes if d.changed]
-        return (f"{len(self.files)} files differ, {self.files_unchanged} unchanged; "
+        contract = ("data contract not compared" if self.contract_error else
+                    f"{len(self.breaking)} breaking contract change(s)" if self.breaking else "no breaking change")
+        return (f"{contract}; {len(self.files)} files differ, {self.files_unchanged} unchanged; "
                 f"{'signer changed' if self.signer.changed else 'same signer'}; "
                 f"{len(moved)} accuracy/size figures moved")
 
@@ -131,7 +149,20 @@ def compare(new: Release, old: Release, *, new_built: Built, old_built: Built, n
     signer = Delta("signer (as the bundle names it)", old_trust.signer or "unsigned", new_trust.signer or "unsigned")
     return Changes(str(old.repo), old.title, tuple(accuracy), tuple(n for n in new_float if n not in old_float),
                    tuple(n for n in old_float if n not in new_float), tuple(_speed(new_points, old_points)),
-                   tuple(sizes), tuple(files), unchanged, tuple(provenance), signer, _tensors(old, new))
+                   tuple(sizes), tuple(files), unchanged, tuple(provenance), signer, _tensors(old, new),
+                   *_contract(old, new))
+
+
+def _contract(old: Release, new: Release) -> tuple[tuple[ContractChange, ...], str | None]:
+    """What ``model-factory contract diff OLD NEW`` says (breaking changes first), or why it cannot say."""
+    from model_factory.build.data_contract import diff_contracts, load_contract
+    from model_factory.errors import FactoryError
+
+    try:
+        changes = diff_contracts(load_contract(old.version_dir), load_contract(new.version_dir))
+    except (FactoryError, OSError, ValueError, KeyError) as exc:
+        return (), str(exc)
+    return tuple(ContractChange(c.what, c.breaking) for c in sorted(changes, key=lambda c: not c.breaking)), None
 
 
 def _tensors(old: Release, new: Release) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from model_factory import __version__
 from model_factory.errors import FactoryError, require
 from model_factory.measure.report import accuracy, built, changes, engines, speed, trust
+from model_factory.measure.report import inputs as inputs_section
 from model_factory.measure.report.release import Release, find_releases, latest_release
 
 
@@ -26,6 +27,7 @@ class VersionReport:
 
     release: Release
     built: built.Built
+    inputs: inputs_section.Inputs
     accuracy: accuracy.Accuracy
     engines: engines.Engines
     trust: trust.Trust
@@ -122,7 +124,7 @@ def collect(inputs: ReportInputs) -> list[VersionReport]:
                                  old_points=old_points)
             if ch.speed and s is not None:
                 s = dataclasses.replace(s, curve_plot=speed.curve_plot(s.points, tuple(old_points)))
-        out.append(VersionReport(rel, b, a, e, t, s, ch))
+        out.append(VersionReport(rel, b, inputs_section.collect(rel, bench if s is not None else None), a, e, t, s, ch))
     return out
 
 
