@@ -137,7 +137,8 @@ def summarize_streams(streams: Sequence[Stream], *, concurrency: int, requests: 
         seconds=float(seconds), output_tokens=out, prompt_tokens=sum(s.prompt_tokens for s in streams),
         tokens_per_s=out / seconds, ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
         itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99), p50_ms=percentile(whole, 50),
-        p99_ms=percentile(whole, 99), max_tokens=max_tokens, error_messages=tuple(error_messages)[:5])
+        p99_ms=percentile(whole, 99), throughput=len(streams) / seconds, max_tokens=max_tokens,
+        error_messages=tuple(error_messages)[:5])
 
 
 async def _check_ready(session: Any, url: str, model: str) -> None:

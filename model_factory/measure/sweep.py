@@ -69,8 +69,9 @@ class GenerationPoint:
     ttft_p99_ms: float
     itl_p50_ms: float  # inter-token latency: the interval before each token after the first
     itl_p99_ms: float
-    p50_ms: float  # whole stream
+    p50_ms: float  # whole stream: to its last token
     p99_ms: float
+    throughput: float = 0.0  # streams finished per second (what a sweep's throughput is: sequences/s)
     max_tokens: int = 0  # asked per stream (min_tokens too: every stream generates exactly this many)
     error_messages: tuple[str, ...] = ()
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -96,7 +98,7 @@ def served_llm(tiny_llm, tmp_path_factory):
                             max_waiting_sequences=1)
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
     assert not server.load_errors, server.load_errors
-    yield server
+    yield server, repo
     rc = server.stop()
     assert rc == 0, server.log_tail(30)
 
@@ -106,6 +108,7 @@ def llm_sweep(served_llm, tmp_path_factory):
     """``model-factory bench --sweep 1,4 --json`` against the tiny Llama: (the CLI's result, the JSON path)."""
     from model_factory.cli.main import main
 
+    served_llm, _ = served_llm
     path = tmp_path_factory.mktemp("bench-gen") / "llm-sweep.json"
     out = CliRunner().invoke(main, ["bench", "--url", served_llm.http_url, "-m", MODEL, "--texts", str(TEXTS),
                                     "--sweep", "1,4", "-n", "8", "--warmup", "1", "--max-tokens", "12",
@@ -131,10 +134,72 @@ def test_cli_sweep_of_a_generative_model_on_the_real_server(llm_sweep):
     assert table[0].split()[:2] == ["conc.", "tokens/s"] and [r.split()[6] for r in table[1:]] == ["8", "8"]
 
 
+class _Cells(HTMLParser):
+    """The ``data-k`` cells of one section of the report: {(key, concurrency): text}, and the figures' classes."""
+
+    def __init__(self, section: str) -> None:
+        super().__init__()
+        self.section, self.inside, self.depth = section, False, 0
+        self.concurrency, self.key = None, None
+        self.cells: dict[tuple[str, object], str] = {}
+        self.figures: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section" and a.get("id") == self.section:
+            self.inside, self.depth = True, 0
+        if not self.inside:
+            return
+        if tag == "section":
+            self.depth += 1
+        if tag == "tr" and "data-concurrency" in a:
+            self.concurrency = int(a["data-concurrency"])
+        if tag == "figure":
+            self.figures.append(a.get("class", ""))
+        if "data-k" in a:
+            self.key = a["data-k"]
+
+    def handle_endtag(self, tag):
+        if self.inside and tag == "section":
+            self.depth -= 1
+            self.inside = self.depth > 0
+
+    def handle_data(self, data):
+        if self.inside and self.key is not None:
+            self.cells[(self.key, self.concurrency)] = data.strip()
+            self.key = None
+
+
+@pytest.mark.integration
+def test_the_report_speed_section_shows_the_generation_sweep(served_llm, llm_sweep, tmp_path):
+    from model_factory.cli.main import main
+    from model_factory.measure.sweep import read_sweep
+
+    _, repo = served_llm
+    _, path = llm_sweep
+    out = CliRunner().invoke(main, ["report", str(repo), "-m", MODEL, "--bench", str(path),
+                                    "-o", str(tmp_path / "r.html")])
+    assert out.exit_code == 0, out.output
+    html = (tmp_path / "r.html").read_text()
+    section = next(m for m in re.findall(r'id="([^"]+-speed)"', html))
+    cells = _Cells(section)
+    cells.feed(html)
+    assert cells.figures == ["plot-speed", "plot-token-latency"]
+    assert cells.cells[("speed:max-tokens", None)] == "12"
+    for p in read_sweep(path)["points"]:
+        c = p["concurrency"]
+        for key, field in (("tokens-per-s", "tokens_per_s"), ("ttft-p50", "ttft_p50_ms"), ("ttft-p99", "ttft_p99_ms"),
+                           ("itl-p50", "itl_p50_ms"), ("itl-p99", "itl_p99_ms")):
+            assert float(cells.cells[(f"speed:{key}", c)]) == pytest.approx(p[field], abs=0.005)
+        assert [int(cells.cells[(f"speed:{k}", c)]) for k in ("ok", "rejected", "errors")] == [8, 0, 0]
+    assert "tokens/s against time to first token p99" in html and "Peak output" in html
+
+
 @pytest.mark.integration
 def test_refused_streams_are_counted_apart_from_failures(served_llm):
     from model_factory.measure.generate_bench import run_generate_load
 
+    served_llm, _ = served_llm
     prompts = ["a prompt of a few words"] * 12
     p = run_generate_load(served_llm.http_url, BUSY, prompts, concurrency=4, warmup=0, max_tokens=64)
     assert p.requests == 12 and p.ok + p.rejected + p.errors == 12
@@ -148,6 +213,7 @@ def test_unknown_generative_model_and_grpc_are_user_errors(served_llm):
     from model_factory.cli.main import main
     from model_factory.measure.generate_bench import run_generate_load
 
+    served_llm, _ = served_llm
     with pytest.raises(FactoryError, match="not ready"):
         run_generate_load(served_llm.http_url, "nope", ["hello"], warmup=0)
     out = CliRunner().invoke(main, ["bench", "--url", served_llm.grpc_url, "--protocol", "grpc", "-m", MODEL,
