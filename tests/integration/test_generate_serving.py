@@ -368,3 +368,19 @@ def test_any_body_answers_200_or_400_never_500(served, fields):
     status, _, raw = _post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
                            {"text_input": "x", "max_tokens": 2, **generate})
     assert status in (200, 400), (status, raw, generate)
+
+
+def test_openai_health_is_ok_only_while_triton_is_ready(served):
+    """The chart's startup and readiness probes ask the OpenAI port's /health (deploy/helm, openai.enabled)."""
+    from model_factory.serving.openai_api import OpenAIFrontend
+    from model_factory.serving.server import free_port
+
+    _, frontend, _ = served
+    with urllib.request.urlopen(f"{frontend.url}/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with OpenAIFrontend(f"127.0.0.1:{free_port()}", {}) as orphan:  # no Triton behind it
+        try:
+            urllib.request.urlopen(f"{orphan.url}/health", timeout=10)
+            raise AssertionError("/health answered 200 without a Triton server")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
