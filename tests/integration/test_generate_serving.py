@@ -280,9 +280,9 @@ def test_a_full_queue_answers_503_with_retry_after(served):
     server, frontend, _ = served
     import threading
 
-    long = threading.Thread(target=_post, args=(f"{frontend.url}/v1/completions",
-                                                {"model": BUSY, "prompt": "x", "max_tokens": 200,
-                                                 "min_tokens": 200}))
+    answers: list = []
+    long = threading.Thread(target=lambda: answers.append(_post(
+        f"{frontend.url}/v1/completions", {"model": BUSY, "prompt": "x", "max_tokens": 200, "min_tokens": 200})))
     long.start()
     try:
         deadline = time.monotonic() + 15
@@ -294,6 +294,9 @@ def test_a_full_queue_answers_503_with_retry_after(served):
         assert "busy" in json.loads(raw)["error"]["message"]
     finally:
         long.join()
+    # With no waiting queue the first request still took the free slot and ran to the end.
+    assert answers[0][0] == 200, answers[0]
+    assert json.loads(answers[0][2])["usage"]["completion_tokens"] == 200
 
 
 @pytest.mark.parametrize("body, param", [

@@ -92,8 +92,6 @@ def served_llm(tiny_llm, tmp_path_factory):
     repo = tmp_path_factory.mktemp("bench-gen-repo")
     layout_generative_model(hf, onnx_dir, repo, MODEL, memory_budget_mib=256, max_active_sequences=8,
                             max_waiting_sequences=64)
-    # One slot and one place in the queue (with max_waiting_sequences 0 the backend refuses every request: a
-    # request waits in the queue before its first step).
     layout_generative_model(hf, onnx_dir, repo, BUSY, memory_budget_mib=256, max_active_sequences=1,
                             max_waiting_sequences=1)
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
