@@ -67,7 +67,7 @@ class GenerationPoint:
     tokens_per_s: float  # output tokens / seconds
     ttft_p50_ms: float  # time to first token, client side
     ttft_p99_ms: float
-    itl_p50_ms: float  # inter-token latency: the interval before each token after the first
+    itl_p50_ms: float  # inter-token latency: per stream (last - first token) / (tokens - 1), over the streams
     itl_p99_ms: float
     p50_ms: float  # whole stream: to its last token
     p99_ms: float

@@ -30,9 +30,10 @@ def test_stream_timings_from_events():
               (2.25, {"output_ids": [9, 10], "finish_reason": "length", "num_output_tokens": 4,
                       "num_input_tokens": [3]})]
     s = stream_timings(events, start=1.0)
-    assert s.ttft_s == 0.5 and s.output_tokens == 4 and s.prompt_tokens == 3
-    # one interval per token after the first; the two-token event splits its 0.5 s
-    assert s.intervals_s == (0.25, 0.25, 0.25)
+    assert s.ttft_s == 0.5 and s.last_s == 1.25 and s.output_tokens == 4 and s.prompt_tokens == 3
+    assert s.itl_s == 0.25  # first to last token (0.75 s) over the 3 tokens after the first
+    one = stream_timings([(1.2, {"output_ids": [7], "finish_reason": "length", "num_output_tokens": [1]})], 1.0)
+    assert one.itl_s is None
     with pytest.raises(StreamError, match="server busy"):
         stream_timings([(1.1, {"error": "server busy: 0 requests already wait; retry after 2 s"})], start=1.0)
     with pytest.raises(StreamError, match="without a token"):
@@ -52,14 +53,15 @@ def test_summarize_streams_and_the_sweep_files(tmp_path):
     from model_factory.measure.sweep import (TEXT_GENERATION, format_sweep, read_sweep, sweep_header,
                                              write_sweep)
 
-    streams = [Stream(0.1, (0.01, 0.02, 0.03), 4, 10), Stream(0.3, (0.01, 0.01, 0.01), 4, 12)]
-    p = summarize_streams(streams, concurrency=2, requests=4, rejected=1, errors=1, seconds=2.0, max_tokens=4,
+    streams = [Stream(0.1, 0.16, 4, 10), Stream(0.3, 0.33, 4, 12), Stream(0.2, 0.2, 1, 5)]
+    p = summarize_streams(streams, concurrency=2, requests=5, rejected=1, errors=1, seconds=2.0, max_tokens=4,
                           error_messages=["boom"])
-    assert (p.ok, p.rejected, p.errors, p.output_tokens, p.prompt_tokens) == (2, 1, 1, 8, 22)
-    assert p.tokens_per_s == 4.0
+    assert (p.ok, p.rejected, p.errors, p.output_tokens, p.prompt_tokens) == (3, 1, 1, 9, 27)
+    assert p.tokens_per_s == 4.5 and p.throughput == 1.5
     assert math.isclose(p.ttft_p50_ms, 200.0) and p.ttft_p99_ms <= 300.0
-    assert math.isclose(p.itl_p50_ms, 10.0) and p.itl_p99_ms <= 30.0
-    assert math.isclose(p.p99_ms, 0.33e3, rel_tol=1e-2)
+    # per stream: 60 ms / 3 and 30 ms / 3; a one-token stream has no interval
+    assert math.isclose(p.itl_p50_ms, 15.0) and math.isclose(p.itl_p99_ms, 19.9)
+    assert math.isclose(p.p50_ms, 200.0) and math.isclose(p.p99_ms, 327.4)
     from dataclasses import asdict
 
     empty = summarize_streams([], concurrency=8, requests=8, rejected=8, errors=0, seconds=1.0)
@@ -73,7 +75,7 @@ def test_summarize_streams_and_the_sweep_files(tmp_path):
     table = format_sweep(back["points"]).splitlines()
     assert table[0].split() == ["conc.", "tokens/s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                 "ok", "rejected", "failed"]
-    assert table[1].split()[1] == "4.0" and table[2].split()[2] == "n/a"
+    assert table[1].split()[1] == "4.5" and table[2].split()[2] == "n/a"
     broken = {**doc, "points": [{"concurrency": 1, "tokens_per_s": 2.0}]}
     (tmp_path / "broken.json").write_text(json.dumps(broken))
     with pytest.raises(FactoryError, match="incomplete"):
