@@ -277,26 +277,22 @@ def test_a_cancelled_stream_frees_its_sequence(served):
 
 
 def test_a_full_queue_answers_503_with_retry_after(served):
-    server, frontend, _ = served
-    import threading
-
-    answers: list = []
-    long = threading.Thread(target=lambda: answers.append(_post(
-        f"{frontend.url}/v1/completions", {"model": BUSY, "prompt": "x", "max_tokens": 200, "min_tokens": 200})))
-    long.start()
-    try:
-        deadline = time.monotonic() + 15
-        while _metric(server, "running_sequences", BUSY) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+    """One slot, no waiting queue: a stream holding the slot makes the next request 503; it runs to its end."""
+    _, frontend, _ = served
+    req = urllib.request.Request(f"{frontend.url}/v1/completions", data=json.dumps(
+        {"model": BUSY, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as long:
+        first = b""
+        while not first.startswith(b"data:"):  # its first token: the sequence holds the only slot
+            first = long.readline()
         status, headers, raw = _post(f"{frontend.url}/v1/completions", {"model": BUSY, "prompt": "y", "max_tokens": 4})
-        assert status == 503, raw
-        assert int(headers["Retry-After"]) >= 1
-        assert "busy" in json.loads(raw)["error"]["message"]
-    finally:
-        long.join()
-    # With no waiting queue the first request still took the free slot and ran to the end.
-    assert answers[0][0] == 200, answers[0]
-    assert json.loads(answers[0][2])["usage"]["completion_tokens"] == 200
+        rest = long.read()
+    assert status == 503, raw
+    assert int(headers["Retry-After"]) >= 1
+    assert "busy" in json.loads(raw)["error"]["message"]
+    events = _sse_events(first + rest)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body, param", [
