@@ -380,6 +380,68 @@ def check_tensorrt_memory_estimate() -> str:
         engine.close()
 
 
+def check_generative_kv_on_gpu() -> str:
+    """A text-generation model's KV cache on the device (kv_device): slots sized from cudaMemGetInfo less a
+    reserve, buffers from the pool, compaction device to device, and admission within what was allocated."""
+    import numpy as np
+
+    from mf_backend.contract import GenerationSpec
+    from mf_backend.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device, slot_bytes
+    from mf_backend.kv_slots import KVSlots
+
+    rt = cuda_runtime()
+    # SmolLM-135M's shape (the benchmarks' 110M Llama): 30 layers, 3 KV heads of 64, 2048 positions.
+    spec = GenerationSpec(family="llama", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
+                          hidden_size=576, vocab_size=16384, max_context=2048, eos_token_ids=(2,))
+    per_slot = slot_bytes(spec)
+    free, total = device_memory(0)
+    # A reserve that leaves room for exactly 2.5 slots: the formula must give 2.
+    assert device_slots(spec, kv_budget_from_device(free, free - int(2.5 * per_slot)), wanted=32) == 2
+    stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+    try:
+        with MemoryPool(0) as pool:
+            slots = device_slots(spec, kv_budget_from_device(free, 8 << 30), wanted=32)
+            start = time.perf_counter()
+            kv = DeviceKVBuffers(spec, slots, pool, stream)
+            check(rt, rt.cudaStreamSynchronize(stream), "sync")
+            alloc_ms = (time.perf_counter() - start) * 1e3
+            free_after, _ = device_memory(0)
+            assert free - free_after >= kv.nbytes, f"free memory fell by {free - free_after}, allocated {kv.nbytes}"
+            # Compaction: slot 7's first 300 tokens move into slot 0, every buffer, every head.
+            shape = (spec.num_kv_heads, spec.max_context, spec.head_dim)
+            pattern = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+            h2d, d2h = rt.cudaMemcpyKind.cudaMemcpyHostToDevice, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+            for name in kv.names:
+                check(rt, rt.cudaMemcpyAsync(kv.views(7, 1)[name].ptr, pattern.ctypes.data, pattern.nbytes, h2d,
+                                             stream), "H2D")
+            check(rt, rt.cudaStreamSynchronize(stream), "sync")
+            start = time.perf_counter()
+            kv.move(0, 7, 300)
+            check(rt, rt.cudaStreamSynchronize(stream), "sync")
+            move_ms = (time.perf_counter() - start) * 1e3
+            back = np.zeros_like(pattern)
+            for name in (kv.names[0], kv.names[-1]):
+                check(rt, rt.cudaMemcpyAsync(back.ctypes.data, kv.views(0, 1)[name].ptr, back.nbytes, d2h, stream),
+                      "D2H")
+                check(rt, rt.cudaStreamSynchronize(stream), "sync")
+                assert np.array_equal(back[:, :300], pattern[:, :300]) and not back[:, 300:].any(), name
+            # Admission keeps the CPU's account over what was allocated: never more than the buffers hold.
+            account = KVSlots(spec, slots, kv.nbytes)
+            admitted = 0
+            while account.can_admit(128 + 128):
+                account.admit(128 + 128)
+                admitted += 1
+            assert admitted == slots and account.usage().reserved_bytes <= kv.nbytes
+            kv.close()
+            check(rt, rt.cudaStreamSynchronize(stream), "sync")
+            assert pool.live_allocations == 0
+    finally:
+        check(rt, rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+    return (f"{free / 2**30:.1f} of {total / 2**30:.0f} GiB free; {per_slot / MIB:.1f} MiB per slot at 2048 tokens; "
+            f"{slots} slots ({slots * per_slot / 2**30:.2f} GiB) from the pool in {alloc_ms:.1f} ms; compaction of "
+            f"300 tokens x {len(kv.names)} buffers {move_ms:.2f} ms; {admitted} sequences of 256 tokens admitted")
+
+
 CHECKS = [
     ("device", check_device),
     ("memory pool: reservation, round trip, stats, trim, close", check_pool_basics),
@@ -388,6 +450,8 @@ CHECKS = [
     ("cost model measured on this GPU picks a good plan", check_cost_model_on_gpu),
     ("memory-aware groups: split before launch on the torch engine", check_memory_guard_on_gpu),
     ("memory-aware groups: the TensorRT engine's estimate vs the pool", check_tensorrt_memory_estimate),
+    ("text generation: KV cache slots from cudaMemGetInfo, in the pool, compacted on the device",
+     check_generative_kv_on_gpu),
 ]
 
 

@@ -39,7 +39,8 @@ timeout 300 "$PY" benchmarks/gpu_checks.py 2>&1 | tee -a "$LOG"
 section "gpu-marked unit tests (tests/backend)"
 if "$PY" -c "import pytest" 2>/dev/null; then
     PYTHONPATH="$PWD" timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-        tests/backend/test_memory_pool.py tests/backend/test_torch_engine.py 2>&1 | tee -a "$LOG"
+        tests/backend/test_memory_pool.py tests/backend/test_torch_engine.py tests/backend/test_kv_device.py \
+        2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 else
     echo "SKIP pytest is not installed here" | tee -a "$LOG"

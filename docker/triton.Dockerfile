@@ -38,6 +38,6 @@ ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PIP_NO_INDEX=1 \
     PYTHONUNBUFFERED=1
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # --host 0.0.0.0: serve listens on 127.0.0.1 by default, which published ports cannot reach.
-CMD ["model-factory", "serve", "--host", "0.0.0.0", "--policy", "/run/secrets/trust_policy", "/models"]
+CMD ["model-factory", "serve", "--host", "0.0.0.0", "--policy", "/run/secrets/trust_policy", "--openai-port", "9000", "/models"]

@@ -144,9 +144,14 @@ class Scheduler:
                                 f"need {self.slots.bytes_for(gen.reserved_tokens)} bytes of KV cache, more than "
                                 f"its budget of {self.slots.budget_bytes}: lower max_tokens or shorten the prompt")
         with self._lock:
-            if len(self.waiting) + len(self._arrivals) >= self.max_waiting:
+            # Queued sequences beyond the free slots are the ones that will wait: max_waiting bounds those (the
+            # engine thread changes `running`; a stale count errs by a step, and nothing overflows the cache:
+            # admission checks the budget).
+            queued = len(self.waiting) + len(self._arrivals)
+            free = max(0, self.slots.slots - len(self.running))
+            if queued - free >= self.max_waiting:
                 self.metrics.refused()
-                raise QueueFull(len(self.waiting) + len(self._arrivals), self.retry_after_s)
+                raise QueueFull(max(0, queued - free), self.retry_after_s)
             gen.id = next(self._ids)
             gen.arrival = self.clock()
             gen.sampler = Sampler(gen.params, self.eos, gen.prompt)

@@ -372,8 +372,9 @@ def cost_model_from_metrics(samples: Sequence[Sample], model: str) -> tuple[floa
 # --------------------------------------------------------------------------- load generation
 
 
-# What Triton says when a model's queue is full (default_queue_policy.max_queue_size): a shed request.
-_REJECTED = re.compile(r"exceeds maximum queue size|\[503\]|StatusCode\.UNAVAILABLE", re.IGNORECASE)
+# What Triton says when a model's queue is full (default_queue_policy.max_queue_size): a shed request; and what
+# a text-generation model says when its waiting queue is full ("server busy ... retry after N s").
+_REJECTED = re.compile(r"exceeds maximum queue size|\[503\]|StatusCode\.UNAVAILABLE|server busy", re.IGNORECASE)
 
 
 def is_rejection(exc: BaseException) -> bool:

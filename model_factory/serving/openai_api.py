@@ -1,14 +1,15 @@
 """An OpenAI-compatible HTTP frontend for the text-generation models a Triton server serves.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events, or one JSON answer),
-``/v1/models`` and ``/health``, served by aiohttp beside Triton (``serve --openai-port``). Each request is
-checked and translated (``openai_protocol``) into one call of Triton's generate extension on loopback:
-``generate_stream`` when the client streams (each Triton event becomes one OpenAI chunk, ``data: [DONE]``
-last), ``generate`` otherwise (the backend then sends exactly one response). A client that disconnects
-cancels its handler (aiohttp's handler cancellation), which closes the upstream stream, and the backend
-frees the sequence at its next step. Errors are OpenAI-shaped JSON with the status they deserve: 400 naming
-the bad value, 404 for an unknown model, 503 with ``Retry-After`` when the model's waiting queue is full.
-An error the backend reports before the first token is answered as that status, never as a broken stream.
+``/v1/models`` and ``/health`` (200 while Triton is ready, 503 otherwise: a probe of this port covers both),
+served by aiohttp beside Triton (``serve --openai-port``). Each request is checked and translated
+(``openai_protocol``) into one call of Triton's generate extension on loopback: ``generate_stream`` when the
+client streams (each Triton event becomes one OpenAI chunk, ``data: [DONE]`` last), ``generate`` otherwise
+(the backend then sends exactly one response). A client that disconnects cancels its handler (aiohttp's
+handler cancellation), which closes the upstream stream, and the backend frees the sequence at its next step.
+Errors are OpenAI-shaped JSON with the status they deserve: 400 naming the bad value, 404 for an unknown
+model, 503 with ``Retry-After`` when the model's waiting queue is full. An error the backend reports before
+the first token is answered as that status, never as a broken stream.
 Every answer (errors and streams included) carries ``X-Request-ID``: the client's own when it sent one (a
 printable id of at most 128 characters), else one generated here; it goes on to Triton in the same header, so
 the request is known by one id end to end (Triton's own responses cannot carry it back: docs/serving.md).
@@ -180,8 +181,16 @@ class OpenAIFrontend:
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: Any) -> Any:
-        _, web = _aiohttp()
-        return web.json_response({"status": "ok"})
+        """200 while Triton behind it is ready (a probe of this port covers both), 503 otherwise."""
+        aiohttp, web = _aiohttp()
+        try:
+            async with self._session.get(f"{self.triton}/v2/health/ready",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                ready = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ready = False
+        return web.json_response({"status": "ok" if ready else "inference server not ready"},
+                                 status=200 if ready else 503)
 
     async def _list_models(self, request: Any) -> Any:
         _, web = _aiohttp()

@@ -127,10 +127,19 @@ def test_waiting_queue_is_bounded(engine):
     spec, model, tok, _ = engine
     _, emit = _collector()
     sched = Scheduler(model, KVSlots(spec, 1, 1 << 26), tok, spec.eos_token_ids, max_waiting=2)
-    sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
-    sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    for _ in range(3):  # one for the free slot, two waiting
+        sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
     with pytest.raises(QueueFull, match="retry after"):
         sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    sched.step()  # one runs, two wait: still full
+    assert len(sched.running) == 1 and len(sched.waiting) == 2
+    with pytest.raises(QueueFull):
+        sched.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    # No waiting at all: a request is taken while a slot is free, and refused while none is.
+    alone = Scheduler(model, KVSlots(spec, 1, 1 << 26), tok, spec.eos_token_ids, max_waiting=0)
+    alone.submit(Generation([5], SamplingParams(max_tokens=3), emit))
+    with pytest.raises(QueueFull):
+        alone.submit(Generation([5], SamplingParams(max_tokens=3), emit))
 
 
 def test_preempted_sequence_resumes_with_the_same_tokens(engine):

@@ -59,6 +59,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                    "extraArgs": ["--log-verbose", "1"]}},
     "admin-existing-secret": {"serve": {"adminKey": {"enabled": True, "existingSecret": "triton-admin"}}},
     "cpu-only": {"gpu": {"count": 0}, "networkPolicy": {"enabled": False}},
+    # A text-generation fleet: the OpenAI API beside Triton (docs/fleet.md, docs/generation.md).
+    "text-generation": {"openai": {"enabled": True, "port": 9100}, "serve": {"accept": True}},
     "clients-only": {"networkPolicy": {"clients": [{"podSelector": {"matchLabels": {"role": "frontend"}}}]},
                      "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     "pod-extras": {"imagePullSecrets": [{"name": "registry-internal"}], "podLabels": {"team": "search"},

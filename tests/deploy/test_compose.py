@@ -29,7 +29,8 @@ TRITON_DOCKERFILE = ROOT / "docker" / "triton.Dockerfile"
 ENTRYPOINT = ROOT / "docker" / "factory-entrypoint.sh"
 ENV_EXAMPLE = ROOT / ".env.example"
 
-SERVE_COMMAND = ["model-factory", "serve", "--host", "0.0.0.0", "--policy", "/run/secrets/trust_policy", "/models"]
+SERVE_COMMAND = ["model-factory", "serve", "--host", "0.0.0.0", "--policy", "/run/secrets/trust_policy",
+                 "--openai-port", "9000", "/models"]
 
 # --------------------------------------------------------------------------- Compose interpolation
 
@@ -254,9 +255,13 @@ def test_secrets_are_files_named_by_variables() -> None:
 
 def test_triton_ports() -> None:
     t = compose()["services"]["triton"]
-    assert _container_ports(t) == {8000: "0.0.0.0:8000", 8001: "0.0.0.0:8001", 8002: "0.0.0.0:8002"}
-    moved = compose({"TRITON_BIND": "127.0.0.1", "TRITON_HTTP_PORT": "18000"})["services"]["triton"]
-    assert _container_ports(moved)[8000] == "127.0.0.1:18000"
+    assert _container_ports(t) == {8000: "0.0.0.0:8000", 8001: "0.0.0.0:8001", 8002: "0.0.0.0:8002",
+                                   9000: "0.0.0.0:9000"}
+    moved = compose({"TRITON_BIND": "127.0.0.1", "TRITON_HTTP_PORT": "18000", "OPENAI_PORT": "19000"})["services"]["triton"]
+    assert _container_ports(moved)[8000] == "127.0.0.1:18000" and _container_ports(moved)[9000] == "127.0.0.1:19000"
+    # The OpenAI API (text-generation models) listens where the published port points.
+    command = t["command"]
+    assert command[command.index("--openai-port") + 1] == "9000"
 
 
 @pytest.mark.parametrize("service", ["factory", "triton"])

@@ -114,6 +114,8 @@ def test_a_validator_refuses_an_unknown_field() -> None:
     ({"serve": {"accept": "yes"}}, "/serve/accept"),
     ({"factory": {"action": "delete"}}, "/factory/action"),
     ({"serve": {"adminKey": {"enabled": True, "value": "short"}}}, "/serve/adminKey/value"),
+    ({"openai": {"enabled": "yes"}}, "/openai/enabled"),
+    ({"openai": {"port": 0}}, "/openai/port"),
     ({"replicas": 3}, "'replicas' not allowed"),
 ])
 def test_wrong_values_are_refused_with_their_path(values: dict, path: str) -> None:
@@ -241,6 +243,37 @@ def test_probes_use_triton_health_and_the_startup_probe_covers_verify_load_and_w
     startup = server["startupProbe"]
     assert startup["httpGet"]["path"] == "/v2/health/ready"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_text_generation_serves_the_openai_api_on_its_own_port_and_probes_it() -> None:
+    docs = objects("text-generation")
+    spec = find(docs, "Deployment")["spec"]["template"]["spec"]
+    server = container(spec, "server")
+    command = server["command"]
+    assert command[command.index("--openai-port") + 1] == "9100" and command[-1] == "/models"
+    factory_cli = pytest.importorskip("model_factory.cli.factory")
+    assert "--openai-port" in {o for p in factory_cli.serve.params for o in p.opts}  # an option serve has
+    assert {"name": "openai", "containerPort": 9100, "protocol": "TCP"} in server["ports"]
+    # Traffic waits for the OpenAI frontend, whose /health is 200 only while Triton is ready; liveness stays
+    # Triton's own.
+    for probe in ("startupProbe", "readinessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health", "port": "openai"}
+    assert server["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    service_ports = {p["name"]: p for p in find(docs, "Service")["spec"]["ports"]}
+    assert service_ports["openai"]["port"] == 9100 and service_ports["openai"]["targetPort"] == "openai"
+    client = find(docs, "NetworkPolicy")["spec"]["ingress"][0]
+    assert [p["port"] for p in client["ports"]] == [8000, 8001, 9100]
+    # Off by default: no port, no option.
+    default = container(pod(), "server")
+    assert "--openai-port" not in default["command"] and "openai" not in {p["name"] for p in default["ports"]}
+    assert "openai" not in {p["name"] for p in find(objects("default"), "Service")["spec"]["ports"]}
+
+
+def test_an_openai_port_shared_with_triton_is_refused() -> None:
+    from .helm_render import render
+
+    with pytest.raises(Exception, match="openai.port 8002 is already one of ports"):
+        render({"openai": {"enabled": True, "port": 8002}})
 
 
 def test_topology_spread_pdb_and_rolling_update_keep_capacity() -> None:

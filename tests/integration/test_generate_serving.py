@@ -278,23 +278,22 @@ def test_a_cancelled_stream_frees_its_sequence(served):
 
 
 def test_a_full_queue_answers_503_with_retry_after(served):
-    server, frontend, _ = served
-    import threading
-
-    long = threading.Thread(target=_post, args=(f"{frontend.url}/v1/completions",
-                                                {"model": BUSY, "prompt": "x", "max_tokens": 200,
-                                                 "min_tokens": 200}))
-    long.start()
-    try:
-        deadline = time.monotonic() + 15
-        while _metric(server, "running_sequences", BUSY) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+    """One slot, no waiting queue: a stream holding the slot makes the next request 503; it runs to its end."""
+    _, frontend, _ = served
+    req = urllib.request.Request(f"{frontend.url}/v1/completions", data=json.dumps(
+        {"model": BUSY, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as long:
+        first = b""
+        while not first.startswith(b"data:"):  # its first token: the sequence holds the only slot
+            first = long.readline()
         status, headers, raw = _post(f"{frontend.url}/v1/completions", {"model": BUSY, "prompt": "y", "max_tokens": 4})
-        assert status == 503, raw
-        assert int(headers["Retry-After"]) >= 1
-        assert "busy" in json.loads(raw)["error"]["message"]
-    finally:
-        long.join()
+        rest = long.read()
+    assert status == 503, raw
+    assert int(headers["Retry-After"]) >= 1
+    assert "busy" in json.loads(raw)["error"]["message"]
+    events = _sse_events(first + rest)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_the_openai_frontend_answers_with_the_request_id_sent_or_one_it_made(served):
@@ -389,3 +388,19 @@ def test_any_body_answers_200_or_400_never_500(served, fields):
     status, _, raw = _post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
                            {"text_input": "x", "max_tokens": 2, **generate})
     assert status in (200, 400), (status, raw, generate)
+
+
+def test_openai_health_is_ok_only_while_triton_is_ready(served):
+    """The chart's startup and readiness probes ask the OpenAI port's /health (deploy/helm, openai.enabled)."""
+    from model_factory.serving.openai_api import OpenAIFrontend
+    from model_factory.serving.server import free_port
+
+    _, frontend, _ = served
+    with urllib.request.urlopen(f"{frontend.url}/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with OpenAIFrontend(f"127.0.0.1:{free_port()}", {}) as orphan:  # no Triton behind it
+        try:
+            urllib.request.urlopen(f"{orphan.url}/health", timeout=10)
+            raise AssertionError("/health answered 200 without a Triton server")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503

@@ -2,8 +2,11 @@
 
 The server is the bundled Triton serving MiniLM with the model-factory backend (the
 session's ``triton`` fixture, CPU instances). The GPU memory pool gauges are exported
-by GPU instances only: they must be exactly the metrics such a scrape lacks, and be
-the backend's own declared families.
+by GPU instances only, and the text-generation series by text-generation models only:
+they must be exactly the metrics such a scrape lacks, and be the backend's own declared
+families. The text-generation series are checked against a real scrape of the tests' tiny
+Llama served by the decoupled model, after one request: every series the backend declares
+(``generation_metrics``) is on the dashboard, and every one the dashboard reads is scraped.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def test_dashboard_is_well_formed():
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"] and dash["schemaVersion"] >= 36
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("queue-to-compute", "latency", "padding", "groups", "pool bytes", "rejected"):
+    for topic in ("queue-to-compute", "latency", "padding", "groups", "pool bytes", "rejected",
+                  "time to first token", "inter-token latency", "jitter", "kv cache", "running and waiting",
+                  "preemptions"):
         assert topic in titles, topic
     for p in dash["panels"]:
         assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
@@ -72,14 +77,9 @@ def backend_metric_names() -> set[str]:
 
 
 def test_every_metric_the_backend_defines_is_on_the_dashboard_or_allowed_off_it():
-    from model_factory.backend import generation_metrics as gen
-
     defined = backend_metric_names()
     used = set().union(*(metric_names(q) for q in dashboard_queries()))
-    generation = {n for n in defined if any(n.startswith("model_factory_" + g) for g in
-                                            (*gen.HISTOGRAMS, *gen.COUNTERS, *gen.GAUGES))}
-    # The text-generation instance's metrics: their panels are another change's (the generative dashboard).
-    allowed = set(NOT_ON_THE_DASHBOARD) | generation
+    allowed = set(NOT_ON_THE_DASHBOARD)  # the text-generation instance's metrics included: each has its panel
     assert set(NOT_ON_THE_DASHBOARD) <= defined, sorted(set(NOT_ON_THE_DASHBOARD) - defined)  # no stale entry
     missing = defined - used - allowed
     assert not missing, f"metrics with neither a panel nor a reason in NOT_ON_THE_DASHBOARD: {sorted(missing)}"
@@ -102,5 +102,53 @@ def test_every_query_names_a_metric_of_a_real_scrape(triton):
     assert "model_factory_executions_total" in scraped  # our backend's metrics are there, not only Triton's
     used = set().union(*(metric_names(q) for q in dashboard_queries()))
     gpu_only = {PREFIX + name for name in FAMILIES if name.startswith("pool_")}
-    assert used - scraped == gpu_only, sorted(used - scraped)
+    assert used - scraped == gpu_only | generation_series(), sorted(used - scraped)
     assert gpu_only <= used  # the pool bytes are on the dashboard, for GPU instances
+
+
+def generation_series() -> set[str]:
+    """Every series a text-generation instance exports (a histogram's _bucket, _sum and _count)."""
+    from model_factory.backend.generation_metrics import COUNTERS, GAUGES, HISTOGRAMS
+    from model_factory.backend.metrics import PREFIX
+
+    return ({PREFIX + h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+            | {PREFIX + name for name in (*COUNTERS, *GAUGES)})
+
+
+@pytest.fixture(scope="module")
+def generative_server(tiny_llm, tmp_path_factory):
+    from model_factory.serving.server import ServerOptions, TritonServer
+    from tests.generative_repository import layout_generative_model
+
+    hf, onnx_dir = tiny_llm
+    repo = tmp_path_factory.mktemp("dashboard-gen-repo")
+    layout_generative_model(hf, onnx_dir, repo, "tiny_llm", memory_budget_mib=128, max_active_sequences=2)
+    server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
+    assert not server.load_errors, server.load_errors
+    yield server
+    assert server.stop() == 0, server.log_tail(30)
+
+
+def test_every_generation_series_is_on_the_dashboard_and_in_a_real_scrape(generative_server):
+    import time
+    import urllib.request
+
+    from model_factory.measure.bench import scrape_metrics
+
+    server = generative_server
+    used = set().union(*(metric_names(q) for q in dashboard_queries()))
+    missing = generation_series() - used
+    assert not missing, f"generation series without a panel: {sorted(missing)}"
+    body = json.dumps({"text_input": "hello", "max_tokens": 4, "min_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/tiny_llm/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.loads(r.read())["finish_reason"] in ("length", ["length"])
+    deadline = time.monotonic() + 15  # the instance sends its sums about once a second
+    while True:
+        scraped = {s.name for s in scrape_metrics(server.metrics_url)}
+        if "model_factory_generate_requests_total" in scraped or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    generation_used = {m for m in used if m in generation_series()}
+    assert generation_used <= scraped, sorted(generation_used - scraped)
