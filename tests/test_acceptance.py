@@ -84,7 +84,11 @@ def test_accept_fails_on_an_engine_swapped_for_one_that_verifies(accept_repo) ->
 
 def test_accept_fails_on_an_int8_engine_below_the_gate_and_names_the_layers(accept_repo) -> None:
     repo, _ = accept_repo
-    result = accept_model(repo / "int8")
+    # Where the CPU has no integer dot products, `auto` would serve the FP32 model packaged beside this INT8 one
+    # (it has no 7-bit form): the INT8 graph is then scored with Q/DQ in float, as its gate was.
+    from model_factory.backend.cpu_features import integer_dot_product
+
+    result = accept_model(repo / "int8", int8_kernels=None if integer_dot_product() else "simulated")
     assert not result.passed and result.file == "model.int8.onnx" and result.score < 0.99
     # Where the INT8 graph first departs from FP32, by exact tensor name: a quantized MatMul of layer 0.
     assert result.departures and result.departures[0]["op"] == "MatMul"
@@ -97,7 +101,8 @@ def test_accept_replays_the_int8_kernels_that_will_serve(accept_repo) -> None:
     from model_factory.backend.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels, integer_dot_product
 
     repo, _ = accept_repo
-    assert accept_model(repo / "int8", layers=False).int8_kernels == choose_int8_kernels("auto")[0]  # this CPU's
+    # This CPU's choice; the package keeps model.onnx beside the INT8 model (and has no 7-bit form).
+    assert accept_model(repo / "int8", layers=False).int8_kernels == choose_int8_kernels("auto", fp32=True)[0]
     for kernels in ("integer", "simulated"):  # serve --int8-kernels / accept --int8-kernels
         result = accept_model(repo / "int8", int8_kernels=kernels, layers=False)
         if kernels == "integer" and not integer_dot_product():
@@ -134,8 +139,15 @@ def test_accept_command_table_json_and_exit_status(accept_repo) -> None:
     bad = CliRunner().invoke(main, ["accept", str(repo), "--json"])
     assert bad.exit_code == 1
     records = {r["model"]: r for r in json.loads(bad.output)}
-    assert records["good"]["passed"] and not records["swapped"]["passed"] and not records["int8"]["passed"]
-    assert records["int8"]["file"] == "model.int8.onnx" and records["int8"]["device"] == "cpu"
+    assert records["good"]["passed"] and not records["swapped"]["passed"]
+    from model_factory.backend.cpu_features import integer_dot_product
+
+    if integer_dot_product():  # the clipped INT8 graph itself, on integer kernels: below the gate
+        assert not records["int8"]["passed"]
+        assert records["int8"]["file"] == "model.int8.onnx" and records["int8"]["device"] == "cpu"
+    else:  # no dot products, no 7-bit form: `auto` serves (and so accepts) the FP32 model packaged beside it
+        assert records["int8"]["passed"] and records["int8"]["int8_kernels"] == "fp32"
+        assert records["int8"]["file"] == "model.onnx" and records["int8"]["device"] == "cpu"
     missing = CliRunner().invoke(main, ["accept", str(repo), "--model", "nope"])
     assert missing.exit_code == 1 and "Fix:" in missing.output and "Traceback" not in missing.output
 

@@ -335,3 +335,22 @@ def test_the_7_bit_int8_form_travels_with_the_served_int8_only(minilm_recipe, tm
     int8 = select_artifacts(replace(minilm_recipe, precisions=("fp32", "int8"), repository=replace(
         minilm_recipe.repository, serve="int8")), files)
     assert set(int8) == {"model.int8.onnx", Files.INT8_7BIT, Files.INT8_7BIT + ".data"}
+
+
+def test_int8_without_its_7_bit_form_carries_the_fp32_model_for_cpus_without_dot_products(minilm_recipe,
+                                                                                          tmp_path: Path) -> None:
+    """Where the 7-bit weights missed the gate, `auto` serves FP32 on an AVX2-only CPU (Q/DQ simulated in float is
+    never faster than FP32): the FP32 model travels with the INT8 one. A pinned int8_kernels never uses it."""
+    from model_factory.build.repository import select_artifacts
+
+    files = {}
+    for name in ("model.onnx", "model.int8.onnx", "model.fp16.onnx"):
+        files[name] = tmp_path / name
+        files[name].write_bytes(b"x")
+    int8 = replace(minilm_recipe, precisions=("fp32", "fp16", "int8"),
+                   repository=replace(minilm_recipe.repository, serve="int8"))
+    assert set(select_artifacts(int8, files)) == {"model.int8.onnx", "model.onnx"}
+    pinned = replace(int8, repository=replace(int8.repository, int8_kernels="simulated"))
+    assert set(select_artifacts(pinned, files)) == {"model.int8.onnx"}
+    fp16 = replace(int8, repository=replace(int8.repository, serve="fp16"))
+    assert set(select_artifacts(fp16, files)) == {"model.fp16.onnx"}

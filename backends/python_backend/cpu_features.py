@@ -12,8 +12,11 @@ The choice (:func:`choose_int8_kernels`), from the configuration parameter ``int
 ``[repository] int8_kernels``), overridden by the environment variable :data:`INT8_KERNELS_ENV`
 (``serve --int8-kernels``, which ``accept`` applies too):
 
-* ``auto`` (default): integer on 8-bit weights where the CPU has dot products; elsewhere integer on the 7-bit
-  form when the package has it, else Q/DQ simulated in float (not faster than FP32 there: serve says so).
+* ``auto`` (default): the fastest form that passed the gate on this CPU: integer on 8-bit weights where the CPU
+  has dot products; elsewhere integer on the 7-bit form when the package has it; else the package's FP32 model
+  (``model.onnx``, which packaging adds beside an INT8 model that has no 7-bit form), since Q/DQ simulated in
+  float does FP32's arithmetic plus the Q/DQ's and is never faster than FP32; else (an older package with
+  neither) Q/DQ simulated in float, and serve says FP32 is the faster choice.
 * ``integer``: the same integer forms; on a CPU without dot products and no 7-bit form, refused with the
   reason (8-bit weights there would compute wrong values).
 * ``integer-7bit``: integer kernels on the 7-bit form on any CPU (refused without the file).
@@ -58,11 +61,13 @@ class Int8Refused(ValueError):
 
 
 def choose_int8_kernels(requested: str = "auto", flags: frozenset[str] | None = None,
-                        seven_bit: bool = False) -> tuple[str, str, str]:
-    """``(kernels, weights, why)``: ``integer`` or ``simulated``; ``8-bit`` or ``7-bit`` (the file to run); the
-    reason, for the load log.
+                        seven_bit: bool = False, fp32: bool = False) -> tuple[str, str, str]:
+    """``(kernels, weights, why)``: ``integer``, ``simulated`` or ``fp32`` (no INT8 kernels: the package's FP32
+    model); ``8-bit``, ``7-bit`` or ``fp32`` (the file to run); the reason, for the load log.
 
-    ``seven_bit``: whether the package holds the 7-bit weight form (``model.int8.w7.onnx``). The environment
+    ``seven_bit``: whether the package holds the 7-bit weight form (``model.int8.w7.onnx``); ``fp32``: whether it
+    holds the FP32 model (``model.onnx``), which ``auto`` serves on a CPU without integer dot products when there
+    is no 7-bit form (an explicit choice is never replaced by it). The environment
     variable (``serve --int8-kernels``) wins over ``requested`` (the configuration's). Raises
     :class:`Int8Refused` for integer kernels that would need a 7-bit form the package lacks, ValueError for an
     unknown choice.
@@ -93,6 +98,12 @@ def choose_int8_kernels(requested: str = "auto", flags: frozenset[str] | None = 
         why = source if choice == "integer" else "no integer dot-product instruction (VNNI/AMX/asimddp/i8mm)"
         return "integer", "7-bit", (f"{why}: integer kernels on the 7-bit weights of model.int8.w7.onnx, whose "
                                     "16-bit pair sums cannot saturate (the build's gate scored them)")
+    if choice == "auto" and fp32:
+        return "fp32", "fp32", (
+            "no integer dot-product instruction (VNNI/AMX/asimddp/i8mm) on this CPU and no 7-bit weight form in the "
+            "package (its 7-bit weights missed the accuracy gate): ONNX Runtime's int8 kernels would saturate on 8-bit "
+            "weights here, and Q/DQ simulated in float is FP32's arithmetic plus the Q/DQ's, so the FP32 model the "
+            "package carries for this case (model.onnx) serves instead: the fastest form that passes here")
     if choice == "integer":
         raise Int8Refused(f"integer INT8 kernels ({source}) refused on this CPU: it has no integer dot-product "
                           "instruction (VNNI/AMX/asimddp/i8mm), so ONNX Runtime's kernels sum pairs into 16 bits and "

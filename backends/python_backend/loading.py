@@ -22,9 +22,10 @@ says so (``cpu_fallback``). ``info["device"]`` is where the engine computes (``c
 
 On the CPU, an INT8 model runs on ONNX Runtime's integer kernels on its 8-bit weights where the CPU has
 integer dot products (VNNI, AMX, Arm dot product); elsewhere on the 7-bit weights of ``model.int8.w7.onnx``
-when the package has them (8-bit ones would saturate there), else with Q/DQ simulated in float
-(``cpu_features``; parameter ``int8_kernels``, environment ``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]``
-and ``info["int8_weights"]`` say which, ``info["file"]`` the file loaded.
+when the package has them (8-bit ones would saturate there); else, with ``auto``, the FP32 model packaged beside
+it for that case, else with Q/DQ simulated in float (``cpu_features``; parameter ``int8_kernels``, environment
+``MODEL_FACTORY_INT8_KERNELS``); ``info["int8_kernels"]`` and ``info["int8_weights"]`` say which (``fp32`` for
+the FP32 model), ``info["file"]`` the file loaded.
 The CPU instances split the cores as ONNX Runtime threads (``cpu_threads`` overrides), spinning off
 when the instances' threads outnumber the cores (``settings.cpu_spinning``); ``info["threads"]``. With
 the cores split, an instance also borrows every core for a lone request while the others are idle
@@ -109,10 +110,14 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
     # INT8 on the CPU: ONNX Runtime's integer kernels where they compute right (8-bit weights with integer dot
     # products, the 7-bit form elsewhere), else Q/DQ simulated in float, as the accuracy gate scored it.
     if settings.precision == "int8" and device_id is None:
+        def packaged(name: str) -> bool:
+            return (version_dir / name).is_file() if digests is None else f"{version}/{name}" in digests
+
         seven = Files.INT8_7BIT
-        has_seven = (version_dir / seven).is_file() if digests is None else f"{version}/{seven}" in digests
+        has_seven = packaged(seven)
         try:
-            kernels, weights, why = choose_int8_kernels(settings.int8_kernels, seven_bit=has_seven)
+            kernels, weights, why = choose_int8_kernels(settings.int8_kernels, seven_bit=has_seven,
+                                                        fp32=packaged(Files.ONNX))
         except Int8Refused as exc:
             raise SettingsError(str(exc)) from exc
         except ValueError as exc:
@@ -120,6 +125,8 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         info["int8_kernels"], info["int8_weights"], info["int8_kernels_why"] = kernels, weights, why
         if weights == "7-bit":
             onnx_name = seven
+        elif weights == "fp32":  # auto on a CPU without dot products and no 7-bit form: the FP32 model is faster
+            onnx_name = Files.ONNX
     path = version_dir / onnx_name
     if not path.is_file():
         raise SettingsError(f"{path} is missing: repackage the model")

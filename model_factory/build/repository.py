@@ -315,10 +315,16 @@ def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path]) -> dict[str,
     Each ONNX file brings its external-data file (``<name>.data``) when it has one.
     """
     keep_all = recipe.repository.keep_all_precisions
+    serve = recipe.repository.serve
+    # INT8 served with int8_kernels = "auto" but without its 7-bit weight form (which missed the gate): on a CPU
+    # without integer dot products its 8-bit weights cannot run on integer kernels, and Q/DQ simulated in float is
+    # never faster than FP32, so the FP32 model travels with it and `auto` serves that there (cpu_features).
+    fp32_for_cpu = (serve == "int8" and recipe.repository.int8_kernels == "auto" and Files.INT8_7BIT not in artifacts)
     chosen: dict[str, Path] = {}
     for name, src in artifacts.items():
         precision = artifact_precision(name)
-        if precision is not None and not keep_all and precision != recipe.repository.serve:
+        if (precision is not None and not keep_all and precision != serve
+                and not (fp32_for_cpu and name == Files.ONNX)):
             continue
         chosen[name] = Path(src)
         if name.endswith(".onnx"):

@@ -325,8 +325,9 @@ class RepositoryTable(_Table):
     int8_kernels: _choice(INT8_KERNELS) = Field("auto", description="INT8 on ONNX Runtime's CPU engine: auto "
                                                 "(integer kernels: 8-bit weights where the serving CPU has VNNI, "
                                                 "AMX or dot products; elsewhere the 7-bit weights of "
-                                                "model.int8.w7.onnx when the build's gate passed them, else Q/DQ "
-                                                "simulated in float), integer (the same forms; refused on a CPU "
+                                                "model.int8.w7.onnx when the build's gate passed them, else the "
+                                                "FP32 model, which packaging then adds beside the INT8 one: Q/DQ "
+                                                "simulated in float is never faster than FP32), integer (the same forms; refused on a CPU "
                                                 "without dot products when the package has no 7-bit form), "
                                                 "integer-7bit (the 7-bit form on any CPU), or simulated. "
                                                 "serve/accept --int8-kernels override it.")

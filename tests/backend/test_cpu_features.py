@@ -43,6 +43,22 @@ def test_auto_chooses_by_the_cpu_and_explicit_choices_win(monkeypatch) -> None:
         choose_int8_kernels("auto")
 
 
+def test_auto_serves_the_packaged_fp32_model_where_int8_has_no_fast_form(monkeypatch) -> None:
+    """No dot products and no 7-bit form: Q/DQ in float is FP32's arithmetic plus the Q/DQ's, so `auto` takes the
+    FP32 model when the package carries it. Where a fast INT8 form exists, or a choice is explicit, it never does."""
+    monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
+    vnni, avx2 = frozenset({"avx2", "avx512_vnni"}), frozenset({"avx2"})
+    kernels, weights, why = choose_int8_kernels("auto", avx2, fp32=True)
+    assert (kernels, weights) == ("fp32", "fp32") and "model.onnx" in why and "7-bit" in why
+    assert choose_int8_kernels("auto", avx2, seven_bit=True, fp32=True)[:2] == ("integer", "7-bit")
+    assert choose_int8_kernels("auto", vnni, fp32=True)[:2] == ("integer", "8-bit")
+    assert choose_int8_kernels("simulated", avx2, fp32=True)[:2] == ("simulated", "8-bit")
+    with pytest.raises(Int8Refused):  # integer forced where only saturating weights exist: still refused
+        choose_int8_kernels("integer", avx2, fp32=True)
+    monkeypatch.setenv(INT8_KERNELS_ENV, "simulated")  # serve --int8-kernels simulated: as asked
+    assert choose_int8_kernels("auto", avx2, fp32=True)[:2] == ("simulated", "8-bit")
+
+
 def test_integer_kernels_on_8_bit_weights_are_refused_without_dot_products(monkeypatch) -> None:
     """What the issue saw: forcing integer kernels on an AVX2-only CPU. Never 8-bit weights there."""
     monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
@@ -165,6 +181,36 @@ def test_integer_forced_without_the_safe_form_is_refused_on_an_avx2_only_cpu(tmp
     monkeypatch.setenv(INT8_KERNELS_ENV, "integer")
     with pytest.raises(SettingsError, match="refused on this CPU.*saturate"):
         load_engine(version, _settings(), "CPU", 0, digests=None)
+
+
+def test_loading_auto_on_an_avx2_only_cpu_runs_the_fp32_model_when_int8_has_no_7_bit_form(
+        tmp_path: Path, monkeypatch) -> None:
+    """The CPU's flags read from an AVX2-only EPYC's cpuinfo; the version holds the INT8 MatMul and its FP32 model
+    (what packaging adds when the 7-bit form missed the gate): `auto` loads model.onnx and says why."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from model_factory.backend import cpu_features
+    from model_factory.backend.loading import load_engine
+
+    info_file = tmp_path / "cpuinfo"
+    info_file.write_text(EPYC)
+    real = cpu_features.cpu_flags
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo=info_file: real(cpuinfo))
+    monkeypatch.delenv(INT8_KERNELS_ENV, raising=False)
+    version, _w, _ = _int8_version(tmp_path, seven_bit=False)
+    w32 = np.random.default_rng(2).normal(size=(16, 8)).astype(np.float32)  # the FP32 model's own weights
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+                              [numpy_helper.from_array(w32, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(version / "model.onnx"))
+    engine, info = load_engine(version, _settings(), "CPU", 0, digests=None)
+    assert (info["file"], info["int8_kernels"], info["int8_weights"]) == ("model.onnx", "fp32", "fp32")
+    assert "no 7-bit weight form" in info["int8_kernels_why"]
+    x = np.random.default_rng(3).normal(size=(4, 16)).astype(np.float32)
+    np.testing.assert_allclose(engine.run({"x": x})["y"], x @ w32, rtol=1e-5, atol=1e-5)
+    engine.close()
 
 
 def test_fp32_says_nothing_about_int8_kernels(tmp_path: Path) -> None:
