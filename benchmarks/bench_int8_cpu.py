@@ -265,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     busy = max(load_start[0], load_start[1], load_end[0], load_end[1]) > cores + 4
     model = cpu_model()
     section = "\n".join([
-        START, "## INT8 on the CPU: integer kernels vs Q/DQ in float, and threads per instance "
+        START, "## INT8 on the CPU" + ("" if integer_dot_product(flags) else " without integer dot products (AVX2 only)")
+        + ": integer kernels vs Q/DQ in float, and threads per instance "
         "(benchmarks/bench_int8_cpu.py)", "",
         f"Run {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on {platform.node() or 'this host'}: "
         f"{model}, {cores} usable cores; CPU flags: "
