@@ -149,12 +149,15 @@ class _Interrupted(Exception):
 @click.option("--openai-port", type=click.IntRange(min=0), default=None,
               help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for the "
                    "text-generation models on this port (0 picks a free one); stopped with the server.")
+@click.option("--control-port", type=click.IntRange(min=0), default=None,
+              help="Also listen on 127.0.0.1:PORT for model-factory rollout (new versions verified, accepted, "
+                   "mirrored in shadow and switched without a restart); needs --admin-key-file. 0 picks a port.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
-          allow_empty: bool, openai_port: int | None) -> None:
+          allow_empty: bool, openai_port: int | None, control_port: int | None) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -170,6 +173,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
       model-factory serve --trace-endpoint 127.0.0.1:4318/v1/traces --trace-rate 100 model_repository
       model-factory serve --policy policy.toml --openai-port 9000 model_repository
+      model-factory serve --policy policy.toml --admin-key-file key --control-port 8003 model_repository
     """
     import functools
 
@@ -183,6 +187,11 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
                          events_rate=events_rate, trace_endpoint=trace_endpoint or None, trace_rate=trace_rate,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
+    if control_port is not None and opts.admin_key is None:
+        from model_factory.errors import FactoryError
+
+        raise FactoryError("--control-port needs an admin key the operator holds. Fix: pass --admin-key-file "
+                           "(or set $MODEL_FACTORY_ADMIN_KEY)")
     stop = threading.Event()
     starting = True
 
@@ -224,6 +233,21 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
             server.stop()
             raise
         click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(frontend.models) or 'no text-generation model'})")
+    control = None
+    if control_port is not None:
+        from model_factory.serving.control_api import ControlServer
+        from model_factory.serving.rollout import RolloutControl
+
+        try:
+            control = ControlServer(RolloutControl(server, report.digests, report.served, gpu_product=gpu_product,
+                                                   int8_kernels=int8_kernels, echo=lambda m: click.echo(m, err=True)),
+                                    server.admin_key, "127.0.0.1", control_port).start()
+        except BaseException:
+            if frontend is not None:
+                frontend.stop()
+            server.stop()
+            raise
+        click.echo(f"  control {control.url} (model-factory rollout)")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
     events = None
@@ -239,6 +263,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
                 raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
                                            f"{server.log_tail()}")
     finally:
+        if control is not None:
+            control.stop()
         if watch is not None:
             watch.stop()
         if frontend is not None:
