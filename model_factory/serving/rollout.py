@@ -341,6 +341,8 @@ class RolloutControl:
         from model_factory.backend.shadow import control_path
         from model_factory.fileio import atomic_file
 
+        for old in self.shadow_dir.glob(f"{req.model}.*.tally.json"):  # earlier rollouts' (their ids differ anyway)
+            old.unlink(missing_ok=True)
         with atomic_file(control_path(self.shadow_dir, req.model)) as f:
             f.write(json.dumps({"id": status.id, "target": candidate_name(req.model), "share": req.share}))
         deadline = time.monotonic() + req.timeout_s
