@@ -217,3 +217,38 @@ def test_a_disagreeing_candidate_is_rolled_back_and_v1_keeps_serving(env: Env) -
     assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
     assert not (Path(env.server.candidates_dir) / f"{MODEL}__candidate").exists()
     print(f"\nrolled back: agreement {status.agreement:.4f} over {status.mirrored}, worst {status.worst[:2]}")
+
+
+def test_sigkill_of_the_rollout_command_changes_nothing_and_a_second_rollout_works(env: Env) -> None:
+    """The rollout runs inside serve: its command killed outright mid-shadow leaves v1 serving (the candidate is
+    judged and removed server-side; nothing half-switched), and the next rollout switches."""
+    import signal
+    import subprocess
+    import sys
+
+    with Load(env.server.http_url) as load:
+        cmd = [sys.executable, "-m", "model_factory.cli.main", "rollout", MODEL, "3", "--serve-url", env.endpoint.url,
+               "--admin-key-file", str(env.key_file), "--min-requests", "100000", "--timeout", "15"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "shadowing" in line:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert env.control.status(MODEL).state == "shadowing", seen
+        deadline = time.monotonic() + 120
+        while env.control.status(MODEL).state not in ("rolled_back", "failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first = env.control.status(MODEL)
+        before_second = len(load.results)
+        second = _rollout(env, "2", "--min-requests", "20")
+        switched_at = time.monotonic()
+        time.sleep(1.5)
+    assert first.state == "rolled_back" and "not enough traffic" in first.reason, first
+    assert load.failed() == [], load.failed()[:3]
+    assert all(r[3] == "1" for r in load.results[:before_second])
+    assert second.exit_code == 0, second.output
+    sent_after = [r for r in load.results if r[0] > switched_at]
+    assert sent_after and all(r[3] == "2" for r in sent_after)
