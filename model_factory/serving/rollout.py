@@ -196,6 +196,8 @@ class RolloutControl:
         self._lock = threading.Lock()
         self._running: threading.Thread | None = None
         self._stop = threading.Event()
+        self._tried: set[tuple[str, int]] = set()  # versions a scan started (not started again by a scan)
+        self._refused: dict[tuple[str, int], str] = {}  # the last refusal said per version (said once)
 
     @property
     def shadow_dir(self) -> Path:
@@ -431,6 +433,40 @@ class RolloutControl:
 
     def status(self, model: str) -> RolloutStatus | None:
         return self.statuses.get(model)
+
+    def scan(self) -> list[str]:
+        """``serve --watch`` and SIGHUP: one look at the repository. The highest version folder of a served model
+        above its serving version is rolled out (one rollout at a time; defaults of :class:`RolloutRequest`),
+        through every check of :meth:`start`; a refusal is said once per reason (the same version is looked at
+        again on each scan: a release added later lets it through), a version whose rollout ended is not tried
+        again. Returns the lines said (also echoed)."""
+        said: list[str] = []
+        if self._running is not None and self._running.is_alive():
+            return said
+        repo = Path(self.server.repository)
+        for m, serving in sorted(self.serving.items()):
+            try:
+                versions = sorted(int(p.name) for p in (repo / m).iterdir() if p.is_dir() and p.name.isdigit())
+            except OSError:
+                continue
+            newer = [v for v in versions if v > serving and (m, v) not in self._tried]
+            if not newer:
+                continue
+            v = newer[-1]
+            try:
+                self.start(RolloutRequest(m, v))
+            except FactoryError as exc:
+                line = f"watch: {m} version {v} not rolled out: {exc}"
+                if self._refused.get((m, v)) != line:
+                    self._refused[(m, v)] = line
+                    said.append(line)
+                continue
+            self._tried.add((m, v))
+            said.append(f"watch: rolling out {m} version {v} (serving {serving})")
+            break
+        for line in said:
+            self.echo(line)
+        return said
 
     def close(self) -> None:
         """Stop a rollout in progress (it rolls back: the served version is untouched)."""

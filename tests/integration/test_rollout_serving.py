@@ -252,3 +252,41 @@ def test_sigkill_of_the_rollout_command_changes_nothing_and_a_second_rollout_wor
     assert second.exit_code == 0, second.output
     sent_after = [r for r in load.results if r[0] > switched_at]
     assert sent_after and all(r[3] == "2" for r in sent_after)
+
+
+def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env: Env, minilm_recipe,
+                                                                               minilm_export, package_signed) -> None:
+    """``serve --watch`` and SIGHUP call ``RolloutControl.scan``: an unsigned new version is refused (said once,
+    not again on the next look); once a newer version is packaged, signed and released, it is rolled out."""
+    from model_factory.signing.release import add_release
+
+    assert env.control.serving[MODEL] == 2  # the previous test switched to v2
+    lines: list[str] = []
+    env.control.echo = lines.append
+    shutil.copytree(env.model_dir / "2", env.model_dir / "6")  # nobody signed it
+    try:
+        first = env.control.scan()
+        again = env.control.scan()
+        assert len(first) == 1 and "version 6 not rolled out: refused:" in first[0], first
+        assert again == []  # the same refusal is not said twice
+    finally:
+        shutil.rmtree(env.model_dir / "6")
+    recipe = replace(minilm_recipe, name=MODEL, version=4,
+                     repository=replace(minilm_recipe.repository, path=env.repo))
+    golden = env.model_dir / "1" / "acceptance"
+    assert golden.is_dir()
+    package_signed(recipe, env.keys, acceptance_dir=golden)
+    _sign_all(env.model_dir, env.keys, (1, 2, 3))
+    add_release(env.repo, env.release_keys, env.release_keys, env.release_keys)
+    with Load(env.server.http_url):
+        started = env.control.scan()
+        assert started == [f"watch: rolling out {MODEL} version 4 (serving 2)"], started
+        assert env.control.scan() == []  # one rollout at a time
+        deadline = time.monotonic() + 180
+        while env.control.status(MODEL).state not in ("switched", "rolled_back", "failed") and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+    status = env.control.status(MODEL)
+    assert status.state == "switched", status
+    assert env.control.serving[MODEL] == 4
+    assert env.control.scan() == []  # nothing newer
