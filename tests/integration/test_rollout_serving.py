@@ -290,3 +290,79 @@ def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env
     assert status.state == "switched", status
     assert env.control.serving[MODEL] == 4
     assert env.control.scan() == []  # nothing newer
+
+
+def test_the_serve_command_rolls_out_on_sighup_and_answers_rollout_status(tmp_path, minilm_recipe, minilm_export,
+                                                                          package_signed) -> None:
+    """``model-factory serve --control-port 0``, end to end: a released v2 appears, SIGHUP rolls it out under load
+    (0 failed), ``model-factory rollout --status`` reads it through the control endpoint, SIGTERM exits 0."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.cli.main import main
+    from model_factory.demo import write_key_policy
+    from model_factory.signing import generate_keypair
+    from model_factory.signing.release import KeyFile, add_release, init_release
+
+    repo = tmp_path / "repo"
+    keys = generate_keypair(tmp_path / "keys")
+    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=repo))
+    golden = write_acceptance_data(recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir, tmp_path / "golden")
+    model_dir = package_signed(recipe, keys, acceptance_dir=golden)
+    k = [KeyFile(keys.private_key)]
+    root = init_release(repo, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
+    add_release(repo, k, k, k)
+    policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
+    shutil.copy(root, tmp_path / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
+    key_file = tmp_path / "admin-key"
+    key_file.write_text(KEY + "\n")
+    cmd = [sys.executable, "-m", "model_factory.cli.main", "serve", "--policy", str(policy), "--admin-key-file",
+           str(key_file), "--control-port", "0", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+           "--watch-interval", "0", str(repo)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        text = "".join(lines)
+        url = re.search(r"HTTP\s+http://(\S+)", text).group(1)
+        control = re.search(r"control (http://\S+)", text).group(1)
+        package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
+        _sign_all(model_dir, keys, (1,))
+        add_release(repo, k, k, k)
+
+        def status() -> str:
+            res = CliRunner().invoke(main, ["rollout", MODEL, "--status", "--serve-url", control,
+                                            "--admin-key-file", str(key_file)])
+            return res.output
+
+        assert "no rollout of roll" in status()
+        with Load(url) as load:
+            proc.send_signal(signal.SIGHUP)
+            deadline, last = time.monotonic() + 180, ""
+            while time.monotonic() < deadline and not re.search(r": (switched|rolled_back|failed)", last):
+                time.sleep(1.0)
+                last = status()
+            switched_at = time.monotonic()
+            time.sleep(1.5)
+        assert "roll 1 -> 2: switched" in last, last
+        assert load.failed() == [], load.failed()[:3]
+        assert [r for r in load.results if r[0] > switched_at] and all(
+            r[3] == "2" for r in load.results if r[0] > switched_at)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, text + rest
+        assert "watch: rolling out roll version 2 (serving 1)" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
