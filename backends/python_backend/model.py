@@ -219,8 +219,8 @@ class TritonPythonModel:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
                     items = items_from_tensors(tensors, s, self.vocab_size)
-                if mirror is not None:
-                    mirrored[idx] = raw or {n: v for n, v in tensors.items() if v is not None}
+                if mirror is not None:  # copies: a tensor's array may be a view of the request's shared memory
+                    mirrored[idx] = raw or {n: np.array(v) for n, v in tensors.items() if v is not None}
                 engine_wanted = self._engine_wanted(asked, encoded.get(idx))
             except RequestError as exc:
                 if isinstance(exc, LongInputRefused):

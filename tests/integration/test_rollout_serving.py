@@ -169,6 +169,11 @@ def test_refusals_are_one_line_and_exit_1(env: Env) -> None:
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert "Traceback" not in result.output
     assert env.control.status(MODEL) is None  # nothing started, nothing loaded
+    from model_factory.serving.control_api import call
+
+    assert call(env.endpoint.url, "not-the-admin-key-000", "POST", "/v1/rollouts",
+                {"model": MODEL, "version": 2})[0] == 403
+    assert call(env.endpoint.url, "", "GET", f"/v1/rollouts/{MODEL}")[0] == 403
     assert not any(k.startswith(MODEL + "__candidate") for k in _index(env))
 
 
