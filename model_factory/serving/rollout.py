@@ -123,10 +123,12 @@ def version_config(base: dict[str, Any], version: int, name: str | None = None) 
     out["version_policy"] = {"specific": {"versions": [int(version)]}}
     if name:
         out["name"] = name
-    # Instance names of their own per version: Triton 2.51's Python backend names each instance's shared-memory
-    # region after the instance, so a new version's instances named like the old ones' (``<model>_0_0``) would
-    # take over the regions the old ones still answer from (seen: the old stubs abort at unload, their requests
-    # hang). ``<model>_v<version>_<group>`` keeps the two apart while both are loaded.
+    # Instance names of their own per version. Seen on Triton 2.51 (bundled) under load: a reload whose new
+    # instances were named like the running ones (``<model>_0_0``) ended with the old stubs aborting at unload
+    # (glibc "corrupted double-linked list" / "unaligned tcache chunk") and the requests they held hanging; with
+    # ``<model>_v<version>_<group>`` the same reload lost nothing. Why is not known: the stubs' shared-memory
+    # regions are named by UUID, not by instance; what the backend and Triton key by instance name (metric labels,
+    # events) are the suspects.
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
     return out
