@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -149,12 +150,19 @@ class _Interrupted(Exception):
 @click.option("--openai-port", type=click.IntRange(min=0), default=None,
               help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for the "
                    "text-generation models on this port (0 picks a free one); stopped with the server.")
+@click.option("--control-port", type=click.IntRange(min=0), default=None,
+              help="Also listen on 127.0.0.1:PORT for model-factory rollout (new versions verified, accepted, "
+                   "mirrored in shadow and switched without a restart); needs --admin-key-file. 0 picks a port.")
+@click.option("--watch", "watch_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Every SECONDS, look for a newly released version of a served model in the repository and roll it "
+                   "out (as model-factory rollout does: verified, released, newer, accepted, shadowed, gated); "
+                   "anything else is refused with the reason. SIGHUP looks at once. 0: only on SIGHUP.")
 @user_errors
 def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, http_port: int, grpc_port: int,
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
-          allow_empty: bool, openai_port: int | None) -> None:
+          allow_empty: bool, openai_port: int | None, control_port: int | None, watch_s: float) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -170,6 +178,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
       model-factory serve --trace-endpoint 127.0.0.1:4318/v1/traces --trace-rate 100 model_repository
       model-factory serve --policy policy.toml --openai-port 9000 model_repository
+      model-factory serve --policy policy.toml --admin-key-file key --control-port 8003 model_repository
+      model-factory serve --policy policy.toml --watch 60 model_repository
     """
     import functools
 
@@ -183,6 +193,11 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
                          events_rate=events_rate, trace_endpoint=trace_endpoint or None, trace_rate=trace_rate,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
+    if control_port is not None and opts.admin_key is None:
+        from model_factory.errors import FactoryError
+
+        raise FactoryError("--control-port needs an admin key the operator holds. Fix: pass --admin-key-file "
+                           "(or set $MODEL_FACTORY_ADMIN_KEY)")
     stop = threading.Event()
     starting = True
 
@@ -193,6 +208,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    look = threading.Event()  # SIGHUP: look for newly released versions now
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: look.set())
     try:
         server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
                                                allow_unsigned, accept=accept, cost_cache=cache,
@@ -224,6 +241,25 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
             server.stop()
             raise
         click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(frontend.models) or 'no text-generation model'})")
+    from model_factory.serving.rollout import RolloutControl
+
+    # Rollouts (serve --control-port, --watch, SIGHUP): new versions verified, accepted, shadowed, switched.
+    rollouts = RolloutControl(server, report.digests, report.served, gpu_product=gpu_product,
+                              int8_kernels=int8_kernels, echo=lambda m: click.echo(m, err=True))
+    control = None
+    if control_port is not None:
+        from model_factory.serving.control_api import ControlServer
+
+        try:
+            control = ControlServer(rollouts, server.admin_key, "127.0.0.1", control_port).start()
+        except BaseException:
+            if frontend is not None:
+                frontend.stop()
+            server.stop()
+            raise
+        click.echo(f"  control {control.url} (model-factory rollout)")
+    if watch_s:
+        click.echo(f"  watching {repository} for released versions every {watch_s:g} s (SIGHUP: at once)")
     click.echo("Ctrl-C to stop.")
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
     events = None
@@ -233,12 +269,21 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         events = EventLog("serve", path=str(Path(events_file).resolve()), rate=events_rate or 20.0)
     watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True),
                       reverify=reverify, events=events).start() if watch_interval > 0 else None
+    next_look = time.monotonic() + watch_s if watch_s else float("inf")
     try:
         while not stop.wait(0.5):
             if server.process is not None and server.process.poll() is not None:
                 raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
                                            f"{server.log_tail()}")
+            if look.is_set() or time.monotonic() >= next_look:
+                look.clear()
+                next_look = time.monotonic() + watch_s if watch_s else float("inf")
+                rollouts.scan()
     finally:
+        if control is not None:
+            control.stop()
+        else:
+            rollouts.close()
         if watch is not None:
             watch.stop()
         if frontend is not None:

@@ -15,6 +15,7 @@ from model_factory import __version__
 # Topic modules; each is imported cheaply (heavy libraries load inside the commands).
 _COMMAND_MODULES = (
     "model_factory.cli.factory",
+    "model_factory.cli.rollout",
     "model_factory.cli.precision",
     "model_factory.cli.signing",
     "model_factory.cli.release",

@@ -38,6 +38,7 @@ class TritonPythonModel:
     """One model instance."""
 
     generator = None  # a text-generation model's decoupled generator (generate_model), else None
+    shadow = None  # the rollout's shadow mirror (shadow.py), set at load
 
     def initialize(self, args: dict) -> None:
         self.settings = s = parse_settings(args["model_config"])
@@ -91,8 +92,17 @@ class TritonPythonModel:
         from .sandbox import wall_in_stub
 
         digests = os.environ.get(DIGESTS_ENV)
+        # Shadow mirroring during a rollout (shadow.py): a share of answered requests sent again to a candidate.
+        from .events import input_hash
+        from .shadow import ShadowMirror, shadow_folder
+
+        shadow_dir = shadow_folder()
+        self.shadow = ShadowMirror(pb_utils, shadow_dir, s.model_name, str(args.get("model_instance_name", "")),
+                                   classification="classif" in (s.task or ""), hash_inputs=input_hash,
+                                   log=pb_utils.Logger.log_warn)
+        writable = ((str(Path(cache_file).parent),) if cache_file else ()) + ((str(shadow_dir),) if shadow_dir else ())
         self.engine_info["sandbox"] = wall_in_stub(
-            version_dir, writable=(str(Path(cache_file).parent),) if cache_file else (),
+            version_dir, writable=writable,
             readable_files=(digests,) if digests else (), ip_sockets=self.tracer is not None)
         # The GPU engines' memory: TensorRT's per-instance cudaMallocAsync pool, torch's allocator (None on CPU).
         self.pool = getattr(self.engine, "pool", None)
@@ -182,6 +192,8 @@ class TritonPythonModel:
         seen = [self._seen(request) for request in requests]
         parents = [self._trace_parent(r) for r in requests] if self.tracer is not None else None
         self.executor.record_spans = bool(parents) and any(parents)
+        mirror = self.shadow.active() if self.shadow is not None else None
+        mirrored: dict[int, dict] = {}  # request -> its inputs, while a rollout mirrors this model
         own: dict[int, list] = {}  # traced requests' own spans: (name, start_ns, end_ns, attributes)
         for idx, request in enumerate(requests):
             asked = tuple(request.requested_output_names())
@@ -207,6 +219,8 @@ class TritonPythonModel:
                     tensors = {i.name: _as_numpy(pb_utils.get_input_tensor_by_name(request, i.name))
                                for i in s.inputs if i.data_type != "TYPE_STRING"}
                     items = items_from_tensors(tensors, s, self.vocab_size)
+                if mirror is not None:  # copies: a tensor's array may be a view of the request's shared memory
+                    mirrored[idx] = raw or {n: np.array(v) for n, v in tensors.items() if v is not None}
                 engine_wanted = self._engine_wanted(asked, encoded.get(idx))
             except RequestError as exc:
                 if isinstance(exc, LongInputRefused):
@@ -234,6 +248,8 @@ class TritonPythonModel:
             else:
                 if idx in encoded:
                     result = self._text_outputs(result, encoded[idx], requests[idx])
+                if idx in mirrored:
+                    self.shadow.offer(mirror, mirrored[idx], {k: np.array(v) for k, v in result.items()})
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
             if r0:
@@ -309,6 +325,8 @@ class TritonPythonModel:
             return
         if self.dispatcher is not None:  # what was computed is still sent
             self.dispatcher.close()
+        if self.shadow is not None:
+            self.shadow.close()
         if self.cost_keeper is not None:
             self.cost_keeper.close(self.executor.planner)
         if self.trimmer is not None:

@@ -286,6 +286,11 @@ class TritonServer:
 
             self.extra_env[EVENTS_RATE_ENV] = str(float(opts.events_rate))
         self.work_dir = self._work
+        # A second model repository, private to this server: candidates a rollout loads beside the served
+        # versions (serving/rollout.py); and the folder where the backend's shadow mirrors keep their tallies.
+        self.candidates_dir = self._work / "candidates"
+        self.candidates_dir.mkdir()
+        (self._work / "shadow").mkdir()
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
         self.queue_costs = dict(queue_costs or {})
         # model -> the configuration (Triton JSON) each load of it carries: this deployment's queue bound.
@@ -325,6 +330,7 @@ class TritonServer:
         """The tritonserver command line."""
         o = self.options
         cmd = [str(install.binary), f"--model-repository={self.repository}",
+               f"--model-repository={self.candidates_dir}",
                f"--backend-directory={install.backend_dir}",
                f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
                f"--http-address={o.host}", f"--grpc-address={o.host}",

@@ -1,0 +1,484 @@
+"""Roll a served model to a new version inside a running ``serve``: verify, accept, shadow, gate, switch, undo.
+
+The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
+
+1. **Refusals, before anything loads** (one line each, :class:`~model_factory.errors.FactoryError`): the
+   model is not served here; ``serve`` runs without a trust policy, or one without ``[release]``; the version
+   is not newer than the serving one; it fails verification against the policy (unsigned, tampered, untrusted
+   signer); it is not part of the trusted release, or below the model's trusted floor
+   (:func:`~model_factory.signing.release_check.verify_release_files`: the rollback protection ``serve`` has).
+2. **Candidate**: the version's verified files are linked (or copied) into ``serve``'s private candidates
+   repository as ``<model>__candidate`` with a ``config.pbtxt`` derived from the signed one; its digests are
+   added to the verified-digests table, so the backend checks every byte it loads against them.
+3. **Acceptance** of the candidate on this machine (its golden data through the engine the backend would
+   load, in a child process): a candidate that fails is refused, nothing loaded.
+4. **Shadow**: the candidate is loaded beside the served version, and the control file of the backend's mirror
+   (``backend/shadow.py``) turns mirroring on: a share of live requests is sent again to the candidate in the
+   background, its answers scored against the served ones and never returned.
+5. **Gate**: once ``min_requests`` were mirrored, agreement (their mean score) at or above ``gate`` switches;
+   below it, or a candidate error, or not enough traffic before ``timeout_s``, rolls back (the candidate
+   unloaded, the served version untouched) and reports the worst cases by input hash.
+6. **Switch**: the model is loaded again under its own name with its version policy set to the new version.
+   Triton loads it beside the old one and moves new requests over once it is ready; requests in flight on the
+   old version finish there. Then the candidate is unloaded. The load's configuration is kept, so a healed
+   stub (``supervise``) reloads the new version.
+7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the same switch back to the previous version,
+   whose digests were verified when it served.
+
+A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from model_factory.errors import FactoryError
+
+# States a rollout goes through; the last four are final.
+STATES = ("verifying", "accepting", "loading", "shadowing", "switching", "switched", "rolled_back", "failed", "undone")
+FINAL = ("switched", "rolled_back", "failed", "undone")
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What to roll out, and the gate it must pass."""
+
+    model: str
+    version: int
+    gate: float = 0.99  # the least mean agreement over the mirrored requests (cosine; 1 or 0 for top-1)
+    min_requests: int = 50  # requests mirrored before the gate is judged
+    share: float = 1.0  # the share of live requests mirrored
+    timeout_s: float = 300.0  # without min_requests mirrored by then: rolled back
+    grace_s: float = 600.0  # how long `rollout --undo` may switch back
+    accept: bool = True  # acceptance of the candidate on this machine first
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
+        try:
+            req = cls(model=str(data["model"]), version=int(data["version"]),
+                      **{k: type(getattr(cls, k))(data[k]) for k in ("gate", "min_requests", "share", "timeout_s",
+                                                                        "grace_s", "accept") if k in data})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FactoryError(f"a rollout needs model and version (and numbers for its gate): {exc}. "
+                               "Fix: model-factory rollout MODEL VERSION") from None
+        if not (0 < req.share <= 1) or req.min_requests < 1 or not (-1 <= req.gate <= 1):
+            raise FactoryError("share must be in (0, 1], min_requests at least 1 and gate in [-1, 1]. "
+                               "Fix: pass --share, --min-requests and --gate in those ranges")
+        return req
+
+
+@dataclass(frozen=True)
+class Switched:
+    """A switch that may be undone until ``until`` (time.time())."""
+
+    model: str
+    previous: int
+    current: int
+    until: float
+
+
+@dataclass
+class RolloutStatus:
+    """A rollout's progress, as the control endpoint reports it (JSON)."""
+
+    id: str
+    model: str
+    version: int
+    serving: int
+    state: str = "verifying"
+    mirrored: int = 0
+    agreement: float | None = None
+    min_score: float | None = None
+    candidate_errors: int = 0
+    skipped: int = 0
+    worst: list = field(default_factory=list)  # [{"score", "input_hash"}], lowest first
+    reason: str = ""
+    gate: float = 0.0
+    min_requests: int = 0
+    started: float = field(default_factory=time.time)
+    seconds_to_switch: float | None = None  # from the command to the served version changed
+    undo_until: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def candidate_name(model: str) -> str:
+    from model_factory.backend.shadow import CANDIDATE_SUFFIX
+
+    return model + CANDIDATE_SUFFIX
+
+
+def version_config(base: dict[str, Any], version: int, name: str | None = None) -> dict[str, Any]:
+    """A model's Triton configuration (JSON form) set to serve exactly ``version`` (and renamed)."""
+    out = dict(base)
+    out["version_policy"] = {"specific": {"versions": [int(version)]}}
+    if name:
+        out["name"] = name
+    # Instance names of their own per version. Seen on Triton 2.51 (bundled) under load: a reload whose new
+    # instances were named like the running ones (``<model>_0_0``) ended with the old stubs aborting at unload
+    # (glibc "corrupted double-linked list" / "unaligned tcache chunk") and the requests they held hanging; with
+    # ``<model>_v<version>_<group>`` the same reload lost nothing. The cause, as far as measured: the backend's
+    # custom metrics carry the instance name as a label, so old and new stubs held pb_utils Metrics with identical
+    # labels; with the same names but the stub's pid added to that label, the reload was clean (2 of 2 runs, 4 of
+    # 4 aborts without).
+    out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
+                             for i, g in enumerate(out.get("instance_group") or [{}])]
+    return out
+
+
+def _config_json(model_dir: Path) -> dict[str, Any]:
+    from google.protobuf import json_format
+
+    from model_factory.build.repository import read_config
+
+    return json_format.MessageToDict(read_config(model_dir), preserving_proto_field_name=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
+    """The mirrors' tallies of one rollout, summed over the model's instances."""
+    total = {"mirrored": 0, "score_sum": 0.0, "min_score": None, "errors": 0, "skipped": 0, "worst": []}
+    for path in sorted(Path(folder).glob(f"{model}.*.tally.json")):
+        try:
+            t = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if t.get("id") != rollout_id:
+            continue
+        for k in ("mirrored", "score_sum", "errors", "skipped"):
+            total[k] += t.get(k) or 0
+        if t.get("min_score") is not None:
+            total["min_score"] = t["min_score"] if total["min_score"] is None else min(total["min_score"],
+                                                                                       t["min_score"])
+        total["worst"] = sorted(total["worst"] + list(t.get("worst") or []), key=lambda w: w["score"])[:5]
+    return total
+
+
+class RolloutControl:
+    """Rollouts of the models one ``serve`` serves (one at a time per server).
+
+    ``server``: the started :class:`~.triton_process.TritonServer`; ``digests``: the
+    :class:`~.digests.VerifiedDigests` ``serve`` started with (None: no policy, every rollout refused);
+    ``served``: the models it serves.
+    """
+
+    def __init__(self, server: Any, digests: Any, served: tuple[str, ...] | list[str], *,
+                 gpu_product: str | None = None, int8_kernels: str | None = None,
+                 echo: Callable[[str], None] | None = None, poll_s: float = 0.2) -> None:
+        from model_factory.serving.acceptance import served_version
+
+        self.server, self.digests = server, digests
+        self.gpu_product, self.int8_kernels = gpu_product, int8_kernels
+        self.echo = echo or (lambda _m: None)
+        self.poll_s = poll_s
+        repo = Path(server.repository)
+        self.serving: dict[str, int] = {}
+        for m in served:
+            cfg = json.loads(server.load_configs[m]) if m in server.load_configs else None
+            wanted = (cfg or {}).get("version_policy", {}).get("specific", {}).get("versions")
+            self.serving[m] = int(max(int(v) for v in wanted)) if wanted else int(
+                served_version(repo / m, _read_config(repo / m)))
+        self.statuses: dict[str, RolloutStatus] = {}
+        self.switched: dict[str, Switched] = {}
+        self._lock = threading.Lock()
+        self._running: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._tried: set[tuple[str, int]] = set()  # versions a scan started (not started again by a scan)
+        self._refused: dict[tuple[str, int], str] = {}  # the last refusal said per version (said once)
+
+    @property
+    def shadow_dir(self) -> Path:
+        from model_factory.backend.shadow import SHADOW_DIR
+
+        return Path(self.server.work_dir) / SHADOW_DIR
+
+    # ------------------------------------------------------------------ refusals (before anything loads)
+
+    def check(self, req: RolloutRequest) -> dict[str, str]:
+        """Refuse (FactoryError, one line) a rollout that must not start; return the version's verified digests."""
+        from model_factory.signing import signed_digests
+        from model_factory.signing.release import release_dir
+        from model_factory.signing.release_check import verify_release_files
+
+        m, v = req.model, req.version
+        if m not in self.serving:
+            raise FactoryError(f"refused: {m} is not served here (serving: {', '.join(sorted(self.serving)) or 'none'})."
+                               " Fix: roll out a model this serve loaded")
+        if self.digests is None or self.digests.policy is None:
+            raise FactoryError("refused: this serve runs without a trust policy (--allow-unsigned), so nothing "
+                               "can be verified. Fix: restart serve with --policy")
+        policy = self.digests.policy
+        if policy.release is None:
+            raise FactoryError("refused: not released: the trust policy has no [release] section, so no version "
+                               "can be shown to be released and newer. Fix: add [release] (docs/releases.md)")
+        if v <= self.serving[m]:
+            raise FactoryError(f"refused: {m} version {v} is not newer than the serving version {self.serving[m]} "
+                               "(rollback protection). Fix: within the grace period use rollout --undo; else "
+                               "release the older model again under a higher version")
+        model_dir = Path(self.server.repository) / m
+        if not (model_dir / str(v)).is_dir():
+            raise FactoryError(f"refused: {model_dir / str(v)} does not exist. Fix: build or pull version {v} "
+                               "into the repository serve reads")
+        try:
+            digests = signed_digests(model_dir, v, policy)
+        except FactoryError as exc:
+            raise FactoryError(f"refused: {' '.join(str(exc).split())}") from None
+        verdict = verify_release_files(release_dir(Path(self.server.repository)), model_dir, v, policy)
+        if not verdict.ok:
+            raise FactoryError(f"refused: not released: {' '.join(' '.join(verdict.all_problems()).split())}")
+        return digests
+
+    # ------------------------------------------------------------------ the rollout
+
+    def start(self, req: RolloutRequest) -> RolloutStatus:
+        """Check ``req`` (refusals raise), then run the rollout in a thread; returns its first status."""
+        with self._lock:
+            if self._running is not None and self._running.is_alive():
+                busy = next((s for s in self.statuses.values() if s.state not in FINAL), None)
+                raise FactoryError(f"refused: a rollout is in progress ({busy.model if busy else '?'} "
+                                   f"{busy.state if busy else ''}). Fix: wait for it (rollout --status)")
+            digests = self.check(req)
+            status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version, self.serving[req.model],
+                                   gate=req.gate, min_requests=req.min_requests)
+            self.statuses[req.model] = status
+            self._running = threading.Thread(target=self._run, args=(req, status, digests), name="mf-rollout",
+                                             daemon=True)
+            self._running.start()
+        return status
+
+    def _set(self, status: RolloutStatus, state: str, reason: str = "") -> None:
+        status.state = state
+        if reason:
+            status.reason = reason
+        self.echo(f"rollout {status.model} {status.serving} -> {status.version}: {state}"
+                  + (f" ({reason})" if reason else ""))
+
+    def _run(self, req: RolloutRequest, status: RolloutStatus, digests: dict[str, str]) -> None:
+        cand = candidate_name(req.model)
+        loaded = False
+        try:
+            cand_dir = self._stage_candidate(req, digests)
+            if req.accept:
+                self._set(status, "accepting")
+                self._accept(cand_dir, req.version, digests)
+            self._set(status, "loading")
+            error = self.server.load_model(cand)
+            loaded = True
+            if error:
+                from model_factory.serving.refusals import load_error_line
+
+                raise FactoryError(f"the candidate did not load: {load_error_line(error)}")
+            self._set(status, "shadowing")
+            passed = self._shadow(req, status)
+            if not passed:
+                return
+            self._set(status, "switching")
+            self._switch(req.model, req.version)
+            status.seconds_to_switch = time.time() - status.started
+            until = time.time() + req.grace_s
+            self.switched[req.model] = Switched(req.model, status.serving, req.version, until)
+            status.undo_until = until
+            self._set(status, "switched", f"{req.model} serves version {req.version}; rollout --undo until "
+                      f"{time.strftime('%H:%M:%S', time.localtime(until))}")
+        except FactoryError as exc:
+            self._set(status, "failed" if status.state in ("verifying", "accepting", "loading") else "rolled_back",
+                      str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the operator; the served version is untouched
+            self._set(status, "failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            self._stop_mirroring(req.model)
+            if loaded:
+                self.server.unload_model(cand)
+            self._drop_candidate(req.model)
+
+    def _stage_candidate(self, req: RolloutRequest, digests: dict[str, str]) -> Path:
+        """``<candidates>/<model>__candidate``: the version's verified files and a derived config.pbtxt."""
+        from model_factory.build.repository import config_to_pbtxt
+        from model_factory.serving.digests import read_table, write_table
+        from model_factory.signing import signed_digests
+
+        m, v = req.model, req.version
+        src = Path(self.server.repository) / m
+        cand = candidate_name(m)
+        dst = Path(self.server.candidates_dir) / cand
+        shutil.rmtree(dst, ignore_errors=True)
+        for rel in digests:
+            if rel.split("/", 1)[0] == str(v):
+                _link_or_copy(src / rel, dst / rel)
+        (dst / "config.pbtxt").write_text(config_to_pbtxt(version_config(_config_json(src), v, cand)))
+        table = read_table(self.digests.path)
+        table.setdefault(m, {})[str(v)] = digests
+        table[cand] = {str(v): digests}
+        try:  # the serving version again (its signature covers config.pbtxt, re-signed with the new version)
+            serving = str(self.serving[m])
+            table[m][serving] = signed_digests(src, int(serving), self.digests.policy)
+        except FactoryError:
+            pass  # keep what was verified when it started serving
+        write_table(self.digests.path, table)
+        return dst
+
+    def _accept(self, cand_dir: Path, version: int, digests: dict[str, str]) -> None:
+        from model_factory.serving.verified_start import check_on_this_machine
+
+        checks = check_on_this_machine(cand_dir.parent, (cand_dir.name,), {cand_dir.name: {str(version): digests}},
+                                       accept=True, gpu_product=self.gpu_product, int8_kernels=self.int8_kernels)
+        if cand_dir.name not in checks.passed:
+            raise FactoryError(checks.refused.get(cand_dir.name, "acceptance failed on this machine"))
+
+    def _shadow(self, req: RolloutRequest, status: RolloutStatus) -> bool:
+        """Mirror until ``min_requests`` were scored; True when the gate passed (False: rolled back)."""
+        from model_factory.backend.shadow import control_path
+        from model_factory.fileio import atomic_file
+
+        for old in self.shadow_dir.glob(f"{req.model}.*.tally.json"):  # earlier rollouts' (their ids differ anyway)
+            old.unlink(missing_ok=True)
+        with atomic_file(control_path(self.shadow_dir, req.model)) as f:
+            f.write(json.dumps({"id": status.id, "target": candidate_name(req.model), "share": req.share}))
+        deadline = time.monotonic() + req.timeout_s
+        while True:
+            t = summed_tallies(self.shadow_dir, req.model, status.id)
+            status.mirrored, status.candidate_errors, status.skipped = t["mirrored"], t["errors"], t["skipped"]
+            status.min_score, status.worst = t["min_score"], t["worst"]
+            status.agreement = t["score_sum"] / t["mirrored"] if t["mirrored"] else None
+            if t["errors"]:
+                self._set(status, "rolled_back", f"the candidate failed {t['errors']} of {t['mirrored']} mirrored "
+                          "requests the serving version answered")
+                return False
+            if t["mirrored"] >= req.min_requests:
+                break
+            if self._stop.is_set():
+                self._set(status, "rolled_back", "serve is stopping")
+                return False
+            if time.monotonic() > deadline:
+                self._set(status, "rolled_back", f"only {t['mirrored']} of {req.min_requests} requests mirrored "
+                          f"within {req.timeout_s:g} s: not enough traffic to judge. Fix: retry under load, or "
+                          "lower --min-requests")
+                return False
+            time.sleep(self.poll_s)
+        self._stop_mirroring(req.model)
+        if status.agreement is None or status.agreement < req.gate:
+            self._set(status, "rolled_back", f"agreement {status.agreement:.6f} over {status.mirrored} mirrored "
+                      f"requests is below the gate {req.gate:g} (lowest {status.min_score:.6f}); worst by input "
+                      "hash: " + ", ".join(f"{w['input_hash']} {w['score']:.4f}" for w in status.worst))
+            return False
+        return True
+
+    def _stop_mirroring(self, model: str) -> None:
+        from model_factory.backend.shadow import control_path
+
+        control_path(self.shadow_dir, model).unlink(missing_ok=True)
+
+    def _drop_candidate(self, model: str) -> None:
+        from model_factory.serving.digests import read_table, write_table
+
+        cand = candidate_name(model)
+        shutil.rmtree(Path(self.server.candidates_dir) / cand, ignore_errors=True)
+        if self.digests is not None:
+            table = read_table(self.digests.path)
+            if table.pop(cand, None) is not None:
+                write_table(self.digests.path, table)
+
+    def _switch(self, model: str, version: int) -> None:
+        """Load ``model`` again set to ``version``: Triton swaps once the new version is ready; the old one's
+        requests in flight finish on it. Its configuration is kept for later loads (a healed stub)."""
+        base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
+                else _config_json(Path(self.server.repository) / model))
+        previous = self.server.load_configs.get(model)
+        self.server.load_configs[model] = json.dumps(version_config(base, version))
+        error = self.server.load_model(model)
+        if error:
+            from model_factory.serving.refusals import load_error_line
+
+            if previous is None:
+                self.server.load_configs.pop(model, None)
+            else:
+                self.server.load_configs[model] = previous
+            raise FactoryError(f"the switch to version {version} did not load (the serving version stays): "
+                               f"{load_error_line(error)}")
+        self.serving[model] = int(version)
+
+    def undo(self, model: str) -> RolloutStatus:
+        """Switch ``model`` back to the version it served before its last rollout, within the grace period."""
+        with self._lock:
+            if self._running is not None and self._running.is_alive():
+                raise FactoryError("refused: a rollout is in progress. Fix: wait for it (rollout --status)")
+            done = self.switched.get(model)
+            if done is None:
+                raise FactoryError(f"refused: no rollout of {model} to undo. Fix: roll out a version first")
+            if time.time() > done.until:
+                raise FactoryError(f"refused: the grace period of {model}'s rollout to version {done.current} "
+                                   "ended. Fix: release the older model again under a higher version and roll it out")
+            status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
+            start = time.time()
+            self._switch(model, done.previous)
+            del self.switched[model]
+            status = replace(status, state="undone", seconds_to_switch=time.time() - start, undo_until=None,
+                             reason=f"{model} serves version {done.previous} again")
+            self.statuses[model] = status
+            self.echo(f"rollout {model}: undone, version {done.previous} serves again")
+            return status
+
+    def status(self, model: str) -> RolloutStatus | None:
+        return self.statuses.get(model)
+
+    def scan(self) -> list[str]:
+        """``serve --watch`` and SIGHUP: one look at the repository. The highest version folder of a served model
+        above its serving version is rolled out (one rollout at a time; defaults of :class:`RolloutRequest`),
+        through every check of :meth:`start`; a refusal is said once per reason (the same version is looked at
+        again on each scan: a release added later lets it through), a version whose rollout ended is not tried
+        again. Returns the lines said (also echoed)."""
+        said: list[str] = []
+        if self._running is not None and self._running.is_alive():
+            return said
+        repo = Path(self.server.repository)
+        for m, serving in sorted(self.serving.items()):
+            try:
+                versions = sorted(int(p.name) for p in (repo / m).iterdir() if p.is_dir() and p.name.isdigit())
+            except OSError:
+                continue
+            newer = [v for v in versions if v > serving and (m, v) not in self._tried]
+            if not newer:
+                continue
+            v = newer[-1]
+            try:
+                self.start(RolloutRequest(m, v))
+            except FactoryError as exc:
+                line = f"watch: {m} version {v} not rolled out: {exc}"
+                if self._refused.get((m, v)) != line:
+                    self._refused[(m, v)] = line
+                    said.append(line)
+                continue
+            self._tried.add((m, v))
+            said.append(f"watch: rolling out {m} version {v} (serving {serving})")
+            break
+        for line in said:
+            self.echo(line)
+        return said
+
+    def close(self) -> None:
+        """Stop a rollout in progress (it rolls back: the served version is untouched)."""
+        self._stop.set()
+        if self._running is not None:
+            self._running.join(timeout=60)
+
+
+def _read_config(model_dir: Path) -> Any:
+    from model_factory.build.repository import read_config
+
+    return read_config(model_dir)

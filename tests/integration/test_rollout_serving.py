@@ -1,0 +1,373 @@
+"""model-factory rollout on the real Triton, under steady load from a client pool: v1 -> v2 switched with no
+failed request (every request sent after the switch answered by v2), --undo back to v1 with none failed, a
+disagreeing (perturbed, re-signed, released) v3 rolled back by the shadow gate while v1 keeps serving, and
+the refusals (older, unsigned, not released) as one line and exit 1."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
+
+MODEL = "roll"
+KEY = "rollout-test-admin-key-0123456789"
+
+
+@dataclass
+class Env:
+    repo: Path
+    model_dir: Path
+    server: object
+    control: object
+    endpoint: object
+    key_file: Path
+    keys: object
+    release_keys: list
+
+
+def _sign_all(model_dir: Path, keys, versions) -> None:
+    from model_factory.signing import SignerConfig, sign_model_version
+
+    for v in versions:  # config.pbtxt is in every version's signed unit: each packaging re-signs the others
+        sign_model_version(model_dir, v, SignerConfig(keys.private_key))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
+    """Serving v1 of a released model; v2 (same weights) and v3 (other weights, its own golden data) packaged,
+    signed and released while it serves; a control endpoint as ``serve --control-port`` starts it."""
+    from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.demo import write_key_policy
+    from model_factory.serving.control_api import ControlServer
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.server import ServerOptions, start_verified_server
+    from model_factory.signing import generate_keypair
+    from model_factory.signing.release import KeyFile, add_release, init_release
+    from tests.conftest import _other_weights
+
+    root = tmp_path_factory.mktemp("rollout")
+    repo = root / "repo"
+    keys = generate_keypair(root / "keys")
+    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=repo))
+    fp32 = minilm_export.onnx_path
+    golden = write_acceptance_data(recipe, fp32, minilm_export.tokenizer_dir, root / "golden")
+    model_dir = package_signed(recipe, keys, acceptance_dir=golden)
+    k = [KeyFile(keys.private_key)]
+    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
+                                          "timestamp": [keys.public_key]})
+    assert add_release(repo, k, k, k) == 1
+    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
+    shutil.copy(release_root, root / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
+                                           log_file=root / "tritonserver.log")
+    try:
+        assert report.served == (MODEL,), report.refused
+        control = RolloutControl(server, report.digests, report.served, poll_s=0.1)
+        endpoint = ControlServer(control, server.admin_key).start()
+        # While v1 serves: v2 (the same model rebuilt) and v3 (other weights, self-consistent golden data).
+        package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
+        other = _other_weights(fp32, root / "other.onnx")
+        golden_bad = write_acceptance_data(recipe, other, minilm_export.tokenizer_dir, root / "golden-bad")
+        package_signed(replace(recipe, version=3), keys, {"model.onnx": other}, acceptance_dir=golden_bad)
+        _sign_all(model_dir, keys, (1, 2))
+        assert add_release(repo, k, k, k) == 2
+        key_file = root / "admin-key"
+        key_file.write_text(KEY + "\n")
+        yield Env(repo, model_dir, server, control, endpoint, key_file, keys, k)
+        endpoint.stop()
+    finally:
+        assert server.stop() == 0
+
+
+class Load:
+    """Clients that send requests back to back until stopped: (sent, answered, outcome, model_version)."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        texts = Path(__file__).resolve().parents[2] / "model_factory" / "examples" / "heldout.txt"
+        self.texts = [t for t in texts.read_text().splitlines() if t.strip()][:64]
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+
+    def _loop(self, i: int) -> None:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(self.url, network_timeout=120)
+        n = i
+        try:
+            while not self.stop.is_set():
+                inp = httpclient.InferInput("text", [1, 1], "BYTES")
+                inp.set_data_from_numpy(np.array([[self.texts[n % len(self.texts)].encode()]], dtype=np.object_))
+                n += 7
+                sent = time.monotonic()
+                try:
+                    res = client.infer(MODEL, [inp])
+                    outcome, version = "ok", res.get_response().get("model_version")
+                except Exception as exc:  # noqa: BLE001 - every failure is counted
+                    outcome, version = f"{type(exc).__name__}: {exc}", None
+                self.results.append((sent, time.monotonic(), outcome, version))
+        finally:
+            client.close()
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(self.results) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+    def failed(self) -> list:
+        return [r for r in self.results if r[2] != "ok"]
+
+
+def _rollout(env: Env, *args: str):
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    return CliRunner().invoke(main, ["rollout", MODEL, *args, "--serve-url", env.endpoint.url,
+                                     "--admin-key-file", str(env.key_file)])
+
+
+def _index(env: Env) -> dict[str, str]:
+    return {f"{m['name']}/{m.get('version', '')}": m.get("state", "") for m in env.server.model_status()}
+
+
+def test_refusals_are_one_line_and_exit_1(env: Env) -> None:
+    from model_factory.signing import SignerConfig, sign_model_version
+
+    older = _rollout(env, "1")
+    assert older.exit_code == 1 and "not newer than the serving version 1" in older.output, older.output
+    shutil.copytree(env.model_dir / "2", env.model_dir / "5")  # a version folder nobody signed
+    try:
+        unsigned = _rollout(env, "5")
+        assert unsigned.exit_code == 1 and "refused:" in unsigned.output and "5" in unsigned.output, unsigned.output
+        sign_model_version(env.model_dir, 5, SignerConfig(env.keys.private_key))  # signed, in no release
+        unreleased = _rollout(env, "5")
+        assert unreleased.exit_code == 1 and "not released" in unreleased.output, unreleased.output
+    finally:
+        shutil.rmtree(env.model_dir / "5")
+        for sig in env.model_dir.glob("5.*sig"):
+            sig.unlink()
+    for result in (older, unsigned, unreleased):
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert "Traceback" not in result.output
+    assert env.control.status(MODEL) is None  # nothing started, nothing loaded
+    from model_factory.serving.control_api import call
+
+    assert call(env.endpoint.url, "not-the-admin-key-000", "POST", "/v1/rollouts",
+                {"model": MODEL, "version": 2})[0] == 403
+    assert call(env.endpoint.url, "", "GET", f"/v1/rollouts/{MODEL}")[0] == 403
+    assert not any(k.startswith(MODEL + "__candidate") for k in _index(env))
+
+
+def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> None:
+    with Load(env.server.http_url) as load:
+        before = len(load.results)
+        result = _rollout(env, "2", "--min-requests", "30", "--gate", "0.99")
+        switched_at = time.monotonic()
+        time.sleep(2.0)
+        after_switch = len(load.results)
+        undo = _rollout(env, "--undo")
+        undone_at = time.monotonic()
+        time.sleep(2.0)
+    assert result.exit_code == 0, result.output
+    assert "switched in" in result.output
+    status = env.control.status(MODEL)
+    assert status.mirrored >= 30 and status.agreement >= 0.99 and status.candidate_errors == 0
+    assert load.failed() == [], load.failed()[:3]
+    assert before > 0 and all(r[3] == "1" for r in load.results[:before])
+    sent_after = [r for r in load.results[:after_switch] if r[0] > switched_at]
+    assert sent_after and all(r[3] == "2" for r in sent_after), {r[3] for r in sent_after}
+    assert undo.exit_code == 0, undo.output
+    assert "undone" in undo.output
+    sent_after_undo = [r for r in load.results if r[0] > undone_at]
+    assert sent_after_undo and all(r[3] == "1" for r in sent_after_undo), {r[3] for r in sent_after_undo}
+    assert status.state == "undone"
+    index = _index(env)
+    assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
+    print(f"\nrollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n{undo.output.strip()}")
+
+
+def test_a_disagreeing_candidate_is_rolled_back_and_v1_keeps_serving(env: Env) -> None:
+    with Load(env.server.http_url) as load:
+        result = _rollout(env, "3", "--min-requests", "20", "--gate", "0.99")
+        time.sleep(1.0)
+    assert result.exit_code == 1, result.output
+    assert "rolled back" in result.output and "below the gate 0.99" in result.output, result.output
+    status = env.control.status(MODEL)
+    assert status.state == "rolled_back" and status.mirrored >= 20 and status.agreement < 0.99
+    assert status.worst and all(len(w["input_hash"]) == 16 for w in status.worst)
+    texts = set(load.texts)
+    assert not any(t in result.output for t in texts)  # input hashes, never the text
+    assert load.failed() == [], load.failed()[:3]
+    assert load.results and all(r[3] == "1" for r in load.results)
+    index = _index(env)
+    assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
+    assert not (Path(env.server.candidates_dir) / f"{MODEL}__candidate").exists()
+    print(f"\nrolled back: agreement {status.agreement:.4f} over {status.mirrored}, worst {status.worst[:2]}")
+
+
+def test_sigkill_of_the_rollout_command_changes_nothing_and_a_second_rollout_works(env: Env) -> None:
+    """The rollout runs inside serve: its command killed outright mid-shadow leaves v1 serving (the candidate is
+    judged and removed server-side; nothing half-switched), and the next rollout switches."""
+    import signal
+    import subprocess
+    import sys
+
+    with Load(env.server.http_url) as load:
+        cmd = [sys.executable, "-m", "model_factory.cli.main", "rollout", MODEL, "3", "--serve-url", env.endpoint.url,
+               "--admin-key-file", str(env.key_file), "--min-requests", "100000", "--timeout", "15"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "shadowing" in line:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert env.control.status(MODEL).state == "shadowing", seen
+        deadline = time.monotonic() + 120
+        while env.control.status(MODEL).state not in ("rolled_back", "failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first = env.control.status(MODEL)
+        before_second = len(load.results)
+        second = _rollout(env, "2", "--min-requests", "20")
+        switched_at = time.monotonic()
+        time.sleep(1.5)
+    assert first.state == "rolled_back" and "not enough traffic" in first.reason, first
+    assert load.failed() == [], load.failed()[:3]
+    assert all(r[3] == "1" for r in load.results[:before_second])
+    assert second.exit_code == 0, second.output
+    sent_after = [r for r in load.results if r[0] > switched_at]
+    assert sent_after and all(r[3] == "2" for r in sent_after)
+
+
+def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env: Env, minilm_recipe,
+                                                                               minilm_export, package_signed) -> None:
+    """``serve --watch`` and SIGHUP call ``RolloutControl.scan``: an unsigned new version is refused (said once,
+    not again on the next look); once a newer version is packaged, signed and released, it is rolled out."""
+    from model_factory.signing.release import add_release
+
+    assert env.control.serving[MODEL] == 2  # the previous test switched to v2
+    lines: list[str] = []
+    env.control.echo = lines.append
+    shutil.copytree(env.model_dir / "2", env.model_dir / "6")  # nobody signed it
+    try:
+        first = env.control.scan()
+        again = env.control.scan()
+        assert len(first) == 1 and "version 6 not rolled out: refused:" in first[0], first
+        assert again == []  # the same refusal is not said twice
+    finally:
+        shutil.rmtree(env.model_dir / "6")
+    recipe = replace(minilm_recipe, name=MODEL, version=4,
+                     repository=replace(minilm_recipe.repository, path=env.repo))
+    golden = env.model_dir / "1" / "acceptance"
+    assert golden.is_dir()
+    package_signed(recipe, env.keys, acceptance_dir=golden)
+    _sign_all(env.model_dir, env.keys, (1, 2, 3))
+    add_release(env.repo, env.release_keys, env.release_keys, env.release_keys)
+    with Load(env.server.http_url):
+        started = env.control.scan()
+        assert started == [f"watch: rolling out {MODEL} version 4 (serving 2)"], started
+        assert env.control.scan() == []  # one rollout at a time
+        deadline = time.monotonic() + 180
+        while env.control.status(MODEL).state not in ("switched", "rolled_back", "failed") and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+    status = env.control.status(MODEL)
+    assert status.state == "switched", status
+    assert env.control.serving[MODEL] == 4
+    assert env.control.scan() == []  # nothing newer
+
+
+def test_the_serve_command_rolls_out_on_sighup_and_answers_rollout_status(tmp_path, minilm_recipe, minilm_export,
+                                                                          package_signed) -> None:
+    """``model-factory serve --control-port 0``, end to end: a released v2 appears, SIGHUP rolls it out under load
+    (0 failed), ``model-factory rollout --status`` reads it through the control endpoint, SIGTERM exits 0."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from model_factory.build_engines.golden import write_acceptance_data
+    from model_factory.cli.main import main
+    from model_factory.demo import write_key_policy
+    from model_factory.signing import generate_keypair
+    from model_factory.signing.release import KeyFile, add_release, init_release
+
+    repo = tmp_path / "repo"
+    keys = generate_keypair(tmp_path / "keys")
+    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=repo))
+    golden = write_acceptance_data(recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir, tmp_path / "golden")
+    model_dir = package_signed(recipe, keys, acceptance_dir=golden)
+    k = [KeyFile(keys.private_key)]
+    root = init_release(repo, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
+    add_release(repo, k, k, k)
+    policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
+    shutil.copy(root, tmp_path / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
+    key_file = tmp_path / "admin-key"
+    key_file.write_text(KEY + "\n")
+    cmd = [sys.executable, "-m", "model_factory.cli.main", "serve", "--policy", str(policy), "--admin-key-file",
+           str(key_file), "--control-port", "0", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+           "--watch-interval", "0", str(repo)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        text = "".join(lines)
+        url = re.search(r"HTTP\s+http://(\S+)", text).group(1)
+        control = re.search(r"control (http://\S+)", text).group(1)
+        package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
+        _sign_all(model_dir, keys, (1,))
+        add_release(repo, k, k, k)
+
+        def status() -> str:
+            res = CliRunner().invoke(main, ["rollout", MODEL, "--status", "--serve-url", control,
+                                            "--admin-key-file", str(key_file)])
+            return res.output
+
+        assert "no rollout of roll" in status()
+        with Load(url) as load:
+            proc.send_signal(signal.SIGHUP)
+            deadline, last = time.monotonic() + 180, ""
+            while time.monotonic() < deadline and not re.search(r": (switched|rolled_back|failed)", last):
+                time.sleep(1.0)
+                last = status()
+            switched_at = time.monotonic()
+            time.sleep(1.5)
+        assert "roll 1 -> 2: switched" in last, last
+        assert load.failed() == [], load.failed()[:3]
+        assert [r for r in load.results if r[0] > switched_at] and all(
+            r[3] == "2" for r in load.results if r[0] > switched_at)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, text + rest
+        assert "watch: rolling out roll version 2 (serving 1)" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)

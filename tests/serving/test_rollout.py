@@ -1,0 +1,48 @@
+"""The rollout's pieces that need no server: the request's checks, the switch's configuration, the tallies summed
+(the rollout itself runs on the real server: tests/integration/test_rollout_serving.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_factory.errors import FactoryError
+from model_factory.serving.rollout import RolloutRequest, summed_tallies, version_config
+
+
+def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
+    req = RolloutRequest.from_dict({"model": "m", "version": "3", "gate": 0.95, "min_requests": 10})
+    assert (req.model, req.version, req.gate, req.min_requests, req.share) == ("m", 3, 0.95, 10, 1.0)
+    with pytest.raises(FactoryError, match="model and version"):
+        RolloutRequest.from_dict({"model": "m"})
+    with pytest.raises(FactoryError, match="share must be"):
+        RolloutRequest.from_dict({"model": "m", "version": 2, "share": 0})
+
+
+def test_the_switch_serves_one_version_under_instance_names_of_its_own() -> None:
+    base = {"name": "m", "version_policy": {"specific": {"versions": [1]}},
+            "instance_group": [{"count": 2, "kind": "KIND_CPU"}]}
+    cfg = version_config(base, 2)
+    assert cfg["version_policy"] == {"specific": {"versions": [2]}}
+    assert cfg["instance_group"] == [{"count": 2, "kind": "KIND_CPU", "name": "m_v2_0"}]
+    assert base["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]  # the base is not changed
+    cand = version_config(base, 2, "m__candidate")
+    assert cand["name"] == "m__candidate" and cand["instance_group"][0]["name"] == "m__candidate_v2_0"
+    from model_factory.build.repository import config_to_pbtxt  # Triton's schema accepts it
+
+    assert 'name: "m_v2_0"' in config_to_pbtxt(cfg)
+
+
+def test_tallies_of_the_same_rollout_are_summed_over_instances(tmp_path) -> None:
+    def write(instance: str, rollout: str, mirrored: int, total: float, low: float, worst: list) -> None:
+        (tmp_path / f"m.{instance}.tally.json").write_text(json.dumps(
+            {"id": rollout, "mirrored": mirrored, "score_sum": total, "min_score": low, "errors": 0, "skipped": 1,
+             "worst": [{"score": s, "input_hash": h} for s, h in worst]}))
+
+    write("m_0_0", "r1", 3, 2.5, 0.5, [(0.5, "a"), (1.0, "b")])
+    write("m_0_1", "r1", 2, 1.9, 0.9, [(0.9, "c")])
+    write("m_0_2", "old", 9, 0.0, 0.0, [(0.0, "z")])  # an earlier rollout's tally: not counted
+    t = summed_tallies(tmp_path, "m", "r1")
+    assert t["mirrored"] == 5 and t["skipped"] == 2 and abs(t["score_sum"] - 4.4) < 1e-9 and t["min_score"] == 0.5
+    assert [w["input_hash"] for w in t["worst"]] == ["a", "c", "b"]
