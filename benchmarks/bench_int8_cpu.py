@@ -100,22 +100,6 @@ def _counts(bench, url: str) -> tuple[float, float]:
             bench.metric_total(samples, GROUPS, model="minilm") or 0.0)
 
 
-def _server_cpu_seconds(server) -> float:
-    """User + system CPU seconds of a Triton server and its stubs so far: what a sequence costs in CPU, which other
-    work on a shared machine slows down but does not inflate (unlike throughput, which it halves)."""
-    import psutil
-
-    root = psutil.Process(server.process.pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
-
-
 def _auto_lines(flags, accepted, results, levels, ratio, cpu_gain) -> list[str]:
     """What ``auto`` picks on this CPU, with the figures behind it (throughput and CPU per sequence vs FP32)."""
     from model_factory.backend.cpu_features import integer_dot_product
@@ -157,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.concurrency, args.no_write = 1, "1,8", True
 
+    from benchmarks.harness.server_cpu import server_cpu_seconds
     from model_factory.backend.cpu_features import cpu_flags, integer_dot_product
     from model_factory.backend.loading import available_cpus
     from model_factory.build.pipeline import build, package_existing
@@ -212,12 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         lends = CONFIGS[label][2] == 0 and CONFIGS[label][3]
                         before = _counts(bench, servers[label].metrics_url) if lends else (0.0, 0.0)
                         warm = 8 if c == 1 else c
-                        cpu_before = _server_cpu_seconds(servers[label])
+                        cpu_before = server_cpu_seconds(servers[label])
                         res = bench.run_load(url, "minilm", stream[:count], protocol="grpc", concurrency=c,
                                              warmup=warm, send="ids", label=f"c={c}")
                         # The warm-up's sequences ran inside the same CPU window: counted with the measured ones.
                         cpu.setdefault((label, c), []).append(
-                            (_server_cpu_seconds(servers[label]) - cpu_before) / max(res.sequences + warm, 1) * 1000)
+                            (server_cpu_seconds(servers[label]) - cpu_before) / max(res.sequences + warm, 1) * 1000)
                         results.setdefault((label, c), []).append(res)
                         if lends:
                             after = _counts(bench, servers[label].metrics_url)

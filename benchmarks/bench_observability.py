@@ -166,6 +166,7 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
     """Part 2: off vs rate 1 in interleaved pairs; the ``tracing`` section."""
     from benchmarks.harness.minilm import package_variant, start_server
     from benchmarks.harness.run_header import LoadReading, run_header
+    from benchmarks.harness.server_cpu import server_cpu_seconds
     from model_factory.measure import bench
 
     load, loadavg_start = LoadReading.begin(), _loadavg()
@@ -178,6 +179,8 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
                                   trace_rate=1)}
     runs: dict[str, list] = {k: [] for k in servers}
     pairs: list[float] = []
+    cpu_pairs: list[float] = []  # the server's CPU per sequence, on / off, within each pair
+    cpu_ms: dict[str, list[float]] = {k: [] for k in servers}
     try:
         for label in servers:  # warm both (first-window costs, the exporter's first connection)
             bench.run_load(servers[label].http_url, "minilm", stream, concurrency=8, warmup=16, send="text")
@@ -186,12 +189,17 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
             order = ("off", "on") if len(pairs) % 2 == 0 else ("on", "off")
             got = {}
             for label in order:
+                before = server_cpu_seconds(servers[label])
                 got[label] = bench.run_load(servers[label].http_url, "minilm", stream, protocol="http",
                                             concurrency=8, warmup=8, send="text", label=label)
+                # The warm-up's 8 sequences ran inside the same CPU window: counted with the measured ones.
+                cpu_ms[label].append((server_cpu_seconds(servers[label]) - before) * 1000
+                                     / max(got[label].sequences + 8, 1))
                 runs[label].append(got[label])
             pairs.append(got["on"].throughput / got["off"].throughput)
+            cpu_pairs.append(cpu_ms["on"][-1] / cpu_ms["off"][-1])
             say(f"pair {len(pairs)} ({'-'.join(order)}): off {got['off'].throughput:.1f}, on "
-                f"{got['on'].throughput:.1f} seq/s, ratio {pairs[-1]:.3f}")
+                f"{got['on'].throughput:.1f} seq/s, ratio {pairs[-1]:.3f}; CPU per sequence on/off {cpu_pairs[-1]:.3f}")
     finally:
         for srv in servers.values():
             srv.stop()
@@ -227,7 +235,16 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
           f"{med(k, 'p50_ms'):.1f} | {med(k, 'p99_ms'):.1f} |" for k in runs), "",
         f"rate 1 / off throughput per pair: median **{median:.3f}**, quartiles {low:.3f}–{high:.3f}, range "
         f"{min(pairs):.3f}–{max(pairs):.3f} (pairs: {', '.join(f'{r:.3f}' for r in pairs)}).", "",
-        verdict, TRACING_END])
+        verdict, "",
+        "The server's own CPU time per answered sequence (tritonserver and its stubs, user + system, read with psutil "
+        "around each run; the receiver's process not counted), which other work on the machine stretches much less "
+        "than throughput: " + ", ".join(f"{'rate 1' if k == 'on' else 'off'} {statistics.median(v):.2f} ms "
+                                        f"(median of {len(v)})" for k, v in cpu_ms.items())
+        + f"; rate 1 / off per pair: median **{statistics.median(cpu_pairs):.3f}**, quartiles "
+        + "{:.3f}–{:.3f}".format(*_quartiles(cpu_pairs)) + f", range {min(cpu_pairs):.3f}–{max(cpu_pairs):.3f}: "
+        + (f"every request traced costs {100 * (statistics.median(cpu_pairs) - 1):.1f} % more CPU at the median."
+           if statistics.median(cpu_pairs) > 1 else "no extra CPU shows at the median."),
+        TRACING_END])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
