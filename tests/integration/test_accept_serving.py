@@ -11,8 +11,13 @@ def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> No
     from model_factory.measure.client import embed_texts
     from model_factory.serving.server import ServerOptions, start_verified_server
 
+    from model_factory.backend.cpu_features import integer_dot_product
+
     repo, policy = accept_repo
-    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy, accept=True)
+    # Without integer dot products `auto` would serve (and accept) the FP32 model packaged beside the clipped INT8
+    # one: the INT8 graph itself is then replayed with Q/DQ in float, as its gate scored it.
+    kernels = None if integer_dot_product() else "simulated"
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0, int8_kernels=kernels), policy, accept=True)
     try:
         # All three verify (two trusted keys); only the good one computes the right answer here.
         assert report.served == ("good",)
