@@ -40,6 +40,13 @@ CHUNK_POOLINGS = ("none", "mean", "mean_normalized")
 TEXT_INPUT_NAMES = ("text", "query", "passage")
 # The output a text model declares beside its own: per text row, the tokens the model did not see.
 TRUNCATED_TOKENS_OUTPUT = "truncated_tokens"
+# The output a model that degrades under overload declares beside its own (degrade.py): per request, the
+# precision that answered it ("fp32", or the degrade precision), one BYTES element. Declared only with
+# ``degrade_to``; a request that names its outputs gets it only when it names it.
+PRECISION_OUTPUT = "precision"
+# With ``degrade_to`` Triton's queue bound is this many times the bound that sheds without degrading, so the
+# backend sees the requests it can still answer on the cheaper engine (serving/queue_bound.py, packaging).
+DEGRADE_QUEUE_FACTOR = 2
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -77,6 +84,9 @@ class Files:
     # passes the gate: ONNX Runtime's integer kernels cannot saturate on it on CPUs without VNNI/AMX (AVX2's
     # u8 x s8 pair sums fit 16 bits). Packaged beside model.int8.onnx.
     INT8_7BIT = "model.int8.w7.onnx"
+    # The quantize stage's gate report (build_engines/accuracy.py): each reduced precision's score and verdict.
+    # A version that degrades carries it: the backend reads it and never degrades to a precision that failed.
+    ACCURACY = "accuracy.json"
 
 
 def onnx_file(precision: str) -> str:
@@ -188,6 +198,11 @@ class ModelParameters:
     preemption_wait_ms: int = _param("int", 0, minimum=0)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
+    # Degrade before shedding (degrade.py): a cheaper precision packaged beside the served one, that passed its
+    # gate, answers the windows whose backlog reaches degrade_backlog requests (0: half of max_batch_size);
+    # None: never degrade (the default).
+    degrade_to: str | None = _param("str?", None)
+    degrade_backlog: int = _param("int", 0, minimum=0, why="0 (half of max_batch_size) or positive")
 
 
 # --------------------------------------------------------------------------- generative engines

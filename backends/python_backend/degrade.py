@@ -1,0 +1,181 @@
+"""Degrade before shedding: under overload, answer from a cheaper precision that passed its gate.
+
+A model packaged with ``degrade_to`` (recipe ``[repository] degrade_to = "int8"``) carries that precision's
+engine beside the served one, and the quantize stage's gate report (``accuracy.json``). At load the backend
+reads the report (:func:`read_gate`): a precision that failed its gate, or a report without a gate, is never
+loaded (:class:`DegradeRefused`, one line). Otherwise it loads the second engine with the same loader
+(``loading.load_engine``, bytes checked against the verified digests; on a CPU without VNNI the 7-bit INT8
+form) and a second grouped executor with its own cost model.
+
+The decision is per window (:func:`decide`). Triton's dynamic batcher (``max_queue_delay_us = 0``) hands a
+free instance everything queued, up to ``max_batch_size``: the window's request count *is* the backlog the
+instance sees. A window of ``degrade_backlog`` requests or more (0: half of ``max_batch_size``) runs on the
+cheaper engine, which drains it faster (MiniLM's 7-bit INT8 ran about 2x FP32 at 8-64 in flight on an AVX2
+CPU); a smaller one runs on the served precision. So at light load every answer is the served precision's,
+and only the windows a backlog built are degraded. Triton's queue bound is raised by
+``contract.DEGRADE_QUEUE_FACTOR`` for such a model (``serve`` and packaging), so the requests that would have
+been shed reach the backend; past that larger bound Triton still sheds (503).
+
+What it says: each response's ``precision`` output (declared only for such a model), the counter
+``model_factory_degraded_requests_total{precision=...}`` and a ``degraded`` decision event per degraded window
+(rate-limited like every event).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from .contract import PRECISIONS, Files, onnx_file, plan_file
+
+
+class DegradeRefused(ValueError):
+    """The degrade precision cannot be used (not packaged, failed its gate, no gate): one line saying why."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One precision's verdict in the version's gate report."""
+
+    precision: str
+    metric: str
+    score: float  # the gate score: the worst of the precision's metrics
+    min_accuracy: float
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.score) and self.score >= self.min_accuracy
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)  # "nan" / "inf" as accuracy.json writes non-finite numbers
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def read_gate(report_text: str | bytes | None, precision: str) -> Gate:
+    """``precision``'s gate verdict from ``accuracy.json``'s text; :class:`DegradeRefused` when it did not pass.
+
+    Refused: no report, a report that does not parse, no gate (``min_accuracy`` unset), no row for the
+    precision, or a score below the gate (a row's own ``passed: false`` too, as a text-generation report says).
+    """
+    where = f"{Files.ACCURACY} of the version"
+    if report_text is None:
+        raise DegradeRefused(f"cannot degrade to {precision}: the version has no {Files.ACCURACY} (no gate result "
+                             "to check). Fix: rebuild with the quantize stage's gate, or remove degrade_to")
+    try:
+        report = json.loads(report_text)
+        rows = [r for r in report.get("results", ()) if isinstance(r, dict) and r.get("precision") == precision]
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} does not parse ({exc})") from None
+    gate = report.get("min_accuracy")
+    if gate is None:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no gate (quantization.min_accuracy unset), "
+                             "so nothing says it is good enough. Fix: set min_accuracy and rebuild, or remove "
+                             "degrade_to")
+    if not rows:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no result for it. Fix: add {precision!r} "
+                             "to precisions and rebuild")
+    row = rows[0]
+    values = [_number(row.get("score"))] + [_number(v) for v in dict(row.get("extra") or {}).values()]
+    score = float("nan") if any(v != v for v in values) else min(values)
+    result = Gate(precision, str(row.get("metric", "score")), score, _number(gate))
+    if not result.passed or row.get("passed") is False:
+        raise DegradeRefused(f"cannot degrade to {precision}: it failed its accuracy gate ({result.metric} "
+                             f"{result.score:.6g} < min_accuracy {result.min_accuracy:g}); a precision that "
+                             "failed its gate never answers. Fix: remove degrade_to, or fix the quantization "
+                             "and rebuild")
+    return result
+
+
+@dataclass(frozen=True)
+class DegradePolicy:
+    """When a window runs on the cheaper engine."""
+
+    precision: str
+    backlog: int  # requests in a window from which it degrades
+
+    @classmethod
+    def of(cls, precision: str, backlog: int, max_batch_size: int) -> "DegradePolicy":
+        """``backlog`` 0 means half of ``max_batch_size`` (at least 2: a lone request is no backlog)."""
+        if precision not in PRECISIONS:
+            raise DegradeRefused(f"degrade_to={precision!r}: use one of {', '.join(PRECISIONS)}")
+        return cls(precision, int(backlog) if backlog > 0 else max(2, int(max_batch_size) // 2))
+
+
+def decide(policy: DegradePolicy | None, window_requests: int) -> bool:
+    """Whether this window runs on the degrade engine: its backlog (requests) reached the policy's."""
+    return policy is not None and int(window_requests) >= policy.backlog
+
+
+def degrade_settings(settings: Any, precision: str) -> Any:
+    """The backend settings of the degrade engine: the same model, its precision's files."""
+    return replace(settings, precision=precision, onnx_file=onnx_file(precision), plan_file=plan_file(precision))
+
+
+def report_text(model_dir: Any, version: str, digests: Mapping[str, str] | None) -> bytes | None:
+    """``accuracy.json``'s verified bytes (None when the version has none)."""
+    from .integrity import read_checked
+
+    relpath = f"{version}/{Files.ACCURACY}"
+    if digests is not None and relpath not in digests:
+        return None
+    if digests is None and not (model_dir / relpath).is_file():
+        return None
+    return read_checked(model_dir, relpath, digests)
+
+
+def load_degrade_engine(version_dir: Any, settings: Any, instance_kind: str, device_id: int,
+                        digests: Any, server_instance: bool = False) -> tuple[Any, dict, Gate]:
+    """``(engine, info, gate)`` of the degrade precision, or :class:`DegradeRefused` (gate first, then files)."""
+    from pathlib import Path
+
+    from .loading import load_engine
+    from .samples import warm_up
+    from .grouping import profile_for_length
+
+    version_dir = Path(version_dir)
+    precision = settings.degrade_to
+    if precision == settings.precision:
+        raise DegradeRefused(f"degrade_to={precision!r} is the precision served: nothing cheaper to degrade to")
+    gate = read_gate(report_text(version_dir.parent, version_dir.name, digests), precision)
+    cheap = degrade_settings(settings, precision)
+    engine, info = load_engine(version_dir, cheap, instance_kind, device_id, digests, server_instance)
+    try:
+        warm_up(engine, cheap, profile_for_length)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, info, gate
+
+
+@dataclass
+class Degrader:
+    """The instance's degrade engine and executor, its gate result and the policy (built by ``model.py``)."""
+
+    policy: DegradePolicy
+    engine: Any
+    executor: Any  # a GroupedExecutor on ``engine``
+    gate: Gate
+    info: dict
+
+    def choose(self, primary: Any, served: str, window_requests: int) -> tuple[Any, str]:
+        """``(executor, precision)`` for a window of ``window_requests`` requests."""
+        if decide(self.policy, window_requests):
+            return self.executor, self.policy.precision
+        return primary, served
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def precision_column(precision: str, rows: int) -> Any:
+    """The ``precision`` output of one response: ``rows`` x 1 BYTES, each the precision that answered."""
+    import numpy as np
+
+    out = np.empty((max(1, int(rows)), 1), dtype=object)
+    out[:] = precision.encode()
+    return out
