@@ -9,7 +9,8 @@ form) and a second grouped executor with its own cost model.
 
 The decision is per window (:func:`decide`). Triton's dynamic batcher (``max_queue_delay_us = 0``) hands a
 free instance everything queued, up to ``max_batch_size``: the window's request count *is* the backlog the
-instance sees. A window of ``degrade_backlog`` requests or more (0: half of ``max_batch_size``) runs on the
+instance sees. A window of ``degrade_backlog`` requests or more (0: half of the largest preferred batch size,
+else of ``max_batch_size``) runs on the
 cheaper engine, which drains it faster (MiniLM's 7-bit INT8 ran about 2x FP32 at 8-64 in flight on an AVX2
 CPU); a smaller one runs on the served precision. So at light load every answer is the served precision's,
 and only the windows a backlog built are degraded. Triton's queue bound is raised by
@@ -38,11 +39,16 @@ class DegradePolicy:
     backlog: int  # requests in a window from which it degrades
 
     @classmethod
-    def of(cls, precision: str, backlog: int, max_batch_size: int) -> "DegradePolicy":
-        """``backlog`` 0 means half of ``max_batch_size`` (at least 2: a lone request is no backlog)."""
+    def of(cls, precision: str, backlog: int, max_batch_size: int, preferred: tuple[int, ...] = ()) -> "DegradePolicy":
+        """``backlog`` 0 means half of the largest window a backlog builds: the largest preferred batch size, else
+        ``max_batch_size`` (Triton's batcher stops a window at a preferred size); at least 2, since a lone
+        request is no backlog."""
         if precision not in PRECISIONS:
             raise DegradeRefused(f"degrade_to={precision!r}: use one of {', '.join(PRECISIONS)}")
-        return cls(precision, int(backlog) if backlog > 0 else max(2, int(max_batch_size) // 2))
+        if backlog > 0:
+            return cls(precision, int(backlog))
+        largest = max([int(x) for x in preferred if int(x) > 0] or [int(max_batch_size)])
+        return cls(precision, max(2, largest // 2))
 
 
 def decide(policy: DegradePolicy | None, window_requests: int) -> bool:

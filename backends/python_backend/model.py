@@ -326,7 +326,7 @@ class TritonPythonModel:
 
         s = self.settings
         try:
-            policy = DegradePolicy.of(s.degrade_to, s.degrade_backlog, s.max_batch_size)
+            policy = DegradePolicy.of(s.degrade_to, s.degrade_backlog, s.max_batch_size, s.preferred_batch_sizes)
             engine, info, gate = load_degrade_engine(
                 version_dir, s, args.get("model_instance_kind", "CPU"),
                 int(args.get("model_instance_device_id", 0) or 0),

@@ -90,6 +90,8 @@ class Settings:
     # the window size (requests) from which it does (0: half of max_batch_size).
     degrade_to: str | None = None
     degrade_backlog: int = 0
+    # Triton's dynamic batcher's preferred batch sizes: under a backlog a window holds the largest of them.
+    preferred_batch_sizes: tuple[int, ...] = ()
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -171,6 +173,8 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         max_prefill_tokens=p.max_prefill_tokens,
         degrade_to=p.degrade_to or None,
         degrade_backlog=p.degrade_backlog,
+        preferred_batch_sizes=tuple(int(x) for x in (cfg.get("dynamic_batching") or {}).get("preferred_batch_size")
+                                    or ()),
     )
 
 

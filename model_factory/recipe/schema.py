@@ -336,10 +336,11 @@ class RepositoryTable(_Table):
         "degrade_backlog requests runs on it instead of requests being shed, and each response's `precision` "
         "output says which answered (docs/serving.md, \"Degrade before shedding\"). Never a precision that "
         "failed its gate.")
-    degrade_backlog: Annotated[Whole, Fix("give the requests in a window from which it degrades (0: half of "
-                                          "max_batch)")] = Field(
+    degrade_backlog: Annotated[Whole, Fix("give the requests in a window from which it degrades (0: half of the "
+                                          "largest preferred batch)")] = Field(
         0, description="With degrade_to: the requests in one window from which it runs on the cheaper precision "
-        "(0: half of max_batch).")
+        "(0: half of the largest preferred_batch_sizes, else of max_batch: under a backlog Triton's batcher stops a "
+        "window at a preferred size).")
 
 
 def _table(description: str) -> Fix:

@@ -55,6 +55,8 @@ def test_a_window_degrades_from_its_backlog_on():
     assert not decide(None, 64)  # degrading off
     assert DegradePolicy.of("int8", 5, 64).backlog == 5
     assert DegradePolicy.of("int8", 0, 2).backlog == 2  # a lone request is never a backlog
+    # Triton's batcher stops a window at a preferred batch size: half of the largest one.
+    assert DegradePolicy.of("int8", 0, 64, (8, 16)).backlog == 8
     with pytest.raises(DegradeRefused, match="use one of"):
         DegradePolicy.of("int3", 0, 64)
 
