@@ -247,7 +247,7 @@ def _accept_degrade(result: AcceptanceResult, model_dir: Path, version: str, set
     golden outputs against the same threshold. A failure fails the model (the backend would degrade to it)."""
     import dataclasses
 
-    from model_factory.backend.degrade import degrade_settings, read_gate, report_text
+    from model_factory.backend.degrade import DegradeRefused, degrade_settings, read_gate, report_text
     from model_factory.backend.loading import load_for_serving
 
     precision = settings.degrade_to
@@ -256,7 +256,9 @@ def _accept_degrade(result: AcceptanceResult, model_dir: Path, version: str, set
         cheap = degrade_settings(settings, precision)
         engine, info, _tokenizer = load_for_serving(model_dir / version, cheap, where[0], where[1],
                                                     digests=_d(digests))
-    except Exception as exc:  # noqa: BLE001 - refused gate, or an engine that does not load: the verdict
+    except DegradeRefused as exc:  # its own one line: no gate, or a failed one
+        return dataclasses.replace(result, passed=False, reason=f"degrade_to {precision}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - an engine that does not load here: the verdict
         return dataclasses.replace(result, passed=False, reason=f"degrade_to {precision}: {one_line(exc)}")
     try:
         got = _run(engine, inputs, cheap, spec)
