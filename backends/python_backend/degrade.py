@@ -124,3 +124,51 @@ def precision_column(precision: str, rows: int) -> Any:
     out = np.empty((max(1, int(rows)), 1), dtype=object)
     out[:] = precision.encode()
     return out
+
+
+def build_degrader(settings: Any, version_dir: Any, args: Mapping[str, Any], seq_inputs: frozenset, buckets: Any,
+                   fill: Any, events: Any, log: Any) -> Degrader:
+    """The instance's :class:`Degrader` (called by ``model.py``'s ``initialize()`` for a model with ``degrade_to``):
+    the gate checked, the engine loaded and warmed up, its own cost model (the same warm-up as the served one's,
+    not cached) and grouped executor. A degrade precision it may not use refuses the model's load (SettingsError)."""
+    from pathlib import Path
+
+    from . import decisions
+    from .cost_learning import start_cost_model
+    from .executor import GroupedExecutor
+    from .grouping import profile_for_length
+    from .integrity import verified_digests
+    from .memory_guard import guard_for
+    from .samples import sample_feeds
+    from .settings import SettingsError
+
+    s, version_dir = settings, Path(version_dir)
+    try:
+        policy = DegradePolicy.of(s.degrade_to, s.degrade_backlog, s.max_batch_size, s.preferred_batch_sizes)
+        engine, info, gate = load_degrade_engine(
+            version_dir, s, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0),
+            verified_digests(version_dir.parent.name, version_dir.name))
+    except DegradeRefused as exc:
+        raise SettingsError(str(exc)) from None
+    cheap = degrade_settings(s, s.degrade_to)
+    fixed = None if s.sequence_inputs else s.sequence_buckets[0]
+
+    def run(n: int, length: int) -> None:
+        engine.run(sample_feeds(cheap, engine.input_names, n, fixed or length),
+                   profile_for_length(length, s.sequence_buckets))
+
+    try:
+        start = start_cost_model(run=run, buckets=buckets, max_batch=s.max_batch_size, max_tokens=s.max_group_tokens,
+                                 per_profile=False, given=s.cost_model, online=s.cost_model_online,
+                                 warmup=s.cost_model_warmup, repeats=s.cost_model_repeats, cache_file=None)
+    except BaseException:
+        engine.close()
+        raise
+    executor = GroupedExecutor(
+        engine, start.cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets, seq_inputs=seq_inputs,
+        seq_outputs=s.sequence_outputs, mode=s.grouping, max_tokens=s.max_group_tokens, fill=fill,
+        pad_sequences=s.pad_sequences, memory_guard=guard_for(engine))
+    decisions.degrade_ready(events, policy, gate, info)
+    log(f"model-factory backend: {s.model_name} degrades to {policy.precision} ({info['file']}, {gate.metric} "
+        f"{gate.score:.6g} >= gate {gate.min_accuracy:g}) at a backlog of {policy.backlog} requests")
+    return Degrader(policy, engine, executor, gate, info)

@@ -88,7 +88,12 @@ class TritonPythonModel:
             max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences,
             memory_guard=guard_for(self.engine))
         # Degrade before shedding (degrade.py): a backlogged window runs on a cheaper precision that passed its gate.
-        self.degrader = self._degrader(version_dir, args, seq_inputs, buckets) if s.degrade_to else None
+        self.degrader = None
+        if s.degrade_to:
+            from .degrade import build_degrader
+
+            self.degrader = build_degrader(s, version_dir, args, seq_inputs, buckets, self._fill, self.events,
+                                           pb_utils.Logger.log_info)
         # Loaded: from here on the stub reads only its model folder, the Python environment and system libraries,
         # writes only its scratch (and the cost cache), starts no process and opens no network socket (sandbox.py).
         from .integrity import ENV as DIGESTS_ENV
@@ -316,42 +321,6 @@ class TritonPythonModel:
         if self._says_truncation and (not asked or TRUNCATED_TOKENS_OUTPUT in asked):
             result[TRUNCATED_TOKENS_OUTPUT] = np.asarray(enc.dropped, dtype=np.int64).reshape(-1, 1)
         return result
-
-    def _degrader(self, version_dir: Path, args: dict, seq_inputs, buckets):
-        """The degrade engine and its executor (degrade.py); a degrade precision it may not use refuses the load."""
-        from .cost_learning import start_cost_model
-        from .degrade import Degrader, DegradePolicy, DegradeRefused, degrade_settings, load_degrade_engine
-        from .integrity import verified_digests
-        from .settings import SettingsError
-
-        s = self.settings
-        try:
-            policy = DegradePolicy.of(s.degrade_to, s.degrade_backlog, s.max_batch_size, s.preferred_batch_sizes)
-            engine, info, gate = load_degrade_engine(
-                version_dir, s, args.get("model_instance_kind", "CPU"),
-                int(args.get("model_instance_device_id", 0) or 0),
-                verified_digests(version_dir.parent.name, version_dir.name))
-        except DegradeRefused as exc:
-            raise SettingsError(str(exc)) from None
-        cheap = degrade_settings(s, s.degrade_to)
-        engine_inputs = engine.input_names
-
-        def run(n: int, length: int) -> None:
-            fixed = None if s.sequence_inputs else s.sequence_buckets[0]
-            engine.run(sample_feeds(cheap, engine_inputs, n, fixed or length), profile_for_length(length, s.sequence_buckets))
-
-        start = start_cost_model(run=run, buckets=buckets, max_batch=s.max_batch_size, max_tokens=s.max_group_tokens,
-                                 per_profile=False, given=s.cost_model, online=s.cost_model_online,
-                                 warmup=s.cost_model_warmup, repeats=s.cost_model_repeats, cache_file=None)
-        executor = GroupedExecutor(
-            engine, start.cost, max_batch=s.max_batch_size, buckets=s.sequence_buckets, seq_inputs=seq_inputs,
-            seq_outputs=s.sequence_outputs, mode=s.grouping, max_tokens=s.max_group_tokens, fill=self._fill,
-            pad_sequences=s.pad_sequences, memory_guard=guard_for(engine))
-        decisions.degrade_ready(self.events, policy, gate, info)
-        pb_utils.Logger.log_info(
-            f"model-factory backend: {s.model_name} degrades to {policy.precision} ({info['file']}, "
-            f"{gate.metric} {gate.score:.6g} >= gate {gate.min_accuracy:g}) at a backlog of {policy.backlog} requests")
-        return Degrader(policy, engine, executor, gate, info)
 
     def _said_degraded(self, seen: list, precision: str) -> None:
         """A window answered by the degrade precision: counted per request and one decision event."""
