@@ -15,7 +15,8 @@ constants (measured once here on the FP32 ONNX), so the bound is the same for bo
 twice what the (off) replica admits with a full queue (its bound plus a window of the largest preferred batch in
 each instance), in flight for ``--seconds`` each, (off) and (on) alternating over ``--rounds``; closed loop of
 token ids (the soak's loop), a rejected client waiting ``--backoff-s`` (1 s) before its next request, as one that
-backs off (0: one unloaded p50, a client that retries at once: then nearly every attempt is a 503 either way). The share of the
+backs off (0: one unloaded p50, a client that retries at once: then nearly every attempt is a 503 either way).
+The share of the
 accepted requests INT8 answered comes from the (on) server's ``model_factory_degraded_requests_total``. The
 section between ``<!-- degrade:start -->`` and ``<!-- degrade:end -->`` of benchmarks/RESULTS.md is replaced.
 """
@@ -82,7 +83,8 @@ def build(work: Path) -> dict[str, Any]:
             recipe.repository, degrade_to="int8")), exported, work / "on", artifacts=artifacts,
             extra_files=[quantized.report_path], parameters=params),
     }
-    return {"repos": repos, "exported": exported, "recipe": recipe, "size": size, "on_size": DEGRADE_QUEUE_FACTOR * size,
+    return {"repos": repos, "exported": exported, "recipe": recipe, "size": size,
+            "on_size": DEGRADE_QUEUE_FACTOR * size,
             "cost": cost, "gate": quantized.report.result("int8"), "min_accuracy": quantized.report.min_accuracy,
             "seven_bit": info}
 
@@ -170,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         START, "## Degrade before shedding (benchmarks/bench_degrade.py)", "",
         run_header("benchmarks/bench_degrade.py", load.finish(), own_processes=4) + " MiniLM, two instances per "
         "server, gRPC token ids of real-text lengths, closed loop; a rejected client waits "
-        + (f"{args.backoff_s:g} s (it backs off)" if args.backoff_s else "one unloaded p50 (it retries at once)") + ".", "",
+        + (f"{args.backoff_s:g} s (it backs off)" if args.backoff_s else "one unloaded p50 (it retries at once)")
+        + ".", "",
         f"- INT8's gate: {gate.metric} {gate.gate_score:.5f} against min_accuracy {b['min_accuracy']:g} (held-out "
         f"sentences, scored by the quantize stage){seven_txt}.",
         f"- Load: {level} in flight = 2 x what the (off) replica admits with a full queue ({b['size']} queued, "

@@ -264,7 +264,8 @@ class ModelParameters:
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # Degrade before shedding (degrade.py): a cheaper precision packaged beside the served one, that passed its
-    # gate, answers the windows whose backlog reaches degrade_backlog requests (0: half of the largest preferred batch size, else of max_batch_size);
+    # gate, answers the windows whose backlog reaches degrade_backlog requests (0: half of the largest preferred
+    # batch size, else of max_batch_size);
     # None: never degrade (the default).
     degrade_to: str | None = _param("str?", None)
     degrade_backlog: int = _param("int", 0, minimum=0, why="0 (half the largest preferred batch) or positive")
