@@ -410,4 +410,7 @@ def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
         for k, v in r.fallbacks.items():
             console.print(f"  {k.replace('_', ' ')}: {v}", highlight=False, markup=False, soft_wrap=True)
+        if r.degrade is not None:  # the engine a backlog degrades to, accepted with the same gate
+            console.print(f"  degrade_to {r.degrade['precision']}: {r.degrade['file']}, {r.metric} "
+                          f"{r.degrade['score']}", highlight=False, markup=False, soft_wrap=True)
     return console.export_text().rstrip()

@@ -150,3 +150,6 @@ def test_a_package_whose_int8_failed_its_gate_never_degrades_and_says_why_in_one
     ok = accept_model(repo / "degrading", layers=False)  # the passing one is accepted, its INT8 engine too
     assert ok.passed, ok.reason
     assert ok.degrade["precision"] == "int8" and ok.degrade["score"] >= ok.threshold
+    from model_factory.serving.acceptance import render
+
+    assert f"degrade_to int8: {ok.degrade['file']}, {ok.metric} {ok.degrade['score']}" in render([ok])
