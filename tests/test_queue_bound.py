@@ -97,3 +97,16 @@ def test_a_measured_cost_is_kept_per_served_version_and_machine(minilm_recipe, t
                                                                                              "c": 0}})):
         path.write_text(bad)
         assert cached_cost(path) is None  # a file that does not fit is ignored: the start measures
+
+
+def test_a_model_that_degrades_gets_a_larger_bound(minilm_recipe, tmp_path: Path) -> None:
+    """degrade_to: Triton's bound is DEGRADE_QUEUE_FACTOR times the one that would shed, so the backend sees them."""
+    from model_factory.backend.contract import DEGRADE_QUEUE_FACTOR
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = derived_config(read_config(_package(minilm_recipe, tmp_path / "a")), (0.001, 1e-5, 0.0))
+    degrading = derived_config(read_config(_package(minilm_recipe, tmp_path / "b", degrade_to="int8")),
+                               (0.001, 1e-5, 0.0))
+    bound = int(plain["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
+    assert int(degrading["dynamic_batching"]["default_queue_policy"]["max_queue_size"]) == DEGRADE_QUEUE_FACTOR * bound

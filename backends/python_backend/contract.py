@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -40,6 +41,13 @@ CHUNK_POOLINGS = ("none", "mean", "mean_normalized")
 TEXT_INPUT_NAMES = ("text", "query", "passage")
 # The output a text model declares beside its own: per text row, the tokens the model did not see.
 TRUNCATED_TOKENS_OUTPUT = "truncated_tokens"
+# The output a model that degrades under overload declares beside its own (degrade.py): per request, the
+# precision that answered it ("fp32", or the degrade precision), one BYTES element. Declared only with
+# ``degrade_to``; a request that names its outputs gets it only when it names it.
+PRECISION_OUTPUT = "precision"
+# With ``degrade_to`` Triton's queue bound is this many times the bound that sheds without degrading, so the
+# backend sees the requests it can still answer on the cheaper engine (serving/queue_bound.py, packaging).
+DEGRADE_QUEUE_FACTOR = 2
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -77,6 +85,9 @@ class Files:
     # passes the gate: ONNX Runtime's integer kernels cannot saturate on it on CPUs without VNNI/AMX (AVX2's
     # u8 x s8 pair sums fit 16 bits). Packaged beside model.int8.onnx.
     INT8_7BIT = "model.int8.w7.onnx"
+    # The quantize stage's gate report (build_engines/accuracy.py): each reduced precision's score and verdict.
+    # A version that degrades carries it: the backend reads it and never degrades to a precision that failed.
+    ACCURACY = "accuracy.json"
 
 
 def onnx_file(precision: str) -> str:
@@ -104,6 +115,70 @@ def file_precision(name: str) -> str | None:
     if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
         return parts[1]
     return None
+
+
+# --------------------------------------------------------------------------- the gate a degrade precision passed
+
+
+class DegradeRefused(ValueError):
+    """The degrade precision cannot be used (not packaged, failed its gate, no gate): one line saying why."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One precision's verdict in the version's gate report."""
+
+    precision: str
+    metric: str
+    score: float  # the gate score: the worst of the precision's metrics
+    min_accuracy: float
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.score) and self.score >= self.min_accuracy
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)  # "nan" / "inf" as accuracy.json writes non-finite numbers
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def read_gate(report_text: str | bytes | None, precision: str) -> Gate:
+    """``precision``'s gate verdict from ``accuracy.json``'s text; :class:`DegradeRefused` when it did not pass.
+
+    Refused: no report, a report that does not parse, no gate (``min_accuracy`` unset), no row for the
+    precision, or a score below the gate (a row's own ``passed: false`` too, as a text-generation report says).
+    """
+    where = f"{Files.ACCURACY} of the version"
+    if report_text is None:
+        raise DegradeRefused(f"cannot degrade to {precision}: the version has no {Files.ACCURACY} (no gate result "
+                             "to check). Fix: rebuild with the quantize stage's gate, or remove degrade_to")
+    try:
+        report = json.loads(report_text)
+        rows = [r for r in report.get("results", ()) if isinstance(r, dict) and r.get("precision") == precision]
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} does not parse ({exc})") from None
+    gate = report.get("min_accuracy")
+    if gate is None:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no gate (quantization.min_accuracy unset), "
+                             "so nothing says it is good enough. Fix: set min_accuracy and rebuild, or remove "
+                             "degrade_to")
+    if not rows:
+        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no result for it. Fix: add {precision!r} "
+                             "to precisions and rebuild")
+    row = rows[0]
+    values = [_number(row.get("score"))] + [_number(v) for v in dict(row.get("extra") or {}).values()]
+    score = float("nan") if any(v != v for v in values) else min(values)
+    result = Gate(precision, str(row.get("metric", "score")), score, _number(gate))
+    if not result.passed or row.get("passed") is False:
+        raise DegradeRefused(f"cannot degrade to {precision}: it failed its accuracy gate ({result.metric} "
+                             f"{result.score:.6g} < min_accuracy {result.min_accuracy:g}); a precision that "
+                             "failed its gate never answers. Fix: remove degrade_to, or fix the quantization "
+                             "and rebuild")
+    return result
+
 
 
 # --------------------------------------------------------------------------- parameters
@@ -188,6 +263,12 @@ class ModelParameters:
     preemption_wait_ms: int = _param("int", 0, minimum=0)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
+    # Degrade before shedding (degrade.py): a cheaper precision packaged beside the served one, that passed its
+    # gate, answers the windows whose backlog reaches degrade_backlog requests (0: half of the largest preferred
+    # batch size, else of max_batch_size);
+    # None: never degrade (the default).
+    degrade_to: str | None = _param("str?", None)
+    degrade_backlog: int = _param("int", 0, minimum=0, why="0 (half the largest preferred batch) or positive")
 
 
 # --------------------------------------------------------------------------- generative engines

@@ -76,3 +76,17 @@ def engine_choices(events: EventLog, engine_info: Mapping[str, Any]) -> None:
     if "cpu_fallback" in engine_info:
         events.emit("engine_fallback", {"skipped": "gpu", "why": str(engine_info["cpu_fallback"]),
                                         "serving": "onnxruntime-cpu"})
+
+
+def degrade_ready(events: EventLog, policy: Any, gate: Any, info: Mapping[str, Any]) -> None:
+    """At load: the instance degrades to ``policy.precision`` (degrade.py), with the gate result that allows it."""
+    events.emit("degrade_ready", {"precision": policy.precision, "backlog": policy.backlog, "file": info.get("file"),
+                                  "gate_metric": gate.metric, "gate_score": gate.score,
+                                  "min_accuracy": gate.min_accuracy})
+
+
+def degraded(events: EventLog, seen: Sequence[Seen], precision: str, backlog: int, gate: Any) -> None:
+    """A window answered by the degrade precision instead of the served one (its backlog reached ``backlog``)."""
+    ids = [s.id for s in seen]
+    events.emit("degraded", lambda: {"request_ids": ids[:MAX_IDS], "requests": len(ids), "precision": precision,
+                                     "backlog": backlog, "gate_score": gate.score})

@@ -47,6 +47,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                      "truncated: cut and said in truncated_tokens, chunked: pooled from windows)."),
     "events_dropped_total": ("COUNTER", "Decision events the rate limit did not write (each written event says "
                                         "how many it follows)."),
+    "degraded_requests_total": ("COUNTER", "Requests answered by the degrade precision (label precision) because "
+                                           "their window's backlog reached degrade_backlog (docs/serving.md, "
+                                           "\"Degrade before shedding\")."),
     "truncated_tokens_total": ("COUNTER", "Tokens cut from truncated texts (the model never saw them)."),
     "trace_spans_total": ("COUNTER", "The backend's trace spans (serve --trace-endpoint), by outcome: sent to the "
                                      "collector, or dropped (export queue full, collector away or refusing)."),
@@ -228,6 +231,11 @@ class BackendMetrics:
             for action, count in (("refused", refused), ("truncated", truncated), ("chunked", chunked)):
                 self._add("long_inputs_total", count, action, "action")
             self._add("truncated_tokens_total", dropped)
+
+    def add_degraded(self, precision: str, count: int) -> None:
+        """Requests of one window answered by the degrade precision."""
+        with self._lock:
+            self._add("degraded_requests_total", count, str(precision), "precision")
 
     def set_events_dropped(self, total: int) -> None:
         """The instance's events refused by the rate limit so far (the counter gets the difference)."""

@@ -24,7 +24,7 @@ from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
 from . import decisions
-from .contract import TRUNCATED_TOKENS_OUTPUT
+from .contract import PRECISION_OUTPUT, TRUNCATED_TOKENS_OUTPUT
 from .events import EventLog, request_id
 from .tracing import SpanExporter, parse_context
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
@@ -70,8 +70,10 @@ class TritonPythonModel:
             # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
             self.encoder = TextEncoder(self.tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
         # What the engine computes; truncated_tokens (declared beside them for text models) is the backend's.
-        self._engine_outputs = tuple(o.name for o in s.outputs if o.name != TRUNCATED_TOKENS_OUTPUT)
+        self._engine_outputs = tuple(o.name for o in s.outputs if o.name not in (TRUNCATED_TOKENS_OUTPUT,
+                                                                                 PRECISION_OUTPUT))
         self._says_truncation = any(o.name == TRUNCATED_TOKENS_OUTPUT for o in s.outputs)
+        self._says_precision = any(o.name == PRECISION_OUTPUT for o in s.outputs)
         seq_inputs = s.sequence_inputs
         self._zeros_for = [n for n in self.engine.input_names if n == "token_type_ids"]
         # An engine with one optimization profile per bucket (TensorRT) gets a cost model per profile.
@@ -86,6 +88,13 @@ class TritonPythonModel:
             seq_inputs=seq_inputs, seq_outputs=s.sequence_outputs, mode=s.grouping,
             max_tokens=s.max_group_tokens, fill=self._fill, pad_sequences=s.pad_sequences,
             memory_guard=guard_for(self.engine))
+        # Degrade before shedding (degrade.py): a backlogged window runs on a cheaper precision that passed its gate.
+        self.degrader = None
+        if s.degrade_to:
+            from .degrade import build_degrader
+
+            self.degrader = build_degrader(s, version_dir, args, seq_inputs, buckets, self._fill, self.events,
+                                           pb_utils.Logger.log_info)
         # Loaded: from here on the stub reads only its model folder, the Python environment and system libraries,
         # writes only its scratch (and the cost cache), starts no process and opens no network socket (sandbox.py).
         from .integrity import ENV as DIGESTS_ENV
@@ -235,7 +244,13 @@ class TritonPythonModel:
                 own.setdefault(idx, []).append(("validate", t0, time.time_ns(),
                                                 {"sequences": len(items), "refused": idx in errors}))
         borrowed = getattr(self.engine, "wide_runs", 0)
-        results, stats = self.executor.run(batches, wanted)
+        executor, answered_by = self.executor, s.precision
+        if self.degrader is not None:
+            executor, answered_by = self.degrader.choose(self.executor, s.precision, len(requests) - len(errors))
+            executor.record_spans = self.executor.record_spans
+        results, stats = executor.run(batches, wanted)
+        if answered_by != s.precision:
+            self._said_degraded([x for i, x in enumerate(seen) if i not in errors], answered_by)
         responses = []
         for idx, result in enumerate(results):
             r0 = time.time_ns() if parents is not None and parents[idx] is not None else 0
@@ -250,6 +265,13 @@ class TritonPythonModel:
                     result = self._text_outputs(result, encoded[idx], requests[idx])
                 if idx in mirrored:
                     self.shadow.offer(mirror, mirrored[idx], {k: np.array(v) for k, v in result.items()})
+                if self._says_precision:
+                    asked = tuple(requests[idx].requested_output_names())
+                    if not asked or PRECISION_OUTPUT in asked:
+                        from .degrade import precision_column
+
+                        rows = next(iter(result.values())).shape[0] if result else 1
+                        result[PRECISION_OUTPUT] = precision_column(answered_by, rows)
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
             if r0:
@@ -296,7 +318,8 @@ class TritonPythonModel:
 
     def _engine_wanted(self, asked: tuple, enc) -> tuple:
         """The engine outputs a request gets; a chunked text has pooled ones only (a sequence has no pooling)."""
-        names = tuple(n for n in asked if n != TRUNCATED_TOKENS_OUTPUT) if asked else self._engine_outputs
+        names = (tuple(n for n in asked if n not in (TRUNCATED_TOKENS_OUTPUT, PRECISION_OUTPUT)) if asked
+                 else self._engine_outputs)
         if enc is not None and enc.chunked_rows:
             # Triton names every output when the request names none: the sequence ones are left out then;
             # a request that asks for sequence outputs alone is told why it cannot have them.
@@ -314,6 +337,12 @@ class TritonPythonModel:
         if self._says_truncation and (not asked or TRUNCATED_TOKENS_OUTPUT in asked):
             result[TRUNCATED_TOKENS_OUTPUT] = np.asarray(enc.dropped, dtype=np.int64).reshape(-1, 1)
         return result
+
+    def _said_degraded(self, seen: list, precision: str) -> None:
+        """A window answered by the degrade precision: counted per request and one decision event."""
+        if self.metrics is not None:
+            self.metrics.add_degraded(precision, len(seen))
+        decisions.degraded(self.events, seen, precision, self.degrader.policy.backlog, self.degrader.gate)
 
     def _publish_pool(self, pool) -> None:
         if self.metrics is not None:
@@ -336,6 +365,8 @@ class TritonPythonModel:
         self.events.close()
         if self.tracer is not None:
             self.tracer.close()
+        if self.degrader is not None:
+            self.degrader.close()
         self.engine.close()
 
 

@@ -86,6 +86,12 @@ class Settings:
     max_waiting_sequences: int = 64
     preemption_wait_ms: int = 0
     max_prefill_tokens: int = 2048
+    # Degrade before shedding (degrade.py): the cheaper precision a backlogged window runs on (None: never) and
+    # the window size (requests) from which it does (0: half of max_batch_size).
+    degrade_to: str | None = None
+    degrade_backlog: int = 0
+    # Triton's dynamic batcher's preferred batch sizes: under a backlog a window holds the largest of them.
+    preferred_batch_sizes: tuple[int, ...] = ()
 
     def input(self, name: str) -> IOSpec | None:
         """The input spec called ``name``, if any."""
@@ -165,6 +171,10 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         max_waiting_sequences=p.max_waiting_sequences,
         preemption_wait_ms=p.preemption_wait_ms,
         max_prefill_tokens=p.max_prefill_tokens,
+        degrade_to=p.degrade_to or None,
+        degrade_backlog=p.degrade_backlog,
+        preferred_batch_sizes=tuple(int(x) for x in (cfg.get("dynamic_batching") or {}).get("preferred_batch_size")
+                                    or ()),
     )
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.contract import (TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, Files, GenerationSpec,
+from model_factory.backend.contract import (DEGRADE_QUEUE_FACTOR, PRECISION_OUTPUT, TEXT_INPUT_NAMES,
+                                            TRUNCATED_TOKENS_OUTPUT, DegradeRefused, Files, GenerationSpec,
                                             ModelParameters, ParameterError, file_precision, format_bounds,
                                             format_parameters,
-                                            onnx_file, parameter_names, parse_parameters, plan_file)
+                                            onnx_file, parameter_names, parse_parameters, plan_file, read_gate)
 from model_factory.build.bounds import input_bounds
 from model_factory.build.data_contract import write_contract
 from model_factory.errors import FactoryError, require
@@ -177,6 +178,8 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
     size = recipe.batching.max_queue_size
     if size is None:  # "auto": bounded on two or more instances only
         size = fallback_queue_size(recipe) if bounds_queue_by_default(recipe) else 0
+        if recipe.repository.degrade_to:  # the backend must see what it can still answer on the cheaper engine
+            size *= DEGRADE_QUEUE_FACTOR
     outputs = []
     for spec in recipe.outputs:
         d = _tensor_dict(spec, False, False)
@@ -189,6 +192,9 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
     if any(s.dtype == "BYTES" and s.name in TEXT_INPUT_NAMES for s in recipe.inputs):
         # The backend's own output for text models: per row, the tokens a truncated text lost (docs/inputs.md).
         outputs.append({"name": TRUNCATED_TOKENS_OUTPUT, "data_type": "TYPE_INT64", "dims": [1]})
+    if recipe.repository.degrade_to:
+        # Which precision answered each row (degrade before shedding, backend degrade.py).
+        outputs.append({"name": PRECISION_OUTPUT, "data_type": "TYPE_STRING", "dims": [1]})
     return {
         "name": recipe.name,
         "backend": "python",
@@ -323,7 +329,7 @@ def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path]) -> dict[str,
     chosen: dict[str, Path] = {}
     for name, src in artifacts.items():
         precision = artifact_precision(name)
-        if (precision is not None and not keep_all and precision != serve
+        if (precision is not None and not keep_all and precision not in (serve, recipe.repository.degrade_to)
                 and not (fp32_for_cpu and name == Files.ONNX)):
             continue
         chosen[name] = Path(src)
@@ -367,6 +373,8 @@ def package_model(
     for name, src in artifacts.items():
         if not Path(src).is_file():
             raise FactoryError(f"artifact {name} ({src}) is missing. Fix: re-run the stage that makes it")
+    extra_files = tuple(extra_files)
+    check_degrade(recipe, artifacts, extra_files)
     files = select_artifacts(recipe, artifacts)
     plan_name = plan_file(serve)
     model_dir = recipe.repository.path / recipe.name
@@ -410,7 +418,25 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         queue_budget_ms=b.queue_budget_ms if bounds_queue_by_default(recipe) else 0,
         # Texts over max_sequence_length (docs/inputs.md); only an embedding model pools chunks.
         long_inputs=shapes.long_inputs, chunk_overlap=shapes.chunk_overlap,
-        chunk_pooling=("mean_normalized" if recipe.normalize else "mean") if recipe.task == "embedding" else "none")
+        chunk_pooling=("mean_normalized" if recipe.normalize else "mean") if recipe.task == "embedding" else "none",
+        degrade_to=r.degrade_to, degrade_backlog=r.degrade_backlog)
+
+
+def check_degrade(recipe: Recipe, artifacts: Mapping[str, Path], extra_files: Iterable[Path]) -> None:
+    """With ``[repository] degrade_to``: its model was built and passed its gate (the accuracy.json packaged), or
+    :class:`FactoryError` in one line. The backend makes the same check at load (degrade.py)."""
+    precision = recipe.repository.degrade_to
+    if not precision:
+        return
+    if onnx_file(precision) not in artifacts:
+        raise FactoryError(f"repository.degrade_to = \"{precision}\" but the {precision} model "
+                           f"{onnx_file(precision)} was not built. Fix: add \"{precision}\" to precisions and run "
+                           "model-factory quantize, or remove degrade_to")
+    report = next((Path(f) for f in extra_files if Path(f).name == Files.ACCURACY), None)
+    try:
+        read_gate(report.read_bytes() if report is not None and report.is_file() else None, precision)
+    except DegradeRefused as exc:
+        raise FactoryError(f"repository.degrade_to: {exc}") from None
 
 
 def _recipe_source_path(recipe: Recipe) -> str | None:

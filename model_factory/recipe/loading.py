@@ -137,12 +137,20 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
     if r.engine == "torch" and r.serve != "fp32":
         raise _err("repository.serve", f"engine = \"torch\" serves the FP32 torch program (model.pt2), not {r.serve}",
                    "set serve = \"fp32\", or engine = \"auto\" (TensorRT plan on a GPU, ONNX Runtime on a CPU)")
+    if r.degrade_to is not None:
+        if r.degrade_to not in precisions:
+            raise _err("repository.degrade_to", f"{r.degrade_to!r} is not among precisions {list(precisions)}, so it "
+                       "is not built", f"add \"{r.degrade_to}\" to precisions, or remove degrade_to")
+        if r.degrade_to == r.serve:
+            raise _err("repository.degrade_to", f"{r.degrade_to!r} is the precision served: nothing cheaper to "
+                       "degrade to", "degrade to a cheaper precision than serve, or remove degrade_to")
     return RepositorySpec(
         path=_path(r.path, base_dir), instance_count=r.instance_count, instance_kind=r.instance_kind,
         engine=r.engine, memory_pool_release_threshold_mib=r.memory_pool_release_threshold_mib,
         memory_pool_initial_mib=r.memory_pool_initial_mib, allow_cpu_fallback=r.allow_cpu_fallback,
         serve=r.serve, keep_all_precisions=r.keep_all_precisions, cpu_threads=r.cpu_threads,
-        lend_idle_cores=r.lend_idle_cores, int8_kernels=r.int8_kernels)
+        lend_idle_cores=r.lend_idle_cores, int8_kernels=r.int8_kernels, degrade_to=r.degrade_to,
+        degrade_backlog=r.degrade_backlog)
 
 
 def _check_generative_precisions(precisions: tuple[str, ...], calib: Path | None, heldout: Path | None) -> None:
@@ -176,6 +184,9 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         if doc.inputs is not None or doc.outputs is not None:
             raise _err("inputs", "a text-generation model's inputs and outputs are the generate API's (text_input, "
                        "max_tokens, ... -> text_output), not declared", "remove [[inputs]] and [[outputs]]")
+        if doc.repository.degrade_to is not None:
+            raise _err("repository.degrade_to", "a text-generation model does not degrade (its scheduler admits by "
+                       "memory and answers 503 + Retry-After past max_waiting_sequences)", "remove degrade_to")
         defaults = {k: v for k, v in doc.generation.model_dump().items() if v is not None}
         generation, max_context = check_causal_lm(path, read_hf_config(path), doc.shapes.max_context, defaults)
         inputs, outputs = generate_tensor_specs()

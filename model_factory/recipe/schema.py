@@ -331,6 +331,17 @@ class RepositoryTable(_Table):
                                                 "without dot products when the package has no 7-bit form), "
                                                 "integer-7bit (the 7-bit form on any CPU), or simulated. "
                                                 "serve/accept --int8-kernels override it.")
+    degrade_to: Optional[_choice(("fp16", "int8"))] = Field(
+        None, description="Degrade before shedding (off when absent): a cheaper precision, built and past its "
+        "accuracy gate, packaged beside the served one; under overload a window whose backlog reaches "
+        "degrade_backlog requests runs on it instead of requests being shed, and each response's `precision` "
+        "output says which answered (docs/serving.md, \"Degrade before shedding\"). Never a precision that "
+        "failed its gate.")
+    degrade_backlog: Annotated[Whole, Fix("give the requests in a window from which it degrades (0: half of the "
+                                          "largest preferred batch)")] = Field(
+        0, description="With degrade_to: the requests in one window from which it runs on the cheaper precision "
+        "(0: half of the largest preferred_batch_sizes, else of max_batch: under a backlog Triton's batcher stops a "
+        "window at a preferred size).")
 
 
 def _table(description: str) -> Fix:

@@ -144,6 +144,10 @@ class RepositorySpec:
     lend_idle_cores: bool = True
     # INT8 on ONNX Runtime CPU: auto (integer kernels where the CPU has VNNI/AMX/dot products), integer, simulated.
     int8_kernels: str = "auto"
+    # Degrade before shedding (backend degrade.py): the cheaper precision a backlogged window runs on (None: off),
+    # and the window size in requests from which it does (0: half of the largest preferred batch size, else of max_batch).
+    degrade_to: str | None = None
+    degrade_backlog: int = 0
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ class AcceptanceResult:
     reason: str | None = None  # why it failed (below the gate, cannot load, no acceptance data, ...)
     fallbacks: Mapping[str, str] = field(default_factory=dict)
     departures: tuple[Mapping[str, Any], ...] = ()
+    # With degrade_to: the degrade engine's own acceptance ({"precision", "file", "score"}), None otherwise.
+    degrade: Mapping[str, Any] | None = None
 
     @property
     def where(self) -> str:
@@ -87,7 +89,8 @@ class AcceptanceResult:
                              "extra": {k: _num(v) for k, v in o.extra}}
                             for o in self.outputs],
                 "reason": self.reason, "fallbacks": dict(self.fallbacks),
-                "departures": [dict(d) for d in self.departures]}
+                "departures": [dict(d) for d in self.departures]} | (
+                    {"degrade": dict(self.degrade)} if self.degrade is not None else {})
 
 
 def _num(x: float | None) -> float | str | None:
@@ -230,7 +233,46 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     result = score(name, version, spec, references, got, where, inputs)
     if not result.passed and layers and result.score is not None:
         result = _with_departures(result, model_dir / version, inputs, spec)
+    if result.passed and settings.degrade_to:
+        with gpu_product_env(gpu_product, int8_kernels):
+            result = _accept_degrade(result, model_dir, version, settings, (kind, dev), digests, spec, inputs,
+                                     references)
     return result
+
+
+def _accept_degrade(result: AcceptanceResult, model_dir: Path, version: str, settings: Any, where: tuple[str, int],
+                    digests: Mapping[str, str] | None, spec: AcceptanceSpec, inputs: Sequence[Mapping[str, np.ndarray]],
+                    references: Sequence[Mapping[str, np.ndarray]]) -> AcceptanceResult:
+    """The degrade engine (``degrade_to``) accepted on this machine too: its gate in accuracy.json, its load, its
+    golden outputs against the same threshold. A failure fails the model (the backend would degrade to it)."""
+    import dataclasses
+
+    from model_factory.backend.degrade import DegradeRefused, degrade_settings, read_gate, report_text
+    from model_factory.backend.loading import load_for_serving
+
+    precision = settings.degrade_to
+    try:
+        read_gate(report_text(model_dir, version, _d(digests)), precision)
+        cheap = degrade_settings(settings, precision)
+        engine, info, _tokenizer = load_for_serving(model_dir / version, cheap, where[0], where[1],
+                                                    digests=_d(digests))
+    except DegradeRefused as exc:  # its own one line: no gate, or a failed one
+        return dataclasses.replace(result, passed=False, reason=f"degrade_to {precision}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - an engine that does not load here: the verdict
+        return dataclasses.replace(result, passed=False, reason=f"degrade_to {precision}: {one_line(exc)}")
+    try:
+        got = _run(engine, inputs, cheap, spec)
+    except Exception as exc:  # noqa: BLE001
+        return dataclasses.replace(result, passed=False, reason=(
+            f"degrade_to {precision}: the engine fails on the acceptance inputs: {type(exc).__name__}: {exc}"))
+    finally:
+        engine.close()
+    cheap_result = score(result.model, version, spec, references, got, {}, inputs)
+    said = {"precision": precision, "file": info.get("file"), "score": _num(cheap_result.score)}
+    if not cheap_result.passed:
+        return dataclasses.replace(result, passed=False, degrade=said,
+                                   reason=f"degrade_to {precision} ({info.get('file')}): {cheap_result.reason}")
+    return dataclasses.replace(result, degrade=said)
 
 
 def _d(digests: Mapping[str, str] | None) -> dict[str, str] | None:
@@ -368,4 +410,7 @@ def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
         for k, v in r.fallbacks.items():
             console.print(f"  {k.replace('_', ' ')}: {v}", highlight=False, markup=False, soft_wrap=True)
+        if r.degrade is not None:  # the engine a backlog degrades to, accepted with the same gate
+            console.print(f"  degrade_to {r.degrade['precision']}: {r.degrade['file']}, {r.metric} "
+                          f"{r.degrade['score']}", highlight=False, markup=False, soft_wrap=True)
     return console.export_text().rstrip()

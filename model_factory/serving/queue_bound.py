@@ -50,7 +50,7 @@ def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] 
     """The configuration (Triton's JSON form) with this deployment's queue bound; None when it keeps its own.
 
     ``config`` is a parsed ``ModelConfig``. Only a model whose parameters say ``queue_bound = auto`` gets
-    a derived bound; ``cost`` is the cost model measured here, else the constants the configuration
+    a derived bound (times ``DEGRADE_QUEUE_FACTOR`` for a model that degrades before shedding: ``degrade_to``); ``cost`` is the cost model measured here, else the constants the configuration
     fixes (``cost_model``); with neither, the signed (fallback) bound stays.
     """
     from google.protobuf import json_format
@@ -68,6 +68,10 @@ def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] 
                       preferred=list(config.dynamic_batching.preferred_batch_size), budget_ms=params.queue_budget_ms)
     if size is None:
         return None
+    if params.degrade_to:  # degrade before shedding: the backend sees what it can answer on the cheaper engine
+        from model_factory.backend.contract import DEGRADE_QUEUE_FACTOR
+
+        size *= DEGRADE_QUEUE_FACTOR
     data = json_format.MessageToDict(config, preserving_proto_field_name=True)
     data.setdefault("dynamic_batching", {}).setdefault("default_queue_policy", {})["max_queue_size"] = size
     return data

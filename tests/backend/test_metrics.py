@@ -277,3 +277,15 @@ def test_trace_spans_sent_and_dropped_are_counted_from_the_exporter_totals():
         assert _only(m, "trace_spans_total", outcome="dropped").value == 7
     finally:
         m.close()
+
+
+def test_degraded_requests_are_counted_by_precision():
+    FakeMetricFamily.created = []
+    m = BackendMetrics(FakePbUtils, "m", interval_s=None)
+    try:
+        m.add_degraded("int8", 5)
+        m.add_degraded("int8", 3)
+        m.flush()
+        assert _only(m, "degraded_requests_total", precision="int8").value == 8
+    finally:
+        m.close()
