@@ -1,12 +1,13 @@
-"""A 1B-parameter causal LM through ``model-factory build``: time and peak memory, FP32 + INT4 (awq).
+"""A 1B-parameter causal LM through ``model-factory build``: time and peak memory, FP32 + INT4 (awq); FP16 exported.
 
-The folder (TinyLlama's shape with one layer more, so past 1B: hidden 2048, 23 layers, 32 heads, 4 kv heads, intermediate 5632; a 16k BPE
-vocabulary trained here; random weights) is made once, then built in a child process whose process tree's RSS
-is sampled every 50 ms (``bench_large_models.build``: VmRSS, which counts a mapped safetensors file once per
-mapping, and RssAnon, the memory the build holds itself); the build's output goes to ``<work>/build.log``. FP16 is not built: the exporter's CPU FP16 graph is not the
-shared-slot engine (docs/models.md).
+The folder (TinyLlama's shape with one layer more, so past 1B: hidden 2048, 23 layers, 32 heads, 4 kv heads,
+intermediate 5632; a 16k BPE vocabulary trained here; random weights) is made once, then built in a child
+process whose process tree's memory is sampled every 50 ms (``bench_large_models.build``: VmRSS, which counts a
+mapped safetensors file once per mapping, and RssAnon, the memory the build holds itself); the build's output
+goes to ``<work>/build.log``. FP16 is not built by the factory (the exporter's CPU FP16 graph is not the
+shared-slot engine: docs/models.md); ``--part fp16`` exports the builder's GPU FP16 graph alone and measures it.
 
-    python benchmarks/bench_generative_large.py [--write] [--work DIR]
+    python benchmarks/bench_generative_large.py [--write] [--work DIR] [--part all|build|fp16]
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 START, END = "<!-- bench_generative_large:start -->", "<!-- bench_generative_large:end -->"
+# Where each stage's private memory goes (read from RssAnon per process every 3 s during the runs of 2026-12-02;
+# the reasons from the code): docs/models.md says the same.
+WHERE = ("Where the private memory goes, step by step (a 3-second watch of each stage's RssAnon beside this run): "
+         "export: the builder maps the safetensors and writes the FP32 graph tensor by tensor (0.8 GiB), "
+         "transformers' reference runs on the mapped weights (0.8 GiB), and the check of the graph loads it into "
+         "ONNX Runtime, which copies the external data into its own buffers (4.6 GiB: 4 bytes per parameter, the "
+         "export's peak). quantize: the FP32 scorer is the same session (4.0 GiB, freed before awq); awq scales the "
+         "mapped weights in place, so their pages turn private layer by layer (4.0 GiB at the end, freed once the "
+         "scaled folder is saved); the INT4 builder serializes its whole FP32 model into one ModelProto "
+         "(`ir.to_proto`, 4 bytes per parameter) before ONNX Runtime's MatMulNBitsQuantizer reads it, plus the "
+         "quantized tensors: the build's peak. Streaming that quantization (one MatMul weight at a time from the FP32 "
+         "graph's data file) would bring the peak down to the export's; not done. Each builder run is now collected "
+         "as it ends: before, the gate's second INT4 run (its ladder) started with the first one's 6 GiB still "
+         "held (10.3 GiB private, in a run stopped at that point).")
 FP16_START, FP16_END = "<!-- bench_generative_large:fp16:start -->", "<!-- bench_generative_large:fp16:end -->"
 FP16_CHILD = """
 import os, sys
@@ -155,7 +170,8 @@ def main() -> None:
              "Peak RSS sums VmRSS over the build's process tree: file-backed pages count once per mapping (the "
              "source's safetensors, mapped by transformers and by the builder, counts twice), and the kernel may "
              "drop them under pressure. Private memory (RssAnon) is what the build holds itself.", "",
-             f"Peak RSS per stage (GiB): {per}.", "", f"Peak private memory per stage (GiB): {per_anon}.",
+             f"Peak RSS per stage (GiB): {per}.", "", f"Peak private memory per stage (GiB): {per_anon}.", "",
+             WHERE,
              END]
     if run.rc != 0:
         say(run.tail)
