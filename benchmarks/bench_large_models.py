@@ -29,7 +29,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +59,8 @@ class Run:
     stage_peaks: dict
     rc: int
     tail: str
+    peak_anon: int = 0  # the largest sum of RssAnon (private memory: heap, copies), without file-backed pages
+    anon_stage_peaks: dict = field(default_factory=dict)
 
     @property
     def bytes_per_param(self) -> float:
@@ -118,6 +120,15 @@ path = "{folder / 'model_repository'}"
 
 def tree_rss(pid: int) -> int:
     """Sum of VmRSS over ``pid`` and its descendants, in bytes."""
+    return tree_memory(pid)[0]
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """Sums of VmRSS and of RssAnon over ``pid`` and its descendants, in bytes.
+
+    VmRSS counts file-backed pages too: a safetensors file mapped twice counts twice, though the kernel holds
+    it once (as page cache it may drop); RssAnon is the memory only the process holds (heap, copies of weights).
+    """
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -128,7 +139,8 @@ def tree_rss(pid: int) -> int:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    total = anon = 0
+    todo = [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, ()))
@@ -137,10 +149,12 @@ def tree_rss(pid: int) -> int:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) * 1024
+                    elif line.startswith("RssAnon:"):
+                        anon += int(line.split()[1]) * 1024
                         break
         except OSError:
             continue
-    return total
+    return total, anon
 
 
 def unpack_baseline(ref: str, dest: Path) -> Path:
@@ -163,7 +177,9 @@ def unpack_baseline(ref: str, dest: Path) -> Path:
     return pkg
 
 
-def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: str, params: int) -> Run:
+def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: str, params: int,
+          log: Path | None = None) -> Run:
+    """One ``model-factory build`` in a child, its tree's memory sampled every 50 ms (``log``: its output, as it comes)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     if python_path is not None:
         env["PYTHONPATH"] = str(python_path)
@@ -177,10 +193,15 @@ def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: st
     stage = ["start"]
     lines: list[str] = []
 
+    sink = open(log, "w") if log is not None else None
+
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip())
+            if sink is not None:
+                sink.write(f"{time.strftime('%H:%M:%S')} {line}")
+                sink.flush()
             found = STAGE_RE.search(line)
             if found:
                 stage[0] = found.group(1)
@@ -188,17 +209,23 @@ def build(recipe: Path, key: Path, code: str, python_path: Path | None, size: st
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     peak, peak_stage, stage_peaks = 0, "start", {}
+    peak_anon, anon_peaks = 0, {}
     while proc.poll() is None:
-        rss = tree_rss(proc.pid)
+        rss, anon = tree_memory(proc.pid)
         stage_peaks[stage[0]] = max(stage_peaks.get(stage[0], 0), rss)
+        anon_peaks[stage[0]] = max(anon_peaks.get(stage[0], 0), anon)
+        peak_anon = max(peak_anon, anon)
         if rss > peak:
             peak, peak_stage = rss, stage[0]
         time.sleep(0.05)
     reader.join()
+    if sink is not None:
+        sink.close()
     seconds = time.perf_counter() - t0
     imported = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("code:")), "?")
     print(f"   ({code} imported {imported})", flush=True)
-    return Run(code, size, params, seconds, peak, peak_stage, stage_peaks, proc.returncode, "\n".join(lines[-15:]))
+    return Run(code, size, params, seconds, peak, peak_stage, stage_peaks, proc.returncode, "\n".join(lines[-15:]),
+               peak_anon, anon_peaks)
 
 
 def keygen(folder: Path) -> Path:

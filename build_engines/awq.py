@@ -71,12 +71,12 @@ def _groups(layer: Any, family: str) -> list[tuple[str, Any, list[Any], Callable
             ("down", mlp.down_proj, [mlp.down_proj], up_fold)]
 
 
-def _error(x: Any, linears: Sequence[Any], weights: Sequence[Any]) -> float:
+def _error(x: Any, refs: Sequence[Any], weights: Sequence[Any]) -> float:
+    """The group's relative output error with ``weights`` against its float outputs ``refs`` (``x @ W.T``)."""
     import torch
 
     num = den = 0.0
-    for lin, w in zip(linears, weights):
-        ref = x @ lin.weight.data.T
+    for ref, w in zip(refs, weights):
         num += float(torch.sum((x @ w.T - ref) ** 2))
         den += float(torch.sum(ref ** 2))
     return num / max(den, 1e-30)
@@ -110,12 +110,13 @@ def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]
             for name, _, linears, fold in _groups(layer, family):
                 x = torch.cat(captured.pop((i, name)))[:MAX_ROWS].float()
                 mean_abs = x.abs().mean(dim=0).clamp(min=1e-8)
-                base = _error(x, linears, [fake_quant(lin.weight.data, block) for lin in linears])
+                refs = [x @ lin.weight.data.T for lin in linears]  # the float outputs: once per group, not per alpha
+                base = _error(x, refs, [fake_quant(lin.weight.data, block) for lin in linears])
                 best = (base, 0.0, None)
                 for alpha in GRID[1:]:
                     s = mean_abs ** alpha
                     s = s / torch.sqrt(s.max() * s.min())
-                    err = _error(x, linears, [fake_quant(lin.weight.data * s, block) / s for lin in linears])
+                    err = _error(x, refs, [fake_quant(lin.weight.data * s, block) / s for lin in linears])
                     if err < best[0]:
                         best = (err, alpha, s)
                 if best[2] is not None:
