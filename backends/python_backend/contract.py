@@ -45,6 +45,8 @@ TRUNCATED_TOKENS_OUTPUT = "truncated_tokens"
 # precision that answered it ("fp32", or the degrade precision), one BYTES element. Declared only with
 # ``degrade_to``; a request that names its outputs gets it only when it names it.
 PRECISION_OUTPUT = "precision"
+# The outputs the backend itself writes, never the engine's: what an engine's own outputs are checked without.
+BACKEND_OUTPUTS = (TRUNCATED_TOKENS_OUTPUT, PRECISION_OUTPUT)
 # With ``degrade_to`` Triton's queue bound is this many times the bound that sheds without degrading, so the
 # backend sees the requests it can still answer on the cheaper engine (serving/queue_bound.py, packaging).
 DEGRADE_QUEUE_FACTOR = 2

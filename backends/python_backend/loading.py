@@ -53,7 +53,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .contract import TRUNCATED_TOKENS_OUTPUT, Files
+from .contract import BACKEND_OUTPUTS, Files
 from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .cpu_features import Int8Refused, choose_int8_kernels
 from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
@@ -242,9 +242,8 @@ def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dic
     # The names come from the file (written by the export); they must fit the model configuration.
     if settings.inputs:
         unknown = [n for n in engine.input_names if n not in engine_inputs]
-        # truncated_tokens is the backend's own output (long_inputs), not the engine's.
-        missing = [o.name for o in settings.outputs
-                   if o.name not in engine.output_names and o.name != TRUNCATED_TOKENS_OUTPUT]
+        # truncated_tokens and precision are the backend's own outputs (long_inputs, degrade), not the engine's.
+        missing = [o.name for o in settings.outputs if o.name not in engine.output_names and o.name not in BACKEND_OUTPUTS]
         if unknown or missing:
             engine.close()
             raise SettingsError(

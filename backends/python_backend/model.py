@@ -24,7 +24,8 @@ from .executor import GroupedExecutor
 from .grouping import profile_for_length
 from .loading import load_for_serving, text_inputs
 from . import decisions
-from .contract import PRECISION_OUTPUT, TRUNCATED_TOKENS_OUTPUT
+from .contract import BACKEND_OUTPUTS, PRECISION_OUTPUT, TRUNCATED_TOKENS_OUTPUT
+from .degrade import precision_column
 from .events import EventLog, request_id
 from .tracing import SpanExporter, parse_context
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
@@ -70,8 +71,7 @@ class TritonPythonModel:
             # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
             self.encoder = TextEncoder(self.tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
         # What the engine computes; truncated_tokens (declared beside them for text models) is the backend's.
-        self._engine_outputs = tuple(o.name for o in s.outputs if o.name not in (TRUNCATED_TOKENS_OUTPUT,
-                                                                                 PRECISION_OUTPUT))
+        self._engine_outputs = tuple(o.name for o in s.outputs if o.name not in BACKEND_OUTPUTS)
         self._says_truncation = any(o.name == TRUNCATED_TOKENS_OUTPUT for o in s.outputs)
         self._says_precision = any(o.name == PRECISION_OUTPUT for o in s.outputs)
         seq_inputs = s.sequence_inputs
@@ -266,12 +266,7 @@ class TritonPythonModel:
                 if idx in mirrored:
                     self.shadow.offer(mirror, mirrored[idx], {k: np.array(v) for k, v in result.items()})
                 if self._says_precision:
-                    asked = tuple(requests[idx].requested_output_names())
-                    if not asked or PRECISION_OUTPUT in asked:
-                        from .degrade import precision_column
-
-                        rows = next(iter(result.values())).shape[0] if result else 1
-                        result[PRECISION_OUTPUT] = precision_column(answered_by, rows)
+                    result = self._precision_output(result, requests[idx], answered_by)
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(val)) for name, val in result.items()]))
             if r0:
@@ -318,8 +313,7 @@ class TritonPythonModel:
 
     def _engine_wanted(self, asked: tuple, enc) -> tuple:
         """The engine outputs a request gets; a chunked text has pooled ones only (a sequence has no pooling)."""
-        names = (tuple(n for n in asked if n not in (TRUNCATED_TOKENS_OUTPUT, PRECISION_OUTPUT)) if asked
-                 else self._engine_outputs)
+        names = tuple(n for n in asked if n not in BACKEND_OUTPUTS) if asked else self._engine_outputs
         if enc is not None and enc.chunked_rows:
             # Triton names every output when the request names none: the sequence ones are left out then;
             # a request that asks for sequence outputs alone is told why it cannot have them.
@@ -336,6 +330,14 @@ class TritonPythonModel:
         asked = tuple(request.requested_output_names())
         if self._says_truncation and (not asked or TRUNCATED_TOKENS_OUTPUT in asked):
             result[TRUNCATED_TOKENS_OUTPUT] = np.asarray(enc.dropped, dtype=np.int64).reshape(-1, 1)
+        return result
+
+    def _precision_output(self, result: dict, request, answered_by: str) -> dict:
+        """``precision`` (declared with degrade_to) when wanted: which precision answered each row."""
+        asked = tuple(request.requested_output_names())
+        if not asked or PRECISION_OUTPUT in asked:
+            rows = next(iter(result.values())).shape[0] if result else 1
+            result[PRECISION_OUTPUT] = precision_column(answered_by, rows)
         return result
 
     def _said_degraded(self, seen: list, precision: str) -> None:
