@@ -31,7 +31,6 @@ A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -143,14 +142,6 @@ def _config_json(model_dir: Path) -> dict[str, Any]:
     return json_format.MessageToDict(read_config(model_dir), preserving_proto_field_name=True)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
     """The mirrors' tallies of one rollout, summed over the model's instances."""
     total = {"mirrored": 0, "score_sum": 0.0, "min_score": None, "errors": 0, "skipped": 0, "worst": []}
@@ -181,6 +172,7 @@ class RolloutControl:
     def __init__(self, server: Any, digests: Any, served: tuple[str, ...] | list[str], *,
                  gpu_product: str | None = None, int8_kernels: str | None = None,
                  echo: Callable[[str], None] | None = None, poll_s: float = 0.2) -> None:
+        from model_factory.build.repository import read_config
         from model_factory.serving.acceptance import served_version
 
         self.server, self.digests = server, digests
@@ -193,7 +185,7 @@ class RolloutControl:
             cfg = json.loads(server.load_configs[m]) if m in server.load_configs else None
             wanted = (cfg or {}).get("version_policy", {}).get("specific", {}).get("versions")
             self.serving[m] = int(max(int(v) for v in wanted)) if wanted else int(
-                served_version(repo / m, _read_config(repo / m)))
+                served_version(repo / m, read_config(repo / m)))
         self.statuses: dict[str, RolloutStatus] = {}
         self.switched: dict[str, Switched] = {}
         self._lock = threading.Lock()
@@ -310,6 +302,7 @@ class RolloutControl:
     def _stage_candidate(self, req: RolloutRequest, digests: dict[str, str]) -> Path:
         """``<candidates>/<model>__candidate``: the version's verified files and a derived config.pbtxt."""
         from model_factory.build.repository import config_to_pbtxt
+        from model_factory.build_engines.onnx_files import hardlink_or_copy
         from model_factory.serving.digests import read_table, write_table
         from model_factory.signing import signed_digests
 
@@ -320,7 +313,8 @@ class RolloutControl:
         shutil.rmtree(dst, ignore_errors=True)
         for rel in digests:
             if rel.split("/", 1)[0] == str(v):
-                _link_or_copy(src / rel, dst / rel)
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                hardlink_or_copy(src / rel, dst / rel)
         (dst / "config.pbtxt").write_text(config_to_pbtxt(version_config(_config_json(src), v, cand)))
         table = read_table(self.digests.path)
         table.setdefault(m, {})[str(v)] = digests
@@ -476,9 +470,3 @@ class RolloutControl:
         self._stop.set()
         if self._running is not None:
             self._running.join(timeout=60)
-
-
-def _read_config(model_dir: Path) -> Any:
-    from model_factory.build.repository import read_config
-
-    return read_config(model_dir)
