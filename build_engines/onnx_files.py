@@ -29,6 +29,7 @@ EXTERNAL_DATA_MIN_BYTES = 16 << 20
 DATA_SUFFIX = Files.DATA_SUFFIX
 _ALIGN = 64
 _CHUNK = 64 << 20
+_HOLE_BLOCK = 1 << 20  # all-zero blocks of this size are left as holes in written data files
 _EXTERNAL = 1  # TensorProto.EXTERNAL
 
 
@@ -194,7 +195,7 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
                             raise FactoryError(f"{src} ends before tensor {tensor.name!r} does. Fix: re-export "
                                                "the model (its data file is truncated)")
                         left -= len(chunk)
-                        sink.write(change(chunk) if change else chunk)
+                        _write_sparse(sink, change(chunk) if change else chunk)
                     length = sink.tell() - start
                 elif tensor.ByteSize() >= 1024:  # small ones stay in the graph, as onnx.save_model does
                     if not tensor.HasField("raw_data"):  # typed fields (float_data, ...) -> raw bytes
@@ -203,7 +204,7 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
                     raw = tensor.raw_data
                     length = len(raw)
                     start = _pad(sink)
-                    sink.write(raw)
+                    _write_sparse(sink, raw)
                     del raw
                     tensor.ClearField("raw_data")
                 else:
@@ -213,6 +214,7 @@ def save(model: Any, path: Path, base_dir: Path | None = None, external: bool | 
                 for key, value in (("location", data_path.name), ("offset", str(start)), ("length", str(length))):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = key, value
+            sink.truncate()  # the file ends where the last tensor does, also when that tensor ended in a hole
     except BaseException:
         writing.unlink(missing_ok=True)
         raise
@@ -246,6 +248,24 @@ def normalize(path: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _write_sparse(sink: Any, data: bytes) -> None:
+    """Write ``data`` at the sink's position, leaving each all-zero block of it a hole (a seek past it).
+
+    A weight file's zero runs (pruned rows, unused embedding rows, padding) then take no disk, in the
+    source's data file as in every file written from it; readers see the same bytes.
+    """
+    import numpy as np
+
+    view = memoryview(data)
+    flat = np.frombuffer(data, np.uint8)
+    for begin in range(0, len(view), _HOLE_BLOCK):
+        end = min(begin + _HOLE_BLOCK, len(view))
+        if end - begin == _HOLE_BLOCK and not flat[begin:end].any():
+            sink.seek(end - begin, os.SEEK_CUR)
+        else:
+            sink.write(view[begin:end])
 
 
 def _pad(sink: Any) -> int:

@@ -11,12 +11,14 @@ Standard library only: this runs inside Triton's stub.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 from pathlib import Path
 
 ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
+_BLOCK = 1 << 24
 
 
 class IntegrityError(RuntimeError):
@@ -73,11 +75,52 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
     path = Path(model_dir) / relpath
     _check_covered(path, relpath, digests)
     h = hashlib.sha256()
-    with path.open("rb") as src, Path(dest).open("wb") as out:
-        for chunk in iter(lambda: src.read(1 << 24), b""):
-            h.update(chunk)
-            out.write(chunk)
+    with path.open("rb", buffering=0) as src, Path(dest).open("wb") as out:
+        for start, end, data in _regions(src.fileno(), os.fstat(src.fileno()).st_size):
+            if not data:  # a hole reads as zeros: hash them, leave a hole in the copy too
+                zeros = bytes(min(_BLOCK, end - start))
+                for at in range(start, end, _BLOCK):
+                    h.update(zeros if end - at >= _BLOCK else zeros[:end - at])
+                out.seek(end)
+                continue
+            src.seek(start)
+            left = end - start
+            while left > 0:
+                chunk = src.read(min(_BLOCK, left))
+                if not chunk:
+                    break  # the file shrank: its hash will not match
+                h.update(chunk)
+                out.write(chunk)
+                left -= len(chunk)
+        out.truncate()
     actual = h.hexdigest()
     if actual != digests[relpath]:
         Path(dest).unlink(missing_ok=True)
         raise _changed(relpath, actual, digests[relpath])
+
+
+def _regions(fd: int, size: int):
+    """``(start, end, is_data)`` spans covering a file's ``size`` bytes: its data and its holes.
+
+    Holes (runs of zeros a filesystem stores as nothing: a sparse weight file's unused rows) are found
+    with ``SEEK_DATA``/``SEEK_HOLE``; where the filesystem cannot say, the whole file is one data span.
+    """
+    if not hasattr(os, "SEEK_DATA"):
+        yield 0, size, True
+        return
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # not supported here: all data
+                yield pos, size, True
+                return
+            data = size  # ENXIO: only a hole from pos to the end
+        if data > pos:
+            yield pos, min(data, size), False
+        if data >= size:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), size)
+        yield data, hole, True
+        pos = hole

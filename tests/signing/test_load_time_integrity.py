@@ -70,3 +70,42 @@ def test_integrity_works_as_a_copied_file_without_site_packages(signed, key_poli
     assert out.returncode == 0, out.stderr
     assert "caught 1/model.onnx changed after verification" in out.stdout
     assert out.stdout.strip().endswith("[]")
+
+
+def test_a_sparse_data_file_is_copied_with_its_holes_and_the_same_digest(tmp_path):
+    # A weight file whose zero runs the filesystem stores as holes (a table with unused rows): the private
+    # copy the backend loads from keeps them as holes (no disk for them), and hashes them as the zeros they read as.
+    import hashlib
+
+    from model_factory.backend.integrity import IntegrityError, copy_checked
+
+    model_dir = tmp_path / "m"
+    (model_dir / "1").mkdir(parents=True)
+    src = model_dir / "1" / "model.onnx.data"
+    size, head, tail = 256 << 20, b"\x01" * 4096, b"\x02" * 3000
+    with src.open("wb") as f:
+        f.write(head)
+        f.seek(100 << 20)
+        f.write(b"\x03" * 5000)
+        f.seek(size - len(tail))
+        f.write(tail)
+    expected = src.read_bytes()
+    digests = {"1/model.onnx.data": hashlib.sha256(expected).hexdigest()}
+    copy = tmp_path / "copy.data"
+    copy_checked(model_dir, "1/model.onnx.data", digests, copy)
+    assert copy.read_bytes() == expected
+    if src.stat().st_blocks * 512 < size // 4:  # this filesystem keeps holes: so must the copy
+        assert copy.stat().st_blocks * 512 < size // 4, copy.stat().st_blocks
+    # A file that ends in a hole keeps its length.
+    with src.open("r+b") as f:
+        f.truncate(size + (8 << 20))
+    digests = {"1/model.onnx.data": hashlib.sha256(src.read_bytes()).hexdigest()}
+    copy_checked(model_dir, "1/model.onnx.data", digests, copy)
+    assert copy.stat().st_size == size + (8 << 20) and copy.read_bytes() == src.read_bytes()
+    # A byte written into a hole after verification is caught like any other change.
+    with src.open("r+b") as f:
+        f.seek(50 << 20)
+        f.write(b"\x04")
+    with pytest.raises(IntegrityError, match="changed after verification"):
+        copy_checked(model_dir, "1/model.onnx.data", digests, tmp_path / "again.data")
+    assert not (tmp_path / "again.data").exists()
