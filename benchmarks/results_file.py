@@ -51,7 +51,10 @@ def machine_header(note: str = "") -> str:
     except OSError:
         pass
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm") if f in flags]
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    averages = os.getloadavg()
+    load = ", ".join(f"{x:.2f}" for x in averages)
+    calm = max(averages) <= 0.5 * (os.cpu_count() or 1)
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"*{when}; {name}, {os.cpu_count()} cores, flags {' '.join(shown) or 'none of the INT8 ones'}; "
-            f"load average {load} (the machine is shared with other work){'; ' + note if note else ''}.*")
+            f"load average {load} ({'a calm machine' if calm else 'the machine is shared with other work'})"
+            f"{'; ' + note if note else ''}.*")
