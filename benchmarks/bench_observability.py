@@ -10,7 +10,8 @@
    (benchmarks/texts.txt lines joined) are sent to ``minilm`` with ``long_inputs=chunk`` and with ``truncate``,
    and whole to ``minilm512``; the cosine of each against the whole text's embedding is reported.
 2. Tracing (section ``tracing``): throughput at 8 requests in flight (texts, HTTP) on a server without tracing
-   and on one tracing every request (``--trace-rate 1``) into an OTLP/HTTP receiver in its own process (so its
+   and on one tracing every request (``--trace-rate 1``, the backend as the trace source: Triton 2.51's own tracer
+   crashed the server twice at this load, docs/environment.md) into an OTLP/HTTP receiver in its own process (so its
    parsing never holds the load generator's interpreter). Built for a noisy shared machine: many short runs,
    off and on interleaved in pairs whose order alternates (off-on, on-off, ...), the ratio taken within each
    adjacent pair (both halves saw about the same background load), and the median and the spread of the
@@ -212,7 +213,10 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
             say(f"pair {len(pairs)} ({'-'.join(order)}): off {got['off'].throughput:.1f}, on "
                 f"{got['on'].throughput:.1f} seq/s, ratio {pairs[-1]:.3f}; CPU per sequence on/off {cpu_pairs[-1]:.3f}")
     finally:
-        for srv in servers.values():
+        for label, srv in servers.items():
+            if srv.process.poll() is not None:  # a server that died mid-run: say how, with its log's end
+                say(f"the {label} server exited with {srv.process.returncode}; its log ends:\n"
+                    + "\n".join(srv.log_file.read_text(errors="replace").splitlines()[-40:]))
             srv.stop()
         receiver.close()
     load, loadavg_end = load.finish(), _loadavg()
@@ -239,7 +243,9 @@ def _tracing(work: Path, recipe, exported, lines: Sequence[str], args) -> str:
         run_header("benchmarks/bench_observability.py --part tracing", load, own_processes=1)
         + f" /proc/loadavg at the start: `{loadavg_start}`, at the end: `{loadavg_end}`.", "",
         f"Two servers from one package (MiniLM FP32, ONNX Runtime CPU, the example's instances), one without tracing "
-        f"and one with `--trace-rate 1` (Triton's OpenTelemetry spans and the backend's, every request) into an "
+        f"and one with `--trace-rate 1` (the default trace source, the backend: its `request` span and the work "
+        f"under it, every request; Triton's own tracer in 2.51 crashes the server under this load, "
+        f"docs/environment.md) into an "
         f"OTLP/HTTP receiver in its own process ({receiver.posts.value} exports, {receiver.spans.value} spans "
         f"received). HTTP, texts, 8 requests in flight, {args.requests} requests per run after 8 of warm-up; "
         f"{len(pairs)} pairs of runs, off and on back to back, the order alternating (off-on, on-off, ...), "

@@ -140,10 +140,16 @@ class _Interrupted(Exception):
               help="Decision events a second per model instance at most (a burst of 5x that); the rest are "
                    "counted (model_factory_events_dropped_total). Default: 20.")
 @click.option("--trace-endpoint", metavar="URL", default=None,
-              help="Send OpenTelemetry traces over OTLP/HTTP to URL (e.g. 127.0.0.1:4318/v1/traces): Triton's "
-                   "request spans, and the backend's validate, tokenize, group, engine_run and respond under them.")
+              help="Send OpenTelemetry traces over OTLP/HTTP to URL (e.g. 127.0.0.1:4318/v1/traces): the request's "
+                   "span, and the backend's validate, tokenize, group, engine_run and respond under it.")
 @click.option("--trace-rate", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="With --trace-endpoint: trace one request in this many (1: every request).")
+              help="With --trace-endpoint: trace one request in this many (1: every request); a request whose "
+                   "traceparent header is sampled is always traced (with --trace-source backend).")
+@click.option("--trace-source", type=click.Choice(["backend", "triton"]), default="backend", show_default=True,
+              help="Who opens the request's span. backend: the backend, under the client's W3C traceparent header "
+                   "(Triton's tracer off). triton: Triton's OpenTelemetry tracer (its own spans too), which in "
+                   "Triton 2.51 crashes the server after thousands of traced requests at 100+/s "
+                   "(triton-inference-server/server#7795): keep --trace-rate high with it.")
 @click.option("--allow-empty", is_flag=True,
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")
@@ -162,7 +168,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
-          allow_empty: bool, openai_port: int | None, control_port: int | None, watch_s: float) -> None:
+          trace_source: str, allow_empty: bool, openai_port: int | None, control_port: int | None,
+          watch_s: float) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -191,6 +198,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
                          log_verbose=log_verbose, host=host, gpu_product=gpu_product or None,
                          int8_kernels=int8_kernels, events_file=Path(events_file) if events_file else None,
                          events_rate=events_rate, trace_endpoint=trace_endpoint or None, trace_rate=trace_rate,
+                         trace_source=trace_source,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
     if control_port is not None and opts.admin_key is None:

@@ -27,7 +27,7 @@ from . import decisions
 from .contract import BACKEND_OUTPUTS, PRECISION_OUTPUT, TRUNCATED_TOKENS_OUTPUT
 from .degrade import precision_column
 from .events import EventLog, request_id
-from .tracing import SpanExporter, parse_context
+from .tracing import Sampler, SpanExporter, parse_context
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
 from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
 from .memory_guard import guard_for
@@ -62,9 +62,11 @@ class TritonPythonModel:
         self.events = EventLog.from_env(s.model_name, str(args.get("model_instance_name", "")),
                                         log=pb_utils.Logger.log_info)
         decisions.engine_choices(self.events, self.engine_info)
-        # OpenTelemetry spans under Triton's request span (serve --trace-endpoint); None: tracing off, no cost.
+        # OpenTelemetry spans (serve --trace-endpoint) under the backend's own request span (its sampler) or
+        # Triton's model span (--trace-source triton: no sampler); None: tracing off, no cost.
         self.tracer = SpanExporter.from_env({"model": s.model_name,
                                              "instance": str(args.get("model_instance_name", ""))})
+        self.trace_sampler = Sampler.from_env() if self.tracer is not None else None
         self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
@@ -300,9 +302,12 @@ class TritonPythonModel:
                                                     (pb_utils.get_input_tensor_by_name(request, n) for n in names)
                                                     if t is not None])
 
-    @staticmethod
-    def _trace_parent(request):
-        """Triton's span for this request when it sampled it (OpenTelemetry mode), else None."""
+    def _trace_parent(self, request):
+        """The span this request's spans go under, when it is traced: the backend's own request span (its sampler:
+        the client's traceparent header, else one request in the rate), or Triton's model span (Triton's tracer
+        as the source); else None."""
+        if self.trace_sampler is not None:
+            return self.trace_sampler.parent(request.parameters())
         trace = request.trace()
         return parse_context(trace.get_context()) if trace is not None else None
 

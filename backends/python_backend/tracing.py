@@ -1,10 +1,20 @@
-"""OpenTelemetry spans of the backend's work, children of the span Triton opened for the request.
+"""OpenTelemetry spans of the backend's work, under the request's span.
 
-``serve --trace-endpoint URL --trace-rate R`` starts Triton with OpenTelemetry tracing (one request in R
-sampled) and gives the backend the same OTLP/HTTP endpoint in ``$MODEL_FACTORY_TRACE_ENDPOINT``. For a sampled
-request Triton hands the backend a W3C ``traceparent`` (``request.trace().get_context()``) naming the model's
-span; the backend adds its own spans under it: ``validate`` (decode and check), ``tokenize``, ``group`` (the
-window's split), ``engine_run`` (each launch holding the request's sequences) and ``respond``.
+``serve --trace-endpoint URL --trace-rate R`` gives the backend an OTLP/HTTP endpoint in
+``$MODEL_FACTORY_TRACE_ENDPOINT`` and a trace source in ``$MODEL_FACTORY_TRACE_SOURCE``:
+
+- ``backend`` (the default): Triton's tracer stays off (Triton 2.51's crashes the server with SIGSEGV after some
+  thousands of traced requests at a hundred or more a second: a trace freed while its own mutex is held,
+  triton-inference-server/server#7795, fixed by #8144 in a later release; measured here by
+  benchmarks/bench_observability.py). The backend opens the request's span itself (``request``, a server span)
+  under the client's W3C ``traceparent`` header (forwarded by Triton as a request parameter) when the client sent
+  a sampled one; a request with an unsampled one is not traced; one without is sampled one in
+  ``$MODEL_FACTORY_TRACE_RATE`` and starts its own trace (:class:`Sampler`).
+- ``triton``: Triton's OpenTelemetry tracer samples one request in R and hands the backend a W3C ``traceparent``
+  (``request.trace().get_context()``) naming the model's span; the backend's spans go under it.
+
+Either way the backend's spans are ``validate`` (decode and check), ``tokenize``, ``group`` (the window's split),
+``engine_run`` (each launch holding the request's sequences) and ``respond``.
 
 Exported as OTLP/HTTP JSON (what Triton 2.51's own exporter sends: ids in hex, times as decimal strings) by a
 background thread, about once a second, from a bounded queue: a slow or absent collector drops spans (counted),
@@ -12,7 +22,7 @@ never slows a request. The request thread only queues the window's raw timings (
 add_window`); building the spans and writing their JSON happen on the export thread, written straight to text
 (:func:`encode_window`: about a third of the time of dicts through ``json.dumps``), since that thread shares the
 stub's interpreter, and its cores, with the requests. With no endpoint, nothing here runs: the backend does not
-even ask Triton for the trace. Standard library only (no OpenTelemetry SDK inside the stub).
+even look for a trace. Standard library only (no OpenTelemetry SDK inside the stub).
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 TRACE_ENDPOINT_ENV = "MODEL_FACTORY_TRACE_ENDPOINT"
+TRACE_SOURCE_ENV = "MODEL_FACTORY_TRACE_SOURCE"  # "backend" (the default) or "triton"
+TRACE_RATE_ENV = "MODEL_FACTORY_TRACE_RATE"  # with the backend as the source: one request in this many
+TRACE_SOURCES = ("backend", "triton")
+TRACEPARENT = "traceparent"  # the W3C header, forwarded by Triton into the request's parameters
 SERVICE_NAME = "model-factory-backend"
 MAX_QUEUED = 4096  # spans (or windows of spans) waiting for export; more are dropped
 BATCH = 1024  # spans per export request at most
@@ -38,6 +52,22 @@ class TraceParent:
 
     trace_id: str  # 32 hex digits
     span_id: str  # 16 hex digits
+    # Set when the backend opened the request's span itself (trace source "backend"): span_id is that span, and
+    # this its parent, the client's span from its traceparent header ("": a trace the backend started).
+    remote_parent: str | None = None
+
+
+def _split_traceparent(value: Any) -> tuple[str, str, bool] | None:
+    """``(trace id, span id, sampled)`` of a W3C ``traceparent`` value, or None when it is not one."""
+    try:
+        _version, trace_id, span_id, flags = str(value).strip().split("-")
+        sampled = bool(int(flags, 16) & 1)
+        int(trace_id, 16), int(span_id, 16)
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if len(trace_id) != 32 or len(span_id) != 16 or set(trace_id) == {"0"} or set(span_id) == {"0"}:
+        return None
+    return trace_id.lower(), span_id.lower(), sampled
 
 
 def parse_context(context: Any) -> TraceParent | None:
@@ -45,13 +75,63 @@ def parse_context(context: Any) -> TraceParent | None:
     if not context:
         return None
     try:
-        value = json.loads(context).get("traceparent") if isinstance(context, str) else context.get("traceparent")
-        _version, trace_id, span_id, flags = str(value).split("-")
+        value = json.loads(context).get(TRACEPARENT) if isinstance(context, str) else context.get(TRACEPARENT)
     except (ValueError, AttributeError, TypeError):
         return None
-    if len(trace_id) != 32 or len(span_id) != 16 or not int(flags, 16) & 1 or set(trace_id) == {"0"}:
+    parsed = _split_traceparent(value)
+    if parsed is None or not parsed[2]:
         return None
-    return TraceParent(trace_id.lower(), span_id.lower())
+    return TraceParent(parsed[0], parsed[1])
+
+
+def _new_id(bits: int) -> str:
+    return f"{random.getrandbits(bits) | 1:0{bits // 4}x}"
+
+
+class Sampler:
+    """Which requests the backend traces when it is the trace source, and under which span.
+
+    A request whose ``traceparent`` header (a request parameter, forwarded by Triton) is sampled is traced in the
+    client's trace, under the client's span; an unsampled one is not traced (the client decided); a request
+    without one, or with one that is not a W3C traceparent, is traced one in ``rate`` and starts a trace. The
+    backend's ``request`` span gets a new id; its work goes under that span.
+    """
+
+    def __init__(self, rate: int = 1) -> None:
+        self.rate = max(1, int(rate))
+        self._seen = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Sampler | None":
+        """The sampler of a backend-sourced trace (None when Triton's tracer is the source)."""
+        env = os.environ if environ is None else environ
+        if env.get(TRACE_SOURCE_ENV, "backend").strip() == "triton":
+            return None
+        try:
+            return cls(int(env.get(TRACE_RATE_ENV, "1") or 1))
+        except ValueError:
+            return cls(1)
+
+    def parent(self, parameters: Any) -> TraceParent | None:
+        header = None
+        if isinstance(parameters, str):
+            if TRACEPARENT in parameters.lower():  # most requests carry none: no JSON parse for them
+                try:
+                    parameters = json.loads(parameters)
+                except ValueError:
+                    parameters = {}
+            else:
+                parameters = {}
+        if isinstance(parameters, Mapping):
+            header = next((v for k, v in parameters.items() if str(k).lower() == TRACEPARENT), None)
+        parsed = _split_traceparent(header) if header is not None else None
+        if parsed is not None:
+            trace_id, client_span, sampled = parsed
+            return TraceParent(trace_id, _new_id(64), client_span) if sampled else None
+        self._seen += 1
+        if (self._seen - 1) % self.rate:
+            return None
+        return TraceParent(_new_id(128), _new_id(64), "")
 
 
 def _value(v: Any) -> dict:
@@ -156,6 +236,7 @@ class SpanExporter:
             self._queue.put_nowait((tuple(parents), tuple(request_ids), own, tuple(shared)))
         except queue.Full:  # count what it would have made, without making it
             self.dropped += sum(len(own.get(i, ())) + sum(i in members for _, _, _, members, _ in shared)
+                                + (parent.remote_parent is not None)
                                 for i, parent in enumerate(parents) if parent is not None)
 
     def _take(self) -> list[dict | str]:
@@ -192,25 +273,45 @@ class SpanExporter:
         self.flush()
 
 
+def request_span(parent: TraceParent, start_ns: int, end_ns: int, attributes: Mapping[str, Any]) -> dict:
+    """The ``request`` span the backend opened itself (trace source "backend"): ``parent.span_id``, a server span
+    under the client's span (``parent.remote_parent``), or the root of a trace the backend started."""
+    out = {"traceId": parent.trace_id, "spanId": parent.span_id, "name": "request", "kind": 2,
+           "startTimeUnixNano": str(int(start_ns)), "endTimeUnixNano": str(int(end_ns)),
+           "attributes": [{"key": k, "value": _value(v)} for k, v in attributes.items()]}
+    if parent.remote_parent:
+        out["parentSpanId"] = parent.remote_parent
+    return out
+
+
+def _request_span_text(parent: TraceParent, start_ns: int, end_ns: int, attributes: Mapping[str, Any]) -> str:
+    return json.dumps(request_span(parent, start_ns, end_ns, attributes), separators=(",", ":"))
+
+
 def _window(parents: Sequence[TraceParent | None], request_ids: Sequence[str], own: Mapping[int, Sequence[tuple]],
-            shared: Sequence[tuple], make: Any) -> list:
+            shared: Sequence[tuple], make: Any, make_request: Any) -> list:
     out = []
     for idx, parent in enumerate(parents):
         if parent is None:
             continue
         tag = {"model_factory.request_id": request_ids[idx]}
+        first, last = None, None
         for name, start, end, attrs in own.get(idx, ()):
             out.append(make(parent, name, start, end, {**tag, **attrs}))
+            first, last = min(start, first or start), max(end, last or end)
         for name, start, end, members, attrs in shared:
             if idx in members:
                 out.append(make(parent, name, start, end, {**tag, **attrs, "requests": len(members)}))
+                first, last = min(start, first or start), max(end, last or end)
+        if parent.remote_parent is not None and first is not None:
+            out.append(make_request(parent, first, last, tag))
     return out
 
 
 def encode_window(parents: Sequence[TraceParent | None], request_ids: Sequence[str],
                   own: Mapping[int, Sequence[tuple]], shared: Sequence[tuple]) -> list[str]:
     """:func:`window_spans` as JSON texts, for :func:`export_body` (what the export thread sends)."""
-    return _window(parents, request_ids, own, shared, _span_text)
+    return _window(parents, request_ids, own, shared, _span_text, _request_span_text)
 
 
 def window_spans(parents: Sequence[TraceParent | None], request_ids: Sequence[str],
@@ -219,6 +320,8 @@ def window_spans(parents: Sequence[TraceParent | None], request_ids: Sequence[st
 
     ``own[idx]``: ``(name, start_ns, end_ns, attributes)`` timed for request ``idx`` alone (validate, tokenize,
     respond); ``shared``: the executor's ``(name, start_ns, end_ns, request indices, attributes)`` (group,
-    engine_run), each put under every sampled request it served.
+    engine_run), each put under every sampled request it served. A request whose span the backend opened
+    itself (``parent.remote_parent`` set) also gets that ``request`` span, from its first span's start to its
+    last one's end.
     """
-    return _window(parents, request_ids, own, shared, span)
+    return _window(parents, request_ids, own, shared, span, request_span)

@@ -61,8 +61,9 @@ GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 ADMIN_KEY_ENV = "MODEL_FACTORY_ADMIN_KEY"
 
 
-# Triton forwards headers matching this (RE2) as request parameters: the request id clients send.
-REQUEST_ID_HEADER_PATTERN = "(?i)^x-request-id$"
+# Triton forwards headers matching this (RE2) as request parameters: the request id clients send, and the W3C
+# trace context the backend's own tracing joins (backend/tracing.py).
+FORWARDED_HEADER_PATTERN = "(?i)^(x-request-id|traceparent)$"
 
 
 @dataclass(frozen=True)
@@ -91,20 +92,29 @@ class ServerOptions:
     # limit, events a second per instance (None: the backend's default).
     events_file: Path | None = None
     events_rate: float | None = None
-    # OpenTelemetry: the OTLP/HTTP endpoint (host:port/v1/traces) Triton and the backend send spans to, and
-    # Triton's sampling rate (one request in trace_rate). None: tracing off.
+    # OpenTelemetry: the OTLP/HTTP endpoint (host:port/v1/traces) spans are sent to (None: tracing off), the
+    # sampling rate (one request in trace_rate) and who opens the request's span: "backend" (Triton's tracer
+    # off: Triton 2.51's crashes the server under sustained traced load) or "triton" (backend/tracing.py).
     trace_endpoint: str | None = None
     trace_rate: int = 1
+    trace_source: str = "backend"
 
 
-def trace_arguments(endpoint: str | None, rate: int = 1) -> list[str]:
+def trace_arguments(endpoint: str | None, rate: int = 1, source: str = "backend") -> list[str]:
     """tritonserver's OpenTelemetry tracing flags: one request in ``rate`` sampled, spans sent to ``endpoint``
-    (OTLP/HTTP, ``host:port/v1/traces``); none when ``endpoint`` is None."""
+    (OTLP/HTTP, ``host:port/v1/traces``); none when ``endpoint`` is None or the backend is the trace source."""
+    from model_factory.backend.tracing import TRACE_SOURCES
+
+    if source not in TRACE_SOURCES:
+        raise FactoryError(f"trace source {source!r} is not one of {', '.join(TRACE_SOURCES)}. Fix: give backend "
+                           "(the backend opens the request's span) or triton (Triton's tracer does)")
     if not endpoint:
         return []
     if int(rate) < 1:
         raise FactoryError(f"trace rate {rate} is not a sampling rate. Fix: give 1 (every request) or more "
                            "(one request in that many)")
+    if source == "backend":
+        return []
     return ["--trace-config=mode=opentelemetry", f"--trace-config=rate={int(rate)}", "--trace-config=level=TIMESTAMPS",
             "--trace-config=count=-1", f"--trace-config=opentelemetry,url={endpoint}",
             "--trace-config=opentelemetry,resource=service.name=model-factory-triton"]
@@ -278,9 +288,11 @@ class TritonServer:
 
             self.extra_env[EVENTS_FILE_ENV] = str(Path(opts.events_file).resolve())
         if opts.trace_endpoint:
-            from model_factory.backend.tracing import TRACE_ENDPOINT_ENV
+            from model_factory.backend.tracing import TRACE_ENDPOINT_ENV, TRACE_RATE_ENV, TRACE_SOURCE_ENV
 
             self.extra_env[TRACE_ENDPOINT_ENV] = opts.trace_endpoint
+            self.extra_env[TRACE_SOURCE_ENV] = opts.trace_source
+            self.extra_env[TRACE_RATE_ENV] = str(int(opts.trace_rate))
         if opts.events_rate is not None:
             from model_factory.backend.events import EVENTS_RATE_ENV
 
@@ -340,14 +352,15 @@ class TritonServer:
                # backend starts one extra stub process per model load only to ask it to auto-complete
                # the config (~1 s of a 2 s start on 2 cores).
                "--disable-auto-complete-config",
-               # A client's X-Request-ID header reaches the backend as a request parameter (its events name it).
-               f"--http-header-forward-pattern={REQUEST_ID_HEADER_PATTERN}",
-               f"--grpc-header-forward-pattern={REQUEST_ID_HEADER_PATTERN}"]
+               # A client's X-Request-ID and traceparent headers reach the backend as request parameters (its
+               # events name the id; its spans join the trace).
+               f"--http-header-forward-pattern={FORWARDED_HEADER_PATTERN}",
+               f"--grpc-header-forward-pattern={FORWARDED_HEADER_PATTERN}"]
         if self.admin_key:
             apis = ",".join(RESTRICTED_APIS)
             cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
-        cmd += trace_arguments(o.trace_endpoint, o.trace_rate)
+        cmd += trace_arguments(o.trace_endpoint, o.trace_rate, o.trace_source)
         # No --load-model: models are loaded one by one after start, so a model that fails to
         # load is reported with its reason instead of taking the whole server down.
         return cmd + list(o.extra_args)

@@ -7,8 +7,8 @@ import json
 
 from model_factory.backend.executor import GroupedExecutor
 from model_factory.backend.grouping import CostModel
-from model_factory.backend.tracing import (SpanExporter, TraceParent, encode_window, export_body, parse_context,
-                                          window_spans)
+from model_factory.backend.tracing import (Sampler, SpanExporter, TraceParent, encode_window, export_body,
+                                          parse_context, window_spans)
 
 import numpy as np
 
@@ -129,3 +129,43 @@ def test_a_window_that_finds_the_queue_full_is_counted_as_the_spans_it_would_hav
     assert exporter.dropped == len(encode_window(*window)) == 3
     exporter.close()  # the queued one fails to send: counted too
     assert (exporter.sent, exporter.dropped) == (0, 6)
+
+
+def test_the_backend_s_sampler_joins_a_sampled_traceparent_respects_an_unsampled_one_and_samples_the_rest() -> None:
+    sampler = Sampler(rate=3)
+    # A sampled header (as Triton forwards it: a request parameter, any case): the client's trace, a new span of
+    # ours under the client's span.
+    joined = sampler.parent(json.dumps({"TraceParent": f"00-{TRACE}-{SPAN}-01", "x-request-id": "a"}))
+    assert joined.trace_id == TRACE and joined.remote_parent == SPAN and joined.span_id not in (SPAN, "0" * 16)
+    assert len(joined.span_id) == 16
+    assert sampler.parent({"traceparent": f"00-{TRACE}-{SPAN}-00"}) is None  # the client decided: not sampled
+    # Without one (or with one that is not a traceparent): one request in three, each a trace of its own.
+    picked = [sampler.parent(p) for p in ([None, "", "{}", '{"traceparent": "garbage"}'] * 3)]
+    roots = [p for p in picked if p is not None]
+    assert [p is not None for p in picked[:6]] == [True, False, False, True, False, False]
+    assert len(roots) == 4 and len({p.trace_id for p in roots}) == 4
+    assert all(p.remote_parent == "" and len(p.trace_id) == 32 for p in roots)
+    assert Sampler.from_env({"MODEL_FACTORY_TRACE_SOURCE": "triton"}) is None
+    assert Sampler.from_env({"MODEL_FACTORY_TRACE_RATE": "100"}).rate == 100
+
+
+def test_a_request_span_the_backend_opened_holds_its_work_under_the_client_s_span() -> None:
+    joined = TraceParent(TRACE, "3" * 16, SPAN)  # under the client's span
+    started = TraceParent("4" * 32, "5" * 16, "")  # a trace the backend started
+    own = {0: [("validate", 100, 120, {}), ("respond", 400, 420, {})], 1: [("validate", 90, 110, {})]}
+    shared = [("engine_run", 150, 380, (0, 1), {"sequences": 2})]
+    spans = window_spans([joined, started], ["r0", "r1"], own, shared)
+    requests = {s["traceId"]: s for s in spans if s["name"] == "request"}
+    assert requests[TRACE]["spanId"] == "3" * 16 and requests[TRACE]["parentSpanId"] == SPAN
+    assert (requests[TRACE]["startTimeUnixNano"], requests[TRACE]["endTimeUnixNano"]) == ("100", "420")
+    assert requests[TRACE]["kind"] == 2  # a server span
+    assert "parentSpanId" not in requests["4" * 32]  # the root of its trace
+    assert (requests["4" * 32]["startTimeUnixNano"], requests["4" * 32]["endTimeUnixNano"]) == ("90", "380")
+    work = [s for s in spans if s["name"] != "request"]
+    assert all(s["parentSpanId"] == ("3" * 16 if s["traceId"] == TRACE else "5" * 16) for s in work)
+    # The export thread's text form is the same document.
+    text = [json.loads(t) for t in encode_window([joined, started], ["r0", "r1"], own, shared)]
+    strip = lambda ss: sorted((s["name"], s["traceId"], s.get("parentSpanId"), s["startTimeUnixNano"])  # noqa: E731
+                              for s in ss)
+    assert strip(text) == strip(spans)
+    assert [s["spanId"] for s in text if s["name"] == "request"] == ["3" * 16, "5" * 16]

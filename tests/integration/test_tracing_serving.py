@@ -1,5 +1,7 @@
-"""OpenTelemetry on the real server: Triton's request spans and the backend's under them reach an OTLP/HTTP
-receiver started here on 127.0.0.1; the span tree of a real request is asserted, and no span holds its text."""
+"""OpenTelemetry on the real server: the request's span and the backend's under it reach an OTLP/HTTP receiver
+started here on 127.0.0.1, with the backend as the trace source (the default: it joins the client's traceparent
+header) and with Triton's tracer as the source; the span tree of real requests is asserted, and no span holds
+their text."""
 
 from __future__ import annotations
 
@@ -61,28 +63,94 @@ class Receiver:
         self.httpd.server_close()
 
 
-@pytest.fixture(scope="module")
-def traced(minilm_repository):
+def _traced_server(repository, source: str):
     from model_factory.serving.server import ServerOptions, TritonServer
 
     receiver = Receiver()
-    srv = TritonServer(minilm_repository, options=ServerOptions(0, 0, 0, trace_endpoint=receiver.endpoint,
-                                                                trace_rate=1))
+    srv = TritonServer(repository, options=ServerOptions(0, 0, 0, trace_endpoint=receiver.endpoint, trace_rate=1,
+                                                         trace_source=source))
     srv.start()
+    return srv, receiver
+
+
+@pytest.fixture(scope="module")
+def traced(minilm_repository):
+    srv, receiver = _traced_server(minilm_repository, "backend")
     yield srv, receiver
     srv.stop()
     receiver.close()
 
 
-def _infer(server, body: dict) -> dict:
+@pytest.fixture(scope="module")
+def traced_by_triton(minilm_repository):
+    srv, receiver = _traced_server(minilm_repository, "triton")
+    yield srv, receiver
+    srv.stop()
+    receiver.close()
+
+
+def _infer(server, body: dict, headers: dict | None = None) -> dict:
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/minilm/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
 
 
-def test_a_request_has_triton_spans_and_the_backend_spans_under_its_model_span(traced) -> None:
+WORK = {"validate", "tokenize", "group", "engine_run", "respond"}
+
+
+def _spans_of(receiver, request_id: str, names: set[str], timeout_s: float = 20.0) -> tuple[list[dict], list[dict]]:
+    """(all spans received, the backend's spans of ``request_id``) once ``names`` are among the latter."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = receiver.spans()
+        mine = [s for s in spans if s["attrs"].get("model_factory.request_id") == request_id]
+        if names <= {s["name"] for s in mine} or time.monotonic() > deadline:
+            return spans, mine
+        time.sleep(0.5)
+
+
+def test_the_backend_joins_the_client_s_trace_over_http_and_grpc_and_starts_one_for_a_request_without(
+        traced) -> None:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
     server, receiver = traced
+    client_trace, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    body = {"id": "joined-http", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": TEXTS}],
+            "outputs": [{"name": "embedding"}]}
+    assert _infer(server, body, {"traceparent": f"00-{client_trace}-{client_span}-01"})["id"] == "joined-http"
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        text = grpcclient.InferInput("text", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[TEXTS[0].encode()]], dtype=object))
+        client.infer("minilm", [text], request_id="joined-grpc",
+                     headers={"traceparent": f"00-{client_trace}-{'c' * 16}-01"})
+        client.infer("minilm", [text], request_id="not-sampled",
+                     headers={"traceparent": f"00-{client_trace}-{'d' * 16}-00"})
+    _infer(server, {**body, "id": "started-here"})
+    for rid, parent in (("joined-http", client_span), ("joined-grpc", "c" * 16), ("started-here", None)):
+        spans, mine = _spans_of(receiver, rid, WORK | {"request"} if rid != "joined-grpc" else {"request", "respond"})
+        (request,) = [s for s in mine if s["name"] == "request"]
+        assert request["service"] == "model-factory-backend" and request["kind"] == 2
+        if parent:  # under the client's span, in the client's trace
+            assert request["traceId"] == client_trace and request["parentSpanId"] == parent, request
+        else:  # the root of a trace of its own
+            assert not request.get("parentSpanId") and request["traceId"] != client_trace
+        for s in mine:
+            if s is not request:
+                assert s["traceId"] == request["traceId"] and s["parentSpanId"] == request["spanId"], s
+                assert int(request["startTimeUnixNano"]) <= int(s["startTimeUnixNano"])
+                assert int(s["endTimeUnixNano"]) <= int(request["endTimeUnixNano"])
+    spans = receiver.spans()
+    assert not [s for s in spans if s["attrs"].get("model_factory.request_id") == "not-sampled"]
+    assert not [s for s in spans if s["service"] != "model-factory-backend"]  # Triton's tracer is off
+    everything = b"".join(receiver.bodies).decode()
+    for text in TEXTS:
+        assert text not in everything and "lighthouse" not in everything
+
+
+def test_a_request_has_triton_spans_and_the_backend_spans_under_its_model_span(traced_by_triton) -> None:
+    server, receiver = traced_by_triton
     body = {"id": "trace-me-1", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": TEXTS}],
             "outputs": [{"name": "embedding"}]}
     assert _infer(server, body)["id"] == "trace-me-1"
