@@ -8,8 +8,9 @@ batching (two instances, preferred batches 16/32/64), each on its own real Trito
 
 (count)  the default: ``max_queue_size = "auto"``, the bound sized from the measured cost to ``queue_budget_ms``
          (300 ms) of work. Past it Triton answers 503 / UNAVAILABLE at once.
-(age)    ``max_queue_size`` a large safety bound (8 x the count bound) and ``queue_timeout_us`` = the same
-         budget: a request is shed when it has waited the budget, not when it arrives behind a full queue.
+(age)    the recipe's ``shed_by = "age"``: Triton's queue timeout = the same budget, the bound 8 x the count
+         bound (a safety net): a request is shed when it has waited the budget, not when it arrives behind a full
+         queue.
 
 The knee: closed-loop goodput (answered requests/s) at 8, 16 and 32 in flight, where nothing is shed; the best of
 them is the knee's goodput. The storm: 64 and 256 clients that resend the moment they get a 503 (no back-off, as
@@ -42,7 +43,6 @@ sys.path.insert(0, str(HERE))  # results_file.py is beside this script
 from results_file import publish, say  # noqa: E402
 
 START, END = "<!-- retrystorm:start -->", "<!-- retrystorm:end -->"
-AGE_BOUND_FACTOR = 8
 
 
 def build(work: Path) -> dict[str, Any]:
@@ -51,10 +51,10 @@ def build(work: Path) -> dict[str, Any]:
 
     from benchmarks.harness.minilm import export_minilm, package_variant
     from benchmarks.harness.onnx_cost import measure_onnx_cost_model
-    from model_factory.build.repository import fallback_queue_size
-    from model_factory.serving.queue_bound import queue_size
+    from model_factory.build.repository import config_to_pbtxt, fallback_queue_size, read_config
+    from model_factory.serving.queue_bound import derived_config, queue_size
 
-    recipe, exported = export_minilm(work)
+    recipe, exported = export_minilm(work, {"batching.shed_by": "age"})
     cost = measure_onnx_cost_model(exported.onnx_path, recipe)
     shapes, batching = recipe.shapes, recipe.batching
     size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or
@@ -63,11 +63,15 @@ def build(work: Path) -> dict[str, Any]:
             if cost else None) or fallback_queue_size(recipe)
     params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
     count = dataclasses.replace(recipe, batching=dataclasses.replace(batching, max_queue_size=size))
-    age = dataclasses.replace(recipe, batching=dataclasses.replace(
-        batching, max_queue_size=AGE_BOUND_FACTOR * size, queue_timeout_us=batching.queue_budget_ms * 1000))
     repos = {"count": package_variant(count, exported, work / "count", parameters=params),
-             "age": package_variant(age, exported, work / "age", parameters=params)}
-    return {"repos": repos, "exported": exported, "recipe": recipe, "size": size, "cost": cost}
+             "age": package_variant(recipe, exported, work / "age", parameters=params)}
+    # (age): the recipe's shed_by = "age", its queue as `serve` derives it on this machine from the same cost.
+    config = work / "age" / "minilm" / "config.pbtxt"
+    derived = derived_config(read_config(config.parent), cost) if cost else None
+    if derived is not None:
+        config.write_text(config_to_pbtxt(derived))
+    policies = {k: read_config(v / "minilm").dynamic_batching.default_queue_policy for k, v in repos.items()}
+    return {"repos": repos, "exported": exported, "recipe": recipe, "size": size, "cost": cost, "policies": policies}
 
 
 def _goodput(r: soak.SoakReport) -> float:
@@ -94,8 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[tuple[str, int], list[soak.SoakReport]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-retry-storm-") as tmp:
         b = build(Path(tmp))
-        say(f"count bound {b['size']}, age: bound {AGE_BOUND_FACTOR * b['size']} and "
-            f"{b['recipe'].batching.queue_budget_ms} ms in the queue")
+        age = b["policies"]["age"]
+        say(f"count bound {b['size']}, age: bound {age.max_queue_size} and "
+            f"{age.default_timeout_microseconds / 1000:g} ms in the queue")
         tok = bench.load_tokenizer(b["exported"].tokenizer_dir, 128)
         stream = bench.make_payloads(bench.draw_texts(bench.load_texts(HERE / "texts.txt"), 600, seed=0), tok)
         servers = {}
@@ -142,9 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for level in storm_levels:
         for label in ("count", "age"):
             ratio = med(label, level, _goodput) / knee
-            verdicts.append(f"({label}) at {level}: {ratio:.2f}x the knee, p99 {med(label, level, lambda r: r.p99_ms):.0f} ms"
+            p99 = med(label, level, lambda r: r.p99_ms)
+            verdicts.append(f"({label}) at {level}: {ratio:.2f}x the knee, p99 {p99:.0f} ms"
                             f" ({'meets' if ratio >= 0.9 else 'misses'} >= 0.9x)")
     budget = b["recipe"].batching.queue_budget_ms
+    age = b["policies"]["age"]
     section = "\n".join([
         START, "## Goodput under a retry storm (benchmarks/bench_retry_storm.py)", "",
         run_header("benchmarks/bench_retry_storm.py", load.finish(), own_processes=3) + " MiniLM FP32, the example's "
@@ -153,8 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"- (count): `max_queue_size = \"auto\"`, here {b['size']} requests (the FP32 cost measured in this run, "
         f"{budget} ms of work): past it Triton answers 503 at once.",
-        f"- (age): `max_queue_size = {AGE_BOUND_FACTOR * b['size']}` (a safety bound) and `queue_timeout_us = "
-        f"{budget * 1000}`: a request is shed once it has waited {budget} ms.",
+        f"- (age): the recipe's `shed_by = \"age\"` (with `max_queue_size = \"auto\"`), as `serve` derives it here: "
+        f"Triton's `max_queue_size = {age.max_queue_size}` (a safety bound) and `default_timeout_microseconds = "
+        f"{age.default_timeout_microseconds}`: a request is shed once it has waited {budget} ms.",
         f"- The knee: the best goodput at {', '.join(map(str, knee_levels))} in flight, {knee:.1f} answered/s "
         f"(({knee_at[0]}) at {knee_at[1]}).", "",
         *rows, "",

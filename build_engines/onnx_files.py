@@ -253,8 +253,8 @@ def normalize(path: Path) -> Path:
 def _write_sparse(sink: Any, data: bytes) -> None:
     """Write ``data`` at the sink's position, leaving each all-zero block of it a hole (a seek past it).
 
-    A weight file's zero runs (pruned rows, unused embedding rows, padding) then take no disk, in the
-    source's data file as in every file written from it; readers see the same bytes.
+    A weight file's zero runs (pruned rows, unused embedding rows, padding) then take no disk in the files
+    this module writes (the FP16, INT8 and 7-bit copies of a large model too); readers see the same bytes.
     """
     import numpy as np
 

@@ -110,3 +110,29 @@ def test_a_model_that_degrades_gets_a_larger_bound(minilm_recipe, tmp_path: Path
                                (0.001, 1e-5, 0.0))
     bound = int(plain["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
     assert int(degrading["dynamic_batching"]["default_queue_policy"]["max_queue_size"]) == DEGRADE_QUEUE_FACTOR * bound
+
+
+def test_a_queue_that_sheds_by_age_waits_the_budget_behind_a_larger_bound(minilm_recipe, tmp_path: Path) -> None:
+    """shed_by = "age": Triton's queue timeout is the budget (signed), and the bound serve derives is
+    SHED_AGE_BOUND_FACTOR times the one that sheds by count (a cap on memory, not the shedding rule)."""
+    from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    age = replace(minilm_recipe, batching=replace(minilm_recipe.batching, shed_by="age"))
+    plain = derived_config(read_config(_package(minilm_recipe, tmp_path / "a")), (0.001, 1e-5, 0.0))
+    by_age = read_config(_package(age, tmp_path / "b"))
+    signed = by_age.dynamic_batching.default_queue_policy
+    assert signed.default_timeout_microseconds == minilm_recipe.batching.queue_budget_ms * 1000
+    assert signed.max_queue_size == SHED_AGE_BOUND_FACTOR * FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+    assert not read_config(tmp_path / "a" / "repo" / "minilm").dynamic_batching.default_queue_policy \
+        .default_timeout_microseconds  # shedding by count: no timeout
+    derived = derived_config(by_age, (0.001, 1e-5, 0.0))["dynamic_batching"]["default_queue_policy"]
+    bound = int(plain["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
+    assert int(derived["max_queue_size"]) == SHED_AGE_BOUND_FACTOR * bound
+    assert int(derived["default_timeout_microseconds"]) == minilm_recipe.batching.queue_budget_ms * 1000
+    # One instance: no bound, so no shedding of either kind (Triton's batcher and a queue policy, above).
+    one = replace(age, repository=replace(age.repository, instance_count=1))
+    (tmp_path / "c").mkdir()
+    policy = read_config(_package(one, tmp_path / "c")).dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (0, 0)

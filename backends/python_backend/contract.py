@@ -28,6 +28,9 @@ ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")
 QUEUE_BOUNDS = ("fixed", "auto")
+# How an "auto" queue sheds: "count" (a request arriving behind the bound: 503 at once) or "age" (a request that
+# has waited queue_budget_ms: 503 then; the bound a safety net SHED_AGE_BOUND_FACTOR times larger).
+QUEUE_SHEDDING = ("count", "age")
 # integer: ONNX Runtime's integer kernels (8-bit weights where the CPU has integer dot products, the 7-bit
 # form elsewhere); integer-7bit: the 7-bit form on any CPU; simulated: Q/DQ as float arithmetic (cpu_features).
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
@@ -50,6 +53,9 @@ BACKEND_OUTPUTS = (TRUNCATED_TOKENS_OUTPUT, PRECISION_OUTPUT)
 # With ``degrade_to`` Triton's queue bound is this many times the bound that sheds without degrading, so the
 # backend sees the requests it can still answer on the cheaper engine (serving/queue_bound.py, packaging).
 DEGRADE_QUEUE_FACTOR = 2
+# With shed_by = "age" Triton's queue bound is this many times the "count" bound: requests are shed by their wait
+# (queue_budget_ms), the bound only caps the memory a flood of clients can hold queued.
+SHED_AGE_BOUND_FACTOR = 8
 
 
 # --------------------------------------------------------------------------- files of a version folder
@@ -242,6 +248,9 @@ class ModelParameters:
     # machine that serves, as queue_budget_ms of work by the cost model measured there (serving/queue_bound.py).
     queue_bound: str = _param("choice", "fixed", choices=QUEUE_BOUNDS)
     queue_budget_ms: int = _param("int", 0, minimum=0)
+    # How that bound sheds (QUEUE_SHEDDING): "age" multiplies the derived bound by SHED_AGE_BOUND_FACTOR; the
+    # queue timeout (queue_budget_ms) is in config.pbtxt's queue policy.
+    queue_shed_by: str = _param("choice", "count", choices=QUEUE_SHEDDING)
     # The allowed [low, high] of each index-like input, as JSON {"name": [low, high]} (input_bounds.py parses it:
     # it needs numpy, which this file may not import); None: no bounds beyond input_ids < vocab_size.
     input_bounds: str | None = _param("str?", None)

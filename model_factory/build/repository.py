@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
-from model_factory.backend.contract import (DEGRADE_QUEUE_FACTOR, PRECISION_OUTPUT, TEXT_INPUT_NAMES,
-                                            TRUNCATED_TOKENS_OUTPUT, DegradeRefused, Files, GenerationSpec,
+from model_factory.backend.contract import (DEGRADE_QUEUE_FACTOR, PRECISION_OUTPUT, SHED_AGE_BOUND_FACTOR,
+                                            TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, DegradeRefused, Files, GenerationSpec,
                                             ModelParameters, ParameterError, file_precision, format_bounds,
                                             format_parameters,
                                             onnx_file, parameter_names, parse_parameters, plan_file, read_gate)
@@ -152,6 +152,11 @@ def queue_policy_note(recipe: Recipe) -> str | None:
             "Fix: set [repository] instance_count = 2 or more, or leave max_queue_size = 0")
 
 
+def sheds_by_age(recipe: Recipe) -> bool:
+    """Whether the recipe's "auto" queue sheds requests by their wait (``shed_by = "age"``) on a bounded queue."""
+    return recipe.batching.shed_by == "age" and bounds_queue_by_default(recipe)
+
+
 def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
     """``dynamic_batching`` fields of the queue policy (and priorities, when the recipe declares them)."""
     b = recipe.batching
@@ -159,6 +164,9 @@ def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
                               "timeout_action": "REJECT" if b.timeout_action == "reject" else "DELAY"}
     if b.queue_timeout_us:
         policy["default_timeout_microseconds"] = b.queue_timeout_us
+    elif sheds_by_age(recipe):  # a request that has waited the budget is answered 503 (UNAVAILABLE) then
+        policy["default_timeout_microseconds"] = b.queue_budget_ms * 1000
+        policy["timeout_action"] = "REJECT"
     out: dict[str, Any] = {"default_queue_policy": policy}
     if b.priority_levels:
         out["priority_levels"] = b.priority_levels
@@ -180,6 +188,8 @@ def config_dict(recipe: Recipe, parameters: Mapping[str, str], labels: Sequence[
         size = fallback_queue_size(recipe) if bounds_queue_by_default(recipe) else 0
         if recipe.repository.degrade_to:  # the backend must see what it can still answer on the cheaper engine
             size *= DEGRADE_QUEUE_FACTOR
+        if sheds_by_age(recipe):  # shed by the wait (the queue timeout); the bound only caps memory
+            size *= SHED_AGE_BOUND_FACTOR
     outputs = []
     for spec in recipe.outputs:
         d = _tensor_dict(spec, False, False)
@@ -416,6 +426,7 @@ def model_parameters(recipe: Recipe, onnx_name: str, plan_name: str | None) -> M
         # "auto" on two or more instances: serve derives the bound where the model is served.
         queue_bound="auto" if bounds_queue_by_default(recipe) else "fixed",
         queue_budget_ms=b.queue_budget_ms if bounds_queue_by_default(recipe) else 0,
+        queue_shed_by="age" if sheds_by_age(recipe) else "count",
         # Texts over max_sequence_length (docs/inputs.md); only an embedding model pools chunks.
         long_inputs=shapes.long_inputs, chunk_overlap=shapes.chunk_overlap,
         chunk_pooling=("mean_normalized" if recipe.normalize else "mean") if recipe.task == "embedding" else "none",

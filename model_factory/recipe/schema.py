@@ -32,6 +32,7 @@ POOLINGS = ("mean", "cls")
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 TIMEOUT_ACTIONS = ("reject", "delay")
+SHEDDING = ("count", "age")
 LONG_INPUTS = ("refuse", "truncate", "chunk")  # the backend's long_inputs parameter (docs/inputs.md)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -280,6 +281,12 @@ class BatchingTable(_Table):
         "on a model with two or more instances (unbounded on one instance); 0: unbounded; N: N requests. Past it "
         "Triton answers 503 / UNAVAILABLE at once.")
     queue_budget_ms: Positive = Field(300, description='The work, in ms, the "auto" queue bound holds.')
+    shed_by: _choice(SHEDDING) = Field("count", description='How an "auto" queue bound sheds: count: a request '
+                                       "that arrives behind the bound is answered 503 at once; age: a request is "
+                                       "answered 503 once it has waited queue_budget_ms in the queue (Triton's "
+                                       "queue timeout), the bound kept 8x larger only to cap memory. age keeps "
+                                       "goodput when clients resend at once after a 503 (benchmarks/RESULTS.md, "
+                                       '"Goodput under a retry storm").')
     queue_timeout_us: Annotated[Whole, Fix("give microseconds as a whole number (0: no timeout)")] = Field(
         0, description="How long a request may wait in the queue, µs (0: as long as it takes).")
     timeout_action: _choice(TIMEOUT_ACTIONS) = Field("reject", description="What happens to a request past "

@@ -72,6 +72,10 @@ def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] 
         from model_factory.backend.contract import DEGRADE_QUEUE_FACTOR
 
         size *= DEGRADE_QUEUE_FACTOR
+    if params.queue_shed_by == "age":  # shed by the wait (the signed queue timeout); the bound only caps memory
+        from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
+
+        size *= SHED_AGE_BOUND_FACTOR
     data = json_format.MessageToDict(config, preserving_proto_field_name=True)
     data.setdefault("dynamic_batching", {}).setdefault("default_queue_policy", {})["max_queue_size"] = size
     return data

@@ -96,7 +96,7 @@ def test_an_unknown_key_is_refused_naming_it(folder: Path, case) -> None:
 # The fields the checks across keys (and of files) name: the only refusals a schema-valid recipe may get.
 ACROSS_KEYS = {"precisions", "shapes.sequence_buckets", "batching.preferred_batch_sizes", "batching.max_group_tokens",
                "batching.default_priority", "quantization.calibration_data", "quantization.heldout_data",
-               "export.torchscript", "repository.engine", "repository.serve", "repository.degrade_to",
+               "export.torchscript", "repository.engine", "repository.serve", "repository.degrade_to", "batching.shed_by",
                "classification.probabilities",
                "shapes.long_inputs", "shapes.chunk_overlap",
                # text-generation: only for a Hugging Face causal-LM folder; its keys refused on other tasks
