@@ -42,6 +42,9 @@ class TritonPythonModel:
     shadow = None  # the rollout's shadow mirror (shadow.py), set at load
 
     def initialize(self, args: dict) -> None:
+        from .orphan_watch import watch_parent
+
+        watch_parent()  # this stub exits when its server has died (Triton 2.51 leaves it running)
         self.settings = s = parse_settings(args["model_config"])
         if s.task == TEXT_GENERATION:
             from .generate_model import GenerativeModel
