@@ -29,7 +29,7 @@ from .degrade import precision_column
 from .events import EventLog, request_id
 from .tracing import Sampler, SpanExporter, parse_context
 from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
-from .requests import RequestError, check_items, items_from_tensors, texts_from_text_inputs
+from .requests import RequestError, check_items, items_from_tensors, request_parameters, texts_from_text_inputs
 from .memory_guard import guard_for
 from .samples import sample_feeds
 from .settings import parse_settings
@@ -310,7 +310,7 @@ class TritonPythonModel:
         the client's traceparent header, else one request in the rate), or Triton's model span (Triton's tracer
         as the source); else None."""
         if self.trace_sampler is not None:
-            return self.trace_sampler.parent(request.parameters())
+            return self.trace_sampler.parent(request_parameters(request.parameters()))
         trace = request.trace()
         return parse_context(trace.get_context()) if trace is not None else None
 

@@ -112,18 +112,9 @@ class Sampler:
         except ValueError:
             return cls(1)
 
-    def parent(self, parameters: Any) -> TraceParent | None:
-        header = None
-        if isinstance(parameters, str):
-            if TRACEPARENT in parameters.lower():  # most requests carry none: no JSON parse for them
-                try:
-                    parameters = json.loads(parameters)
-                except ValueError:
-                    parameters = {}
-            else:
-                parameters = {}
-        if isinstance(parameters, Mapping):
-            header = next((v for k, v in parameters.items() if str(k).lower() == TRACEPARENT), None)
+    def parent(self, parameters: Mapping[str, Any]) -> TraceParent | None:
+        """The span a request's spans go under, from its parameters (``requests.request_parameters``), or None."""
+        header = next((v for k, v in parameters.items() if str(k).lower() == TRACEPARENT), None)
         parsed = _split_traceparent(header) if header is not None else None
         if parsed is not None:
             trace_id, client_span, sampled = parsed
