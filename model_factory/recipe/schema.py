@@ -284,8 +284,9 @@ class BatchingTable(_Table):
     shed_by: _choice(SHEDDING) = Field("count", description='How an "auto" queue bound sheds: count: a request '
                                        "that arrives behind the bound is answered 503 at once; age: a request is "
                                        "answered 503 once it has waited queue_budget_ms in the queue (Triton's "
-                                       "queue timeout), the bound kept 8x larger only to cap memory. age keeps "
-                                       "goodput when clients resend at once after a 503 (benchmarks/RESULTS.md, "
+                                       "queue timeout), the bound kept 8x larger only to cap memory (both on two "
+                                       'or more instances, where "auto" bounds the queue). age keeps goodput when '
+                                       "clients resend at once after a 503 (benchmarks/RESULTS.md, "
                                        '"Goodput under a retry storm").')
     queue_timeout_us: Annotated[Whole, Fix("give microseconds as a whole number (0: no timeout)")] = Field(
         0, description="How long a request may wait in the queue, µs (0: as long as it takes).")
