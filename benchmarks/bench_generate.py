@@ -164,7 +164,8 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
     asyncio.run(_drive(url, model, _prompts(1, VOCAB, 99), style, extra))  # warm-up
     for r in range(rounds):
         for c in levels:
-            got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c), style, extra))
+            # new prompts every round: a repeated prompt would hit vLLM's prefix cache
+            got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c + 1000 * r), style, extra))
             bad = [s for s in got["streams"] if s["completion_tokens"] != OUTPUT
                    or (s["prompt_tokens"] is not None and s["prompt_tokens"] != PROMPT)]
             if bad:
@@ -294,7 +295,8 @@ def bench_llamacpp(python: str, gguf: Path, levels: list[int], work: Path, round
     with _server("llamacpp", cmd, {}, port, work / "llamacpp.log", timeout_s) as (url, ready):
         info["start_s"] = ready
         # Untimed check of the counts its stream does not give: one request without streaming, on a timed prompt
-        body = {"model": "llm", "prompt": _text(_prompts(1, VOCAB, 1)[0]), "max_tokens": OUTPUT,
+        # a prompt no timed cell uses: llama-cpp-python reuses the last sequence's evaluated tokens
+        body = {"model": "llm", "prompt": _text(_prompts(1, VOCAB, 97)[0]), "max_tokens": OUTPUT,
                 "temperature": 0, "repeat_penalty": 1.0, **extra}
         req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -321,7 +323,7 @@ def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> d
                                           batch_size=c)
                 gen = og.Generator(model, params)
                 start = time.perf_counter()
-                gen.append_tokens(np.asarray(_prompts(c, VOCAB, c), dtype=np.int32))
+                gen.append_tokens(np.asarray(_prompts(c, VOCAB, c + 1000 * r), dtype=np.int32))
                 first = None
                 steps = 0
                 while not gen.is_done():
@@ -524,7 +526,8 @@ def main() -> None:
         f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
         f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; "
         f"{PROMPT}-token prompts (the same token ids for every runtime), exactly {OUTPUT} output tokens, greedy; "
-        f"{rounds}, after one warm-up request. Output tokens/s = all streams' tokens / wall time. One server at "
+        f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
+        "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
         "a time on the 2 cores, in the table's order of running: ours, ORT GenAI, vLLM, llama.cpp. The HTTP "
         "servers are all driven by the same asyncio client on the same machine (streamed `/v1/completions`, one "
         "request per stream), not by aiperf; ORT GenAI runs in-process with no HTTP. Ours: onnxruntime-genai's "
