@@ -36,7 +36,7 @@ def watch_parent(interval_s: float = 1.0) -> bool:
     sh = shutil.which("sh") or "/bin/sh"
     if not os.path.isfile(f"/proc/{os.getpid()}/stat") or not os.access(sh, os.X_OK):
         return False
-    script = _WATCH.format(stub=os.getpid(), server=os.getppid(), interval=max(0.05, float(interval_s)))
+    script = _WATCH.format(stub=os.getpid(), server=os.getppid(), interval=f"{max(0.05, float(interval_s)):g}")
     try:
         # The outer shell starts the loop in the background and exits: the loop is re-parented, reaped by init.
         subprocess.run([sh, "-c", f"( {script} ) </dev/null >/dev/null 2>&1 &"], check=True, timeout=10,
