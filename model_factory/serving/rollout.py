@@ -44,6 +44,7 @@ from model_factory.errors import FactoryError
 # States a rollout goes through; the last four are final.
 STATES = ("verifying", "accepting", "loading", "shadowing", "switching", "switched", "rolled_back", "failed", "undone")
 FINAL = ("switched", "rolled_back", "failed", "undone")
+CLEANUP_WAIT_S = 60.0  # how long a new rollout (or undo) waits for the last one's cleanup (a candidate's unload)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class RolloutControl:
     def start(self, req: RolloutRequest) -> RolloutStatus:
         """Check ``req`` (refusals raise), then run the rollout in a thread; returns its first status."""
         with self._lock:
+            self._await_cleanup()
             if self._running is not None and self._running.is_alive():
                 busy = next((s for s in self.statuses.values() if s.state not in FINAL), None)
                 raise FactoryError(f"refused: a rollout is in progress ({busy.model if busy else '?'} "
@@ -253,6 +255,14 @@ class RolloutControl:
                                              daemon=True)
             self._running.start()
         return status
+
+    def _await_cleanup(self, timeout_s: float = CLEANUP_WAIT_S) -> None:
+        """Wait for a rollout whose outcome is already final (its status says so) to finish its cleanup: the
+        candidate's unload and its files. Its thread outlives that status by the unload; a rollout started then
+        is not refused for it."""
+        if (self._running is not None and self._running.is_alive()
+                and all(s.state in FINAL for s in self.statuses.values())):
+            self._running.join(timeout=timeout_s)
 
     def _set(self, status: RolloutStatus, state: str, reason: str = "") -> None:
         status.state = state
@@ -410,6 +420,7 @@ class RolloutControl:
     def undo(self, model: str) -> RolloutStatus:
         """Switch ``model`` back to the version it served before its last rollout, within the grace period."""
         with self._lock:
+            self._await_cleanup()
             if self._running is not None and self._running.is_alive():
                 raise FactoryError("refused: a rollout is in progress. Fix: wait for it (rollout --status)")
             done = self.switched.get(model)

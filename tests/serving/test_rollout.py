@@ -46,3 +46,27 @@ def test_tallies_of_the_same_rollout_are_summed_over_instances(tmp_path) -> None
     t = summed_tallies(tmp_path, "m", "r1")
     assert t["mirrored"] == 5 and t["skipped"] == 2 and abs(t["score_sum"] - 4.4) < 1e-9 and t["min_score"] == 0.5
     assert [w["input_hash"] for w in t["worst"]] == ["a", "c", "b"]
+
+
+def test_a_rollout_whose_outcome_is_final_is_waited_for_not_refused_while_it_cleans_up() -> None:
+    """A rollout's status turns final (rolled_back, switched) before its thread has unloaded the candidate; the
+    next rollout or undo waits for that cleanup instead of answering "a rollout is in progress" (the fresh-clone CI
+    run caught it). One still in progress is not waited for."""
+    import threading
+    import time
+
+    from model_factory.serving.rollout import RolloutControl, RolloutStatus
+
+    control = object.__new__(RolloutControl)  # only the fields the wait reads; no server
+    status = RolloutStatus("r1", "m", 2, 1, state="rolled_back")
+    control.statuses = {"m": status}
+    control._running = threading.Thread(target=time.sleep, args=(0.5,))  # the candidate's unload
+    control._running.start()
+    control._await_cleanup(timeout_s=10)
+    assert not control._running.is_alive()
+    status.state = "shadowing"  # still deciding: the caller refuses at once, it does not wait
+    control._running = threading.Thread(target=time.sleep, args=(3,))
+    control._running.start()
+    began = time.monotonic()
+    control._await_cleanup(timeout_s=10)
+    assert control._running.is_alive() and time.monotonic() - began < 1
