@@ -53,11 +53,9 @@ EXAMPLES = HERE.parent / "model_factory" / "examples"
 def build(work: Path) -> dict[str, Any]:
     """Export, quantize (the real gate), measure the FP32 cost once, package (off) and (on)."""
     from benchmarks.harness.minilm import export_minilm, package_variant
-    from benchmarks.harness.onnx_cost import measure_onnx_cost_model
+    from benchmarks.harness.onnx_cost import measured_queue_bound
     from model_factory.backend.contract import DEGRADE_QUEUE_FACTOR
-    from model_factory.build.repository import fallback_queue_size
     from model_factory.build_engines.quantize import quantize_model
-    from model_factory.serving.queue_bound import queue_size
 
     recipe, exported = export_minilm(work, {
         "precisions": ["fp32", "int8"], "quantization.calibration_data": str(EXAMPLES / "calibration.txt"),
@@ -70,12 +68,7 @@ def build(work: Path) -> dict[str, Any]:
     if seven.is_file():
         artifacts[seven.name] = seven
     info = json.loads((int8.parent / "quantize.json").read_text()).get("int8_7bit") or {}
-    cost = measure_onnx_cost_model(exported.onnx_path, recipe)
-    shapes = recipe.shapes
-    size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or
-                                                                  (shapes.max_sequence_length,))[0],
-                       preferred=recipe.batching.preferred_batch_sizes, budget_ms=recipe.batching.queue_budget_ms)
-            if cost else None) or fallback_queue_size(recipe)
+    size, cost = measured_queue_bound(exported.onnx_path, recipe)
     params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
     repos = {
         "off": package_variant(recipe, exported, work / "off", parameters=params),

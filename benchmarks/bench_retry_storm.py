@@ -50,17 +50,13 @@ def build(work: Path) -> dict[str, Any]:
     import dataclasses
 
     from benchmarks.harness.minilm import export_minilm, package_variant
-    from benchmarks.harness.onnx_cost import measure_onnx_cost_model
-    from model_factory.build.repository import config_to_pbtxt, fallback_queue_size, read_config
-    from model_factory.serving.queue_bound import derived_config, queue_size
+    from benchmarks.harness.onnx_cost import measured_queue_bound
+    from model_factory.build.repository import config_to_pbtxt, read_config
+    from model_factory.serving.queue_bound import derived_config
 
     recipe, exported = export_minilm(work, {"batching.shed_by": "age"})
-    cost = measure_onnx_cost_model(exported.onnx_path, recipe)
-    shapes, batching = recipe.shapes, recipe.batching
-    size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or
-                                                                  (shapes.max_sequence_length,))[0],
-                       preferred=batching.preferred_batch_sizes, budget_ms=batching.queue_budget_ms)
-            if cost else None) or fallback_queue_size(recipe)
+    size, cost = measured_queue_bound(exported.onnx_path, recipe)
+    batching = recipe.batching
     params = {"cost_model": ",".join(repr(float(x)) for x in cost)} if cost else {}
     count = dataclasses.replace(recipe, batching=dataclasses.replace(batching, max_queue_size=size))
     repos = {"count": package_variant(count, exported, work / "count", parameters=params),

@@ -43,3 +43,18 @@ def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, flo
         return None
     finally:
         engine.close()
+
+
+def measured_queue_bound(onnx_path: Path, recipe: Recipe) -> tuple[int, tuple[float, float, float] | None]:
+    """``(bound, cost)``: the "auto" queue bound ``serve`` would derive here for ``recipe`` (the signed fallback
+    when the cost cannot be measured), and the measured cost model it comes from (None then)."""
+    from model_factory.build.repository import fallback_queue_size
+    from model_factory.serving.queue_bound import queue_size
+
+    cost = measure_onnx_cost_model(onnx_path, recipe)
+    shapes, batching = recipe.shapes, recipe.batching
+    size = (queue_size(cost, max_batch=shapes.max_batch, length=(shapes.sequence_buckets or
+                                                                  (shapes.max_sequence_length,))[0],
+                       preferred=batching.preferred_batch_sizes, budget_ms=batching.queue_budget_ms)
+            if cost else None) or fallback_queue_size(recipe)
+    return size, cost

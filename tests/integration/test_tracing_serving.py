@@ -64,29 +64,26 @@ class Receiver:
 
 
 def _traced_server(repository, source: str):
+    """A server tracing every request into a receiver of its own, with ``source`` opening the request's span."""
     from model_factory.serving.server import ServerOptions, TritonServer
 
     receiver = Receiver()
     srv = TritonServer(repository, options=ServerOptions(0, 0, 0, trace_endpoint=receiver.endpoint, trace_rate=1,
                                                          trace_source=source))
     srv.start()
-    return srv, receiver
+    yield srv, receiver
+    srv.stop()
+    receiver.close()
 
 
 @pytest.fixture(scope="module")
 def traced(minilm_repository):
-    srv, receiver = _traced_server(minilm_repository, "backend")
-    yield srv, receiver
-    srv.stop()
-    receiver.close()
+    yield from _traced_server(minilm_repository, "backend")
 
 
 @pytest.fixture(scope="module")
 def traced_by_triton(minilm_repository):
-    srv, receiver = _traced_server(minilm_repository, "triton")
-    yield srv, receiver
-    srv.stop()
-    receiver.close()
+    yield from _traced_server(minilm_repository, "triton")
 
 
 def _infer(server, body: dict, headers: dict | None = None) -> dict:
