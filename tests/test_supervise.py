@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from model_factory.errors import FactoryError
@@ -53,7 +54,12 @@ class Tree:
         proc = subprocess.Popen([sys.executable, "-c", _SERVER, json.dumps(list(argvs))], stdout=subprocess.PIPE,
                                 text=True, start_new_session=True)
         self.servers.append(proc)
-        return proc.pid, json.loads(proc.stdout.readline())
+        pids = json.loads(proc.stdout.readline())
+        for pid in pids:  # Popen returns once exec began; the new image's argv shows a moment later
+            deadline = time.monotonic() + 30
+            while not psutil.Process(pid).cmdline() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return proc.pid, pids
 
     def close(self) -> None:
         for proc in self.servers:

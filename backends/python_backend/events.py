@@ -7,7 +7,8 @@ the inputs themselves (003 §7.2): a text reaches no event, only ``sha256(...)[:
 
 Events are rate-limited by a token bucket (``rate`` a second, ``burst`` at once), so a flood of bad requests
 writes a bounded number of lines; what the bucket refused is counted and said in the next event written
-(``"dropped": n``) and in ``model_factory_events_dropped_total``. Where they go: the file named by
+(``"dropped": n``) and in ``model_factory_events_dropped_total``. When no other event follows a flood, an
+``events_dropped`` event says the count once the bucket has refilled (about ``1/rate`` seconds later). Where they go: the file named by
 ``$MODEL_FACTORY_EVENTS_FILE`` (``serve --events FILE``), one ``write()`` of one line each, appended, so
 several instances (processes) share the file without tearing lines; else Triton's log
 (``model-factory event: {...}``).
@@ -102,6 +103,8 @@ class EventLog:
         self.dropped = 0  # refused by the bucket since the last event written
         self.dropped_total = 0
         self._lock = threading.Lock()
+        self._flush_timer: threading.Timer | None = None  # an events_dropped event pending (see _drop)
+        self._closed = False
         self._fd: int | None = None
         if sink is not None:
             self._sink = sink
@@ -128,23 +131,59 @@ class EventLog:
     def emit(self, event: str, fields: Mapping[str, Any] | Callable[[], Mapping[str, Any]] = None) -> bool:
         """Write one event if the bucket allows; True when written. Never raises (events never fail a request)."""
         if not self.bucket.take():
-            with self._lock:
-                self.dropped += 1
-                self.dropped_total += 1
+            self._drop()
             return False
         try:
             body = fields() if callable(fields) else (fields or {})
-            with self._lock:
-                dropped, self.dropped = self.dropped, 0
-            record = {"ts": round(time.time(), 6), "event": event, **self.base, **body}
-            if dropped:
-                record["dropped"] = dropped
-            self._sink(json.dumps(record, separators=(",", ":"), default=str))
-            return True
+            return self._write_record(event, body)
         except Exception:  # noqa: BLE001 - a full disk or a closed file must not fail the request
             return False
 
+    def _write_record(self, event: str, body: Mapping[str, Any]) -> bool:
+        with self._lock:
+            dropped, self.dropped = self.dropped, 0
+        record = {"ts": round(time.time(), 6), "event": event, **self.base, **body}
+        if dropped:
+            record["dropped"] = dropped
+        self._sink(json.dumps(record, separators=(",", ":"), default=str))
+        return True
+
+    def _drop(self) -> None:
+        """Count one refused event; make sure the count is said even if no other event follows."""
+        with self._lock:
+            self.dropped += 1
+            self.dropped_total += 1
+            if self._flush_timer is None and not self._closed:
+                self._schedule_flush()
+
+    def _schedule_flush(self) -> None:  # with self._lock held
+        timer = threading.Timer(1.0 / self.bucket.rate, self._flush)
+        timer.daemon = True
+        self._flush_timer = timer
+        timer.start()
+
+    def _flush(self) -> None:
+        """The timer: write ``events_dropped`` with the pending count once the bucket has a token again."""
+        with self._lock:
+            self._flush_timer = None
+            if self._closed or not self.dropped:
+                return  # closed, or an event written meanwhile said the count
+        if not self.bucket.take():
+            with self._lock:
+                if self._flush_timer is None and not self._closed:
+                    self._schedule_flush()
+            return
+        try:
+            self._write_record("events_dropped", {})
+        except Exception:  # noqa: BLE001 - as in emit
+            pass
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            timer, self._flush_timer = self._flush_timer, None
+        if timer is not None:
+            timer.cancel()
         if self._fd is not None:
             try:
                 os.close(self._fd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -58,6 +59,31 @@ def test_events_are_json_lines_and_the_dropped_ones_are_said(tmp_path) -> None:
     assert [e["event"] for e in lines] == ["input_refused", "input_refused", "window_grouped"]
     assert lines[0]["model"] == "m" and lines[0]["instance"] == "m_0" and lines[0]["request_id"] == "r0"
     assert lines[2]["dropped"] == 8 and log.dropped_total == 8
+
+
+def test_a_flood_with_no_event_after_it_says_its_dropped_count_once_the_bucket_refills(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog("m", path=str(path), rate=20.0, burst=2.0)  # a token every 50 ms
+    for i in range(10):
+        log.emit("input_refused", {"request_id": f"r{i}"})
+    deadline = time.monotonic() + 5
+    while "events_dropped" not in path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # a second timer would have written by now
+    log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in lines] == ["input_refused", "input_refused", "events_dropped"]
+    assert lines[2]["dropped"] == 8 and log.dropped == 0 and log.dropped_total == 8
+
+
+def test_closing_the_log_cancels_a_pending_dropped_event(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog("m", path=str(path), rate=5.0, burst=1.0)
+    log.emit("a", {})
+    log.emit("b", {})  # dropped: an events_dropped event pending for 200 ms
+    log.close()
+    time.sleep(0.4)
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["a"]
 
 
 def test_an_event_that_cannot_be_written_fails_nothing() -> None:
