@@ -191,6 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               ("shadow (mirrored to the candidate)", shadow_at, switch_at), ("switch (reload set to v2)", switch_at, done),
               ("after", done, undo_at), ("undo (reload set to v1)", undo_at, undo_done), ("after undo", undo_done, end)]
     rows = [(name, _phase(res, clients.rejected, a, b), b - a) for name, a, b in phases]
+    def phase_of(t: float) -> str:
+        return next((name for name, a, b in phases if a <= t < b), "-")
+
+    for sent, answered, ok, version in sorted(res, key=lambda r: r[0] - r[1])[:8]:  # the slowest, for the record
+        say(f"slow: sent {sent - command:+.2f} s ({phase_of(sent)}), answered {answered - command:+.2f} s "
+            f"({phase_of(answered)}), {1000 * (answered - sent):.0f} ms, v{version}, ok={ok}")
+    say("states: " + ", ".join(f"{s} {t - command:+.2f} s" for s, t in states.items()) +
+        f"; done {done - command:+.2f} s; undo {undo_at - command:+.2f} .. {undo_done - command:+.2f} s")
     before_p99 = rows[0][1]["p99"]
     lines = [START, "## Rollout: v1 -> v2 under steady load, then undo", "", header, "",
              f"MiniLM FP32 (ONNX Runtime CPU, 2 instances), {args.clients} clients sending one text each back to back "

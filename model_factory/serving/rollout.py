@@ -290,6 +290,7 @@ class RolloutControl:
             passed = self._shadow(req, status)
             if not passed:
                 return
+            self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
             self._set(status, "switching")
             self._switch(req.model, req.version)
             status.seconds_to_switch = time.time() - status.started
