@@ -33,6 +33,8 @@ CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "serving.kserve.io_inferenceservice_v1beta1.json.gz",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "serving.kserve.io_servingruntime_v1alpha1.json.gz",
     ("serving.kserve.io/v1alpha1", "ClusterStorageContainer"): "serving.kserve.io_clusterstoragecontainer_v1alpha1.json.gz",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproute_v1.json.gz",
+    ("gateway.networking.k8s.io/v1", "GRPCRoute"): "gateway.networking.k8s.io_grpcroute_v1.json.gz",
 }
 
 DIGEST = "sha256:" + "ab" * 32
@@ -83,6 +85,35 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                              "factory": {"enabled": True, "recipes": ["minilm.toml"]}},
     "factory-rollback": {"factory": {"enabled": True, "recipes": ["minilm.toml", "bge-small.toml"],
                                      "action": "rollback"}},
+    # Canary upgrades (docs/fleet.md, "Canary upgrades"): one set per repository source, and the Gateway API split.
+    "canary": {"canary": {"enabled": True, "repository": {"subPath": "releases/8/NVIDIA-H100-80GB-HBM3/trt-10.13"}}},
+    "canary-image-keda": {"repository": {"source": "image", "image": {
+                              "reference": f"registry.example.internal/model-factory/repository@{DIGEST}"}},
+                          "canary": {"enabled": True, "repository": {"image": {
+                              "reference": f"registry.example.internal/model-factory/repository@sha256:{'cd' * 32}"}}},
+                          "autoscaling": {"mode": "keda"},
+                          "metrics": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}},
+                          "release": {"enabled": True, "root": '{"signed": {"_type": "root"}}',
+                                      "state": {"type": "persistentVolumeClaim", "existingClaim": "release-state"}}},
+    "canary-s3-fixed": {"repository": {"source": "s3", "s3": {"endpoint": "https://minio.models.svc:9000",
+                                                               "bucket": "models"}},
+                        "canary": {"enabled": True, "replicas": 2,
+                                   "repository": {"s3": {"prefix": "releases/8/NVIDIA-H100-80GB-HBM3/trt-10.13"}}},
+                        "autoscaling": {"mode": "none"}, "replicaCount": 4},
+    "canary-oci": {"repository": {"source": "oci", "oci": {"references": ["oci://registry.models.svc:5000/models/minilm:1"]}},
+                   "canary": {"enabled": True, "repository": {"oci": {
+                       "references": ["oci://registry.models.svc:5000/models/minilm:2"]}}}},
+    "canary-gateway": {"canary": {"enabled": True, "replicas": 3,
+                                  "repository": {"subPath": "releases/8/NVIDIA-H100-80GB-HBM3/trt-10.13"},
+                                  "traffic": {"split": "gateway", "gateway": {
+                                      "weight": 20, "hostnames": ["models.example.internal"],
+                                      "parentRefs": [{"name": "inference", "namespace": "gateways", "sectionName": "http"}],
+                                      "grpc": {"parentRefs": [{"name": "inference", "namespace": "gateways",
+                                                               "sectionName": "grpc"}]}}}},
+                       "openai": {"enabled": True, "port": 9100}},
+    "canary-gateway-http-only": {"canary": {"enabled": True, "repository": {"subPath": "releases/8/x"},
+                                            "traffic": {"split": "gateway", "gateway": {
+                                                "weight": 0, "parentRefs": [{"name": "inference"}]}}}},
 }
 
 

@@ -22,6 +22,40 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: server
 {{- end -}}
 
+{{/* The serving tracks (docs/fleet.md, "Canary upgrades"): every serving pod carries
+     model-factory.io/track (stable or canary). The pool (the Service in canary.traffic.split=replicas, the
+     NetworkPolicy, the monitors) selects both with mf.selectorLabels; each Deployment, its PDB and its
+     autoscaler select one track. The stable track's selector excludes canary pods rather than naming its
+     own track, so it also selects the pods of a ReplicaSet made before the track label existed (the
+     migration in docs/fleet.md adopts them). */}}
+{{- define "mf.trackLabel" -}}model-factory.io/track{{- end -}}
+
+{{- define "mf.stableSelector" -}}
+matchLabels:
+  {{- include "mf.selectorLabels" . | nindent 2 }}
+matchExpressions:
+  - key: {{ include "mf.trackLabel" . }}
+    operator: NotIn
+    values:
+      - canary
+{{- end -}}
+
+{{- define "mf.canarySelector" -}}
+matchLabels:
+  {{- include "mf.selectorLabels" . | nindent 2 }}
+  {{ include "mf.trackLabel" . }}: canary
+{{- end -}}
+
+{{/* The canary track's name (Deployment, Service, PDB): <fullname>-canary, within 63 characters. */}}
+{{- define "mf.canaryName" -}}
+{{- printf "%s-canary" (include "mf.fullname" . | trunc 56 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* Whether the Gateway API routes split the traffic (canary on, canary.traffic.split=gateway): "true" or "". */}}
+{{- define "mf.gatewaySplit" -}}
+{{- if and .Values.canary.enabled (eq .Values.canary.traffic.split "gateway") -}}true{{- end -}}
+{{- end -}}
+
 {{- define "mf.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/name: {{ include "mf.name" . }}
@@ -118,4 +152,30 @@ seccompProfile:
   value: "1"
 - name: PYTHONDONTWRITEBYTECODE
   value: "1"
+{{- end -}}
+
+{{/* The Service ports (the release's Service and the canary's). .h2c: the gRPC port says it speaks HTTP/2
+     cleartext (appProtocol kubernetes.io/h2c), for the gateway behind a GRPCRoute. */}}
+{{- define "mf.servicePorts" -}}
+- name: http
+  port: {{ .Values.ports.http }}
+  targetPort: http
+  protocol: TCP
+- name: grpc
+  port: {{ .Values.ports.grpc }}
+  targetPort: grpc
+  protocol: TCP
+  {{- if .h2c }}
+  appProtocol: kubernetes.io/h2c
+  {{- end }}
+- name: metrics
+  port: {{ .Values.ports.metrics }}
+  targetPort: metrics
+  protocol: TCP
+{{- if .Values.openai.enabled }}
+- name: openai
+  port: {{ .Values.openai.port }}
+  targetPort: openai
+  protocol: TCP
+{{- end }}
 {{- end -}}
