@@ -45,6 +45,9 @@ class TritonPythonModel:
         from .orphan_watch import watch_parent
 
         watch_parent()  # this stub exits when its server has died (Triton 2.51 leaves it running)
+        from .shadow import yield_cores_if_candidate
+
+        yield_cores_if_candidate(str(args.get("model_name", "")))  # a rollout's candidate: lowest CPU priority
         self.settings = s = parse_settings(args["model_config"])
         if s.task == TEXT_GENERATION:
             from .generate_model import GenerativeModel

@@ -35,6 +35,20 @@ _CHECK_EVERY_S = 0.25  # how often a stub looks for the control file
 _WRITE_EVERY_S = 0.2  # how often a busy mirror rewrites its tally
 
 
+def yield_cores_if_candidate(model_name: str) -> bool:
+    """A rollout's candidate (``<model>__candidate``) answers only mirrored copies, never a client: its stub runs
+    at the lowest CPU priority (nice 19) so that it takes the cores live traffic leaves. Called first in
+    ``initialize``: the threads the engine starts afterwards inherit it (Linux keeps a nice value per thread).
+    True when lowered."""
+    if not model_name.endswith(CANDIDATE_SUFFIX):
+        return False
+    try:
+        os.nice(19)
+    except OSError:
+        return False
+    return True
+
+
 def control_path(folder: Path, model: str) -> Path:
     """The control file that turns mirroring of ``model`` on (written by the rollout, removed to stop)."""
     return Path(folder) / f"{model}.json"

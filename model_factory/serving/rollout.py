@@ -31,6 +31,7 @@ A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -133,6 +134,15 @@ def version_config(base: dict[str, Any], version: int, name: str | None = None) 
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
     return out
+
+
+def _yield_cores() -> None:
+    """Run the calling thread (a rollout's own) at the lowest CPU priority: its verification hashes the
+    candidate's files beside live traffic. Linux sets a nice value per thread; elsewhere this does nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _config_json(model_dir: Path) -> dict[str, Any]:
@@ -274,6 +284,7 @@ class RolloutControl:
     def _run(self, req: RolloutRequest, status: RolloutStatus, digests: dict[str, str]) -> None:
         cand = candidate_name(req.model)
         loaded = False
+        _yield_cores()
         try:
             cand_dir = self._stage_candidate(req, digests)
             if req.accept:
@@ -342,7 +353,8 @@ class RolloutControl:
         from model_factory.serving.verified_start import check_on_this_machine
 
         checks = check_on_this_machine(cand_dir.parent, (cand_dir.name,), {cand_dir.name: {str(version): digests}},
-                                       accept=True, gpu_product=self.gpu_product, int8_kernels=self.int8_kernels)
+                                       accept=True, gpu_product=self.gpu_product, int8_kernels=self.int8_kernels,
+                                       yield_cores=True)
         if cand_dir.name not in checks.passed:
             raise FactoryError(checks.refused.get(cand_dir.name, "acceptance failed on this machine"))
 

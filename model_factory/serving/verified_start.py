@@ -91,8 +91,12 @@ def verify(repository: Path, policy: Path | None, allow_unsigned: bool) -> Verif
 
 def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict | None, *, accept: bool,
                           gpu_product: str | None, int8_kernels: str | None = None,
-                          cost_cache: Path | None = None) -> MachineChecks:
+                          cost_cache: Path | None = None, yield_cores: bool = False) -> MachineChecks:
     """Acceptance (with ``accept``) and the queue-bound cost model of each model, in one child process.
+
+    ``yield_cores`` (a rollout beside live traffic): the child runs acceptance at the lowest CPU priority
+    (nice 19), after measuring any cost model at the normal one (a cost measured at nice 19 under load would
+    overstate it).
 
     The engines a child loads (GPU memory, a CUDA context, torch's cache) are gone before Triton loads
     the same models. A cost model measured before for the same engine on this machine (kept in
@@ -117,7 +121,7 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
                 if accept:
                     refused[m] = "acceptance failed: the served version was not verified"
                 else:  # its load is refused by the backend, with the reason; nothing unverified is read here
-                    jobs.append((str(repository / m), None, gpu_product, False, False, int8_kernels))
+                    jobs.append((str(repository / m), None, gpu_product, False, False, int8_kernels, False))
                 continue
         measure = needs_measuring(repository / m)
         if measure:
@@ -125,7 +129,7 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
             cached = cached_cost(files[m])
             if cached is not None:
                 known[m], measure = cached, False
-        jobs.append((str(repository / m), digests, gpu_product, accept, measure, int8_kernels))
+        jobs.append((str(repository / m), digests, gpu_product, accept, measure, int8_kernels, yield_cores))
     todo = [j for j in jobs if j[3] or j[4]]
     verdicts = {}
     if todo:
@@ -147,19 +151,26 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
     return MachineChecks(tuple(passed), refused, engines, costs)
 
 
-def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None]
+def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None, bool]
                ) -> tuple[bool, str | None, str | None, Any]:
     """One model's verdict and cost model (run in the child process of :func:`check_on_this_machine`)."""
+    import os
+
     from model_factory.serving.acceptance import accept_model
     from model_factory.serving.queue_bound import measure_engine_cost
 
-    path, digests, gpu_product, accept, measure, int8_kernels = job
-    ok, where, reason = True, None, None
+    path, digests, gpu_product, accept, measure, int8_kernels, yield_cores = job
+    ok, where, reason, cost = True, None, None, None
+    if measure and yield_cores:  # measured first, at the normal priority
+        cost = measure_engine_cost(Path(path), digests, gpu_product, int8_kernels)
     if accept:
+        if yield_cores:
+            os.nice(19)  # this child only: it cannot be raised back, nor needs to be
         result = accept_model(Path(path), digests=digests, gpu_product=gpu_product, int8_kernels=int8_kernels)
         ok, where, reason = result.passed, result.where, result.reason
-    cost = measure_engine_cost(Path(path), digests, gpu_product, int8_kernels) if measure and ok else None
-    return ok, where, reason, cost
+    if measure and ok and cost is None:
+        cost = measure_engine_cost(Path(path), digests, gpu_product, int8_kernels)
+    return ok, where, reason, cost if ok else None
 
 
 def _cost_cache_env(repository: Path, cost_cache: Path | None) -> dict[str, str]:

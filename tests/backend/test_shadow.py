@@ -46,3 +46,16 @@ def test_a_tally_keeps_the_five_worst_by_input_hash_and_counts_errors(tmp_path) 
     assert tally_path(tmp_path, "m", "m_0/0").name == "m.m_0_0.tally.json"  # no path separator from a name
     assert control_path(tmp_path, "m").name == "m.json"
     json.dumps(d)
+
+
+def test_a_candidate_stub_runs_at_the_lowest_cpu_priority_and_a_served_one_does_not() -> None:
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from model_factory.backend.shadow import yield_cores_if_candidate as y; "
+            "print(y(sys.argv[1]), os.nice(0))")
+    import os
+
+    for name, want in (("minilm__candidate", "True 19"), ("minilm", f"False {os.nice(0)}")):  # as inherited
+        out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want.split(), (name, out.stdout, out.stderr)

@@ -70,3 +70,23 @@ def test_a_rollout_whose_outcome_is_final_is_waited_for_not_refused_while_it_cle
     began = time.monotonic()
     control._await_cleanup(timeout_s=10)
     assert control._running.is_alive() and time.monotonic() - began < 1
+
+
+def test_the_rollout_thread_yields_the_cores_and_leaves_the_others_as_they_were() -> None:
+    import os
+    import threading
+
+    from model_factory.serving.rollout import _yield_cores
+
+    seen = {}
+
+    def body() -> None:
+        _yield_cores()
+        seen["rollout"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen["rollout"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # this thread: unchanged
