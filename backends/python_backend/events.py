@@ -173,8 +173,13 @@ class EventLog:
                 if self._flush_timer is None and not self._closed:
                     self._schedule_flush()
             return
+        with self._lock:
+            dropped, self.dropped = self.dropped, 0
+        if not dropped:  # an event written meanwhile said the count
+            return
         try:
-            self._write_record("events_dropped", {})
+            self._sink(json.dumps({"ts": round(time.time(), 6), "event": "events_dropped", **self.base,
+                                   "dropped": dropped}, separators=(",", ":")))
         except Exception:  # noqa: BLE001 - as in emit
             pass
 
