@@ -96,7 +96,7 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
 
     ``yield_cores`` (a rollout beside live traffic): the child runs acceptance at the lowest CPU priority
     (nice 19), after measuring any cost model at the normal one (a cost measured at nice 19 under load would
-    overstate it).
+    overstate it). The child keeps that priority for any model after the first: a rollout checks one.
 
     The engines a child loads (GPU memory, a CUDA context, torch's cache) are gone before Triton loads
     the same models. A cost model measured before for the same engine on this machine (kept in
