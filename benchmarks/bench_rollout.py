@@ -191,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               ("shadow (mirrored to the candidate)", shadow_at, switch_at), ("switch (reload set to v2)", switch_at, done),
               ("after", done, undo_at), ("undo (reload set to v1)", undo_at, undo_done), ("after undo", undo_done, end)]
     rows = [(name, _phase(res, clients.rejected, a, b), b - a) for name, a, b in phases]
+
     def phase_of(t: float) -> str:
         return next((name for name, a, b in phases if a <= t < b), "-")
 

@@ -416,7 +416,7 @@ class TritonServer:
     def _repository_control(self, action: str, name: str, config: str | None = None) -> str | None:
         """Load or unload through gRPC, never HTTP: Triton 2.51's HTTP server runs a load inside the worker
         thread that received it, and every client connection served by that thread waits until the load ends
-        (measured: 8 of 32 clients held 2-4 s per load under a rollout, benchmarks/bench_rollout.py). Its gRPC
+        (measured: 8 of 32 clients held 2.4-4.7 s per load under a rollout, benchmarks/bench_rollout.py). Its gRPC
         server runs repository control on a thread of its own."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
