@@ -139,9 +139,11 @@ class EventLog:
         except Exception:  # noqa: BLE001 - a full disk or a closed file must not fail the request
             return False
 
-    def _write_record(self, event: str, body: Mapping[str, Any]) -> bool:
-        with self._lock:
-            dropped, self.dropped = self.dropped, 0
+    def _write_record(self, event: str, body: Mapping[str, Any], dropped: int | None = None) -> bool:
+        """Write one line; it says the events dropped since the last line (taken here unless given)."""
+        if dropped is None:
+            with self._lock:
+                dropped, self.dropped = self.dropped, 0
         record = {"ts": round(time.time(), 6), "event": event, **self.base, **body}
         if dropped:
             record["dropped"] = dropped
@@ -178,8 +180,7 @@ class EventLog:
         if not dropped:  # an event written meanwhile said the count
             return
         try:
-            self._sink(json.dumps({"ts": round(time.time(), 6), "event": "events_dropped", **self.base,
-                                   "dropped": dropped}, separators=(",", ":")))
+            self._write_record("events_dropped", {}, dropped)
         except Exception:  # noqa: BLE001 - as in emit
             pass
 

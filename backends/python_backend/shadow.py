@@ -40,13 +40,9 @@ def yield_cores_if_candidate(model_name: str) -> bool:
     at the lowest CPU priority (nice 19) so that it takes the cores live traffic leaves. Called first in
     ``initialize``: the threads the engine starts afterwards inherit it (Linux keeps a nice value per thread).
     True when lowered."""
-    if not model_name.endswith(CANDIDATE_SUFFIX):
-        return False
-    try:
-        os.nice(19)
-    except OSError:
-        return False
-    return True
+    from .idle_cores import yield_cores
+
+    return model_name.endswith(CANDIDATE_SUFFIX) and yield_cores()
 
 
 def control_path(folder: Path, model: str) -> Path:

@@ -31,7 +31,6 @@ A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from model_factory.backend.idle_cores import yield_cores
 from model_factory.errors import FactoryError
 
 # States a rollout goes through; the last four are final.
@@ -134,15 +134,6 @@ def version_config(base: dict[str, Any], version: int, name: str | None = None) 
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
     return out
-
-
-def _yield_cores() -> None:
-    """Run the calling thread (a rollout's own) at the lowest CPU priority: its verification hashes the
-    candidate's files beside live traffic. Linux sets a nice value per thread; elsewhere this does nothing."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _config_json(model_dir: Path) -> dict[str, Any]:
@@ -284,7 +275,7 @@ class RolloutControl:
     def _run(self, req: RolloutRequest, status: RolloutStatus, digests: dict[str, str]) -> None:
         cand = candidate_name(req.model)
         loaded = False
-        _yield_cores()
+        yield_cores()  # this thread only: staging and hashing the candidate beside live traffic
         try:
             cand_dir = self._stage_candidate(req, digests)
             if req.accept:

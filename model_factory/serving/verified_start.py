@@ -154,18 +154,17 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
 def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None, bool]
                ) -> tuple[bool, str | None, str | None, Any]:
     """One model's verdict and cost model (run in the child process of :func:`check_on_this_machine`)."""
-    import os
-
+    from model_factory.backend.idle_cores import yield_cores
     from model_factory.serving.acceptance import accept_model
     from model_factory.serving.queue_bound import measure_engine_cost
 
-    path, digests, gpu_product, accept, measure, int8_kernels, yield_cores = job
+    path, digests, gpu_product, accept, measure, int8_kernels, lower_priority = job
     ok, where, reason, cost = True, None, None, None
-    if measure and yield_cores:  # measured first, at the normal priority
+    if measure and lower_priority:  # measured first, at the normal priority
         cost = measure_engine_cost(Path(path), digests, gpu_product, int8_kernels)
     if accept:
-        if yield_cores:
-            os.nice(19)  # this child only: it cannot be raised back, nor needs to be
+        if lower_priority:
+            yield_cores()  # this child's one thread: it cannot be raised back, nor needs to be
         result = accept_model(Path(path), digests=digests, gpu_product=gpu_product, int8_kernels=int8_kernels)
         ok, where, reason = result.passed, result.where, result.reason
     if measure and ok and cost is None:
