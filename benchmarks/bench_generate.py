@@ -186,21 +186,21 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
     return out
 
 
-def bench_ours(hf: Path, onnx_dirs: dict[str, Path], levels: list[int], work: Path, rounds: int) -> dict:
+def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int) -> dict:
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
     from tests.generative_repository import layout_generative_model
 
     repo = work / "repo"
-    for precision, onnx_dir in onnx_dirs.items():
-        layout_generative_model(hf, onnx_dir, repo, f"llm_{precision}", precision=precision,
+    for precision in precisions:  # the factory's own build of the folder, serving that precision
+        layout_generative_model(hf, None, repo, f"llm_{precision}", precision=precision,
                                 memory_budget_mib=4096, max_active_sequences=max(levels))
     out = {}
     server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=600)).start()
     try:
         assert not server.load_errors, server.load_errors
         with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
-            for precision in onnx_dirs:
+            for precision in precisions:
                 out.update(_cells("ours", precision, fe.url, f"llm_{precision}", levels, rounds))
     finally:
         server.stop()
@@ -428,7 +428,9 @@ def main() -> None:
     global _TOKENIZER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32")
-    parser.add_argument("--precisions", default="fp32,int4")
+    parser.add_argument("--precisions", default="fp32,int8,int4", help="ours: the factory's builds (INT8 dynamic)")
+    parser.add_argument("--genai-precisions", default="fp32,int4",
+                        help="ORT GenAI: the builder's graphs (its INT8 is weight-only MatMulNBits, slower than FP32)")
     parser.add_argument("--peers", default="genai", help="comma list of genai, vllm, llamacpp, transformers")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every cell (medians and ranges when > 1)")
     parser.add_argument("--work", default=None, help="keeps the HF folder and graphs for the next run")
@@ -462,7 +464,8 @@ def main() -> None:
         say("making the 116M Llama (random weights)")
         make_causal_lm("llama", hf, **SHAPE)
     _TOKENIZER = Tokenizer.from_file(str(hf / "tokenizer.json"))
-    onnx_dirs = {p: build_onnx(hf, work / f"onnx-{p}", p) for p in args.precisions.split(",")}
+    genai_dirs = ({p: build_onnx(hf, work / f"onnx-{p}", p) for p in args.genai_precisions.split(",")}
+                  if "genai" in peers else {})
     gguf = None
     if "llamacpp" in peers:
         gguf = Path(args.gguf) if args.gguf else work / f"llm-{args.gguf_type}.gguf"
@@ -473,11 +476,11 @@ def main() -> None:
     say(f"{n_params / 1e6:.0f}M parameters, vocabulary {cfg['vocab_size']}")
     load = LoadReading.begin()
     loads = {}
-    results = bench_ours(hf, onnx_dirs, levels, work, args.rounds)
+    results = bench_ours(hf, args.precisions.split(","), levels, work, args.rounds)
     loads["ours"] = os.getloadavg()[0]
     info: dict = {}
     if "genai" in peers:
-        results.update(bench_genai(onnx_dirs, levels, args.rounds))
+        results.update(bench_genai(genai_dirs, levels, args.rounds))
         loads["genai"] = os.getloadavg()[0]
     if "vllm" in peers:
         got, info["vllm"] = bench_vllm(args.vllm_python, hf, levels, work, args.rounds, args.vllm_bind,
@@ -536,8 +539,9 @@ def main() -> None:
         "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
         "a time on the 2 cores, in the table's order of running: ours, ORT GenAI, vLLM, llama.cpp. The HTTP "
         "servers are all driven by the same asyncio client on the same machine (streamed `/v1/completions`, one "
-        "request per stream), not by aiperf; ORT GenAI runs in-process with no HTTP. Ours: onnxruntime-genai's "
-        "builder's FP32 and INT4 graphs behind Triton and our OpenAI frontend.", "",
+        "request per stream), not by aiperf; ORT GenAI runs in-process with no HTTP. Ours: the factory's build of the folder "
+        "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations quantized "
+        "at run time; INT4 MatMulNBits, awq) behind Triton and our OpenAI frontend.", "",
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",
         table(results, levels), "",

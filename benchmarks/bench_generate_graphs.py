@@ -2,7 +2,8 @@
 
 One run, side by side, on a 116M-parameter Llama (SmolLM-135M's shape: hidden 576, 30 layers, 9 heads, 3 kv heads,
 intermediate 1536; random weights, a 16k BPE vocabulary trained here): 128-token prompts, 64 new tokens, greedy,
-batch 1 and 8, two threads. Decode tokens/s counts the new tokens after the first (prefill is timed apart).
+batch 1 and 8, two threads, 5 rounds interleaving the engines. Decode tokens/s counts the new tokens after the first
+(prefill is timed apart).
 
 * ours: the packaged graph (onnxruntime-genai's builder output, the contract's shared-slot I/O) driven through
   ONNX Runtime I/O binding: each row prefilled into its own slot of one [batch, kv, max_context, head_dim] buffer
@@ -126,11 +127,12 @@ def main() -> None:
     from generative_models import make_causal_lm
 
     from model_factory.build_engines.causal_lm import run_builder
-    from model_factory.build_engines.lm_quantize import _builder_options, weights_bytes
+    from model_factory.build_engines.lm_quantize import _builder_options, dynamic_int8, weights_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     load = LoadReading.begin()
@@ -147,38 +149,61 @@ def main() -> None:
         out = work / f"graph-{p}"
         if not (out / "model.onnx").is_file():
             say(f"building {p}")
-            # The factory's own options (INT4: block 32, accuracy_level 4; INT8: float activations), RTN.
+            # The builder with the factory's own options (INT4: block 32, accuracy_level 4, RTN; INT8: 8-bit
+            # MatMulNBits with float activations, the factory's weight_only method and ORT GenAI's INT8).
             run_builder(src, out, p, _builder_options(p, "rtn", 32, ()) if p != "fp32" else None)
         graphs[p] = out
+    dynamic = work / "graph-int8-dynamic"
+    if not (dynamic / "model.onnx").is_file():
+        say("building int8 (dynamic)")
+        dynamic_int8(graphs["fp32"] / "model.onnx", dynamic)  # the factory's default INT8
+    ours_graphs = {"FP32": graphs["fp32"], "INT8": dynamic, "INT8 weight-only": graphs["int8"], "INT4": graphs["int4"]}
     head_dim = SHAPE["hidden"] // SHAPE["heads"]
     n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])
                    .load_file(str(src / "model.safetensors")).values())
-    rows_md = []
-    results: dict[tuple[str, int], float] = {}
+    engines = [("transformers FP32", lambda r: hf(src, r))] + [
+        (f"ours {p}", (lambda r, p=p: ours(ours_graphs[p] / "model.onnx", head_dim, r))) for p in ours_graphs] + [
+        (f"ORT GenAI {p.upper()}", (lambda r, p=p: genai(graphs[p], r))) for p in graphs]
+    # Rounds interleave the engines (every engine once per round), so a drift of the machine's speed touches them
+    # all alike; a ratio is taken within each round, then its median and range over the rounds.
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for batch in (1, 8):
         rows = prompts(tok, batch)
-        for name, fn in [("transformers FP32", lambda r: hf(src, r))] + [
-                (f"ours {p.upper()}", (lambda r, p=p: ours(graphs[p] / "model.onnx", head_dim, r))) for p in graphs] + [
-                (f"ORT GenAI {p.upper()}", (lambda r, p=p: genai(graphs[p], r))) for p in graphs]:
-            say(f"{name} batch {batch}")
-            fn(prompts(tok, 1))  # warm-up (sessions, allocations)
-            prefill, tps = fn(rows)
-            results[(name, batch)] = tps
-            rows_md.append((name, batch, prefill, tps))
+        for name, fn in engines:
+            fn(prompts(tok, 1))  # warm-up (pages of the weights, allocations)
+        for r in range(args.rounds):
+            for name, fn in engines:
+                say(f"{name} batch {batch} round {r + 1}")
+                runs.setdefault((name, batch), []).append(fn(rows))
+
+    def spread(values: list[float], fmt: str) -> str:
+        return f"{np.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
+
+    def ratio(a: str, b: str, batch: int) -> str:
+        per_round = [x[1] / y[1] for x, y in zip(runs[(a, batch)], runs[(b, batch)])]
+        return spread(per_round, ".2f") + "x"
+
     load = load.finish()
     lines = [START, "## Text-generation graphs: decode tokens/s (benchmarks/bench_generate_graphs.py)", "",
              run_header("benchmarks/bench_generate_graphs.py", load), "",
              f"A {n_params / 1e6:.0f}M-parameter Llama (SmolLM-135M shape, random weights, tied embeddings), "
              f"{PROMPT}-token prompts, {NEW} new tokens, greedy, {THREADS} threads. Decode tokens/s: new tokens after "
              "the first, all rows together. Graph weights: " + ", ".join(
-                 f"{p.upper()} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in graphs.items()) + ".", "",
-             "| engine | batch | prefill (s) | decode tokens/s | vs ours FP32 |", "| --- | ---: | ---: | ---: | ---: |"]
-    for name, batch, prefill, tps in rows_md:
-        lines.append(f"| {name} | {batch} | {prefill:.2f} | {tps:.1f} | {tps / results[('ours FP32', batch)]:.2f}x |")
+                 f"{p} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in ours_graphs.items()) + ". "
+             "Ours INT8 is the factory's default (dynamic: 7-bit weights per channel, activations quantized per "
+             "tensor at run time, MatMulIntegerToFloat); INT8 weight-only and ORT GenAI's INT8 are the builder's "
+             "8-bit MatMulNBits with float activations.", "",
+             f"Median of {args.rounds} rounds, the range in brackets; ratios per round, then their median.", "",
+             "| engine | batch | prefill (s) | decode tokens/s | vs ours FP32 (per round) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for (name, batch), v in runs.items():
+        lines.append(f"| {name} | {batch} | {np.median([p for p, _t in v]):.2f} | {spread([t for _p, t in v], '.1f')} "
+                     f"| {ratio(name, 'ours FP32', batch)} |")
     lines += ["", "Ratios from this run: " + "; ".join(
-        f"batch {b}: ours INT4 / ours FP32 {results[('ours INT4', b)] / results[('ours FP32', b)]:.2f}x, "
-        f"ours INT4 / ORT GenAI INT4 {results[('ours INT4', b)] / results[('ORT GenAI INT4', b)]:.2f}x" for b in (1, 8)),
-              END]
+        f"batch {b}: ours INT4 / ours FP32 {ratio('ours INT4', 'ours FP32', b)}, "
+        f"ours INT8 / ours FP32 {ratio('ours INT8', 'ours FP32', b)}, "
+        f"ours INT4 / ORT GenAI INT4 {ratio('ours INT4', 'ORT GenAI INT4', b)}, "
+        f"ours INT8 / ORT GenAI INT4 {ratio('ours INT8', 'ORT GenAI INT4', b)}" for b in (1, 8)), END]
     publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
 

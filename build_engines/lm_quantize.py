@@ -1,15 +1,22 @@
-"""Quantize stage of a text-generation model: INT8 / INT4 weight-only graphs, gated on the customer's text.
+"""Quantize stage of a text-generation model: INT8 / INT4 graphs, gated on the customer's text.
 
-Each precision is built by the model builder (``MatMulNBits``, block-wise, symmetric; activations stay float
-in the graph; INT4's kernel quantizes them to int8 per block inside, INT8's keeps them float: ``ACCURACY_LEVEL``). INT4 is rounded to nearest (``rtn``), after activation-aware scaling of the Hugging Face weights
-(``awq``, :mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
+INT8 is ``dynamic`` by default: ONNX Runtime's dynamic quantization of the FP32 graph's MatMuls
+(``DynamicQuantizeLinear`` + ``MatMulInteger``, fused into ``MatMulIntegerToFloat`` when the session loads): weights
+int8 per output channel, activations quantized per tensor as each request runs, products in the integer kernels
+(VNNI where the CPU has it). ``weight_only`` is the model builder's ``MatMulNBits`` with 8-bit weights and float
+activations: closest to FP32, but its CPU kernel dequantizes every call and decodes slower than FP32
+(benchmarks/RESULTS.md, bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its
+kernel quantizes the activations to int8 per block inside (``ACCURACY_LEVEL``). INT4 is rounded to nearest
+(``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``, :mod:`build_engines.awq`), or with
+ONNX Runtime's ``k_quant``.
 
 The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
 FP32's (at most ``max_perplexity_ratio``) and the teacher-forced greedy agreement with the FP32 reference
 continuations up to their first near-tie (at least ``min_token_agreement``). A precision that misses it is
-built again with its most sensitive MatMuls at INT8 (the builder's ``matmul_mixed_precision``: the LM head,
-then llama.cpp's mixed layers), as the encoders keep their most harmful nodes in float; one that still misses
-fails the build, and ``accuracy.json`` says by how much.
+built again with its most sensitive MatMuls wider, as the encoders keep their most harmful nodes in float: INT4's
+at INT8 (the builder's ``matmul_mixed_precision``: the LM head, then llama.cpp's mixed layers); dynamic INT8's in
+float (``DYNAMIC_STEPS``), then weight-only INT8. One that still misses fails the build, and ``accuracy.json``
+says by how much.
 """
 
 from __future__ import annotations
@@ -49,14 +56,15 @@ class GenerativeResult:
     samples: int
     compared_tokens: int
     passed: bool
-    int8_matmuls: tuple[str, ...] = ()  # matmul_mixed_precision selectors kept at INT8
+    int8_matmuls: tuple[str, ...] = ()  # INT4: matmul_mixed_precision selectors kept at INT8
     weights_bytes: int = 0
     metric: str = "token_agreement"
+    float_matmuls: tuple[str, ...] = ()  # dynamic INT8: the parts (down_proj, o_proj) kept in float
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         d["extra"] = {"perplexity_ratio": self.perplexity_ratio}
-        d["float_nodes"] = list(self.int8_matmuls)
+        d["float_nodes"] = list(self.int8_matmuls or self.float_matmuls)
         return d
 
 
@@ -77,7 +85,7 @@ class GenerativeAccuracy:
     task: str = "text-generation"
     output: str = "logits"
     calibration_method: str | None = None
-    scoring: str = ("ONNX Runtime CPU (MatMulNBits, the kernels that serve); agreement teacher-forced on the FP32 "
+    scoring: str = ("ONNX Runtime CPU (MatMulNBits, MatMulIntegerToFloat: the kernels that serve); agreement teacher-forced on the FP32 "
                     "greedy continuations up to their first near-tie")
 
     @property
@@ -103,18 +111,24 @@ class GenerativeAccuracy:
 
         table = Table(title=f"Accuracy of {self.model} vs FP32 ({self.heldout_samples} held-out samples)",
                       title_justify="left")
-        for col in ("precision", "method", "agreement", "perplexity", "ppl ratio", "max abs err", "INT8 MatMuls",
+        for col in ("precision", "method", "agreement", "perplexity", "ppl ratio", "max abs err", "kept wider",
                     "gate"):
             table.add_column(col)
         for r in self.results:
             table.add_row(r.precision, r.method, f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
-                          f"{r.max_abs_error:.3g}", ",".join(r.int8_matmuls) or "-", "pass" if r.passed else "FAIL")
+                          f"{r.max_abs_error:.3g}", _wider(r), "pass" if r.passed else "FAIL")
         console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
         console.print(table)
         console.print(f"held-out: {self.heldout_note}; gate: agreement >= {self.min_accuracy:g} and perplexity ratio "
                       f"<= {self.max_perplexity_ratio:g} -> {'passed' if self.passed else 'FAILED'}",
                       highlight=False, markup=False, soft_wrap=True)
         return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
+
+
+def _wider(r: GenerativeResult) -> str:
+    if r.int8_matmuls:
+        return "int8: " + ",".join(r.int8_matmuls)
+    return "float: " + ",".join(r.float_matmuls) if r.float_matmuls else "-"
 
 
 @dataclass(frozen=True)
@@ -124,7 +138,7 @@ class GenerativeQuantizeResult:
     models: dict[str, Path]  # precision -> ONNX file ("fp32" is the export's own file)
     report: GenerativeAccuracy
     report_path: Path
-    float_nodes: tuple[str, ...]  # matmul_mixed_precision selectors kept at INT8
+    float_nodes: tuple[str, ...]  # INT4's matmul_mixed_precision selectors kept at INT8, dynamic INT8's kept in float
     calibration_digest: str | None
 
 
@@ -172,12 +186,64 @@ def weights_bytes(graph: Path) -> int:
     return total
 
 
+# Dynamic INT8's ladder: the MatMuls each step keeps in float (by the builder's node names, /model/layers.N/<part>/...).
+# Measured on random-weight Llamas and Qwen2s (hidden 64-256): the down and o projections' inputs are the widest-ranging
+# activations, and keeping them in float raised agreement most (0.72 -> 0.78 on a Qwen2); the LM head changed nothing.
+DYNAMIC_STEPS: tuple[tuple[str, ...], ...] = ((), ("down_proj",), ("down_proj", "o_proj"))
+
+
+def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = ()) -> Path:
+    """Write ``out/model.onnx`` (+ ``.data``): ``fp32``'s MatMuls quantized dynamically, ``keep_float`` parts left.
+
+    Weights are 7-bit (ONNX Runtime's ``reduce_range``: symmetric, in [-64, 64]): on a CPU without VNNI, MLAS
+    multiplies u8 activations by s8 weights with ``vpmaddubsw``, which sums each pair into a saturating int16.
+    8-bit weights could reach 2·255·127 = 64770 there, these at most 2·255·64 = 32640 < 32767: the one signed graph
+    is right on every x86 CPU
+    (the encoders' 7-bit form, :mod:`build_engines.int8_7bit`, for the same reason).
+    """
+    import logging
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    names = [n.name for n in onnx.load(str(fp32), load_external_data=False).graph.node if n.op_type == "MatMul"]
+    exclude = [n for n in names if any(f"/{part}/" in n for part in keep_float)]
+    out.mkdir(parents=True, exist_ok=True)
+    graph = out / Files.ONNX
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a line per tensor, and advises pre-processing we do not need
+    try:
+        quantize_dynamic(fp32, graph, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
+                         op_types_to_quantize=["MatMul"], nodes_to_exclude=exclude, use_external_data_format=True,
+                         extra_options={"MatMulConstBOnly": True})
+    finally:
+        root.setLevel(level)
+    for f in (graph, out / data_name(graph)):
+        if f.exists():
+            f.chmod(0o644)  # the quantizer's temporary file is 0600
+    return graph
+
+
 # MatMulNBits' accuracy_level: 4 quantizes the activations to int8 per block inside the kernel. On a CPU without
 # VNNI (AVX2 only) MLAS multiplies with vpmaddubsw (u8 x s8 pairs summed in int16, saturating): INT4 weights are
 # u4 (0..15), so a pair sums at most 2*15*128 = 3840 (7680 after its hadd): no saturation, level 4 is exact enough
 # everywhere. INT8 weights as u8 (0..255) could reach 2*255*128 = 65280 > 32767: the INT8 graph keeps float
-# activations (level 1), right on every CPU the signed graph may meet.
+# activations (level 1), right on every CPU the signed graph may meet (the weight_only method).
 ACCURACY_LEVEL = {"int4": 4, "int8": 1}
+
+
+def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider)."""
+    if precision == "int8" and method == "dynamic":
+        steps = [("dynamic", keep) for keep in (DYNAMIC_STEPS if mixed else DYNAMIC_STEPS[:1])]
+        return (steps + [("weight_only", ())]) if mixed else steps
+    if precision == "int8":
+        return [(method, ())]
+    steps = MIXED_STEPS if mixed else MIXED_STEPS[:1]
+    if tied:  # the LM head shares the embedding's quantized table (4 bits only): it cannot go to INT8 alone
+        steps = tuple(dict.fromkeys(tuple(m for m in step if not m.startswith("last_matmul")) for step in steps))
+    return [(method, step) for step in steps]
 
 
 def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
@@ -215,7 +281,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
     results, search, models = [], [], {"fp32": Path(export.onnx_path)}
     with atomic_dir(out_dir) as tmp:
         for precision in [p for p in ("int8", "int4") if p in recipe.precisions]:
-            method = q.int4_method if precision == "int4" else "rtn"
+            method = q.int4_method if precision == "int4" else q.int8_method
             if method == "awq" and not calib_texts:
                 say("[quantize] awq needs calibration_data: int4 rounded to nearest (rtn)")
                 method = "rtn"
@@ -227,20 +293,21 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 source, scales = write_scaled_model(src, tmp / ".awq-model", gen.family, batches,
                                                     q.int4_block_size, say)
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
-            steps = MIXED_STEPS if q.mixed_precision else MIXED_STEPS[:1]
-            if tied:  # the LM head shares the embedding's quantized table (4 bits only): it cannot go to INT8 alone
-                steps = tuple(dict.fromkeys(tuple(m for m in step if not m.startswith("last_matmul")) for step in steps))
-            for mixed in steps:
-                work = tmp / f".{precision}"
+            work = tmp / f".{precision}"
+            for attempt, (method, wider) in enumerate(_ladder(precision, method, q.mixed_precision, tied)):
                 shutil.rmtree(work, ignore_errors=True)
-                graph = run_builder(source, work, precision,
-                                    _builder_options(precision, method, q.int4_block_size, mixed), say)
+                if method == "dynamic":
+                    graph = dynamic_int8(Path(export.onnx_path), work, wider)
+                else:
+                    graph = run_builder(source, work, precision,
+                                        _builder_options(precision, method, q.int4_block_size, wider), say)
                 agree, ppl, err, compared = scorer.score(graph)
                 ratio = ppl / scorer.ppl_fp32
                 ok = agree >= agreement_gate and ratio <= q.max_perplexity_ratio
-                search.append({"step": "gate", "precision": precision, "method": method, "int8": list(mixed),
+                kept = "float" if method == "dynamic" else "int8"
+                search.append({"step": "gate", "precision": precision, "method": method, kept: list(wider),
                                "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
-                say(f"[quantize] {precision} ({method}{', int8: ' + ','.join(mixed) if mixed else ''}): agreement "
+                say(f"[quantize] {precision} ({method}{f', {kept}: ' + ','.join(wider) if wider else ''}): agreement "
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
                 if ok:
                     break
@@ -250,8 +317,10 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(tmp / ".awq-model", ignore_errors=True)
             _point_at_data(tmp / name)
-            results.append(GenerativeResult(precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout),
-                                            compared, ok, tuple(mixed), weights_bytes(tmp / name)))
+            results.append(GenerativeResult(
+                precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
+                tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
+                float_matmuls=tuple(wider) if method == "dynamic" else ()))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),
@@ -269,7 +338,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 "quantization.min_token_agreement / max_perplexity_ratio if this is acceptable",
                 report, out_dir / REPORT_NAME)  # type: ignore[arg-type]
     return GenerativeQuantizeResult(models=models, report=report, report_path=out_dir / REPORT_NAME,
-                                    float_nodes=tuple(s for r in results for s in r.int8_matmuls),
+                                    float_nodes=tuple(s for r in results for s in r.int8_matmuls + r.float_matmuls),
                                     calibration_digest=split.calibration.digest if split.calibration else None)
 
 

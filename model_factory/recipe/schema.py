@@ -20,6 +20,7 @@ SOURCE_KINDS = ("huggingface", "torch", "onnx")
 TASKS = ("embedding", "classification", "token-classification", "reranker", "generic", "text-generation")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, text-generation only
 INT4_METHODS = ("rtn", "awq", "k_quant")
+INT8_METHODS = ("dynamic", "weight_only")
 INT4_BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
 # ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
@@ -206,6 +207,11 @@ class QuantizationTable(_Table):
     mixed_precision: Flag = Field(True, description="When the all-INT8 model misses min_accuracy (or 0.99), keep "
                                   "its most harmful nodes in float until it is met. text-generation: when INT4 misses "
                                   "the gate, keep its most sensitive MatMuls at INT8 until it passes.")
+    int8_method: _choice(INT8_METHODS) = Field(
+        "dynamic", description="text-generation INT8: dynamic (7-bit weights per output channel, activations quantized "
+        "per tensor as each request runs, products in ONNX Runtime's integer kernels: the fast one; when it misses the "
+        "gate, its down/o projections stay in float, then the build falls back to weight_only) or weight_only "
+        "(8-bit weights, MatMulNBits, float activations: closest to FP32, slower than FP32 on the CPU).")
     int4_method: _choice(INT4_METHODS) = Field(
         "awq", description="text-generation INT4 (block-wise weight-only, MatMulNBits): rtn (round to nearest), awq "
         "(per-input-channel scales searched per layer on the calibration text and folded into the preceding norm "

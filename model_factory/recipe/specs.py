@@ -71,7 +71,8 @@ class QuantizationSpec:
     max_heldout_samples: int = 64
     min_accuracy: float | None = None
     mixed_precision: bool = True
-    # text-generation: INT4 method and block, and the gate on the held-out text (perplexity ratio, agreement).
+    # text-generation: INT8 and INT4 methods, INT4's block, and the gate on the held-out text (perplexity ratio, agreement).
+    int8_method: str = "dynamic"
     int4_method: str = "awq"
     int4_block_size: int = 32
     max_perplexity_ratio: float = 1.1

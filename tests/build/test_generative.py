@@ -123,6 +123,60 @@ def test_int4_graph_is_matmulnbits(llama_quantized):
     assert "GroupQueryAttention" in ops and "MatMul" not in ops
 
 
+def test_int8_graph_is_dynamic_with_7bit_weights(llama_quantized):
+    """INT8's MatMuls run in the integer kernels on weights that cannot saturate a CPU without VNNI (|w| <= 64)."""
+    import onnx
+    from onnx import numpy_helper
+
+    _recipe, result, _path = llama_quantized
+    path = result.version_dir / "model.int8.onnx"
+    m = onnx.load(str(path))
+    ops = {n.op_type for n in m.graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger", "GroupQueryAttention"} <= ops and "MatMulNBits" not in ops
+    weights = {n.input[1] for n in m.graph.node if n.op_type == "MatMulInteger"}
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer if t.name in weights}
+    assert inits and all(w.dtype == np.int8 and int(np.abs(w.astype(np.int32)).max()) <= 64 for w in inits.values())
+    row = {r["precision"]: r for r in json.loads((result.version_dir / "accuracy.json").read_text())["results"]}["int8"]
+    assert row["method"] == "dynamic"
+
+
+def test_dynamic_int8_is_accepted_by_the_runtime_that_serves(llama_quantized, tmp_path):
+    """The dynamic INT8 graph served by the backend's own runtime replays the golden continuations above the gate."""
+    import shutil
+
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from model_factory.serving.acceptance import accept_model
+
+    _recipe, result, _path = llama_quantized
+    model = tmp_path / "llm"
+    shutil.copytree(result.version_dir.parent, model)
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((model / "config.pbtxt").read_text(), config)
+    config.parameters["precision"].string_value = "int8"
+    config.parameters["onnx_file"].string_value = "model.int8.onnx"
+    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+    accepted = accept_model(model)
+    assert accepted.passed, accepted.reason
+    assert accepted.metric == "token_agreement" and accepted.score >= 0.4 and accepted.samples > 0
+
+
+def test_dynamic_int8_ladder_keeps_named_parts_in_float(tmp_path, llama_quantized):
+    """The ladder's wider steps leave the named projections as float MatMuls and quantize the rest."""
+    import onnx
+
+    from model_factory.build_engines.lm_quantize import dynamic_int8
+
+    _recipe, result, _path = llama_quantized
+    graph = dynamic_int8(result.version_dir / "model.onnx", tmp_path / "q", ("down_proj",))
+    nodes = onnx.load(str(graph), load_external_data=False).graph.node
+    float_mm = [n.name for n in nodes if n.op_type == "MatMul"]
+    assert float_mm and all("/down_proj/" in n for n in float_mm)
+    assert sum(n.op_type == "MatMulInteger" for n in nodes) > len(float_mm)
+    assert (graph.parent / "model.onnx.data").stat().st_mode & 0o777 == 0o644
+
+
 def test_a_precision_below_the_gate_fails_the_build(causal_lm_folders, generative_recipe, tmp_path):
     from model_factory.build.pipeline import build
     from model_factory.build_engines.accuracy import AccuracyGateError
