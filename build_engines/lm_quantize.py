@@ -1,14 +1,18 @@
 """Quantize stage of a text-generation model: INT8 / INT4 graphs, gated on the customer's text.
 
-INT8 is ``dynamic`` by default: ONNX Runtime's dynamic quantization of the FP32 graph's MatMuls
-(``DynamicQuantizeLinear`` + ``MatMulInteger``, fused into ``MatMulIntegerToFloat`` when the session loads): weights
-int8 per output channel, activations quantized per tensor as each request runs, products in the integer kernels
-(VNNI where the CPU has it). ``weight_only`` is the model builder's ``MatMulNBits`` with 8-bit weights and float
-activations: closest to FP32, but its CPU kernel dequantizes every call and decodes slower than FP32
-(benchmarks/RESULTS.md, bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its
-kernel quantizes the activations to int8 per block inside (``ACCURACY_LEVEL``). INT4 is rounded to nearest
-(``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``, :mod:`build_engines.awq`), or with
-ONNX Runtime's ``k_quant``.
+INT8 has two methods (``quantization.int8_method``). ``weight_only``, the default, is the model builder's
+``MatMulNBits`` with 8-bit weights and float activations: closest to FP32, every sequence's output independent of
+the others in its batch, but its CPU kernel dequantizes every call and decodes slower than FP32. ``dynamic`` is ONNX
+Runtime's dynamic quantization of the FP32 graph's MatMuls (``DynamicQuantizeLinear`` + ``MatMulInteger``, fused
+into ``MatMulIntegerToFloat`` when the session loads): weights int8 per output channel, activations quantized per
+tensor as each step runs, products in the integer kernels (VNNI where the CPU has it). About twice FP32's speed,
+but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
+with: measured on a trained Llama, 14 of 16 greedy sequences batched differed from the same sequences alone
+(FP32 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
+bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
+activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
+nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
+:mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
 
 The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
 FP32's (at most ``max_perplexity_ratio``) and the teacher-forced greedy agreement with the FP32 reference
@@ -192,14 +196,14 @@ def weights_bytes(graph: Path) -> int:
 DYNAMIC_STEPS: tuple[tuple[str, ...], ...] = ((), ("down_proj",), ("down_proj", "o_proj"))
 
 
-def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = ()) -> Path:
+def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = (), seven_bit: bool = True) -> Path:
     """Write ``out/model.onnx`` (+ ``.data``): ``fp32``'s MatMuls quantized dynamically, ``keep_float`` parts left.
 
     Weights are 7-bit (ONNX Runtime's ``reduce_range``: symmetric, in [-64, 64]): on a CPU without VNNI, MLAS
     multiplies u8 activations by s8 weights with ``vpmaddubsw``, which sums each pair into a saturating int16.
     8-bit weights could reach 2·255·127 = 64770 there, these at most 2·255·64 = 32640 < 32767: the one signed graph
-    is right on every x86 CPU
-    (the encoders' 7-bit form, :mod:`build_engines.int8_7bit`, for the same reason).
+    is right on every x86 CPU (the encoders' 7-bit form, :mod:`build_engines.int8_7bit`, for the same reason).
+    ``seven_bit=False`` (8-bit weights, wrong on such CPUs) is for the benchmark that measures what 7 bits cost.
     """
     import logging
 
@@ -214,7 +218,7 @@ def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = ()) -> Path:
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer logs a line per tensor, and advises pre-processing we do not need
     try:
-        quantize_dynamic(fp32, graph, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
+        quantize_dynamic(fp32, graph, weight_type=QuantType.QInt8, per_channel=True, reduce_range=seven_bit,
                          op_types_to_quantize=["MatMul"], nodes_to_exclude=exclude, use_external_data_format=True,
                          extra_options={"MatMulConstBOnly": True})
     finally:

@@ -45,9 +45,10 @@ def generation_spec(hf_dir: Path, weights_bytes: dict[str, int]):
 _BUILDS: dict[tuple[str, str], Path] = {}
 
 
-def _built(hf_dir: Path, precision: str) -> Path:
-    """The version folder the factory builds from ``hf_dir`` serving ``precision`` (built once per session)."""
-    key = (str(Path(hf_dir).resolve()), precision)
+def _built(hf_dir: Path, precision: str, quantization: str = "") -> Path:
+    """The version folder the factory builds from ``hf_dir`` serving ``precision`` (built once per session);
+    ``quantization``: more lines of the recipe's [quantization] table (``int8_method = "dynamic"``)."""
+    key = (str(Path(hf_dir).resolve()), precision, quantization)
     if key in _BUILDS:
         return _BUILDS[key]
     from model_factory.build.pipeline import build
@@ -75,6 +76,7 @@ calibration_data = "calibration.txt"
 heldout_data = "heldout.txt"
 min_token_agreement = 0.01
 max_perplexity_ratio = 100.0
+{quantization}
 [repository]
 path = "repo"
 serve = "{precision}"
@@ -87,7 +89,7 @@ serve = "{precision}"
 
 
 def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Path, name: str = "tiny_llm",
-                            precision: str = "fp32", **parameters) -> Path:
+                            precision: str = "fp32", quantization: str = "", **parameters) -> Path:
     """``<repository>/<name>``: the factory's build of ``hf_dir`` (serving ``precision``), with ``parameters``
     (contract.ModelParameters fields: memory_budget_mib, max_active_sequences, ...) set in its config.pbtxt;
     returns the version folder. ``onnx_dir`` is not used (the build exports the graph itself)."""
@@ -96,7 +98,7 @@ def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Pat
 
     from model_factory.backend.contract import Files, ModelParameters, format_parameters
 
-    built = _built(Path(hf_dir), precision)
+    built = _built(Path(hf_dir), precision, quantization)
     model_dir = Path(repository) / name
     if model_dir.exists():
         shutil.rmtree(model_dir)

@@ -76,6 +76,11 @@ class CausalLM:
         last = np.asarray([len(p) - 1 for p in prompts])
         return logits[np.arange(n), last]
 
+    def position_logits(self, ids: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
+        """One sequence from an empty cache (one slot of ``views``): the logits of every position ``[len, vocab]``."""
+        row = np.asarray([list(ids)], dtype=np.int64)
+        return self._run(row, np.ones_like(row), views)[0]
+
     def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
         """One new token per row, each row holding ``lengths[r]`` cached tokens; returns ``[n, vocab]``."""
         n = len(tokens)

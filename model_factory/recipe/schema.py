@@ -208,10 +208,12 @@ class QuantizationTable(_Table):
                                   "its most harmful nodes in float until it is met. text-generation: when INT4 misses "
                                   "the gate, keep its most sensitive MatMuls at INT8 until it passes.")
     int8_method: _choice(INT8_METHODS) = Field(
-        "dynamic", description="text-generation INT8: dynamic (7-bit weights per output channel, activations quantized "
-        "per tensor as each request runs, products in ONNX Runtime's integer kernels: the fast one; when it misses the "
-        "gate, its down/o projections stay in float, then the build falls back to weight_only) or weight_only "
-        "(8-bit weights, MatMulNBits, float activations: closest to FP32, slower than FP32 on the CPU).")
+        "weight_only", description="text-generation INT8: weight_only (8-bit weights, MatMulNBits, float "
+        "activations: closest to FP32, and every sequence's output independent of the others in its batch; slower "
+        "than FP32 on the CPU) or dynamic (7-bit weights per output channel, activations quantized per tensor as each "
+        "step runs, ONNX Runtime's integer kernels: about 2x FP32's speed, but one scale is shared by all the rows of "
+        "a step, so a sequence's output depends on what it is batched with; when it misses the gate, its down/o "
+        "projections stay in float, then the build falls back to weight_only).")
     int4_method: _choice(INT4_METHODS) = Field(
         "awq", description="text-generation INT4 (block-wise weight-only, MatMulNBits): rtn (round to nearest), awq "
         "(per-input-channel scales searched per layer on the calibration text and folded into the preceding norm "

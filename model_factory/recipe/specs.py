@@ -72,7 +72,7 @@ class QuantizationSpec:
     min_accuracy: float | None = None
     mixed_precision: bool = True
     # text-generation: INT8 and INT4 methods, INT4's block, and the gate on the held-out text (perplexity ratio, agreement).
-    int8_method: str = "dynamic"
+    int8_method: str = "weight_only"
     int4_method: str = "awq"
     int4_block_size: int = 32
     max_perplexity_ratio: float = 1.1

@@ -71,6 +71,8 @@ class AcceptanceResult:
     departures: tuple[Mapping[str, Any], ...] = ()
     # With degrade_to: the degrade engine's own acceptance ({"precision", "file", "score"}), None otherwise.
     degrade: Mapping[str, Any] | None = None
+    # text-generation: the agreement generating freely through the batched scheduler (reported; gated for FP32).
+    free_running: float | None = None
 
     @property
     def where(self) -> str:
@@ -90,7 +92,8 @@ class AcceptanceResult:
                             for o in self.outputs],
                 "reason": self.reason, "fallbacks": dict(self.fallbacks),
                 "departures": [dict(d) for d in self.departures]} | (
-                    {"degrade": dict(self.degrade)} if self.degrade is not None else {})
+                    {"degrade": dict(self.degrade)} if self.degrade is not None else {}) | (
+                    {"free_running": _num(self.free_running)} if self.free_running is not None else {})
 
 
 def _num(x: float | None) -> float | str | None:
@@ -410,6 +413,10 @@ def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
         for k, v in r.fallbacks.items():
             console.print(f"  {k.replace('_', ' ')}: {v}", highlight=False, markup=False, soft_wrap=True)
+        if r.free_running is not None:
+            console.print(f"  generating freely, batched: {r.free_running:.4f} of the reference's tokens before its "
+                          "first difference (reported; gated for fp32)", highlight=False, markup=False,
+                          soft_wrap=True)
         if r.degrade is not None:  # the engine a backlog degrades to, accepted with the same gate
             console.print(f"  degrade_to {r.degrade['precision']}: {r.degrade['file']}, {r.metric} "
                           f"{r.degrade['score']}", highlight=False, markup=False, soft_wrap=True)

@@ -4,9 +4,15 @@
 reference's greedy tokens and, for each, the first near-tie step (where the reference's top two logits differ
 by less than 1e-3 and float rounding may pick either). The served precision's graph is loaded as the backend
 loads it (``causal_lm.CausalLM`` through the integrity check) and every prompt is generated greedily by the
-backend's own scheduler, all of them batched together as under load. The score is the token agreement: tokens
-equal to the reference, counted up to each prompt's near-tie, over the tokens compared. The model passes when
-it reaches the file's ``min_agreement``.
+backend's own scheduler, all of them batched together as under load. The score is what the build's gate scored
+(``build_engines.lm_quantize``), on this machine's kernels: the teacher-forced token agreement, each prompt and
+its reference tokens run as one sequence through the served graph, the prediction at every position compared
+with the next reference token up to the prompt's near-tie. The model passes when it reaches the file's
+``min_agreement``; FP32 must also reach it generating freely through the batched scheduler (its tokens equal to
+the reference's up to the first difference, counted up to each near-tie), since the reference is its own
+output. A reduced precision generating freely departs from the reference at its first differing token and
+never returns to it (INT4 of a small trained Llama at 0.83 teacher-forced keeps about 5 tokens in a row): that
+figure is reported, not gated.
 """
 
 from __future__ import annotations
@@ -31,6 +37,26 @@ def agreement(got: list[list[int]], prompts: list[Mapping[str, Any]]) -> tuple[f
             if a != b:
                 break
             agree += 1
+    return (agree / compared if compared else 1.0), compared
+
+
+def teacher_forced(model: Any, slots: Any, prompts: list[Mapping[str, Any]]) -> tuple[float, int]:
+    """``(agreeing / compared, compared)``: the graph's own next-token predictions along each reference."""
+    agree = compared = 0
+    for p in prompts:
+        want = [int(t) for t in p["tokens"]]
+        n = len(want) if p.get("near_tie") is None else min(len(want), int(p["near_tie"]))
+        if n == 0:
+            continue
+        prompt = [int(t) for t in p["prompt_ids"]]
+        slot = slots.admit(len(prompt) + n)
+        try:
+            logits = model.position_logits(prompt + want[:n - 1], slots.views(slot, 1))
+        finally:
+            slots.release(slot)
+        predicted = logits[len(prompt) - 1:len(prompt) - 1 + n].argmax(axis=-1)
+        agree += int(sum(int(a) == b for a, b in zip(predicted, want[:n])))
+        compared += n
     return (agree / compared if compared else 1.0), compared
 
 
@@ -85,14 +111,20 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
             sched.step()
         if any(g.finish_reason == "error" for g in gens):
             raise RuntimeError("a generation step failed")
+        slots.clear()
+        score, compared = teacher_forced(model, slots, prompts)
     except Exception as exc:  # noqa: BLE001
         return dict(passed=False, metric=METRIC, threshold=gate, **where,
                                 reason=f"the engine fails on the golden prompts: {type(exc).__name__}: {exc}")
     finally:
         model.close()
-    score, compared = agreement([g.generated for g in gens], prompts)
-    passed = score >= gate
-    return dict(passed=passed, metric=METRIC, threshold=gate, score=score,
-                            primary_output="output_ids", samples=len(prompts), **where,
-                            reason=None if passed else (f"token agreement {score:.4f} over {compared} tokens is "
-                                                        f"below the gate {gate}"))
+    free, free_compared = agreement([g.generated for g in gens], prompts)
+    reason = None
+    if score < gate:
+        reason = f"token agreement {score:.4f} over {compared} tokens is below the gate {gate}"
+    elif settings.precision == "fp32" and free < gate:
+        reason = (f"generating freely, batched, FP32 agrees with its own reference on {free:.4f} of {free_compared} "
+                  f"tokens, below the gate {gate}: the serving path (slots, batching) departs from the graph")
+    return dict(passed=reason is None, metric=METRIC, threshold=gate, score=score,
+                primary_output="output_ids", samples=len(prompts), **where, reason=reason,
+                free_running=free)
