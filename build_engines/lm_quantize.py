@@ -7,8 +7,8 @@ Runtime's dynamic quantization of the FP32 graph's MatMuls (``DynamicQuantizeLin
 into ``MatMulIntegerToFloat`` when the session loads): weights int8 per output channel, activations quantized per
 tensor as each step runs, products in the integer kernels (VNNI where the CPU has it). About twice FP32's speed,
 but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
-with: measured on a trained Llama, 14 of 16 greedy sequences batched differed from the same sequences alone
-(FP32 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
+with: measured on a trained Llama, 16 of 16 greedy continuations batched differed from the same prompts alone
+(FP32, weight-only INT8 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
 bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
 activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
 nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
