@@ -395,6 +395,9 @@ class GenerationSpec:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # The tokenizer's chat template (Jinja), if it has one: applied by the OpenAI chat endpoint.
     chat_template: str | None = None
+    # Packaged precisions whose outputs depend on what a sequence is batched with (dynamic INT8: one activation
+    # scale per step, shared by every row): said in the load log of a stub that serves one.
+    batch_dependent: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
@@ -421,6 +424,7 @@ class GenerationSpec:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
         data["weights_bytes"] = dict(sorted(self.weights_bytes.items()))
+        data["batch_dependent"] = sorted(self.batch_dependent)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -435,6 +439,7 @@ class GenerationSpec:
             data["eos_token_ids"] = tuple(int(x) for x in data["eos_token_ids"])
             data["defaults"] = SamplingDefaults(**(data.get("defaults") or {}))
             data["weights_bytes"] = {str(k): int(v) for k, v in (data.get("weights_bytes") or {}).items()}
+            data["batch_dependent"] = tuple(str(p) for p in data.get("batch_dependent") or ())
             return cls(**data)
         except ParameterError:
             raise

@@ -117,7 +117,9 @@ class GenerativeModel:
             f"model-factory backend: {s.model_name} generates with {s.precision} on onnxruntime "
             f"({s.onnx_file}) on cpu, {threads} threads, {self.slots.slots} KV slots of {self.slots.max_context} "
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
-            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}, sandbox {self.sandbox}")
+            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}, sandbox {self.sandbox}"
+            + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
+               "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
     # ------------------------------------------------------------------ load
 

@@ -91,7 +91,8 @@ def chat_template(tokenizer_dir: Path) -> str | None:
     return None
 
 
-def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, int]) -> GenerationSpec:
+def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, int],
+                    batch_dependent: tuple[str, ...] = ()) -> GenerationSpec:
     """``generation.json`` from the Hugging Face config, the graph's weights and the recipe's defaults."""
     from model_factory.build_engines.lm_graph import head_dim_of
 
@@ -109,7 +110,17 @@ def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, i
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         pad_token_id=pad if isinstance(pad, int) else None, kv_dtype="float32",
         sliding_window=window if isinstance(window, int) else None, weights_bytes=dict(weights),
-        defaults=_generation_defaults(src, gen.defaults), chat_template=chat_template(tokenizer_dir))
+        defaults=_generation_defaults(src, gen.defaults), chat_template=chat_template(tokenizer_dir),
+        batch_dependent=tuple(batch_dependent))
+
+
+def batch_dependent(graph: Path) -> bool:
+    """Whether ``graph`` quantizes its activations per tensor as it runs (``DynamicQuantizeLinear``, dynamic INT8):
+    one scale for every row of a step, so a sequence's output depends on what it is batched with."""
+    import onnx
+
+    return any(n.op_type == "DynamicQuantizeLinear"
+               for n in onnx.load(str(graph), load_external_data=False).graph.node)
 
 
 def write_continuations(export_dir: Path, out_dir: Path, min_agreement: float) -> Path:
@@ -164,7 +175,9 @@ def layout_generative_version(recipe: Recipe, artifacts: Mapping[str, Path], *, 
                ((n.split(".")[1] if n != Files.ONNX else "fp32", path) for n, path in files.items()
                 if n.endswith(".onnx"))}
     tokenizer_dir = Path(export_dir) / Files.TOKENIZER_DIR
-    spec = generation_spec(recipe, tokenizer_dir, weights)
+    dependent = tuple(sorted(n.split(".")[1] for n, path in files.items()
+                             if n.endswith(".onnx") and n != Files.ONNX and batch_dependent(Path(path))))
+    spec = generation_spec(recipe, tokenizer_dir, weights, dependent)
     params = format_parameters(generation_parameters(recipe))
     params.update(parameters or {})
     pbtxt = config_to_pbtxt(generative_config_dict(recipe, params))

@@ -105,3 +105,12 @@ def test_slots_compact_admit_by_memory_and_give_pages_back():
         KVSlots(SPEC, 1, budget_bytes=10)
     views = slots.views(0, 1)
     assert all(v.flags.c_contiguous and v.shape == (1, 2, 1024, 16) for v in views.values())
+
+
+def test_generation_json_round_trips_the_batch_dependent_precisions():
+    from dataclasses import replace
+
+    spec = replace(SPEC, batch_dependent=("int8",), weights_bytes={"fp32": 10, "int8": 3})
+    again = GenerationSpec.from_json(spec.to_json())
+    assert again == spec and again.batch_dependent == ("int8",)
+    assert GenerationSpec.from_json(SPEC.to_json()).batch_dependent == ()  # none by default

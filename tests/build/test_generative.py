@@ -138,6 +138,8 @@ def test_int8_graph_is_dynamic_with_7bit_weights(llama_quantized):
     assert inits and all(w.dtype == np.int8 and int(np.abs(w.astype(np.int32)).max()) <= 64 for w in inits.values())
     row = {r["precision"]: r for r in json.loads((result.version_dir / "accuracy.json").read_text())["results"]}["int8"]
     assert row["method"] == "dynamic"
+    spec = GenerationSpec.from_json((result.version_dir / Files.GENERATION).read_text())
+    assert spec.batch_dependent == ("int8",)  # said in the load log of a stub serving it; INT4 is not
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
