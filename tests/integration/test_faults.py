@@ -281,21 +281,27 @@ def test_sigterm_under_load_completes_in_flight_requests_refuses_new_ones_and_ex
                 break
         url = re.search(r"HTTP\s+http://(\S+)", "".join(lines)).group(1)
         results: list[tuple[float, float, str]] = []  # (sent, answered, outcome)
+        outstanding: dict[int, float] = {}  # client thread -> when its unanswered request was sent
         stop = threading.Event()
         sigterm_at: list[float] = []
 
         def client_loop() -> None:
             client = httpclient.InferenceServerClient(url, network_timeout=60)
-            inp = httpclient.InferInput("text", [4, 1], "BYTES")
-            inp.set_data_from_numpy(np.array([[b"under load " * 40]] * 4, dtype=np.object_))
+            # 16 long texts a request: long enough (well over SENT_BEFORE_S on a fast CPU) that SIGTERM can be sent
+            # while one has been in flight for a while (4 texts took under 50 ms here, and then none ever was).
+            inp = httpclient.InferInput("text", [16, 1], "BYTES")
+            inp.set_data_from_numpy(np.array([[b"under load " * 40]] * 16, dtype=np.object_))
+            me = threading.get_ident()
             try:
                 while not stop.is_set():
                     sent = time.monotonic()
+                    outstanding[me] = sent
                     try:
                         client.infer(MODEL, [inp])
                         outcome = "ok"
                     except Exception as exc:  # refused (connection or UNAVAILABLE) once stopping
                         outcome = f"{type(exc).__name__}: {exc}"
+                    outstanding.pop(me, None)
                     results.append((sent, time.monotonic(), outcome))
                     if outcome != "ok" and sigterm_at:
                         return
@@ -306,6 +312,9 @@ def test_sigterm_under_load_completes_in_flight_requests_refuses_new_ones_and_ex
         for t in threads:
             t.start()
         _wait_for(lambda: sum(r[2] == "ok" for r in results) >= 8, 60)
+        # SIGTERM while a request has been out for twice SENT_BEFORE_S: one is surely in flight, sent well before.
+        _wait_for(lambda: any(time.monotonic() - t > 2 * SENT_BEFORE_S for t in list(outstanding.values())), 60,
+                  step=0.002)
         sigterm_at.append(time.monotonic())
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
