@@ -44,12 +44,13 @@ def prompts(tok, batch: int) -> list[list[int]]:
 
 def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, float]:
     """(prefill seconds, decode tokens/s) of the shared-slot graph, rows prefilled per slot, decoded together."""
-    from model_factory.backend.contract import past_name, present_name
+    from model_factory.backend.contract import LOGITS_POSITIONS, past_name, present_name
     from model_factory.build_engines.ort_session import onnxruntime_session
 
     sess = onnxruntime_session(graph, threads=THREADS)
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
     layers, kv = len(pasts), int(pasts[0].shape[1])
+    selects = any(i.name == LOGITS_POSITIONS for i in sess.get_inputs())
     b, ctx = len(rows), PROMPT + NEW + 1
     cache = {(i, k): np.zeros((b, kv, ctx, head_dim), np.float32) for i in range(layers) for k in ("key", "value")}
 
@@ -61,6 +62,8 @@ def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, floa
         io = sess.io_binding()
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
+        if selects:  # each row's last token only (the rows are unpadded)
+            io.bind_cpu_input(LOGITS_POSITIONS, np.full((n, 1), s - 1, np.int64))
         io.bind_output("logits", "cpu")  # bound first: get_outputs() returns outputs in binding order
         for (layer, kind), buf in cache.items():
             view = buf[lo:hi]

@@ -62,10 +62,11 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
     its own KV slot) from the same row decoded alone: 0 for a precision whose rows never touch each other."""
     import numpy as np
 
-    from model_factory.backend.contract import past_name, present_name
+    from model_factory.backend.contract import LOGITS_POSITIONS, past_name, present_name
     from model_factory.build_engines.ort_session import onnxruntime_session
 
     sess = onnxruntime_session(graph, threads=2)
+    selects = any(i.name == LOGITS_POSITIONS for i in sess.get_inputs())
 
     def greedy(batch: list[list[int]]) -> list[list[int]]:
         pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
@@ -80,6 +81,8 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
             io = sess.io_binding()
             io.bind_cpu_input("input_ids", ids)
             io.bind_cpu_input("attention_mask", mask)
+            if selects:  # each row's last token only (the rows are unpadded)
+                io.bind_cpu_input(LOGITS_POSITIONS, np.full((ids.shape[0], 1), ids.shape[1] - 1, np.int64))
             io.bind_output("logits", "cpu")
             for (layer, kind), buf in cache.items():
                 v = buf[lo:hi]

@@ -103,11 +103,13 @@ def builder_input(folder: Path, staging: Path) -> Path:
 
 
 def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, Any] | None = None,
-                say: Callable[[str], None] = lambda _m: None) -> Path:
+                say: Callable[[str], None] = lambda _m: None, select_positions: bool = True) -> Path:
     """onnxruntime-genai's builder: ``folder`` → ``out/model.onnx`` (+ ``.data``) at ``precision`` for the CPU.
 
     ``options`` are the builder's extra options (``block_size``, ``algo_config``, ``nodes_to_exclude``, ...).
-    Its chatter goes to ``out/builder.log``; a failure is a FactoryError with the log's tail.
+    Its chatter goes to ``out/builder.log``; a failure is a FactoryError with the log's tail. The graph then
+    computes logits only where ``logits_positions`` asks (:mod:`build_engines.logits_positions`;
+    ``select_positions=False`` leaves the builder's graph as it wrote it).
     """
     require("onnxruntime_genai", "export")
     from onnxruntime_genai.models import builder
@@ -139,6 +141,10 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
         # run starts from what the stage holds (benchmarks/RESULTS.md, bench_generative_large).
         gc.collect()
     (out / "builder.log").write_text(log.getvalue())
+    if select_positions:
+        from model_factory.build_engines.logits_positions import select_logits_positions
+
+        select_logits_positions(out / Files.ONNX)
     say(f"[export] builder wrote {precision} graph ({_size_mib(out):.1f} MiB)")
     return out / Files.ONNX
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from model_factory.backend.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, past_name, present_name
+from model_factory.backend.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS, past_name, present_name
 
 # Top-two FP32 logits closer than this: from that step on, tokens may differ by float rounding alone.
 NEAR_TIE = 1e-3
@@ -63,17 +63,22 @@ class DecoderRunner:
         self.session = onnxruntime_session(Path(onnx_path), threads=threads)
         self.shape = graph_shape(self.session, head_dim)
         self.max_context = int(max_context)
+        self.selects_positions = any(i.name == LOGITS_POSITIONS for i in self.session.get_inputs())
         kv = (1, self.shape.num_kv_heads, self.max_context, self.shape.head_dim)
         self._cache = {(i, k): np.zeros(kv, self.shape.kv_dtype) for i in range(self.shape.num_layers)
                        for k in ("key", "value")}
 
-    def _step(self, ids: Sequence[int], cached: int) -> np.ndarray:
-        """Feed ``ids`` after ``cached`` tokens already in the slot; logits [len(ids), vocab] (float32)."""
+    def _step(self, ids: Sequence[int], cached: int, last_only: bool = False) -> np.ndarray:
+        """Feed ``ids`` after ``cached`` tokens already in the slot; logits [len(ids), vocab] (float32), or
+        [1, vocab] for the last position alone (``last_only``: the LM head runs on that position only)."""
         if cached + len(ids) > self.max_context:
             raise ValueError(f"{cached + len(ids)} tokens exceed max_context {self.max_context}")
+        positions = np.asarray([[len(ids) - 1]] if last_only else [list(range(len(ids)))], np.int64)
         io = self.session.io_binding()
         io.bind_cpu_input(INPUT_IDS, np.asarray([list(ids)], np.int64))
         io.bind_cpu_input(ATTENTION_MASK, np.ones((1, cached + len(ids)), np.int64))
+        if self.selects_positions:
+            io.bind_cpu_input(LOGITS_POSITIONS, positions)
         io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         for (layer, kind), buf in self._cache.items():
             shape = list(buf.shape)
@@ -81,7 +86,8 @@ class DecoderRunner:
             io.bind_output(present_name(layer, kind), "cpu", 0, buf.dtype, shape, buf.ctypes.data)
         self.session.run_with_iobinding(io)
         # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
-        return np.asarray(io.get_outputs()[0].numpy()[0], np.float32)
+        logits = np.asarray(io.get_outputs()[0].numpy()[0], np.float32)
+        return logits if self.selects_positions else logits[positions[0]]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits of every position of ``ids`` in one prefill (a fresh sequence)."""
@@ -90,7 +96,7 @@ class DecoderRunner:
     def greedy(self, prompt: Sequence[int], new_tokens: int, suppress: Sequence[int] = ()) -> list[int]:
         """``new_tokens`` greedy tokens after ``prompt`` (``suppress``: ids never chosen, e.g. eos, as min_new_tokens)."""
         out: list[int] = []
-        logits = self._step(prompt, 0)[-1]
+        logits = self._step(prompt, 0, last_only=True)[-1]
         cached = len(prompt)
         for _ in range(new_tokens):
             if suppress:
@@ -100,7 +106,7 @@ class DecoderRunner:
             out.append(token)
             if len(out) == new_tokens:
                 break
-            logits = self._step([token], cached)[-1]
+            logits = self._step([token], cached, last_only=True)[-1]
             cached += 1
         return out
 

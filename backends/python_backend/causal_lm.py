@@ -7,7 +7,9 @@ A step runs on a contiguous slice of the KV slots (``kv_slots.KVSlots.views``), 
 decodes in one launch, each at its own length, and a group of new prompts is prefilled in one launch,
 right-padded to its longest.
 
-Only the last position's logits of each row are returned (a prefill's other positions are never sampled).
+Only the last position's logits of each row are computed (``logits_positions``: a prefill's other positions are
+never sampled, and the LM head over them was a large share of a prefill's work); teacher-forced scoring asks for
+every position. A graph packaged before that input existed computes every position and the rows are picked here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS
+from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 
 
 class CausalLM:
@@ -42,15 +44,20 @@ class CausalLM:
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)
+        self.selects_positions = LOGITS_POSITIONS in self.input_names
         for needed in (INPUT_IDS, ATTENTION_MASK):
             if needed not in self.input_names:
                 raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
                                  "shared-slots layout (rebuild the model with this model-factory)")
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray]) -> np.ndarray:
+    def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
+             positions: np.ndarray) -> np.ndarray:
+        """Logits ``[n, k, vocab]`` at ``positions [n, k]`` (indices into each row's new tokens)."""
         io = self.session.io_binding()
         io.bind_cpu_input(INPUT_IDS, ids)
         io.bind_cpu_input(ATTENTION_MASK, mask)
+        if self.selects_positions:
+            io.bind_cpu_input(LOGITS_POSITIONS, np.ascontiguousarray(positions, dtype=np.int64))
         io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         for name, view in views.items():
             if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
@@ -60,7 +67,10 @@ class CausalLM:
             io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
         self.session.run_with_iobinding(io)
         # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
-        return io.get_outputs()[0].numpy()
+        logits = io.get_outputs()[0].numpy()
+        if self.selects_positions:
+            return logits
+        return np.take_along_axis(logits, np.asarray(positions, dtype=np.int64)[:, :, None], axis=1)
 
     def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, np.ndarray]) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
@@ -72,14 +82,13 @@ class CausalLM:
         for r, prompt in enumerate(prompts):
             ids[r, :len(prompt)] = prompt
             mask[r, :len(prompt)] = 1
-        logits = self._run(ids, mask, views)
-        last = np.asarray([len(p) - 1 for p in prompts])
-        return logits[np.arange(n), last]
+        last = np.asarray([[len(p) - 1] for p in prompts], dtype=np.int64)
+        return self._run(ids, mask, views, last)[:, 0]
 
     def position_logits(self, ids: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
         """One sequence from an empty cache (one slot of ``views``): the logits of every position ``[len, vocab]``."""
         row = np.asarray([list(ids)], dtype=np.int64)
-        return self._run(row, np.ones_like(row), views)[0]
+        return self._run(row, np.ones_like(row), views, np.arange(row.shape[1], dtype=np.int64)[None, :])[0]
 
     def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
         """One new token per row, each row holding ``lengths[r]`` cached tokens; returns ``[n, vocab]``."""
@@ -87,7 +96,7 @@ class CausalLM:
         lengths = np.asarray(lengths, dtype=np.int64)
         ids = np.asarray(tokens, dtype=np.int64).reshape(n, 1)
         mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
-        return self._run(ids, mask, views)[:, -1]
+        return self._run(ids, mask, views, np.zeros((n, 1), dtype=np.int64))[:, 0]
 
     def close(self) -> None:
         self.session = None

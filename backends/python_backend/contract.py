@@ -289,7 +289,9 @@ TEXT_GENERATION = "text-generation"
 #   inputs  input_ids [batch, new_tokens] int64
 #           attention_mask [batch, total_tokens] int64  -- row r: ones for its (cached + new) tokens, then zeros
 #           past_key_values.<i>.key / .value [batch, kv_heads, max_context, head_dim] (kv_dtype)
-#   outputs logits [batch, new_tokens, vocab] float32
+#           logits_positions [batch, k] int64 -- which of each row's new tokens get logits (graphs packaged
+#           before it lacked this input and returned every position: the backend serves both)
+#   outputs logits [batch, k, vocab] float32 -- the LM head applied at logits_positions only
 #           present.<i>.key / .value -- the SAME buffers as the past ones (bound to one preallocated KV slot
 #           per sequence: the graph writes the new tokens' keys and values in place, at each row's own length)
 # Each row keeps its own length (the mask's row sum), so sequences of different lengths decode in one batched
@@ -298,6 +300,7 @@ KV_LAYOUT_SHARED_SLOTS = "shared-slots"
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
+LOGITS_POSITIONS = "logits_positions"
 KV_DTYPES = {"float32": 4, "float16": 2}
 
 
