@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -131,6 +132,7 @@ def main() -> None:
 
     from model_factory.build_engines.causal_lm import run_builder
     from model_factory.build_engines.lm_quantize import _builder_options, dynamic_int8, weights_bytes
+    from model_factory.build_engines.logits_positions import select_logits_positions
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
@@ -147,20 +149,29 @@ def main() -> None:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(src))
-    graphs = {}
+    graphs, packaged = {}, {}
     for p in ("fp32", "int8", "int4"):
         out = work / f"graph-{p}"
         if not (out / "model.onnx").is_file():
             say(f"building {p}")
             # The builder with the factory's own options (INT4: block 32, accuracy_level 4, RTN; INT8: 8-bit
-            # MatMulNBits with float activations, the factory's weight_only method and ORT GenAI's INT8).
-            run_builder(src, out, p, _builder_options(p, "rtn", 32, ()) if p != "fp32" else None)
+            # MatMulNBits with float activations, the factory's weight_only method and ORT GenAI's INT8). ORT GenAI
+            # runs the builder's graph as written; ours is the same graph as the factory packages it (the LM head
+            # at the asked positions only: a graph input ORT GenAI does not know).
+            run_builder(src, out, p, _builder_options(p, "rtn", 32, ()) if p != "fp32" else None,
+                        select_positions=False)
         graphs[p] = out
+        packaged[p] = work / f"graph-{p}-packaged"
+        if not (packaged[p] / "model.onnx").is_file():
+            shutil.rmtree(packaged[p], ignore_errors=True)
+            shutil.copytree(out, packaged[p])
+            select_logits_positions(packaged[p] / "model.onnx")
     dynamic = work / "graph-int8-dynamic"
     if not (dynamic / "model.onnx").is_file():
         say("building int8 (dynamic)")
-        dynamic_int8(graphs["fp32"] / "model.onnx", dynamic)  # the factory's default INT8
-    ours_graphs = {"FP32": graphs["fp32"], "INT8": dynamic, "INT8 weight-only": graphs["int8"], "INT4": graphs["int4"]}
+        dynamic_int8(packaged["fp32"] / "model.onnx", dynamic)  # the factory's INT8 dynamic method
+    ours_graphs = {"FP32": packaged["fp32"], "INT8": dynamic, "INT8 weight-only": packaged["int8"],
+                   "INT4": packaged["int4"]}
     head_dim = SHAPE["hidden"] // SHAPE["heads"]
     n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])
                    .load_file(str(src / "model.safetensors")).values())
@@ -193,7 +204,7 @@ def main() -> None:
              f"{PROMPT}-token prompts, {NEW} new tokens, greedy, {THREADS} threads. Decode tokens/s: new tokens after "
              "the first, all rows together. Graph weights: " + ", ".join(
                  f"{p} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in ours_graphs.items()) + ". "
-             "Ours INT8 is the factory's default (dynamic: 7-bit weights per channel, activations quantized per "
+             "Ours INT8 is the factory's `dynamic` method (7-bit weights per channel, activations quantized per "
              "tensor at run time, MatMulIntegerToFloat); INT8 weight-only and ORT GenAI's INT8 are the builder's "
              "8-bit MatMulNBits with float activations.", "",
              f"Median of {args.rounds} rounds, the range in brackets; ratios per round, then their median.", "",
