@@ -184,6 +184,9 @@ def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(OUTPUT), "--output-tokens-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{OUTPUT}", "--concurrency",
            str(streams), "--request-count", str(streams), "--use-server-token-count", "--random-seed", str(seed),
+           # its optional collectors take CPU from the 2 cores, and under load one missed its heartbeats and
+           # failed a complete run (exit 1): the server's own figures are not what the cell reads
+           "--no-server-metrics", "--no-gpu-telemetry",
            "--artifact-dir", str(out), "--ui-type", "none"]
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     with open(out / "aiperf.out", "wb") as log:
