@@ -610,10 +610,12 @@ def main() -> None:
         peer_notes.append(
             f"vLLM-CPU FP32 on the HF folder itself: `python -m vllm.entrypoints.openai.api_server --dtype float32 "
             f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
-            f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, token-id prompts, "
+            f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, "
+            f"{'aiperf' + chr(39) + 's text prompts' if AIPERF['path'] else 'token-id prompts'}, "
             f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
             + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
-               if "priming_start_s" in v else "with no priming start in this run (the compile cache was warm)")
+               if "priming_start_s" in v else "with no priming start in this run (`--no-vllm-prime`: the time "
+               "includes torch.compile's work where its cache was cold)")
             + ".")
     if "llamacpp" in info:
         v = info["llamacpp"]
@@ -644,8 +646,10 @@ def main() -> None:
     # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
     start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
     section = "\n".join([
-        start, "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
-        f"(benchmarks/bench_generate.py{' --driver aiperf' if AIPERF['path'] else ''})",
+        start, ("## Text generation through aiperf: our server against the OpenAI-API peers "
+                "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
+                "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+                "(benchmarks/bench_generate.py)"),
         "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
         + " 1-min load average at the end of each runtime's cells: "
         + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
@@ -656,7 +660,10 @@ def main() -> None:
            else "the same token ids for every runtime") + f"), exactly {OUTPUT} output tokens, greedy; "
         f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
         "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, in the order: ours, ORT GenAI, vLLM, llama.cpp, OpenVINO GenAI. "
+        "a time on the 2 cores, in the order: " + ", ".join(
+            name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
+                                   ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
+            if any(key[0] == who for key in results)) + ". "
         + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
            "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
            "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
