@@ -3,7 +3,7 @@
 The model builder's graph applies the LM head to every new token: ``logits [batch, new_tokens, vocab]``. A
 server samples only each row's last position, so a prefill of ``n`` prompts of ``s`` tokens computed and wrote
 ``n * s * vocab`` logits to use ``n * vocab`` of them: with a real vocabulary (SmolLM's 49k, Qwen2's 152k) the
-LM head is a fifth to a quarter of the model's weights, so prefill spent that share of its work on rows nobody
+LM head is a sixth to a third of the model's weights, so prefill spent that share of its work on rows nobody
 reads, and a 16 x 128-token prefill of a 152k vocabulary allocated 1.2 GiB of logits outside the KV budget.
 
 :func:`select_logits_positions` adds the graph input ``logits_positions [batch, k]`` (``contract.LOGITS_POSITIONS``:
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from model_factory.backend.contract import LOGITS, LOGITS_POSITIONS
 from model_factory.errors import FactoryError
+from model_factory.fileio import atomic_file
 
 _NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
           "SkipLayerNormalization", "RMSNormalization")
@@ -93,5 +94,6 @@ def select_logits_positions(graph_path: Path) -> bool:
             dim = out.type.tensor_type.shape.dim[1]
             dim.ClearField("dim_value")
             dim.dim_param = "positions"
-    onnx.save(model, str(path))
+    with atomic_file(path, "wb") as f:  # a stage cut off here leaves the builder's graph, never half of this one
+        f.write(model.SerializeToString())
     return True

@@ -72,8 +72,9 @@ def test_the_head_runs_only_on_the_asked_positions(graphs):
     feeds[LOGITS_POSITIONS] = np.asarray([[0, 1, 2, 3], [0, 1, 2, 2]], np.int64)
     every = sess.run([LOGITS], feeds)[0]
     assert every.shape[:2] == (2, 4)
-    np.testing.assert_allclose(every[:, 3], np.concatenate([logits[:1, 0], every[1:, 2]]), atol=1e-5)
-    np.testing.assert_allclose(every[1, 2], logits[1, 0], atol=1e-5)
+    np.testing.assert_allclose(every[0, 3], logits[0, 0], atol=1e-5)  # row 0's token 3, asked alone or with all
+    np.testing.assert_allclose(every[1, 2], logits[1, 0], atol=1e-5)  # row 1's last real token (padded after it)
+    np.testing.assert_allclose(every[1, 3], every[1, 2], atol=0)  # a position asked twice: the same row twice
 
 
 def test_the_build_runner_reads_both_graphs_alike(graphs):
