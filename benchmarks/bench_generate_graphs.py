@@ -9,9 +9,11 @@ batch 1 and 8, two threads, 5 rounds interleaving the engines. Decode tokens/s c
   ONNX Runtime I/O binding: each row prefilled into its own slot of one [batch, kv, max_context, head_dim] buffer
   per layer, then all rows decoded together, written in place (no per-token copy);
 * ORT GenAI: the same folder through ``onnxruntime_genai.Generator`` (its own C++ loop);
-* transformers: ``LlamaForCausalLM`` FP32 with its dynamic cache, one forward per token.
+* transformers: ``LlamaForCausalLM`` FP32 with its dynamic cache, one forward per token;
+* optimum: ``ORTModelForCausalLM`` FP32 on optimum-onnx's export of the folder (``text-generation-with-past``),
+  in its own venv (``--optimum-python``; ``benchmarks/optimum_peer.py``), left out when that venv is absent.
 
-    python benchmarks/bench_generate_graphs.py [--write]
+    python benchmarks/bench_generate_graphs.py [--write] [--optimum-python /work/peers/optimum/bin/python]
 """
 
 from __future__ import annotations
@@ -125,6 +127,34 @@ def hf(folder: Path, rows: list[list[int]]) -> tuple[float, float]:
     return prefill, len(rows) * (NEW - 1) / (time.perf_counter() - t0)
 
 
+class OptimumPeer:
+    """``benchmarks/optimum_peer.py`` in optimum's venv, loaded once, timed per call like the others."""
+
+    def __init__(self, python: str, folder: Path, export: Path) -> None:
+        import json
+        import subprocess
+
+        self._json = json
+        self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "optimum_peer.py"), "--folder", str(folder),
+                                      "--export", str(export), "--threads", str(THREADS)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"optimum's peer did not start (exit {self.proc.wait()})")
+        self.onnxruntime = self._json.loads(ready)["onnxruntime"]
+
+    def __call__(self, rows: list[list[int]]) -> tuple[float, float]:
+        self.proc.stdin.write(self._json.dumps({"rows": rows, "new": NEW}) + "\n")
+        self.proc.stdin.flush()
+        got = self._json.loads(self.proc.stdout.readline())
+        return got["prefill"], got["tps"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def main() -> None:
     from benchmarks.harness.run_header import LoadReading, run_header
     from benchmarks.results_file import publish, say
@@ -138,6 +168,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--optimum-python", default="/work/peers/optimum/bin/python",
+                    help="python of a venv with optimum-onnx[onnxruntime] (left out when absent)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     load = LoadReading.begin()
@@ -178,6 +210,13 @@ def main() -> None:
     engines = [("transformers FP32", lambda r: hf(src, r))] + [
         (f"ours {p}", (lambda r, p=p: ours(ours_graphs[p] / "model.onnx", head_dim, r))) for p in ours_graphs] + [
         (f"ORT GenAI {p.upper()}", (lambda r, p=p: genai(graphs[p], r))) for p in graphs]
+    optimum = None
+    if Path(args.optimum_python).is_file():
+        say("optimum: exporting (once) and loading ORTModelForCausalLM")
+        optimum = OptimumPeer(args.optimum_python, src, work / "optimum-fp32")
+        engines.insert(1, ("optimum ORTModelForCausalLM FP32", optimum))
+    else:
+        say(f"optimum: {args.optimum_python} not found, left out")
     # Rounds interleave the engines (every engine once per round), so a drift of the machine's speed touches them
     # all alike; a ratio is taken within each round, then its median and range over the rounds.
     runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -206,7 +245,11 @@ def main() -> None:
                  f"{p} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in ours_graphs.items()) + ". "
              "Ours INT8 is the factory's `dynamic` method (7-bit weights per channel, activations quantized per "
              "tensor at run time, MatMulIntegerToFloat); INT8 weight-only and ORT GenAI's INT8 are the builder's "
-             "8-bit MatMulNBits with float activations.", "",
+             "8-bit MatMulNBits with float activations. Ours are the graphs as the factory packages them (the LM "
+             "head at each row's last position only); ORT GenAI runs the builder's graphs as written"
+             + (f"; optimum: `ORTModelForCausalLM` on optimum-onnx's `text-generation-with-past` export of the "
+                f"folder, its own venv (ONNX Runtime {optimum.onnxruntime}), one forward per token with the cache "
+                "concatenated" if optimum is not None else "") + ".", "",
              f"Median of {args.rounds} rounds, the range in brackets; ratios per round, then their median.", "",
              "| engine | batch | prefill (s) | decode tokens/s | vs ours FP32 (per round) |",
              "| --- | ---: | ---: | ---: | ---: |"]
@@ -219,6 +262,8 @@ def main() -> None:
         f"ours INT4 / ORT GenAI INT4 {ratio('ours INT4', 'ORT GenAI INT4', b)}, "
         f"ours INT8 / ORT GenAI INT4 {ratio('ours INT8', 'ORT GenAI INT4', b)}" for b in (1, 8)), END]
     publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
+    if optimum is not None:
+        optimum.close()
 
 
 if __name__ == "__main__":
