@@ -194,10 +194,10 @@ def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
     data = json.loads((out / "profile_export_aiperf.json").read_text())
     ttft = data["time_to_first_token"]
     osl = data["output_sequence_length"]
-    streams_seen = [{"completion_tokens": OUTPUT if osl["min"] == osl["max"] == OUTPUT else None,
-                     "prompt_tokens": None}] * int(osl["count"])
+    ok = [{"completion_tokens": OUTPUT if osl["min"] == osl["max"] == OUTPUT else None, "prompt_tokens": None}]
+    missing = [{"completion_tokens": None, "prompt_tokens": None}]  # a request aiperf did not complete
     return {"tps": float(data["output_token_throughput"]["avg"]), "p50": ttft["p50"] / 1000, "p99": ttft["p99"] / 1000,
-            "streams": streams_seen, "requests": int(data["request_count"]["avg"])}
+            "streams": ok * int(osl["count"]) + missing * max(0, streams - int(osl["count"]))}
 
 
 def _cells(who: str, precision: str, url: str, model: str, levels: list[int], rounds: int, style: str = "openai",
@@ -210,8 +210,6 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
             if AIPERF["path"] and style == "openai":
                 got = _aiperf(url, model, c, c + 1000 * r)
                 tps, p50, p99 = got["tps"], got["p50"], got["p99"]
-                if got["requests"] != c:
-                    got["streams"] = got["streams"] + [{"completion_tokens": None, "prompt_tokens": None}]
             else:
                 # new prompts every round: a repeated prompt would hit vLLM's prefix cache
                 got = asyncio.run(_drive(url, model, _prompts(c, VOCAB, c + 1000 * r), style, extra))

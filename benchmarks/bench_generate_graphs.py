@@ -19,6 +19,7 @@ batch 1 and 8, two threads, 5 rounds interleaving the engines. Decode tokens/s c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -131,10 +132,8 @@ class OptimumPeer:
     """``benchmarks/optimum_peer.py`` in optimum's venv, loaded once, timed per call like the others."""
 
     def __init__(self, python: str, folder: Path, export: Path) -> None:
-        import json
         import subprocess
 
-        self._json = json
         self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "optimum_peer.py"), "--folder", str(folder),
                                       "--export", str(export), "--threads", str(THREADS)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -142,12 +141,12 @@ class OptimumPeer:
         ready = self.proc.stdout.readline()
         if not ready:
             raise RuntimeError(f"optimum's peer did not start (exit {self.proc.wait()})")
-        self.onnxruntime = self._json.loads(ready)["onnxruntime"]
+        self.onnxruntime = json.loads(ready)["onnxruntime"]
 
     def __call__(self, rows: list[list[int]]) -> tuple[float, float]:
-        self.proc.stdin.write(self._json.dumps({"rows": rows, "new": NEW}) + "\n")
+        self.proc.stdin.write(json.dumps({"rows": rows, "new": NEW}) + "\n")
         self.proc.stdin.flush()
-        got = self._json.loads(self.proc.stdout.readline())
+        got = json.loads(self.proc.stdout.readline())
         return got["prefill"], got["tps"]
 
     def close(self) -> None:
