@@ -7,7 +7,8 @@ MiniLM (FP32 ONNX, ONNX Runtime CPU, two instances, fixed cost model), signed, r
 :class:`model_factory.serving.rollout.RolloutControl` (what ``serve --control-port`` runs) while ``--clients``
 threads send one text each, back to back, for the whole run. Phases, from the rollout's own states: before,
 verify + accept, shadow (the candidate loaded and mirrored), switch (the reload of the model set to v2), after;
-then ``undo`` back to v1. Reported per phase: requests, failed, p50 / p99 latency; and the seconds from the
+then ``undo`` back to v1. The switch's new stubs load quietly (``backend/quiet_start.py``), the undo's at the normal
+priority. Reported per phase: requests, failed, p50 / p99 latency; and the seconds from the
 command to the switch. The section between ``<!-- rollout:start -->`` and ``<!-- rollout:end -->`` is replaced.
 """
 
@@ -219,8 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1000 * (worst[1] - worst[0]):.0f} ms, sent in the phase '{phase_of(worst[0])}'. "
               "The rollout's own work yields the cores (its thread, the acceptance child and the candidate's stubs "
               "run at nice 19), so the stages before the switch take longer on a busy machine but cost live "
-              "traffic little; the switch and the undo each start the new version's stubs at the normal priority "
-              "(they serve next), which is what their p99 pays on 2 cores. Loads go through Triton's gRPC "
+              "traffic little. The switch loads the new version's stubs quietly: each stub's load runs in a thread "
+              "at nice 19 while its serving thread keeps the normal priority (backend/quiet_start.py), so the "
+              "switch lasts as long as the cores traffic leaves allow. The undo starts its stubs at the normal "
+              "priority (it restores what served before, at once), which is what its p99 pays on 2 cores. "
+              "Loads go through Triton's gRPC "
               "repository control: through HTTP a load held every connection of the HTTP worker thread that took it "
               "(p99 during the shadow 27.9x before, a few requests waiting 4-5 s).", END]
     publish("\n".join(lines), args.results, START, END, not args.no_write)

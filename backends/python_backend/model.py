@@ -55,11 +55,32 @@ class TritonPythonModel:
             self.generator = GenerativeModel(pb_utils, args, s)
             return
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
-        # with values the model accepts. A model that cannot run its warm-up is refused here, with the fix.
-        self.engine, self.engine_info, self.tokenizer = load_for_serving(
-            version_dir, s, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0),
-            server_instance=True)
+        kind = args.get("model_instance_kind", "CPU")
+
+        def load() -> tuple:
+            # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
+            # with values the model accepts. A model that cannot run its warm-up is refused here, with the fix.
+            engine, info, tokenizer = load_for_serving(version_dir, s, kind,
+                                                       int(args.get("model_instance_device_id", 0) or 0),
+                                                       server_instance=True)
+            # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
+            encoder = (TextEncoder(tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
+                       if tokenizer is not None else None)
+            return engine, info, tokenizer, encoder
+
+        # A rollout's switch loads this version beside the one serving: the load then runs at the lowest CPU
+        # priority in a thread of its own, this (serving) thread keeping its priority (quiet_start.py).
+        from .quiet_start import requested, run_quietly
+        from .shadow import shadow_folder
+
+        started = time.monotonic()
+        quiet = kind == "CPU" and requested(shadow_folder(), s.model_name)
+        if quiet:
+            (self.engine, self.engine_info, self.tokenizer, self.encoder), lowered = run_quietly(load)
+            self.engine_info["start"] = (f"quiet ({'nice 19' if lowered else 'priority unchanged'}), "
+                                         f"{time.monotonic() - started:.1f} s")
+        else:
+            self.engine, self.engine_info, self.tokenizer, self.encoder = load()
         # Token ids past the embedding table are refused per request (INVALID_ARG) instead of failing the group.
         self.vocab_size = s.vocab_size
         # Text inputs (BYTES): `text`, or `query` + `passage` for a reranker; tokenized here with the model's tokenizer.
@@ -73,11 +94,8 @@ class TritonPythonModel:
         self.tracer = SpanExporter.from_env({"model": s.model_name,
                                              "instance": str(args.get("model_instance_name", ""))})
         self.trace_sampler = Sampler.from_env() if self.tracer is not None else None
-        self.encoder = None
         if self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
-            # Texts over max_sequence_length: refused, truncated and said, or chunked (long_inputs.py).
-            self.encoder = TextEncoder(self.tokenizer, s.max_sequence_length, s.chunk_overlap, s.chunk_pooling)
         # What the engine computes; truncated_tokens (declared beside them for text models) is the backend's.
         self._engine_outputs = tuple(o.name for o in s.outputs if o.name not in BACKEND_OUTPUTS)
         self._says_truncation = any(o.name == TRUNCATED_TOKENS_OUTPUT for o in s.outputs)
@@ -169,7 +187,8 @@ class TritonPythonModel:
             + (f", {self.engine_info['threads']} threads" if "threads" in self.engine_info else "")
             + (f", idle cores: {self.engine_info['lend_idle_cores']}" if "lend_idle_cores" in self.engine_info else "")
             + (f", int8 kernels: {kernels} ({self.engine_info.get('int8_kernels_why')})" if kernels else "")
-            + f", grouping={s.grouping}, {start.note}, sandbox {self.engine_info['sandbox']}")
+            + f", grouping={s.grouping}, {start.note}, sandbox {self.engine_info['sandbox']}"
+            + (f", load {self.engine_info['start']}" if "start" in self.engine_info else ""))
 
     def _fill(self, item: dict) -> dict:
         # Inputs the graph takes but the request may omit (BERT's token_type_ids) are zeros.

@@ -20,7 +20,8 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    unloaded, the served version untouched) and reports the worst cases by input hash.
 6. **Switch**: the model is loaded again under its own name with its version policy set to the new version.
    Triton loads it beside the old one and moves new requests over once it is ready; requests in flight on the
-   old version finish there. Then the candidate is unloaded. The load's configuration is kept, so a healed
+   old version finish there. The new instances load quietly: at the lowest CPU priority, their serving threads
+   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
    stub (``supervise``) reloads the new version.
 7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the same switch back to the previous version,
    whose digests were verified when it served.
@@ -35,9 +36,10 @@ import shutil
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from model_factory.backend.idle_cores import yield_cores
 from model_factory.errors import FactoryError
@@ -46,6 +48,10 @@ from model_factory.errors import FactoryError
 STATES = ("verifying", "accepting", "loading", "shadowing", "switching", "switched", "rolled_back", "failed", "undone")
 FINAL = ("switched", "rolled_back", "failed", "undone")
 CLEANUP_WAIT_S = 60.0  # how long a new rollout (or undo) waits for the last one's cleanup (a candidate's unload)
+# How long a load at the lowest priority (the candidate's, the switch's) may take: on cores that live traffic keeps
+# busy it gets what traffic leaves (MiniLM's two stubs: 28-40 s on 2 saturated cores, 1 s idle), and the serving
+# version answers meanwhile.
+QUIET_LOAD_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -282,7 +288,7 @@ class RolloutControl:
                 self._set(status, "accepting")
                 self._accept(cand_dir, req.version, digests)
             self._set(status, "loading")
-            error = self.server.load_model(cand)
+            error = self.server.load_model(cand, timeout_s=QUIET_LOAD_TIMEOUT_S)
             loaded = True
             if error:
                 from model_factory.serving.refusals import load_error_line
@@ -294,7 +300,8 @@ class RolloutControl:
                 return
             self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
             self._set(status, "switching")
-            self._switch(req.model, req.version)
+            with self._quiet_start(req.model):  # the new stubs load at the lowest priority beside the serving ones
+                self._switch(req.model, req.version, timeout_s=QUIET_LOAD_TIMEOUT_S)
             status.seconds_to_switch = time.time() - status.started
             until = time.time() + req.grace_s
             self.switched[req.model] = Switched(req.model, status.serving, req.version, until)
@@ -402,14 +409,27 @@ class RolloutControl:
             if table.pop(cand, None) is not None:
                 write_table(self.digests.path, table)
 
-    def _switch(self, model: str, version: int) -> None:
+    @contextmanager
+    def _quiet_start(self, model: str) -> Iterator[None]:
+        """Ask the instances ``model`` loads in the block to start quietly (``backend/quiet_start.py``)."""
+        from model_factory.backend.quiet_start import request_path
+
+        path = request_path(self.shadow_dir, model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _switch(self, model: str, version: int, timeout_s: float | None = None) -> None:
         """Load ``model`` again set to ``version``: Triton swaps once the new version is ready; the old one's
         requests in flight finish on it. Its configuration is kept for later loads (a healed stub)."""
         base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
                 else _config_json(Path(self.server.repository) / model))
         previous = self.server.load_configs.get(model)
         self.server.load_configs[model] = json.dumps(version_config(base, version))
-        error = self.server.load_model(model)
+        error = self.server.load_model(model, timeout_s=timeout_s)
         if error:
             from model_factory.serving.refusals import load_error_line
 

@@ -401,19 +401,21 @@ class TritonServer:
             raise
         return self
 
-    def load_model(self, name: str) -> str | None:
+    def load_model(self, name: str, timeout_s: float | None = None) -> str | None:
         """Ask the server to load (or reload) one model; return None when it is ready, else the reason.
 
         With a derived configuration for it (:attr:`load_configs`), the load carries that configuration
-        (Triton's load API ``config`` parameter) instead of letting Triton read ``config.pbtxt``.
+        (Triton's load API ``config`` parameter) instead of letting Triton read ``config.pbtxt``. ``timeout_s``:
+        how long to wait for it (default: the start-up timeout).
         """
-        return self._repository_control("load", name, self.load_configs.get(name))
+        return self._repository_control("load", name, self.load_configs.get(name), timeout_s)
 
     def unload_model(self, name: str) -> str | None:
         """Ask the server to unload one model; return None when done, else the reason."""
         return self._repository_control("unload", name)
 
-    def _repository_control(self, action: str, name: str, config: str | None = None) -> str | None:
+    def _repository_control(self, action: str, name: str, config: str | None = None,
+                            timeout_s: float | None = None) -> str | None:
         """Load or unload through gRPC, never HTTP: Triton 2.51's HTTP server runs a load inside the worker
         thread that received it, and every client connection served by that thread waits until the load ends
         (measured: 8 of 32 clients held 2.4-4.7 s per load under a rollout, benchmarks/bench_rollout.py). Its gRPC
@@ -425,7 +427,7 @@ class TritonServer:
         try:
             if action == "load":
                 client.load_model(name, headers=self.grpc_admin_headers, config=config,
-                                  client_timeout=self.options.startup_timeout_s)
+                                  client_timeout=timeout_s or self.options.startup_timeout_s)
             else:
                 client.unload_model(name, headers=self.grpc_admin_headers,
                                     client_timeout=self.options.startup_timeout_s)

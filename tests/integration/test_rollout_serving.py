@@ -1,10 +1,12 @@
 """model-factory rollout on the real Triton, under steady load from a client pool: v1 -> v2 switched with no
 failed request (every request sent after the switch answered by v2), --undo back to v1 with none failed, a
 disagreeing (perturbed, re-signed, released) v3 rolled back by the shadow gate while v1 keeps serving, and
-the refusals (older, unsigned, not released) as one line and exit 1."""
+the refusals (older, unsigned, not released) as one line and exit 1. The switch loads v2 quietly (its load at
+the lowest CPU priority, the stubs' serving threads at the normal one)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -177,11 +179,26 @@ def test_refusals_are_one_line_and_exit_1(env: Env) -> None:
     assert not any(k.startswith(MODEL + "__candidate") for k in _index(env))
 
 
+def _stub_main_threads(instance_prefix: str) -> dict[int, int]:
+    """{stub pid: nice value of its main thread (the one that runs execute())} for the instances named so."""
+
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"triton_python_backend_stub" in argv[0] and any(a.startswith(instance_prefix.encode()) for a in argv):
+                out[int(pid)] = os.getpriority(os.PRIO_PROCESS, int(pid))
+        except OSError:
+            continue
+    return out
+
+
 def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> None:
     with Load(env.server.http_url) as load:
         before = len(load.results)
         result = _rollout(env, "2", "--min-requests", "30", "--gate", "0.99")
         switched_at = time.monotonic()
+        v2_stubs = _stub_main_threads(f"{MODEL}_v2_")
         time.sleep(2.0)
         after_switch = len(load.results)
         undo = _rollout(env, "--undo")
@@ -200,6 +217,11 @@ def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> 
     sent_after_undo = [r for r in load.results if r[0] > undone_at]
     assert sent_after_undo and all(r[3] == "1" for r in sent_after_undo), {r[3] for r in sent_after_undo}
     assert status.state == "undone"
+    # The switch loaded v2 quietly (nice 19 in a thread of its own); each v2 stub's serving thread kept its priority.
+    log = env.server.log_file.read_text(errors="replace")
+    quiet = [line for line in log.splitlines() if "model-factory backend: roll serves" in line and "load quiet" in line]
+    assert len(quiet) == 2 and all("load quiet (nice 19)" in line for line in quiet), quiet
+    assert len(v2_stubs) == 2 and set(v2_stubs.values()) == {os.nice(0)}, v2_stubs
     index = _index(env)
     assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
     print(f"\nrollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n{undo.output.strip()}")

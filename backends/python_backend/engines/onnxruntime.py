@@ -87,6 +87,20 @@ def cuda_provider_unavailable_reason(ort: ModuleType | None = None) -> str | Non
     return None
 
 
+def _cpu_session(ort: Any, source: str | bytes, options: Any, **kwargs: Any) -> Any:
+    """A CPU InferenceSession. One with an intra-op pool (more than one thread, or ORT's default of one per core)
+    is made at the normal priority even inside a quiet start: the pool's threads start with it and serve later
+    (quiet_start.py)."""
+    def make() -> Any:
+        return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"], **kwargs)
+
+    if options.intra_op_num_threads == 1:
+        return make()
+    from ..quiet_start import at_normal_priority
+
+    return at_normal_priority(make)
+
+
 class OnnxRuntimeEngine:
     """Runs an ONNX model with ONNX Runtime's CPU provider, telemetry off."""
 
@@ -127,8 +141,7 @@ class OnnxRuntimeEngine:
         if int8 in ("integer", "simulated"):
             sessions = _int8_sessions(ort, source, kinds, integer=int8 == "integer")
         else:
-            sessions = [ort.InferenceSession(source, sess_options=make(), providers=["CPUExecutionProvider"])
-                        for make in kinds]
+            sessions = [_cpu_session(ort, source, make()) for make in kinds]
         self._session = sessions[0]
         self._wide = sessions[1] if len(sessions) > 1 else None
         self._ledger = ledger if self._wide is not None else None
@@ -204,7 +217,7 @@ def _int8_sessions(ort: ModuleType, source: str | bytes, kinds: list, *, integer
     import tempfile
 
     def session(src: str | bytes, options: Any, **kwargs: Any) -> Any:
-        return ort.InferenceSession(src, sess_options=options, providers=["CPUExecutionProvider"], **kwargs)
+        return _cpu_session(ort, src, options, **kwargs)
 
     def folding(options: Any) -> Any:
         options.add_session_config_entry("session.disable_quant_qdq", "1")

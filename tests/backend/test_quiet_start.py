@@ -1,0 +1,126 @@
+"""A quiet start: the load at nice 19 in a thread of its own; the caller, and every thread that serves later, keep
+their priority. Run in a child process each: a nice value, once raised, stays with the threads that have it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_factory.backend.quiet_start import request_path, requested
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
+
+_PRELUDE = """
+import json, os, sys, threading
+from model_factory.backend.quiet_start import at_normal_priority, run_quietly
+
+def nice():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+def gone_after(before):
+    # Python's join returns as the thread finishes; the kernel drops its task a moment later.
+    import time
+    for _ in range(100):
+        left = sorted(set(threads()) - set(before))
+        if not left:
+            break
+        time.sleep(0.01)
+    return left
+
+def threads():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        out[int(t)] = int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+    return out
+"""
+
+
+def _child(body: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PRELUDE + body, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_load_runs_at_nice_19_and_the_caller_keeps_its_priority() -> None:
+    got = _child("""
+seen = {}
+def load():
+    seen["load"] = nice()
+    seen["normal"] = at_normal_priority(nice)  # handed to the worker the caller started
+    seen["same_thread"] = threading.get_native_id() != at_normal_priority(threading.get_native_id)
+    return 42
+before = threads()
+value, lowered = run_quietly(load)
+print(json.dumps({"value": value, "lowered": lowered, "caller": nice(), "outside": at_normal_priority(nice),
+                  "left": gone_after(before), **seen}))
+""")
+    assert got["value"] == 42 and got["lowered"] is True
+    assert got["load"] == 19
+    assert got["normal"] == got["caller"] == got["outside"] == 0
+    assert got["same_thread"] is True  # at_normal_priority ran elsewhere, not in the quiet thread
+    assert got["left"] == []  # the quiet thread and the worker are both gone
+
+
+def test_an_error_in_the_load_is_raised_in_the_caller_and_no_thread_is_left() -> None:
+    got = _child("""
+before = threads()
+try:
+    run_quietly(lambda: 1 / 0)
+    raised = None
+except ZeroDivisionError as exc:
+    raised = type(exc).__name__
+print(json.dumps({"raised": raised, "left": gone_after(before), "caller": nice()}))
+""")
+    assert got == {"raised": "ZeroDivisionError", "left": [], "caller": 0}
+
+
+def test_where_the_priority_cannot_be_lowered_the_load_still_runs() -> None:
+    got = _child("""
+value, lowered = run_quietly(lambda: nice(), lower=lambda: False)
+print(json.dumps({"value": value, "lowered": lowered}))
+""")
+    assert got == {"value": 0, "lowered": False}
+
+
+def _tiny_onnx(path: Path) -> None:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 64])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_an_engine_loaded_quietly_keeps_its_serving_threads_at_the_normal_priority(tmp_path: Path) -> None:
+    """The one-thread session computes on the caller's thread; the wide session's intra-op pool (which serves
+    borrowed runs later) is made by the normal-priority worker, so its threads are not lowered."""
+    _tiny_onnx(tmp_path / "m.onnx")
+    got = _child("""
+import onnxruntime  # as in the stub's load: whatever importing it starts is not a serving thread
+import numpy as np
+from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
+from model_factory.backend.idle_cores import BusyLedger
+before = threads()
+engine, lowered = run_quietly(lambda: OnnxRuntimeEngine(sys.argv[1] + "/m.onnx", threads=1, wide_threads=2,
+                                                       ledger=BusyLedger(sys.argv[1] + "/ledger")))
+new = {t: n for t, n in threads().items() if t not in before}
+y = engine.run({"x": np.ones((2, 64), np.float32)})
+print(json.dumps({"lowered": lowered, "new": list(new.values()), "caller": nice(),
+                  "ok": bool(np.allclose(y["y"] if isinstance(y, dict) else y[0], 64.0))}))
+""", str(tmp_path))
+    assert got["lowered"] is True and got["ok"] is True and got["caller"] == 0
+    assert got["new"] and all(n == 0 for n in got["new"]), got  # the wide session's pool: normal priority
+
+
+def test_the_rollout_asks_for_it_with_a_file_per_model(tmp_path: Path) -> None:
+    assert not requested(tmp_path, "m") and not requested(None, "m")
+    request_path(tmp_path, "m").write_text("")
+    assert requested(tmp_path, "m") and not requested(tmp_path, "other")
+    assert request_path(tmp_path, "m").name == "m.quiet"
