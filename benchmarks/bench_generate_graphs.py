@@ -197,12 +197,17 @@ def main() -> None:
             shutil.rmtree(packaged[p], ignore_errors=True)
             shutil.copytree(out, packaged[p])
             select_logits_positions(packaged[p] / "model.onnx")
+    # INT4 with block 128 (the recipe's int4_block_size = 128): the same builder, otherwise as the factory's INT4.
+    b128 = work / "graph-int4-block128-packaged"
+    if not (b128 / "model.onnx").is_file():
+        say("building int4 block 128")
+        run_builder(src, b128, "int4", _builder_options("int4", "rtn", 128, ()), select_positions=True)
     dynamic = work / "graph-int8-dynamic"
     if not (dynamic / "model.onnx").is_file():
         say("building int8 (dynamic)")
         dynamic_int8(packaged["fp32"] / "model.onnx", dynamic)  # the factory's INT8 dynamic method
     ours_graphs = {"FP32": packaged["fp32"], "INT8": dynamic, "INT8 weight-only": packaged["int8"],
-                   "INT4": packaged["int4"]}
+                   "INT4": packaged["int4"], "INT4 block 128": b128}
     head_dim = SHAPE["hidden"] // SHAPE["heads"]
     n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])
                    .load_file(str(src / "model.safetensors")).values())
@@ -244,7 +249,9 @@ def main() -> None:
                  f"{p} {weights_bytes(g / 'model.onnx') / 2**20:.0f} MiB" for p, g in ours_graphs.items()) + ". "
              "Ours INT8 is the factory's `dynamic` method (7-bit weights per channel, activations quantized per "
              "tensor at run time, MatMulIntegerToFloat); INT8 weight-only and ORT GenAI's INT8 are the builder's "
-             "8-bit MatMulNBits with float activations. Ours are the graphs as the factory packages them (the LM "
+             "8-bit MatMulNBits with float activations. Ours INT4 is the factory's default (block 32, round to "
+             "nearest here, accuracy_level 4); ours INT4 block 128 the same with the recipe's int4_block_size = 128. "
+             "Ours are the graphs as the factory packages them (the LM "
              "head at each row's last position only); ORT GenAI runs the builder's graphs as written"
              + (f"; optimum: `ORTModelForCausalLM` on optimum-onnx's `text-generation-with-past` export of the "
                 f"folder, its own venv (ONNX Runtime {optimum.onnxruntime}), one forward per token with the cache "
@@ -257,6 +264,7 @@ def main() -> None:
                      f"| {ratio(name, 'ours FP32', batch)} |")
     lines += ["", "Ratios from this run: " + "; ".join(
         f"batch {b}: ours INT4 / ours FP32 {ratio('ours INT4', 'ours FP32', b)}, "
+        f"ours INT4 block 128 / ours FP32 {ratio('ours INT4 block 128', 'ours FP32', b)}, "
         f"ours INT8 / ours FP32 {ratio('ours INT8', 'ours FP32', b)}, "
         f"ours INT4 / ORT GenAI INT4 {ratio('ours INT4', 'ORT GenAI INT4', b)}, "
         f"ours INT8 / ORT GenAI INT4 {ratio('ours INT8', 'ORT GenAI INT4', b)}" for b in (1, 8)), END]

@@ -144,21 +144,26 @@ def main() -> None:
                 ("int4", "rtn", {"accuracy_level": 1}), ("int4", "k_quant", {"accuracy_level": 4, "algo_config": "k_quant"}),
                 ("int4", "awq", {"accuracy_level": 4}), ("int4", "rtn + int8 lm_head",
                                                           {"accuracy_level": 4, "matmul_mixed_precision": "last_matmul:int8"}),
-                ("int4", "awq + int8 lm_head", {"accuracy_level": 4, "matmul_mixed_precision": "last_matmul:int8"})]
-    awq_src = None
+                ("int4", "awq + int8 lm_head", {"accuracy_level": 4, "matmul_mixed_precision": "last_matmul:int8"}),
+                # Block 128 (recipe int4_block_size = 128): fewer scales, a faster kernel at batch 1
+                # (bench_generate_graphs); here a row of the attention projections (K = 128) is one block.
+                ("int4", "rtn, block 128", {"accuracy_level": 4, "block_size": 128}),
+                ("int4", "awq, block 128", {"accuracy_level": 4, "block_size": 128})]
+    awq_src: dict[int, Path] = {}
     rows = []
     for precision, method, opts in variants:
         source = src
+        block = int(opts.get("block_size", 32))
         if method.startswith("awq"):
-            if awq_src is None:
-                awq_src, _ = write_scaled_model(src, work / "awq-model", "llama", calib, 32, say)
-            source = awq_src
+            if block not in awq_src:
+                awq_src[block], _ = write_scaled_model(src, work / f"awq-model-{block}", "llama", calib, block, say)
+            source = awq_src[block]
         say(f"{precision} {method} {opts}")
         out = work / f"{precision}-{len(rows)}"
         if method.startswith("dynamic"):
             graph = dynamic_int8(fp32, out, opts.get("keep", ()), seven_bit=not opts.get("eight"))
         else:
-            graph = run_builder(source, out, precision, {"block_size": 32, **opts})
+            graph = run_builder(source, out, precision, {**opts, "block_size": block})
         agree, ppl, err, n = scorer.score(graph)
         rows.append((precision, method, opts.get("accuracy_level"), agree, ppl / scorer.ppl_fp32, err, n,
                      weights_bytes(graph), batch_dependence(graph, batch_rows, 32)))
@@ -168,7 +173,7 @@ def main() -> None:
              f"Llama hidden 128, 4 layers, 2k BPE vocabulary, trained {args.steps} steps on Debian license texts "
              f"({train_s:.0f} s, final loss {final_loss:.2f}); held-out: {len(heldout)} lines of two license files "
              f"it never trained on (FP32 perplexity {scorer.ppl_fp32:.2f}); agreement: {len(golden)} prompts x 64 "
-             "greedy tokens, teacher-forced, up to the first near-tie. Block 32, symmetric, MatMulNBits on ONNX "
+             "greedy tokens, teacher-forced, up to the first near-tie. Block 32 unless said, symmetric, MatMulNBits on ONNX "
              "Runtime CPU; awq calibrated on 32 lines of a third license file. INT8 dynamic: ONNX Runtime's "
              "dynamic quantization of the FP32 graph (weights per output channel, 7-bit unless said; activations "
              "per tensor at run time), with the named projections left in float. Batched: of 16 held-out prompts "
