@@ -21,8 +21,8 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
 6. **Switch**: the model is loaded again under its own name with its version policy set to the new version.
    Triton loads it beside the old one and moves new requests over once it is ready; requests in flight on the
    old version finish there. The new instances load quietly: at the lowest CPU priority, their serving threads
-   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
-   stub (``supervise``) reloads the new version.
+   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a
+   healed stub (``supervise``) reloads the new version.
 7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the same switch back to the previous version,
    whose digests were verified when it served.
 
