@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from model_factory.backend.contract import plan_file
 from model_factory.build_engines.export import check_onnx_file
@@ -288,8 +288,12 @@ def _build_to_file(trt: Any, builder: Any, network: Any, config: Any, plan_path:
 
 def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recipe,
                  timing_cache: Path | None = None, device: Device | None = None,
-                 say: Callable[[str], None] = lambda _m: None) -> EngineResult:
-    """Build one plan from one ONNX file and write ``plan_path`` plus ``plan_path + ".json"``."""
+                 say: Callable[[str], None] = lambda _m: None,
+                 profiles: Sequence[Mapping[str, Any]] | None = None) -> EngineResult:
+    """Build one plan from one ONNX file and write ``plan_path`` plus ``plan_path + ".json"``.
+
+    ``profiles`` (``[{"name", "inputs": {input: {"min", "opt", "max"}}}]``) replaces the one profile per sequence
+    bucket (:func:`profile_shapes`): a text-generation graph's prefill and decode (``lm_tensorrt``)."""
     trt, flavour = _trt()
     onnx_path = Path(onnx_path)
     check_onnx_file(onnx_path)  # a broken file gets onnx's clear error before the parser sees it
@@ -319,7 +323,7 @@ def build_engine(precision: str, onnx_path: Path, plan_path: Path, recipe: Recip
     for i in range(network.num_outputs):
         t = network.get_output(i)
         io_out.append({"name": t.name, "dtype": str(t.dtype).split(".")[-1], "shape": [int(d) for d in t.shape]})
-    profiles = profile_shapes(recipe, dims)
+    profiles = [dict(p) for p in profiles] if profiles is not None else profile_shapes(recipe, dims)
     if any(d < 0 for ds in dims.values() for d in ds):
         for p in profiles:
             prof = builder.create_optimization_profile()

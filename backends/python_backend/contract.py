@@ -297,6 +297,17 @@ TEXT_GENERATION = "text-generation"
 # Each row keeps its own length (the mask's row sum), so sequences of different lengths decode in one batched
 # step and a slot is never reallocated per token. Positions come from the mask (rotary inside attention).
 KV_LAYOUT_SHARED_SLOTS = "shared-slots"
+# The TensorRT graph of a text-generation model (build_engines/lm_tensorrt.py; TensorRT's ONNX parser has no
+# GroupQueryAttention): standard ops, the same names, and
+#   inputs  input_ids, attention_mask, logits_positions as above; position_ids [batch, new_tokens] int64
+#           past_key_values.<i>.key / .value [batch, kv_heads, past_tokens, head_dim] float32
+#   outputs logits [batch, k, vocab]; present.<i>.key / .value [batch, kv_heads, past_tokens + new_tokens, head_dim]
+#           -- the past with the new tokens' keys and values appended (rows padded to one past length)
+# Its plan (``plan_file(precision)``) has two optimization profiles: prefill (past_tokens 0) and decode
+# (new_tokens 1). Built and checked here; served by no runner yet (the backend's is ONNX Runtime's, on the CPU).
+KV_LAYOUT_CONCAT = "concat"
+POSITION_IDS = "position_ids"
+TENSORRT_LM_PROFILES = ("prefill", "decode")
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"

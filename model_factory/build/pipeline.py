@@ -142,7 +142,7 @@ def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accura
     started_on = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     seconds: dict[str, float] = {}
     if recipe.is_generative:
-        return _build_generative(recipe, stage, say, signer, min_accuracy, parameters, started_on, seconds)
+        return _build_generative(recipe, stage, say, signer, min_accuracy, parameters, started_on, seconds, engines)
     exported = _timed(seconds, "export", say, lambda: stage("export", export_model, recipe))
     say(f"[export] max abs error vs source: {exported.max_abs_error:.3g} (tolerance {exported.tolerance:g})")
     artifacts: dict[str, Path] = {Files.ONNX: exported.onnx_path}
@@ -248,8 +248,9 @@ def _signer_for(recipe: Recipe, signer: Any, build_info: dict[str, Any], accurac
 
 def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, signer: Any,
                       min_accuracy: float | None, parameters: dict[str, str] | None, started_on: str,
-                      seconds: dict[str, float]) -> BuildResult:
-    """text-generation: export (builder + transformers check) → INT8/INT4 behind the gate → package → sign."""
+                      seconds: dict[str, float], engines: bool | None = None) -> BuildResult:
+    """text-generation: export (builder + transformers check) → INT8/INT4 behind the gate → TensorRT (when enabled
+    and installed) → package → sign."""
     from model_factory.build.generative import layout_generative_version
     from model_factory.build_engines.causal_lm import export_causal_lm
 
@@ -273,11 +274,25 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
         say(q.report.render())
         accuracy = q.report.to_dict()
         build_info["quantization"] = {"float_nodes": list(q.float_nodes), "calibration_digest": q.calibration_digest}
-    skipped = []
-    if recipe.tensorrt.enabled:
-        skipped.append("[build-engine] skipped: TensorRT engines of text-generation models are not built yet (the "
-                       "ONNX Runtime graphs serve on the CPU). Fix: set [tensorrt] enabled = false to skip quietly")
-        say(skipped[-1])
+    skipped: list[str] = []
+    built_engines: list[str] = []
+    want_engines = engines if engines is not None else recipe.tensorrt.enabled
+    # As for every model: enabled on a machine without TensorRT is one line, not a failure (--engines forces it).
+    no_trt = engines_skipped_line({"fp32": exported.onnx_path}) if want_engines and engines is None else None
+    if no_trt:
+        say(no_trt)
+        skipped.append(no_trt)
+    elif want_engines:
+        # TensorRT's parser has no GroupQueryAttention: the plan is built from a standard-op export of the folder
+        # (build_engines/lm_tensorrt.py), checked against transformers first. The ONNX Runtime graphs still serve.
+        from model_factory.build_engines.lm_tensorrt import build_lm_engines
+
+        results = _timed(seconds, "build-engine", say, lambda: stage("build-engine", build_lm_engines, recipe,
+                                                                     export_dir))
+        for e in results:
+            artifacts[e.plan_path.name] = e.plan_path
+            artifacts[e.metadata_path.name] = e.metadata_path
+            built_engines.append(e.precision)
     sign = _signer_for(recipe, signer, build_info, accuracy, started_on, seconds, say)
     packaged = _timed(seconds, "package", say, lambda: layout_generative_version(
         recipe, artifacts, export_dir=export_dir, extra_files=tuple(extra), build_info=build_info, sign=sign,
@@ -287,8 +302,8 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
         from model_factory.signing.layout import signature_path
 
         signature = signature_path(packaged.model_dir, recipe.version)
-    return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, (), signature, seconds,
-                       folder_listing(packaged.version_dir), tuple(skipped))
+    return BuildResult(packaged.model_dir, packaged.version_dir, artifacts, accuracy, tuple(built_engines), signature,
+                       seconds, folder_listing(packaged.version_dir), tuple(skipped))
 
 
 def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[str, Any] | None,

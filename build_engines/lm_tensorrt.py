@@ -1,0 +1,233 @@
+"""TensorRT engines of a text-generation model: a standard-op ONNX export, checked, and a plan with two profiles.
+
+The serving graph (``causal_lm``: onnxruntime-genai's builder) uses ONNX Runtime's ``GroupQueryAttention``, which
+TensorRT's ONNX parser does not have (TensorRT-RTX 1.7 refuses it). For TensorRT the model is exported again with
+``torch.onnx`` (the dynamo exporter, ``torch.export`` underneath) from ``transformers``' own modules: attention
+as MatMul / Softmax, the KV cache as explicit tensors, the contract's ``KV_LAYOUT_CONCAT`` I/O
+(``backend/contract.py``): the past ``[batch, kv_heads, past, head_dim]`` in, the past with the new tokens appended
+out, and the LM head applied only at ``logits_positions`` (as in the serving graph). The export is checked before
+any engine is built: the golden prompts are prefilled and decoded greedily through it (ONNX Runtime, the KV cache
+carried from step to step) and must give the FP32 reference's tokens up to its first near-tie, and the prefill's
+logits must be within ``export.tolerance`` of ``transformers``.
+
+The plan is strongly typed (precision from the graph: FP32 here), with one optimization profile for prefill
+(``new_tokens`` 1..max_context, no past) and one for decode (``new_tokens`` 1, past 1..max_context - 1), over
+batch 1..``shapes.max_batch`` (prefill: up to 8 rows). The build goes through ``tensorrt.build_engine`` (the only
+module that imports TensorRT); the plan's metadata names both profiles. No runner serves it yet: the backend's
+generative path is ONNX Runtime's on the CPU, and TensorRT-RTX plans need an RTX GPU to run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from model_factory.backend.contract import (ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS, POSITION_IDS,
+                                            plan_file, past_name, present_name)
+from model_factory.build_engines.causal_lm import Continuation, load_torch_model, read_reference
+from model_factory.errors import FactoryError
+from model_factory.fileio import atomic_dir
+from model_factory.recipe import Recipe
+
+EXPORT_NAME = "model.tensorrt.onnx"  # the standard-op graph the plans are built from (in the engines folder)
+PREFILL_MAX_BATCH = 8  # a prefill profile past this would size its activations for batch x max_context tokens
+CHECK_TOKENS = 16  # greedy tokens per golden prompt checked through the exported graph
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the TensorRT graph, in order."""
+    pasts = [past_name(i, k) for i in range(num_layers) for k in ("key", "value")]
+    presents = [present_name(i, k) for i in range(num_layers) for k in ("key", "value")]
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS, *pasts], [LOGITS, *presents]
+
+
+def _wrapper(model: Any, num_layers: int) -> Any:
+    import torch
+    from transformers import DynamicCache
+
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    class Decoder(torch.nn.Module):
+        """The causal LM with its KV cache as tensors: (logits at the asked positions, presents)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.base, self.head = model.base_model, model.get_output_embeddings()
+
+        def forward(self, input_ids, attention_mask, position_ids, logits_positions, *past):
+            cache = DynamicCache()
+            for i in range(num_layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True)
+            hidden = out.last_hidden_state
+            picked = torch.gather(hidden, 1, logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            logits = self.head(picked)
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            presents = []
+            for layer in out.past_key_values.layers[:num_layers]:
+                presents += [layer.keys, layer.values]
+            return (logits, *presents)
+
+    return Decoder().eval()
+
+
+def export_for_tensorrt(folder: Path, out: Path, max_context: int, max_batch: int,
+                        say: Callable[[str], None] = lambda _m: None) -> tuple[Path, Any]:
+    """``out`` (+ ``.data``): the standard-op graph of the HF causal-LM ``folder``; returns (path, torch model)."""
+    import torch
+
+    model, _tok = load_torch_model(folder)
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    b, s, p = 2, 3, 4  # example shapes: every axis that varies must differ here (torch.export specializes 1s)
+    args = (torch.ones(b, s, dtype=torch.long), torch.ones(b, p + s, dtype=torch.long),
+            torch.arange(p, p + s).expand(b, s).contiguous(), torch.tensor([[s - 2, s - 1]] * b),
+            *[torch.zeros(b, kv, p, head_dim) for _ in range(2 * layers)])
+    dim = torch.export.Dim
+    batch, new = dim("batch", max=max(max_batch, 2)), dim("new_tokens", max=max_context)
+    past, total = dim("past_tokens", max=max_context), dim("total_tokens", max=2 * max_context)
+    asked = dim("positions", max=max_context)
+    shapes = ({0: batch, 1: new}, {0: batch, 1: total}, {0: batch, 1: new}, {0: batch, 1: asked},
+              tuple({0: batch, 2: past} for _ in range(2 * layers)))
+    inputs, outputs = io_names(layers)
+    say(f"[build-engine] exporting a standard-op graph for TensorRT (torch.onnx, {layers} layers)")
+    t0 = time.perf_counter()
+    try:
+        torch.onnx.export(_wrapper(model, layers), args, str(out), input_names=inputs, output_names=outputs,
+                          dynamo=True, dynamic_shapes=shapes, external_data=True, optimize=True)
+    except Exception as exc:  # noqa: BLE001 - torch.export's errors are long; the first line names the cause
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FactoryError(f"torch.onnx could not export {folder} for TensorRT: {first}. Fix: set [tensorrt] "
+                           "enabled = false for this model (its ONNX Runtime graphs still serve)") from None
+    say(f"[build-engine] exported in {time.perf_counter() - t0:.0f} s")
+    return out, model
+
+
+class ConcatRunner:
+    """Runs the TensorRT graph with ONNX Runtime, one sequence, its KV cache carried from step to step."""
+
+    def __init__(self, graph: Path, num_layers: int) -> None:
+        from model_factory.build_engines.ort_session import onnxruntime_session
+
+        self.session = onnxruntime_session(graph)
+        self.layers = num_layers
+        self.kv = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
+
+    def start(self) -> list[np.ndarray]:
+        return [np.zeros((1, int(shape[1]), 0, int(shape[3])), np.float32) for shape in self.kv.values()]
+
+    def step(self, ids: Sequence[int], past: list[np.ndarray], all_positions: bool = False
+             ) -> tuple[np.ndarray, list[np.ndarray]]:
+        n, seen = len(ids), past[0].shape[2]
+        positions = np.arange(n) if all_positions else np.array([n - 1])
+        feeds = {INPUT_IDS: np.array([ids], np.int64), ATTENTION_MASK: np.ones((1, seen + n), np.int64),
+                 POSITION_IDS: np.arange(seen, seen + n, dtype=np.int64)[None],
+                 LOGITS_POSITIONS: positions.astype(np.int64)[None]}
+        feeds.update(zip(self.kv, past))
+        out = self.session.run(None, feeds)
+        return out[0][0], list(out[1:])
+
+
+def check_export(graph: Path, model: Any, reference: Sequence[Continuation], tolerance: float,
+                 tokens: int = CHECK_TOKENS) -> dict[str, Any]:
+    """The exported graph against ``transformers`` (prefill logits) and the reference's greedy tokens."""
+    import torch
+
+    runner = ConcatRunner(graph, int(model.config.num_hidden_layers))
+    worst, prompts = 0.0, []
+    for ref in reference:
+        ids = list(ref.prompt_ids)
+        logits, past = runner.step(ids, runner.start(), all_positions=True)
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+        worst = max(worst, float(np.abs(logits - want).max()))
+        got: list[int] = []
+        limit = min(tokens, len(ref.tokens), ref.near_tie if ref.near_tie is not None else len(ref.tokens))
+        nxt = int(logits[-1].argmax())
+        while len(got) < limit:
+            got.append(nxt)
+            step_logits, past = runner.step([nxt], past)
+            nxt = int(step_logits[-1].argmax())
+        same = got == list(ref.tokens[:limit])
+        prompts.append({"prompt_tokens": len(ids), "checked_tokens": limit, "identical": same})
+        if not same:
+            first = next(i for i, (a, b) in enumerate(zip(got, ref.tokens)) if a != b)
+            raise FactoryError(f"the TensorRT graph's greedy tokens differ from transformers at step {first} "
+                               "(before any near-tie). Fix: set [tensorrt] enabled = false for this model and "
+                               "report its family to the factory's maintainers")
+    if not np.isfinite(worst) or worst > tolerance:
+        raise FactoryError(f"the TensorRT graph's logits differ from transformers by {worst:.3g} (max abs), over the "
+                           f"tolerance {tolerance:g}. Fix: raise export.tolerance if this is acceptable, or set "
+                           "[tensorrt] enabled = false for this model")
+    return {"max_abs_logits_error": worst, "tolerance": tolerance, "prompts": prompts}
+
+
+def profiles(num_layers: int, kv_heads: int, head_dim: int, max_context: int, max_batch: int
+             ) -> list[dict[str, Any]]:
+    """The prefill and the decode optimization profiles of the TensorRT graph (``build_engine``'s form)."""
+    def shapes(batch: int, new: int, past: int) -> dict[str, list[int]]:
+        out = {INPUT_IDS: [batch, new], ATTENTION_MASK: [batch, past + new], POSITION_IDS: [batch, new],
+               LOGITS_POSITIONS: [batch, 1]}
+        for i in range(num_layers):
+            for k in ("key", "value"):
+                out[past_name(i, k)] = [batch, kv_heads, past, head_dim]
+        return out
+
+    prefill_batch = max(1, min(PREFILL_MAX_BATCH, max_batch))
+    decode_opt = max(1, min(8, max_batch))
+    plans = {"prefill": ((1, 1, 0), (1, min(128, max_context), 0), (prefill_batch, max_context, 0)),
+             "decode": ((1, 1, 1), (decode_opt, 1, max_context // 2), (max_batch, 1, max_context - 1))}
+    out = []
+    for name, (lo, opt, hi) in plans.items():
+        a, o, c = shapes(*lo), shapes(*opt), shapes(*hi)
+        out.append({"name": name, "batch": [lo[0], hi[0]], "new_tokens": [lo[1], hi[1]], "past_tokens": [lo[2], hi[2]],
+                    "inputs": {n: {"min": a[n], "opt": o[n], "max": c[n]} for n in a}})
+    return out
+
+
+def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = None,
+                     progress: Callable[[str], None] | None = None) -> list[Any]:
+    """The build-engine stage of ``task = "text-generation"``: ``engines/model.fp32.plan`` (+ ``.json``).
+
+    ``export_dir`` is the export stage's folder (its reference continuations are what the graph is checked
+    against). Written atomically: a failed export, check or build leaves no folder behind.
+    """
+    from model_factory.build_engines.tensorrt import EngineResult, _trt, build_engine, visible_device
+
+    say = progress or (lambda _m: None)
+    _trt()  # no TensorRT: fail before the (slow) export
+    src, gen = recipe.source.path, recipe.generation
+    assert src is not None and gen is not None
+    out_dir = Path(out_dir or recipe.work_dir / "engines")
+    max_context, max_batch = int(recipe.shapes.max_context or gen.max_positions), int(recipe.shapes.max_batch)
+    cache = Path(recipe.tensorrt.timing_cache or recipe.work_dir / "timing.cache")
+    with atomic_dir(out_dir) as tmp:
+        graph, model = export_for_tensorrt(Path(src), tmp / EXPORT_NAME, max_context, max_batch, say)
+        check = check_export(graph, model, read_reference(Path(export_dir)), recipe.export.tolerance)
+        say(f"[build-engine] TensorRT graph: max abs logits error vs transformers {check['max_abs_logits_error']:.3g}; "
+            f"greedy tokens identical on {len(check['prompts'])} prompts")
+        cfg = model.config
+        layers = int(cfg.num_hidden_layers)
+        kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        del model
+        result = build_engine("fp32", graph, tmp / plan_file("fp32"), recipe, cache, visible_device(), say,
+                              profiles=profiles(layers, kv, head_dim, max_context, max_batch))
+        meta = json.loads(result.metadata_path.read_text())
+        meta.update({"task": "text-generation", "kv_layout": "concat", "export_check": check,
+                     "exporter": "torch.onnx (dynamo)"})
+        result.metadata_path.write_text(json.dumps(meta, indent=2) + "\n")
+        say(f"[build-engine] fp32: {result.size_bytes / 2**20:.1f} MiB in {result.build_seconds:.1f} s "
+            "(profiles: prefill, decode)")
+        for leftover in (tmp / EXPORT_NAME, tmp / (EXPORT_NAME + ".data")):
+            leftover.unlink(missing_ok=True)  # the plan holds the weights; the graph is rebuilt from the source
+    return [EngineResult("fp32", out_dir / result.plan_path.name, out_dir / result.metadata_path.name,
+                         result.build_seconds, result.size_bytes)]

@@ -1,0 +1,63 @@
+"""TensorRT for text generation: the standard-op export checked against transformers, and a TensorRT-RTX plan
+with a prefill and a decode profile, packaged and signed with the version."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_factory.backend.contract import ATTENTION_MASK, INPUT_IDS, LOGITS_POSITIONS, POSITION_IDS, past_name
+
+
+def test_the_prefill_profile_has_no_past_and_the_decode_profile_one_new_token() -> None:
+    from model_factory.build_engines.lm_tensorrt import profiles
+
+    prefill, decode = profiles(num_layers=2, kv_heads=3, head_dim=64, max_context=256, max_batch=32)
+    assert (prefill["name"], decode["name"]) == ("prefill", "decode")
+    p, d = prefill["inputs"], decode["inputs"]
+    assert p[past_name(1, "value")] == {"min": [1, 3, 0, 64], "opt": [1, 3, 0, 64], "max": [8, 3, 0, 64]}
+    assert p[INPUT_IDS]["max"] == [8, 256] and p[ATTENTION_MASK]["max"] == [8, 256]
+    assert d[INPUT_IDS] == {"min": [1, 1], "opt": [8, 1], "max": [32, 1]}
+    assert d[past_name(0, "key")]["max"] == [32, 3, 255, 64] and d[ATTENTION_MASK]["max"] == [32, 256]
+    assert d[POSITION_IDS]["max"] == [32, 1] and d[LOGITS_POSITIONS]["max"] == [32, 1]
+    assert set(p) == set(d) and len(p) == 4 + 2 * 2
+
+
+@pytest.mark.slow
+def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path) -> None:
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("transformers")
+    from model_factory.build_engines.tensorrt import tensorrt_available
+
+    if tensorrt_available() is None:
+        pytest.skip("neither tensorrt nor tensorrt_rtx imports here: pip install 'model-factory[tensorrt-rtx]'")
+    from build.conftest import write_generative_recipe
+    from generative_models import make_causal_lm
+
+    from model_factory.build.pipeline import build
+    from model_factory.recipe import load_recipe
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
+    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", extra="[tensorrt]\nenabled = true\n"))
+    lines: list[str] = []
+    result = build(recipe, progress=lines.append)
+    assert result.engines == ("fp32",), lines
+    plan = result.version_dir / "model.fp32.plan"
+    assert plan.is_file() and plan.stat().st_size > 0
+    meta = json.loads((result.version_dir / "model.fp32.plan.json").read_text())
+    assert meta["strongly_typed"] is True and meta["kv_layout"] == "concat" and meta["task"] == "text-generation"
+    assert [p["name"] for p in meta["profiles"]] == ["prefill", "decode"]
+    assert [p["past_tokens"] for p in meta["profiles"]] == [[0, 0], [1, 255]]
+    check = meta["export_check"]
+    assert check["prompts"] and all(p["identical"] and p["checked_tokens"] > 0 for p in check["prompts"])
+    assert check["max_abs_logits_error"] <= check["tolerance"]
+    names = {i["name"] for i in meta["inputs"]}
+    assert {INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS, past_name(1, "value")} <= names
+    assert not any(n.endswith(".onnx.data") and "tensorrt" in n for n in result.artifacts)  # the export is not packaged
