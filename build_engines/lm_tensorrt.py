@@ -20,6 +20,7 @@ generative path is ONNX Runtime's on the CPU, and TensorRT-RTX plans need an RTX
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -100,13 +101,20 @@ def export_for_tensorrt(folder: Path, out: Path, max_context: int, max_batch: in
     inputs, outputs = io_names(layers)
     say(f"[build-engine] exporting a standard-op graph for TensorRT (torch.onnx, {layers} layers)")
     t0 = time.perf_counter()
+    quiet = [logging.getLogger(n) for n in ("onnxscript", "torch.onnx", "torch.export", "torch._dynamo")]
+    levels = [q.level for q in quiet]
     try:
+        for q in quiet:  # their INFO lines (one per rewrite) would bury the build's own
+            q.setLevel(logging.WARNING)
         torch.onnx.export(_wrapper(model, layers), args, str(out), input_names=inputs, output_names=outputs,
-                          dynamo=True, dynamic_shapes=shapes, external_data=True, optimize=True)
+                          dynamo=True, dynamic_shapes=shapes, external_data=True, optimize=True, verbose=False)
     except Exception as exc:  # noqa: BLE001 - torch.export's errors are long; the first line names the cause
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FactoryError(f"torch.onnx could not export {folder} for TensorRT: {first}. Fix: set [tensorrt] "
                            "enabled = false for this model (its ONNX Runtime graphs still serve)") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     say(f"[build-engine] exported in {time.perf_counter() - t0:.0f} s")
     return out, model
 
