@@ -52,7 +52,9 @@ def build_engine(recipe: str, repository: str | None) -> None:
     Uses tensorrt when installed, else TensorRT-RTX, which compiles on a
     machine without a GPU. Each model.<precision>.plan gets a .plan.json with
     the profiles, versions and the input digest; the timing cache is reused
-    across builds.
+    across builds. A text-generation recipe gets one FP32 plan with a prefill
+    and a decode profile, from a standard-op export of its folder checked
+    against the export stage's reference (run export first).
 
     \b
     Example:
