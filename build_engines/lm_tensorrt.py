@@ -239,3 +239,15 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
             leftover.unlink(missing_ok=True)  # the plan holds the weights; the graph is rebuilt from the source
     return [EngineResult("fp32", out_dir / result.plan_path.name, out_dir / result.metadata_path.name,
                          result.build_seconds, result.size_bytes)]
+
+
+def build_lm_engines_existing(recipe: Recipe, progress: Callable[[str], None] | None = None) -> list[Any]:
+    """``model-factory build-engine`` on a text-generation recipe: the plan from its folder, checked against the
+    reference continuations the export stage left in the work dir."""
+    from model_factory.build_engines.causal_lm import REFERENCE_FILE
+
+    export_dir = Path(recipe.work_dir) / "export"
+    if not (export_dir / REFERENCE_FILE).is_file():
+        raise FactoryError(f"{export_dir / REFERENCE_FILE} is missing: the TensorRT graph is checked against the "
+                           "export stage's reference continuations. Fix: run model-factory export RECIPE first")
+    return build_lm_engines(recipe, export_dir, progress=progress)

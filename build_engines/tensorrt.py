@@ -413,16 +413,7 @@ def build_engines(recipe: Recipe, models: Mapping[str, Path], out_dir: Path | No
 
 def build_engines_existing(recipe: Recipe, progress: Callable[[str], None] | None = None) -> list[EngineResult]:
     """``model-factory build-engine``: build plans from the models already in the recipe's work dir (a
-    text-generation recipe: from its folder, checked against the export stage's reference, ``lm_tensorrt``)."""
-    if recipe.is_generative:
-        from model_factory.build_engines.causal_lm import REFERENCE_FILE
-        from model_factory.build_engines.lm_tensorrt import build_lm_engines
-
-        export_dir = Path(recipe.work_dir) / "export"
-        if not (export_dir / REFERENCE_FILE).is_file():
-            raise FactoryError(f"{export_dir / REFERENCE_FILE} is missing: the TensorRT graph is checked against the "
-                               "export stage's reference continuations. Fix: run model-factory export RECIPE first")
-        return build_lm_engines(recipe, export_dir, progress=progress)
+    text-generation recipe: ``lm_tensorrt.build_lm_engines_existing``)."""
     from model_factory.build_engines.quantize import quantized_models
 
     return build_engines(recipe, quantized_models(recipe), progress=progress)

@@ -64,7 +64,10 @@ def build_engine(recipe: str, repository: str | None) -> None:
     from model_factory.build_engines.tensorrt import build_engines_existing
     from model_factory.recipe import load_recipe
 
-    for r in build_engines_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer()):
+    spec = load_recipe(recipe, recipe_overrides(repository))
+    if spec.is_generative:
+        from model_factory.build_engines.lm_tensorrt import build_lm_engines_existing as build_engines_existing
+    for r in build_engines_existing(spec, progress=progress_printer()):
         click.echo(f"{r.precision}: {r.plan_path} ({r.size_bytes / 2**20:.1f} MiB, {r.build_seconds:.1f} s)")
 
 

@@ -62,9 +62,9 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     assert {INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS, past_name(1, "value")} <= names
     assert not any(n.endswith(".onnx.data") and "tensorrt" in n for n in result.artifacts)  # the export is not packaged
     # `model-factory build-engine` on the same recipe: from the work dir's export, the same checked plan.
-    from model_factory.build_engines.tensorrt import build_engines_existing
+    from model_factory.build_engines.lm_tensorrt import build_lm_engines_existing
 
-    (again,) = build_engines_existing(recipe)
+    (again,) = build_lm_engines_existing(recipe)
     assert again.precision == "fp32" and again.plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
     assert json.loads(again.metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
 
@@ -72,7 +72,7 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
 def test_build_engine_of_a_text_generation_recipe_needs_its_export_first(tmp_path) -> None:
     from build.conftest import write_generative_recipe
 
-    from model_factory.build_engines.tensorrt import build_engines_existing
+    from model_factory.build_engines.lm_tensorrt import build_lm_engines_existing
     from model_factory.errors import FactoryError
     from model_factory.recipe import load_recipe
 
@@ -81,7 +81,16 @@ def test_build_engine_of_a_text_generation_recipe_needs_its_export_first(tmp_pat
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
-    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "no-export"))
+    recipe_path = write_generative_recipe(tmp_path, folder, "no-export")
+    recipe = load_recipe(recipe_path)
     with pytest.raises(FactoryError, match="run model-factory export RECIPE first"):
-        build_engines_existing(recipe)
+        build_lm_engines_existing(recipe)
+    # The command routes a text-generation recipe there: one line and exit 1, no traceback.
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    out = CliRunner().invoke(main, ["build-engine", str(recipe_path)])
+    assert out.exit_code == 1 and "run model-factory export RECIPE first" in out.output, out.output
+    assert "Traceback" not in out.output
     assert not (recipe.work_dir / "engines").exists()
