@@ -46,6 +46,15 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS, *pasts], [LOGITS, *presents]
 
 
+def _kv_geometry(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of a transformers config (the head size as the serving graph's export reads
+    it: ``lm_graph.head_dim_of``)."""
+    from model_factory.build_engines.lm_graph import head_dim_of
+
+    d = config.to_dict()
+    return int(d["num_hidden_layers"]), int(d.get("num_key_value_heads") or d["num_attention_heads"]), head_dim_of(d)
+
+
 def _wrapper(model: Any, num_layers: int) -> Any:
     import torch
     from transformers import DynamicCache
@@ -84,10 +93,7 @@ def export_for_tensorrt(folder: Path, out: Path, max_context: int, max_batch: in
     import torch
 
     model, _tok = load_torch_model(folder)
-    cfg = model.config
-    layers = int(cfg.num_hidden_layers)
-    kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    layers, kv, head_dim = _kv_geometry(model.config)
     b, s, p = 2, 3, 4  # example shapes: every axis that varies must differ here (torch.export specializes 1s)
     args = (torch.ones(b, s, dtype=torch.long), torch.ones(b, p + s, dtype=torch.long),
             torch.arange(p, p + s).expand(b, s).contiguous(), torch.tensor([[s - 2, s - 1]] * b),
@@ -122,11 +128,10 @@ def export_for_tensorrt(folder: Path, out: Path, max_context: int, max_batch: in
 class ConcatRunner:
     """Runs the TensorRT graph with ONNX Runtime, one sequence, its KV cache carried from step to step."""
 
-    def __init__(self, graph: Path, num_layers: int) -> None:
+    def __init__(self, graph: Path) -> None:
         from model_factory.build_engines.ort_session import onnxruntime_session
 
         self.session = onnxruntime_session(graph)
-        self.layers = num_layers
         self.kv = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
 
     def start(self) -> list[np.ndarray]:
@@ -149,7 +154,7 @@ def check_export(graph: Path, model: Any, reference: Sequence[Continuation], tol
     """The exported graph against ``transformers`` (prefill logits) and the reference's greedy tokens."""
     import torch
 
-    runner = ConcatRunner(graph, int(model.config.num_hidden_layers))
+    runner = ConcatRunner(graph)
     worst, prompts = 0.0, []
     for ref in reference:
         ids = list(ref.prompt_ids)
@@ -222,10 +227,7 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
         check = check_export(graph, model, read_reference(Path(export_dir)), recipe.export.tolerance)
         say(f"[build-engine] TensorRT graph: max abs logits error vs transformers {check['max_abs_logits_error']:.3g}; "
             f"greedy tokens identical on {len(check['prompts'])} prompts")
-        cfg = model.config
-        layers = int(cfg.num_hidden_layers)
-        kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        layers, kv, head_dim = _kv_geometry(model.config)
         del model
         result = build_engine("fp32", graph, tmp / plan_file("fp32"), recipe, cache, visible_device(), say,
                               profiles=profiles(layers, kv, head_dim, max_context, max_batch))
