@@ -207,11 +207,12 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         raise FactoryError("--control-port needs an admin key the operator holds. Fix: pass --admin-key-file "
                            "(or set $MODEL_FACTORY_ADMIN_KEY)")
     stop = threading.Event()
-    starting = True
+    loading = threading.Event()  # cleared once every load has ended: Triton answers requests from then on
+    loading.set()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
-        if starting:  # unwinds start-up: TritonServer.start stops the server it began
+        if loading.is_set():  # unwinds start-up: TritonServer.start stops the server it began
             raise _Interrupted(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -221,13 +222,15 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     try:
         server, report = start_verified_server(Path(repository), opts, Path(policy) if policy else None,
                                                allow_unsigned, accept=accept, cost_cache=cache,
-                                               allow_empty=allow_empty)
-        starting = False
+                                               allow_empty=allow_empty, on_loaded=lambda _server: loading.clear())
     except _Interrupted as exc:
         raise click.ClickException(f"interrupted by signal {exc.args[0]} while starting; tritonserver stopped")
-    if stop.is_set():  # a signal between the end of start-up and here
-        server.stop()
-        raise click.ClickException("interrupted while starting; tritonserver stopped")
+    if stop.is_set():
+        # A signal after the loads: the models were ready (a readiness probe may have passed and routed requests),
+        # so this is an ordinary stop, drained like one.
+        click.echo("stopping: a signal arrived as start-up ended")
+        _drain_and_stop(server)
+        return
     click.echo(f"serving {', '.join(report.served) or 'no model yet (--allow-empty)'}")
     for name, where in report.engines.items():
         click.echo(f"  {name}: {where}")
@@ -296,7 +299,11 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
             watch.stop()
         if frontend is not None:
             frontend.stop()
-    # New requests refused, those in flight answered, then tritonserver stopped.
+    _drain_and_stop(server)
+
+
+def _drain_and_stop(server) -> None:
+    """New requests refused, those in flight answered, then tritonserver stopped; its exit code checked."""
     if not server.drain():
         click.echo("requests were still in flight when the exit timeout expired", err=True)
     rc = server.stop()

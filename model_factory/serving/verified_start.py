@@ -12,7 +12,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
@@ -185,7 +185,8 @@ def _cost_cache_env(repository: Path, cost_cache: Path | None) -> dict[str, str]
 def start_verified_server(repository: Path, options: ServerOptions, policy: Path | None,
                           allow_unsigned: bool = False, log_file: Path | None = None,
                           accept: bool = False, cost_cache: Path | None = None,
-                          allow_empty: bool = False) -> tuple[TritonServer, ServeReport]:
+                          allow_empty: bool = False,
+                          on_loaded: Callable[[TritonServer], None] | None = None) -> tuple[TritonServer, ServeReport]:
     """Verify the repository against ``policy``, then start Triton loading only verified models.
 
     Fail-closed: without a policy, nothing is served unless ``allow_unsigned``
@@ -199,7 +200,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     backend keeps the cost-model constants it learned (per engine and device), so that a restart needs no
     warm-up, and where the queue bound's measured cost is kept (per served version and machine), so that a
     restart measures nothing. When no model loads, the server is stopped and FactoryError names every refusal, unless
-    ``allow_empty`` keeps it up for later loads.
+    ``allow_empty`` keeps it up for later loads. ``on_loaded``: called with the server once every load has ended, before the report is
+    gathered; from then on Triton answers requests (``serve`` stops taking a signal as an aborted start-up there).
     """
     repository = Path(repository)
     if not repository.is_dir():
@@ -223,6 +225,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         env[VERIFIED_DIGESTS_ENV] = str(path)
     server = TritonServer(repository, checks.passed, options, log_file=log_file, env=env, queue_costs=checks.costs)
     server.start()
+    if on_loaded is not None:
+        on_loaded(server)
     details = dict(server.load_errors)
     refused.update({m: f"failed to load: {load_error_line(why)}" for m, why in details.items()})
     served = tuple(server.ready_models)

@@ -188,6 +188,17 @@ def test_the_server_container_command_serves_what_verified(signed, tmp_path: Pat
     env = {**os.environ, **{e["name"]: e["value"] for e in server["env"] if "value" in e}, "HOME": str(tmp_path),
            "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    started = threading.Event()  # serve printed its banner: start-up over, a SIGTERM is an ordinary stop
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C to stop."):
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 240
         ready = False
@@ -197,7 +208,8 @@ def test_the_server_container_command_serves_what_verified(signed, tmp_path: Pat
                     ready = r.status == 200
             except OSError:
                 time.sleep(1)
-        assert ready, proc.stdout.read() if proc.poll() is not None else "not ready in time"
+        # Triton answers ready as the model's load ends, a moment before serve's own start-up does.
+        assert ready and started.wait(60), "".join(lines) if proc.poll() is not None else "not ready in time"
         # The startup/readiness/liveness probes' paths answer on the rendered port.
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             path = server[probe]["httpGet"]["path"]
@@ -207,6 +219,8 @@ def test_the_server_container_command_serves_what_verified(signed, tmp_path: Pat
             assert b"nv_inference_queue_duration_us" in r.read()
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        reader.join(timeout=30)
+    out = "".join(lines)
     assert proc.returncode == 0, out
     assert f"serving {name}" in out

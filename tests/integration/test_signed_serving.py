@@ -36,8 +36,12 @@ def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
     data = bytearray(onnx.read_bytes())
     data[len(data) // 2] ^= 0xFF
     onnx.write_bytes(bytes(data))
-    server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
+    seen_at_loaded = []  # what Triton said of each model when start-up called on_loaded (serve's signal boundary)
+    server, report = start_verified_server(
+        repo, ServerOptions(0, 0, 0), policy,
+        on_loaded=lambda started: seen_at_loaded.append({m["name"]: m.get("state") for m in started.model_status()}))
     try:
+        assert len(seen_at_loaded) == 1 and seen_at_loaded[0]["good"] == "READY", seen_at_loaded
         assert report.served == ("good",)
         assert "verification failed" in report.refused["tampered"] and "1/model.onnx" in report.refused["tampered"]
         assert embed_texts(server.http_url, "good", ["still served"]).shape == (1, 384)
