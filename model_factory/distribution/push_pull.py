@@ -291,6 +291,32 @@ def _install(staged: Path, dest: Path, model: str) -> Path:
     return target
 
 
+def _release_number(files: list[Path]) -> tuple[int, int]:
+    """(targets version, timestamp version) of a set of release metadata files; (0, 0) when unreadable."""
+    by_name = {p.name: p for p in files}
+    try:
+        return tuple(int(json.loads(by_name[n].read_bytes())["signed"]["version"])  # type: ignore[return-value]
+                     for n in ("targets.json", "timestamp.json"))
+    except (KeyError, OSError, ValueError, TypeError):
+        return (0, 0)
+
+
+def _install_release(files: list[Path], dest: Path) -> None:
+    """``DEST/.release/`` becomes the pulled release metadata (already checked against this machine's release
+    state), so that ``verify``, ``serve`` and ``rollout`` on DEST check the pulled versions with the same
+    ``[release]`` policy; a newer release already there is kept (another model pulled later from a newer release)."""
+    from model_factory.fileio import atomic_dir
+    from model_factory.signing.release import release_dir
+
+    target = release_dir(dest)
+    here = sorted(p for p in target.iterdir() if p.is_file()) if target.is_dir() else []
+    if here and _release_number(here) > _release_number(files):
+        return
+    with atomic_dir(target) as tmp:
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)
+
+
 def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = RegistryOptions(),
          expect_version: int | None = None, allow_downgrade: bool = False,
          release_check: ReleaseCheck | None = None, release_state: Path | None = None,
@@ -299,7 +325,8 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
 
     When the policy has a ``[release]`` section, the ``release`` referrer must be attached and the TUF
     release check runs on it before any weights are fetched; ``release_state`` overrides the policy's
-    ``state_dir`` (what this machine has trusted). ``release_check`` (an extra hook) receives the staged
+    ``state_dir`` (what this machine has trusted). Its files then become ``dest/.release/`` (unless a newer
+    release is there), so the same policy verifies and serves DEST. ``release_check`` (an extra hook) receives the staged
     model folder, the version and the release files, after every other check, and raises FactoryError
     to refuse.
     """
@@ -380,6 +407,8 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
         if release_check is not None:
             release_check(staged, version, tuple(fetched.get("release", ())))
         model_dir = _install(staged, dest, model)
+        if trust.release is not None:  # after the model: a crash between leaves an older release, refused (fail-closed)
+            _install_release(fetched["release"], dest)
     finally:
         remove_tree(stage)
         if blobs.is_dir() and not any(blobs.iterdir()):

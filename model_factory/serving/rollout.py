@@ -453,6 +453,11 @@ class RolloutControl:
             if time.time() > done.until:
                 raise FactoryError(f"refused: the grace period of {model}'s rollout to version {done.current} "
                                    "ended. Fix: release the older model again under a higher version and roll it out")
+            if not (Path(self.server.repository) / model / str(done.previous)).is_dir():
+                raise FactoryError(f"refused: version {done.previous} of {model} is no longer in the repository "
+                                   "(model-factory pull replaces the model folder with the version it brings), so it "
+                                   "cannot be loaded again. Fix: roll forward: release the fix as a newer version "
+                                   "and roll it out")
             status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
             start = time.time()
             self._switch(model, done.previous)

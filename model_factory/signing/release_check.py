@@ -282,7 +282,12 @@ def verify_release(repo: Path, policy: TrustPolicy) -> ReleaseVerdict:
             for v in versions:
                 seen.add((model_dir.name, v))
                 by_model.setdefault(model_dir.name, []).extend(_check_version(targets, model_dir, v, release))
-        missing = sorted((m, v) for m, vs in listed.items() for v in vs if (m, v) not in seen)
+        # Held back: a listed version absent while an older version of the model is here, so the older one would be
+        # served. Older versions may be retired (a pulled repository holds the version it serves; a repository may
+        # be pruned), and a model absent altogether is simply not served (a pod may serve a subset of a release).
+        newest_here = {m: max((v for mm, v in seen if mm == m), default=None) for m in listed}
+        missing = sorted((m, v) for m, vs in listed.items() for v in vs
+                         if newest_here[m] is not None and v > newest_here[m])
         for m, v in missing:
             by_model.setdefault(m, []).append(f"release {release} lists {m} version {v} but the repository lacks it: "
                                               "held back or removed. Fix: restore it from the release")

@@ -80,6 +80,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                             "gpuProducts": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]}},
     "factory-certificates": {"factory": {"enabled": True, "recipes": ["minilm.toml"], "certificateMode": True}},
     "release-emptydir": {"release": {"enabled": True, "root": '{"signed": {"_type": "root"}}', "minVersion": 3}},
+    "oci-release": {"repository": {"source": "oci", "oci": {"references": ["oci://registry.models.svc:5000/models/minilm:2"]}},
+                    "release": {"enabled": True, "root": '{"signed": {"_type": "root"}}'}},
     "release-shared-claim": {"release": {"enabled": True, "root": '{"signed": {"_type": "root"}}',
                                          "state": {"type": "persistentVolumeClaim", "existingClaim": "release-state"}},
                              "factory": {"enabled": True, "recipes": ["minilm.toml"]}},

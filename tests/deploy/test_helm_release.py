@@ -44,6 +44,15 @@ def test_state_volume_reaches_verify_and_serve(values_set: str, volume: dict) ->
     assert {"key": "release-root.json", "path": "release-root.json"} in trust
 
 
+def test_the_oci_source_pulls_with_the_same_release_state_that_verify_and_serve_use() -> None:
+    pod = find(objects("oci-release"), "Deployment")["spec"]["template"]["spec"]
+    users = [c for c in pod["initContainers"] if c["name"] in ("pull-0", "verify")] + pod["containers"]
+    assert [c["name"] for c in users] == ["pull-0", "verify", "server"]
+    for c in users:
+        mount = _mounts(c)["release-state"]
+        assert mount["mountPath"] == STATE and not mount.get("readOnly")
+
+
 def test_factory_jobs_get_the_root_but_not_the_state() -> None:
     for job in [d for d in objects("release-shared-claim") if d["kind"] == "Job"]:
         spec = job["spec"]["template"]["spec"]

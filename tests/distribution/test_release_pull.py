@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from model_factory.cli.main import main
 from model_factory.distribution import modelpack as mp
 from model_factory.distribution.oci_layout import OCI_INDEX, descriptor
-from model_factory.distribution.push_pull import attach, pull, push
+from model_factory.distribution.push_pull import _install_release, attach, pull, push
 from model_factory.errors import FactoryError
 from model_factory.signing import SignerConfig, sign_model_version
 from model_factory.signing.release import KeyFile, add_release, init_release, refresh_timestamp, release_files
@@ -97,6 +97,10 @@ def test_honest_pull_then_a_repointed_tag_is_refused_as_a_rollback(registry, fac
                                                                    tmp_path):
     base = f"oci://{registry.host}/rel1/enc"
     old = push(factory.repo, "enc", f"{base}:1", options=reg_options)
+    release_1 = tmp_path / "release-1"
+    release_1.mkdir()
+    for p in release_files(factory.repo):
+        shutil.copy(p, release_1 / p.name)
     assert set(old.referrers) == {"signature", "release"}  # .release/ attached without a flag
     # Version 2 fixes a defect of version 1; release 2 lists version 2 only (version 1 retired).
     factory.new_version(2)
@@ -115,6 +119,13 @@ def test_honest_pull_then_a_repointed_tag_is_refused_as_a_rollback(registry, fac
     assert snapshot(dest / "enc") == snapshot(factory.repo / "enc")
     assert json.loads((state / "floors.json").read_text())["models"] == {"enc": 2}
     assert not (tmp_path / "unused").exists()
+    # The release came along: the same [release] policy (with this machine's state) verifies DEST, as serve does.
+    assert snapshot(dest / ".release") == snapshot(factory.repo / ".release")
+    r = CliRunner().invoke(main, ["verify", str(dest), "--policy", str(factory.policy(state="node-state"))])
+    assert r.exit_code == 0, r.output
+    # An older release's files (another model pulled later from it) never replace the newer one in DEST.
+    _install_release(sorted(release_1.iterdir()), dest)
+    assert snapshot(dest / ".release") == snapshot(factory.repo / ".release")
     before = snapshot(dest)
 
     # Someone with push rights re-points `stable` to the older, validly signed version 1; its release 1

@@ -319,10 +319,13 @@ def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env
     assert env.control.scan() == []  # nothing newer
 
 
-def test_the_serve_command_rolls_out_on_sighup_and_answers_rollout_status(tmp_path, minilm_recipe, minilm_export,
-                                                                          package_signed) -> None:
-    """``model-factory serve --control-port 0``, end to end: a released v2 appears, SIGHUP rolls it out under load
-    (0 failed), ``model-factory rollout --status`` reads it through the control endpoint, SIGTERM exits 0."""
+def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm_recipe, minilm_export,
+                                                               package_signed) -> None:
+    """``model-factory serve --control-port 0`` on a repository filled by ``model-factory pull``, end to end: the
+    factory releases v2 and pushes it (an OCI layout: a registry or a USB disk alike), ``pull`` brings it with its
+    release metadata into the served repository, SIGHUP rolls it out under load (0 failed),
+    ``model-factory rollout --status`` reads it, ``--undo`` is refused with the reason (the pull replaced v1's
+    folder), SIGTERM exits 0."""
     import re
     import signal
     import subprocess
@@ -333,26 +336,38 @@ def test_the_serve_command_rolls_out_on_sighup_and_answers_rollout_status(tmp_pa
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.cli.main import main
     from model_factory.demo import write_key_policy
+    from model_factory.distribution.push_pull import push
     from model_factory.signing import generate_keypair
     from model_factory.signing.release import KeyFile, add_release, init_release
 
-    repo = tmp_path / "repo"
+    factory = tmp_path / "factory"  # where models are built, signed and released
+    served = tmp_path / "served"  # what serve reads: filled only by pull
+    layout = tmp_path / "usb"
     keys = generate_keypair(tmp_path / "keys")
-    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=repo))
+    recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=factory))
     golden = write_acceptance_data(recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir, tmp_path / "golden")
     model_dir = package_signed(recipe, keys, acceptance_dir=golden)
     k = [KeyFile(keys.private_key)]
-    root = init_release(repo, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
-    add_release(repo, k, k, k)
+    root = init_release(factory, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
+    add_release(factory, k, k, k)
     policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
     shutil.copy(root, tmp_path / "release-root.json")
     with policy.open("a") as f:
         f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
+
+    def pull(tag: str) -> str:
+        res = CliRunner().invoke(main, ["pull", f"oci-layout:{layout}:{tag}", str(served), "--policy", str(policy)])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    push(factory, MODEL, f"oci-layout:{layout}:1")
+    pull("1")
+    assert (served / ".release" / "targets.json").read_bytes() == (factory / ".release" / "targets.json").read_bytes()
     key_file = tmp_path / "admin-key"
     key_file.write_text(KEY + "\n")
     cmd = [sys.executable, "-m", "model_factory.cli.main", "serve", "--policy", str(policy), "--admin-key-file",
            str(key_file), "--control-port", "0", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-           "--watch-interval", "0", str(repo)]
+           "--watch-interval", "0", str(served)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
@@ -361,30 +376,36 @@ def test_the_serve_command_rolls_out_on_sighup_and_answers_rollout_status(tmp_pa
             if "Ctrl-C to stop" in line:
                 break
         text = "".join(lines)
+        assert f"serving {MODEL}" in text, text
         url = re.search(r"HTTP\s+http://(\S+)", text).group(1)
         control = re.search(r"control (http://\S+)", text).group(1)
-        package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
-        _sign_all(model_dir, keys, (1,))
-        add_release(repo, k, k, k)
 
-        def status() -> str:
-            res = CliRunner().invoke(main, ["rollout", MODEL, "--status", "--serve-url", control,
+        def rollout(*args: str) -> str:
+            res = CliRunner().invoke(main, ["rollout", MODEL, *args, "--serve-url", control,
                                             "--admin-key-file", str(key_file)])
             return res.output
 
-        assert "no rollout of roll" in status()
+        assert "no rollout of roll" in rollout("--status")
+        package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
+        _sign_all(model_dir, keys, (1,))
+        add_release(factory, k, k, k)
+        push(factory, MODEL, f"oci-layout:{layout}:2")
         with Load(url) as load:
+            pull("2")  # beside the live server: the model folder now holds version 2 only
+            assert sorted(p.name for p in (served / MODEL).iterdir() if p.is_dir()) == ["2"]
             proc.send_signal(signal.SIGHUP)
             deadline, last = time.monotonic() + 180, ""
             while time.monotonic() < deadline and not re.search(r": (switched|rolled_back|failed)", last):
                 time.sleep(1.0)
-                last = status()
+                last = rollout("--status")
             switched_at = time.monotonic()
             time.sleep(1.5)
         assert "roll 1 -> 2: switched" in last, last
         assert load.failed() == [], load.failed()[:3]
         assert [r for r in load.results if r[0] > switched_at] and all(
             r[3] == "2" for r in load.results if r[0] > switched_at)
+        undo = rollout("--undo")
+        assert "refused: version 1 of roll is no longer in the repository" in undo and "Fix:" in undo, undo
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, text + rest

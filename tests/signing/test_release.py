@@ -124,6 +124,31 @@ def test_honest_releases_timestamps_and_root_rotation_pass(rel: Release) -> None
     assert (rel.folder / "state" / "root_history" / "2.root.json").is_file()
 
 
+def test_older_versions_may_be_retired_but_the_newest_may_not_be_held_back(rel: Release) -> None:
+    policy = rel.policy()
+    new_version(rel, "encoder", 2)
+    assert rel.add() == 2  # lists encoder 1 and 2
+    aside = rel.folder / "aside"
+    aside.mkdir()
+    # Version 1 retired (a pulled repository holds only the version it serves): version 2 is what the release asks.
+    for path in (rel.repo / "encoder" / "1", rel.repo / "encoder" / "1.sig"):
+        shutil.move(path, aside / path.name)
+    assert_ok(check(rel.repo, policy))
+    # Version 2 held back (version 1 put back in its place): refused.
+    for name in ("1", "1.sig"):
+        shutil.move(aside / name, rel.repo / "encoder" / name)
+    for path in (rel.repo / "encoder" / "2", rel.repo / "encoder" / "2.sig"):
+        shutil.move(path, aside / path.name)
+    results = check(rel.repo, policy)
+    assert not [r for r in results if r.model == "encoder" and r.ok]
+    assert "release 2 lists encoder version 2 but the repository lacks it: held back" in reasons(results)
+    assert all(r.ok for r in results if r.model == "ranker")
+    # A listed model absent altogether is not served, and does not fail the others (a pod serving a subset).
+    shutil.rmtree(rel.repo / "ranker")
+    results = check(rel.repo, policy)
+    assert {r.model for r in results} == {"encoder"} and "ranker" not in reasons(results)
+
+
 # --------------------------------------------------------------------------- one test per attack
 
 

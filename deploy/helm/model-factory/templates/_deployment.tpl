@@ -155,6 +155,8 @@ spec:
             - name: trust
               mountPath: /etc/model-factory/trust
               readOnly: true
+            {{- /* pull checks the attached release against this pod's release state, then writes it to .release/ */}}
+            {{- include "mf.releaseStateMount" $ | nindent 12 }}
             {{- if $.Values.repository.oci.caSecret }}
             - name: registry-ca
               mountPath: /etc/model-factory/registry-ca
