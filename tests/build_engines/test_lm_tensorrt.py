@@ -46,8 +46,10 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
     recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", extra="[tensorrt]\nenabled = true\n"))
+    from model_factory.signing import SignerConfig, generate_keypair
+
     lines: list[str] = []
-    result = build(recipe, progress=lines.append)
+    result = build(recipe, signer=SignerConfig(generate_keypair(tmp_path / "keys").private_key), progress=lines.append)
     assert result.engines == ("fp32",), lines
     plan = result.version_dir / "model.fp32.plan"
     assert plan.is_file() and plan.stat().st_size > 0
@@ -67,6 +69,12 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     (again,) = build_lm_engines_existing(recipe)
     assert again.precision == "fp32" and again.plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
     assert json.loads(again.metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
+    # rebuild --check from the signed provenance: every file the same but the plan (listed, with the reason).
+    from model_factory.build.rebuild import rebuild_check
+
+    report = rebuild_check(result.version_dir)
+    assert report.ok and not report.differences and not report.input_changes, report
+    assert {n.split(":")[0] for n in report.not_compared} >= {"1/model.fp32.plan", "1/model.fp32.plan.json"}
 
 
 def test_build_engine_of_a_text_generation_recipe_needs_its_export_first(tmp_path) -> None:
