@@ -10,7 +10,10 @@ any engine is built: the golden prompts are prefilled and decoded greedily throu
 carried from step to step) and must give the FP32 reference's tokens up to its first near-tie, and the prefill's
 logits must be within ``export.tolerance`` of ``transformers``.
 
-The plan is strongly typed (precision from the graph: FP32 here), with one optimization profile for prefill
+Plans: FP32, and INT8 / INT4 where the recipe asks for them as weight-only Q/DQ of the same graph
+(``lm_weight_only``: FP32 activations, integer weights behind DequantizeLinear), each checked through ONNX Runtime
+against the reference (teacher-forced agreement at least ``quantization.min_token_agreement``) before its plan is
+built. Each plan is strongly typed (precision from the graph), with one optimization profile for prefill
 (``new_tokens`` 1..max_context, no past) and one for decode (``new_tokens`` 1, past 1..max_context - 1), over
 batch 1..``shapes.max_batch`` (prefill: up to 8 rows). The build goes through ``tensorrt.build_engine`` (the only
 module that imports TensorRT); the plan's metadata names both profiles. No runner serves it yet: the backend's
@@ -183,6 +186,39 @@ def check_export(graph: Path, model: Any, reference: Sequence[Continuation], tol
     return {"max_abs_logits_error": worst, "tolerance": tolerance, "prompts": prompts}
 
 
+class _PrefillLogits:
+    """``lm_graph.teacher_forced_agreement``'s runner: the logits at every position of one prefill."""
+
+    def __init__(self, runner: ConcatRunner) -> None:
+        self.runner = runner
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        return self.runner.step(list(ids), self.runner.start(), all_positions=True)[0]
+
+
+def check_weight_only(graph: Path, fp32_graph: Path, reference: Sequence[Continuation], gate: float,
+                      precision: str) -> dict[str, Any]:
+    """A weight-only graph against the FP32 reference: teacher-forced greedy agreement on the golden prompts (the
+    build's gate metric, up to each reference's first near-tie) at least ``gate``, and its prefill logits' distance
+    from the FP32 graph's (reported)."""
+    from model_factory.build_engines.lm_graph import teacher_forced_agreement
+
+    runner, fp32 = _PrefillLogits(ConcatRunner(graph)), _PrefillLogits(ConcatRunner(fp32_graph))
+    agree = compared = 0
+    worst = 0.0
+    for ref in reference:
+        a, n = teacher_forced_agreement(runner, ref.prompt_ids, ref.tokens, ref.near_tie)
+        agree, compared = agree + a, compared + n
+        worst = max(worst, float(np.abs(runner.logits(ref.prompt_ids) - fp32.logits(ref.prompt_ids)).max()))
+    score = agree / max(compared, 1)
+    if not score >= gate:
+        raise FactoryError(f"the {precision} TensorRT graph (weight-only, round to nearest) agrees with the FP32 "
+                           f"reference on {score:.3f} of {compared} teacher-forced tokens, below the gate {gate:g}. "
+                           f"Fix: drop {precision} from the recipe's precisions for TensorRT ([tensorrt] enabled = "
+                           "false), or lower quantization.min_token_agreement if this is acceptable")
+    return {"agreement": score, "compared_tokens": compared, "gate": gate, "max_abs_logits_error_vs_fp32": worst}
+
+
 def profiles(num_layers: int, kv_heads: int, head_dim: int, max_context: int, max_batch: int
              ) -> list[dict[str, Any]]:
     """The prefill and the decode optimization profiles of the TensorRT graph (``build_engine``'s form)."""
@@ -206,13 +242,22 @@ def profiles(num_layers: int, kv_heads: int, head_dim: int, max_context: int, ma
     return out
 
 
+def plan_precisions(precisions: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the plans built, the recipe's precisions that get none): FP32 always (the checked graph), INT8 and INT4 as
+    weight-only Q/DQ where the recipe asks for them; FP16 has no plan yet."""
+    built = ["fp32"] + [p for p in ("int8", "int4") if p in precisions]
+    return built, [p for p in precisions if p not in built]
+
+
 def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = None,
                      progress: Callable[[str], None] | None = None) -> list[Any]:
-    """The build-engine stage of ``task = "text-generation"``: ``engines/model.fp32.plan`` (+ ``.json``).
+    """The build-engine stage of ``task = "text-generation"``: ``engines/model.<precision>.plan`` (+ ``.json``) for
+    FP32 and the recipe's INT8 / INT4 (weight-only, ``lm_weight_only``), each graph checked before its plan.
 
     ``export_dir`` is the export stage's folder (its reference continuations are what the graph is checked
     against). Written atomically: a failed export, check or build leaves no folder behind.
     """
+    from model_factory.build_engines.lm_weight_only import weight_only_qdq
     from model_factory.build_engines.tensorrt import EngineResult, _trt, build_engine, visible_device
 
     say = progress or (lambda _m: None)
@@ -222,25 +267,44 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
     out_dir = Path(out_dir or recipe.work_dir / "engines")
     max_context, max_batch = int(recipe.shapes.max_context or gen.max_positions), int(recipe.shapes.max_batch)
     cache = Path(recipe.tensorrt.timing_cache or recipe.work_dir / "timing.cache")
+    wanted, without = plan_precisions(recipe.precisions)
+    if without:
+        say(f"[build-engine] no TensorRT plan for {', '.join(without)} (text generation: FP32, and INT8 / INT4 "
+            "weight-only); its ONNX Runtime graph still serves")
+    reference = read_reference(Path(export_dir))
+    results = []
     with atomic_dir(out_dir) as tmp:
         graph, model = export_for_tensorrt(Path(src), tmp / EXPORT_NAME, max_context, max_batch, say)
-        check = check_export(graph, model, read_reference(Path(export_dir)), recipe.export.tolerance)
+        check = check_export(graph, model, reference, recipe.export.tolerance)
         say(f"[build-engine] TensorRT graph: max abs logits error vs transformers {check['max_abs_logits_error']:.3g}; "
             f"greedy tokens identical on {len(check['prompts'])} prompts")
         layers, kv, head_dim = _kv_geometry(model.config)
         del model
-        result = build_engine("fp32", graph, tmp / plan_file("fp32"), recipe, cache, visible_device(), say,
-                              profiles=profiles(layers, kv, head_dim, max_context, max_batch))
-        meta = json.loads(result.metadata_path.read_text())
-        meta.update({"task": "text-generation", "kv_layout": "concat", "export_check": check,
-                     "exporter": "torch.onnx (dynamo)"})
-        result.metadata_path.write_text(json.dumps(meta, indent=2) + "\n")
-        say(f"[build-engine] fp32: {result.size_bytes / 2**20:.1f} MiB in {result.build_seconds:.1f} s "
-            "(profiles: prefill, decode)")
+        shapes = profiles(layers, kv, head_dim, max_context, max_batch)
+        for precision in wanted:
+            source, extra = graph, {"export_check": check}
+            if precision != "fp32":
+                source = tmp / f"model.tensorrt.{precision}.onnx"
+                form = weight_only_qdq(graph, source, precision, recipe.quantization.int4_block_size)
+                gate = check_weight_only(source, graph, reference, recipe.quantization.min_token_agreement, precision)
+                extra = {"export_check": check, "weight_only": {**form, **gate}}
+                say(f"[build-engine] {precision} weight-only graph: agreement {gate['agreement']:.3f} over "
+                    f"{gate['compared_tokens']} tokens (gate {gate['gate']:g})")
+            result = build_engine(precision, source, tmp / plan_file(precision), recipe, cache, visible_device(), say,
+                                  profiles=shapes)
+            meta = json.loads(result.metadata_path.read_text())
+            meta.update({"task": "text-generation", "kv_layout": "concat", "exporter": "torch.onnx (dynamo)", **extra})
+            result.metadata_path.write_text(json.dumps(meta, indent=2) + "\n")
+            say(f"[build-engine] {precision}: {result.size_bytes / 2**20:.1f} MiB in {result.build_seconds:.1f} s "
+                "(profiles: prefill, decode)")
+            results.append(result)
+            if source != graph:
+                for leftover in (source, source.with_name(source.name + ".data")):
+                    leftover.unlink(missing_ok=True)
         for leftover in (tmp / EXPORT_NAME, tmp / (EXPORT_NAME + ".data")):
             leftover.unlink(missing_ok=True)  # the plan holds the weights; the graph is rebuilt from the source
-    return [EngineResult("fp32", out_dir / result.plan_path.name, out_dir / result.metadata_path.name,
-                         result.build_seconds, result.size_bytes)]
+    return [EngineResult(r.precision, out_dir / r.plan_path.name, out_dir / r.metadata_path.name, r.build_seconds,
+                         r.size_bytes) for r in results]
 
 
 def build_lm_engines_existing(recipe: Recipe, progress: Callable[[str], None] | None = None) -> list[Any]:

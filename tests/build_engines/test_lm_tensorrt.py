@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,12 +46,13 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
-    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", extra="[tensorrt]\nenabled = true\n"))
+    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", ("fp32", "int8", "int4"),
+                                                 extra="[tensorrt]\nenabled = true\n"))
     from model_factory.signing import SignerConfig, generate_keypair
 
     lines: list[str] = []
     result = build(recipe, signer=SignerConfig(generate_keypair(tmp_path / "keys").private_key), progress=lines.append)
-    assert result.engines == ("fp32",), lines
+    assert result.engines == ("fp32", "int8", "int4"), lines
     plan = result.version_dir / "model.fp32.plan"
     assert plan.is_file() and plan.stat().st_size > 0
     meta = json.loads((result.version_dir / "model.fp32.plan.json").read_text())
@@ -63,18 +65,46 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     names = {i["name"] for i in meta["inputs"]}
     assert {INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS, past_name(1, "value")} <= names
     assert not any(n.endswith(".onnx.data") and "tensorrt" in n for n in result.artifacts)  # the export is not packaged
+    # INT8 / INT4: weight-only Q/DQ of the same graph, checked against the reference (the recipe's gate, 0.4 here),
+    # plans with the same two profiles.
+    for precision, granularity in (("int8", "per output channel"), ("int4", "blocks of 32 along K")):
+        q = json.loads((result.version_dir / f"model.{precision}.plan.json").read_text())
+        woq = q["weight_only"]
+        assert woq["granularity"] == granularity and woq["quantized_matmuls"] > 0 and woq["gate"] == 0.4
+        assert 0.4 <= woq["agreement"] <= 1 and woq["compared_tokens"] > 0, woq
+        assert [p["name"] for p in q["profiles"]] == ["prefill", "decode"] and q["strongly_typed"] is True
+        assert any(f"{precision} weight-only graph: agreement" in line for line in lines), lines
     # `model-factory build-engine` on the same recipe: from the work dir's export, the same checked plan.
     from model_factory.build_engines.lm_tensorrt import build_lm_engines_existing
 
-    (again,) = build_lm_engines_existing(recipe)
-    assert again.precision == "fp32" and again.plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
-    assert json.loads(again.metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
+    again = build_lm_engines_existing(recipe)
+    assert [e.precision for e in again] == ["fp32", "int8", "int4"]
+    assert again[0].plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
+    assert json.loads(again[0].metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
     # rebuild --check from the signed provenance: every file the same but the plan (listed, with the reason).
     from model_factory.build.rebuild import rebuild_check
 
     report = rebuild_check(result.version_dir)
     assert report.ok and not report.differences and not report.input_changes, report
-    assert {n.split(":")[0] for n in report.not_compared} >= {"1/model.fp32.plan", "1/model.fp32.plan.json"}
+    assert {n.split(":")[0] for n in report.not_compared} >= {f"1/model.{p}.plan{j}" for p in ("fp32", "int8", "int4")
+                                                              for j in ("", ".json")}
+
+
+def test_weight_only_quantization_rounds_within_half_a_step_and_packs_int4_low_nibble_first() -> None:
+    from model_factory.build_engines.lm_weight_only import _int4_raw, quantize_weight
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (64, 24)).astype(np.float32)
+    w[:32, 3] = 0.0  # an all-zero block keeps a usable scale
+    q4, s4 = quantize_weight(w, "int4", 32)
+    assert q4.shape == (64, 24) and s4.shape == (2, 24) and q4.min() >= -8 and q4.max() <= 7
+    back = (q4.reshape(2, 32, 24) * s4[:, None, :]).reshape(64, 24)
+    assert np.all(np.abs(back - w) <= s4.repeat(32, axis=0) / 2 + 1e-7)
+    q8, s8 = quantize_weight(w, "int8", 32)
+    assert s8.shape == (24,) and np.abs(q8).max() == 127
+    assert np.all(np.abs(q8 * s8 - w) <= s8 / 2 + 1e-7)
+    assert quantize_weight(np.ones((48, 4), np.float32), "int4", 32) is None  # 48 rows are not whole blocks
+    assert _int4_raw(np.array([1, -1, 7], np.int8)) == bytes([0xF1, 0x07])
 
 
 def test_build_engine_of_a_text_generation_recipe_needs_its_export_first(tmp_path) -> None:
