@@ -105,6 +105,48 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
     return sum(t != greedy([r])[0] for t, r in zip(together, rows))
 
 
+def tensorrt_rows(src: Path, work: Path, golden, heldout, say) -> list[tuple]:
+    """(graph, agreement, perplexity ratio, max abs logits error, weight bytes) of the TensorRT graph: FP32 and its
+    weight-only INT8 / INT4 (blocks of 32 and 128)."""
+    import math
+
+    import numpy as np
+
+    from model_factory.build_engines.lm_graph import teacher_forced_agreement
+    from model_factory.build_engines.lm_quantize import weights_bytes
+    from model_factory.build_engines.lm_tensorrt import ConcatRunner, _PrefillLogits, export_for_tensorrt
+    from model_factory.build_engines.lm_weight_only import weight_only_qdq
+
+    graph, _model = export_for_tensorrt(src, work / "trt-fp32.onnx", 256, 8, say)
+
+    def measure(path: Path) -> tuple[float, float, list]:
+        run = _PrefillLogits(ConcatRunner(path))
+        agree = compared = 0
+        for c in golden:
+            a, n = teacher_forced_agreement(run, c.prompt_ids, c.tokens, c.near_tie)
+            agree, compared = agree + a, compared + n
+        nll = count = 0.0
+        for ids in heldout:
+            logits = run.logits(ids)[:-1].astype(np.float64)
+            top = logits.max(axis=-1, keepdims=True)
+            logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
+            nll += float((logz - logits[np.arange(len(ids) - 1), np.asarray(ids[1:])]).sum())
+            count += len(ids) - 1
+        return agree / max(compared, 1), math.exp(nll / max(count, 1)), [run.logits(c.prompt_ids) for c in golden]
+
+    base_agree, base_ppl, base_logits = measure(graph)
+    rows = [("FP32", base_agree, 1.0, 0.0, weights_bytes(graph))]
+    for label, precision, block in (("INT8 per channel", "int8", 32), ("INT4 block 32", "int4", 32),
+                                    ("INT4 block 128", "int4", 128)):
+        out = work / f"trt-{precision}-{block}.onnx"
+        weight_only_qdq(graph, out, precision, block)
+        agree, ppl, logits = measure(out)
+        err = max(float(np.abs(a - b).max()) for a, b in zip(logits, base_logits))
+        rows.append((label, agree, ppl / base_ppl, err, weights_bytes(out)))
+        say(f"tensorrt {label}: agreement {agree:.4f}")
+    return rows
+
+
 def main() -> None:
     from benchmarks.harness.run_header import LoadReading, run_header
     from benchmarks.results_file import publish, say
@@ -167,6 +209,7 @@ def main() -> None:
         agree, ppl, err, n = scorer.score(graph)
         rows.append((precision, method, opts.get("accuracy_level"), agree, ppl / scorer.ppl_fp32, err, n,
                      weights_bytes(graph), batch_dependence(graph, batch_rows, 32)))
+    trt_rows = tensorrt_rows(src, work, golden, heldout, say)
     load = load.finish()
     lines = [START, "## INT8 and INT4 methods on a trained Llama (benchmarks/bench_generative_quant.py)", "",
              run_header("benchmarks/bench_generative_quant.py", load), "",
@@ -185,6 +228,15 @@ def main() -> None:
     for precision, method, level, agree, ratio, err, n, wb, dep in rows:
         lines.append(f"| {precision} | {method} | {level or '-'} | {agree:.4f} | {ratio:.4f} | {err:.3g} | {wb / 1024:.0f} "
                      f"| {dep} of 16 |")
+    if trt_rows:
+        lines += ["", "TensorRT's graph (the standard-op `torch.onnx` export `lm_tensorrt` builds plans from) in the "
+                  "weight-only Q/DQ form of `lm_weight_only` (round to nearest, symmetric; activations FP32), run "
+                  "through ONNX Runtime as the build checks it; the same golden prompts and held-out text, the "
+                  "perplexity ratio against that graph's FP32 and the logits error against its FP32 prefill:", "",
+                  "| graph | agreement | perplexity ratio | max abs logits err | weights (KiB) |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name, agree, ratio, err, wb in trt_rows:
+            lines.append(f"| {name} | {agree:.4f} | {ratio:.4f} | {err:.3g} | {wb / 1024:.0f} |")
     lines.append(END)
     publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
