@@ -293,6 +293,10 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
             artifacts[e.plan_path.name] = e.plan_path
             artifacts[e.metadata_path.name] = e.metadata_path
             built_engines.append(e.precision)
+        from model_factory.build_engines.lm_tensorrt import plan_precisions
+
+        skipped += [f"[build-engine] skipped: the {p} TensorRT plan (its weight-only graph missed the token-agreement "
+                    "gate: the line above)" for p in plan_precisions(recipe.precisions)[0] if p not in built_engines]
     sign = _signer_for(recipe, signer, build_info, accuracy, started_on, seconds, say)
     packaged = _timed(seconds, "package", say, lambda: layout_generative_version(
         recipe, artifacts, export_dir=export_dir, extra_files=tuple(extra), build_info=build_info, sign=sign,

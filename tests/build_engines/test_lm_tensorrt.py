@@ -81,6 +81,16 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     assert [e.precision for e in again] == ["fp32", "int8", "int4"]
     assert again[0].plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
     assert json.loads(again[0].metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
+    # A weight-only graph below the gate gets no plan: said in one line; FP32's (and any that passes) still built.
+    from dataclasses import replace
+
+    said: list[str] = []
+    strict = replace(recipe, quantization=replace(recipe.quantization, min_token_agreement=1.0))
+    kept = [e.precision for e in build_lm_engines_existing(strict, progress=said.append)]
+    assert kept[0] == "fp32" and "int4" not in kept, said
+    assert any(line.startswith("[build-engine] skipped: the int4 TensorRT plan") and "below the gate 1" in line
+               and "Fix:" in line for line in said), said
+    assert not (recipe.work_dir / "engines" / "model.int4.plan").exists()
     # rebuild --check from the signed provenance: every file the same but the plan (listed, with the reason).
     from model_factory.build.rebuild import rebuild_check
 
