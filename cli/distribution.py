@@ -100,7 +100,8 @@ def pull(reference: str, dest: Path, policy: Path, expect_version: int | None, a
     The signature referrer must be trusted by the policy and cover exactly the manifest's files; every
     blob is hashed; the staged model is verified; only then does DEST/<model> change (one rename).
     With a [release] section in the policy, the attached signed release must list this version and
-    be neither older than the release already trusted here (rollback) nor expired (freeze).
+    be neither older than the release already trusted here (rollback) nor expired (freeze); it then
+    becomes DEST/.release/ (unless a newer one is there), so verify, serve and rollout check DEST.
 
     \b
     Examples:
