@@ -26,7 +26,8 @@ def _line(s: dict) -> str:
               help="File whose first line is serve's admin key. Default: $MODEL_FACTORY_ADMIN_KEY.")
 @click.option("--gate", type=click.FloatRange(-1, 1), default=0.99, show_default=True,
               help="The least mean agreement of the candidate with the serving version over the mirrored requests "
-                   "(embedding cosine; 1/0 top-1 for classification).")
+                   "(embedding cosine; 1/0 top-1 for classification; for text generation, the share of each "
+                   "mirrored greedy or seeded continuation generated alike from the first token).")
 @click.option("--min-requests", type=click.IntRange(min=1), default=50, show_default=True,
               help="Live requests mirrored to the candidate before the gate is judged.")
 @click.option("--share", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,

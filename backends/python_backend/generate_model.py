@@ -27,7 +27,7 @@ import numpy as np
 from .causal_lm import CausalLM
 from .contract import Files, GenerationSpec
 from .deferred_responses import ResponseDispatcher
-from .generate_requests import GenerateRequest, read_generate_request
+from .generate_requests import GenerateRequest, read_generate_request, request_inputs
 from .grouping import CostModel, measure_cost_model
 from .integrity import read_checked, verified_digests
 from .kv_slots import KVSlots
@@ -97,8 +97,17 @@ class GenerativeModel:
         from .integrity import ENV as DIGESTS_ENV
         from .sandbox import wall_in_stub
 
+        from .events import input_hash
+        from .shadow import ShadowMirror, shadow_folder
+
+        # A rollout's shadow (shadow.py): finished requests whose tokens are reproducible generated again by the
+        # candidate, the continuations compared token by token.
+        shadow_dir = shadow_folder()
+        self.shadow = ShadowMirror(pb_utils, shadow_dir, s.model_name, str(args.get("model_instance_name", "")),
+                                   hash_inputs=input_hash, log=pb_utils.Logger.log_warn, generation=True)
         digests_file = os.environ.get(DIGESTS_ENV)
-        self.sandbox = wall_in_stub(version_dir, readable_files=(digests_file,) if digests_file else ())
+        self.sandbox = wall_in_stub(version_dir, writable=(str(shadow_dir),) if shadow_dir else (),
+                                    readable_files=(digests_file,) if digests_file else ())
         self.metrics = _make_metrics(pb_utils, s.model_name, {"instance": str(args.get("model_instance_name", ""))})
         self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
                                    max_waiting=s.max_waiting_sequences, cost=cost,
@@ -146,7 +155,7 @@ class GenerativeModel:
             try:
                 req = read_generate_request(lambda n: _input(self.pb, request, n), self.tokenizer, self.spec,
                                             self.slots.max_context)
-                gen = Generation(list(req.prompt_ids), req.params, self._emitter(sender, req),
+                gen = Generation(list(req.prompt_ids), req.params, self._mirrored(self._emitter(sender, req), req),
                                  is_cancelled=request.is_cancelled)
                 self.scheduler.submit(gen)
             except SamplingError as exc:
@@ -159,6 +168,21 @@ class GenerativeModel:
     def _send_error(self, sender: Any, message: str, code: Any) -> None:
         response = self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
         self.responses.dispatch([sender], [(response, self._final)])
+
+    def _mirrored(self, emit, req: GenerateRequest):
+        """``emit``, and while a rollout mirrors this model, its continuation offered to the shadow once it ended
+        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed)."""
+        control = self.shadow.active()
+        if control is None or not (req.params.greedy or req.params.seed is not None):
+            return emit
+
+        def emit_and_offer(gen: Generation, event: TokenEvent) -> None:
+            emit(gen, event)
+            if event.finish_reason is not None and event.finish_reason != "cancelled" and event.error is None:
+                self.shadow.offer(control, request_inputs(req),
+                                  {"output_ids": np.asarray(gen.generated, dtype=np.int32)})
+
+        return emit_and_offer
 
     def _emitter(self, sender: Any, req: GenerateRequest):
         """What a step's event for this request sends: a delta per token when streaming, else one response."""
@@ -213,6 +237,7 @@ class GenerativeModel:
         self.scheduler.wake.set()
         self._loop.join(timeout=30)
         self.responses.close()
+        self.shadow.close()
         if self.metrics is not None:
             self.metrics.close()
         self.model.close()

@@ -99,6 +99,28 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
     return GenerateRequest(prompt, text, params, stream, exclude)
 
 
+def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
+    """The inputs that ask for ``req`` again, not streamed: its prompt ids and every sampling parameter (a
+    rollout's shadow mirror sends them to the candidate, which reads them back to the same request)."""
+    p = req.params
+    inputs = {
+        "prompt_ids": np.asarray(req.prompt_ids, dtype=np.int32),
+        "stream": np.array([False]),
+        "max_tokens": np.array([p.max_tokens], dtype=np.int32),
+        "min_tokens": np.array([p.min_tokens], dtype=np.int32),
+        "ignore_eos": np.array([p.ignore_eos]),
+        "temperature": np.array([p.temperature], dtype=np.float32),
+        "top_k": np.array([p.top_k], dtype=np.int32),
+        "top_p": np.array([p.top_p], dtype=np.float32),
+        "repetition_penalty": np.array([p.repetition_penalty], dtype=np.float32),
+    }
+    if p.seed is not None:
+        inputs["seed"] = np.array([p.seed], dtype=np.int64)
+    if p.stop:
+        inputs["stop"] = np.array([s.encode("utf-8") for s in p.stop], dtype=np.object_)
+    return inputs
+
+
 def _flag_input(value: np.ndarray | None, fallback: Any, name: str) -> bool:
     if value is None:
         value = fallback

@@ -11,7 +11,12 @@ mirrored, the sum and minimum of their scores, the candidate's errors, and the w
 request (counted). The candidate's answers reach no client.
 
 Scores (:func:`agreement`): per output row, cosine similarity of float outputs (embeddings, logits), and for a
-classification model also whether the top-1 class is the same (1 or 0); a request's score is its lowest.
+classification model also whether the top-1 class is the same (1 or 0); a request's score is its lowest. A
+text-generation model (``generation``) mirrors only requests whose tokens are reproducible (greedy, or sampled
+with a seed) once they ended, with the same prompt ids and sampling parameters as one non-streamed request to
+the decoupled candidate (``exec(decoupled=True)``), and scores :func:`token_agreement`: the tokens both
+generated alike from the first on, over the longer of the two (1: the same continuation; a reduced precision
+departs at its first differing token and never returns, as acceptance's free-running figure says).
 Standard library and numpy only: this runs inside Triton's stub.
 """
 
@@ -33,6 +38,7 @@ CANDIDATE_SUFFIX = "__candidate"
 WORST_KEPT = 5
 _CHECK_EVERY_S = 0.25  # how often a stub looks for the control file
 _WRITE_EVERY_S = 0.2  # how often a busy mirror rewrites its tally
+GENERATED_IDS = "output_ids"  # a text-generation model's generated token ids (contract.GENERATE_OUTPUTS)
 
 
 def yield_cores_if_candidate(model_name: str) -> bool:
@@ -100,6 +106,22 @@ def agreement(served: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarr
     return min(scores)
 
 
+def token_agreement(served: Any, candidate: Any) -> float:
+    """The share of the served continuation the candidate generated alike from the first token on, over the
+    longer of the two, in [0, 1]: 1 when both generated the same tokens (two empty ones included)."""
+    a = [int(t) for t in np.asarray(served).reshape(-1)]
+    b = [int(t) for t in np.asarray(candidate).reshape(-1)]
+    longest = max(len(a), len(b))
+    if longest == 0:
+        return 1.0
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return same / longest
+
+
 class Tally:
     """What one instance mirrored for one rollout (``id``)."""
 
@@ -131,9 +153,10 @@ class ShadowMirror:
 
     def __init__(self, pb_utils: Any, folder: Path | None, model: str, instance: str, classification: bool = False,
                  hash_inputs: Callable[[list], str] | None = None, log: Callable[[str], None] | None = None,
-                 queue_size: int = 64) -> None:
+                 queue_size: int = 64, generation: bool = False) -> None:
         self.pb_utils, self.folder, self.model, self.instance = pb_utils, folder, model, instance
         self.classification = classification
+        self.generation = generation  # a decoupled text-generation model: output_ids scored by token_agreement
         self.hash_inputs = hash_inputs or (lambda parts: "unhashed")
         self.log = log or (lambda _m: None)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -185,8 +208,11 @@ class ShadowMirror:
             rollout_id, target, inputs, outputs = item
             error, score = None, 0.0
             try:
-                got = self._candidate_outputs(target, inputs, list(outputs))
-                score = agreement(outputs, got, self.classification)
+                if self.generation:
+                    score = token_agreement(outputs[GENERATED_IDS], self._candidate_generation(target, inputs))
+                else:
+                    got = self._candidate_outputs(target, inputs, list(outputs))
+                    score = agreement(outputs, got, self.classification)
             except Exception as exc:  # noqa: BLE001 - the candidate failed this request: a disagreement
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:
@@ -207,6 +233,21 @@ class ShadowMirror:
             if tensor is not None:
                 out[name] = tensor.as_numpy()
         return out
+
+    def _candidate_generation(self, target: str, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        """The token ids the decoupled candidate generates for ``inputs`` (``stream`` false: one response,
+        perhaps followed by an empty final one)."""
+        pb = self.pb_utils
+        request = pb.InferenceRequest(model_name=target, inputs=[pb.Tensor(n, a) for n, a in inputs.items()],
+                                      requested_output_names=[GENERATED_IDS])
+        ids: list[int] = []
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            tensor = pb.get_output_tensor_by_name(response, GENERATED_IDS)
+            if tensor is not None:
+                ids.extend(int(t) for t in tensor.as_numpy().reshape(-1))
+        return ids
 
     def _write(self, force: bool = False) -> None:
         now = time.monotonic()

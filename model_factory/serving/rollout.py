@@ -14,7 +14,8 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    load, in a child process): a candidate that fails is refused, nothing loaded.
 4. **Shadow**: the candidate is loaded beside the served version, and the control file of the backend's mirror
    (``backend/shadow.py``) turns mirroring on: a share of live requests is sent again to the candidate in the
-   background, its answers scored against the served ones and never returned.
+   background, its answers scored against the served ones and never returned (a text-generation model's
+   finished greedy or seeded requests, generated again by the decoupled candidate: token agreement).
 5. **Gate**: once ``min_requests`` were mirrored, agreement (their mean score) at or above ``gate`` switches;
    below it, or a candidate error, or not enough traffic before ``timeout_s``, rolls back (the candidate
    unloaded, the served version untouched) and reports the worst cases by input hash.
@@ -60,7 +61,9 @@ class RolloutRequest:
 
     model: str
     version: int
-    gate: float = 0.99  # the least mean agreement over the mirrored requests (cosine; 1 or 0 for top-1)
+    # The least mean agreement over the mirrored requests: cosine; 1 or 0 for top-1; a text-generation model's
+    # token agreement (backend/shadow.py: the same tokens from the first on, over the longer continuation).
+    gate: float = 0.99
     min_requests: int = 50  # requests mirrored before the gate is judged
     share: float = 1.0  # the share of live requests mirrored
     timeout_s: float = 300.0  # without min_requests mirrored by then: rolled back

@@ -59,3 +59,30 @@ def test_a_candidate_stub_runs_at_the_lowest_cpu_priority_and_a_served_one_does_
     for name, want in (("minilm__candidate", "True 19"), ("minilm", f"False {os.nice(0)}")):  # as inherited
         out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=True)
         assert out.stdout.split() == want.split(), (name, out.stdout, out.stderr)
+
+
+def test_token_agreement_counts_the_same_tokens_from_the_first_over_the_longer_continuation() -> None:
+    from model_factory.backend.shadow import token_agreement
+
+    assert token_agreement([5, 6, 7, 8], np.array([5, 6, 7, 8], dtype=np.int32)) == 1.0
+    assert token_agreement([], []) == 1.0
+    assert token_agreement([5, 6, 7, 8], [5, 6, 9, 8]) == 0.5  # departs at the third: the fourth does not count
+    assert token_agreement([5, 6], [5, 6, 7, 8]) == 0.5  # the candidate went on where the served one stopped
+    assert token_agreement([5, 6, 7, 8], [5]) == 0.25
+    assert token_agreement([1, 2], [3, 2]) == 0.0
+
+
+def test_a_generate_request_read_back_from_its_mirrored_inputs_is_the_same_request() -> None:
+    from model_factory.backend.contract import GenerationSpec
+    from model_factory.backend.generate_requests import read_generate_request, request_inputs
+
+    spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
+                          hidden_size=4, vocab_size=100, max_context=64, eos_token_ids=(2,))
+    sent = {"prompt_ids": np.array([3, 4, 5], dtype=np.int32), "max_tokens": np.array([7], dtype=np.int32),
+            "temperature": np.array([0.7], dtype=np.float32), "seed": np.array([11], dtype=np.int64),
+            "top_k": np.array([5], dtype=np.int32), "stop": np.array([b"END", b"\n\n"], dtype=np.object_),
+            "repetition_penalty": np.array([1.2], dtype=np.float32), "stream": np.array([True])}
+    req = read_generate_request(sent.get, None, spec, 64)
+    again = read_generate_request(request_inputs(req).get, None, spec, 64)
+    assert again.prompt_ids == req.prompt_ids and again.params == req.params
+    assert req.stream and not again.stream  # mirrored as one non-streamed request

@@ -1,0 +1,176 @@
+"""model-factory rollout of a text-generation model on the real Triton, under steady generate traffic: the shadow
+mirrors finished greedy requests to the decoupled candidate and scores token agreement; v1 -> v2 (the same
+weights) switches with no failed request (every request sent after the switch answered by v2) and --undo
+returns to v1; a v3 of other weights (its own golden continuations, so it passes acceptance) is rolled back by
+the gate while v1 keeps serving."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.generative_repository import layout_generative_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
+
+MODEL = "lm"
+KEY = "rollout-generative-admin-key-0123"
+PARAMS = {"memory_budget_mib": 128, "max_active_sequences": 4, "max_waiting_sequences": 64}
+
+
+@dataclass
+class Env:
+    server: object
+    control: object
+    endpoint: object
+    key_file: Path
+
+
+@pytest.fixture(scope="module")
+def env(tiny_llm, tmp_path_factory):
+    """Serving v1 of a released tiny Llama; v2 (a copy of v1) and v3 (another Llama, random weights of another
+    seed, with its own build's golden continuations) signed and released while it serves."""
+    from model_factory.demo import write_key_policy
+    from model_factory.serving.control_api import ControlServer
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.server import ServerOptions, start_verified_server
+    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing.release import KeyFile, add_release, init_release
+    from tests.generative_models import make_causal_lm
+
+    hf, onnx_dir = tiny_llm
+    root = tmp_path_factory.mktemp("rollout-gen")
+    repo = root / "repo"
+    keys = generate_keypair(root / "keys")
+    v1 = layout_generative_model(hf, onnx_dir, repo, MODEL, **PARAMS)
+    model_dir = v1.parent
+    sign_model_version(model_dir, int(v1.name), SignerConfig(keys.private_key))
+    k = [KeyFile(keys.private_key)]
+    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
+                                          "timestamp": [keys.public_key]})
+    assert add_release(repo, k, k, k) == 1
+    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
+    shutil.copy(release_root, root / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    # v3's weights: the same shape and tokenizer, another seed; built by the factory like v1.
+    other_hf = make_causal_lm("llama", root / "other-hf", max_positions=2048, seed=1)
+    other = layout_generative_model(other_hf, None, root / "other-repo", MODEL, **PARAMS)
+
+    server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
+                                           log_file=root / "tritonserver.log")
+    try:
+        assert report.served == (MODEL,), report.refused
+        control = RolloutControl(server, report.digests, report.served, poll_s=0.1)
+        endpoint = ControlServer(control, server.admin_key).start()
+        shutil.copytree(v1, model_dir / "2")
+        shutil.copytree(other, model_dir / "3")
+        for v in (2, 3):
+            sign_model_version(model_dir, v, SignerConfig(keys.private_key))
+        assert add_release(repo, k, k, k) == 2
+        key_file = root / "admin-key"
+        key_file.write_text(KEY + "\n")
+        yield Env(server, control, endpoint, key_file)
+        endpoint.stop()
+    finally:
+        assert server.stop() == 0
+
+
+class GenerateLoad:
+    """Clients sending greedy generate requests back to back: (sent, answered, outcome, model_version, ids)."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+
+    def _loop(self, i: int) -> None:
+        rng = random.Random(i)
+        while not self.stop.is_set():
+            prompt = [rng.randrange(3, 2000) for _ in range(rng.randrange(2, 24))]
+            body = {"prompt_ids": prompt, "max_tokens": 12, "min_tokens": 12, "temperature": 0.0}
+            req = urllib.request.Request(f"http://{self.url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            sent = time.monotonic()
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    answer = json.loads(r.read())
+                if "error" in answer or len(answer.get("output_ids") or []) != 12:
+                    outcome, version = f"bad answer {answer}", None
+                else:
+                    outcome, version = "ok", str(answer.get("model_version"))
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                outcome, version = f"{type(exc).__name__}: {exc}", None
+            self.results.append((sent, time.monotonic(), outcome, version))
+
+    def __enter__(self) -> "GenerateLoad":
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(self.results) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+    def failed(self) -> list:
+        return [r for r in self.results if r[2] != "ok"]
+
+
+def _rollout(env: Env, *args: str):
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    return CliRunner().invoke(main, ["rollout", MODEL, *args, "--serve-url", env.endpoint.url,
+                                     "--admin-key-file", str(env.key_file)])
+
+
+def test_a_generative_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> None:
+    with GenerateLoad(env.server.http_url) as load:
+        before = len(load.results)
+        result = _rollout(env, "2", "--min-requests", "12", "--gate", "0.99")
+        switched_at = time.monotonic()
+        time.sleep(2.0)
+        after_switch = len(load.results)
+        undo = _rollout(env, "--undo")
+        undone_at = time.monotonic()
+        time.sleep(2.0)
+    assert result.exit_code == 0, result.output
+    status = env.control.status(MODEL)
+    assert status.mirrored >= 12 and status.agreement == 1.0 and status.candidate_errors == 0, status
+    assert load.failed() == [], load.failed()[:3]
+    assert before > 0 and all(r[3] == "1" for r in load.results[:before])
+    sent_after = [r for r in load.results[:after_switch] if r[0] > switched_at]
+    assert sent_after and all(r[3] == "2" for r in sent_after), {r[3] for r in sent_after}
+    assert undo.exit_code == 0, undo.output
+    sent_after_undo = [r for r in load.results if r[0] > undone_at]
+    assert sent_after_undo and all(r[3] == "1" for r in sent_after_undo), {r[3] for r in sent_after_undo}
+    print(f"\ngenerative rollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n"
+          f"{undo.output.strip()}")
+
+
+def test_a_generative_candidate_of_other_weights_is_rolled_back_and_v1_keeps_serving(env: Env) -> None:
+    with GenerateLoad(env.server.http_url) as load:
+        result = _rollout(env, "3", "--min-requests", "8", "--gate", "0.99")
+        time.sleep(1.0)
+    assert result.exit_code == 1, result.output
+    assert "rolled back" in result.output and "below the gate 0.99" in result.output, result.output
+    status = env.control.status(MODEL)
+    assert status.state == "rolled_back" and status.mirrored >= 8 and status.agreement < 0.5, status
+    assert status.worst and all(len(w["input_hash"]) == 16 for w in status.worst)
+    assert load.failed() == [], load.failed()[:3]
+    assert load.results and all(r[3] == "1" for r in load.results)
+    print(f"\ngenerative candidate rolled back: agreement {status.agreement:.4f} over {status.mirrored}")
