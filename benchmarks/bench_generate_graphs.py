@@ -5,9 +5,10 @@ intermediate 1536; random weights, a 16k BPE vocabulary trained here): 128-token
 batch 1 and 8, two threads, 5 rounds interleaving the engines. Decode tokens/s counts the new tokens after the first
 (prefill is timed apart).
 
-* ours: the packaged graph (onnxruntime-genai's builder output, the contract's shared-slot I/O) driven through
-  ONNX Runtime I/O binding: each row prefilled into its own slot of one [batch, kv, max_context, head_dim] buffer
-  per layer, then all rows decoded together, written in place (no per-token copy);
+* ours: the packaged graph (onnxruntime-genai's builder output, the contract's shared-slot I/O) run by the
+  backend's engine (``causal_lm.CausalLM``, ONNX Runtime I/O binding kept per KV slice): each row prefilled
+  into its own slot of one [batch, kv, context, head_dim] buffer per layer, then all rows decoded together,
+  written in place (no per-token copy);
 * ORT GenAI: the same folder through ``onnxruntime_genai.Generator`` (its own C++ loop);
 * transformers: ``LlamaForCausalLM`` FP32 with its dynamic cache, one forward per token;
 * optimum: ``ORTModelForCausalLM`` FP32 on optimum-onnx's export of the folder (``text-generation-with-past``),
@@ -47,45 +48,37 @@ def prompts(tok, batch: int) -> list[list[int]]:
 
 
 def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, float]:
-    """(prefill seconds, decode tokens/s) of the shared-slot graph, rows prefilled per slot, decoded together."""
-    from model_factory.backend.contract import LOGITS_POSITIONS, past_name, present_name
-    from model_factory.build_engines.ort_session import onnxruntime_session
+    """(prefill seconds, decode tokens/s) through the backend's own engine (``causal_lm.CausalLM``, the class a
+    served model runs): each row prefilled into its own slot of one [batch, kv, context, head_dim] buffer per
+    layer, then all rows decoded together, written in place, with the engine's kept I/O binding per slice."""
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.contract import past_name
 
-    sess = onnxruntime_session(graph, threads=THREADS)
+    model = _ENGINES.get(graph)
+    if model is None:
+        model = _ENGINES[graph] = CausalLM(graph, threads=THREADS)
+    sess = model.session
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
     layers, kv = len(pasts), int(pasts[0].shape[1])
-    selects = any(i.name == LOGITS_POSITIONS for i in sess.get_inputs())
     b, ctx = len(rows), PROMPT + NEW + 1
-    cache = {(i, k): np.zeros((b, kv, ctx, head_dim), np.float32) for i in range(layers) for k in ("key", "value")}
-
-    def run(lo: int, hi: int, ids: np.ndarray, lens: list[int]) -> np.ndarray:
-        n, s = ids.shape
-        mask = np.zeros((n, max(lens) + s), np.int64)
-        for r, ln in enumerate(lens):
-            mask[r, :ln + s] = 1
-        io = sess.io_binding()
-        io.bind_cpu_input("input_ids", ids)
-        io.bind_cpu_input("attention_mask", mask)
-        if selects:  # each row's last token only (the rows are unpadded)
-            io.bind_cpu_input(LOGITS_POSITIONS, np.full((n, 1), s - 1, np.int64))
-        io.bind_output("logits", "cpu")  # bound first: get_outputs() returns outputs in binding order
-        for (layer, kind), buf in cache.items():
-            view = buf[lo:hi]
-            io.bind_input(past_name(layer, kind), "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-            io.bind_output(present_name(layer, kind), "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-        sess.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()  # the logits alone (copying every present would cost a KV copy)
+    cache = {past_name(i, k): np.zeros((b, kv, ctx, head_dim), np.float32) for i in range(layers)
+             for k in ("key", "value")}
+    views = {r: {n: buf[r:r + 1] for n, buf in cache.items()} for r in range(b)}  # one object per slice, as
+    together = {n: buf[0:b] for n, buf in cache.items()}  # KVSlots.views returns: the engine keeps its binding
 
     t0 = time.perf_counter()
-    nxt = [int(run(r, r + 1, np.array([p], np.int64), [0])[0, -1].argmax()) for r, p in enumerate(rows)]
+    nxt = [int(model.prefill([p], views[r])[0].argmax()) for r, p in enumerate(rows)]
     prefill = time.perf_counter() - t0
     lens = [len(p) for p in rows]
     t0 = time.perf_counter()
     for _ in range(NEW - 1):
-        lg = run(0, b, np.array([[t] for t in nxt], np.int64), lens)
-        nxt = [int(lg[r, -1].argmax()) for r in range(b)]
+        lg = model.decode(nxt, lens, together)
+        nxt = [int(lg[r].argmax()) for r in range(b)]
         lens = [x + 1 for x in lens]
     return prefill, b * (NEW - 1) / (time.perf_counter() - t0)
+
+
+_ENGINES: dict[Path, object] = {}
 
 
 def genai(folder: Path, rows: list[list[int]]) -> tuple[float, float]:

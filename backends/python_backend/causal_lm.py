@@ -10,16 +10,25 @@ right-padded to its longest.
 Only the last position's logits of each row are computed (``logits_positions``: a prefill's other positions are
 never sampled, and the LM head over them was a large share of a prefill's work); teacher-forced scoring asks for
 every position. A graph packaged before that input existed computes every position and the rows are picked here.
+
+A step's I/O binding is kept per KV view (the same ``views`` object: ``KVSlots.views`` returns one per slice): a step
+then binds its ids, mask, positions and a new logits array instead of two tensors per layer and kind as well
+(0.4-0.6 ms a step on the 30-layer SmolLM shape; decode at batch 1 was 1.07x faster in FP32 and 1.14x in INT4
+with it). Each step's logits are an array of their own, as before: a caller may keep them.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
+
+BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
+_LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class CausalLM:
@@ -45,6 +54,12 @@ class CausalLM:
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)
         self.selects_positions = LOGITS_POSITIONS in self.input_names
+        logits = next(o for o in self.session.get_outputs() if o.name == LOGITS) if LOGITS in self.output_names else None
+        vocab = logits.shape[-1] if logits is not None and logits.shape else None
+        # Bindings are kept only where the logits' shape is known from the rows alone: [rows, 1, vocab].
+        self._logits_dtype = _LOGITS_DTYPES.get(logits.type) if logits is not None else None
+        self._vocab = vocab if isinstance(vocab, int) and self.selects_positions and self._logits_dtype else None
+        self._bindings: OrderedDict[int, tuple[dict, Any]] = OrderedDict()
         for needed in (INPUT_IDS, ATTENTION_MASK):
             if needed not in self.input_names:
                 raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
@@ -53,24 +68,50 @@ class CausalLM:
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
              positions: np.ndarray) -> np.ndarray:
         """Logits ``[n, k, vocab]`` at ``positions [n, k]`` (indices into each row's new tokens)."""
-        io = self.session.io_binding()
+        kept = self._kept_binding(views) if positions.shape[1] == 1 and self._vocab is not None else None
+        io = kept if kept is not None else self._new_binding(views)
         io.bind_cpu_input(INPUT_IDS, ids)
         io.bind_cpu_input(ATTENTION_MASK, mask)
         if self.selects_positions:
             io.bind_cpu_input(LOGITS_POSITIONS, np.ascontiguousarray(positions, dtype=np.int64))
-        io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
-        for name, view in views.items():
-            if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
-                raise ValueError(f"{name}: KV view is not contiguous")
-            shape, ptr, dtype = list(view.shape), view.ctypes.data, view.dtype.type
-            io.bind_input(name, "cpu", 0, dtype, shape, ptr)
-            io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
+        if kept is not None:  # a new array each step (rebinding a name replaces it): callers may keep logits
+            logits = np.empty((ids.shape[0], 1, self._vocab), dtype=self._logits_dtype)
+            io.bind_output(LOGITS, "cpu", 0, logits.dtype.type, list(logits.shape), logits.ctypes.data)
+            self.session.run_with_iobinding(io)
+            return logits
         self.session.run_with_iobinding(io)
         # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
         logits = io.get_outputs()[0].numpy()
         if self.selects_positions:
             return logits
         return np.take_along_axis(logits, np.asarray(positions, dtype=np.int64)[:, :, None], axis=1)
+
+    def _new_binding(self, views: dict[str, np.ndarray]) -> Any:
+        """A binding of the KV buffers (each past and its present on the same pointer) and of the logits where
+        ONNX Runtime allocates them (bound first: get_outputs() returns outputs in binding order)."""
+        io = self.session.io_binding()
+        io.bind_output(LOGITS, "cpu")
+        for name, view in views.items():
+            if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
+                raise ValueError(f"{name}: KV view is not contiguous")
+            shape, ptr, dtype = list(view.shape), view.ctypes.data, view.dtype.type
+            io.bind_input(name, "cpu", 0, dtype, shape, ptr)
+            io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
+        return io
+
+    def _kept_binding(self, views: dict[str, np.ndarray]) -> Any:
+        """The kept binding of ``views``, made on first use (the least recently used dropped past
+        ``BINDINGS_KEPT``). The entry holds ``views`` itself, so its id is not reused while kept."""
+        entry = self._bindings.get(id(views))
+        if entry is not None and entry[0] is views:
+            self._bindings.move_to_end(id(views))
+            return entry[1]
+        io = self._new_binding(views)
+        self._bindings[id(views)] = (views, io)
+        self._bindings.move_to_end(id(views))
+        while len(self._bindings) > BINDINGS_KEPT:
+            self._bindings.popitem(last=False)
+        return io
 
     def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, np.ndarray]) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
@@ -99,4 +140,5 @@ class CausalLM:
         return self._run(ids, mask, views, np.zeros((n, 1), dtype=np.int64))[:, 0]
 
     def close(self) -> None:
+        self._bindings.clear()
         self.session = None

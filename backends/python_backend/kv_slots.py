@@ -27,6 +27,7 @@ from .contract import KV_DTYPES, past_name
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
+_VIEWS_KEPT = 256
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
@@ -76,6 +77,7 @@ class KVSlots:
         self.names = tuple(past_name(layer, kind) for layer in range(spec.num_layers) for kind in ("key", "value"))
         shape = spec.kv_shape(self.slots, self.max_context)
         self.buffers = {name: np.zeros(shape, dtype=self.dtype) for name in self.names}
+        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self._row_bytes = self.max_context * spec.head_dim * KV_DTYPES[spec.kv_dtype]  # one head of one slot
         self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
         self._madvise = _libc_madvise()
@@ -148,8 +150,15 @@ class KVSlots:
                 self._madvise(ctypes.c_void_p(first), last - first, _MADV_DONTNEED)
 
     def views(self, start: int, count: int) -> dict[str, np.ndarray]:
-        """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer."""
-        return {name: buf[start:start + count] for name, buf in self.buffers.items()}
+        """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer. The same slice
+        returns the same object (the last 256 kept), so the engine keeps its binding of it (causal_lm)."""
+        key = (int(start), int(count))
+        got = self._views.get(key)
+        if got is None:
+            got = self._views[key] = {name: buf[start:start + count] for name, buf in self.buffers.items()}
+            while len(self._views) > _VIEWS_KEPT:
+                self._views.pop(next(iter(self._views)))
+        return got
 
     def clear(self) -> None:
         """Free every slot (warm-up runs write into the buffers before any sequence is admitted)."""

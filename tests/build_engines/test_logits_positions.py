@@ -54,6 +54,38 @@ def test_the_rewritten_graph_serves_the_same_logits(graphs):
     assert out["whole"][2].shape[0] == len(prompts[0])  # teacher-forced: every position
 
 
+def test_kept_bindings_give_the_logits_of_fresh_ones_step_after_step(graphs):
+    """The engine keeps one I/O binding per KV view (rebinding only ids, mask, positions and a new logits array):
+    eight decode steps, the batch shrinking midway as the scheduler's does, equal to fresh bindings bit for bit,
+    and the logits a step returned untouched by the later steps."""
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.kv_slots import KVSlots
+
+    _, _, rewritten, spec = graphs
+    kept, fresh = CausalLM(rewritten, threads=1), CausalLM(rewritten, threads=1)
+    fresh._vocab = None  # every step binds everything again, as before bindings were kept
+    assert kept._vocab == spec.vocab_size
+    prompts = _prompts(3, seed=1)
+    runs = {}
+    for name, model in (("kept", kept), ("fresh", fresh)):
+        slots = KVSlots(spec, 3, 1 << 28, max_context=96)
+        logits = [model.prefill(prompts, slots.views(0, 3))]
+        when_made = [logits[0].copy()]
+        lengths = [len(p) for p in prompts]
+        for step in range(8):
+            rows = 3 if step < 4 else 2  # the third sequence ends: the batch is the first two slots
+            tokens = [int(t) for t in logits[-1][:rows].argmax(-1)]
+            logits.append(model.decode(tokens, lengths[:rows], slots.views(0, rows)))
+            when_made.append(logits[-1].copy())
+            lengths = [n + 1 for n in lengths]
+        runs[name] = when_made, logits
+    for a, b in zip(runs["kept"][0], runs["fresh"][0]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(*runs["kept"]):  # what each step returned is still what it computed
+        np.testing.assert_array_equal(a, b)
+    assert len(kept._bindings) == 2 and not fresh._bindings  # one per views object: (0, 3) and (0, 2)
+
+
 def test_the_head_runs_only_on_the_asked_positions(graphs):
     import onnxruntime as ort
 
