@@ -12,6 +12,7 @@ its instance hands every call over to it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 from pathlib import Path
@@ -45,6 +46,8 @@ class TritonPythonModel:
         from .orphan_watch import watch_parent
 
         watch_parent()  # this stub exits when its server has died (Triton 2.51 leaves it running)
+        # A stub that crashes (a fault in native code) leaves every thread's Python stack in Triton's log.
+        faulthandler.enable(all_threads=True)
         from .shadow import yield_cores_if_candidate
 
         yield_cores_if_candidate(str(args.get("model_name", "")))  # a rollout's candidate: lowest CPU priority

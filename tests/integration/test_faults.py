@@ -116,12 +116,12 @@ def test_a_changed_repository_is_refused_at_the_next_load_and_the_loaded_version
         server.stop()
 
 
-def _kill_stub(server) -> int:
+def _kill_stub(server, sig: int = signal.SIGKILL) -> int:
     from model_factory.serving.supervise import pid_alive, stub_processes
 
     stubs = stub_processes(server.process.pid, server.repository)
     assert stubs and {s.model for s in stubs} == {MODEL}  # one stub per instance (two by default)
-    os.kill(stubs[0].pid, signal.SIGKILL)
+    os.kill(stubs[0].pid, sig)
     # SIGKILL is delivered asynchronously: wait until the stub is really dead (a zombie) before looking.
     assert _wait_for(lambda: not pid_alive(stubs[0].pid), 30)
     return stubs[0].pid
@@ -184,9 +184,12 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
         assert dead not in new_stubs()
         assert watch.check() == []  # healthy again: nothing to do
 
-        # Fail-closed survives a restart: a file changed while served, then the stub dies again.
+        # Fail-closed survives a restart: a file changed while served, then the stub dies again, this time of a
+        # fault as native code would raise it: its Python stacks (faulthandler, every thread) are in Triton's log.
         (repo / MODEL / "1" / "tokenizer" / "tokenizer.json").write_text("{}")
-        _kill_stub(server)
+        _kill_stub(server, signal.SIGSEGV)
+        log = server.log_file.read_text(errors="replace")
+        assert "Fatal Python error: Segmentation fault" in log and "most recent call first" in log, log[-2000:]
         (rec,) = watch.check()
         assert not rec.ok and "no longer verifies" in rec.reason and "tokenizer.json" in rec.reason
         assert _status(ready_url) != 200
