@@ -14,7 +14,7 @@ Scores (:func:`agreement`): per output row, cosine similarity of float outputs (
 classification model also whether the top-1 class is the same (1 or 0); a request's score is its lowest. A
 text-generation model (``generation``) mirrors only requests whose tokens are reproducible (greedy, or sampled
 with a seed) once they ended, with the same prompt ids and sampling parameters as one non-streamed request to
-the decoupled candidate (``exec(decoupled=True)``), and scores :func:`token_agreement`: the tokens both
+the candidate (loaded non-decoupled for this: a plain ``exec()``), and scores :func:`token_agreement`: the tokens both
 generated alike from the first on, over the longer of the two (1: the same continuation; a reduced precision
 departs at its first differing token and never returns, as acceptance's free-running figure says).
 Standard library and numpy only: this runs inside Triton's stub.
@@ -206,6 +206,9 @@ class ShadowMirror:
             if item is None:
                 break
             rollout_id, target, inputs, outputs = item
+            now = self.active()
+            if now is None or now.get("id") != rollout_id:
+                continue  # that rollout stopped mirroring: its candidate is being unloaded, nothing to score
             error, score = None, 0.0
             try:
                 if self.generation:
@@ -235,19 +238,16 @@ class ShadowMirror:
         return out
 
     def _candidate_generation(self, target: str, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        """The token ids the decoupled candidate generates for ``inputs`` (``stream`` false: one response,
-        perhaps followed by an empty final one)."""
+        """The token ids the candidate generates for ``inputs`` (``stream`` false: one response). The rollout loads
+        a text-generation candidate non-decoupled (``serving/rollout.py``), so this is a plain BLS request."""
         pb = self.pb_utils
         request = pb.InferenceRequest(model_name=target, inputs=[pb.Tensor(n, a) for n, a in inputs.items()],
                                       requested_output_names=[GENERATED_IDS])
-        ids: list[int] = []
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                raise RuntimeError(response.error().message())
-            tensor = pb.get_output_tensor_by_name(response, GENERATED_IDS)
-            if tensor is not None:
-                ids.extend(int(t) for t in tensor.as_numpy().reshape(-1))
-        return ids
+        response = request.exec()
+        if response.has_error():
+            raise RuntimeError(response.error().message())
+        tensor = pb.get_output_tensor_by_name(response, GENERATED_IDS)
+        return [] if tensor is None else [int(t) for t in tensor.as_numpy().reshape(-1)]
 
     def _write(self, force: bool = False) -> None:
         now = time.monotonic()

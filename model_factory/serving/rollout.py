@@ -15,7 +15,8 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
 4. **Shadow**: the candidate is loaded beside the served version, and the control file of the backend's mirror
    (``backend/shadow.py``) turns mirroring on: a share of live requests is sent again to the candidate in the
    background, its answers scored against the served ones and never returned (a text-generation model's
-   finished greedy or seeded requests, generated again by the decoupled candidate: token agreement).
+   finished greedy or seeded requests, generated again by the candidate, loaded non-decoupled for it: token
+   agreement).
 5. **Gate**: once ``min_requests`` were mirrored, agreement (their mean score) at or above ``gate`` switches;
    below it, or a candidate error, or not enough traffic before ``timeout_s``, rolls back (the candidate
    unloaded, the served version untouched) and reports the worst cases by input hash.
@@ -142,6 +143,20 @@ def version_config(base: dict[str, Any], version: int, name: str | None = None) 
     # 4 aborts without).
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
+    return out
+
+
+def candidate_config(base: dict[str, Any], version: int, name: str) -> dict[str, Any]:
+    """The candidate's configuration: ``version`` alone under ``name``, and never decoupled. A text-generation
+    candidate answers only the mirror's non-streamed requests, one response each, so it loads non-decoupled and
+    the mirror calls it with a plain BLS ``exec()``. With ``exec(decoupled=True)`` on Triton 2.51, the serving
+    version's unload after the switch crashed tritonserver in 2 of 3 runs of bench_rollout_generative under
+    streamed load (SIGSEGV in the Python backend's ModelInstanceFinalize, in the log kept), and a serving stub
+    died once in the shadow (a segfault in libpython's allocator)."""
+    out = version_config(base, version, name)
+    policy = out.get("model_transaction_policy") or {}
+    if policy.get("decoupled"):
+        out["model_transaction_policy"] = dict(policy, decoupled=False)
     return out
 
 
@@ -338,7 +353,8 @@ class RolloutControl:
             if rel.split("/", 1)[0] == str(v):
                 (dst / rel).parent.mkdir(parents=True, exist_ok=True)
                 hardlink_or_copy(src / rel, dst / rel)
-        (dst / "config.pbtxt").write_text(config_to_pbtxt(version_config(_config_json(src), v, cand)))
+        config = candidate_config(_config_json(src), v, cand)
+        (dst / "config.pbtxt").write_text(config_to_pbtxt(config))
         table = read_table(self.digests.path)
         table.setdefault(m, {})[str(v)] = digests
         table[cand] = {str(v): digests}

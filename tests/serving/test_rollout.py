@@ -8,7 +8,7 @@ import json
 import pytest
 
 from model_factory.errors import FactoryError
-from model_factory.serving.rollout import RolloutRequest, summed_tallies, version_config
+from model_factory.serving.rollout import RolloutRequest, candidate_config, summed_tallies, version_config
 
 
 def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
@@ -32,6 +32,19 @@ def test_the_switch_serves_one_version_under_instance_names_of_its_own() -> None
     from model_factory.build.repository import config_to_pbtxt  # Triton's schema accepts it
 
     assert 'name: "m_v2_0"' in config_to_pbtxt(cfg)
+
+
+def test_a_text_generation_candidate_loads_non_decoupled_and_the_served_config_stays_decoupled() -> None:
+    base = {"name": "lm", "backend": "python", "model_transaction_policy": {"decoupled": True},
+            "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+    cand = candidate_config(base, 3, "lm__candidate")
+    assert cand["model_transaction_policy"] == {"decoupled": False}
+    assert cand["name"] == "lm__candidate" and cand["version_policy"] == {"specific": {"versions": [3]}}
+    assert cand["instance_group"][0]["name"] == "lm__candidate_v3_0"
+    assert base["model_transaction_policy"] == {"decoupled": True}  # the served model's config is not touched
+    assert version_config(base, 3)["model_transaction_policy"] == {"decoupled": True}  # nor its switch
+    encoder = {"name": "m", "backend": "python", "max_batch_size": 8}
+    assert "model_transaction_policy" not in candidate_config(encoder, 2, "m__candidate")
 
 
 def test_tallies_of_the_same_rollout_are_summed_over_instances(tmp_path) -> None:
