@@ -47,7 +47,10 @@ class TritonPythonModel:
 
         watch_parent()  # this stub exits when its server has died (Triton 2.51 leaves it running)
         # A stub that crashes (a fault in native code) leaves every thread's Python stack in Triton's log.
-        faulthandler.enable(all_threads=True)
+        try:
+            faulthandler.enable(all_threads=True)
+        except (AttributeError, OSError, RuntimeError, ValueError):  # no usable stderr: serve without it
+            pass
         from .shadow import yield_cores_if_candidate
 
         yield_cores_if_candidate(str(args.get("model_name", "")))  # a rollout's candidate: lowest CPU priority
