@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -121,6 +122,8 @@ def _kill_stub(server, sig: int = signal.SIGKILL) -> int:
 
     stubs = stub_processes(server.process.pid, server.repository)
     assert stubs and {s.model for s in stubs} == {MODEL}  # one stub per instance (two by default)
+    if sig != signal.SIGKILL:  # a fault signal: no core file of the stub, whatever the machine's core limit
+        resource.prlimit(stubs[0].pid, resource.RLIMIT_CORE, (0, 0))
     os.kill(stubs[0].pid, sig)
     # SIGKILL is delivered asynchronously: wait until the stub is really dead (a zombie) before looking.
     assert _wait_for(lambda: not pid_alive(stubs[0].pid), 30)
