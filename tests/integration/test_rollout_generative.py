@@ -1,5 +1,5 @@
 """model-factory rollout of a text-generation model on the real Triton, under steady generate traffic: the shadow
-mirrors finished greedy requests to the decoupled candidate and scores token agreement; v1 -> v2 (the same
+mirrors finished greedy requests to the candidate (loaded non-decoupled) and scores token agreement; v1 -> v2 (the same
 weights) switches with no failed request (every request sent after the switch answered by v2) and --undo
 returns to v1; a v3 of other weights (its own golden continuations, so it passes acceptance) is rolled back by
 the gate while v1 keeps serving."""
