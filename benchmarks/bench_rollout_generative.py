@@ -5,9 +5,9 @@
 A Llama in SmolLM-135M's shape (random weights, made here or reused from ``--work``), built by the factory (FP32,
 the build's own export and checks), signed, released and served by ``start_verified_server``; v2 (the same
 version folder again, signed, released) is rolled out through :class:`model_factory.serving.rollout.RolloutControl`
-(what ``serve --control-port`` runs) while ``--streams`` threads each keep one greedy ``generate_stream`` request
-in flight (``--prompt`` token-id prompts, ``--tokens`` new tokens), each pausing ``--pause-s`` between its requests, for the whole run. Phases, from
-the rollout's own states: before; verify + accept + the candidate's load; shadow (finished requests generated
+(what ``serve --control-port`` runs) while ``--streams`` threads each send greedy streamed ``generate_stream``
+requests (``--prompt`` token-id prompts, ``--tokens`` new tokens), pausing ``--pause-s`` between their requests,
+for the whole run. Phases, from the rollout's own states: before; verify + accept + the candidate's load; shadow (finished requests generated
 again by the candidate, token agreement scored); switch (the model loaded again set to v2); after; undo (back to
 v1); after undo. Per phase, over the requests sent in it: requests, failed, TTFT p50 / p99, and over the tokens
 received in it the inter-token gap p99 and the output tokens/s. The section between
