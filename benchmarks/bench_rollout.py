@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -95,21 +94,6 @@ def _phase(results, rejected, start: float, end: float) -> dict:
             "rps": len(rows) / max(end - start, 1e-9), "versions": ",".join(versions) or "-"}
 
 
-def _watch(control, model: str, until: set[str], timeout: float) -> dict[str, float]:
-    """Poll the rollout's state; the monotonic time each state was first seen."""
-    seen: dict[str, float] = {}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = control.status(model)
-        if status is not None and status.state not in seen:
-            seen[status.state] = time.monotonic()
-            say(f"state {status.state}")
-            if status.state in until:
-                break
-        time.sleep(0.02)
-    return seen
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=8)
@@ -124,11 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.harness.minilm import export_minilm, package_variant
     from model_factory.build.pipeline import provenance_for
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.demo import write_key_policy
+    from benchmarks.harness.rollout import release_and_policy, watch_rollout
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
 
     # The example's held-out texts: all within the model's 128 tokens (a longer one is refused, 400, by design).
     texts = [t for t in (HERE.parent / "model_factory" / "examples" / "heldout.txt").read_text().splitlines() if t.strip()]
@@ -146,13 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fixed = {"cost_model": "0.002,1e-6,1e-9"}
         package_variant(recipe, exported, acceptance_dir=golden, parameters=fixed)
         sign_model_version(repo / MODEL, 1, signer, provenance=prov(1))
-        k = [KeyFile(keys.private_key)]
-        release_root = init_release(repo, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
-        add_release(repo, k, k, k)
-        policy = write_key_policy(root / "policy.toml", [keys.public_key])
-        shutil.copy(release_root, root / "release-root.json")
-        with policy.open("a") as f:
-            f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+        k, policy = release_and_policy(root, repo, keys.private_key, keys.public_key)
         say("start v1")
         server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy)
         try:
@@ -167,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say("rollout v1 -> v2")
             command = time.monotonic()
             control.start(RolloutRequest(MODEL, 2, gate=0.99, min_requests=args.min_requests, timeout_s=120))
-            states = _watch(control, MODEL, {"switched", "rolled_back", "failed"}, 180)
+            states = watch_rollout(control, MODEL, {"switched", "rolled_back", "failed"}, 180, say)
             status = control.status(MODEL)
             done = time.monotonic()
             time.sleep(args.steady_s)

@@ -114,20 +114,6 @@ def _phase(results: list, start: float, end: float) -> dict:
             "versions": ",".join(versions) or "-"}
 
 
-def _watch(control, until: set[str], timeout: float) -> dict[str, float]:
-    seen: dict[str, float] = {}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = control.status(MODEL)
-        if status is not None and status.state not in seen:
-            seen[status.state] = time.monotonic()
-            say(f"state {status.state} (mirrored {status.mirrored})")
-            if status.state in until:
-                break
-        time.sleep(0.02)
-    return seen
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=8)
@@ -144,11 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from model_factory.demo import write_key_policy
+    from benchmarks.harness.rollout import release_and_policy, watch_rollout
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
     from tests.generative_models import make_causal_lm
     from tests.generative_repository import layout_generative_model
 
@@ -169,13 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = generate_keypair(root / "keys")
         signer = SignerConfig(private_key=keys.private_key, password=None)
         sign_model_version(model_dir, 1, signer)
-        k = [KeyFile(keys.private_key)]
-        release_root = init_release(repo, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
-        add_release(repo, k, k, k)
-        policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
-        shutil.copy(release_root, root / "release-root.json")
-        with policy.open("a") as f:
-            f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+        k, policy = release_and_policy(root, repo, keys.private_key, keys.public_key, require_provenance=False)
         say("start v1")
         log_file = work / "tritonserver.log"  # kept: the run's server log
         server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY, startup_timeout_s=600),
@@ -193,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = time.monotonic()
             control.start(RolloutRequest(MODEL, 2, gate=0.99, min_requests=args.min_requests, share=args.share,
                                          timeout_s=900))
-            states = _watch(control, {"switched", "rolled_back", "failed"}, 1200)
+            states = watch_rollout(control, MODEL, {"switched", "rolled_back", "failed"}, 1200, say)
             status = control.status(MODEL)
             done = time.monotonic()
             time.sleep(args.steady_s)

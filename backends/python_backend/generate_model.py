@@ -171,19 +171,17 @@ class GenerativeModel:
 
     def _mirrored(self, emit, req: GenerateRequest):
         """``emit``, and while a rollout mirrors this model, its continuation offered to the shadow once it ended
-        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed; not
-        once the rollout that was mirroring when it arrived has stopped)."""
+        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed; the
+        mirror drops it if that rollout has stopped by then)."""
         control = self.shadow.active()
         if control is None or not (req.params.greedy or req.params.seed is not None):
             return emit
 
         def emit_and_offer(gen: Generation, event: TokenEvent) -> None:
             emit(gen, event)
-            if event.finish_reason is None or event.finish_reason == "cancelled" or event.error is not None:
-                return
-            now = self.shadow.active()  # the same rollout still mirroring: its candidate is still loaded
-            if now is not None and now.get("id") == control.get("id"):
-                self.shadow.offer(now, request_inputs(req), {"output_ids": np.asarray(gen.generated, dtype=np.int32)})
+            if event.finish_reason is not None and event.finish_reason != "cancelled" and event.error is None:
+                self.shadow.offer(control, request_inputs(req),
+                                  {"output_ids": np.asarray(gen.generated, dtype=np.int32)})
 
         return emit_and_offer
 

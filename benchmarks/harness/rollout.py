@@ -1,0 +1,41 @@
+"""What the rollout benchmarks share: a released repository's policy, and watching a rollout's states."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def release_and_policy(root: Path, repo: Path, private_key: Path, public_key: Path, *,
+                       require_provenance: bool = True) -> tuple[list, Path]:
+    """Start ``repo``'s release (one key for every role) and write ``root/policy.toml`` trusting it, its
+    ``[release]`` state under ``root/state``. Returns the role keys (for later ``add_release``) and the policy."""
+    from model_factory.demo import write_key_policy
+    from model_factory.signing.release import KeyFile, add_release, init_release
+
+    k = [KeyFile(private_key)]
+    release_root = init_release(repo, k, {r: [public_key] for r in ("targets", "snapshot", "timestamp")})
+    add_release(repo, k, k, k)
+    policy = write_key_policy(root / "policy.toml", [public_key], require_provenance=require_provenance)
+    shutil.copy(release_root, root / "release-root.json")
+    with policy.open("a") as f:
+        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    return k, policy
+
+
+def watch_rollout(control: Any, model: str, until: set[str], timeout: float,
+                  say: Callable[[str], None]) -> dict[str, float]:
+    """Poll the rollout's state until one of ``until``; the monotonic time each state was first seen."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = control.status(model)
+        if status is not None and status.state not in seen:
+            seen[status.state] = time.monotonic()
+            say(f"state {status.state} (mirrored {status.mirrored})")
+            if status.state in until:
+                break
+        time.sleep(0.02)
+    return seen
