@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i in range(args.rounds):
                 for label in (("off", "on") if i % 2 == 0 else ("on", "off")):
                     srv = servers[label]
-                    r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
+                    r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.served_repository,
                                       concurrency=level, seconds=args.seconds, sample_s=3600,
                                       reject_pause_s=pause, send="ids")
                     runs.setdefault(label, []).append(r)

@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         # The same wall time for all: rejections return at once, so a count of requests
                         # would leave (policy) with a handful of accepted ones.
                         srv = servers[label.split("+")[0]]
-                        r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
+                        r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.served_repository,
                                           concurrency=level, seconds=args.seconds, sample_s=3600,
                                           reject_pause_s=pauses[label], send="ids")
                         rounds.setdefault((label, level), []).append(r)

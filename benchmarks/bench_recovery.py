@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     t = threading.Thread(target=client)
                     t.start()
                     time.sleep(1.0)
-                    (stub,) = stub_processes(server.process.pid, server.repository)
+                    (stub,) = stub_processes(server.process.pid, server.served_repository)
                     killed = time.monotonic()
                     os.kill(stub.pid, signal.SIGKILL)
                     not_ready = killed + 60

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for level in knee_levels + storm_levels:
                     for label in order:
                         srv = servers[label]
-                        r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.repository,
+                        r = soak.run_soak(srv.grpc_url, "minilm", stream, srv.process.pid, srv.served_repository,
                                           concurrency=level, seconds=args.seconds, sample_s=3600,
                                           reject_pause_s=0.0, send="ids")
                         runs.setdefault((label, level), []).append(r)

@@ -6,10 +6,10 @@ MiniLM (FP32 ONNX, ONNX Runtime CPU, two instances, fixed cost model), signed, r
 ``start_verified_server``; v2 (the same model packaged again, re-signed, released) is rolled out through
 :class:`model_factory.serving.rollout.RolloutControl` (what ``serve --control-port`` runs) while ``--clients``
 threads send one text each, back to back, for the whole run. Phases, from the rollout's own states: before,
-verify + accept, shadow (the candidate loaded and mirrored), switch (the reload of the model set to v2), after;
-then ``undo`` back to v1. The switch's new stubs load quietly (``backend/quiet_start.py``), the undo's at the normal
-priority. Reported per phase: requests, failed, p50 / p99 latency; and the seconds from the
-command to the switch. The section between ``<!-- rollout:start -->`` and ``<!-- rollout:end -->`` is replaced.
+verify + accept, shadow (the candidate loaded and mirrored), switch (v2 loaded beside v1, which stays loaded for
+the grace period), after; then ``undo`` back to v1 (v2 unloaded: nothing loads). The switch's new stubs load quietly
+(``backend/quiet_start.py``). Reported per phase: requests, failed, p50 / p99 latency; the seconds from the
+command to the switch; and whether v1's stubs are the same processes at the end as before the rollout. The section between ``<!-- rollout:start -->`` and ``<!-- rollout:end -->`` is replaced.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.harness.minilm import export_minilm, package_variant
+    from model_factory.serving.supervise import stub_processes
     from model_factory.build.pipeline import provenance_for
     from model_factory.build_engines.golden import write_acceptance_data
     from benchmarks.harness.rollout import release_and_policy, watch_rollout
@@ -139,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for v in (1, 2):
                 sign_model_version(repo / MODEL, v, signer, provenance=prov(v))
             add_release(repo, k, k, k)
+            def v1_stubs() -> set[int]:
+                return {s.pid for s in stub_processes(server.process.pid, server.served_repository)
+                        if s.model == MODEL and s.version == "1"}
+
+            v1_before = v1_stubs()
             clients = Clients(server.http_url, args.clients, texts).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
@@ -155,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             undo_done = time.monotonic()
             time.sleep(3.0)
             clients.join()
+            v1_after = v1_stubs()
             end = time.monotonic()
             for why, count in sorted(clients.errors.items(), key=lambda x: -x[1])[:5]:
                 say(f"{count} x {why}")
@@ -167,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shadow_at = states.get("shadowing", command)
     switch_at = states.get("switching", done)
     phases = [("before", t0, command), ("verify, accept, load candidate", command, shadow_at),
-              ("shadow (mirrored to the candidate)", shadow_at, switch_at), ("switch (reload set to v2)", switch_at, done),
-              ("after", done, undo_at), ("undo (reload set to v1)", undo_at, undo_done), ("after undo", undo_done, end)]
+              ("shadow (mirrored to the candidate)", shadow_at, switch_at), ("switch (v2 loaded beside v1)", switch_at, done),
+              ("after (v1 kept loaded)", done, undo_at), ("undo (v2 unloaded)", undo_at, undo_done),
+              ("after undo", undo_done, end)]
     rows = [(name, _phase(res, clients.rejected, a, b), b - a) for name, a, b in phases]
 
     def phase_of(t: float) -> str:
@@ -185,7 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"for the whole run; the rollout mirrored {status.mirrored} requests (agreement {status.agreement:.6f}, "
              f"gate 0.99, min {args.min_requests}). **Command to switch: {status.seconds_to_switch:.1f} s** "
              f"(verify + acceptance + candidate load {shadow_at - command:.1f} s, shadow {switch_at - shadow_at:.1f} s, "
-             f"switch {done - switch_at:.1f} s); undo {undone.seconds_to_switch:.1f} s. tritonserver exit code {rc}.",
+             f"switch {done - switch_at:.1f} s); **undo {undone.seconds_to_switch:.2f} s**. v1's stubs after the undo "
+             f"{'are the same processes as before the rollout (v1 was never loaded again)' if v1_after == v1_before else f'differ from those before the rollout ({sorted(v1_before)} -> {sorted(v1_after)})'}. "
+             f"tritonserver exit code {rc}.",
              f"Queue bound: {'the package default (503s are shedding, counted as rejected)' if args.queue_bound else 'none (max_queue_size = 0): every failure would be a lost request'}.",
              "", "| phase | seconds | requests | failed | of them 503 | req/s | p50 ms | p99 ms | p99 / before | versions answering |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -200,9 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "run at nice 19), so the stages before the switch take longer on a busy machine but cost live "
               "traffic little. The switch loads the new version's stubs quietly: each stub's load runs in a thread "
               "at nice 19 while its serving thread keeps the normal priority (backend/quiet_start.py), so the "
-              "switch lasts as long as the cores traffic leaves allow. The undo starts its stubs at the normal "
-              "priority (it restores what served before, at once), which is what its p99 pays on 2 cores. "
-              "Loads go through Triton's gRPC "
+              "switch lasts as long as the cores traffic leaves allow. v1 stays loaded beside v2 through the grace "
+              "period (serve's own copy of the repository leaves its files untouched: serving/served_view.py), so "
+              "the undo loads nothing: Triton answers with v1 at once and unloads v2 once its requests are "
+              "answered. Loads go through Triton's gRPC "
               "repository control: through HTTP a load held every connection of the HTTP worker thread that took it "
               "(p99 during the shadow 27.9x before, a few requests waiting 4-5 s).", END]
     publish("\n".join(lines), args.results, START, END, not args.no_write)

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             say(f"soak for {args.seconds:.0f} s at concurrency {args.concurrency}")
             report = soak.run_soak(server.grpc_url, recipe.name, payloads, server.process.pid,
-                                   recipe.repository.path, concurrency=args.concurrency, seconds=args.seconds,
+                                   server.served_repository, concurrency=args.concurrency, seconds=args.seconds,
                                    sample_s=args.sample_s)
         finally:
             rc = server.stop()

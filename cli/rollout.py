@@ -35,7 +35,8 @@ def _line(s: dict) -> str:
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds to mirror --min-requests; without them by then, rolled back.")
 @click.option("--grace", "grace_s", type=click.FloatRange(min=0), default=600.0, show_default=True,
-              help="Seconds after the switch during which --undo returns to the previous version.")
+              help="Seconds after the switch during which the previous version stays loaded and --undo returns to "
+                   "it at once (0: it is unloaded at the switch, and there is no undo).")
 @click.option("--undo", is_flag=True, help="Return MODEL to the version it served before its last rollout.")
 @click.option("--status", "show_status", is_flag=True, help="Print MODEL's latest rollout and exit.")
 @user_errors

@@ -91,16 +91,18 @@ def test_stubs_are_found_by_parent_and_model_path_zombies_and_strangers_are_not(
         tree.stub_argv("a"), tree.stub_argv("a"), tree.stub_argv("b"), python, tree.stub_argv("b", tree.elsewhere))
     tree.server(tree.stub_argv("b"))  # another server's stub
     kill_and_wait(b_dead)  # killed, not reaped by its server: a zombie
-    assert sorted((s.pid, s.model) for s in stub_processes(server, tree.repo)) == sorted([(a1, "a"), (a2, "a")])
+    assert sorted((s.pid, s.model, s.version) for s in stub_processes(server, tree.repo)) == sorted(
+        [(a1, "a", "1"), (a2, "a", "1")])
     assert stub_counts(server, tree.repo) == {"a": 2}
     assert stub_processes(2 ** 22 + 1, tree.repo) == []  # no such server
 
 
 class FakeServer:
-    """The server's admin API (load/unload recorded) over a real process id."""
+    """The server's admin API (load/unload recorded) over a real process id; its stubs serve from ``repo`` (the
+    folder Triton reads: TritonServer.served_repository)."""
 
     def __init__(self, repo: Path, pid: int) -> None:
-        self.repository = repo
+        self.served_repository = repo
         self.calls: list[str] = []
         self.load_error: str | None = None
         self.alive = True

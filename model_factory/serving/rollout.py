@@ -20,13 +20,17 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
 5. **Gate**: once ``min_requests`` were mirrored, agreement (their mean score) at or above ``gate`` switches;
    below it, or a candidate error, or not enough traffic before ``timeout_s``, rolls back (the candidate
    unloaded, the served version untouched) and reports the worst cases by input hash.
-6. **Switch**: the model is loaded again under its own name with its version policy set to the new version.
-   Triton loads it beside the old one and moves new requests over once it is ready; requests in flight on the
-   old version finish there. The new instances load quietly: at the lowest CPU priority, their serving threads
-   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a
-   healed stub (``supervise``) reloads the new version.
-7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the same switch back to the previous version,
-   whose digests were verified when it served.
+6. **Switch**: the model is loaded again under its own name with its version policy set to the previous and
+   the new version. Triton keeps the previous one loaded as it is (nothing it reads changed: see
+   ``served_view.py``), loads the new one beside it and, once it is ready, sends it every request that names no
+   version (Triton serves the highest ready version); requests in flight on the previous version finish there.
+   The new instances load quietly: at the lowest CPU priority, their serving threads excepted
+   (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
+   stub (``supervise``) reloads what serves.
+7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the model's version policy set to the previous
+   version alone, which is still loaded: Triton unloads the new one (its requests in flight finish) and loads
+   nothing. When the grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is
+   not kept at all, and there is no undo).
 
 A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing.
 """
@@ -41,7 +45,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from model_factory.backend.idle_cores import yield_cores
 from model_factory.errors import FactoryError
@@ -128,10 +132,13 @@ def candidate_name(model: str) -> str:
     return model + CANDIDATE_SUFFIX
 
 
-def version_config(base: dict[str, Any], version: int, name: str | None = None) -> dict[str, Any]:
-    """A model's Triton configuration (JSON form) set to serve exactly ``version`` (and renamed)."""
+def version_config(base: dict[str, Any], versions: int | Sequence[int], name: str | None = None) -> dict[str, Any]:
+    """A model's Triton configuration (JSON form) set to load exactly ``versions`` (and renamed). Requests that
+    name no version go to the highest."""
+    wanted = sorted({int(v) for v in ([versions] if isinstance(versions, int) else versions)})
+    version = wanted[-1]
     out = dict(base)
-    out["version_policy"] = {"specific": {"versions": [int(version)]}}
+    out["version_policy"] = {"specific": {"versions": wanted}}
     if name:
         out["name"] = name
     # Instance names of their own per version. Seen on Triton 2.51 (bundled) under load: a reload whose new
@@ -140,7 +147,8 @@ def version_config(base: dict[str, Any], version: int, name: str | None = None) 
     # ``<model>_v<version>_<group>`` the same reload lost nothing. The cause, as far as measured: the backend's
     # custom metrics carry the instance name as a label, so old and new stubs held pb_utils Metrics with identical
     # labels; with the same names but the stub's pid added to that label, the reload was clean (2 of 2 runs, 4 of
-    # 4 aborts without).
+    # 4 aborts without). A version kept loaded beside a newer one keeps the instances (and names) of its own load:
+    # Triton compares instance groups without their names.
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
     return out
@@ -219,6 +227,8 @@ class RolloutControl:
         self._stop = threading.Event()
         self._tried: set[tuple[str, int]] = set()  # versions a scan started (not started again by a scan)
         self._refused: dict[tuple[str, int], str] = {}  # the last refusal said per version (said once)
+        self._switch_lock = threading.Lock()  # one load of a served model at a time (a switch, an undo, a grace end)
+        self._timers: dict[str, threading.Timer] = {}  # model -> the end of its grace period
 
     @property
     def shadow_dir(self) -> Path:
@@ -318,14 +328,21 @@ class RolloutControl:
                 return
             self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
             self._set(status, "switching")
+            kept = [status.serving] if req.grace_s > 0 else []  # loaded through the grace period: an undo loads nothing
             with self._quiet_start(req.model):  # the new stubs load at the lowest priority beside the serving ones
-                self._switch(req.model, req.version, timeout_s=QUIET_LOAD_TIMEOUT_S)
+                self._switch(req.model, kept + [req.version], timeout_s=QUIET_LOAD_TIMEOUT_S)
             status.seconds_to_switch = time.time() - status.started
+            if not kept:
+                self._set(status, "switched", f"{req.model} serves version {req.version} (no grace period: version "
+                          f"{status.serving} unloaded, no undo)")
+                return
             until = time.time() + req.grace_s
-            self.switched[req.model] = Switched(req.model, status.serving, req.version, until)
+            done = Switched(req.model, status.serving, req.version, until)
+            self.switched[req.model] = done
+            self._end_grace_at(done)
             status.undo_until = until
-            self._set(status, "switched", f"{req.model} serves version {req.version}; rollout --undo until "
-                      f"{time.strftime('%H:%M:%S', time.localtime(until))}")
+            self._set(status, "switched", f"{req.model} serves version {req.version}; version {status.serving} stays "
+                      f"loaded for rollout --undo until {time.strftime('%H:%M:%S', time.localtime(until))}")
         except FactoryError as exc:
             self._set(status, "failed" if status.state in ("verifying", "accepting", "loading") else "rolled_back",
                       str(exc))
@@ -441,24 +458,48 @@ class RolloutControl:
         finally:
             path.unlink(missing_ok=True)
 
-    def _switch(self, model: str, version: int, timeout_s: float | None = None) -> None:
-        """Load ``model`` again set to ``version``: Triton swaps once the new version is ready; the old one's
-        requests in flight finish on it. Its configuration is kept for later loads (a healed stub)."""
-        base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
-                else _config_json(Path(self.server.repository) / model))
-        previous = self.server.load_configs.get(model)
-        self.server.load_configs[model] = json.dumps(version_config(base, version))
-        error = self.server.load_model(model, timeout_s=timeout_s)
-        if error:
-            from model_factory.serving.refusals import load_error_line
+    def _switch(self, model: str, versions: Sequence[int], timeout_s: float | None = None) -> None:
+        """Load ``model`` again set to ``versions``: a version already loaded stays as it is, one not loaded is
+        loaded and one no longer named is unloaded (its requests in flight finish on it); requests that name no
+        version go to the highest once it is ready. The configuration is kept for later loads (a healed stub)."""
+        with self._switch_lock:
+            base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
+                    else _config_json(Path(self.server.repository) / model))
+            previous = self.server.load_configs.get(model)
+            self.server.load_configs[model] = json.dumps(version_config(base, versions))
+            error = self.server.load_model(model, timeout_s=timeout_s)
+            if error:
+                from model_factory.serving.refusals import load_error_line
 
-            if previous is None:
-                self.server.load_configs.pop(model, None)
-            else:
-                self.server.load_configs[model] = previous
-            raise FactoryError(f"the switch to version {version} did not load (the serving version stays): "
-                               f"{load_error_line(error)}")
-        self.serving[model] = int(version)
+                if previous is None:
+                    self.server.load_configs.pop(model, None)
+                else:
+                    self.server.load_configs[model] = previous
+                raise FactoryError(f"the switch to version {max(versions)} did not load (the serving version "
+                                   f"stays): {load_error_line(error)}")
+            self.serving[model] = int(max(versions))
+
+    def _end_grace_at(self, done: Switched) -> None:
+        """At ``done.until``, unload the version kept for an undo (unless the switch was undone or followed by
+        another one meanwhile)."""
+        timer = threading.Timer(max(0.0, done.until - time.time()), self._end_grace, args=(done,))
+        timer.daemon = True
+        timer.name = f"mf-grace-{done.model}"
+        self._timers[done.model] = timer
+        timer.start()
+
+    def _end_grace(self, done: Switched) -> None:
+        with self._lock:
+            if self.switched.get(done.model) is not done or self._stop.is_set():
+                return
+            del self.switched[done.model]
+        try:
+            self._switch(done.model, [done.current])
+        except FactoryError as exc:
+            self.echo(f"rollout {done.model}: the grace period ended but version {done.previous} could not be "
+                      f"unloaded: {exc}")
+            return
+        self.echo(f"rollout {done.model}: grace period over, version {done.previous} unloaded")
 
     def undo(self, model: str) -> RolloutStatus:
         """Switch ``model`` back to the version it served before its last rollout, within the grace period."""
@@ -472,15 +513,13 @@ class RolloutControl:
             if time.time() > done.until:
                 raise FactoryError(f"refused: the grace period of {model}'s rollout to version {done.current} "
                                    "ended. Fix: release the older model again under a higher version and roll it out")
-            if not (Path(self.server.repository) / model / str(done.previous)).is_dir():
-                raise FactoryError(f"refused: version {done.previous} of {model} is no longer in the repository "
-                                   "(model-factory pull replaces the model folder with the version it brings), so it "
-                                   "cannot be loaded again. Fix: roll forward: release the fix as a newer version "
-                                   "and roll it out")
             status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
             start = time.time()
-            self._switch(model, done.previous)
+            self._switch(model, [done.previous])  # still loaded: Triton only unloads the newer version
             del self.switched[model]
+            timer = self._timers.pop(model, None)
+            if timer is not None:
+                timer.cancel()
             status = replace(status, state="undone", seconds_to_switch=time.time() - start, undo_until=None,
                              reason=f"{model} serves version {done.previous} again")
             self.statuses[model] = status
@@ -527,5 +566,7 @@ class RolloutControl:
     def close(self) -> None:
         """Stop a rollout in progress (it rolls back: the served version is untouched)."""
         self._stop.set()
+        for timer in self._timers.values():
+            timer.cancel()
         if self._running is not None:
             self._running.join(timeout=60)

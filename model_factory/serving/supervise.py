@@ -38,10 +38,11 @@ SETTLE_S = 5.0
 
 @dataclass(frozen=True)
 class StubProcess:
-    """A live Python-backend stub: its pid and the model folder it serves."""
+    """A live Python-backend stub: its pid, the model folder it serves and the version."""
 
     pid: int
     model: str
+    version: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def stub_processes(server_pid: int, repository: Path) -> list[StubProcess]:
         except ValueError:
             continue
         if len(rel.parts) >= 2:
-            stubs.append(StubProcess(child.pid, rel.parts[0]))
+            stubs.append(StubProcess(child.pid, rel.parts[0], rel.parts[1] if len(rel.parts) > 2 else ""))
     return stubs
 
 
@@ -128,7 +129,7 @@ class StubWatch:
         process = self.server.process
         if process is None or process.poll() is not None:
             return None
-        return stub_counts(process.pid, self.server.repository)
+        return stub_counts(process.pid, self.server.served_repository)
 
     def check(self) -> list[Recovery]:
         """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
@@ -179,7 +180,7 @@ class StubWatch:
 
     def _stub_pids(self, model: str) -> set[int]:
         """The pids of ``model``'s live stubs."""
-        return {s.pid for s in stub_processes(self.server.process.pid, self.server.repository) if s.model == model}
+        return {s.pid for s in stub_processes(self.server.process.pid, self.server.served_repository) if s.model == model}
 
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)

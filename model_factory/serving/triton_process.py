@@ -272,8 +272,9 @@ class TritonServer:
         self._requested = opts  # ports left at 0 are ours to pick (again, if one is taken before Triton binds)
         self.options = self._pick_ports(opts)
         self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
-        # The work folder (a 3 MB copy of the Python backend, the default log) lives as long as this object:
-        # the log stays readable after stop(), and nothing is left in the temp folder once the object is gone.
+        # The work folder (a 3 MB copy of the Python backend, the default log, the served repository's links)
+        # lives as long as this object: the log stays readable after stop(), and nothing is left in the temp
+        # folder once the object is gone.
         weakref.finalize(self, shutil.rmtree, str(self._work), ignore_errors=True)
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
@@ -302,6 +303,11 @@ class TritonServer:
         # versions (serving/rollout.py); and the folder where the backend's shadow mirrors keep their tallies.
         self.candidates_dir = self._work / "candidates"
         self.candidates_dir.mkdir()
+        # The repository Triton reads: the served models' files linked from ``repository`` without their
+        # signature files, brought in line at each load (serving/served_view.py: why a served version can then
+        # stay loaded while a rollout loads the next one beside it).
+        self.served_repository = self._work / "repository"
+        self.served_repository.mkdir()
         (self._work / "shadow").mkdir()
         self.admin_key = (opts.admin_key or secrets.token_hex(32)) if opts.restrict_admin else None
         self.queue_costs = dict(queue_costs or {})
@@ -341,7 +347,7 @@ class TritonServer:
     def command(self, install: TritonInstallation) -> list[str]:
         """The tritonserver command line."""
         o = self.options
-        cmd = [str(install.binary), f"--model-repository={self.repository}",
+        cmd = [str(install.binary), f"--model-repository={self.served_repository}",
                f"--model-repository={self.candidates_dir}",
                f"--backend-directory={install.backend_dir}",
                f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
@@ -406,8 +412,16 @@ class TritonServer:
 
         With a derived configuration for it (:attr:`load_configs`), the load carries that configuration
         (Triton's load API ``config`` parameter) instead of letting Triton read ``config.pbtxt``. ``timeout_s``:
-        how long to wait for it (default: the start-up timeout).
+        how long to wait for it (default: the start-up timeout). A model of :attr:`repository` is first brought
+        in line in :attr:`served_repository` (its files as they are now).
         """
+        if name in self.models:
+            from model_factory.serving.served_view import sync_model
+
+            try:
+                sync_model(self.repository, self.served_repository, name)
+            except FactoryError as exc:
+                return str(exc)
         return self._repository_control("load", name, self.load_configs.get(name), timeout_s)
 
     def unload_model(self, name: str) -> str | None:

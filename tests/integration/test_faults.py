@@ -120,7 +120,7 @@ def test_a_changed_repository_is_refused_at_the_next_load_and_the_loaded_version
 def _kill_stub(server, sig: int = signal.SIGKILL) -> int:
     from model_factory.serving.supervise import pid_alive, stub_processes
 
-    stubs = stub_processes(server.process.pid, server.repository)
+    stubs = stub_processes(server.process.pid, server.served_repository)
     assert stubs and {s.model for s in stubs} == {MODEL}  # one stub per instance (two by default)
     if sig != signal.SIGKILL:  # a fault signal: no core file of the stub, whatever the machine's core limit
         resource.prlimit(stubs[0].pid, resource.RLIMIT_CORE, (0, 0))
@@ -143,7 +143,7 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
     try:
         expected = _embed(server.http_url, ["a stub dies", "and comes back"])
         watch = StubWatch(server, [MODEL], interval_s=0.2, reverify=partial(reverify_model, report.digests))
-        instances = len(stub_processes(server.process.pid, server.repository))
+        instances = len(stub_processes(server.process.pid, server.served_repository))
         assert watch.expected == {MODEL: instances} and instances >= 1
         answered: list[tuple[float, str]] = []
 
@@ -182,7 +182,7 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
         assert _status(ready_url) == 200
         np.testing.assert_allclose(_embed(server.http_url, ["a stub dies", "and comes back"]), expected, atol=1e-6)
         # The old load's other instance exits once its unload finishes: then exactly the new instances run.
-        new_stubs = lambda: [s.pid for s in stub_processes(server.process.pid, server.repository)]  # noqa: E731
+        new_stubs = lambda: [s.pid for s in stub_processes(server.process.pid, server.served_repository)]  # noqa: E731
         assert _wait_for(lambda: len(new_stubs()) == instances, 30), new_stubs()
         assert dead not in new_stubs()
         assert watch.check() == []  # healthy again: nothing to do

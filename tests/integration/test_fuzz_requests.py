@@ -147,7 +147,7 @@ def _embedding(body: bytes) -> np.ndarray:
 def _stubs(triton) -> list[int]:
     from model_factory.serving.supervise import stub_processes
 
-    return [s.pid for s in stub_processes(triton.process.pid, triton.repository)]
+    return [s.pid for s in stub_processes(triton.process.pid, triton.served_repository)]
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -193,17 +193,35 @@ def _stub_main_threads(instance_prefix: str) -> dict[int, int]:
     return out
 
 
+def _stubs_by_version(env: Env) -> dict[str, set[int]]:
+    from model_factory.serving.supervise import stub_processes
+
+    out: dict[str, set[int]] = {}
+    for s in stub_processes(env.server.process.pid, env.server.served_repository):
+        if s.model == MODEL:
+            out.setdefault(s.version, set()).add(s.pid)
+    return out
+
+
 def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> None:
+    """v1 stays loaded through the grace period: the switch loads v2 beside it (v1's stubs are the same
+    processes) and the undo only unloads v2."""
+    v1_stubs = _stubs_by_version(env)["1"]
     with Load(env.server.http_url) as load:
         before = len(load.results)
         result = _rollout(env, "2", "--min-requests", "30", "--gate", "0.99")
         switched_at = time.monotonic()
         v2_stubs = _stub_main_threads(f"{MODEL}_v2_")
+        in_grace = _stubs_by_version(env)
+        index_in_grace = _index(env)
         time.sleep(2.0)
         after_switch = len(load.results)
         undo = _rollout(env, "--undo")
         undone_at = time.monotonic()
         time.sleep(2.0)
+    deadline = time.monotonic() + 60  # v2's stubs end once the requests they hold are answered
+    while set(after_undo := _stubs_by_version(env)) != {"1"} and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert result.exit_code == 0, result.output
     assert "switched in" in result.output
     status = env.control.status(MODEL)
@@ -222,6 +240,10 @@ def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> 
     quiet = [line for line in log.splitlines() if "model-factory backend: roll serves" in line and "load quiet" in line]
     assert len(quiet) == 2 and all("load quiet (nice 19)" in line for line in quiet), quiet
     assert len(v2_stubs) == 2 and set(v2_stubs.values()) == {os.nice(0)}, v2_stubs
+    # Nothing of v1 was loaded again: not at the switch (it stayed loaded beside v2), not at the undo.
+    assert in_grace["1"] == v1_stubs and len(in_grace["2"]) == 2, (v1_stubs, in_grace)
+    assert index_in_grace[f"{MODEL}/1"] == index_in_grace[f"{MODEL}/2"] == "READY", index_in_grace
+    assert after_undo == {"1": v1_stubs}, (v1_stubs, after_undo)
     index = _index(env)
     assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
     print(f"\nrollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n{undo.output.strip()}")
@@ -324,8 +346,8 @@ def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm
     """``model-factory serve --control-port 0`` on a repository filled by ``model-factory pull``, end to end: the
     factory releases v2 and pushes it (an OCI layout: a registry or a USB disk alike), ``pull`` brings it with its
     release metadata into the served repository, SIGHUP rolls it out under load (0 failed),
-    ``model-factory rollout --status`` reads it, ``--undo`` is refused with the reason (the pull replaced v1's
-    folder), SIGTERM exits 0."""
+    ``model-factory rollout --status`` reads it, ``--undo`` returns to v1 under load though the pull replaced v1's
+    folder (v1 stayed loaded through the grace period), SIGTERM exits 0."""
     import re
     import signal
     import subprocess
@@ -404,8 +426,14 @@ def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm
         assert load.failed() == [], load.failed()[:3]
         assert [r for r in load.results if r[0] > switched_at] and all(
             r[3] == "2" for r in load.results if r[0] > switched_at)
-        undo = rollout("--undo")
-        assert "refused: version 1 of roll is no longer in the repository" in undo and "Fix:" in undo, undo
+        with Load(url) as load:
+            undo = rollout("--undo")
+            undone_at = time.monotonic()
+            time.sleep(1.5)
+        assert "undone" in undo, undo
+        assert load.failed() == [], load.failed()[:3]
+        sent_after_undo = [r for r in load.results if r[0] > undone_at]
+        assert sent_after_undo and all(r[3] == "1" for r in sent_after_undo), {r[3] for r in sent_after_undo}
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, text + rest

@@ -17,7 +17,7 @@ def test_short_soak_has_no_errors_no_stub_restarts_and_flat_descriptors(triton, 
     texts = bench.draw_texts(bench.load_texts(Path(__file__).resolve().parents[2] / "benchmarks" / "texts.txt"),
                              500, seed=1)
     payloads = bench.make_payloads(texts, bench.load_tokenizer(minilm_export.tokenizer_dir, 128))
-    args = (triton.grpc_url, "minilm", payloads, triton.process.pid, triton.repository)
+    args = (triton.grpc_url, "minilm", payloads, triton.process.pid, triton.served_repository)
     soak.run_soak(*args, concurrency=8, requests=100, sample_s=60)  # warm-up: connections, threads, caches
     report = soak.run_soak(*args, concurrency=8, requests=1000, sample_s=2)
     assert report.requests == 1000 and report.sent_text == report.sent_ids == 500

@@ -20,7 +20,7 @@ def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
         RolloutRequest.from_dict({"model": "m", "version": 2, "share": 0})
 
 
-def test_the_switch_serves_one_version_under_instance_names_of_its_own() -> None:
+def test_the_switch_names_its_versions_and_instance_names_of_their_own() -> None:
     base = {"name": "m", "version_policy": {"specific": {"versions": [1]}},
             "instance_group": [{"count": 2, "kind": "KIND_CPU"}]}
     cfg = version_config(base, 2)
@@ -32,6 +32,9 @@ def test_the_switch_serves_one_version_under_instance_names_of_its_own() -> None
     from model_factory.build.repository import config_to_pbtxt  # Triton's schema accepts it
 
     assert 'name: "m_v2_0"' in config_to_pbtxt(cfg)
+    both = version_config(base, [2, 1])  # the switch: the previous version kept beside the new one
+    assert both["version_policy"] == {"specific": {"versions": [1, 2]}}
+    assert both["instance_group"][0]["name"] == "m_v2_0"  # the new instances' names; version 1 keeps its own
 
 
 def test_a_text_generation_candidate_loads_non_decoupled_and_the_served_config_stays_decoupled() -> None:
@@ -103,3 +106,53 @@ def test_the_rollout_thread_yields_the_cores_and_leaves_the_others_as_they_were(
     t.join()
     assert seen["rollout"] == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # this thread: unchanged
+
+
+class _Server:
+    """What RolloutControl asks of the server, with each load's version policy recorded (no Triton)."""
+
+    def __init__(self, tmp_path) -> None:
+        self.repository = tmp_path
+        self.work_dir = tmp_path
+        self.load_configs = {"m": json.dumps({"name": "m", "version_policy": {"specific": {"versions": [1]}},
+                                              "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})}
+        self.loads: list[list[int]] = []
+
+    def load_model(self, name: str, timeout_s=None):
+        self.loads.append(json.loads(self.load_configs[name])["version_policy"]["specific"]["versions"])
+        return None
+
+
+def test_the_previous_version_stays_loaded_for_the_grace_period_then_is_unloaded(tmp_path) -> None:
+    """The switch names both versions (Triton keeps the loaded one, serves the highest); at the end of the grace
+    period the previous one is dropped from the policy (unloaded); an undo before then names it alone."""
+    import time
+
+    from model_factory.serving.rollout import RolloutControl, Switched
+
+    server = _Server(tmp_path)
+    control = RolloutControl(server, None, ["m"])
+    assert control.serving == {"m": 1}
+    control._switch("m", [1, 2])
+    assert server.loads == [[1, 2]] and control.serving == {"m": 2}
+    done = Switched("m", 1, 2, time.time() + 0.3)
+    control.switched["m"] = done
+    control._end_grace_at(done)
+    deadline = time.monotonic() + 10
+    while "m" in control.switched and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    assert server.loads == [[1, 2], [2]] and control.serving == {"m": 2}
+    with pytest.raises(FactoryError, match="no rollout of m to undo"):
+        control.undo("m")
+
+    control._switch("m", [2, 3])  # the next rollout: version 2 kept, then undone before its grace period ends
+    done = Switched("m", 2, 3, time.time() + 0.5)
+    control.switched["m"] = done
+    control._end_grace_at(done)
+    status = control.undo("m")
+    assert status.state == "undone" and control.serving == {"m": 2}
+    time.sleep(0.8)  # past the grace period: nothing more is loaded
+    assert server.loads == [[1, 2], [2], [2, 3], [2]]
+    assert json.loads(server.load_configs["m"])["version_policy"] == {"specific": {"versions": [2]}}
+    control.close()

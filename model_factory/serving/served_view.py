@@ -1,0 +1,139 @@
+"""The model repository Triton reads: a copy of the served models, without their signature files.
+
+``serve`` verifies the repository it is given, then points Triton at a folder of its own
+(``<work>/repository``) holding, per served model, the files Triton and the backend read: ``config.pbtxt``
+and the other files beside it, and each version folder, copied from the repository (a reflink where the file
+system has them: btrfs, XFS). The backend still checks each file it loads against the verified digests
+(``backend/integrity.py``). Triton does the same with a repository in cloud storage: it copies each model to a
+local folder before it loads it.
+
+Why a folder of our own: so that a served version can stay loaded while another one is loaded beside it.
+Triton 2.51 keeps a served version through a new load of its model (only its configuration updated) when
+nothing it covers changed since its load: its version folder, and every file at the model's level other than
+``config.pbtxt``, each compared by the later of its modification and status-change times
+(``ModelTimestamp::IsModelVersionModified`` and ``LocalFileSystem::FileModificationTime`` in Triton's core;
+the configuration may differ only in the version policy and the instance groups). In the repository, a new
+version changes both for the previous one: signing writes files at the model's level (``K.sig``, and the
+previous version's signature again), and packaging links every file of the other versions into the new model
+folder (a new link changes a file's status-change time, for every name it has). So a rollout's switch
+reloaded the previous version too, and an undo reloaded it once more. Here the signature files are left out
+(Triton never reads them), the files are copies (hard links would share the repository's status changes), and
+two more things keep a loaded version's folder untouched:
+
+* a file is replaced (through a rename) only when it differs from the repository's: another size, or another
+  modification time and, for a file of at most 1 MiB, other bytes;
+* each version folder holds a plain file named ``__pycache__``: Triton's stub imports ``<version>/model.py``
+  and writes its bytecode cache beside it whatever ``PYTHONDONTWRITEBYTECODE`` says (and our ``model.py``
+  deletes that cache at once), which changed the folder at every load; with a file of that name in the way,
+  Python writes no cache.
+
+Version folders that left the repository (``pull`` replaces a model folder with the version it brings) stay
+here, so a version still loaded can be loaded again within a rollout's grace period; a load checks their bytes
+against the digests verified when they served, like any other.
+
+The price: the served versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
+version is copied once before its first load.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import fcntl
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from model_factory.errors import FactoryError
+from model_factory.signing.layout import DEFAULT_EXCLUSIONS, is_signature_name, is_version_name
+
+PYCACHE_BLOCKER = "__pycache__"
+_COMPARE_BYTES_UP_TO = 1 << 20
+_FICLONE = 0x40049409  # linux/fs.h: share the source's blocks, copy on write
+
+
+def _same(src: Path, src_st: os.stat_result, dst: Path, dst_st: os.stat_result) -> bool:
+    if src_st.st_size != dst_st.st_size:
+        return False
+    if src_st.st_mtime_ns == dst_st.st_mtime_ns:  # our copy of it (copies keep the modification time)
+        return True
+    return src_st.st_size <= _COMPARE_BYTES_UP_TO and filecmp.cmp(src, dst, shallow=False)  # rewritten alike
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` with its modification time: a reflink where the file system has them."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+        except OSError:  # ext4, tmpfs, another file system: bytes
+            shutil.copyfileobj(fin, fout, 1 << 24)
+    shutil.copystat(src, dst)
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Make ``dst`` a copy of ``src``, replacing it through a rename."""
+    tmp = dst.with_name(f".{dst.name}.mf-tmp")
+    tmp.unlink(missing_ok=True)
+    _copy(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
+    """Make the folder ``dst`` hold the regular files of ``src`` (recursively). At ``top`` (a model folder)
+    version folders, signature files and OMS's default exclusions are skipped; below it, ``__pycache__``
+    entries are left alone (never signed; one is ours)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    wanted: set[str] = set()
+    with os.scandir(src) as it:
+        entries = list(it)
+    for entry in entries:
+        name = entry.name
+        if top and (is_version_name(name) or is_signature_name(name) or name in DEFAULT_EXCLUSIONS):
+            continue
+        if name == PYCACHE_BLOCKER:
+            continue
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            wanted.add(name)
+            _sync_tree(Path(entry.path), dst / name, top=False)
+        elif stat.S_ISREG(st.st_mode):
+            wanted.add(name)
+            target = dst / name
+            try:
+                if _same(Path(entry.path), st, target, target.stat(follow_symlinks=False)):
+                    continue
+            except FileNotFoundError:
+                pass
+            _place(Path(entry.path), target)
+        # links and special files are not served (verification reports them)
+    with os.scandir(dst) as it:
+        present = list(it)
+    for entry in present:
+        name = entry.name
+        if name in wanted or name == PYCACHE_BLOCKER or (top and is_version_name(name)):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def sync_model(repository: Path, served: Path, model: str) -> Path:
+    """Bring ``served/model`` in line with ``repository/model`` (see the module docstring); return it."""
+    src, dst = Path(repository) / model, Path(served) / model
+    try:
+        _sync_tree(src, dst, top=True)
+        with os.scandir(src) as it:
+            versions = [e for e in it if is_version_name(e.name) and e.is_dir(follow_symlinks=False)]
+        for entry in versions:
+            folder = dst / entry.name
+            _sync_tree(Path(entry.path), folder, top=False)
+            blocker = folder / PYCACHE_BLOCKER
+            if not blocker.is_file():
+                if blocker.is_dir():
+                    shutil.rmtree(blocker)
+                blocker.write_bytes(b"")
+    except OSError as exc:
+        raise FactoryError(f"cannot lay out {model} for the server in {dst}: {exc}. Fix: free disk space or "
+                           "check the permissions of the temporary folder (TMPDIR)") from exc
+    return dst

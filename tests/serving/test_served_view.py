@@ -1,0 +1,118 @@
+"""The repository Triton reads (serving/served_view.py): a copy of the served model's files without its signature
+files, and a loaded version's folder left untouched by later syncs (neither modification nor status-change times:
+Triton compares the later of the two), so Triton keeps that version loaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from model_factory.errors import FactoryError
+from model_factory.serving.served_view import PYCACHE_BLOCKER, sync_model
+
+
+def _model(repo: Path) -> Path:
+    m = repo / "m"
+    (m / "1" / "mf_backend").mkdir(parents=True)
+    (m / "config.pbtxt").write_text('name: "m"\n')
+    (m / "labels.txt").write_text("a\nb\n")
+    (m / "1.sig").write_text("bundle")
+    (m / "1.provenance.sig").write_text("provenance")
+    (m / ".git").mkdir()
+    (m / ".git" / "HEAD").write_text("ref")
+    (m / "1" / "model.py").write_text("shim")
+    (m / "1" / "model.onnx").write_bytes(b"\x08" * 64)
+    (m / "1" / "mf_backend" / "model.py").write_text("backend")
+    return m
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """relpath -> (inode, mtime_ns, ctime_ns) of ``folder`` and every entry under it."""
+    out = {}
+    for p in [folder, *folder.rglob("*")]:
+        st = p.stat()
+        out[str(p.relative_to(folder))] = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def test_the_view_links_what_triton_reads_and_leaves_out_signatures(tmp_path: Path) -> None:
+    src = _model(tmp_path / "repo")
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert view == tmp_path / "served" / "m"
+    assert sorted(p.name for p in view.iterdir()) == ["1", "config.pbtxt", "labels.txt"]
+    for rel in ("config.pbtxt", "labels.txt", "1/model.py", "1/model.onnx", "1/mf_backend/model.py"):
+        assert (view / rel).read_bytes() == (src / rel).read_bytes()
+        assert (view / rel).stat().st_ino != (src / rel).stat().st_ino  # a copy: the repository's links are not ours
+        assert (view / rel).stat().st_mtime_ns == (src / rel).stat().st_mtime_ns
+    blocker = view / "1" / PYCACHE_BLOCKER
+    assert blocker.is_file() and blocker.stat().st_size == 0  # Python cannot write a bytecode cache here
+    assert not (src / "1" / PYCACHE_BLOCKER).exists()  # the signed repository is never written
+
+
+def test_a_new_version_and_a_rewritten_config_leave_the_loaded_version_untouched(tmp_path: Path) -> None:
+    """What Triton checks before keeping version 1 loaded: its folder and the model-level files other than
+    config.pbtxt. Packaging version 2 links every file of version 1 into the new model folder and writes the
+    labels and config.pbtxt again; signing rewrites the signatures."""
+    src = _model(tmp_path / "repo")
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    v1 = _tree(view / "1")
+    labels = _tree(view / "labels.txt")
+    for f in [p for p in (src / "1").rglob("*") if p.is_file()]:
+        os.link(f, f.with_name(f.name + ".link"))  # a new name for the same file: its status-change time moves
+        os.unlink(f.with_name(f.name + ".link"))
+    (src / "labels.txt").unlink()
+    (src / "labels.txt").write_text("a\nb\n")  # the same labels, written again
+    (src / "2").mkdir()
+    (src / "2" / "model.py").write_text("shim 2")
+    (src / "2.sig").write_text("bundle 2")
+    (src / "1.sig").write_text("bundle again")
+    (src / "config.pbtxt.new").write_text('name: "m"\nversion_policy { latest { num_versions: 1 } }\n')
+    os.replace(src / "config.pbtxt.new", src / "config.pbtxt")
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert _tree(view / "1") == v1
+    assert _tree(view / "labels.txt") == labels
+    assert (view / "config.pbtxt").read_text() == (src / "config.pbtxt").read_text()
+    assert (view / "2" / "model.py").read_text() == "shim 2" and (view / "2" / PYCACHE_BLOCKER).is_file()
+    assert not (view / "2.sig").exists()
+
+
+def test_changed_and_removed_files_follow_the_repository_and_a_version_that_left_stays(tmp_path: Path) -> None:
+    src = _model(tmp_path / "repo")
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    (src / "1" / "model.onnx").unlink()
+    (src / "1" / "model.onnx").write_bytes(b"\x09" * 64)  # a new file (another inode), same size
+    (src / "1" / "mf_backend" / "model.py").unlink()
+    (src / "labels.txt").unlink()
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert (view / "1" / "model.onnx").read_bytes() == b"\x09" * 64
+    assert not (view / "1" / "mf_backend" / "model.py").exists() and not (view / "labels.txt").exists()
+    assert not list(view.rglob("*.mf-tmp"))
+    # pull replaces a model folder with the version it brings: version 1 stays here (still loaded, it may be
+    # loaded again within a rollout's grace period; the backend checks its bytes against the verified digests)
+    (src / "2").mkdir()
+    (src / "2" / "model.py").write_text("shim 2")
+    for p in sorted((src / "1").rglob("*"), reverse=True):
+        p.rmdir() if p.is_dir() else p.unlink()
+    (src / "1").rmdir()
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert (view / "1" / "model.py").read_text() == "shim" and (view / "2" / "model.py").is_file()
+
+
+def test_a_second_sync_copies_nothing_and_a_file_rewritten_alike_is_kept(tmp_path: Path) -> None:
+    src = _model(tmp_path / "repo")
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    before = _tree(view)
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert _tree(view) == before
+    os.utime(src / "1" / "model.onnx", ns=(1, 1))  # the same bytes, another time: small files are compared
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    assert _tree(view) == before
+
+
+def test_a_view_that_cannot_be_written_is_a_user_error(tmp_path: Path) -> None:
+    _model(tmp_path / "repo")
+    (tmp_path / "served").write_text("a file where the folder should be")
+    with pytest.raises(FactoryError, match="cannot lay out m for the server.*Fix:"):
+        sync_model(tmp_path / "repo", tmp_path / "served", "m")
