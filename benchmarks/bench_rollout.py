@@ -154,10 +154,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             states = watch_rollout(control, MODEL, {"switched", "rolled_back", "failed"}, 180, say)
             status = control.status(MODEL)
             done = time.monotonic()
+            if status.state != "switched":
+                clients.join()
+                say(f"rollout ended {status.state}: {status.reason}")
+                return 1
             time.sleep(args.steady_s)
             say("undo")
             undo_at = time.monotonic()
             undone = control.undo(MODEL)
+            deadline = time.monotonic() + 120  # the undo returns at once; v2's stubs end once their requests are answered
+            while time.monotonic() < deadline and any(s.version == "2" for s in stub_processes(
+                    server.process.pid, server.served_repository) if s.model == MODEL):
+                time.sleep(0.05)
             undo_done = time.monotonic()
             time.sleep(3.0)
             clients.join()
@@ -167,15 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(f"{count} x {why}")
         finally:
             rc = server.stop()
-    if status.state != "switched":
-        say(f"rollout ended {status.state}: {status.reason}")
-        return 1
     res = clients.results
     shadow_at = states.get("shadowing", command)
     switch_at = states.get("switching", done)
     phases = [("before", t0, command), ("verify, accept, load candidate", command, shadow_at),
               ("shadow (mirrored to the candidate)", shadow_at, switch_at), ("switch (v2 loaded beside v1)", switch_at, done),
-              ("after (v1 kept loaded)", done, undo_at), ("undo (v2 unloaded)", undo_at, undo_done),
+              ("after (v1 kept loaded)", done, undo_at), ("undo (until v2's stubs ended)", undo_at, undo_done),
               ("after undo", undo_done, end)]
     rows = [(name, _phase(res, clients.rejected, a, b), b - a) for name, a, b in phases]
 
@@ -193,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"for the whole run; the rollout mirrored {status.mirrored} requests (agreement {status.agreement:.6f}, "
              f"gate 0.99, min {args.min_requests}). **Command to switch: {status.seconds_to_switch:.1f} s** "
              f"(verify + acceptance + candidate load {shadow_at - command:.1f} s, shadow {switch_at - shadow_at:.1f} s, "
-             f"switch {done - switch_at:.1f} s); **undo {undone.seconds_to_switch:.2f} s**. v1's stubs after the undo "
+             f"switch {done - switch_at:.1f} s); **undo {undone.seconds_to_switch:.2f} s** (v2's stubs ended "
+             f"{undo_done - undo_at:.1f} s after it). v1's stubs after the undo "
              f"{'are the same processes as before the rollout (v1 was never loaded again)' if v1_after == v1_before else f'differ from those before the rollout ({sorted(v1_before)} -> {sorted(v1_after)})'}. "
              f"tritonserver exit code {rc}.",
              f"Queue bound: {'the package default (503s are shedding, counted as rejected)' if args.queue_bound else 'none (max_queue_size = 0): every failure would be a lost request'}.",

@@ -8,8 +8,8 @@ version folder again, signed, released) is rolled out through :class:`model_fact
 (what ``serve --control-port`` runs) while ``--streams`` threads each send greedy streamed ``generate_stream``
 requests (``--prompt`` token-id prompts, ``--tokens`` new tokens), pausing ``--pause-s`` between their requests,
 for the whole run. Phases, from the rollout's own states: before; verify + accept + the candidate's load; shadow (finished requests generated
-again by the candidate, token agreement scored); switch (the model loaded again set to v2); after; undo (back to
-v1); after undo. Per phase, over the requests sent in it: requests, failed, TTFT p50 / p99, and over the tokens
+again by the candidate, token agreement scored); switch (v2 loaded beside v1, which stays loaded for the grace
+period); after; undo (back to v1: v2 unloaded, nothing loads; the phase lasts until v2's stubs ended); after undo. Per phase, over the requests sent in it: requests, failed, TTFT p50 / p99, and over the tokens
 received in it the inter-token gap p99 and the output tokens/s. The section between
 ``<!-- rollout_generative:start -->`` and ``<!-- rollout_generative:end -->`` is replaced.
 """
@@ -166,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.copytree(v1, model_dir / "2")
             sign_model_version(model_dir, 2, signer)
             add_release(repo, k, k, k)
+            from model_factory.serving.supervise import stub_processes
+
+            def stubs_of(version: str) -> set[int]:
+                return {s.pid for s in stub_processes(server.process.pid, server.served_repository)
+                        if s.model == MODEL and s.version == version}
+
+            v1_before = stubs_of("1")
             streams = Streams(server.http_url, args.streams, args.prompt, args.tokens, vocab, args.pause_s).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
@@ -179,7 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(args.steady_s)
             undo_at = time.monotonic()
             undone = control.undo(MODEL) if status.state == "switched" else None
+            deadline = time.monotonic() + 300  # the undo returns at once; v2's stubs end once their requests ended
+            while undone is not None and stubs_of("2") and time.monotonic() < deadline:
+                time.sleep(0.05)
             undo_done = time.monotonic()
+            v1_after = stubs_of("1")
             time.sleep(args.steady_s / 2)
             streams.join()
             end = time.monotonic()
@@ -195,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     switch_at = states.get("switching", done)
     phases = [("before", t0, command), ("verify, accept, load candidate", command, shadow_at),
               ("shadow (finished requests generated again by the candidate)", shadow_at, switch_at),
-              ("switch (reload set to v2)", switch_at, done), ("after", done, undo_at),
-              ("undo (reload set to v1)", undo_at, undo_done), ("after undo", undo_done, end)]
+              ("switch (v2 loaded beside v1)", switch_at, done), ("after (v1 kept loaded)", done, undo_at),
+              ("undo (until v2's stubs ended)", undo_at, undo_done), ("after undo", undo_done, end)]
     rows = [(name, _phase(res, a, b), b - a) for name, a, b in phases]
     base = rows[0][1]
     failed = sum(not r[1] for r in res)
@@ -209,8 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{status.mirrored} finished requests (share {args.share:g}; agreement {status.agreement:.4f}, gate 0.99, "
              f"min {args.min_requests}; {status.skipped} skipped by a full mirror queue). **Command to switch: "
              f"{status.seconds_to_switch:.1f} s** (verify + acceptance + candidate load {shadow_at - command:.1f} s, "
-             f"shadow {switch_at - shadow_at:.1f} s, switch {done - switch_at:.1f} s); undo "
-             f"{undone.seconds_to_switch:.1f} s. tritonserver exit code {rc}.", "",
+             f"shadow {switch_at - shadow_at:.1f} s, switch {done - switch_at:.1f} s); **undo "
+             f"{undone.seconds_to_switch:.2f} s** (v2's stubs ended {undo_done - undo_at:.1f} s after it). v1's stubs "
+             f"after the undo {'are the same processes as before the rollout (v1 was never loaded again)' if v1_after == v1_before else f'differ from those before ({sorted(v1_before)} -> {sorted(v1_after)})'}. "
+             f"tritonserver exit code {rc}.", "",
              "| phase | seconds | requests sent | failed | TTFT p50 s | TTFT p99 s | TTFT p99 / before | "
              "inter-token p99 ms | ITL p99 / before | output tokens/s | versions answering |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -221,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += ["", f"Failed requests over the whole run: **{failed}** of {len(res)} (a request counts in the phase it "
               "was sent in; its tokens in the phases they arrived in). The candidate's stub runs at nice 19 and "
               "generates each mirrored request again in full, so on cores the live streams keep busy the shadow "
-              "takes what they leave. The switch's and the undo's loads of a text-generation model run at the "
-              "normal priority (its engine thread is made inside the load).", END]
+              "takes what they leave. The switch's load of a text-generation model runs at the normal priority (its "
+              "engine thread is made inside the load); v1 stays loaded beside v2 through the grace period, so the "
+              "undo loads nothing.", END]
     publish("\n".join(lines), args.results, START, END, not args.no_write)
     return 0 if failed == 0 else 1
 

@@ -35,9 +35,9 @@ class Tree:
 
     def __init__(self, root: Path) -> None:
         self.repo = root / "repo"
-        for m in ("a", "b"):
-            (self.repo / m / "1").mkdir(parents=True)
-            (self.repo / m / "1" / "model.py").write_text("sleep 300\nexit 0\n")
+        for m, v in (("a", "1"), ("b", "1"), ("a", "2")):
+            (self.repo / m / v).mkdir(parents=True)
+            (self.repo / m / v / "model.py").write_text("sleep 300\nexit 0\n")
         (root / "elsewhere" / "b" / "1").mkdir(parents=True)
         (root / "elsewhere" / "b" / "1" / "model.py").write_text("sleep 300\nexit 0\n")
         self.elsewhere = root / "elsewhere"
@@ -46,8 +46,8 @@ class Tree:
         shutil.copy(shutil.which("bash"), self.stub)
         self.servers: list[subprocess.Popen] = []
 
-    def stub_argv(self, model: str, repo: Path | None = None) -> list[str]:
-        return [str(self.stub), str((repo or self.repo) / model / "1" / "model.py")]
+    def stub_argv(self, model: str, repo: Path | None = None, version: str = "1") -> list[str]:
+        return [str(self.stub), str((repo or self.repo) / model / version / "model.py")]
 
     def server(self, *argvs: list[str]) -> tuple[int, list[int]]:
         """Start a server with these children; its pid and theirs."""
@@ -106,6 +106,7 @@ class FakeServer:
         self.calls: list[str] = []
         self.load_error: str | None = None
         self.alive = True
+        self.ready: dict[str, set[str]] | None = None  # what ready_versions() says (None: it cannot be asked)
 
         class P:
             def poll(inner):  # noqa: N805 - a stand-in for Popen.poll
@@ -121,6 +122,11 @@ class FakeServer:
     def load_model(self, name: str) -> str | None:
         self.calls.append(f"load {name}")
         return self.load_error
+
+    def ready_versions(self) -> dict[str, set[str]]:
+        if self.ready is None:
+            raise OSError("no index")
+        return self.ready
 
 
 def test_a_missing_stub_is_healed_in_order_and_a_model_that_no_longer_verifies_stays_down(tree) -> None:
@@ -177,3 +183,24 @@ def test_nothing_is_healed_when_the_server_itself_is_gone(tree) -> None:
     watch = StubWatch(server, ["a"], settle_s=0)
     server.alive = False
     assert watch.check() == [] and server.calls == []
+
+
+def test_each_ready_version_is_counted_on_its_own_while_a_rollout_keeps_two_loaded(tree) -> None:
+    """Through a rollout's grace period a model has two versions loaded, one stub each here: a dead stub of one is
+    healed though the model still has as many stubs as one version needs; a version not READY (loading,
+    unloading) is not counted."""
+    server_pid, (_a1, a2, _b) = tree.server(tree.stub_argv("a"), tree.stub_argv("a", version="2"),
+                                            tree.stub_argv("b"))
+    server = FakeServer(tree.repo, server_pid)
+    server.ready = {"a": {"1", "2"}, "b": {"1"}}
+    watch = StubWatch(server, ["a", "b"], settle_s=0)
+    assert watch.expected == {"a": 1, "b": 1}  # stubs per version
+    assert watch.check() == []
+    kill_and_wait(a2)
+    server.ready = {"a": {"1"}, "b": {"1"}}  # version 2 unloading (the undo): its stubs ending is no death
+    assert watch.check() == [] and server.calls == []
+    server.ready = None  # the index cannot be asked: stubs are counted per model (a: 1, as many as expected)
+    assert watch.check() == [] and server.calls == []
+    server.ready = {"a": {"1", "2"}, "b": {"1"}}  # version 2 serving without its stub: healed
+    (rec,) = watch.check()
+    assert rec.model == "a" and server.calls == ["unload a", "load a"]

@@ -374,7 +374,16 @@ def wall_in_stub(version_dir: Path, writable: tuple[str, ...] = (), readable_fil
         return f"off ({'; '.join(have.missing)})"
     hook_path = env.get(TEST_HOOK_ENV)
     hook = Path(hook_path).read_text() if hook_path else None  # read before the walls hide it
-    scratch = Path(tempfile.mkdtemp(prefix="mf-stub-"))
+    # Inside the server's own work folder where there is one (removed with it): a walled stub cannot remove its
+    # scratch from the shared temporary folder (Landlock grants no removal in its parent), so one left there
+    # per stub start would pile up.
+    from .idle_cores import RUNTIME_DIR_ENV
+
+    runtime = env.get(RUNTIME_DIR_ENV, "").strip()
+    parent = Path(runtime) / "stub-scratch" if runtime and Path(runtime).is_dir() else None
+    if parent is not None:
+        parent.mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="mf-stub-", dir=parent))
     for folder in writable:  # a folder the stub will write into later (the cost cache) must exist to be granted
         Path(folder).mkdir(parents=True, exist_ok=True)
     apply(serving_walls(version_dir, scratch, writable, readable_files, ip_sockets=ip_sockets))

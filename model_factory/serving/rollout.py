@@ -227,7 +227,9 @@ class RolloutControl:
         self._stop = threading.Event()
         self._tried: set[tuple[str, int]] = set()  # versions a scan started (not started again by a scan)
         self._refused: dict[tuple[str, int], str] = {}  # the last refusal said per version (said once)
-        self._switch_lock = threading.Lock()  # one load of a served model at a time (a switch, an undo, a grace end)
+        # One load of a served model at a time (a switch, an undo, a grace period's end), with what it records;
+        # taken before _lock where both are.
+        self._switch_lock = threading.RLock()
         self._timers: dict[str, threading.Timer] = {}  # model -> the end of its grace period
 
     @property
@@ -329,17 +331,19 @@ class RolloutControl:
             self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
             self._set(status, "switching")
             kept = [status.serving] if req.grace_s > 0 else []  # loaded through the grace period: an undo loads nothing
-            with self._quiet_start(req.model):  # the new stubs load at the lowest priority beside the serving ones
+            with self._switch_lock, self._quiet_start(req.model):  # the new stubs load at the lowest priority
                 self._switch(req.model, kept + [req.version], timeout_s=QUIET_LOAD_TIMEOUT_S)
-            status.seconds_to_switch = time.time() - status.started
+                status.seconds_to_switch = time.time() - status.started
+                self.switched.pop(req.model, None)  # an earlier rollout's grace period: its version was unloaded now
+                until = time.time() + req.grace_s
+                done = Switched(req.model, status.serving, req.version, until)
+                if kept:
+                    self.switched[req.model] = done
+                    self._end_grace_at(done)
             if not kept:
                 self._set(status, "switched", f"{req.model} serves version {req.version} (no grace period: version "
                           f"{status.serving} unloaded, no undo)")
                 return
-            until = time.time() + req.grace_s
-            done = Switched(req.model, status.serving, req.version, until)
-            self.switched[req.model] = done
-            self._end_grace_at(done)
             status.undo_until = until
             self._set(status, "switched", f"{req.model} serves version {req.version}; version {status.serving} stays "
                       f"loaded for rollout --undo until {time.strftime('%H:%M:%S', time.localtime(until))}")
@@ -482,6 +486,9 @@ class RolloutControl:
     def _end_grace_at(self, done: Switched) -> None:
         """At ``done.until``, unload the version kept for an undo (unless the switch was undone or followed by
         another one meanwhile)."""
+        old = self._timers.pop(done.model, None)
+        if old is not None:
+            old.cancel()
         timer = threading.Timer(max(0.0, done.until - time.time()), self._end_grace, args=(done,))
         timer.daemon = True
         timer.name = f"mf-grace-{done.model}"
@@ -489,20 +496,29 @@ class RolloutControl:
         timer.start()
 
     def _end_grace(self, done: Switched) -> None:
-        with self._lock:
-            if self.switched.get(done.model) is not done or self._stop.is_set():
+        with self._switch_lock:  # not while a switch or an undo of the model runs: it may have replaced ``done``
+            with self._lock:
+                if self.switched.get(done.model) is not done or self._stop.is_set():
+                    return
+                del self.switched[done.model]
+            try:
+                self._switch(done.model, [done.current])
+            except FactoryError as exc:
+                self.echo(f"rollout {done.model}: the grace period ended but version {done.previous} could not be "
+                          f"unloaded: {exc}")
                 return
-            del self.switched[done.model]
-        try:
-            self._switch(done.model, [done.current])
-        except FactoryError as exc:
-            self.echo(f"rollout {done.model}: the grace period ended but version {done.previous} could not be "
-                      f"unloaded: {exc}")
-            return
         self.echo(f"rollout {done.model}: grace period over, version {done.previous} unloaded")
 
     def undo(self, model: str) -> RolloutStatus:
         """Switch ``model`` back to the version it served before its last rollout, within the grace period."""
+        if not self._switch_lock.acquire(timeout=CLEANUP_WAIT_S):
+            raise FactoryError("refused: a switch is in progress. Fix: wait for it (rollout --status)")
+        try:
+            return self._undo(model)
+        finally:
+            self._switch_lock.release()
+
+    def _undo(self, model: str) -> RolloutStatus:
         with self._lock:
             self._await_cleanup()
             if self._running is not None and self._running.is_alive():

@@ -2,7 +2,7 @@
 
 ``serve`` verifies the repository it is given, then points Triton at a folder of its own
 (``<work>/repository``) holding, per served model, the files Triton and the backend read: ``config.pbtxt``
-and the other files beside it, and each version folder, copied from the repository (a reflink where the file
+and the other files beside it, and each version folder its loads name, copied from the repository (a reflink where the file
 system has them: btrfs, XFS). The backend still checks each file it loads against the verified digests
 (``backend/integrity.py``). Triton does the same with a repository in cloud storage: it copies each model to a
 local folder before it loads it.
@@ -31,8 +31,8 @@ Version folders that left the repository (``pull`` replaces a model folder with 
 here, so a version still loaded can be loaded again within a rollout's grace period; a load checks their bytes
 against the digests verified when they served, like any other.
 
-The price: the served versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
-version is copied once before its first load.
+The price: the loaded versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
+version is copied once before its first load (MiniLM's 89 MB: about 0.4 s here).
 """
 
 from __future__ import annotations
@@ -118,13 +118,28 @@ def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
             os.unlink(entry.path)
 
 
-def sync_model(repository: Path, served: Path, model: str) -> Path:
-    """Bring ``served/model`` in line with ``repository/model`` (see the module docstring); return it."""
+def policy_versions(policy: dict | None, available: list[int]) -> list[int]:
+    """The versions a Triton ``version_policy`` (JSON form) loads out of the ``available`` version folders:
+    ``specific`` names them, ``latest`` takes the highest ``num_versions``, ``all`` every one; none: the latest."""
+    policy = policy or {}
+    if "specific" in policy:
+        return sorted({int(v) for v in (policy["specific"] or {}).get("versions", [])})
+    if "all" in policy:
+        return sorted(available)
+    n = int((policy.get("latest") or {}).get("num_versions", 1))
+    return sorted(available)[-n:] if n > 0 else []
+
+
+def sync_model(repository: Path, served: Path, model: str, policy: dict | None = None) -> Path:
+    """Bring ``served/model`` in line with ``repository/model`` for the versions ``policy`` (a Triton
+    ``version_policy``, JSON form) loads (see the module docstring); return it. Other versions are not copied."""
     src, dst = Path(repository) / model, Path(served) / model
     try:
         _sync_tree(src, dst, top=True)
         with os.scandir(src) as it:
-            versions = [e for e in it if is_version_name(e.name) and e.is_dir(follow_symlinks=False)]
+            folders = {int(e.name): e for e in it if is_version_name(e.name) and e.is_dir(follow_symlinks=False)}
+        wanted = set(policy_versions(policy, list(folders)))
+        versions = [folders[v] for v in sorted(folders) if v in wanted]
         for entry in versions:
             folder = dst / entry.name
             _sync_tree(Path(entry.path), folder, top=False)

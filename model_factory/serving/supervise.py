@@ -5,7 +5,9 @@ Triton 2.51 does not notice a dead stub on its own: after a ``SIGKILL`` of
 healthy`` while ``/v2/models/<m>/ready`` still answers 200, so a load balancer keeps
 routing to a dead replica. :class:`StubWatch` looks at the server's child processes
 (one stub per model instance, named on its command line by the model's ``model.py``);
-when a model has fewer live stubs than it had once loaded it
+when a version Triton reports READY has fewer live stubs than the model had once loaded (counted per
+version: through a rollout's grace period two versions are loaded; without the repository index, per
+model) it
 
 1. unloads the model through the restricted repository API, so readiness turns false
    at once, and waits ``settle_s`` for the dead instance to fail the requests it holds
@@ -97,6 +99,15 @@ def stub_counts(server_pid: int, repository: Path) -> dict[str, int]:
     return counts
 
 
+def stub_counts_by_version(server_pid: int, repository: Path) -> dict[str, dict[str, int]]:
+    """Live stubs per model and version."""
+    counts: dict[str, dict[str, int]] = {}
+    for stub in stub_processes(server_pid, repository):
+        per = counts.setdefault(stub.model, {})
+        per[stub.version] = per.get(stub.version, 0) + 1
+    return counts
+
+
 class StubWatch:
     """A thread that polls the stubs of ``models`` every ``interval_s`` and heals a model whose stub died.
 
@@ -120,27 +131,46 @@ class StubWatch:
         self.recoveries: list[Recovery] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # What "healthy" means: the stubs each model had once loaded.
-        self.expected = {m: n for m, n in (self._counts() or {}).items() if m in set(models)}
+        # What "healthy" means: the stubs each version of a model had once loaded (one version at the start).
+        self.expected = {m: max(per.values()) for m, per in (self._counts() or {}).items()
+                         if m in set(models) and per}
         self.healing: str | None = None
 
-    def _counts(self) -> dict[str, int] | None:
-        """Live stubs per model; None when the server itself is not running (nothing to heal then)."""
+    def _counts(self) -> dict[str, dict[str, int]] | None:
+        """Live stubs per model and version; None when the server itself is not running (nothing to heal then)."""
         process = self.server.process
         if process is None or process.poll() is not None:
             return None
-        return stub_counts(process.pid, self.server.served_repository)
+        return stub_counts_by_version(process.pid, self.server.served_repository)
+
+    def _ready(self) -> dict[str, set[str]] | None:
+        """The versions Triton reports READY per model; None when it cannot be asked."""
+        try:
+            return self.server.ready_versions()
+        except Exception:  # noqa: BLE001 - the index is a refinement: without it, stubs are counted per model
+            return None
 
     def check(self) -> list[Recovery]:
-        """One poll: heal every watched model with fewer live stubs than expected; return the heals."""
+        """One poll: heal every watched model one of whose ready versions has fewer live stubs than expected
+        (while a rollout keeps the previous version loaded beside the new one, each is counted on its own; a
+        version loading or unloading is not counted); return the heals."""
         done: list[Recovery] = []
+        before = self._ready()
         counts = self._counts()
         if counts is None:  # the server is gone: serve reports that itself
             return done
+        after = self._ready()
+        # READY in both looks, so READY when the stubs were counted (a version still loading is not yet READY).
+        ready = ({m: v & after.get(m, set()) for m, v in before.items()}
+                 if before is not None and after is not None else None)
         for model, want in list(self.expected.items()):
             if self._stop.is_set():
                 break
-            if counts.get(model, 0) < want:
+            per = counts.get(model, {})
+            versions = (ready or {}).get(model)
+            short = (any(per.get(v, 0) < want for v in versions) if versions
+                     else sum(per.values()) < want)
+            if short:
                 done.append(self.heal(model))
         return done
 

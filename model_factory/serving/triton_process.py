@@ -419,10 +419,25 @@ class TritonServer:
             from model_factory.serving.served_view import sync_model
 
             try:
-                sync_model(self.repository, self.served_repository, name)
+                sync_model(self.repository, self.served_repository, name, self._version_policy(name))
             except FactoryError as exc:
                 return str(exc)
         return self._repository_control("load", name, self.load_configs.get(name), timeout_s)
+
+    def _version_policy(self, name: str) -> dict | None:
+        """The version policy (Triton JSON) of ``name``'s next load: its derived configuration's, else its
+        ``config.pbtxt``'s (None: Triton's default, the latest version)."""
+        if name in self.load_configs:
+            return json.loads(self.load_configs[name]).get("version_policy")
+        from google.protobuf import json_format
+
+        from model_factory.build.repository import read_config
+
+        try:
+            config = json_format.MessageToDict(read_config(self.repository / name), preserving_proto_field_name=True)
+        except Exception:  # noqa: BLE001 - Triton itself reports an unreadable config.pbtxt at the load
+            return None
+        return config.get("version_policy")
 
     def unload_model(self, name: str) -> str | None:
         """Ask the server to unload one model; return None when done, else the reason."""
@@ -512,6 +527,23 @@ class TritonServer:
         req = urllib.request.Request(url, data=b"{}", method="POST", headers=self.admin_headers)
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
+
+    def ready_versions(self) -> dict[str, set[str]]:
+        """model -> its versions Triton reports READY (the repository index, through gRPC: an HTTP worker thread
+        would hold its client connections if the index waited on a load)."""
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            index = client.get_model_repository_index(headers=self.grpc_admin_headers, as_json=True,
+                                                      client_timeout=5)
+        finally:
+            client.close()
+        out: dict[str, set[str]] = {}
+        for m in index.get("models", []):
+            if m.get("state") == "READY":
+                out.setdefault(m["name"], set()).add(str(m.get("version", "")))
+        return out
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log."""

@@ -38,6 +38,7 @@ attempt("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
 attempt("write-beside-model", lambda: open(os.path.join(version_dir, "planted.txt"), "w").write("x"))
 attempt("scratch", lambda: open(os.path.join(scratch, "ok.txt"), "w").write("x"))
 attempt("own-config", lambda: open(os.path.join(version_dir, "..", "config.pbtxt")).read())
+pb_utils.Logger.log_info(f"sandbox-scratch {scratch}")
 '''
 
 
@@ -71,4 +72,8 @@ def test_a_sandboxed_stub_refuses_files_shells_and_sockets_and_still_serves(mini
                     "fork": "refused errno=13", "socket": "refused errno=13",
                     "write-beside-model": "refused errno=13", "scratch": "allowed", "own-config": "allowed"}, said
     assert "sandbox on (Landlock ABI" in text
+    # Each stub's scratch lies in the server's work folder, removed with it: never left in the shared /tmp.
+    scratches = [line.split("sandbox-scratch ", 1)[1].strip().rstrip('"') for line in text.splitlines()
+                 if "sandbox-scratch " in line]
+    assert scratches and all(Path(p).parent == Path(server.work_dir) / "stub-scratch" for p in scratches), scratches
     assert not (minilm_repository / "minilm" / "1" / "planted.txt").exists()

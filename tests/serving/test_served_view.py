@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from model_factory.errors import FactoryError
-from model_factory.serving.served_view import PYCACHE_BLOCKER, sync_model
+from model_factory.serving.served_view import PYCACHE_BLOCKER, policy_versions, sync_model
 
 
 def _model(repo: Path) -> Path:
@@ -70,7 +70,7 @@ def test_a_new_version_and_a_rewritten_config_leave_the_loaded_version_untouched
     (src / "1.sig").write_text("bundle again")
     (src / "config.pbtxt.new").write_text('name: "m"\nversion_policy { latest { num_versions: 1 } }\n')
     os.replace(src / "config.pbtxt.new", src / "config.pbtxt")
-    sync_model(tmp_path / "repo", tmp_path / "served", "m")
+    sync_model(tmp_path / "repo", tmp_path / "served", "m", {"specific": {"versions": [1, 2]}})  # the switch
     assert _tree(view / "1") == v1
     assert _tree(view / "labels.txt") == labels
     assert (view / "config.pbtxt").read_text() == (src / "config.pbtxt").read_text()
@@ -116,3 +116,18 @@ def test_a_view_that_cannot_be_written_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "served").write_text("a file where the folder should be")
     with pytest.raises(FactoryError, match="cannot lay out m for the server.*Fix:"):
         sync_model(tmp_path / "repo", tmp_path / "served", "m")
+
+
+def test_only_the_versions_the_policy_loads_are_copied(tmp_path: Path) -> None:
+    assert policy_versions(None, [1, 3, 2]) == [3]  # Triton's default: the latest
+    assert policy_versions({"latest": {"num_versions": 2}}, [1, 3, 2]) == [2, 3]
+    assert policy_versions({"all": {}}, [2, 1]) == [1, 2]
+    assert policy_versions({"specific": {"versions": ["1", 3]}}, [1, 2, 3]) == [1, 3]
+    src = _model(tmp_path / "repo")
+    for v in (2, 3):
+        (src / str(v)).mkdir()
+        (src / str(v) / "model.onnx").write_bytes(b"\x00" * 1024)
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m", {"specific": {"versions": [2]}})
+    assert sorted(p.name for p in view.iterdir() if p.is_dir()) == ["2"]
+    sync_model(tmp_path / "repo", tmp_path / "served", "m")  # latest: 3; version 2 stays
+    assert sorted(p.name for p in view.iterdir() if p.is_dir()) == ["2", "3"]
