@@ -24,12 +24,15 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    the new version. Triton keeps the previous one loaded as it is (nothing it reads changed: see
    ``served_view.py``), loads the new one beside it and, once it is ready, sends it every request that names no
    version (Triton serves the highest ready version); requests in flight on the previous version finish there.
-   The new instances load quietly: at the lowest CPU priority, their serving threads excepted
-   (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
+   The configuration is the new version's (derived from the ``config.pbtxt`` its packaging wrote); where it
+   differs from the serving one in more than the version policy and the instance names, the previous version
+   cannot stay (one Triton model, one configuration) and the switch names the new version alone
+   (:func:`switch_plan`). The new instances load quietly: at the lowest CPU priority, their serving threads
+   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
    stub (``supervise``) reloads what serves.
 7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the model's version policy set to the previous
    version alone, which is still loaded: Triton unloads the new one (its requests in flight finish) and loads
-   nothing. When the grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is
+   nothing (where the switch could not keep it: loaded again with the configuration it served with). When the grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is
    not kept at all, and there is no undo).
 
 A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing.
@@ -92,12 +95,15 @@ class RolloutRequest:
 
 @dataclass(frozen=True)
 class Switched:
-    """A switch that may be undone until ``until`` (time.time())."""
+    """A switch that may be undone until ``until`` (time.time()): with the previous version still loaded
+    (``kept``), or, where the new version's configuration differs, by loading it again with ``previous_config``."""
 
     model: str
     previous: int
     current: int
     until: float
+    kept: bool = True
+    previous_config: str = ""  # the load configuration (Triton JSON) the previous version served with
 
 
 @dataclass
@@ -152,6 +158,23 @@ def version_config(base: dict[str, Any], versions: int | Sequence[int], name: st
     out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
                              for i, g in enumerate(out.get("instance_group") or [{}])]
     return out
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k != "version_policy"}
+    out["instance_group"] = [{k: v for k, v in g.items() if k != "name"} for g in config.get("instance_group") or [{}]]
+    return out
+
+
+def switch_plan(serving_config: dict[str, Any], new_config: dict[str, Any], previous: int, version: int,
+                grace_s: float) -> tuple[list[int], bool]:
+    """The versions the switch loads, and whether the previous one stays loaded for the grace period. One Triton
+    model has one configuration for all its loaded versions, and Triton loads a kept version again when the
+    configuration changes in more than its version policy and instance names. So the previous version is kept
+    only when the new version's configuration is the serving one but for those; else the switch loads the new
+    version alone (with its own configuration) and an undo loads the previous one again with its own."""
+    kept = grace_s > 0 and _comparable(serving_config) == _comparable(new_config)
+    return ([previous, version] if kept else [version]), kept
 
 
 def candidate_config(base: dict[str, Any], version: int, name: str) -> dict[str, Any]:
@@ -220,6 +243,8 @@ class RolloutControl:
             wanted = (cfg or {}).get("version_policy", {}).get("specific", {}).get("versions")
             self.serving[m] = int(max(int(v) for v in wanted)) if wanted else int(
                 served_version(repo / m, read_config(repo / m)))
+            if cfg is None:  # from now on its loads carry the configuration it serves with (a heal, an undo)
+                server.load_configs[m] = json.dumps(version_config(_config_json(repo / m), self.serving[m]))
         self.statuses: dict[str, RolloutStatus] = {}
         self.switched: dict[str, Switched] = {}
         self._lock = threading.Lock()
@@ -330,19 +355,29 @@ class RolloutControl:
                 return
             self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
             self._set(status, "switching")
-            kept = [status.serving] if req.grace_s > 0 else []  # loaded through the grace period: an undo loads nothing
             with self._switch_lock, self._quiet_start(req.model):  # the new stubs load at the lowest priority
-                self._switch(req.model, kept + [req.version], timeout_s=QUIET_LOAD_TIMEOUT_S)
+                serving_config = self.server.load_configs[req.model]
+                new_config = self._derived_config(req.model)
+                versions, kept = switch_plan(json.loads(serving_config), new_config, status.serving, req.version,
+                                             req.grace_s)
+                self._switch(req.model, versions, timeout_s=QUIET_LOAD_TIMEOUT_S, base=new_config)
                 status.seconds_to_switch = time.time() - status.started
                 self.switched.pop(req.model, None)  # an earlier rollout's grace period: its version was unloaded now
                 until = time.time() + req.grace_s
-                done = Switched(req.model, status.serving, req.version, until)
-                if kept:
+                done = Switched(req.model, status.serving, req.version, until, kept, serving_config)
+                if req.grace_s > 0:
                     self.switched[req.model] = done
+                if kept:
                     self._end_grace_at(done)
-            if not kept:
+            if req.grace_s <= 0:
                 self._set(status, "switched", f"{req.model} serves version {req.version} (no grace period: version "
                           f"{status.serving} unloaded, no undo)")
+                return
+            if not kept:
+                status.undo_until = until
+                self._set(status, "switched", f"{req.model} serves version {req.version}; its configuration differs "
+                          f"from version {status.serving}'s, so that one was unloaded: rollout --undo loads it again "
+                          f"(until {time.strftime('%H:%M:%S', time.localtime(until))})")
                 return
             status.undo_until = until
             self._set(status, "switched", f"{req.model} serves version {req.version}; version {status.serving} stays "
@@ -462,13 +497,25 @@ class RolloutControl:
         finally:
             path.unlink(missing_ok=True)
 
-    def _switch(self, model: str, versions: Sequence[int], timeout_s: float | None = None) -> None:
-        """Load ``model`` again set to ``versions``: a version already loaded stays as it is, one not loaded is
-        loaded and one no longer named is unloaded (its requests in flight finish on it); requests that name no
-        version go to the highest once it is ready. The configuration is kept for later loads (a healed stub)."""
+    def _derived_config(self, model: str) -> dict[str, Any]:
+        """The configuration a load of ``model`` would carry, derived from its ``config.pbtxt`` as it is now (the
+        newest packaging's) as ``serve`` derives it at the start."""
+        from model_factory.serving.queue_bound import load_configs
+
+        repo = Path(self.server.repository)
+        derived = load_configs(repo, [model], getattr(self.server, "queue_costs", None)).get(model)
+        return json.loads(derived) if derived else _config_json(repo / model)
+
+    def _switch(self, model: str, versions: Sequence[int], timeout_s: float | None = None,
+                base: dict[str, Any] | None = None) -> None:
+        """Load ``model`` again set to ``versions`` (with ``base``'s configuration, else the one it serves with):
+        a version already loaded stays as it is, one not loaded is loaded and one no longer named is unloaded (its
+        requests in flight finish on it); requests that name no version go to the highest once it is ready. The
+        configuration is kept for later loads (a healed stub)."""
         with self._switch_lock:
-            base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
-                    else _config_json(Path(self.server.repository) / model))
+            if base is None:
+                base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
+                        else _config_json(Path(self.server.repository) / model))
             previous = self.server.load_configs.get(model)
             self.server.load_configs[model] = json.dumps(version_config(base, versions))
             error = self.server.load_model(model, timeout_s=timeout_s)
@@ -531,7 +578,10 @@ class RolloutControl:
                                    "ended. Fix: release the older model again under a higher version and roll it out")
             status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
             start = time.time()
-            self._switch(model, [done.previous])  # still loaded: Triton only unloads the newer version
+            if done.kept:
+                self._switch(model, [done.previous])  # still loaded: Triton only unloads the newer version
+            else:  # unloaded at the switch (another configuration): loaded again with its own
+                self._switch(model, [done.previous], base=json.loads(done.previous_config))
             del self.switched[model]
             timer = self._timers.pop(model, None)
             if timer is not None:

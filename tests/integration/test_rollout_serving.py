@@ -341,6 +341,46 @@ def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env
     assert env.control.scan() == []  # nothing newer
 
 
+def test_a_version_with_another_configuration_replaces_the_previous_one_and_undo_loads_it_again(
+        env: Env, minilm_recipe, package_signed) -> None:
+    """One Triton model has one configuration for all its loaded versions: v5 packaged with another batching
+    delay cannot serve beside v4 under one configuration, so the switch loads v5 alone, with its own
+    configuration (before, a new version was loaded with the serving one's), and --undo loads v4 again with
+    the configuration it served with. No request fails."""
+    import json
+
+    from model_factory.signing.release import add_release
+
+    assert env.control.serving[MODEL] == 4  # the watch test switched to v4
+    recipe = replace(minilm_recipe, name=MODEL, version=5, repository=replace(minilm_recipe.repository, path=env.repo),
+                     batching=replace(minilm_recipe.batching, max_queue_delay_us=100))
+    package_signed(recipe, env.keys, acceptance_dir=env.model_dir / "1" / "acceptance")
+    _sign_all(env.model_dir, env.keys, (1, 2, 3, 4))
+    add_release(env.repo, env.release_keys, env.release_keys, env.release_keys)
+    v4_stubs = _stubs_by_version(env)["4"]
+    with Load(env.server.http_url) as load:
+        result = _rollout(env, "5", "--min-requests", "20")
+        switched_at = time.monotonic()
+        config_v5 = json.loads(env.server.load_configs[MODEL])
+        time.sleep(1.5)
+        undo = _rollout(env, "--undo")
+        undone_at = time.monotonic()
+        time.sleep(1.5)
+    assert result.exit_code == 0 and "its configuration differs" in result.output, result.output
+    assert config_v5["version_policy"] == {"specific": {"versions": [5]}}
+    assert config_v5["dynamic_batching"].get("max_queue_delay_microseconds") in ("100", 100), config_v5
+    assert undo.exit_code == 0 and "undone" in undo.output, undo.output
+    config_v4 = json.loads(env.server.load_configs[MODEL])
+    assert config_v4["version_policy"] == {"specific": {"versions": [4]}}
+    assert not config_v4["dynamic_batching"].get("max_queue_delay_microseconds"), config_v4
+    assert load.failed() == [], load.failed()[:3]
+    sent_after = [r for r in load.results if switched_at < r[0] < switched_at + 1.5]
+    assert sent_after and all(r[3] == "5" for r in sent_after), {r[3] for r in sent_after}
+    after_undo = [r for r in load.results if r[0] > undone_at]
+    assert after_undo and all(r[3] == "4" for r in after_undo), {r[3] for r in after_undo}
+    assert _stubs_by_version(env).get("4", set()).isdisjoint(v4_stubs)  # v4 was loaded again
+
+
 def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm_recipe, minilm_export,
                                                                package_signed) -> None:
     """``model-factory serve --control-port 0`` on a repository filled by ``model-factory pull``, end to end: the

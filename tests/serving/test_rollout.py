@@ -8,7 +8,8 @@ import json
 import pytest
 
 from model_factory.errors import FactoryError
-from model_factory.serving.rollout import RolloutRequest, candidate_config, summed_tallies, version_config
+from model_factory.serving.rollout import (RolloutRequest, candidate_config, summed_tallies, switch_plan,
+                                          version_config)
 
 
 def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
@@ -156,3 +157,19 @@ def test_the_previous_version_stays_loaded_for_the_grace_period_then_is_unloaded
     assert server.loads == [[1, 2], [2], [2, 3], [2]]
     assert json.loads(server.load_configs["m"])["version_policy"] == {"specific": {"versions": [2]}}
     control.close()
+
+
+def test_the_previous_version_is_kept_only_when_the_new_configuration_differs_in_what_triton_compares_away() -> None:
+    """One Triton model has one configuration for every loaded version; Triton reloads a kept version when the
+    configuration changes in more than the version policy and the instance groups' names."""
+    serving = version_config({"name": "m", "max_batch_size": 64, "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+                              "parameters": {"onnx_file": {"string_value": "model.onnx"}}}, 1)
+    same = {"name": "m", "max_batch_size": 64, "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+            "parameters": {"onnx_file": {"string_value": "model.onnx"}},
+            "version_policy": {"specific": {"versions": ["3"]}}}
+    assert switch_plan(serving, same, 1, 2, 600.0) == ([1, 2], True)
+    assert switch_plan(serving, same, 1, 2, 0.0) == ([2], False)  # no grace period: nothing kept
+    int8 = dict(same, parameters={"onnx_file": {"string_value": "model.int8.onnx"}})  # another engine file
+    assert switch_plan(serving, int8, 1, 2, 600.0) == ([2], False)
+    more = dict(same, instance_group=[{"count": 4, "kind": "KIND_CPU"}])  # other instances: v1's would change
+    assert switch_plan(serving, more, 1, 2, 600.0) == ([2], False)
