@@ -88,8 +88,8 @@ def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
         entries = list(it)
     for entry in entries:
         name = entry.name
-        if top and (is_version_name(name) or is_signature_name(name) or name in DEFAULT_EXCLUSIONS):
-            continue
+        if top and (name.isdigit() or is_signature_name(name) or name in DEFAULT_EXCLUSIONS):
+            continue  # version folders (a non-canonical one, "01", is never served: verification reports it)
         if name == PYCACHE_BLOCKER:
             continue
         st = entry.stat(follow_symlinks=False)
@@ -110,7 +110,7 @@ def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
         present = list(it)
     for entry in present:
         name = entry.name
-        if name in wanted or name == PYCACHE_BLOCKER or (top and is_version_name(name)):
+        if name in wanted or name == PYCACHE_BLOCKER or (top and name.isdigit()):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path)

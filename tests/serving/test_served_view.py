@@ -39,6 +39,8 @@ def _tree(folder: Path) -> dict[str, tuple[int, int, int]]:
 
 def test_the_view_links_what_triton_reads_and_leaves_out_signatures(tmp_path: Path) -> None:
     src = _model(tmp_path / "repo")
+    (src / "01").mkdir()  # a non-canonical version folder: never served (verification reports it)
+    (src / "01" / "model.py").write_text("shim")
     view = sync_model(tmp_path / "repo", tmp_path / "served", "m")
     assert view == tmp_path / "served" / "m"
     assert sorted(p.name for p in view.iterdir()) == ["1", "config.pbtxt", "labels.txt"]
