@@ -415,7 +415,7 @@ class TritonServer:
         how long to wait for it (default: the start-up timeout). A model of :attr:`repository` is first brought
         in line in :attr:`served_repository` (its files as they are now).
         """
-        if name in self.models:
+        if name in self.models or (self.repository / name).is_dir():  # not a candidate (their own repository)
             from model_factory.serving.served_view import sync_model
 
             try:
