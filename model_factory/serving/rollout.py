@@ -28,12 +28,13 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    differs from the serving one in more than the version policy and the instance names, the previous version
    cannot stay (one Triton model, one configuration) and the switch names the new version alone
    (:func:`switch_plan`). The new instances load quietly: at the lowest CPU priority, their serving threads
-   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so a healed
-   stub (``supervise``) reloads what serves.
+   excepted (``backend/quiet_start.py``). Then the candidate is unloaded. The load's configuration is kept, so
+   a healed stub (``supervise``) reloads what serves.
 7. **Undo** (:meth:`RolloutControl.undo`) within ``grace_s``: the model's version policy set to the previous
    version alone, which is still loaded: Triton unloads the new one (its requests in flight finish) and loads
-   nothing (where the switch could not keep it: loaded again with the configuration it served with). When the grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is
-   not kept at all, and there is no undo).
+   nothing (where the switch could not keep it: loaded again with the configuration it served with). When the
+   grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is not kept at all, and
+   there is no undo).
 
 A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing.
 """

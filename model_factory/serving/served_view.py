@@ -2,10 +2,10 @@
 
 ``serve`` verifies the repository it is given, then points Triton at a folder of its own
 (``<work>/repository``) holding, per served model, the files Triton and the backend read: ``config.pbtxt``
-and the other files beside it, and each version folder its loads name, copied from the repository (a reflink where the file
-system has them: btrfs, XFS). The backend still checks each file it loads against the verified digests
-(``backend/integrity.py``). Triton does the same with a repository in cloud storage: it copies each model to a
-local folder before it loads it.
+and the other files beside it, and each version folder its loads name, copied from the repository (a reflink
+where the file system has them: btrfs, XFS). The backend still checks each file it loads against the verified
+digests (``backend/integrity.py``). Triton does the same with a repository in cloud storage: it copies each
+model to a local folder before it loads it.
 
 Why a folder of our own: so that a served version can stay loaded while another one is loaded beside it.
 Triton 2.51 keeps a served version through a new load of its model (only its configuration updated) when

@@ -210,7 +210,8 @@ class StubWatch:
 
     def _stub_pids(self, model: str) -> set[int]:
         """The pids of ``model``'s live stubs."""
-        return {s.pid for s in stub_processes(self.server.process.pid, self.server.served_repository) if s.model == model}
+        return {s.pid for s in stub_processes(self.server.process.pid, self.server.served_repository)
+                if s.model == model}
 
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)
