@@ -106,10 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.harness.minilm import export_minilm, package_variant
-    from model_factory.serving.supervise import stub_processes
     from model_factory.build.pipeline import provenance_for
     from model_factory.build_engines.golden import write_acceptance_data
-    from benchmarks.harness.rollout import release_and_policy, watch_rollout
+    from benchmarks.harness.rollout import (kept_sentence, release_and_policy, stubs_by_version, wait_stubs_ended,
+                                            watch_rollout)
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
@@ -140,11 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for v in (1, 2):
                 sign_model_version(repo / MODEL, v, signer, provenance=prov(v))
             add_release(repo, k, k, k)
-            def v1_stubs() -> set[int]:
-                return {s.pid for s in stub_processes(server.process.pid, server.served_repository)
-                        if s.model == MODEL and s.version == "1"}
-
-            v1_before = v1_stubs()
+            v1_before = stubs_by_version(server, MODEL).get("1", set())
             clients = Clients(server.http_url, args.clients, texts).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
@@ -162,14 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             say("undo")
             undo_at = time.monotonic()
             undone = control.undo(MODEL)
-            deadline = time.monotonic() + 120  # the undo returns at once; v2's stubs end once their requests are answered
-            while time.monotonic() < deadline and any(s.version == "2" for s in stub_processes(
-                    server.process.pid, server.served_repository) if s.model == MODEL):
-                time.sleep(0.05)
+            wait_stubs_ended(server, MODEL, "2", 120)  # the undo returns at once; v2 unloads once its requests end
             undo_done = time.monotonic()
             time.sleep(3.0)
             clients.join()
-            v1_after = v1_stubs()
+            v1_after = stubs_by_version(server, MODEL).get("1", set())
             end = time.monotonic()
             for why, count in sorted(clients.errors.items(), key=lambda x: -x[1])[:5]:
                 say(f"{count} x {why}")
@@ -199,8 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"gate 0.99, min {args.min_requests}). **Command to switch: {status.seconds_to_switch:.1f} s** "
              f"(verify + acceptance + candidate load {shadow_at - command:.1f} s, shadow {switch_at - shadow_at:.1f} s, "
              f"switch {done - switch_at:.1f} s); **undo {undone.seconds_to_switch:.2f} s** (v2's stubs ended "
-             f"{undo_done - undo_at:.1f} s after it). v1's stubs after the undo "
-             f"{'are the same processes as before the rollout (v1 was never loaded again)' if v1_after == v1_before else f'differ from those before the rollout ({sorted(v1_before)} -> {sorted(v1_after)})'}. "
+             f"{undo_done - undo_at:.1f} s after it). {kept_sentence(v1_before, v1_after)}. "
              f"tritonserver exit code {rc}.",
              f"Queue bound: {'the package default (503s are shedding, counted as rejected)' if args.queue_bound else 'none (max_queue_size = 0): every failure would be a lost request'}.",
              "", "| phase | seconds | requests | failed | of them 503 | req/s | p50 ms | p99 ms | p99 / before | versions answering |",

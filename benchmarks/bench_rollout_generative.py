@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from benchmarks.harness.rollout import release_and_policy, watch_rollout
+    from benchmarks.harness.rollout import (kept_sentence, release_and_policy, stubs_by_version, wait_stubs_ended,
+                                            watch_rollout)
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
@@ -166,13 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.copytree(v1, model_dir / "2")
             sign_model_version(model_dir, 2, signer)
             add_release(repo, k, k, k)
-            from model_factory.serving.supervise import stub_processes
-
-            def stubs_of(version: str) -> set[int]:
-                return {s.pid for s in stub_processes(server.process.pid, server.served_repository)
-                        if s.model == MODEL and s.version == version}
-
-            v1_before = stubs_of("1")
+            v1_before = stubs_by_version(server, MODEL).get("1", set())
             streams = Streams(server.http_url, args.streams, args.prompt, args.tokens, vocab, args.pause_s).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
@@ -186,11 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(args.steady_s)
             undo_at = time.monotonic()
             undone = control.undo(MODEL) if status.state == "switched" else None
-            deadline = time.monotonic() + 300  # the undo returns at once; v2's stubs end once their requests ended
-            while undone is not None and stubs_of("2") and time.monotonic() < deadline:
-                time.sleep(0.05)
+            if undone is not None:
+                wait_stubs_ended(server, MODEL, "2", 300)  # the undo returns at once; v2 unloads once its requests end
             undo_done = time.monotonic()
-            v1_after = stubs_of("1")
+            v1_after = stubs_by_version(server, MODEL).get("1", set())
             time.sleep(args.steady_s / 2)
             streams.join()
             end = time.monotonic()
@@ -221,9 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"min {args.min_requests}; {status.skipped} skipped by a full mirror queue). **Command to switch: "
              f"{status.seconds_to_switch:.1f} s** (verify + acceptance + candidate load {shadow_at - command:.1f} s, "
              f"shadow {switch_at - shadow_at:.1f} s, switch {done - switch_at:.1f} s); **undo "
-             f"{undone.seconds_to_switch:.2f} s** (v2's stubs ended {undo_done - undo_at:.1f} s after it). v1's stubs "
-             f"after the undo {'are the same processes as before the rollout (v1 was never loaded again)' if v1_after == v1_before else f'differ from those before ({sorted(v1_before)} -> {sorted(v1_after)})'}. "
-             f"tritonserver exit code {rc}.", "",
+             f"{undone.seconds_to_switch:.2f} s** (v2's stubs ended {undo_done - undo_at:.1f} s after it). "
+             f"{kept_sentence(v1_before, v1_after)}. tritonserver exit code {rc}.", "",
              "| phase | seconds | requests sent | failed | TTFT p50 s | TTFT p99 s | TTFT p99 / before | "
              "inter-token p99 ms | ITL p99 / before | output tokens/s | versions answering |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

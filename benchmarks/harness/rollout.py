@@ -25,6 +25,28 @@ def release_and_policy(root: Path, repo: Path, private_key: Path, public_key: Pa
     return k, policy
 
 
+def stubs_by_version(server: Any, model: str) -> dict[str, set[int]]:
+    """The pids of ``model``'s live stubs per version on a started TritonServer."""
+    from model_factory.serving.supervise import stub_pids_by_version
+
+    return stub_pids_by_version(server.process.pid, server.served_repository, model)
+
+
+def wait_stubs_ended(server: Any, model: str, version: str, timeout: float) -> None:
+    """Wait until no stub of ``model``'s ``version`` runs (an unloaded version's stubs end once their requests are
+    answered), or ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while stubs_by_version(server, model).get(version) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def kept_sentence(before: set[int], after: set[int]) -> str:
+    """Whether v1's stubs after the undo are those it had before the rollout (v1 never loaded again)."""
+    if after == before:
+        return "v1's stubs after the undo are the same processes as before the rollout (v1 was never loaded again)"
+    return f"v1's stubs after the undo differ from those before the rollout ({sorted(before)} -> {sorted(after)})"
+
+
 def watch_rollout(control: Any, model: str, until: set[str], timeout: float,
                   say: Callable[[str], None]) -> dict[str, float]:
     """Poll the rollout's state until one of ``until``; the monotonic time each state was first seen."""

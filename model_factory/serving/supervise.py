@@ -91,14 +91,6 @@ def stub_processes(server_pid: int, repository: Path) -> list[StubProcess]:
     return stubs
 
 
-def stub_counts(server_pid: int, repository: Path) -> dict[str, int]:
-    """Live stubs per model."""
-    counts: dict[str, int] = {}
-    for stub in stub_processes(server_pid, repository):
-        counts[stub.model] = counts.get(stub.model, 0) + 1
-    return counts
-
-
 def stub_counts_by_version(server_pid: int, repository: Path) -> dict[str, dict[str, int]]:
     """Live stubs per model and version."""
     counts: dict[str, dict[str, int]] = {}
@@ -106,6 +98,20 @@ def stub_counts_by_version(server_pid: int, repository: Path) -> dict[str, dict[
         per = counts.setdefault(stub.model, {})
         per[stub.version] = per.get(stub.version, 0) + 1
     return counts
+
+
+def stub_counts(server_pid: int, repository: Path) -> dict[str, int]:
+    """Live stubs per model."""
+    return {m: sum(per.values()) for m, per in stub_counts_by_version(server_pid, repository).items()}
+
+
+def stub_pids_by_version(server_pid: int, repository: Path, model: str) -> dict[str, set[int]]:
+    """The pids of ``model``'s live stubs, per version."""
+    out: dict[str, set[int]] = {}
+    for stub in stub_processes(server_pid, repository):
+        if stub.model == model:
+            out.setdefault(stub.version, set()).add(stub.pid)
+    return out
 
 
 class StubWatch:

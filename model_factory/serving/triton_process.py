@@ -314,6 +314,7 @@ class TritonServer:
         # model -> the configuration (Triton JSON) each load of it carries: this deployment's queue bound.
         self.load_configs: dict[str, str] = {}
         self.load_errors: dict[str, str] = {}
+        self._index_client: Any = None  # ready_versions' gRPC client, kept between the stub watch's polls
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -533,17 +534,24 @@ class TritonServer:
         would hold its client connections if the index waited on a load)."""
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        if self._index_client is None:
+            self._index_client = grpcclient.InferenceServerClient(self.grpc_url)
         try:
-            index = client.get_model_repository_index(headers=self.grpc_admin_headers, as_json=True,
-                                                      client_timeout=5)
-        finally:
-            client.close()
+            index = self._index_client.get_model_repository_index(headers=self.grpc_admin_headers, as_json=True,
+                                                                  client_timeout=5)
+        except Exception:
+            self._close_index_client()  # a fresh one next time (the server may have restarted on other ports)
+            raise
         out: dict[str, set[str]] = {}
         for m in index.get("models", []):
             if m.get("state") == "READY":
                 out.setdefault(m["name"], set()).add(str(m.get("version", "")))
         return out
+
+    def _close_index_client(self) -> None:
+        if self._index_client is not None:
+            self._index_client.close()
+            self._index_client = None
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log."""
@@ -554,6 +562,7 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM the server and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        self._close_index_client()
         rc = None
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -194,13 +194,9 @@ def _stub_main_threads(instance_prefix: str) -> dict[int, int]:
 
 
 def _stubs_by_version(env: Env) -> dict[str, set[int]]:
-    from model_factory.serving.supervise import stub_processes
+    from model_factory.serving.supervise import stub_pids_by_version
 
-    out: dict[str, set[int]] = {}
-    for s in stub_processes(env.server.process.pid, env.server.served_repository):
-        if s.model == MODEL:
-            out.setdefault(s.version, set()).add(s.pid)
-    return out
+    return stub_pids_by_version(env.server.process.pid, env.server.served_repository, MODEL)
 
 
 def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> None:
