@@ -102,10 +102,18 @@ def builder_input(folder: Path, staging: Path) -> Path:
     return staging
 
 
+# The builder's execution provider for FP16 graphs (run_builder): the one whose graph has the shared-slot KV I/O.
+FP16_EXECUTION_PROVIDER = "cuda"
+
+
 def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, Any] | None = None,
                 say: Callable[[str], None] = lambda _m: None, select_positions: bool = True) -> Path:
-    """onnxruntime-genai's builder: ``folder`` → ``out/model.onnx`` (+ ``.data``) at ``precision`` for the CPU.
+    """onnxruntime-genai's builder: ``folder`` → ``out/model.onnx`` (+ ``.data``) at ``precision``.
 
+    FP32, INT8 and INT4 are the builder's CPU graphs. FP16 is its CUDA graph (``FP16_EXECUTION_PROVIDER``): its CPU
+    FP16 graph takes position ids and grows its cache by concatenation, not the shared-slot I/O the backend runs,
+    while the CUDA one has that I/O with FP16 weights and caches, and ONNX Runtime's CPU provider runs it too (the
+    gate scores it there). Its Q/K norms (Qwen3) are left as their own nodes: the fused form runs on CUDA only.
     ``options`` are the builder's extra options (``block_size``, ``algo_config``, ``nodes_to_exclude``, ...).
     Its chatter goes to ``out/builder.log``; a failure is a FactoryError with the log's tail. The graph then
     computes logits only where ``logits_positions`` asks (:mod:`build_engines.logits_positions`;
@@ -118,15 +126,17 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
     out.mkdir(parents=True, exist_ok=True)
     cache = out.parent / f".{out.name}.cache"
     src = builder_input(Path(folder), out.parent / f".{out.name}.input")
-    extra = [f"{k}={v}" for k, v in {"hf_token": "false", **(options or {})}.items()]
+    provider = FP16_EXECUTION_PROVIDER if precision == "fp16" else "cpu"
+    defaults = {"hf_token": "false", **({"fuse_qk_norm_gqa": "false"} if provider != "cpu" else {})}
+    extra = [f"{k}={v}" for k, v in {**defaults, **(options or {})}.items()]
     log = io.StringIO()
     import logging
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one INFO line per node otherwise
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            opts = builder.parse_extra_options(None, str(src), str(out), precision, "cpu", str(cache), extra)
-            builder.create_model(None, str(src), str(out), precision, "cpu", str(cache), **opts)
+            opts = builder.parse_extra_options(None, str(src), str(out), precision, provider, str(cache), extra)
+            builder.create_model(None, str(src), str(out), precision, provider, str(cache), **opts)
     except Exception as exc:  # the builder raises bare Exceptions; its log says why
         (out / "builder.log").write_text(log.getvalue())
         tail = " | ".join(log.getvalue().strip().splitlines()[-3:])

@@ -22,11 +22,12 @@ FP16_FLOAT_OPS = ("LayerNormalization", "ReduceSum", "ReduceMean", "ReduceL2", "
                   "Softmax", "Erf")
 
 
-def convert_fp16_graph(model: Any) -> tuple[Any, dict[str, Callable[[bytes], bytes]]]:
+def convert_fp16_graph(model: Any, keep_io_types: bool = True) -> tuple[Any, dict[str, Callable[[bytes], bytes]]]:
     """FP16 conversion of a graph whose large weights stay in a data file.
 
-    Returns the converted graph (I/O types kept, sensitive ops in float32) and, for each weight still in
-    the data file whose type became FP16, the conversion its bytes need: pass both to
+    Returns the converted graph (sensitive ops in float32; its float inputs and outputs kept float32 unless
+    ``keep_io_types`` is false: then they are FP16 too, as a text-generation graph's KV cache) and, for each
+    weight still in the data file whose type became FP16, the conversion its bytes need: pass both to
     :func:`onnx_files.save`, which converts them chunk by chunk as it writes. Shapes are inferred on
     the graph alone (``infer_shapes`` on a loaded model serializes the weights, and fails past 2 GB).
     """
@@ -50,7 +51,7 @@ def convert_fp16_graph(model: Any) -> tuple[Any, dict[str, Callable[[bytes], byt
     float16.make_value_info_from_tensor = lambda t: onnx.helper.make_tensor_value_info(t.name, t.data_type,
                                                                                        list(t.dims))
     try:
-        out = convert_float_to_float16(m, keep_io_types=True, disable_shape_infer=True,
+        out = convert_float_to_float16(m, keep_io_types=keep_io_types, disable_shape_infer=True,
                                        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FP16_FLOAT_OPS))
     except Exception as exc:  # the converter raises assorted types on odd graphs
         raise FactoryError(f"FP16 conversion failed: {type(exc).__name__}: {exc}. Fix: keep fp16 out of "

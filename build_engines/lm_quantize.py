@@ -1,4 +1,9 @@
-"""Quantize stage of a text-generation model: INT8 / INT4 graphs, gated on the customer's text.
+"""Quantize stage of a text-generation model: FP16 / INT8 / INT4 graphs, gated on the customer's text.
+
+FP16 is the model builder's FP16 graph (weights, activations and the KV cache in half precision; the builder's
+CUDA graph, the one with the shared-slot KV I/O: :func:`build_engines.causal_lm.run_builder`), scored on this CPU
+like the others; it has no wider step to climb (the GPU's precision: on the CPU, ONNX Runtime runs it slower than
+FP32).
 
 INT8 has two methods (``quantization.int8_method``). ``weight_only``, the default, is the model builder's
 ``MatMulNBits`` with 8-bit weights and float activations: closest to FP32, every sequence's output independent of
@@ -240,6 +245,8 @@ ACCURACY_LEVEL = {"int4": 4, "int8": 1}
 
 def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
     """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider)."""
+    if precision == "fp16":
+        return [("fp16", ())]
     if precision == "int8" and method == "dynamic":
         steps = [("dynamic", keep) for keep in (DYNAMIC_STEPS if mixed else DYNAMIC_STEPS[:1])]
         return (steps + [("weight_only", ())]) if mixed else steps
@@ -252,6 +259,8 @@ def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[
 
 
 def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
+    if precision == "fp16":
+        return {}
     opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
                             "accuracy_level": ACCURACY_LEVEL[precision]}
     if precision == "int4" and method == "k_quant":
@@ -263,7 +272,7 @@ def _builder_options(precision: str, method: str, block: int, mixed: Sequence[st
 
 def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                        progress: Callable[[str], None] | None = None, min_accuracy: float | None = None) -> GenerativeQuantizeResult:
-    """Build and gate the recipe's INT8/INT4 graphs; ``accuracy.json`` beside them."""
+    """Build and gate the recipe's FP16/INT8/INT4 graphs; ``accuracy.json`` beside them."""
     from model_factory.build_engines.accuracy import AccuracyGateError
     from model_factory.build_engines.calibration import split_data
 
@@ -285,8 +294,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
     say(f"[quantize] FP32 perplexity {scorer.ppl_fp32:.3f} on {len(heldout)} held-out samples")
     results, search, models = [], [], {"fp32": Path(export.onnx_path)}
     with atomic_dir(out_dir) as tmp:
-        for precision in [p for p in ("int8", "int4") if p in recipe.precisions]:
-            method = q.int4_method if precision == "int4" else q.int8_method
+        for precision in [p for p in ("fp16", "int8", "int4") if p in recipe.precisions]:
+            method = {"int4": q.int4_method, "int8": q.int8_method}.get(precision, "fp16")
             if method == "awq" and not calib_texts:
                 say("[quantize] awq needs calibration_data: int4 rounded to nearest (rtn)")
                 method = "rtn"
@@ -338,9 +347,10 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             failed = ", ".join(r.precision for r in report.results if not r.passed)
             raise AccuracyGateError(
                 f"{failed} missed the accuracy gate on the held-out text (agreement >= {agreement_gate:g}, "
-                f"perplexity ratio <= {q.max_perplexity_ratio:g}), even with its most sensitive MatMuls at INT8:\n"
-                f"{report.render()}\nFix: build fp32/int8 only, give calibration_data for awq, or relax "
-                "quantization.min_token_agreement / max_perplexity_ratio if this is acceptable",
+                f"perplexity ratio <= {q.max_perplexity_ratio:g}), even with its most sensitive MatMuls wider (INT4's "
+                f"at INT8, dynamic INT8's in float; FP16 has no wider step):\n"
+                f"{report.render()}\nFix: leave the failing precision out of precisions, give calibration_data "
+                "for awq, or relax quantization.min_token_agreement / max_perplexity_ratio if this is acceptable",
                 report, out_dir / REPORT_NAME)  # type: ignore[arg-type]
     return GenerativeQuantizeResult(models=models, report=report, report_path=out_dir / REPORT_NAME,
                                     float_nodes=tuple(s for r in results for s in r.int8_matmuls + r.float_matmuls),

@@ -10,7 +10,8 @@ any engine is built: the golden prompts are prefilled and decoded greedily throu
 carried from step to step) and must give the FP32 reference's tokens up to its first near-tie, and the prefill's
 logits must be within ``export.tolerance`` of ``transformers``.
 
-Plans: FP32, and INT8 / INT4 where the recipe asks for them as weight-only Q/DQ of the same graph
+Plans: FP32, and FP16 / INT8 / INT4 where the recipe asks for them: the same graph in half precision (weights,
+activations, KV cache and logits; normalisations and softmax in float32), or as weight-only Q/DQ
 (``lm_weight_only``: FP32 activations, integer weights behind DequantizeLinear), each checked through ONNX Runtime
 against the reference before its plan is built: below ``quantization.min_token_agreement`` (teacher-forced
 agreement) that plan is not built, said in one line. Each plan is strongly typed (precision from the graph), with one optimization profile for prefill
@@ -135,10 +136,12 @@ class ConcatRunner:
         from model_factory.build_engines.ort_session import onnxruntime_session
 
         self.session = onnxruntime_session(graph)
-        self.kv = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
+        pasts = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values")]
+        self.kv = {i.name: i.shape for i in pasts}
+        self.kv_dtype = np.float16 if pasts and "float16" in pasts[0].type else np.float32  # FP16 graph: FP16 cache
 
     def start(self) -> list[np.ndarray]:
-        return [np.zeros((1, int(shape[1]), 0, int(shape[3])), np.float32) for shape in self.kv.values()]
+        return [np.zeros((1, int(shape[1]), 0, int(shape[3])), self.kv_dtype) for shape in self.kv.values()]
 
     def step(self, ids: Sequence[int], past: list[np.ndarray], all_positions: bool = False
              ) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -149,7 +152,7 @@ class ConcatRunner:
                  LOGITS_POSITIONS: positions.astype(np.int64)[None]}
         feeds.update(zip(self.kv, past))
         out = self.session.run(None, feeds)
-        return out[0][0], list(out[1:])
+        return np.asarray(out[0][0], np.float32), list(out[1:])
 
 
 def check_export(graph: Path, model: Any, reference: Sequence[Continuation], tolerance: float,
@@ -196,9 +199,25 @@ class _PrefillLogits:
         return self.runner.step(list(ids), self.runner.start(), all_positions=True)[0]
 
 
+def half_precision(graph: Path, out: Path) -> dict[str, Any]:
+    """Write ``out`` (+ ``.data``): ``graph`` in FP16 (:func:`fp16.convert_fp16_graph`: weights, activations, the KV
+    cache and the logits in half precision; normalisations, softmax and reductions kept in float32 behind casts), the
+    weights converted as they are streamed out. Returns what was done."""
+    import onnx
+
+    from model_factory.build_engines import onnx_files
+    from model_factory.build_engines.fp16 import FP16_FLOAT_OPS, convert_fp16_graph
+
+    model = onnx.load(str(graph), load_external_data=False)
+    converted, convert = convert_fp16_graph(model, keep_io_types=False)
+    onnx_files.save(converted, out, base_dir=Path(graph).parent, external=True, convert=convert)
+    kept = sum(1 for n in converted.graph.node if n.op_type in FP16_FLOAT_OPS)
+    return {"form": "fp16", "io": "float16 (KV cache and logits)", "float32_ops": kept}
+
+
 def check_weight_only(graph: Path, fp32_graph: Path, reference: Sequence[Continuation], gate: float,
                       precision: str) -> dict[str, Any]:
-    """A weight-only graph against the FP32 reference: teacher-forced greedy agreement on the golden prompts (the
+    """A weight-only (or FP16) graph against the FP32 reference: teacher-forced greedy agreement on the golden prompts (the
     build's gate metric, up to each reference's first near-tie), ``passed`` when at least ``gate``, and its prefill
     logits' distance from the FP32 graph's."""
     from model_factory.build_engines.lm_graph import teacher_forced_agreement
@@ -239,24 +258,26 @@ def profiles(num_layers: int, kv_heads: int, head_dim: int, max_context: int, ma
 
 
 def skipped_plan_line(precision: str, gate: Mapping[str, Any]) -> str:
-    """The build's line for a weight-only plan whose graph missed the gate (not built)."""
-    return (f"[build-engine] skipped: the {precision} TensorRT plan: its weight-only graph (round to nearest) agrees "
+    """The build's line for a weight-only or FP16 plan whose graph missed the gate (not built)."""
+    form = "FP16 graph" if precision == "fp16" else "weight-only graph (round to nearest)"
+    return (f"[build-engine] skipped: the {precision} TensorRT plan: its {form} agrees "
             f"with the FP32 reference on {gate['agreement']:.3f} of {gate['compared_tokens']} teacher-forced tokens, "
             f"below the gate {gate['gate']:g}; the {precision} ONNX Runtime graph keeps its own gate. Fix: lower "
             "quantization.min_token_agreement if this is acceptable")
 
 
 def plan_precisions(precisions: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the plans built, the recipe's precisions that get none): FP32 always (the checked graph), INT8 and INT4 as
-    weight-only Q/DQ where the recipe asks for them; FP16 has no plan yet."""
-    built = ["fp32"] + [p for p in ("int8", "int4") if p in precisions]
+    """(the plans built, the recipe's precisions that get none): FP32 always (the checked graph), FP16 (the graph in
+    half precision), INT8 and INT4 (weight-only Q/DQ) where the recipe asks for them."""
+    built = ["fp32"] + [p for p in ("fp16", "int8", "int4") if p in precisions]
     return built, [p for p in precisions if p not in built]
 
 
 def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = None,
                      progress: Callable[[str], None] | None = None) -> list[Any]:
     """The build-engine stage of ``task = "text-generation"``: ``engines/model.<precision>.plan`` (+ ``.json``) for
-    FP32 and the recipe's INT8 / INT4 (weight-only, ``lm_weight_only``), each graph checked before its plan.
+    FP32 and the recipe's FP16 (:func:`half_precision`) and INT8 / INT4 (weight-only, ``lm_weight_only``), each graph
+    checked before its plan.
 
     ``export_dir`` is the export stage's folder (its reference continuations are what the graph is checked
     against). Written atomically: a failed export, check or build leaves no folder behind.
@@ -273,8 +294,8 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
     cache = Path(recipe.tensorrt.timing_cache or recipe.work_dir / "timing.cache")
     wanted, without = plan_precisions(recipe.precisions)
     if without:
-        say(f"[build-engine] no TensorRT plan for {', '.join(without)} (text generation: FP32, and INT8 / INT4 "
-            "weight-only); its ONNX Runtime graph still serves")
+        say(f"[build-engine] no TensorRT plan for {', '.join(without)} (text generation: FP32, FP16, and INT8 / "
+            "INT4 weight-only); its ONNX Runtime graph still serves")
     reference = read_reference(Path(export_dir))
     results = []
     with atomic_dir(out_dir) as tmp:
@@ -289,11 +310,15 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
             source, extra = graph, {"export_check": check}
             if precision != "fp32":
                 source = tmp / f"model.tensorrt.{precision}.onnx"
-                form = weight_only_qdq(graph, source, precision, recipe.quantization.int4_block_size)
+                if precision == "fp16":
+                    form, label = half_precision(graph, source), "half_precision"
+                else:
+                    form = weight_only_qdq(graph, source, precision, recipe.quantization.int4_block_size)
+                    label = "weight_only"
                 gate = check_weight_only(source, graph, reference, recipe.quantization.min_token_agreement, precision)
-                extra = {"export_check": check, "weight_only": {**form, **gate}}
-                say(f"[build-engine] {precision} weight-only graph: agreement {gate['agreement']:.3f} over "
-                    f"{gate['compared_tokens']} tokens (gate {gate['gate']:g})")
+                extra = {"export_check": check, label: {**form, **gate}}
+                say(f"[build-engine] {precision} {'FP16' if precision == 'fp16' else 'weight-only'} graph: agreement "
+                    f"{gate['agreement']:.3f} over {gate['compared_tokens']} tokens (gate {gate['gate']:g})")
                 if not gate["passed"]:  # never a plan below the gate; the other plans and the ONNX graphs go on
                     say(skipped_plan_line(precision, gate))
                     for leftover in (source, source.with_name(source.name + ".data")):

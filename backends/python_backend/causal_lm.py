@@ -5,7 +5,8 @@ ones for its cached and new tokens, then zeros) and the past keys and values, an
 keys and values in place into the same buffers (``present.*`` bound to the ``past_key_values.*`` pointers).
 A step runs on a contiguous slice of the KV slots (``kv_slots.KVSlots.views``), so every active sequence
 decodes in one launch, each at its own length, and a group of new prompts is prefilled in one launch,
-right-padded to its longest.
+right-padded to its longest. The buffers have the graph's KV element type (float32, or float16 for an FP16
+graph: ``GenerationSpec.for_precision``); logits come out as float32 either way.
 
 Only the last position's logits of each row are computed (``logits_positions``: a prefill's other positions are
 never sampled, and the LM head over them was a large share of a prefill's work); teacher-forced scoring asks for
@@ -67,7 +68,14 @@ class CausalLM:
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
              positions: np.ndarray) -> np.ndarray:
-        """Logits ``[n, k, vocab]`` at ``positions [n, k]`` (indices into each row's new tokens)."""
+        """Logits ``[n, k, vocab]`` (float32) at ``positions [n, k]`` (indices into each row's new tokens)."""
+        logits = self._logits(ids, mask, views, positions)
+        # An FP16 graph's logits are sampled in float32 (softmax, penalties and top-p over a 16-bit vocabulary lose
+        # what the sampler compares).
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+    def _logits(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
+                positions: np.ndarray) -> np.ndarray:
         kept = self._kept_binding(views) if positions.shape[1] == 1 and self._vocab is not None else None
         io = kept if kept is not None else self._new_binding(views)
         io.bind_cpu_input(INPUT_IDS, ids)

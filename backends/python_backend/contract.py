@@ -300,7 +300,8 @@ KV_LAYOUT_SHARED_SLOTS = "shared-slots"
 # The TensorRT graph of a text-generation model (build_engines/lm_tensorrt.py; TensorRT's ONNX parser has no
 # GroupQueryAttention): standard ops, the same names, and
 #   inputs  input_ids, attention_mask, logits_positions as above; position_ids [batch, new_tokens] int64
-#           past_key_values.<i>.key / .value [batch, kv_heads, past_tokens, head_dim] float32
+#           past_key_values.<i>.key / .value [batch, kv_heads, past_tokens, head_dim] float32 (float16 in the FP16
+#           plan's graph, whose logits are float16 too)
 #   outputs logits [batch, k, vocab]; present.<i>.key / .value [batch, kv_heads, past_tokens + new_tokens, head_dim]
 #           -- the past with the new tokens' keys and values appended (rows padded to one past length)
 # Its plan (``plan_file(precision)``) has two optimization profiles: prefill (past_tokens 0) and decode
@@ -389,6 +390,9 @@ class GenerationSpec:
     ``max_context`` is the most tokens (prompt + generated) one sequence may hold: the model's positions, or less.
     ``weights_bytes`` maps each packaged precision to the bytes of its graph's weights; admission sizes the cache
     as ``max_sequences = (budget - weights) / (kv_bytes_per_token * max_context)`` (the seed formula).
+    ``kv_dtype`` is the KV cache's element type of the FP32 and quantized graphs; ``kv_dtypes`` names each packaged
+    precision whose graph keeps another (FP16: ``float16``). Whoever runs one precision reads
+    :meth:`for_precision`'s spec.
     """
 
     family: str  # Hugging Face model_type (llama, mistral, qwen2, qwen3, phi3, gemma, ...)
@@ -412,10 +416,12 @@ class GenerationSpec:
     # Packaged precisions whose outputs depend on what a sequence is batched with (dynamic INT8: one activation
     # scale per step, shared by every row): said in the load log of a stub that serves one.
     batch_dependent: tuple[str, ...] = ()
+    kv_dtypes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ParameterError(f"generation.json kv_dtype={self.kv_dtype!r}: use {', '.join(KV_DTYPES)}")
+        for where, dtype in (("kv_dtype", self.kv_dtype), *((f"kv_dtypes.{p}", d) for p, d in self.kv_dtypes.items())):
+            if dtype not in KV_DTYPES:
+                raise ParameterError(f"generation.json {where}={dtype!r}: use {', '.join(KV_DTYPES)}")
         if self.kv_layout != KV_LAYOUT_SHARED_SLOTS:
             raise ParameterError(f"generation.json kv_layout={self.kv_layout!r}: this backend reads "
                                  f"{KV_LAYOUT_SHARED_SLOTS!r} (rebuild the model with this model-factory)")
@@ -430,6 +436,11 @@ class GenerationSpec:
         """Bytes of keys and values one token holds across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPES[self.kv_dtype]
 
+    def for_precision(self, precision: str) -> "GenerationSpec":
+        """The spec as the graph of ``precision`` runs: its KV cache's element type (and bytes per token)."""
+        dtype = self.kv_dtypes.get(precision, self.kv_dtype)
+        return self if dtype == self.kv_dtype else dataclasses.replace(self, kv_dtype=dtype)
+
     def kv_shape(self, slots: int, max_context: int | None = None) -> tuple[int, int, int, int]:
         """The shape of one layer's key (or value) buffer for ``slots`` sequences."""
         return (int(slots), self.num_kv_heads, int(max_context or self.max_context), self.head_dim)
@@ -439,6 +450,7 @@ class GenerationSpec:
         data["eos_token_ids"] = list(self.eos_token_ids)
         data["weights_bytes"] = dict(sorted(self.weights_bytes.items()))
         data["batch_dependent"] = sorted(self.batch_dependent)
+        data["kv_dtypes"] = dict(sorted(self.kv_dtypes.items()))
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -454,6 +466,7 @@ class GenerationSpec:
             data["defaults"] = SamplingDefaults(**(data.get("defaults") or {}))
             data["weights_bytes"] = {str(k): int(v) for k, v in (data.get("weights_bytes") or {}).items()}
             data["batch_dependent"] = tuple(str(p) for p in data.get("batch_dependent") or ())
+            data["kv_dtypes"] = {str(k): str(v) for k, v in (data.get("kv_dtypes") or {}).items()}
             return cls(**data)
         except ParameterError:
             raise

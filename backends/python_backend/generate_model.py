@@ -81,7 +81,8 @@ class GenerativeModel:
         relpath = f"{version_dir.name}/{Files.GENERATION}"
         if not (version_dir.parent / relpath).is_file():
             raise SettingsError(f"{relpath} is missing: a text-generation model needs it (rebuild the model)")
-        self.spec = spec = GenerationSpec.from_json(read_checked(version_dir.parent, relpath, digests).decode())
+        self.spec = spec = GenerationSpec.from_json(
+            read_checked(version_dir.parent, relpath, digests).decode()).for_precision(s.precision)
         cpus = available_cpus()
         threads = cpu_threads_per_instance(s, cpus)
         self.model = load_verified_onnx(

@@ -92,8 +92,9 @@ def chat_template(tokenizer_dir: Path) -> str | None:
 
 
 def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, int],
-                    batch_dependent: tuple[str, ...] = ()) -> GenerationSpec:
-    """``generation.json`` from the Hugging Face config, the graph's weights and the recipe's defaults."""
+                    batch_dependent: tuple[str, ...] = (), kv_dtypes: Mapping[str, str] | None = None) -> GenerationSpec:
+    """``generation.json`` from the Hugging Face config, the graph's weights and the recipe's defaults;
+    ``kv_dtypes``: each packaged precision's KV element type (:func:`kv_dtype_of` its graph)."""
     from model_factory.build_engines.lm_graph import head_dim_of
 
     gen, src = recipe.generation, recipe.source.path
@@ -109,9 +110,29 @@ def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, i
         max_context=int(recipe.shapes.max_context or gen.max_positions), eos_token_ids=gen.eos_token_ids,
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         pad_token_id=pad if isinstance(pad, int) else None, kv_dtype="float32",
+        kv_dtypes={p: d for p, d in sorted((kv_dtypes or {}).items()) if d != "float32"},
         sliding_window=window if isinstance(window, int) else None, weights_bytes=dict(weights),
         defaults=_generation_defaults(src, gen.defaults), chat_template=chat_template(tokenizer_dir),
         batch_dependent=tuple(batch_dependent))
+
+
+def kv_dtype_of(graph: Path) -> str:
+    """The element type of a text-generation graph's KV cache (``float32`` or ``float16``: contract.KV_DTYPES),
+    read from its first ``past_key_values`` input."""
+    import onnx
+
+    from model_factory.backend.contract import KV_DTYPES
+
+    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
+    for i in onnx.load(str(graph), load_external_data=False).graph.input:
+        if i.name.startswith("past_key_values."):
+            dtype = names.get(i.type.tensor_type.elem_type)
+            if dtype not in KV_DTYPES:
+                raise FactoryError(f"{Path(graph).name}: its KV cache's element type {i.type.tensor_type.elem_type} "
+                                   f"is none of {', '.join(KV_DTYPES)}. Fix: rebuild with this model-factory")
+            return dtype
+    raise FactoryError(f"{Path(graph).name} has no past_key_values input: not a text-generation graph. Fix: rebuild "
+                       "with this model-factory")
 
 
 def batch_dependent(graph: Path) -> bool:
@@ -171,13 +192,12 @@ def layout_generative_version(recipe: Recipe, artifacts: Mapping[str, Path], *, 
         raise FactoryError(f"repository.serve = \"{serve}\" but {onnx_file(serve)} was not built. Fix: add "
                            f"\"{serve}\" to precisions, or serve one that is built")
     files = select_artifacts(recipe, artifacts)
-    weights = {p: weights_bytes(Path(path)) for p, path in
-               ((n.split(".")[1] if n != Files.ONNX else "fp32", path) for n, path in files.items()
-                if n.endswith(".onnx"))}
+    graphs = {(n.split(".")[1] if n != Files.ONNX else "fp32"): Path(path) for n, path in files.items()
+              if n.endswith(".onnx")}  # precision -> its graph, as packaged
     tokenizer_dir = Path(export_dir) / Files.TOKENIZER_DIR
-    dependent = tuple(sorted(n.split(".")[1] for n, path in files.items()
-                             if n.endswith(".onnx") and n != Files.ONNX and batch_dependent(Path(path))))
-    spec = generation_spec(recipe, tokenizer_dir, weights, dependent)
+    spec = generation_spec(recipe, tokenizer_dir, {p: weights_bytes(g) for p, g in graphs.items()},
+                           tuple(sorted(p for p, g in graphs.items() if p != "fp32" and batch_dependent(g))),
+                           {p: kv_dtype_of(g) for p, g in graphs.items()})
     params = format_parameters(generation_parameters(recipe))
     params.update(parameters or {})
     pbtxt = config_to_pbtxt(generative_config_dict(recipe, params))

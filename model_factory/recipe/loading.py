@@ -161,13 +161,10 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
 
 
 def _check_generative_precisions(precisions: tuple[str, ...], calib: Path | None, heldout: Path | None) -> None:
-    if "fp16" in precisions:
-        # The model builder's CPU FP16 graph has no fused-rotary GroupQueryAttention: it takes position_ids and
-        # FP16 caches, which is not the shared-slot engine I/O the backend runs (contract.py).
-        raise _err("precisions", "fp16 of a text-generation model is not built on the CPU (the exporter's CPU FP16 "
-                   "graph is not the shared-slot KV engine the backend serves)", "build fp32, int8 and/or int4")
-    if set(precisions) & {"int8", "int4"} and calib is None and heldout is None:
-        raise _err("quantization.heldout_data", "int8/int4 are gated on held-out text and none is set",
+    if set(precisions) & {"fp16", "int8", "int4"} and calib is None and heldout is None:
+        wanted = [p for p in ("fp16", "int8", "int4") if p in precisions]
+        raise _err("quantization.heldout_data", f"{'/'.join(wanted)} {'is' if len(wanted) == 1 else 'are'} gated on "
+                   "held-out text and none is set",
                    "point heldout_data (or calibration_data) at a local .txt of your text, one sample per line")
 
 

@@ -80,7 +80,8 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
                                 "rebuild the model with this model-factory")
     try:
         golden = json.loads(read_checked(Path(model_dir), rel, d))
-        spec = GenerationSpec.from_json(read_checked(Path(model_dir), f"{version}/{Files.GENERATION}", d).decode())
+        spec = GenerationSpec.from_json(read_checked(Path(model_dir), f"{version}/{Files.GENERATION}", d).decode()
+                                        ).for_precision(settings.precision)
         prompts, gate = list(golden["prompts"]), float(golden["min_agreement"])
     except Exception as exc:  # noqa: BLE001 - an unreadable or tampered file: refused with the reason
         return dict(passed=False, metric=METRIC, reason=f"{type(exc).__name__}: {exc}")

@@ -114,3 +114,22 @@ def test_generation_json_round_trips_the_batch_dependent_precisions():
     again = GenerationSpec.from_json(spec.to_json())
     assert again == spec and again.batch_dependent == ("int8",)
     assert GenerationSpec.from_json(SPEC.to_json()).batch_dependent == ()  # none by default
+
+
+def test_an_fp16_precision_runs_on_half_width_kv_slots():
+    """generation.json names the precisions whose graph keeps another KV element type; the spec of one precision
+    sizes its slots and admission from it (FP16: half the bytes per token, float16 buffers)."""
+    from dataclasses import replace
+
+    from model_factory.backend.contract import ParameterError
+
+    spec = replace(SPEC, max_context=1024, kv_dtypes={"fp16": "float16"})
+    again = GenerationSpec.from_json(spec.to_json())
+    assert again == spec and again.for_precision("fp32") is again and again.for_precision("int4") is again
+    half = again.for_precision("fp16")
+    assert half.kv_dtype == "float16" and 2 * half.kv_bytes_per_token == again.kv_bytes_per_token
+    slots32, slots16 = KVSlots(again, 2, 1 << 30), KVSlots(half, 2, 1 << 30)
+    assert all(b.dtype == np.float16 for b in slots16.buffers.values())
+    assert 2 * slots16.bytes_for(1024) == slots32.bytes_for(1024)
+    with pytest.raises(ParameterError, match="kv_dtypes.fp16='bfloat16'"):
+        replace(SPEC, kv_dtypes={"fp16": "bfloat16"})

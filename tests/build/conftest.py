@@ -86,13 +86,14 @@ def zoo_builds(tmp_path_factory, causal_lm_folders, generative_keys):
 
 @pytest.fixture(scope="session")
 def llama_quantized(tmp_path_factory, causal_lm_folders, generative_keys):
-    """The tiny llama built FP32 + INT8 (dynamic) + INT4 (awq), serving INT4, signed: (recipe, BuildResult, recipe path)."""
+    """The tiny llama built FP32 + FP16 + INT8 (dynamic) + INT4 (awq), serving INT4, signed: (recipe, BuildResult,
+    recipe path)."""
     from model_factory.build.pipeline import build
     from model_factory.recipe import load_recipe
     from model_factory.signing import SignerConfig
 
     root = tmp_path_factory.mktemp("llama-q")
-    path = write_generative_recipe(root, causal_lm_folders["llama"], "tiny-llama-q", ("fp32", "int8", "int4"), "int4",
+    path = write_generative_recipe(root, causal_lm_folders["llama"], "tiny-llama-q", ("fp32", "fp16", "int8", "int4"), "int4",
                                    extra='int8_method = "dynamic"')
     recipe = load_recipe(path)
     return recipe, build(recipe, signer=SignerConfig(generative_keys.private_key)), path

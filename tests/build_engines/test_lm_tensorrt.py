@@ -46,13 +46,13 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
-    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", ("fp32", "int8", "int4"),
+    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-trt", ("fp32", "fp16", "int8", "int4"),
                                                  extra="[tensorrt]\nenabled = true\n"))
     from model_factory.signing import SignerConfig, generate_keypair
 
     lines: list[str] = []
     result = build(recipe, signer=SignerConfig(generate_keypair(tmp_path / "keys").private_key), progress=lines.append)
-    assert result.engines == ("fp32", "int8", "int4"), lines
+    assert result.engines == ("fp32", "fp16", "int8", "int4"), lines
     plan = result.version_dir / "model.fp32.plan"
     assert plan.is_file() and plan.stat().st_size > 0
     meta = json.loads((result.version_dir / "model.fp32.plan.json").read_text())
@@ -74,11 +74,19 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
         assert 0.4 <= woq["agreement"] <= 1 and woq["compared_tokens"] > 0, woq
         assert [p["name"] for p in q["profiles"]] == ["prefill", "decode"] and q["strongly_typed"] is True
         assert any(f"{precision} weight-only graph: agreement" in line for line in lines), lines
+    # FP16: the same graph in half precision (KV cache and logits too), checked the same way, then planned.
+    half = json.loads((result.version_dir / "model.fp16.plan.json").read_text())
+    form = half["half_precision"]
+    assert form["form"] == "fp16" and form["gate"] == 0.4 and form["compared_tokens"] > 0
+    assert form["agreement"] >= 0.9 and form["max_abs_logits_error_vs_fp32"] < 0.05, form
+    dtypes = {i["name"]: i["dtype"] for i in half["inputs"] + half["outputs"]}
+    assert dtypes[past_name(0, "key")] == "HALF" and dtypes["logits"] == "HALF" and dtypes[INPUT_IDS] == "INT64"
+    assert half["strongly_typed"] is True and [p["name"] for p in half["profiles"]] == ["prefill", "decode"]
     # `model-factory build-engine` on the same recipe: from the work dir's export, the same checked plan.
     from model_factory.build_engines.lm_tensorrt import build_lm_engines_existing
 
     again = build_lm_engines_existing(recipe)
-    assert [e.precision for e in again] == ["fp32", "int8", "int4"]
+    assert [e.precision for e in again] == ["fp32", "fp16", "int8", "int4"]
     assert again[0].plan_path == recipe.work_dir / "engines" / "model.fp32.plan"
     assert json.loads(again[0].metadata_path.read_text())["export_check"]["prompts"] == check["prompts"]
     # A weight-only graph below the gate gets no plan: said in one line; FP32's (and any that passes) still built.
@@ -96,8 +104,8 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
 
     report = rebuild_check(result.version_dir)
     assert report.ok and not report.differences and not report.input_changes, report
-    assert {n.split(":")[0] for n in report.not_compared} >= {f"1/model.{p}.plan{j}" for p in ("fp32", "int8", "int4")
-                                                              for j in ("", ".json")}
+    assert {n.split(":")[0] for n in report.not_compared} >= {f"1/model.{p}.plan{j}" for p in ("fp32", "fp16", "int8",
+                                                                                        "int4") for j in ("", ".json")}
 
 
 def test_weight_only_quantization_rounds_within_half_a_step_and_packs_int4_low_nibble_first() -> None:

@@ -96,9 +96,12 @@ def test_a_context_longer_than_the_positions(tmp_path):
     _refused(tmp_path, "longer than the 512 positions", shapes__max_context=1024)
 
 
-def test_fp16_is_refused_for_generation(tmp_path):
+def test_fp16_is_built_for_generation_and_gated_on_heldout_text(tmp_path):
     _folder(tmp_path)
-    _refused(tmp_path, "fp16", precisions=["fp32", "fp16"], quantization__heldout_data="h.txt")
+    (tmp_path / "h.txt").write_text("held-out text\n")
+    assert _recipe(tmp_path, precisions=["fp32", "fp16"], quantization__heldout_data="h.txt").precisions == (
+        "fp32", "fp16")
+    _refused(tmp_path, "fp16 is gated on held-out text", precisions=["fp32", "fp16"])
 
 
 def test_quantized_precisions_need_heldout_text(tmp_path):
