@@ -1,4 +1,4 @@
-"""Decode speed of our text-generation graphs (FP32 / INT8 / INT4) against transformers and ORT GenAI's generator.
+"""Decode speed of our text-generation graphs (FP32 / FP16 / INT8 / INT4) against transformers and ORT GenAI's generator.
 
 One run, side by side, on a 116M-parameter Llama (SmolLM-135M's shape: hidden 576, 30 layers, 9 heads, 3 kv heads,
 intermediate 1536; random weights, a 16k BPE vocabulary trained here): 128-token prompts, 64 new tokens, greedy,
@@ -60,8 +60,9 @@ def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, floa
     sess = model.session
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
     layers, kv = len(pasts), int(pasts[0].shape[1])
+    dtype = np.float16 if "float16" in pasts[0].type else np.float32  # the FP16 graph's cache is FP16
     b, ctx = len(rows), PROMPT + NEW + 1
-    cache = {past_name(i, k): np.zeros((b, kv, ctx, head_dim), np.float32) for i in range(layers)
+    cache = {past_name(i, k): np.zeros((b, kv, ctx, head_dim), dtype) for i in range(layers)
              for k in ("key", "value")}
     views = {r: {n: buf[r:r + 1] for n, buf in cache.items()} for r in range(b)}  # one object per slice, as
     together = {n: buf[0:b] for n, buf in cache.items()}  # KVSlots.views returns: the engine keeps its binding
@@ -194,6 +195,11 @@ def main() -> None:
             shutil.rmtree(packaged[p], ignore_errors=True)
             shutil.copytree(out, packaged[p])
             select_logits_positions(packaged[p] / "model.onnx")
+    # FP16: the builder's FP16 graph as the factory builds it (its CUDA graph: the shared-slot I/O, FP16 caches).
+    fp16 = work / "graph-fp16-packaged"
+    if not (fp16 / "model.onnx").is_file():
+        say("building fp16")
+        run_builder(src, fp16, "fp16", select_positions=True)
     # INT4 with block 128 (the recipe's int4_block_size = 128): the same builder, otherwise as the factory's INT4.
     b128 = work / "graph-int4-block128-packaged"
     if not (b128 / "model.onnx").is_file():
@@ -203,7 +209,7 @@ def main() -> None:
     if not (dynamic / "model.onnx").is_file():
         say("building int8 (dynamic)")
         dynamic_int8(packaged["fp32"] / "model.onnx", dynamic)  # the factory's INT8 dynamic method
-    ours_graphs = {"FP32": packaged["fp32"], "INT8": dynamic, "INT8 weight-only": packaged["int8"],
+    ours_graphs = {"FP32": packaged["fp32"], "FP16": fp16, "INT8": dynamic, "INT8 weight-only": packaged["int8"],
                    "INT4": packaged["int4"], "INT4 block 128": b128}
     head_dim = SHAPE["hidden"] // SHAPE["heads"]
     n_params = sum(np.prod(t.shape) for t in __import__("safetensors.torch", fromlist=["load_file"])
@@ -248,6 +254,8 @@ def main() -> None:
              "tensor at run time, MatMulIntegerToFloat); INT8 weight-only and ORT GenAI's INT8 are the builder's "
              "8-bit MatMulNBits with float activations. Ours INT4 is the factory's default (block 32, round to "
              "nearest here, accuracy_level 4); ours INT4 block 128 the same with the recipe's int4_block_size = 128. "
+             "Ours FP16 is the builder's FP16 graph the factory builds for the GPU (FP16 weights and KV cache), run "
+             "here on ONNX Runtime's CPU provider. "
              "Ours are the graphs as the factory packages them (the LM "
              "head at each row's last position only); ORT GenAI runs the builder's graphs as written"
              + (f"; optimum: `ORTModelForCausalLM` on optimum-onnx's `text-generation-with-past` export of the "
@@ -265,6 +273,7 @@ def main() -> None:
         f"batch {b}: ours INT4 / ours FP32 {ratio('ours INT4', 'ours FP32', b)}, "
         f"ours INT4 block 128 / ours FP32 {ratio('ours INT4 block 128', 'ours FP32', b)}, "
         f"ours INT8 / ours FP32 {ratio('ours INT8', 'ours FP32', b)}, "
+        f"ours FP16 / ours FP32 {ratio('ours FP16', 'ours FP32', b)}, "
         f"ours INT4 / ORT GenAI INT4 {ratio('ours INT4', 'ORT GenAI INT4', b)}, "
         f"ours INT8 / ORT GenAI INT4 {ratio('ours INT8', 'ORT GenAI INT4', b)}" for b in (1, 8)), END]
     publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)

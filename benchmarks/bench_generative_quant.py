@@ -1,5 +1,6 @@
-"""INT4 methods measured against each other on a small TRAINED Llama: RTN, AWQ-style scaling, k-quant; and INT8
-(dynamic, its ladder, 8-bit against 7-bit weights; weight-only).
+"""INT4 methods measured against each other on a small TRAINED Llama: RTN, AWQ-style scaling, k-quant; INT8
+(dynamic, its ladder, 8-bit against 7-bit weights; weight-only); and FP16 (the builder's FP16 graph, the TensorRT
+graph in half precision).
 
 Random weights say little about rounding (no outlier channels, perplexity near the vocabulary size), so this
 trains a small Llama (hidden 128, 4 layers) on Debian's license texts for a few hundred steps first, then
@@ -71,7 +72,8 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
     def greedy(batch: list[list[int]]) -> list[list[int]]:
         pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
         ctx = max(map(len, batch)) + new + 1
-        cache = {(i, k): np.zeros((len(batch), int(pasts[0].shape[1]), ctx, head_dim), np.float32)
+        dtype = np.float16 if "float16" in pasts[0].type else np.float32  # the FP16 graph keeps an FP16 cache
+        cache = {(i, k): np.zeros((len(batch), int(pasts[0].shape[1]), ctx, head_dim), dtype)
                  for i in range(len(pasts)) for k in ("key", "value")}
 
         def run(lo: int, hi: int, ids: np.ndarray, lens: list[int]) -> np.ndarray:
@@ -86,10 +88,10 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
             io.bind_output("logits", "cpu")
             for (layer, kind), buf in cache.items():
                 v = buf[lo:hi]
-                io.bind_input(past_name(layer, kind), "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-                io.bind_output(present_name(layer, kind), "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+                io.bind_input(past_name(layer, kind), "cpu", 0, dtype, list(v.shape), v.ctypes.data)
+                io.bind_output(present_name(layer, kind), "cpu", 0, dtype, list(v.shape), v.ctypes.data)
             sess.run_with_iobinding(io)
-            return io.get_outputs()[0].numpy()
+            return io.get_outputs()[0].numpy().astype(np.float32)
 
         nxt = [int(run(r, r + 1, np.array([p]), [0])[0, -1].argmax()) for r, p in enumerate(batch)]
         out, lens = [[t] for t in nxt], [len(p) for p in batch]
@@ -106,15 +108,15 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
 
 
 def tensorrt_rows(src: Path, work: Path, golden, heldout, say) -> list[tuple]:
-    """(graph, agreement, perplexity ratio, max abs logits error, weight bytes) of the TensorRT graph: FP32 and its
-    weight-only INT8 / INT4 (blocks of 32 and 128)."""
+    """(graph, agreement, perplexity ratio, max abs logits error, weight bytes) of the TensorRT graph: FP32, FP16
+    (``lm_tensorrt.half_precision``) and its weight-only INT8 / INT4 (blocks of 32 and 128)."""
     import math
 
     import numpy as np
 
     from model_factory.build_engines.lm_graph import teacher_forced_agreement
     from model_factory.build_engines.lm_quantize import weights_bytes
-    from model_factory.build_engines.lm_tensorrt import ConcatRunner, _PrefillLogits, export_for_tensorrt
+    from model_factory.build_engines.lm_tensorrt import ConcatRunner, _PrefillLogits, export_for_tensorrt, half_precision
     from model_factory.build_engines.lm_weight_only import weight_only_qdq
 
     graph, _model = export_for_tensorrt(src, work / "trt-fp32.onnx", 256, 8, say)
@@ -136,10 +138,13 @@ def tensorrt_rows(src: Path, work: Path, golden, heldout, say) -> list[tuple]:
 
     base_agree, base_ppl, base_logits = measure(graph)
     rows = [("FP32", base_agree, 1.0, 0.0, weights_bytes(graph))]
-    for label, precision, block in (("INT8 per channel", "int8", 32), ("INT4 block 32", "int4", 32),
-                                    ("INT4 block 128", "int4", 128)):
+    for label, precision, block in (("FP16", "fp16", 0), ("INT8 per channel", "int8", 32),
+                                    ("INT4 block 32", "int4", 32), ("INT4 block 128", "int4", 128)):
         out = work / f"trt-{precision}-{block}.onnx"
-        weight_only_qdq(graph, out, precision, block)
+        if precision == "fp16":
+            half_precision(graph, out)
+        else:
+            weight_only_qdq(graph, out, precision, block)
         agree, ppl, logits = measure(out)
         err = max(float(np.abs(a - b).max()) for a, b in zip(logits, base_logits))
         rows.append((label, agree, ppl / base_ppl, err, weights_bytes(out)))
@@ -179,7 +184,8 @@ def main() -> None:
     batch_rows = [prompt_ids(tok, t, 16 + (i * 7) % 40) for i, t in enumerate(held_text[:16])]
     fp32_dependence = batch_dependence(fp32, batch_rows, 32)
     scorer = Scorer(fp32, 32, heldout, golden)
-    variants = [("int8", "dynamic", {}), ("int8", "dynamic, down_proj float", {"keep": ("down_proj",)}),
+    variants = [("fp16", "the builder's FP16 graph", {}), ("int8", "dynamic", {}),
+                ("int8", "dynamic, down_proj float", {"keep": ("down_proj",)}),
                 ("int8", "dynamic, down/o_proj float", {"keep": ("down_proj", "o_proj")}),
                 ("int8", "dynamic, 8-bit weights (not built: wrong without VNNI)", {"eight": True}),
                 ("int8", "weight_only", {"accuracy_level": 1}), ("int4", "rtn", {"accuracy_level": 4}),
@@ -204,6 +210,8 @@ def main() -> None:
         out = work / f"{precision}-{len(rows)}"
         if method.startswith("dynamic"):
             graph = dynamic_int8(fp32, out, opts.get("keep", ()), seven_bit=not opts.get("eight"))
+        elif precision == "fp16":
+            graph = run_builder(source, out, precision)
         else:
             graph = run_builder(source, out, precision, {**opts, "block_size": block})
         agree, ppl, err, n = scorer.score(graph)
@@ -211,7 +219,7 @@ def main() -> None:
                      weights_bytes(graph), batch_dependence(graph, batch_rows, 32)))
     trt_rows = tensorrt_rows(src, work, golden, heldout, say)
     load = load.finish()
-    lines = [START, "## INT8 and INT4 methods on a trained Llama (benchmarks/bench_generative_quant.py)", "",
+    lines = [START, "## FP16, INT8 and INT4 methods on a trained Llama (benchmarks/bench_generative_quant.py)", "",
              run_header("benchmarks/bench_generative_quant.py", load), "",
              f"Llama hidden 128, 4 layers, 2k BPE vocabulary, trained {args.steps} steps on Debian license texts "
              f"({train_s:.0f} s, final loss {final_loss:.2f}); held-out: {len(heldout)} lines of two license files "
@@ -229,7 +237,8 @@ def main() -> None:
         lines.append(f"| {precision} | {method} | {level or '-'} | {agree:.4f} | {ratio:.4f} | {err:.3g} | {wb / 1024:.0f} "
                      f"| {dep} of 16 |")
     if trt_rows:
-        lines += ["", "TensorRT's graph (the standard-op `torch.onnx` export `lm_tensorrt` builds plans from) in the "
+        lines += ["", "TensorRT's graph (the standard-op `torch.onnx` export `lm_tensorrt` builds plans from) in half "
+                  "precision (`lm_tensorrt.half_precision`: weights, activations, KV cache and logits FP16) and in the "
                   "weight-only Q/DQ form of `lm_weight_only` (round to nearest, symmetric; activations FP32), run "
                   "through ONNX Runtime as the build checks it; the same golden prompts and held-out text, the "
                   "perplexity ratio against that graph's FP32 and the logits error against its FP32 prefill:", "",

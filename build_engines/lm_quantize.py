@@ -12,8 +12,8 @@ Runtime's dynamic quantization of the FP32 graph's MatMuls (``DynamicQuantizeLin
 into ``MatMulIntegerToFloat`` when the session loads): weights int8 per output channel, activations quantized per
 tensor as each step runs, products in the integer kernels (VNNI where the CPU has it). About twice FP32's speed,
 but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
-with: measured on a trained Llama, 16 of 16 greedy continuations batched differed from the same prompts alone
-(FP32, weight-only INT8 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
+with: measured on a trained Llama, 15 and 16 of 16 greedy continuations batched differed from the same prompts
+alone in two runs (FP32, FP16, weight-only INT8 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
 bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
 activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
 nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
@@ -197,7 +197,8 @@ def weights_bytes(graph: Path) -> int:
 
 # Dynamic INT8's ladder: the MatMuls each step keeps in float (by the builder's node names, /model/layers.N/<part>/...).
 # The down and o projections' inputs are the widest-ranging activations: keeping them in float raised agreement most
-# (a trained Llama 0.941 -> 0.961 -> 0.965, bench_generative_quant; a random Qwen2 0.72 -> 0.77 -> 0.78); the LM
+# (a trained Llama 0.941 -> 0.961 -> 0.965 in one run of bench_generative_quant, 0.945 -> 0.971 -> 0.969 in another;
+# a random Qwen2 0.72 -> 0.77 -> 0.78); the LM
 # head changed nothing.
 DYNAMIC_STEPS: tuple[tuple[str, ...], ...] = ((), ("down_proj",), ("down_proj", "o_proj"))
 

@@ -71,7 +71,8 @@ def causal_lm_folders(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def zoo_builds(tmp_path_factory, causal_lm_folders, generative_keys):
-    """family -> (recipe, BuildResult): each family built FP32 and signed, in one repository."""
+    """family -> (recipe, BuildResult): each family built FP32 and FP16 (serving FP32) and signed, in one
+    repository."""
     from model_factory.build.pipeline import build
     from model_factory.recipe import load_recipe
     from model_factory.signing import SignerConfig
@@ -79,7 +80,7 @@ def zoo_builds(tmp_path_factory, causal_lm_folders, generative_keys):
     root = tmp_path_factory.mktemp("zoo")
     out = {}
     for family, folder in causal_lm_folders.items():
-        recipe = load_recipe(write_generative_recipe(root, folder, f"tiny-{family}"))
+        recipe = load_recipe(write_generative_recipe(root, folder, f"tiny-{family}", ("fp32", "fp16")))
         out[family] = (recipe, build(recipe, signer=SignerConfig(generative_keys.private_key)))
     return out
 

@@ -41,6 +41,19 @@ def test_each_family_builds_signs_and_verifies(zoo_builds, generative_keys, tmp_
 
 
 @pytest.mark.parametrize("family", ZOO_FAMILIES)
+def test_each_family_gets_an_fp16_graph_and_its_gate_figures(zoo_builds, family):
+    """The builder's FP16 graph of every family (Qwen3's Q/K norms included) runs here and is gated: its row in
+    accuracy.json, and generation.json's FP16 KV cache."""
+    _recipe, result = zoo_builds[family]
+    acc = json.loads((result.version_dir / "accuracy.json").read_text())
+    row = {r["precision"]: r for r in acc["results"]}["fp16"]
+    assert row["passed"] and row["score"] >= 0.95 and row["max_abs_error"] < 0.05, row
+    assert 0.99 <= row["perplexity_ratio"] <= 1.01
+    spec = GenerationSpec.from_json((result.version_dir / Files.GENERATION).read_text())
+    assert dict(spec.kv_dtypes) == {"fp16": "float16"} and (result.version_dir / "model.fp16.onnx").is_file()
+
+
+@pytest.mark.parametrize("family", ZOO_FAMILIES)
 def test_fp32_greedy_equals_transformers_generate(zoo_builds, causal_lm_folders, family):
     """The packaged graph's 64 greedy tokens are generate(do_sample=False)'s, up to the first near-tie."""
     import torch

