@@ -108,7 +108,8 @@ FP16_EXECUTION_PROVIDER = "cuda"
 
 def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, Any] | None = None,
                 say: Callable[[str], None] = lambda _m: None, select_positions: bool = True) -> Path:
-    """onnxruntime-genai's builder: ``folder`` → ``out/model.onnx`` (+ ``.data``) at ``precision``.
+    """onnxruntime-genai's builder: ``folder`` → ``out/model.onnx`` (+ ``.data``) at ``precision`` (a GPT-2, which the
+    builder does not know, through :func:`build_engines.gpt2_graph.build_gpt2`, with the same I/O and node names).
 
     FP32, INT8 and INT4 are the builder's CPU graphs. FP16 is its CUDA graph (``FP16_EXECUTION_PROVIDER``): its CPU
     FP16 graph takes position ids and grows its cache by concatenation, not the shared-slot I/O the backend runs,
@@ -119,6 +120,23 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
     computes logits only where ``logits_positions`` asks (:mod:`build_engines.logits_positions`;
     ``select_positions=False`` leaves the builder's graph as it wrote it).
     """
+    if read_hf_config(Path(folder)).get("model_type") == "gpt2":  # the builder has no GPT-2: written here
+        from model_factory.build_engines.gpt2_graph import build_gpt2
+
+        build_gpt2(Path(folder), out, precision, options)
+        (out / "builder.log").write_text(f"GPT-2: build_engines.gpt2_graph, {precision}\n")
+    else:
+        _model_builder(Path(folder), out, precision, options)
+    if select_positions:
+        from model_factory.build_engines.logits_positions import select_logits_positions
+
+        select_logits_positions(out / Files.ONNX)
+    say(f"[export] builder wrote {precision} graph ({_size_mib(out):.1f} MiB)")
+    return out / Files.ONNX
+
+
+def _model_builder(folder: Path, out: Path, precision: str, options: Mapping[str, Any] | None) -> None:
+    """onnxruntime-genai's model builder on ``folder`` (run_builder's every family but GPT-2)."""
     require("onnxruntime_genai", "export")
     from onnxruntime_genai.models import builder
 
@@ -151,12 +169,6 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
         # run starts from what the stage holds (benchmarks/RESULTS.md, bench_generative_large).
         gc.collect()
     (out / "builder.log").write_text(log.getvalue())
-    if select_positions:
-        from model_factory.build_engines.logits_positions import select_logits_positions
-
-        select_logits_positions(out / Files.ONNX)
-    say(f"[export] builder wrote {precision} graph ({_size_mib(out):.1f} MiB)")
-    return out / Files.ONNX
 
 
 def _size_mib(folder: Path) -> float:
@@ -271,7 +283,9 @@ def export_causal_lm(recipe: Recipe, out_dir: Path | None = None,
                                                       "max_tokens": GOLDEN_TOKENS,
                                                       "prompts": [c.to_dict() for c in reference]}, indent=2))
         (tmp / Files.EXPORT_REPORT).write_text(json.dumps({
-            "exporter": "onnxruntime-genai model builder", "exporter_version": _version("onnxruntime-genai"),
+            **({"exporter": "model-factory gpt2_graph", "exporter_version": _version("model-factory")}
+               if gen.family == "gpt2" else
+               {"exporter": "onnxruntime-genai model builder", "exporter_version": _version("onnxruntime-genai")}),
             "family": gen.family, "max_abs_error": err, "tolerance": recipe.export.tolerance,
             "source_digest": digest, "opset": _opset(tmp / Files.ONNX), "inputs": names[0], "outputs": names[1],
             "check": check}, indent=2))

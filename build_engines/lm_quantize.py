@@ -47,6 +47,9 @@ from model_factory.recipe import Recipe, read_hf_config
 REPORT_NAME = "accuracy.json"
 PPL_TOKENS = 128  # tokens per held-out sample scored for perplexity
 CALIBRATION_TOKENS = 128
+# Families whose INT4 is rounded to nearest even when awq is asked: the scaling folds into modules they lay out
+# otherwise (GPT-2's fused Conv1D c_attn / c_fc behind LayerNorms with a bias).
+AWQ_UNSUPPORTED = frozenset({"gpt2"})
 # The ladder a precision that misses the gate climbs: each step keeps more MatMuls at INT8.
 MIXED_STEPS = ((), ("last_matmul:int8",), ("last_matmul:int8", "mixed_layers:int8"))
 
@@ -227,7 +230,10 @@ def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = (), seven_bi
     try:
         quantize_dynamic(fp32, graph, weight_type=QuantType.QInt8, per_channel=True, reduce_range=seven_bit,
                          op_types_to_quantize=["MatMul"], nodes_to_exclude=exclude, use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
+                         extra_options={"MatMulConstBOnly": True,
+                                        # a tensor after a contrib op (GroupQueryAttention) that shape inference
+                                        # cannot type (the GPT-2 graph has no value_info): float
+                                        "DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)
     for f in (graph, out / data_name(graph)):
@@ -299,6 +305,10 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             method = {"int4": q.int4_method, "int8": q.int8_method}.get(precision, "fp16")
             if method == "awq" and not calib_texts:
                 say("[quantize] awq needs calibration_data: int4 rounded to nearest (rtn)")
+                method = "rtn"
+            if method == "awq" and gen.family in AWQ_UNSUPPORTED:
+                say(f"[quantize] awq has no {gen.family} layout (its fused Conv1D projections): int4 rounded to "
+                    "nearest (rtn)")
                 method = "rtn"
             source = src
             if method == "awq":

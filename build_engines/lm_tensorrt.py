@@ -55,7 +55,12 @@ def _kv_geometry(config: Any) -> tuple[int, int, int]:
     it: ``lm_graph.head_dim_of``)."""
     from model_factory.build_engines.lm_graph import head_dim_of
 
+    from model_factory.recipe.huggingface import _OWN_NAMES
+
     d = config.to_dict()
+    for standard, own in _OWN_NAMES:  # GPT-2's own names, as read_hf_config adds them
+        if standard not in d and own in d:
+            d[standard] = d[own]
     return int(d["num_hidden_layers"]), int(d.get("num_key_value_heads") or d["num_attention_heads"]), head_dim_of(d)
 
 

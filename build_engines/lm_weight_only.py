@@ -1,7 +1,7 @@
 """Weight-only INT8 / INT4 of the TensorRT graph of a text-generation model, in the Q/DQ form TensorRT consumes.
 
-Every MatMul whose second input is a 2-D weight initializer ``[K, N]`` gets it through a ``DequantizeLinear`` of
-integer weights: INT4 in symmetric blocks of ``block`` rows along K (opset 21's ``block_size``; TensorRT's INT4
+Every MatMul (or untransposed Gemm) whose second input is a 2-D weight initializer ``[K, N]`` gets it through a
+``DequantizeLinear`` of integer weights: INT4 in symmetric blocks of ``block`` rows along K (opset 21's ``block_size``; TensorRT's INT4
 weight-only quantization), INT8 symmetric per output channel (``axis = 1``). Activations stay FP32, so the strongly
 typed network is FP32 with integer weights, as TensorRT's weight-only quantization (WoQ) expects; the embedding's
 Gather is left in float. Scales are round-to-nearest (``max |w| / 7`` or ``/ 127`` per block or channel): the
@@ -48,6 +48,16 @@ def quantize_weight(w: np.ndarray, precision: str, block: int) -> tuple[np.ndarr
     return q.astype(np.int8), scale.astype(np.float32)
 
 
+def _takes_weight(node: Any) -> bool:
+    """A MatMul, or a Gemm with neither input transposed (GPT-2's Conv1D exports as ``Gemm(x, W [K, N], b)``): its
+    second input may be a ``[K, N]`` weight."""
+    if len(node.input) < 2:
+        return False
+    if node.op_type == "Gemm":
+        return not any(a.name in ("transA", "transB") and a.i for a in node.attribute)
+    return node.op_type == "MatMul"
+
+
 def weight_only_qdq(graph: Path, out: Path, precision: str, block: int = 32) -> dict[str, Any]:
     """Write ``out`` (+ ``.data``): ``graph`` with its MatMul weights as ``precision`` (``int8`` / ``int4``) behind
     DequantizeLinear. Returns what was done: weights quantized, kept in float (a K that INT4 blocks do not divide)."""
@@ -60,7 +70,7 @@ def weight_only_qdq(graph: Path, out: Path, precision: str, block: int = 32) -> 
     inits = {t.name: t for t in model.graph.initializer}
     nodes, quantized, kept = [], [], []
     for node in model.graph.node:
-        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        weight = inits.get(node.input[1]) if _takes_weight(node) else None
         if weight is not None and len(weight.dims) == 2 and weight.data_type == TensorProto.FLOAT:
             done = quantize_weight(numpy_helper.to_array(weight), precision, block)
             if done is None:

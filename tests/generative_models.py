@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -50,6 +50,11 @@ def _config(family: str, tok, *, hidden: int, layers: int, heads: int, kv_heads:
             max_positions: int, tie: bool):
     import transformers
 
+    if family == "gpt2":  # its own names; multi-head attention (no kv_heads), tied LM head as GPT-2 ships
+        return transformers.GPT2Config(vocab_size=len(tok), n_embd=hidden, n_layer=layers, n_head=heads,
+                                       n_inner=intermediate, n_positions=max_positions, bos_token_id=tok.bos_token_id,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                       initializer_range=0.1, tie_word_embeddings=True)
     common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, intermediate_size=intermediate,
                   max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,

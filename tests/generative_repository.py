@@ -58,7 +58,9 @@ def _built(hf_dir: Path, precision: str, quantization: str = "") -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"mf-gen-build-{precision}-"))
     for f in ("calibration.txt", "heldout.txt"):
         shutil.copyfile(examples / f, root / f)
-    positions = json.loads((Path(hf_dir) / "config.json").read_text())["max_position_embeddings"]
+    from model_factory.recipe import read_hf_config
+
+    positions = read_hf_config(Path(hf_dir))["max_position_embeddings"]  # GPT-2: its n_positions
     precisions = ["fp32"] if precision == "fp32" else ["fp32", precision]
     listed = ", ".join(f'"{p}"' for p in precisions)
     recipe = root / "llm.toml"

@@ -14,10 +14,12 @@ from typing import Any, Mapping
 from model_factory.recipe.errors import field_error as _err
 from model_factory.recipe.specs import GenerationSettings, TensorSpec
 
-# model_type -> the architecture the exporter (onnxruntime-genai's model builder) turns into the shared-slot graph.
-# Each is built and checked token-identical to transformers by tests/build_engines/test_causal_lm.py.
+# model_type -> the architecture the exporter turns into the shared-slot graph (onnxruntime-genai's model builder;
+# GPT-2, which it has no builder for, build_engines.gpt2_graph). Each is built and checked token-identical to
+# transformers by tests/build/test_generative.py (the zoo).
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}
 DEFAULT_MAX_CONTEXT = 4096
 _SUPPORTED = ", ".join(FAMILIES)
 

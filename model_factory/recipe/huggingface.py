@@ -91,7 +91,16 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise FactoryError(f"{cfg_file} is not a JSON object. Fix: point source.path at a folder saved with "
                            "save_pretrained()")
+    # GPT-2's config names its sizes its own way (transformers maps them through GPT2Config.attribute_map): the
+    # standard names are added beside them, so every reader asks one set of names.
+    for standard, own in _OWN_NAMES:
+        if standard not in cfg and own in cfg:
+            cfg[standard] = cfg[own]
     return cfg
+
+
+_OWN_NAMES = (("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
+              ("max_position_embeddings", "n_positions"))
 
 
 def hf_labels(cfg: Mapping[str, Any]) -> tuple[str, ...]:

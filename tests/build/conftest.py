@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 EXAMPLES = Path(__file__).resolve().parents[2] / "model_factory" / "examples"
 # Five families built FP32 (+ gemma's norm and qwen3's head_dim, phi3's fused projections and staged config).
-ZOO = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+ZOO = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")
 
 
 def write_generative_recipe(folder: Path, model: Path, name: str, precisions=("fp32",), serve="fp32",

@@ -16,7 +16,7 @@ from model_factory.backend.contract import (GENERATE_INPUTS, GENERATE_OUTPUTS, T
 
 pytestmark = pytest.mark.slow
 
-ZOO_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+ZOO_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")
 
 
 def _policy(tmp_path, keys):
@@ -297,3 +297,30 @@ def test_a_tied_model_falls_back_without_an_int8_lm_head(generative_recipe, tmp_
         build(load_recipe(path))
     steps = [s["int8"] for s in err.value.report.search if s.get("step") == "gate"]
     assert steps == [[], ["mixed_layers:int8"]], steps
+
+
+def test_gpt2_is_quantized_and_accepted_like_the_other_families(causal_lm_folders, generative_recipe, tmp_path):
+    """GPT-2 (its graph written by the factory: the builder has none) gets FP16, dynamic INT8 and INT4 graphs behind
+    the same gate; awq, which has no GPT-2 layout, falls back to round to nearest and says so; the served INT4 graph
+    is accepted on this machine."""
+    import onnx
+
+    from model_factory.build.pipeline import build
+    from model_factory.recipe import load_recipe
+    from model_factory.serving.acceptance import accept_model
+
+    path = generative_recipe(tmp_path, causal_lm_folders["gpt2"], "tiny-gpt2-q", ("fp32", "fp16", "int8", "int4"),
+                             "int4", extra='int8_method = "dynamic"')
+    lines: list[str] = []
+    result = build(load_recipe(path), progress=lines.append)
+    rows = {r["precision"]: r for r in json.loads((result.version_dir / "accuracy.json").read_text())["results"]}
+    assert set(rows) == {"fp16", "int8", "int4"} and all(r["passed"] for r in rows.values())
+    assert rows["int4"]["method"] == "rtn" and rows["int8"]["method"] == "dynamic"
+    assert any("awq has no gpt2 layout" in line for line in lines), lines
+    m = onnx.load(str(result.version_dir / "model.int4.onnx"), load_external_data=False)
+    ops = {n.op_type for n in m.graph.node}
+    assert {"MatMulNBits", "GroupQueryAttention", "CumSum"} <= ops and "MatMul" not in ops
+    int8 = {n.op_type for n in onnx.load(str(result.version_dir / "model.int8.onnx"), load_external_data=False).graph.node}
+    assert "DynamicQuantizeLinear" in int8
+    accepted = accept_model(result.version_dir.parent)
+    assert accepted.passed and accepted.file == "model.int4.onnx", accepted.reason

@@ -150,3 +150,28 @@ def test_build_engine_of_a_text_generation_recipe_needs_its_export_first(tmp_pat
     assert out.exit_code == 1 and "run model-factory export RECIPE first" in out.output, out.output
     assert "Traceback" not in out.output
     assert not (recipe.work_dir / "engines").exists()
+
+
+def test_a_gpt2_gets_plans_from_its_gemm_projections(tmp_path) -> None:
+    """GPT-2's Conv1D projections export as Gemm: the weight-only form quantizes them as it does MatMuls."""
+    pytest.importorskip("transformers")
+    from model_factory.build_engines.tensorrt import tensorrt_available
+
+    if tensorrt_available() is None:
+        pytest.skip("neither tensorrt nor tensorrt_rtx imports here: pip install 'model-factory[tensorrt-rtx]'")
+    from build.conftest import write_generative_recipe
+    from generative_models import make_causal_lm
+
+    from model_factory.build.pipeline import build
+    from model_factory.recipe import load_recipe
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = make_causal_lm("gpt2", tmp_path / "gpt2", vocab_size=512)
+    recipe = load_recipe(write_generative_recipe(tmp_path, folder, "tiny-gpt2-trt", ("fp32", "int4"),
+                                                 extra="[tensorrt]\nenabled = true\n"))
+    lines: list[str] = []
+    result = build(recipe, progress=lines.append)
+    assert result.engines == ("fp32", "int4"), lines
+    woq = json.loads((result.version_dir / "model.int4.plan.json").read_text())["weight_only"]
+    assert woq["quantized_matmuls"] >= 4 * 2 and not woq["float_matmuls"], woq  # 4 projections a layer, 2 layers
+    assert json.loads((result.version_dir / "model.fp32.plan.json").read_text())["export_check"]["prompts"]

@@ -2,7 +2,7 @@
 
 One server for the module, three models of one tiny Llama: ``tiny_llm`` (8 KV slots), ``tiny_llm_busy`` (one
 slot, no waiting queue: the second request in flight is refused with 503) and ``tiny_llm_fp16`` (its FP16 graph,
-FP16 KV slots). Greedy outputs are compared with
+FP16 KV slots); and ``tiny_gpt2``, a tiny GPT-2 (learned positions, taken from each row's mask). Greedy outputs are compared with
 ``transformers`` up to the first near-tie (counted), for 16 concurrent streams of mixed prompt lengths and
 max_tokens over each protocol.
 """
@@ -27,12 +27,19 @@ from tests.generative_repository import agree_until_tie, layout_generative_model
 
 pytestmark = pytest.mark.integration
 
-MODEL, BUSY, FP16 = "tiny_llm", "tiny_llm_busy", "tiny_llm_fp16"
+MODEL, BUSY, FP16, GPT2 = "tiny_llm", "tiny_llm_busy", "tiny_llm_fp16", "tiny_gpt2"
 STREAMS = 16
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llm, tmp_path_factory):
+def tiny_gpt2(tmp_path_factory):
+    from tests.generative_models import make_causal_lm
+
+    return make_causal_lm("gpt2", tmp_path_factory.mktemp("tiny-gpt2") / "hf")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llm, tiny_gpt2, tmp_path_factory):
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
 
@@ -44,6 +51,8 @@ def served(tiny_llm, tmp_path_factory):
                             max_waiting_sequences=0)
     layout_generative_model(hf, onnx_dir, repo, FP16, precision="fp16", memory_budget_mib=256,
                             max_active_sequences=8, max_waiting_sequences=64)
+    layout_generative_model(tiny_gpt2, None, repo, GPT2, memory_budget_mib=256, max_active_sequences=8,
+                            max_waiting_sequences=64)
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
     assert not server.load_errors, server.load_errors
     frontend = OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)).start()
@@ -146,6 +155,27 @@ def test_fp16_streams_batched_equal_the_fp16_graph_alone_and_transformers_up_to_
     assert compared >= sum(max_tokens) // 2, f"only {compared} of {sum(max_tokens)} tokens before a near-tie"
     log = server.log_file.read_text(errors="replace")
     assert f"{FP16} generates with fp16 on onnxruntime" in log, log[-2000:]
+
+
+def test_gpt2_streams_batched_match_transformers(served, workload, tiny_gpt2):
+    """A GPT-2 (the factory's own graph: learned positions from each row's mask, multi-head attention on the shared
+    KV slots), 16 streams of mixed prompt lengths and max_tokens batched: transformers' greedy tokens up to the
+    first near-tie."""
+    server, _, _ = served
+    prompts, max_tokens, _ = workload
+    url = f"http://{server.http_url}/v2/models/{GPT2}/generate_stream"
+
+    def one(i):
+        status, _, raw = _post(url, {"prompt_ids": prompts[i], "max_tokens": max_tokens[i],
+                                     "min_tokens": max_tokens[i], "stream": True})
+        assert status == 200, raw
+        events = _sse_events(raw)
+        assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == max_tokens[i]
+        return [t for e in events for t in _ids(e["output_ids"])]
+
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        outputs = list(pool.map(one, range(STREAMS)))
+    _check(outputs, (prompts, max_tokens, reference_greedy(tiny_gpt2, prompts, max_tokens)))
 
 
 def test_generate_answers_once_when_not_streaming(served, workload):

@@ -69,9 +69,20 @@ def test_the_models_own_code_is_refused(tmp_path):
 
 
 def test_an_unsupported_family_names_the_supported_ones(tmp_path):
-    _folder(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    message = _refused(tmp_path, "gpt2")
-    assert all(f in message for f in FAMILIES)
+    _folder(tmp_path, model_type="falcon", architectures=["FalconForCausalLM"])
+    message = _refused(tmp_path, "falcon")
+    assert all(f in message for f in FAMILIES) and "gpt2" in FAMILIES
+
+
+def test_a_gpt2_folder_reads_its_own_config_names(tmp_path):
+    """GPT-2's config.json says n_positions / n_embd / n_layer / n_head: the recipe reads them as the others'."""
+    _folder(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"], max_position_embeddings=None,
+            hidden_size=None, num_attention_heads=None, num_hidden_layers=None, n_positions=256, n_embd=64, n_head=4,
+            n_layer=2)
+    recipe = _recipe(tmp_path)
+    assert recipe.generation.family == "gpt2" and recipe.generation.max_positions == 256
+    assert recipe.shapes.max_context == 256
+    _refused(tmp_path, "longer than the 256 positions", shapes__max_context=512)
 
 
 def test_a_folder_without_a_language_model_head(tmp_path):
