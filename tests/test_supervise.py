@@ -119,8 +119,8 @@ class FakeServer:
         self.calls.append(f"unload {name}")
         return None
 
-    def load_model(self, name: str) -> str | None:
-        self.calls.append(f"load {name}")
+    def load_model(self, name: str, versions: list[int] | None = None) -> str | None:
+        self.calls.append(f"load {name}" + (f" versions {versions}" if versions is not None else ""))
         return self.load_error
 
     def ready_versions(self) -> dict[str, set[str]]:
@@ -204,3 +204,30 @@ def test_each_ready_version_is_counted_on_its_own_while_a_rollout_keeps_two_load
     server.ready = {"a": {"1", "2"}, "b": {"1"}}  # version 2 serving without its stub: healed
     (rec,) = watch.check()
     assert rec.model == "a" and server.calls == ["unload a", "load a"]
+
+
+def test_while_two_versions_are_loaded_only_the_one_whose_stub_died_is_reloaded(tree) -> None:
+    """With the model's derived configuration kept (a rollout's grace period), the healthy version is never
+    unloaded: a load naming it alone unloads the dead one, the dead one's other stubs are ended, then a load of
+    every version loads it anew."""
+    server_pid, (a1, _a1b, a2, a2b) = tree.server(tree.stub_argv("a"), tree.stub_argv("a"),
+                                                  tree.stub_argv("a", version="2"), tree.stub_argv("a", version="2"))
+    server = FakeServer(tree.repo, server_pid)
+    server.ready = {"a": {"1", "2"}}
+    server.load_configs = {"a": json.dumps({"version_policy": {"specific": {"versions": [1, 2]}}})}
+    verified: list[str] = []
+    messages: list[str] = []
+    watch = StubWatch(server, ["a"], settle_s=0, reverify=verified.append, echo=messages.append)
+    assert watch.expected == {"a": 2}
+    kill_and_wait(a2)
+    (rec,) = watch.check()
+    assert rec.ok and server.calls == ["load a versions [1]", "load a"] and verified == ["a"]
+    assert any("version 2 died; version 1 keeps serving" in m for m in messages), messages
+    deadline = time.monotonic() + 30
+    while pid_alive(a2b) and time.monotonic() < deadline:  # the dead version's other stub was ended
+        time.sleep(0.02)
+    assert not pid_alive(a2b) and pid_alive(a1)  # the healthy version's stub was never touched
+    server.calls.clear()
+    server.load_error = "failed to load 'a'"
+    (rec,) = watch.check()  # version 2 still has no stub here (the fake server starts none)
+    assert not rec.ok and "version 2" in rec.reason and server.calls[0] == "load a versions [1]"

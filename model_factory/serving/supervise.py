@@ -18,6 +18,9 @@ model) it
    loads only bytes that verify, and a model that no longer verifies stays unloaded;
 3. loads it again and records how long the model was down (:class:`Recovery`).
 
+While two versions are loaded (a rollout's grace period) and only one's stubs died, only that one is unloaded and
+loaded again (:meth:`StubWatch.heal_versions`): the other keeps answering meanwhile.
+
 Processes are read with ``psutil`` (its platforms; the stubs run where Triton runs, on Linux).
 """
 
@@ -174,11 +177,51 @@ class StubWatch:
                 break
             per = counts.get(model, {})
             versions = (ready or {}).get(model)
-            short = (any(per.get(v, 0) < want for v in versions) if versions
-                     else sum(per.values()) < want)
-            if short:
+            if versions:
+                dead = sorted((v for v in versions if per.get(v, 0) < want), key=_version_key)
+                healthy = sorted((v for v in versions if v not in dead), key=_version_key)
+                if dead and healthy and model in getattr(self.server, "load_configs", {}):
+                    done.append(self.heal_versions(model, dead, healthy))
+                elif dead:
+                    done.append(self.heal(model))
+            elif sum(per.values()) < want:
                 done.append(self.heal(model))
         return done
+
+    def heal_versions(self, model: str, dead: list[str], healthy: list[str]) -> Recovery:
+        """Reload only the versions of ``model`` whose stub died while others serve (a rollout's grace period: the
+        previous version and the new one loaded together): a load naming the healthy versions alone unloads the
+        dead ones (the healthy ones stay as they are and answer every request meanwhile), then, verified again,
+        a load naming them all loads the dead ones anew. Their old stubs are ended in between, as :meth:`heal`
+        does."""
+        start = time.monotonic()
+        self.healing = model
+        self.echo(f"model {model}: a backend stub of version {', '.join(dead)} died; version "
+                  f"{', '.join(healthy)} keeps serving while it is unloaded, re-verified and loaded again")
+        try:
+            old = self._stub_pids(model, dead)
+            error = self.server.load_model(model, versions=[int(v) for v in healthy])
+            if error:
+                return self._done(model, start, False, f"unloading version {', '.join(dead)} failed: {error}")
+            unloaded = time.monotonic()
+            try:
+                if self.reverify is not None:
+                    self.reverify(model)
+            except FactoryError as exc:
+                return self._done(model, start, False, f"no longer verifies, version {', '.join(dead)} left "
+                                  f"unloaded: {exc}")
+            self._stop.wait(max(0.0, unloaded + self.settle_s - time.monotonic()))
+            for pid in old & self._stub_pids(model, dead):
+                _kill(pid)
+            error = self.server.load_model(model)  # every version its configuration names, the dead ones anew
+            if error:
+                from model_factory.serving.refusals import load_error_line
+
+                return self._done(model, start, False, f"reloading version {', '.join(dead)} failed: "
+                                  f"{load_error_line(error)}")
+            return self._done(model, start, True)
+        finally:
+            self.healing = None
 
     def heal(self, model: str) -> Recovery:
         """Unload ``model`` (not ready from now on), verify it again, load it again."""
@@ -214,10 +257,10 @@ class StubWatch:
         finally:
             self.healing = None
 
-    def _stub_pids(self, model: str) -> set[int]:
-        """The pids of ``model``'s live stubs."""
+    def _stub_pids(self, model: str, versions: list[str] | None = None) -> set[int]:
+        """The pids of ``model``'s live stubs (of ``versions`` only, when given)."""
         return {s.pid for s in stub_processes(self.server.process.pid, self.server.served_repository)
-                if s.model == model}
+                if s.model == model and (versions is None or s.version in versions)}
 
     def _done(self, model: str, start: float, ok: bool, reason: str = "") -> Recovery:
         rec = Recovery(model, start, time.monotonic() - start, ok, reason)
@@ -254,6 +297,10 @@ class StubWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _version_key(version: str) -> tuple[int, str]:
+    return (int(version), version) if version.isdigit() else (-1, version)
 
 
 def _kill(pid: int) -> None:

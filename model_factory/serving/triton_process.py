@@ -408,22 +408,32 @@ class TritonServer:
             raise
         return self
 
-    def load_model(self, name: str, timeout_s: float | None = None) -> str | None:
+    def load_model(self, name: str, timeout_s: float | None = None,
+                   versions: Sequence[int] | None = None) -> str | None:
         """Ask the server to load (or reload) one model; return None when it is ready, else the reason.
 
         With a derived configuration for it (:attr:`load_configs`), the load carries that configuration
         (Triton's load API ``config`` parameter) instead of letting Triton read ``config.pbtxt``. ``timeout_s``:
         how long to wait for it (default: the start-up timeout). A model of :attr:`repository` is first brought
-        in line in :attr:`served_repository` (its files as they are now).
+        in line in :attr:`served_repository` (its files as they are now). ``versions``: this load alone names
+        these versions (its derived configuration's policy otherwise; the kept configuration is not changed):
+        Triton keeps those already loaded as they are and unloads the others.
         """
+        config = self.load_configs.get(name)
+        policy = self._version_policy(name)
+        if versions is not None:
+            if config is None:
+                return f"{name} has no derived configuration to load versions {list(versions)} with"
+            policy = {"specific": {"versions": [int(v) for v in versions]}}
+            config = json.dumps({**json.loads(config), "version_policy": policy})
         if name in self.models or (self.repository / name).is_dir():  # not a candidate (their own repository)
             from model_factory.serving.served_view import sync_model
 
             try:
-                sync_model(self.repository, self.served_repository, name, self._version_policy(name))
+                sync_model(self.repository, self.served_repository, name, policy)
             except FactoryError as exc:
                 return str(exc)
-        return self._repository_control("load", name, self.load_configs.get(name), timeout_s)
+        return self._repository_control("load", name, config, timeout_s)
 
     def _version_policy(self, name: str) -> dict | None:
         """The version policy (Triton JSON) of ``name``'s next load: its derived configuration's, else its

@@ -10,7 +10,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ class Env:
     key_file: Path
     keys: object
     release_keys: list
+    healed: list = field(default_factory=list)  # stubs healed: Triton 2.51 then never finishes that unload
 
 
 def _sign_all(model_dir: Path, keys, versions) -> None:
@@ -73,6 +74,7 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
 
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
                                            log_file=root / "tritonserver.log")
+    env_healed = False
     try:
         assert report.served == (MODEL,), report.refused
         control = RolloutControl(server, report.digests, report.served, poll_s=0.1)
@@ -86,10 +88,15 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
         assert add_release(repo, k, k, k) == 2
         key_file = root / "admin-key"
         key_file.write_text(KEY + "\n")
-        yield Env(repo, model_dir, server, control, endpoint, key_file, keys, k)
+        env = Env(repo, model_dir, server, control, endpoint, key_file, keys, k)
+        yield env
+        env_healed = bool(env.healed)
         endpoint.stop()
     finally:
-        assert server.stop() == 0
+        rc = server.stop()
+        # Triton 2.51 never finishes the unload of an instance whose stub died (docs/operations.md, "Lifetimes"):
+        # after a heal the server's exit takes the exit timeout and returns 1.
+        assert rc == 0 or (rc == 1 and env_healed), rc
 
 
 class Load:
@@ -243,6 +250,54 @@ def test_switch_under_load_loses_no_request_and_undo_returns_to_v1(env: Env) -> 
     index = _index(env)
     assert not any(k.startswith(MODEL + "__candidate") and v == "READY" for k, v in index.items()), index
     print(f"\nrollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n{undo.output.strip()}")
+
+
+def test_a_dead_stub_in_the_grace_period_reloads_its_version_alone(env: Env) -> None:
+    """Through the grace period (v1 kept beside v2) one of v2's stubs is killed: the stub watch unloads v2 alone
+    (v1's stubs are the same processes throughout, and answer meanwhile), verifies it again and loads it anew;
+    requests sent once it is healed are answered by v2. Then undone to v1 for the tests after this one."""
+    import signal
+
+    from model_factory.serving.supervise import StubWatch, pid_alive
+
+    messages: list[str] = []
+    try:
+        with Load(env.server.http_url) as load:  # traffic for the shadow, then through the heal
+            result = _rollout(env, "2", "--min-requests", "20")
+            assert result.exit_code == 0, result.output
+            stubs = _stubs_by_version(env)
+            assert set(stubs) == {"1", "2"} and len(stubs["2"]) == 2, stubs
+            watch = StubWatch(env.server, [MODEL], echo=messages.append)  # settle_s: the default 5 s
+            assert watch.expected == {MODEL: 2} and watch.check() == []
+            victim = min(stubs["2"])
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while pid_alive(victim) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            recoveries = watch.check()
+            env.healed.extend(recoveries)
+            healed_at = time.monotonic()
+            time.sleep(2.0)
+        after = _stubs_by_version(env)
+        index = _index(env)
+    finally:
+        undo = _rollout(env, "--undo")
+        deadline = time.monotonic() + 60
+        while set(_stubs_by_version(env)) != {"1"} and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert [r.ok for r in recoveries] == [True], (recoveries, messages)
+    assert any("version 2 died; version 1 keeps serving" in m for m in messages), messages
+    assert after["1"] == stubs["1"], (stubs, after)  # v1 was never unloaded nor loaded again
+    assert len(after["2"]) == 2 and not after["2"] & stubs["2"], (stubs, after)  # v2's stubs are new
+    assert index[f"{MODEL}/1"] == index[f"{MODEL}/2"] == "READY", index
+    sent_after = [r for r in load.results if r[0] > healed_at]
+    assert sent_after and all(r[2] == "ok" and r[3] == "2" for r in sent_after), sent_after[:3]
+    # Only requests the dead stub held or was sent before v2 was unloaded can have failed.
+    assert all(r[1] >= killed_at and r[0] < healed_at for r in load.failed()), load.failed()[:3]
+    assert undo.exit_code == 0 and "undone" in undo.output, undo.output
+    print(f"\nheal of v2 in the grace period: {recoveries[0].seconds:.1f} s, {len(load.failed())} of "
+          f"{len(load.results)} requests failed (sent to the dead stub before v2 was unloaded)")
 
 
 def test_a_disagreeing_candidate_is_rolled_back_and_v1_keeps_serving(env: Env) -> None:
