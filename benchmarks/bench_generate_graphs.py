@@ -12,7 +12,8 @@ batch 1 and 8, two threads, 5 rounds interleaving the engines. Decode tokens/s c
 * ORT GenAI: the same folder through ``onnxruntime_genai.Generator`` (its own C++ loop);
 * transformers: ``LlamaForCausalLM`` FP32 with its dynamic cache, one forward per token;
 * optimum: ``ORTModelForCausalLM`` FP32 on optimum-onnx's export of the folder (``text-generation-with-past``),
-  in its own venv (``--optimum-python``; ``benchmarks/optimum_peer.py``), left out when that venv is absent.
+  in its own venv (``--optimum-python``; ``benchmarks/optimum_peer.py``; ``benchmarks/install_peers.sh optimum``),
+  left out when that venv is absent.
 
     python benchmarks/bench_generate_graphs.py [--write] [--optimum-python /work/peers/optimum/bin/python]
 """

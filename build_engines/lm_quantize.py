@@ -13,8 +13,8 @@ into ``MatMulIntegerToFloat`` when the session loads): weights int8 per output c
 tensor as each step runs, products in the integer kernels (VNNI where the CPU has it). About twice FP32's speed,
 but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
 with: measured on a trained Llama, 15 and 16 of 16 greedy continuations batched differed from the same prompts
-alone in two runs (FP32, FP16, weight-only INT8 and INT4: none). It is opt-in for that reason (benchmarks/RESULTS.md: bench_generative_quant,
-bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
+alone in two runs (FP32, FP16, weight-only INT8 and INT4: none). It is opt-in for that reason
+(benchmarks/RESULTS.md: bench_generative_quant, bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
 activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
 nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
 :mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.

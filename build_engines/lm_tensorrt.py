@@ -222,9 +222,9 @@ def half_precision(graph: Path, out: Path) -> dict[str, Any]:
 
 def check_weight_only(graph: Path, fp32_graph: Path, reference: Sequence[Continuation], gate: float,
                       precision: str) -> dict[str, Any]:
-    """A weight-only (or FP16) graph against the FP32 reference: teacher-forced greedy agreement on the golden prompts (the
-    build's gate metric, up to each reference's first near-tie), ``passed`` when at least ``gate``, and its prefill
-    logits' distance from the FP32 graph's."""
+    """A weight-only (or FP16) graph against the FP32 reference: teacher-forced greedy agreement on the golden prompts
+    (the build's gate metric, up to each reference's first near-tie), ``passed`` when at least ``gate``, and its
+    prefill logits' distance from the FP32 graph's."""
     from model_factory.build_engines.lm_graph import teacher_forced_agreement
 
     runner, fp32 = _PrefillLogits(ConcatRunner(graph)), _PrefillLogits(ConcatRunner(fp32_graph))

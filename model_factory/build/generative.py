@@ -92,7 +92,8 @@ def chat_template(tokenizer_dir: Path) -> str | None:
 
 
 def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, int],
-                    batch_dependent: tuple[str, ...] = (), kv_dtypes: Mapping[str, str] | None = None) -> GenerationSpec:
+                    batch_dependent: tuple[str, ...] = (),
+                    kv_dtypes: Mapping[str, str] | None = None) -> GenerationSpec:
     """``generation.json`` from the Hugging Face config, the graph's weights and the recipe's defaults;
     ``kv_dtypes``: each packaged precision's KV element type (:func:`kv_dtype_of` its graph)."""
     from model_factory.build_engines.lm_graph import head_dim_of
