@@ -20,7 +20,7 @@ import numpy as np
 
 from model_factory.build_engines import onnx_files
 from model_factory.build_engines.calibration import Feeds, batches, sample_count
-from model_factory.build_engines.export import onnxruntime_session
+from model_factory.build_engines.ort_session import onnxruntime_session
 from model_factory.errors import FactoryError, InternalError, require
 from model_factory.progress import Steps
 
