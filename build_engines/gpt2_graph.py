@@ -14,7 +14,8 @@ GPT-2 is multi-head attention with learned absolute positions). What GPT-2 needs
 
 Node names follow the builder's (``/model/layers.N/attn/qkv_proj/MatMul``, ``.../attn/o_proj/MatMul``,
 ``.../mlp/up_proj/MatMul``, ``.../mlp/down_proj/MatMul``, ``/lm_head/MatMul``), so the quantize stage's ladders find
-the same parts. Weights are read from the safetensors one tensor at a time and written to one external data file.
+the same parts. Weights are read from the safetensors one tensor at a time; the graph holds them all (4 bytes per
+parameter, as the builder's FP32 export does) until they are written to one external data file.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def write_gpt2_graph(folder: Path, out: Path) -> Path:
     (start,) = node("Neg", [new], "/model/positions/Start")
     (positions,) = node("Slice", [pos_all, start, const("end_max", [np.iinfo(np.int64).max]), const("axes_one", [1])],
                         "/model/positions/Slice")
+
     def layer_norm(x: str, stored: str, weights: str, name: str) -> str:
         (y,) = node("LayerNormalization", [x, init(f"{stored}.weight", w(f"{weights}.weight")),
                                            init(f"{stored}.bias", w(f"{weights}.bias"))],
