@@ -14,8 +14,9 @@ GPT-2 is multi-head attention with learned absolute positions). What GPT-2 needs
 
 Node names follow the builder's (``/model/layers.N/attn/qkv_proj/MatMul``, ``.../attn/o_proj/MatMul``,
 ``.../mlp/up_proj/MatMul``, ``.../mlp/down_proj/MatMul``, ``/lm_head/MatMul``), so the quantize stage's ladders find
-the same parts. Weights are read from the safetensors one tensor at a time; the graph holds them all (4 bytes per
-parameter, as the builder's FP32 export does) until they are written to one external data file.
+the same parts. Weights are read from the safetensors one tensor at a time, but the graph holds them all until they
+are written to one external data file: 4 bytes per parameter (the builder streams its graphs tensor by tensor; GPT-2's
+largest, 1.5B parameters, needs about 6 GiB here).
 """
 
 from __future__ import annotations
