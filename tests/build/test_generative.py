@@ -41,6 +41,19 @@ def test_each_family_builds_signs_and_verifies(zoo_builds, generative_keys, tmp_
 
 
 @pytest.mark.parametrize("family", ZOO_FAMILIES)
+def test_each_family_is_accepted_on_this_machine(zoo_builds, family):
+    """accept replays each family's golden continuations through the backend's engine and scheduler (FP32 served):
+    teacher-forced and generated freely, both at the gate."""
+    from model_factory.serving.acceptance import accept_model
+
+    _recipe, result = zoo_builds[family]
+    accepted = accept_model(result.version_dir.parent)
+    assert accepted.passed, accepted.reason
+    assert accepted.metric == "token_agreement" and accepted.file == "model.onnx" and accepted.score >= 0.99
+    assert accepted.free_running is not None and accepted.free_running >= accepted.threshold
+
+
+@pytest.mark.parametrize("family", ZOO_FAMILIES)
 def test_each_family_gets_an_fp16_graph_and_its_gate_figures(zoo_builds, family):
     """The builder's FP16 graph of every family (Qwen3's Q/K norms included) runs here and is gated: its row in
     accuracy.json, and generation.json's FP16 KV cache."""
