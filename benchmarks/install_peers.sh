@@ -77,12 +77,16 @@ install_llamacpp() {
 
 install_openvino() {
   local v; v=$(venv openvino)
-  done_if openvino "$v/bin/python" -c "import openvino_genai, optimum.intel" && return
+  local check="import openvino_genai, optimum.exporters.openvino.model_configs"
+  done_if openvino "$v/bin/python" -c "$check" && return
   echo "openvino: installing openvino-genai 2026.4 and optimum-intel"
   # One release for all three: openvino-genai 2026.4.0 does not import on openvino 2026.4.1.
   pip_in "$v" "torch==2.13.0" openvino==2026.4.0 openvino-genai==2026.4.0.0 openvino-tokenizers==2026.4.0.0 \
     'optimum-intel[openvino]'
-  "$v/bin/python" -c "import openvino_genai, optimum.intel"
+  # The torchvision it pulls does not match torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
+  # transformers then fails optimum-cli's export: the export needs none of them.
+  "$v/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$v/bin/python" -c "$check"
 }
 
 install_aiperf() {
