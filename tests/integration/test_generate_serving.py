@@ -102,10 +102,10 @@ def _ids(value) -> list[int]:
     return value if isinstance(value, list) else [value]
 
 
-def test_generate_stream_sixteen_concurrent_streams_match_transformers(served, workload):
-    server, _, _ = served
-    prompts, max_tokens, _ = workload
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate_stream"
+def _stream_concurrently(server, model: str, prompts, max_tokens) -> list[list[int]]:
+    """Every prompt streamed at once over ``generate_stream`` (one client thread each): the tokens of each stream,
+    each checked to end with finish_reason length after exactly its max_tokens."""
+    url = f"http://{server.http_url}/v2/models/{model}/generate_stream"
 
     def one(i):
         status, _, raw = _post(url, {"prompt_ids": prompts[i], "max_tokens": max_tokens[i],
@@ -116,8 +116,14 @@ def test_generate_stream_sixteen_concurrent_streams_match_transformers(served, w
         assert events[-1]["num_output_tokens"] == max_tokens[i] and events[-1]["num_input_tokens"] == len(prompts[i])
         return [t for e in events for t in _ids(e["output_ids"])]
 
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        outputs = list(pool.map(one, range(STREAMS)))
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def test_generate_stream_sixteen_concurrent_streams_match_transformers(served, workload):
+    server, _, _ = served
+    prompts, max_tokens, _ = workload
+    outputs = _stream_concurrently(server, MODEL, prompts, max_tokens)
     _check(outputs, workload)
 
 
@@ -131,18 +137,7 @@ def test_fp16_streams_batched_equal_the_fp16_graph_alone_and_transformers_up_to_
 
     server, _, hf = served
     prompts, max_tokens, _ = workload
-    url = f"http://{server.http_url}/v2/models/{FP16}/generate_stream"
-
-    def one(i):
-        status, _, raw = _post(url, {"prompt_ids": prompts[i], "max_tokens": max_tokens[i],
-                                     "min_tokens": max_tokens[i], "stream": True})
-        assert status == 200, raw
-        events = _sse_events(raw)
-        assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == max_tokens[i]
-        return [t for e in events for t in _ids(e["output_ids"])]
-
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        outputs = list(pool.map(one, range(STREAMS)))
+    outputs = _stream_concurrently(server, FP16, prompts, max_tokens)
     graph = server.repository / FP16 / "1" / "model.fp16.onnx"
     alone = DecoderRunner(graph, 128, 16)
     eos = [int(e) for e in json.loads((graph.parent / "generation.json").read_text())["eos_token_ids"]]
@@ -163,18 +158,7 @@ def test_gpt2_streams_batched_match_transformers(served, workload, tiny_gpt2):
     first near-tie."""
     server, _, _ = served
     prompts, max_tokens, _ = workload
-    url = f"http://{server.http_url}/v2/models/{GPT2}/generate_stream"
-
-    def one(i):
-        status, _, raw = _post(url, {"prompt_ids": prompts[i], "max_tokens": max_tokens[i],
-                                     "min_tokens": max_tokens[i], "stream": True})
-        assert status == 200, raw
-        events = _sse_events(raw)
-        assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == max_tokens[i]
-        return [t for e in events for t in _ids(e["output_ids"])]
-
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        outputs = list(pool.map(one, range(STREAMS)))
+    outputs = _stream_concurrently(server, GPT2, prompts, max_tokens)
     _check(outputs, (prompts, max_tokens, reference_greedy(tiny_gpt2, prompts, max_tokens)))
 
 
