@@ -1,13 +1,15 @@
 """The decoupled Triton model of a text-generation version (``task = "text-generation"``).
 
-Three threads with one job each, as Triton's vLLM backend: ``execute()`` only reads and checks each request
+Threads with one job each, as Triton's vLLM backend: ``execute()`` only reads and checks each request
 (``generate_requests``) and hands it to the scheduler, answering a bad one at once with INVALID_ARG and a
 refused one (waiting queue full) with UNAVAILABLE ("server busy ... retry after N s"); the engine loop runs
-``scheduler.Scheduler.step`` while there is work; a response thread sends what the steps produced through
-each request's response sender, so sending never stalls the engine. A streamed request gets a response per
-token (text delta, its id), the last one flagged final and carrying the finish reason; a request with
-``stream`` false gets exactly one response (Triton's ``generate`` endpoint accepts nothing else). A client that
-goes away (``is_cancelled()``) frees its slot at the next step.
+``scheduler.Scheduler.step`` while there is work; a response thread makes each response from what the steps
+produced and sends it through its request's response sender, so neither stalls the engine; a watcher asks
+Triton whether each request was cancelled (``cancel_watch``: a round trip per request, kept off the engine loop
+too). A streamed request gets a response per token (text delta, its id), the last one flagged final and
+carrying the finish reason; a request with ``stream`` false gets exactly one response (Triton's ``generate``
+endpoint accepts nothing else). A client that goes away (``is_cancelled()``) frees its slot at the step after
+the watcher saw it (within 50 ms).
 
 Load: ``generation.json`` (``contract.GenerationSpec``), the served precision's ONNX file and its tokenizer,
 each read through the integrity check; the KV slots sized from ``memory_budget_mib`` less the weights; the
@@ -19,11 +21,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from .cancel_watch import CancelWatch
 from .causal_lm import CausalLM
 from .contract import Files, GenerationSpec
 from .deferred_responses import ResponseDispatcher
@@ -114,11 +118,14 @@ class GenerativeModel:
                                    max_waiting=s.max_waiting_sequences, cost=cost,
                                    max_prefill_tokens=s.max_prefill_tokens,
                                    preemption_wait_s=s.preemption_wait_ms / 1000.0, metrics=self.metrics,
-                                   log_error=pb_utils.Logger.log_error)
+                                   log_error=pb_utils.Logger.log_error,
+                                   cancel_check_s=0.0)  # reads the watcher's flags: no round trip
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
-        self.responses = ResponseDispatcher(lambda sender, item: sender.send(item[0], flags=item[1]),
-                                            pb_utils.Logger.log_error)
+        # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
+        # token's response (the loop hands over a _Delta; the response thread makes the tensors).
+        self.cancels = CancelWatch(log_error=pb_utils.Logger.log_error)
+        self.responses = ResponseDispatcher(self._send, pb_utils.Logger.log_error)
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._engine_loop, name="mf-engine-loop", daemon=True)
         self._loop.start()
@@ -156,12 +163,20 @@ class GenerativeModel:
             try:
                 req = read_generate_request(lambda n: _input(self.pb, request, n), self.tokenizer, self.spec,
                                             self.slots.max_context)
-                gen = Generation(list(req.prompt_ids), req.params, self._mirrored(self._emitter(sender, req), req),
-                                 is_cancelled=request.is_cancelled)
-                self.scheduler.submit(gen)
             except SamplingError as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
+                continue
+            cancelled = self.cancels.watch(request.is_cancelled)
+            try:
+                gen = Generation(list(req.prompt_ids), req.params,
+                                 self._mirrored(self._emitter(sender, req, cancelled.close), req),
+                                 is_cancelled=cancelled)
+                self.scheduler.submit(gen)
+            except SamplingError as exc:
+                cancelled.close()
+                self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
             except QueueFull as exc:
+                cancelled.close()
                 code = getattr(self.pb.TritonError, "UNAVAILABLE", self.pb.TritonError.INTERNAL)
                 self._send_error(sender, str(exc), code)
         return None
@@ -186,18 +201,21 @@ class GenerativeModel:
 
         return emit_and_offer
 
-    def _emitter(self, sender: Any, req: GenerateRequest):
-        """What a step's event for this request sends: a delta per token when streaming, else one response."""
+    def _emitter(self, sender: Any, req: GenerateRequest, answered: Callable[[], None] = lambda: None):
+        """What a step's event for this request sends: a delta per token when streaming, else one response;
+        ``answered`` is called with the final one."""
         pieces: list[str] = [req.prompt_text] if (not req.stream and not req.exclude_input and req.prompt_text) else []
         ids: list[int] = []
         n_in = len(req.prompt_ids)
 
         def emit(gen: Generation, event: TokenEvent) -> None:
+            final = event.finish_reason is not None or event.error is not None
+            if final:
+                answered()
             if event.error is not None:
                 response = self.pb.InferenceResponse(error=self.pb.TritonError(event.error))
                 self.responses.dispatch([sender], [(response, self._final)])
                 return
-            final = event.finish_reason is not None
             if req.stream:
                 out_text, out_ids = event.text, ([] if event.token is None else [event.token])
             else:
@@ -210,17 +228,23 @@ class GenerativeModel:
             if event.finish_reason == "cancelled":  # nobody listens: close the stream without a payload
                 self.responses.dispatch([sender], [(None, self._final)])
                 return
-            tensors = [
-                self.pb.Tensor("text_output", np.array([out_text.encode("utf-8")], dtype=np.object_)),
-                self.pb.Tensor("output_ids", np.asarray(out_ids, dtype=np.int32)),
-                self.pb.Tensor("finish_reason", np.array([(event.finish_reason or "").encode()], dtype=np.object_)),
-                self.pb.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
-                self.pb.Tensor("num_output_tokens", np.array([len(gen.generated)], dtype=np.int32)),
-            ]
-            self.responses.dispatch([sender], [(self.pb.InferenceResponse(output_tensors=tensors),
-                                                self._final if final else 0)])
+            delta = _Delta(out_text, tuple(out_ids), event.finish_reason or "", n_in, len(gen.generated))
+            self.responses.dispatch([sender], [(delta, self._final if final else 0)])
 
         return emit
+
+    def _send(self, sender: Any, item: tuple) -> None:
+        """The response thread's send: a _Delta becomes its response here, off the engine loop."""
+        payload, flags = item
+        if isinstance(payload, _Delta):
+            payload = self.pb.InferenceResponse(output_tensors=[
+                self.pb.Tensor("text_output", np.array([payload.text.encode("utf-8")], dtype=np.object_)),
+                self.pb.Tensor("output_ids", np.asarray(payload.ids, dtype=np.int32)),
+                self.pb.Tensor("finish_reason", np.array([payload.finish_reason.encode()], dtype=np.object_)),
+                self.pb.Tensor("num_input_tokens", np.array([payload.input_tokens], dtype=np.int32)),
+                self.pb.Tensor("num_output_tokens", np.array([payload.output_tokens], dtype=np.int32)),
+            ])
+        sender.send(payload, flags=flags)
 
     def _engine_loop(self) -> None:
         while not self._stop.is_set():
@@ -238,11 +262,23 @@ class GenerativeModel:
         self._stop.set()
         self.scheduler.wake.set()
         self._loop.join(timeout=30)
+        self.cancels.close()
         self.responses.close()
         self.shadow.close()
         if self.metrics is not None:
             self.metrics.close()
         self.model.close()
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """One response's content, as the engine loop hands it to the response thread."""
+
+    text: str
+    ids: tuple[int, ...]
+    finish_reason: str
+    input_tokens: int
+    output_tokens: int
 
 
 def _input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
