@@ -6,9 +6,13 @@ time in which no step ran. A :class:`CancelWatch` thread asks every watched requ
 ``interval_s``, and keeps the answer in a :class:`CancelFlag`; the scheduler's ``is_cancelled`` reads the flag.
 A cancelled stream is therefore seen within ``interval_s`` and freed at the next step, as before.
 
-A flag is watched from :meth:`CancelWatch.watch` until :meth:`CancelFlag.close` (the request's final response)
-or until it reads cancelled. A question that fails counts as "not cancelled" (logged once per request): the
-sequence runs to its end, as it would with nobody asking.
+A flag is watched from :meth:`CancelWatch.watch` until :meth:`CancelFlag.close` or until it reads cancelled.
+``close`` must come before the request's final response is handed over: once Triton has that response it frees
+the request, and asking a freed request whether it was cancelled crashes the server (SIGSEGV in
+``TRITONBACKEND_ResponseFactoryIsCancelled``: seen when the watcher asked a request the response thread had just
+answered). So each question is asked under the flag's lock, and ``close`` takes that lock: it waits for a question
+in flight, and none is asked after it. A question that fails counts as "not cancelled" (logged once per request):
+the sequence runs to its end, as it would with nobody asking.
 """
 
 from __future__ import annotations
@@ -22,19 +26,29 @@ Log = Callable[[str], None]
 class CancelFlag:
     """One request's "was it cancelled", as the watcher last heard it; call it to read."""
 
-    __slots__ = ("_ask", "_watch", "cancelled", "failed")
+    __slots__ = ("_ask", "_watch", "_lock", "open", "cancelled", "failed")
 
     def __init__(self, ask: Callable[[], bool], watch: "CancelWatch") -> None:
         self._ask = ask
         self._watch = watch
+        self._lock = threading.Lock()
+        self.open = True
         self.cancelled = False
         self.failed = False
 
     def __call__(self) -> bool:
         return self.cancelled
 
+    def ask(self) -> bool:
+        """Ask the request now (the watcher's question): False once closed, without asking."""
+        with self._lock:
+            return bool(self._ask()) if self.open else False
+
     def close(self) -> None:
-        """Stop asking (the request is answered)."""
+        """Stop asking, before the request's final response is handed over: returns once no question is in flight,
+        and none is asked after."""
+        with self._lock:
+            self.open = False
         self._watch._forget(self)
 
 
@@ -70,7 +84,7 @@ class CancelWatch:
             flags = list(self._live.values())
         for flag in flags:
             try:
-                cancelled = bool(flag._ask())
+                cancelled = flag.ask()
             except Exception as exc:  # noqa: BLE001 - a failed question must not stop the others
                 if not flag.failed:
                     flag.failed = True

@@ -72,3 +72,38 @@ def test_the_thread_sees_a_cancellation_within_its_interval():
     finally:
         watch.close()
     assert not watch._thread.is_alive()
+
+
+def test_close_waits_for_a_question_in_flight_and_none_is_asked_after_it():
+    """A request must never be asked once its final response may be out (Triton frees it then: asking crashes
+    the server), so close() waits for the watcher's question in flight."""
+    import threading
+
+    watch = CancelWatch(interval_s=3600)
+    try:
+        asking, release, after_close = threading.Event(), threading.Event(), []
+        closed = threading.Event()
+
+        def slow_ask() -> bool:
+            if closed.is_set():
+                after_close.append(True)
+            asking.set()
+            release.wait(5)
+            return False
+
+        flag = watch.watch(slow_ask)
+        poller = threading.Thread(target=watch.poll)
+        poller.start()
+        assert asking.wait(5)
+        closer = threading.Thread(target=lambda: (flag.close(), closed.set()))
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive() and not closed.is_set()  # held while the question is in flight
+        release.set()
+        closer.join(5)
+        poller.join(5)
+        assert closed.is_set()
+        watch.poll()
+        assert flag.ask() is False and not after_close and watch.watched() == 0
+    finally:
+        watch.close()
