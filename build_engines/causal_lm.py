@@ -126,7 +126,10 @@ def run_builder(folder: Path, out: Path, precision: str, options: Mapping[str, A
         build_gpt2(Path(folder), out, precision, options)
         (out / "builder.log").write_text(f"GPT-2: build_engines.gpt2_graph, {precision}\n")
     else:
+        from model_factory.build_engines.attention_config import align_attention
+
         _model_builder(Path(folder), out, precision, options)
+        align_attention(Path(folder), out / Files.ONNX, say)
     if select_positions:
         from model_factory.build_engines.logits_positions import select_logits_positions
 
@@ -145,7 +148,10 @@ def _model_builder(folder: Path, out: Path, precision: str, options: Mapping[str
     cache = out.parent / f".{out.name}.cache"
     src = builder_input(Path(folder), out.parent / f".{out.name}.input")
     provider = FP16_EXECUTION_PROVIDER if precision == "fp16" else "cpu"
-    defaults = {"hf_token": "false", **({"fuse_qk_norm_gqa": "false"} if provider != "cpu" else {})}
+    # windowed_kv_cache off: a sliding-window layer keeps its cache in the shared max-length slots as every other
+    # layer does (the builder's default gives it a window-sized ring of its own, another I/O than the contract's).
+    defaults = {"hf_token": "false", "windowed_kv_cache": "false",
+                **({"fuse_qk_norm_gqa": "false"} if provider != "cpu" else {})}
     extra = [f"{k}={v}" for k, v in {**defaults, **(options or {})}.items()]
     log = io.StringIO()
     import logging

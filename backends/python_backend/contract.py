@@ -408,7 +408,7 @@ class GenerationSpec:
     pad_token_id: int | None = None
     kv_dtype: str = "float32"
     kv_layout: str = KV_LAYOUT_SHARED_SLOTS
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the largest sliding window of any layer (None: every layer sees all)
     weights_bytes: Mapping[str, int] = field(default_factory=dict)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # The tokenizer's chat template (Jinja), if it has one: applied by the OpenAI chat endpoint.

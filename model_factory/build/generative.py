@@ -103,7 +103,9 @@ def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, i
     cfg = read_hf_config(src)
     heads = int(cfg["num_attention_heads"])
     pad = cfg.get("pad_token_id")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    from model_factory.build_engines.attention_config import config_window
+
+    window = config_window(src)  # as transformers attends (the graph's GroupQueryAttention has the same)
     return GenerationSpec(
         family=gen.family, num_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim_of(cfg),
