@@ -79,6 +79,13 @@ def check_causal_lm(folder: Path, cfg: Mapping[str, Any], max_context: int | Non
         holds = ", ".join(archs) if archs else "no architectures entry"
         raise _err("model.task", f"text-generation needs a language-model head ({arch}), but {folder}/config.json "
                    f"holds {holds}", f"save the model with its head (save_pretrained() of a {arch})")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") if isinstance(rope, Mapping) else None
+    if rope_type == "dynamic":
+        raise _err("source.path", f"{folder}/config.json has rope_scaling of type 'dynamic': its frequencies change "
+                   "with each sequence's length, which a graph's fixed rotary caches cannot follow",
+                   "use the model without rope_scaling (its trained context), or a static type (linear, llama3, "
+                   "yarn)")
     eos = eos_token_ids(folder, cfg)
     if not eos:
         raise _err("source.path", f"{folder} names no end-of-sequence token (generation_config.json, config.json "

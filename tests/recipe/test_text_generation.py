@@ -68,6 +68,12 @@ def test_the_models_own_code_is_refused(tmp_path):
     assert "never runs a model's code" in _refused(tmp_path, "auto_map")
 
 
+def test_dynamic_rope_scaling_is_refused_with_the_static_types_named(tmp_path):
+    _folder(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    message = _refused(tmp_path, "dynamic")
+    assert "length" in message and "linear, llama3" in message
+
+
 def test_an_unsupported_family_names_the_supported_ones(tmp_path):
     _folder(tmp_path, model_type="falcon", architectures=["FalconForCausalLM"])
     message = _refused(tmp_path, "falcon")
