@@ -399,8 +399,9 @@ def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:
     for r in results:
         kernels = f", int8 {r.int8_kernels}" if r.int8_kernels else ""
         where = (f"{r.engine} ({r.file}{kernels})" if r.engine else "-", r.device or "-")
-        if not r.outputs:
-            table.add_row(f"{r.model}/{r.version}", *where, "-", r.metric or "-", "-", "-", "-", "FAIL")
+        if not r.outputs:  # a model scored as a whole (text generation: token agreement), or one that failed first
+            table.add_row(f"{r.model}/{r.version}", *where, r.primary_output or "-", r.metric or "-",
+                          "-" if r.score is None else f"{r.score:.6f}", "-", "-", "pass" if r.passed else "FAIL")
         for o in r.outputs:
             gate = ("pass" if r.passed else "FAIL") if o.name == r.primary_output else "-"
             table.add_row(f"{r.model}/{r.version}", *where, o.name, o.metric, f"{o.score:.6f}",

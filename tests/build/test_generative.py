@@ -44,13 +44,15 @@ def test_each_family_builds_signs_and_verifies(zoo_builds, generative_keys, tmp_
 def test_each_family_is_accepted_on_this_machine(zoo_builds, family):
     """accept replays each family's golden continuations through the backend's engine and scheduler (FP32 served):
     teacher-forced and generated freely, both at the gate."""
-    from model_factory.serving.acceptance import accept_model
+    from model_factory.serving.acceptance import accept_model, render
 
     _recipe, result = zoo_builds[family]
     accepted = accept_model(result.version_dir.parent)
     assert accepted.passed, accepted.reason
     assert accepted.metric == "token_agreement" and accepted.file == "model.onnx" and accepted.score >= 0.99
     assert accepted.free_running is not None and accepted.free_running >= accepted.threshold
+    table = render([accepted])  # its row shows the score and the gate passed (it said "-" and FAIL)
+    assert "FAIL" not in table and f"{accepted.score:.6f}" in table and "pass" in table, table
 
 
 @pytest.mark.parametrize("family", ZOO_FAMILIES)
