@@ -179,6 +179,9 @@ class GenerativeModel:
                 cancelled.close()
                 code = getattr(self.pb.TritonError, "UNAVAILABLE", self.pb.TritonError.INTERNAL)
                 self._send_error(sender, str(exc), code)
+            except BaseException:  # Triton answers (and frees) the request: it must not be asked after that
+                cancelled.close()
+                raise
         return None
 
     def _send_error(self, sender: Any, message: str, code: Any) -> None:
