@@ -24,7 +24,6 @@ stored there): the weights are not read.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -36,11 +35,15 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 ROTARY_CACHES = ("cos_cache", "sin_cache")
 
 
-def layer_windows(folder: Path, layers: int) -> list[int]:
-    """Each layer's sliding window as transformers attends (-1: full attention), from its config class."""
+def hf_config(folder: Path) -> Any:
+    """The folder's config as transformers reads it (its config class: ``layer_types``, RoPE parameters)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    return transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+
+
+def layer_windows(config: Any, layers: int) -> list[int]:
+    """Each layer's sliding window as transformers attends (-1: full attention)."""
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or window <= 0:
         return [-1] * layers
@@ -51,13 +54,12 @@ def layer_windows(folder: Path, layers: int) -> list[int]:
     return [window] * layers
 
 
-def rotary_caches(folder: Path, rows: int, half: int) -> tuple[np.ndarray, np.ndarray] | None:
+def rotary_caches(config: Any, rows: int, half: int) -> tuple[np.ndarray, np.ndarray] | None:
     """transformers' cos and sin for positions ``0..rows-1`` (``[rows, half]``), or None where the model has no
     static rotary embedding this can compute (no RoPE, or a type whose frequencies depend on the length)."""
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if (params.get("rope_type") or params.get("type") or "default") not in STATIC_ROPE:
         return None
@@ -91,30 +93,28 @@ def align_attention(folder: Path, graph: Path, say: Callable[[str], None] = lamb
     attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     layers = 1 + max((int(m.group(1)) for n in attention if (m := LAYER.search(n.name))), default=-1)
     changed: dict[str, Any] = {"windows": {}, "rotary": False}
-    if layers:
-        windows = layer_windows(folder, layers)
-        for node in attention:
-            m = LAYER.search(node.name)
-            if m is None:
-                continue
-            want = windows[int(m.group(1))]
-            ring = next((a for a in node.attribute if a.name == "sliding_window_cache"), None)
-            if ring is not None:  # the contract's slots hold every position: no window-sized ring
-                node.attribute.remove(ring)
-                changed["windows"][int(m.group(1))] = want
-            attr = next((a for a in node.attribute if a.name == "local_window_size"), None)
-            if attr is None:
-                node.attribute.append(helper.make_attribute("local_window_size", want))
-            elif attr.i == want:
-                continue
-            else:
-                attr.i = want
-            changed["windows"][int(m.group(1))] = want
+    config = hf_config(folder)
+    windows = layer_windows(config, layers)
+    for node in attention:
+        m = LAYER.search(node.name)
+        if m is None:
+            continue
+        want = windows[int(m.group(1))]
+        ring = next((a for a in node.attribute if a.name == "sliding_window_cache"), None)
+        attr = next((a for a in node.attribute if a.name == "local_window_size"), None)
+        if ring is None and attr is not None and attr.i == want:
+            continue
+        if ring is not None:  # the contract's slots hold every position: no window-sized ring
+            node.attribute.remove(ring)
+        if attr is not None:
+            node.attribute.remove(attr)
+        node.attribute.append(helper.make_attribute("local_window_size", want))
+        changed["windows"][int(m.group(1))] = want
     inits = {i.name: i for i in model.graph.initializer if i.name in ROTARY_CACHES}
     rewrite: list[tuple[Any, np.ndarray]] = []
     if len(inits) == 2:
         shape = tuple(inits["cos_cache"].dims)
-        want = rotary_caches(folder, shape[0], shape[1]) if len(shape) == 2 else None
+        want = rotary_caches(config, shape[0], shape[1]) if len(shape) == 2 else None
         if want is not None:
             for name, values in zip(ROTARY_CACHES, want):
                 have = _read(inits[name], graph.parent)
@@ -178,7 +178,6 @@ def _write(init: Any, values: np.ndarray, base: Path) -> None:
 
 def config_window(folder: Path) -> int | None:
     """The largest sliding window any layer has (generation.json's ``sliding_window``), None without one."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    windows = [w for w in layer_windows(folder, int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1))
-               if w > 0]
+    config = hf_config(folder)
+    windows = [w for w in layer_windows(config, int(config.num_hidden_layers)) if w > 0]
     return max(windows) if windows else None
