@@ -160,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("start v1")
         log_file = work / "tritonserver.log"  # kept: the run's server log
         server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY, startup_timeout_s=600),
-                                               policy, log_file=log_file)
+                                               policy, log_file=log_file,
+                                               cost_cache=root / "cost-cache")  # as `serve` has one by default
         try:
             assert report.served == (MODEL,), report.refused
             control = RolloutControl(server, report.digests, report.served, poll_s=0.1)
@@ -227,11 +228,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += ["", f"Failed requests over the whole run: **{failed}** of {len(res)} (a request counts in the phase it "
               "was sent in; its tokens in the phases they arrived in). The candidate's stub runs at nice 19 and "
               "generates each mirrored request again in full, so on cores the live streams keep busy the shadow "
-              "takes what they leave. The switch's load of a text-generation model runs at the normal priority (its "
-              "engine thread is made inside the load); v1 stays loaded beside v2 through the grace period, so the "
-              "undo loads nothing.", END]
+              "takes what they leave. The switch loads v2 quietly: reading, hashing and the session's graph work on a "
+              "thread of its own at nice 19, the prefill cost model read from `serve`'s cost cache (measured by the "
+              "earlier load of the same graph) instead of a warm-up beside live traffic; its engine loop and the "
+              "session's pool start at the normal priority. "
+              f"The switch's load, from the server's log: {switch_load_note(log_file)}. v1 stays loaded beside v2 "
+              "through the grace period, so the undo loads nothing.", END]
     publish("\n".join(lines), args.results, START, END, not args.no_write)
     return 0 if failed == 0 else 1
+
+
+def switch_load_note(log_file: Path) -> str:
+    """What the backend logged of the last load of the served name (the switch's): start, cost model, duration."""
+    import re
+
+    lines = [line for line in log_file.read_text(errors="replace").splitlines()
+             if f"model-factory backend: {MODEL} generates" in line]
+    if not lines:
+        return "not found"
+    cost = re.search(r"prefill cost [^(]*\(([^)]*)\)", lines[-1])
+    start = re.search(r"load quiet \(([^)]*)\)", lines[-1])
+    took = re.search(r"loaded in ([0-9.]+ s)", lines[-1])
+    return (f"{'quiet, ' + start.group(1) if start else 'at the normal priority'}; prefill cost "
+            f"{cost.group(1) if cost else '?'}; {took.group(1) if took else '?'} from initialize to loaded")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,16 @@ class CausalLM:
             opts.intra_op_num_threads = int(threads)
         if not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source),
-                                            sess_options=opts, providers=["CPUExecutionProvider"])
+        def make() -> Any:
+            return ort.InferenceSession(source if isinstance(source, bytes) else str(source),
+                                        sess_options=opts, providers=["CPUExecutionProvider"])
+
+        if opts.intra_op_num_threads == 1:
+            self.session = make()  # no pool: it computes on the caller's thread
+        else:  # the pool's threads start with the session and serve later: made at the normal priority
+            from .quiet_start import at_normal_priority
+
+            self.session = at_normal_priority(make)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)

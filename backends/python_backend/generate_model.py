@@ -77,25 +77,26 @@ def kv_budget_bytes(settings: Settings, spec: GenerationSpec, available: int) ->
 class GenerativeModel:
     """One instance of a text-generation model inside Triton (``pb_utils`` passed in)."""
 
-    def __init__(self, pb_utils: Any, args: dict, settings: Settings) -> None:
+    def __init__(self, pb_utils: Any, args: dict, settings: Settings, quiet: bool = False) -> None:
         self.pb = pb_utils
         self.settings = s = settings
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
-        digests = verified_digests(version_dir.parent.name, version_dir.name)
-        relpath = f"{version_dir.name}/{Files.GENERATION}"
-        if not (version_dir.parent / relpath).is_file():
-            raise SettingsError(f"{relpath} is missing: a text-generation model needs it (rebuild the model)")
-        self.spec = spec = GenerationSpec.from_json(
-            read_checked(version_dir.parent, relpath, digests).decode()).for_precision(s.precision)
-        cpus = available_cpus()
-        threads = cpu_threads_per_instance(s, cpus)
-        self.model = load_verified_onnx(
-            version_dir, s.onnx_file, digests,
-            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
-                                 pad_token_id=spec.pad_token_id or 0))
-        self.tokenizer = _load_tokenizer(version_dir, digests)
-        self.slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
-        cost = CostModel(*s.cost_model) if s.cost_model else self._measure_cost()
+        threads = cpu_threads_per_instance(s, available_cpus())
+        started = time.monotonic()
+        # A rollout's switch loads this version beside the one serving: the load (hashing, the session, the prefill
+        # cost's warm-up) then runs at the lowest CPU priority in a thread of its own; this thread, and every thread
+        # that serves later (the session's pool, the engine loop, the watcher, the response thread), keeps the
+        # normal priority (quiet_start.py).
+        if quiet:
+            from .quiet_start import run_quietly
+
+            loaded, lowered = run_quietly(lambda: self._load(version_dir, threads))
+            start_note = f", load quiet ({'nice 19' if lowered else 'priority unchanged'})"
+        else:
+            loaded, start_note = self._load(version_dir, threads), ""
+        self.spec, self.model, self.tokenizer, self.slots, cost, cost_note = loaded
+        spec = self.spec
+        start_note += f", loaded in {time.monotonic() - started:.1f} s"
         # Loaded: wall the stub in before any thread starts (Landlock and seccomp bind the calling thread and the
         # threads it starts later), as the encoder path does (sandbox.py): reads only its model folder, the Python
         # environment and system libraries; writes only scratch; no new process, no network socket.
@@ -134,26 +135,41 @@ class GenerativeModel:
             f"model-factory backend: {s.model_name} generates with {s.precision} on onnxruntime "
             f"({s.onnx_file}) on cpu, {threads} threads, {self.slots.slots} KV slots of {self.slots.max_context} "
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
-            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e}, sandbox {self.sandbox}"
+            f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
     # ------------------------------------------------------------------ load
 
-    def _measure_cost(self) -> CostModel:
-        """The prefill cost model, timed on dummy prompts in the slots (cleared after)."""
-        bucket = max(1, min(128, self.slots.max_context - 1))
-        batch = min(8, self.slots.slots)
-
-        def run(n: int, length: int) -> None:
-            self.model.prefill([[1] * length] * n, self.slots.views(0, n))
-
-        try:
-            cost = measure_cost_model(run, (bucket,), batch, repeats=1,
-                                      max_tokens=max(bucket, self.settings.max_prefill_tokens))
-        finally:
-            self.slots.clear()
-        return cost if hasattr(cost, "a") else cost.models[0]
+    def _load(self, version_dir: Path, threads: int) -> tuple:
+        """``(spec, model, tokenizer, slots, cost model, where the cost came from)``: everything read, checked and
+        measured before serving; it starts no thread that serves later (the session's pool is made at the normal
+        priority even inside a quiet start)."""
+        s = self.settings
+        digests = verified_digests(version_dir.parent.name, version_dir.name)
+        relpath = f"{version_dir.name}/{Files.GENERATION}"
+        if not (version_dir.parent / relpath).is_file():
+            raise SettingsError(f"{relpath} is missing: a text-generation model needs it (rebuild the model)")
+        spec = GenerationSpec.from_json(read_checked(version_dir.parent, relpath, digests).decode()).for_precision(
+            s.precision)
+        if spec.kv_dtype == "int8":
+            _require_int8_kv_runtime(s.precision)
+        model = load_verified_onnx(
+            version_dir, s.onnx_file, digests,
+            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, available_cpus(), threads),
+                                 pad_token_id=spec.pad_token_id or 0))
+        tokenizer = _load_tokenizer(version_dir, digests)
+        slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
+        if s.cost_model:
+            return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
+        cache_file = _cost_cache_file(version_dir, s, digests)
+        cached = _cached_cost(cache_file)
+        if cached is not None:
+            return spec, model, tokenizer, slots, cached, f"measured at an earlier load, {cache_file.name}"
+        cost = _measure_cost(model, slots, s.max_prefill_tokens)
+        if cache_file is not None:
+            _save_cost(cache_file, cost, s.model_name)
+        return spec, model, tokenizer, slots, cost, "measured"
 
     # ------------------------------------------------------------------ Triton
 
@@ -271,6 +287,81 @@ class GenerativeModel:
         if self.metrics is not None:
             self.metrics.close()
         self.model.close()
+
+
+INT8_KV_ONNXRUNTIME = (1, 32)  # build_engines/kv_int8.MIN_ONNXRUNTIME: the first seen to run an INT8 cache on the CPU
+
+
+def _require_int8_kv_runtime(precision: str) -> None:
+    import onnxruntime
+
+    version = tuple(int(x) for x in onnxruntime.__version__.split(".")[:2] if x.isdigit())
+    if version < INT8_KV_ONNXRUNTIME:
+        want = ".".join(map(str, INT8_KV_ONNXRUNTIME))
+        raise SettingsError(f"{precision}'s graph keeps its KV cache in INT8, which needs onnxruntime >= {want}; this "
+                            f"server has {onnxruntime.__version__}: install 'onnxruntime>={want}' here, or serve a "
+                            "build with quantization.kv_cache = \"float\"")
+
+
+def _measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> CostModel:
+    """The prefill cost model, timed on dummy prompts in the slots (cleared after)."""
+    bucket = max(1, min(128, slots.max_context - 1))
+    batch = min(8, slots.slots)
+
+    def run(n: int, length: int) -> None:
+        model.prefill([[1] * length] * n, slots.views(0, n))
+
+    try:
+        cost = measure_cost_model(run, (bucket,), batch, repeats=1, max_tokens=max(bucket, max_prefill_tokens))
+    finally:
+        slots.clear()
+    return cost if hasattr(cost, "a") else cost.models[0]
+
+
+_COST_FLAVOUR = "onnxruntime-causal-lm-prefill"
+
+
+def _cost_cache_file(version_dir: Path, s: Settings, digests: Any) -> Path | None:
+    """Where this graph's prefill cost model is kept on this machine (``cost_cache``: keyed by the graph's sha256,
+    the CPU and its cores), or None without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
+    measures it; the same version, loaded again at the switch, reads it instead of running the warm-up beside
+    live traffic."""
+    from . import cost_cache
+    from .shadow import CANDIDATE_SUFFIX
+
+    folder = cost_cache.cache_dir_from_env()
+    if folder is None:
+        return None
+    relpath = f"{version_dir.name}/{s.onnx_file}"
+    sha = (digests or {}).get(relpath)
+    if not sha:
+        return None  # unverified: no key that names these bytes without hashing them again
+    key = cost_cache.cache_key(sha, _COST_FLAVOUR, f"cpu:{cost_cache.cpu_description()}", (128,), False)
+    return cost_cache.cache_path(folder, s.model_name.removesuffix(CANDIDATE_SUFFIX), key)
+
+
+def _cached_cost(path: Path | None) -> CostModel | None:
+    from . import cost_cache
+
+    if path is None:
+        return None
+    state, _why = cost_cache.load_state(path, required="prefill")
+    if state is None:
+        return None  # none yet, or unreadable: the load measures
+    try:
+        a, b, c = (float(state["prefill"][k]) for k in ("a", "b", "c"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return CostModel(a, b, c) if a > 0 and b >= 0 and c >= 0 else None
+
+
+def _save_cost(path: Path, cost: CostModel, model_name: str) -> None:
+    from . import cost_cache
+
+    try:
+        cost_cache.save_state(path, {"prefill": {"a": cost.a, "b": cost.b, "c": cost.c}, "model": model_name})
+    except OSError:
+        pass  # a cache folder that cannot be written: the next load measures again
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,19 @@ class TritonPythonModel:
 
         yield_cores_if_candidate(str(args.get("model_name", "")))  # a rollout's candidate: lowest CPU priority
         self.settings = s = parse_settings(args["model_config"])
+        kind = args.get("model_instance_kind", "CPU")
+        # A rollout's switch loads this version beside the one serving: the load then runs at the lowest CPU
+        # priority in a thread of its own, this (serving) thread keeping its priority (quiet_start.py).
+        from .quiet_start import requested, run_quietly
+        from .shadow import shadow_folder
+
+        quiet = kind == "CPU" and requested(shadow_folder(), s.model_name)
         if s.task == TEXT_GENERATION:
             from .generate_model import GenerativeModel
 
-            self.generator = GenerativeModel(pb_utils, args, s)
+            self.generator = GenerativeModel(pb_utils, args, s, quiet=quiet)
             return
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        kind = args.get("model_instance_kind", "CPU")
 
         def load() -> tuple:
             # One load path for serve, accept and build's check: the engine, the tokenizer, a warm-up run per bucket
@@ -74,13 +80,7 @@ class TritonPythonModel:
                        if tokenizer is not None else None)
             return engine, info, tokenizer, encoder
 
-        # A rollout's switch loads this version beside the one serving: the load then runs at the lowest CPU
-        # priority in a thread of its own, this (serving) thread keeping its priority (quiet_start.py).
-        from .quiet_start import requested, run_quietly
-        from .shadow import shadow_folder
-
         started = time.monotonic()
-        quiet = kind == "CPU" and requested(shadow_folder(), s.model_name)
         if quiet:
             (self.engine, self.engine_info, self.tokenizer, self.encoder), lowered = run_quietly(load)
             self.engine_info["start"] = (f"quiet ({'nice 19' if lowered else 'priority unchanged'}), "

@@ -16,8 +16,10 @@ which is never a load's (serving starts it, on the main thread).
 
 The rollout asks for it with a control file, ``<runtime dir>/shadow/<model>.quiet`` (:func:`request_path`), written
 before the switch's load and removed after; the undo and a healed stub start at the normal priority (capacity is
-what they restore). Only CPU instances of encoder-style models start quietly: a generative model's engine thread
-and a GPU engine's streams are started inside the load and would inherit the low priority.
+what they restore). Only CPU instances start quietly: a GPU engine's streams are started inside the load and would
+inherit the low priority. A text-generation model's quiet load (``generate_model``) reads, hashes and warms up its
+graph on the quiet thread (its session made here, pool and all); its engine loop, watcher and response thread start
+on the main thread after it.
 """
 
 from __future__ import annotations

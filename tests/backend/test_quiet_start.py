@@ -124,3 +124,37 @@ def test_the_rollout_asks_for_it_with_a_file_per_model(tmp_path: Path) -> None:
     request_path(tmp_path, "m").write_text("")
     assert requested(tmp_path, "m") and not requested(tmp_path, "other")
     assert request_path(tmp_path, "m").name == "m.quiet"
+
+
+def _tiny_causal_lm(path: Path) -> None:
+    """A graph with a text-generation graph's two required inputs (CausalLM checks their names); enough to make a
+    session of."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["f", "axes"], ["logits"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n", "s"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["n", "t"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", "s", 1])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_a_text_generation_graph_loaded_quietly_keeps_its_pool_at_the_normal_priority(tmp_path: Path) -> None:
+    """generate_model's quiet load makes its CausalLM on the quiet thread: the session's intra-op pool (which
+    computes every later step with the engine loop) is made by the normal-priority worker."""
+    _tiny_causal_lm(tmp_path / "lm.onnx")
+    got = _child("""
+import onnxruntime
+from model_factory.backend.causal_lm import CausalLM
+before = threads()
+lm, lowered = run_quietly(lambda: CausalLM(sys.argv[1] + "/lm.onnx", threads=2))
+new = {t: n for t, n in threads().items() if t not in before}
+print(json.dumps({"lowered": lowered, "new": list(new.values()), "caller": nice(),
+                  "inputs": list(lm.input_names)}))
+""", str(tmp_path))
+    assert got["lowered"] is True and got["caller"] == 0
+    assert got["inputs"] == ["input_ids", "attention_mask"]
+    assert got["new"] and all(n == 0 for n in got["new"]), got  # the pool's thread(s): normal priority

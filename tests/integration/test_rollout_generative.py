@@ -68,7 +68,7 @@ def env(tiny_llm, tmp_path_factory):
     other = layout_generative_model(other_hf, None, root / "other-repo", MODEL, **PARAMS)
 
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
-                                           log_file=root / "tritonserver.log")
+                                           log_file=root / "tritonserver.log", cost_cache=root / "cost-cache")
     try:
         assert report.served == (MODEL,), report.refused
         control = RolloutControl(server, report.digests, report.served, poll_s=0.1)
@@ -158,6 +158,13 @@ def test_a_generative_switch_under_load_loses_no_request_and_undo_returns_to_v1(
     assert undo.exit_code == 0, undo.output
     sent_after_undo = [r for r in load.results if r[0] > undone_at]
     assert sent_after_undo and all(r[3] == "1" for r in sent_after_undo), {r[3] for r in sent_after_undo}
+    # The switch loaded v2 quietly (nice 19 beside live traffic) and read the prefill cost v1's load had measured
+    # for the same graph instead of running the warm-up again.
+    loads = [line for line in env.server.log_file.read_text().splitlines()
+             if f"model-factory backend: {MODEL} generates" in line]
+    assert len(loads) == 2, loads  # v1 at the start, v2 at the switch (the undo loads nothing)
+    assert "(measured)" in loads[0] and "load quiet" not in loads[0], loads[0]
+    assert "measured at an earlier load" in loads[1] and "load quiet (nice 19)" in loads[1], loads[1]
     print(f"\ngenerative rollout v1->v2: {len(load.results)} requests, 0 failed; {result.output.strip()}\n"
           f"{undo.output.strip()}")
 

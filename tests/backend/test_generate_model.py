@@ -1,0 +1,72 @@
+"""generate_model's load: the prefill cost model kept in the cost cache between loads of the same graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from model_factory.backend.generate_model import _cached_cost, _cost_cache_file, _save_cost
+from model_factory.backend.grouping import CostModel
+
+SHA = "ab" * 32
+
+
+def _settings(name: str = "llm") -> SimpleNamespace:
+    return SimpleNamespace(model_name=name, onnx_file="model.onnx")
+
+
+def test_a_candidate_saves_what_the_served_version_of_the_same_graph_reads(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MODEL_FACTORY_COST_CACHE", str(tmp_path / "cache"))
+    v2 = tmp_path / "repo" / "llm" / "2"
+    candidate = _cost_cache_file(v2, _settings("llm__candidate"), {"2/model.onnx": SHA})
+    served = _cost_cache_file(v2, _settings("llm"), {"2/model.onnx": SHA})
+    assert candidate == served and served.parent == tmp_path / "cache"
+    assert _cached_cost(served) is None  # nothing learned yet: the load measures
+    _save_cost(candidate, CostModel(0.02, 1.5e-3, 2e-6), "llm__candidate")
+    assert _cached_cost(served) == CostModel(0.02, 1.5e-3, 2e-6)
+    # Other bytes (another version's graph) are another file: never constants learned for something else.
+    other = _cost_cache_file(v2, _settings("llm"), {"2/model.onnx": "cd" * 32})
+    assert other != served and _cached_cost(other) is None
+
+
+def test_no_cache_folder_or_no_verified_digest_means_no_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("MODEL_FACTORY_COST_CACHE", raising=False)
+    assert _cost_cache_file(tmp_path / "llm" / "1", _settings(), {"1/model.onnx": SHA}) is None
+    monkeypatch.setenv("MODEL_FACTORY_COST_CACHE", str(tmp_path / "cache"))
+    assert _cost_cache_file(tmp_path / "llm" / "1", _settings(), None) is None
+    assert _cost_cache_file(tmp_path / "llm" / "1", _settings(), {"1/other.onnx": SHA}) is None
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[]", '{"prefill": 3}', '{"prefill": {"a": 1e-3, "b": 1e-5}}',
+    '{"prefill": {"a": 0, "b": 1e-5, "c": 0}}', '{"prefill": {"a": 1e-3, "b": -1, "c": 0}}',
+    '{"prefill": {"a": "x", "b": 1e-5, "c": 0}}', '{"estimator": {"a": 1e-3, "b": 1e-5, "c": 0}}',
+])
+def test_a_file_that_does_not_hold_a_usable_prefill_cost_is_ignored(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "llm-key.json"
+    path.write_text(content)
+    assert _cached_cost(path) is None  # the load then measures, as with no file
+
+
+def test_a_cache_folder_that_cannot_be_written_is_no_error(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    _save_cost(blocked / "sub" / "llm-key.json", CostModel(1e-3, 1e-5, 0.0), "llm")  # no exception
+    assert _cached_cost(blocked / "sub" / "llm-key.json") is None
+
+
+def test_an_int8_kv_graph_on_an_onnxruntime_too_old_is_refused_with_the_fix(monkeypatch) -> None:
+    import onnxruntime
+
+    from model_factory.backend.generate_model import _require_int8_kv_runtime
+    from model_factory.backend.settings import SettingsError
+    from model_factory.build_engines.kv_int8 import MIN_ONNXRUNTIME
+    from model_factory.backend.generate_model import INT8_KV_ONNXRUNTIME
+
+    assert INT8_KV_ONNXRUNTIME == MIN_ONNXRUNTIME  # the build and the backend ask for the same runtime
+    _require_int8_kv_runtime("int4")  # the installed one runs it (tests/build/test_kv_int8.py)
+    monkeypatch.setattr(onnxruntime, "__version__", "1.31.0")
+    with pytest.raises(SettingsError, match=r"int4's graph keeps its KV cache in INT8.*onnxruntime>=1\.32"):
+        _require_int8_kv_runtime("int4")
