@@ -228,6 +228,9 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
     return out
 
 
+KV_INT8_SUFFIX = "kv8"  # --precisions int8kv8 / int4kv8: that precision built with quantization.kv_cache = "int8"
+
+
 def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int) -> dict:
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
@@ -235,8 +238,10 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
 
     repo = work / "repo"
     for precision in precisions:  # the factory's own build of the folder, serving that precision
-        layout_generative_model(hf, None, repo, f"llm_{precision}", precision=precision,
-                                quantization='int8_method = "dynamic"' if precision == "int8" else "",
+        base = precision.removesuffix(KV_INT8_SUFFIX)  # "int8kv8": INT8 dynamic with its KV cache in INT8
+        lines = (['int8_method = "dynamic"'] if base == "int8" else []) + (
+            ['kv_cache = "int8"'] if precision.endswith(KV_INT8_SUFFIX) else [])
+        layout_generative_model(hf, None, repo, f"llm_{precision}", precision=base, quantization="\n".join(lines),
                                 memory_budget_mib=4096, max_active_sequences=max(levels))
     out = {}
     server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=600)).start()
@@ -490,12 +495,13 @@ def ratios(results: dict, levels: list[int]) -> str:
     if not ours:
         return ""
     top = max(levels)
-    invariant = [p for p in ours if p not in BATCH_VARIANT]
+    invariant = [p for p in ours if p.removesuffix(KV_INT8_SUFFIX) not in BATCH_VARIANT]
     picks = []
     if invariant:
         picks.append((max(invariant, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels)),
                       "its best batch-independent precision"))
-    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if p in BATCH_VARIANT]
+    picks += [(p, "dynamic: outputs depend on the batch") for p in ours
+              if p.removesuffix(KV_INT8_SUFFIX) in BATCH_VARIANT]
     lines = []
     for best, what in picks:
         lines += [f"Ratios from this run, ours {best.upper()} ({what}) through HTTP / each peer (output tokens/s at "
@@ -518,7 +524,8 @@ def main() -> None:
     global _TOKENIZER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32")
-    parser.add_argument("--precisions", default="fp32,int8,int4", help="ours: the factory's builds (INT8 dynamic)")
+    parser.add_argument("--precisions", default="fp32,int8,int4", help="ours: the factory's builds (INT8 dynamic; "
+                        "int8kv8 / int4kv8: with the KV cache in INT8)")
     parser.add_argument("--genai-precisions", default="fp32,int4",
                         help="ORT GenAI: the builder's graphs (its INT8 is weight-only MatMulNBits, slower than FP32)")
     parser.add_argument("--peers", default="genai", help="comma list of genai, vllm, llamacpp, openvino, transformers")
@@ -543,6 +550,8 @@ def main() -> None:
     parser.add_argument("--driver", choices=("client", "aiperf"), default="client",
                         help="what drives the OpenAI-API servers (ours, vLLM): the asyncio client here, or aiperf")
     parser.add_argument("--aiperf", default="/work/peers/aiperf/bin/aiperf", help="aiperf's executable (own venv)")
+    parser.add_argument("--section", default=None, help="write a section of its own, between <!-- bench_generate_"
+                        "SECTION:start/end --> (e.g. kv: our KV-cache variants beside one peer), leaving the others")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -644,11 +653,17 @@ def main() -> None:
               else "; ".join(COUNT_PROBLEMS) + "."))
     # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
     start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
+    title = ("## Text generation through aiperf: our server against the OpenAI-API peers "
+             "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
+             "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+             "(benchmarks/bench_generate.py)")
+    if args.section:  # a section of its own (its command line in the title), the others left as they are
+        start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
+        title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py --precisions {args.precisions} "
+                 f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds} --section {args.section}`")
+    kv8 = [p for p in args.precisions.split(",") if p.endswith(KV_INT8_SUFFIX)]
     section = "\n".join([
-        start, ("## Text generation through aiperf: our server against the OpenAI-API peers "
-                "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
-                "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
-                "(benchmarks/bench_generate.py)"),
+        start, title,
         "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
         + " 1-min load average at the end of each runtime's cells: "
         + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
@@ -673,7 +688,10 @@ def main() -> None:
         + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
         "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations quantized "
         "per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
-        "batch-independent) behind Triton and our OpenAI frontend.", "",
+        "batch-independent) behind Triton and our OpenAI frontend."
+        + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
+           "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py)." if kv8 else ""),
+        "",
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",
         table(results, levels), "",

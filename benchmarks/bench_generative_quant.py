@@ -72,7 +72,8 @@ def batch_dependence(graph: Path, rows: list[list[int]], head_dim: int, new: int
     def greedy(batch: list[list[int]]) -> list[list[int]]:
         pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values") and i.name.endswith(".key")]
         ctx = max(map(len, batch)) + new + 1
-        dtype = np.float16 if "float16" in pasts[0].type else np.float32  # the FP16 graph keeps an FP16 cache
+        # the FP16 graph keeps an FP16 cache, a graph with quantization.kv_cache = "int8" an INT8 one
+        dtype = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}.get(pasts[0].type, np.float32)
         cache = {(i, k): np.zeros((len(batch), int(pasts[0].shape[1]), ctx, head_dim), dtype)
                  for i in range(len(pasts)) for k in ("key", "value")}
 
@@ -196,7 +197,14 @@ def main() -> None:
                 # Block 128 (recipe int4_block_size = 128): fewer scales, a faster kernel at batch 1
                 # (bench_generate_graphs); here a row of the attention projections (K = 128) is one block.
                 ("int4", "rtn, block 128", {"accuracy_level": 4, "block_size": 128}),
-                ("int4", "awq, block 128", {"accuracy_level": 4, "block_size": 128})]
+                ("int4", "awq, block 128", {"accuracy_level": 4, "block_size": 128}),
+                # quantization.kv_cache = "int8" (build_engines/kv_int8.py): scales per channel fitted on the
+                # calibration lines through the FP32 graph; FP32 weights first (the cache's own error alone).
+                ("fp32", "FP32 weights, kv int8", {"kv": True}), ("int8", "dynamic, kv int8", {"kv": True}),
+                ("int4", "awq, kv int8", {"accuracy_level": 4, "kv": True})]
+    from model_factory.build_engines.kv_int8 import fit_kv_scales, quantize_kv_cache
+
+    kv_scales = fit_kv_scales(fp32, 32, calib)
     awq_src: dict[int, Path] = {}
     rows = []
     for precision, method, opts in variants:
@@ -210,10 +218,13 @@ def main() -> None:
         out = work / f"{precision}-{len(rows)}"
         if method.startswith("dynamic"):
             graph = dynamic_int8(fp32, out, opts.get("keep", ()), seven_bit=not opts.get("eight"))
-        elif precision == "fp16":
+        elif precision in ("fp16", "fp32"):
             graph = run_builder(source, out, precision)
         else:
-            graph = run_builder(source, out, precision, {**opts, "block_size": block})
+            graph = run_builder(source, out, precision,
+                                {k: v for k, v in {**opts, "block_size": block}.items() if k != "kv"})
+        if opts.get("kv"):
+            quantize_kv_cache(graph, kv_scales)
         agree, ppl, err, n = scorer.score(graph)
         rows.append((precision, method, opts.get("accuracy_level"), agree, ppl / scorer.ppl_fp32, err, n,
                      weights_bytes(graph), batch_dependence(graph, batch_rows, 32)))
@@ -227,7 +238,9 @@ def main() -> None:
              "greedy tokens, teacher-forced, up to the first near-tie. Block 32 unless said, symmetric, MatMulNBits on ONNX "
              "Runtime CPU; awq calibrated on 32 lines of a third license file. INT8 dynamic: ONNX Runtime's "
              "dynamic quantization of the FP32 graph (weights per output channel, 7-bit unless said; activations "
-             "per tensor at run time), with the named projections left in float. Batched: of 16 held-out prompts "
+             "per tensor at run time), with the named projections left in float. kv int8: the graph's KV cache in "
+             "INT8 (`quantization.kv_cache = \"int8\"`, build_engines/kv_int8.py: a scale per channel fitted on "
+             "the FP32 graph's cache of the same 32 calibration lines). Batched: of 16 held-out prompts "
              "(16-55 tokens), how many greedy 64-token continuations differ when the 16 decode together (one KV "
              f"slot each) from the same prompt decoded alone (FP32: {fp32_dependence} of 16).", "",
              "| precision | method | accuracy_level | agreement | perplexity ratio | max abs logits err | weights (KiB) "

@@ -43,7 +43,7 @@ def graph_shape(session: Any, head_dim: int | None = None) -> GraphShape:
     dim = shape[3] if isinstance(shape[3], int) else head_dim
     if dim is None:
         raise ValueError("the graph's head dim is symbolic: give head_dim")
-    dtype = np.float16 if "float16" in pasts[0].type else np.float32
+    dtype = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}.get(pasts[0].type, np.float32)
     return GraphShape(len(pasts), int(shape[1]), int(dim), dtype)
 
 
@@ -67,6 +67,11 @@ class DecoderRunner:
         kv = (1, self.shape.num_kv_heads, self.max_context, self.shape.head_dim)
         self._cache = {(i, k): np.zeros(kv, self.shape.kv_dtype) for i in range(self.shape.num_layers)
                        for k in ("key", "value")}
+
+    def cached(self, layer: int, kind: str) -> np.ndarray:
+        """The KV buffer of ``layer``'s ``kind`` ("key" or "value"): ``[1, kv_heads, max_context, head_dim]``, its
+        first rows those of the last sequence run."""
+        return self._cache[(layer, kind)]
 
     def _step(self, ids: Sequence[int], cached: int, last_only: bool = False) -> np.ndarray:
         """Feed ``ids`` after ``cached`` tokens already in the slot; logits [len(ids), vocab] (float32), or

@@ -52,6 +52,9 @@ CALIBRATION_TOKENS = 128
 AWQ_UNSUPPORTED = frozenset({"gpt2"})
 # The ladder a precision that misses the gate climbs: each step keeps more MatMuls at INT8.
 MIXED_STEPS = ((), ("last_matmul:int8",), ("last_matmul:int8", "mixed_layers:int8"))
+# The precisions whose graphs keep their KV cache in INT8 when the recipe asks (quantization.kv_cache = "int8"):
+# FP32 stays the reference, FP16 the GPU's graph.
+KV_INT8_PRECISIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class GenerativeResult:
     weights_bytes: int = 0
     metric: str = "token_agreement"
     float_matmuls: tuple[str, ...] = ()  # dynamic INT8: the parts (down_proj, o_proj) kept in float
+    kv_cache: str = "float"  # "int8": the graph keeps its KV cache in INT8 (kv_int8.py), scored so
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -127,7 +131,7 @@ class GenerativeAccuracy:
                     "gate"):
             table.add_column(col)
         for r in self.results:
-            table.add_row(r.precision, r.method, f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
+            table.add_row(r.precision, r.method + (" + kv int8" if r.kv_cache == "int8" else ""), f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
                           f"{r.max_abs_error:.3g}", _wider(r), "pass" if r.passed else "FAIL")
         console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
         console.print(table)
@@ -299,6 +303,15 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
     tied = bool(hf_config.get("tie_word_embeddings", False))
     scorer = Scorer(export.onnx_path, head_dim, heldout, reference)
     say(f"[quantize] FP32 perplexity {scorer.ppl_fp32:.3f} on {len(heldout)} held-out samples")
+    kv_scales = None
+    if q.kv_cache == "int8":  # the INT8 and INT4 graphs keep their KV cache in INT8, scales fitted on FP32's cache
+        from model_factory.build_engines.kv_int8 import check_runtime, fit_kv_scales
+
+        check_runtime()
+        kv_scales = fit_kv_scales(Path(export.onnx_path), head_dim,
+                                  [prompt_ids(tok, t, CALIBRATION_TOKENS) for t in calib_texts])
+        say(f"[quantize] KV cache INT8: a scale per channel of {len(kv_scales)} layers fitted on "
+            f"{len(calib_texts)} calibration samples")
     results, search, models = [], [], {"fp32": Path(export.onnx_path)}
     with atomic_dir(out_dir) as tmp:
         for precision in [p for p in ("fp16", "int8", "int4") if p in recipe.precisions]:
@@ -326,13 +339,19 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 else:
                     graph = run_builder(source, work, precision,
                                         _builder_options(precision, method, q.int4_block_size, wider), say)
+                if kv_scales is not None and precision in KV_INT8_PRECISIONS:
+                    from model_factory.build_engines.kv_int8 import quantize_kv_cache
+
+                    quantize_kv_cache(graph, kv_scales)
                 agree, ppl, err, compared = scorer.score(graph)
                 ratio = ppl / scorer.ppl_fp32
                 ok = agree >= agreement_gate and ratio <= q.max_perplexity_ratio
                 kept = "float" if method == "dynamic" else "int8"
+                kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
                 search.append({"step": "gate", "precision": precision, "method": method, kept: list(wider),
-                               "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
-                say(f"[quantize] {precision} ({method}{f', {kept}: ' + ','.join(wider) if wider else ''}): agreement "
+                               "kv_cache": kv, "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
+                say(f"[quantize] {precision} ({method}{f', {kept}: ' + ','.join(wider) if wider else ''}"
+                    f"{', kv int8' if kv == 'int8' else ''}): agreement "
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
                 if ok:
                     break
@@ -345,7 +364,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             results.append(GenerativeResult(
                 precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
                 tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
-                float_matmuls=tuple(wider) if method == "dynamic" else ()))
+                float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),

@@ -296,6 +296,8 @@ TEXT_GENERATION = "text-generation"
 #           per sequence: the graph writes the new tokens' keys and values in place, at each row's own length)
 # Each row keeps its own length (the mask's row sum), so sequences of different lengths decode in one batched
 # step and a slot is never reallocated per token. Positions come from the mask (rotary inside attention).
+# kv_dtype "int8" (build_engines/kv_int8.py): the cache holds int8 and the graph its float scales per channel
+# (an attention node's k_scale / v_scale); the backend only sizes and binds int8 buffers.
 KV_LAYOUT_SHARED_SLOTS = "shared-slots"
 # The TensorRT graph of a text-generation model (build_engines/lm_tensorrt.py; TensorRT's ONNX parser has no
 # GroupQueryAttention): standard ops, the same names, and
@@ -313,7 +315,7 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 LOGITS_POSITIONS = "logits_positions"
-KV_DTYPES = {"float32": 4, "float16": 2}
+KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -391,7 +393,8 @@ class GenerationSpec:
     ``weights_bytes`` maps each packaged precision to the bytes of its graph's weights; admission sizes the cache
     as ``max_sequences = (budget - weights) / (kv_bytes_per_token * max_context)`` (the seed formula).
     ``kv_dtype`` is the KV cache's element type of the FP32 and quantized graphs; ``kv_dtypes`` names each packaged
-    precision whose graph keeps another (FP16: ``float16``). Whoever runs one precision reads
+    precision whose graph keeps another (FP16: ``float16``; an INT8 cache, ``quantization.kv_cache``: ``int8``).
+    Whoever runs one precision reads
     :meth:`for_precision`'s spec.
     """
 

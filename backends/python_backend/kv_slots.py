@@ -28,7 +28,7 @@ from .contract import KV_DTYPES, past_name
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _VIEWS_KEPT = 256
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
 class AdmissionError(RuntimeError):

@@ -120,13 +120,13 @@ def generation_spec(recipe: Recipe, tokenizer_dir: Path, weights: Mapping[str, i
 
 
 def kv_dtype_of(graph: Path) -> str:
-    """The element type of a text-generation graph's KV cache (``float32`` or ``float16``: contract.KV_DTYPES),
+    """The element type of a text-generation graph's KV cache (``float32``, ``float16`` or ``int8``: contract.KV_DTYPES),
     read from its first ``past_key_values`` input."""
     import onnx
 
     from model_factory.backend.contract import KV_DTYPES
 
-    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
+    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT8: "int8"}
     for i in onnx.load(str(graph), load_external_data=False).graph.input:
         if i.name.startswith("past_key_values."):
             dtype = names.get(i.type.tensor_type.elem_type)

@@ -248,6 +248,16 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     elif "int8" in precisions and calib is None:
         raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
                    "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
+    if q.kv_cache == "int8":
+        if task != "text-generation":
+            raise _err("quantization.kv_cache", f"a KV cache is a text-generation model's, not task {task!r}'s",
+                       "remove quantization.kv_cache")
+        if not {"int8", "int4"} & set(precisions):
+            raise _err("quantization.kv_cache", "int8 applies to the int8 and int4 graphs and precisions lists "
+                       "neither", "add \"int8\" or \"int4\" to precisions, or remove quantization.kv_cache")
+        if calib is None:
+            raise _err("quantization.calibration_data", "kv_cache = \"int8\" fits its scales on calibration text "
+                       "and none is set", "point calibration_data at a local .txt/.jsonl of your text")
     if "fp16" in precisions and calib is None and heldout is None:
         raise _err("quantization.heldout_data", "fp16 is scored against fp32 on held-out data and none is set",
                    "point heldout_data (or calibration_data) at a local .txt/.jsonl/.npz of your inputs")
@@ -260,7 +270,8 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         min_accuracy=None if q.min_accuracy is None else float(q.min_accuracy), mixed_precision=q.mixed_precision,
         int8_method=q.int8_method, int4_method=q.int4_method, int4_block_size=q.int4_block_size,
         max_perplexity_ratio=1.1 if q.max_perplexity_ratio is None else float(q.max_perplexity_ratio),
-        min_token_agreement=0.8 if q.min_token_agreement is None else float(q.min_token_agreement))
+        min_token_agreement=0.8 if q.min_token_agreement is None else float(q.min_token_agreement),
+        kv_cache=q.kv_cache)
 
     t = doc.tensorrt
     trt = TensorRTSpec(

@@ -21,6 +21,7 @@ TASKS = ("embedding", "classification", "token-classification", "reranker", "gen
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, text-generation only
 INT4_METHODS = ("rtn", "awq", "k_quant")
 INT8_METHODS = ("dynamic", "weight_only")
+KV_CACHE_TYPES = ("float", "int8")
 INT4_BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = ("FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "BOOL", "BYTES")
 # ONNX TensorProto element types of the dtypes above (BYTES is text: the backend's, never a graph input).
@@ -220,6 +221,11 @@ class QuantizationTable(_Table):
         "or projection before rounding; without calibration_data, rtn) or k_quant (ONNX Runtime's k-quant).")
     int4_block_size: _choice(INT4_BLOCK_SIZES) = Field(32, description="text-generation INT4: weights per "
                                                        "quantization block (one scale each).")
+    kv_cache: _choice(KV_CACHE_TYPES) = Field(
+        "float", description="text-generation: the KV cache of the int8 and int4 graphs. float (the graph's own "
+        "type) or int8 (one byte per cached key or value, a float scale per channel fitted on calibration_data: "
+        "ONNX Runtime's attention reads a quarter of FP32's bytes each step, and the same memory holds 4x the "
+        "tokens; gated with the precision). fp32 (the reference) and fp16 keep theirs.")
     max_perplexity_ratio: Annotated[Optional[float], Field(ge=1), Fix("give a number of at least 1, e.g. 1.05")] = (
         Field(None, description="text-generation gate: the held-out text's perplexity under a reduced precision "
               "divided by FP32's may not exceed this. Default: 1.1."))

@@ -77,6 +77,7 @@ class QuantizationSpec:
     int4_block_size: int = 32
     max_perplexity_ratio: float = 1.1
     min_token_agreement: float = 0.8
+    kv_cache: str = "float"  # text-generation: "int8" keeps the INT8 / INT4 graphs' KV cache in INT8
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ ACROSS_KEYS = {"precisions", "shapes.sequence_buckets", "batching.preferred_batc
                "classification.probabilities",
                "shapes.long_inputs", "shapes.chunk_overlap",
                # text-generation: only for a Hugging Face causal-LM folder; its keys refused on other tasks
-               "source.kind", "inputs", "shapes.max_context", "generation"}
+               "source.kind", "inputs", "shapes.max_context", "generation", "quantization.kv_cache"}
 # Keys whose recipe value is not the Recipe's attribute as is (paths resolved, "auto", derived defaults).
 _NOT_AS_IS = {"path", "calibration_data", "heldout_data", "timing_cache", "max_queue_size", "text_input",
               "default_priority", "pad_sequences", "preferred_batch_sizes", "sequence_buckets",

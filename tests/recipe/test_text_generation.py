@@ -146,3 +146,29 @@ def test_declared_inputs_are_refused(tmp_path):
     _folder(tmp_path)
     _refused(tmp_path, "inputs", inputs=[{"name": "x", "dtype": "FP32", "dims": [-1]}],
              outputs=[{"name": "y", "dtype": "FP32", "dims": [-1]}])
+
+
+def test_an_int8_kv_cache_is_for_quantized_generative_graphs_fitted_on_calibration_text(tmp_path):
+    _folder(tmp_path)
+    (tmp_path / "h.txt").write_text("held-out text\n")
+    (tmp_path / "c.txt").write_text("calibration text\n")
+    given = dict(quantization__heldout_data="h.txt", quantization__kv_cache="int8")
+    recipe = _recipe(tmp_path, precisions=["fp32", "int4"], quantization__calibration_data="c.txt", **given)
+    assert recipe.quantization.kv_cache == "int8"
+    assert _recipe(tmp_path, precisions=["fp32", "int4"], quantization__heldout_data="h.txt").quantization.kv_cache == (
+        "float")
+    _refused(tmp_path, "fits its scales on calibration text", precisions=["fp32", "int4"], **given)
+    _refused(tmp_path, "int8 and int4 graphs and precisions lists neither", precisions=["fp32", "fp16"],
+             quantization__calibration_data="c.txt", **given)
+    _refused(tmp_path, "kv_cache", precisions=["fp32", "int4"], quantization__calibration_data="c.txt",
+             quantization__heldout_data="h.txt", quantization__kv_cache="int4")
+
+
+def test_an_int8_kv_cache_is_refused_for_an_encoder(tmp_path):
+    (tmp_path / "x.onnx").write_bytes(b"")
+    (tmp_path / "c.txt").write_text("calibration text\n")
+    with pytest.raises(FactoryError, match="KV cache is a text-generation model's"):
+        parse_recipe({"model": {"name": "m"}, "source": {"kind": "onnx", "path": "x.onnx"}, "precisions": ["fp32", "int8"],
+                      "quantization": {"calibration_data": "c.txt", "kv_cache": "int8"},
+                      "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
+                      "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}, tmp_path)
