@@ -97,7 +97,11 @@ def fit_kv_scales(fp32_graph: Path, head_dim: int, prompts: Sequence[Sequence[in
 
     prompts = [list(p) for p in prompts if len(p) > 0]
     if not prompts:
-        raise ValueError("no calibration prompt to fit the KV cache's scales on")
+        from model_factory.errors import FactoryError
+
+        raise FactoryError("quantization.kv_cache = \"int8\" fits its scales on the calibration text and none of "
+                           "quantization.calibration_data's samples has a token. Fix: give text samples (one per "
+                           "line, or a .jsonl \"text\" field)")
     rotary_dim, interleaved = _rotary(Path(fp32_graph))
     runner = DecoderRunner(Path(fp32_graph), max(len(p) for p in prompts), head_dim)
     layers, kv = runner.shape.num_layers, runner.shape.num_kv_heads

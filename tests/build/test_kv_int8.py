@@ -163,3 +163,12 @@ def test_an_onnxruntime_too_old_for_an_int8_cache_is_refused_before_the_build(mo
     monkeypatch.setattr(onnxruntime, "__version__", "1.22.1")
     with pytest.raises(FactoryError, match=r"needs onnxruntime >= 1\.32.*this one is 1\.22\.1\. Fix: "):
         check_runtime()
+
+
+def test_calibration_text_without_a_token_is_refused_with_the_fix(tiny_llm) -> None:
+    from model_factory.build_engines.kv_int8 import fit_kv_scales
+    from model_factory.errors import FactoryError
+
+    _hf, onnx_dir = tiny_llm
+    with pytest.raises(FactoryError, match="none of quantization.calibration_data's samples has a token. Fix: "):
+        fit_kv_scales(onnx_dir / "model.onnx", D, [[], []])
