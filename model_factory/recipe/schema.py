@@ -225,7 +225,8 @@ class QuantizationTable(_Table):
         "float", description="text-generation: the KV cache of the int8 and int4 graphs. float (the graph's own "
         "type) or int8 (one byte per cached key or value, a float scale per channel fitted on calibration_data: "
         "ONNX Runtime's attention reads a quarter of FP32's bytes each step, and the same memory holds 4x the "
-        "tokens; gated with the precision). fp32 (the reference) and fp16 keep theirs.")
+        "tokens: faster decoding the longer the context, slower prefill; gated with the precision). fp32 (the "
+        "reference) and fp16 keep theirs.")
     max_perplexity_ratio: Annotated[Optional[float], Field(ge=1), Fix("give a number of at least 1, e.g. 1.05")] = (
         Field(None, description="text-generation gate: the held-out text's perplexity under a reduced precision "
               "divided by FP32's may not exceed this. Default: 1.1."))
