@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/bench_rollout_generative.py [--work DIR]   # writes RESULTS.md
 
 A Llama in SmolLM-135M's shape (random weights, made here or reused from ``--work``), built by the factory (FP32,
-the build's own export and checks), signed, released and served by ``start_verified_server``; v2 (the same
+the build's own export and checks), signed, released and served by ``start_verified_server`` with a cost cache
+(as ``serve`` has by default); v2 (the same
 version folder again, signed, released) is rolled out through :class:`model_factory.serving.rollout.RolloutControl`
 (what ``serve --control-port`` runs) while ``--streams`` threads each send greedy streamed ``generate_stream``
 requests (``--prompt`` token-id prompts, ``--tokens`` new tokens), pausing ``--pause-s`` between their requests,
