@@ -160,3 +160,24 @@ def escape(text: str) -> str:
     from markupsafe import escape as _escape
 
     return str(_escape(text))
+
+
+def test_the_accuracy_section_says_which_precision_keeps_its_kv_cache_in_int8(tmp_path):
+    """accuracy.json as the generative quantize stage writes it: a row with kv_cache "int8" is named so in the
+    report's table (and its plot), the others not."""
+    from types import SimpleNamespace
+
+    from model_factory.build_engines.lm_quantize import GenerativeAccuracy, GenerativeResult
+    from model_factory.measure.report.accuracy import collect
+    from model_factory.measure.report.page import environment
+
+    rows = (GenerativeResult("int8", "dynamic", 0.95, 10.0, 10.0, 1.0, 0.5, 8, 64, True),
+            GenerativeResult("int4", "awq", 0.85, 10.1, 10.0, 1.01, 2.0, 8, 64, True, kv_cache="int8"))
+    GenerativeAccuracy(model="m", heldout_source="h.txt", heldout_samples=8, heldout_note="held-out file h.txt",
+                       calibration_source="c.txt", calibration_samples=4, min_accuracy=0.8, max_perplexity_ratio=1.1,
+                       results=rows).write(tmp_path / "accuracy.json")
+    acc = collect(SimpleNamespace(read_json=lambda name: json.loads((tmp_path / name).read_text())))
+    assert {r.precision: r.kv_cache for r in acc.rows} == {"int8": "float", "int4": "int8"}
+    html = environment().get_template("_accuracy.html.j2").render(v=SimpleNamespace(anchor="m", accuracy=acc))
+    assert 'data-k="acc:int4:kv">(KV cache INT8)' in html and 'data-k="acc:int8:kv"' not in html
+    assert "INT4 (KV INT8)" in acc.score_plot

@@ -36,6 +36,7 @@ class PrecisionRow:
     int8_nodes: int
     candidates: int
     extra: tuple[tuple[str, float], ...]
+    kv_cache: str = "float"  # a text-generation graph's KV cache: "int8" with quantization.kv_cache = "int8"
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def collect(release: Release) -> Accuracy:
             # A text-generation row carries its own verdict (two gates: agreement and perplexity ratio).
             passed=bool(r["passed"]) if "passed" in r else (None if gate is None else bool(worst >= gate)),
             int8_nodes=int(r.get("int8_nodes", 0)),
-            candidates=int(r.get("candidates", 0)), extra=extra))
+            candidates=int(r.get("candidates", 0)), extra=extra, kv_cache=str(r.get("kv_cache") or "float")))
     search = _search(report)
     int8 = next((r for r in report["results"] if r["precision"] == "int8"), None)
     final_float = list(int8.get("float_nodes") or ()) if int8 else []
@@ -162,7 +163,7 @@ def score_plot(acc: Accuracy) -> str:
             ax.axvline(acc.gate, color=plots.GATE_COLOR, linestyle="--", linewidth=1.2)
             ax.annotate(f"gate {acc.gate:g}", (acc.gate, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -10),
                         textcoords="offset points", color=plots.GATE_COLOR, fontsize=8)
-        ax.set_yticks(ys, [r.precision.upper() for r in rows])
+        ax.set_yticks(ys, [r.precision.upper() + (" (KV INT8)" if r.kv_cache == "int8" else "") for r in rows])
         ax.set_xlim(left, 1.0 + 0.05 * span)
         ax.set_ylim(-0.7, len(rows) - 0.3)
         metric = METRIC_LABELS.get(rows[0].metric, rows[0].metric) if rows else "score"
