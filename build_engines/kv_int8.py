@@ -25,12 +25,12 @@ from typing import Sequence
 
 import numpy as np
 
+from model_factory.backend.causal_lm import INT8_KV_ONNXRUNTIME, runs_int8_kv
 from model_factory.backend.contract import past_name, present_name
 
 # The first ONNX Runtime whose CPU GroupQueryAttention was seen to keep an INT8 cache (checked by the tests on the
-# installed one); an older one is refused before anything is built (and by the backend at load:
-# generate_model.INT8_KV_ONNXRUNTIME).
-MIN_ONNXRUNTIME = (1, 32)
+# installed one); an older one is refused before anything is built, as the backend refuses it at load.
+MIN_ONNXRUNTIME = INT8_KV_ONNXRUNTIME
 QMAX = 127.0
 _TINY = 1e-8  # a channel that was always 0 still gets a usable scale
 GQA = "GroupQueryAttention"
@@ -81,8 +81,7 @@ def check_runtime() -> None:
 
     from model_factory.errors import FactoryError
 
-    version = tuple(int(x) for x in onnxruntime.__version__.split(".")[:2] if x.isdigit())
-    if version < MIN_ONNXRUNTIME:
+    if not runs_int8_kv(onnxruntime.__version__):
         want = ".".join(map(str, MIN_ONNXRUNTIME))
         raise FactoryError(f"quantization.kv_cache = \"int8\" needs onnxruntime >= {want} (its CPU "
                            f"GroupQueryAttention with an INT8 cache); this one is {onnxruntime.__version__}. Fix: pip "

@@ -332,6 +332,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                                                     q.int4_block_size, say)
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
             work = tmp / f".{precision}"
+            kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
             for method, wider in _ladder(precision, method, q.mixed_precision, tied):
                 shutil.rmtree(work, ignore_errors=True)
                 if method == "dynamic":
@@ -339,7 +340,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 else:
                     graph = run_builder(source, work, precision,
                                         _builder_options(precision, method, q.int4_block_size, wider), say)
-                if kv_scales is not None and precision in KV_INT8_PRECISIONS:
+                if kv == "int8":
                     from model_factory.build_engines.kv_int8 import quantize_kv_cache
 
                     quantize_kv_cache(graph, kv_scales)
@@ -347,7 +348,6 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 ratio = ppl / scorer.ppl_fp32
                 ok = agree >= agreement_gate and ratio <= q.max_perplexity_ratio
                 kept = "float" if method == "dynamic" else "int8"
-                kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
                 search.append({"step": "gate", "precision": precision, "method": method, kept: list(wider),
                                "kv_cache": kv, "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
                 say(f"[quantize] {precision} ({method}{f', {kept}: ' + ','.join(wider) if wider else ''}"

@@ -28,6 +28,16 @@ import numpy as np
 
 from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 
+# The first ONNX Runtime whose CPU GroupQueryAttention was seen to keep an INT8 KV cache (quantization.kv_cache:
+# build_engines/kv_int8.py refuses an older one at build, generate_model at load).
+INT8_KV_ONNXRUNTIME = (1, 32)
+
+
+def runs_int8_kv(version: str) -> bool:
+    """Whether ONNX Runtime ``version`` (its ``__version__``) runs an INT8 KV cache on the CPU."""
+    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= INT8_KV_ONNXRUNTIME
+
+
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -40,7 +50,7 @@ class CausalLM:
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
                  pad_token_id: int = 0) -> None:
-        from .engines.onnxruntime import import_onnxruntime
+        from .engines.onnxruntime import _cpu_session, import_onnxruntime
 
         ort = import_onnxruntime()
         opts = ort.SessionOptions()
@@ -49,16 +59,8 @@ class CausalLM:
             opts.intra_op_num_threads = int(threads)
         if not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        def make() -> Any:
-            return ort.InferenceSession(source if isinstance(source, bytes) else str(source),
-                                        sess_options=opts, providers=["CPUExecutionProvider"])
-
-        if opts.intra_op_num_threads == 1:
-            self.session = make()  # no pool: it computes on the caller's thread
-        else:  # the pool's threads start with the session and serve later: made at the normal priority
-            from .quiet_start import at_normal_priority
-
-            self.session = at_normal_priority(make)
+        # A session with an intra-op pool is made at the normal priority even inside a quiet start (quiet_start.py).
+        self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cancel_watch import CancelWatch
-from .causal_lm import CausalLM
+from .causal_lm import INT8_KV_ONNXRUNTIME, CausalLM, runs_int8_kv
 from .contract import Files, GenerationSpec
 from .deferred_responses import ResponseDispatcher
 from .generate_requests import GenerateRequest, read_generate_request, request_inputs
@@ -81,7 +81,8 @@ class GenerativeModel:
         self.pb = pb_utils
         self.settings = s = settings
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
-        threads = cpu_threads_per_instance(s, available_cpus())
+        cpus = available_cpus()
+        threads = cpu_threads_per_instance(s, cpus)
         started = time.monotonic()
         # A rollout's switch loads this version beside the one serving: the load (hashing, the session, the prefill
         # cost's warm-up) then runs at the lowest CPU priority in a thread of its own; this thread, and every thread
@@ -90,10 +91,10 @@ class GenerativeModel:
         if quiet:
             from .quiet_start import run_quietly
 
-            loaded, lowered = run_quietly(lambda: self._load(version_dir, threads))
+            loaded, lowered = run_quietly(lambda: self._load(version_dir, cpus, threads))
             start_note = f", load quiet ({'nice 19' if lowered else 'priority unchanged'})"
         else:
-            loaded, start_note = self._load(version_dir, threads), ""
+            loaded, start_note = self._load(version_dir, cpus, threads), ""
         self.spec, self.model, self.tokenizer, self.slots, cost, cost_note = loaded
         spec = self.spec
         start_note += f", loaded in {time.monotonic() - started:.1f} s"
@@ -141,7 +142,7 @@ class GenerativeModel:
 
     # ------------------------------------------------------------------ load
 
-    def _load(self, version_dir: Path, threads: int) -> tuple:
+    def _load(self, version_dir: Path, cpus: int, threads: int) -> tuple:
         """``(spec, model, tokenizer, slots, cost model, where the cost came from)``: everything read, checked and
         measured before serving; it starts no thread that serves later (the session's pool is made at the normal
         priority even inside a quiet start)."""
@@ -156,7 +157,7 @@ class GenerativeModel:
             _require_int8_kv_runtime(s.precision)
         model = load_verified_onnx(
             version_dir, s.onnx_file, digests,
-            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, available_cpus(), threads),
+            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
                                  pad_token_id=spec.pad_token_id or 0))
         tokenizer = _load_tokenizer(version_dir, digests)
         slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
@@ -289,14 +290,10 @@ class GenerativeModel:
         self.model.close()
 
 
-INT8_KV_ONNXRUNTIME = (1, 32)  # build_engines/kv_int8.MIN_ONNXRUNTIME: the first seen to run an INT8 cache on the CPU
-
-
 def _require_int8_kv_runtime(precision: str) -> None:
     import onnxruntime
 
-    version = tuple(int(x) for x in onnxruntime.__version__.split(".")[:2] if x.isdigit())
-    if version < INT8_KV_ONNXRUNTIME:
+    if not runs_int8_kv(onnxruntime.__version__):
         want = ".".join(map(str, INT8_KV_ONNXRUNTIME))
         raise SettingsError(f"{precision}'s graph keeps its KV cache in INT8, which needs onnxruntime >= {want}; this "
                             f"server has {onnxruntime.__version__}: install 'onnxruntime>={want}' here, or serve a "
@@ -336,7 +333,7 @@ def _cost_cache_file(version_dir: Path, s: Settings, digests: Any) -> Path | Non
     sha = (digests or {}).get(relpath)
     if not sha:
         return None  # unverified: no key that names these bytes without hashing them again
-    key = cost_cache.cache_key(sha, _COST_FLAVOUR, f"cpu:{cost_cache.cpu_description()}", (128,), False)
+    key = cost_cache.cache_key(sha, _COST_FLAVOUR, cost_cache.device_description({}, "CPU", 0), (128,), False)
     return cost_cache.cache_path(folder, s.model_name.removesuffix(CANDIDATE_SUFFIX), key)
 
 
