@@ -25,8 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from model_factory.backend.causal_lm import INT8_KV_ONNXRUNTIME, runs_int8_kv
-from model_factory.backend.contract import past_name, present_name
+from model_factory.backend.contract import INT8_KV_ONNXRUNTIME, past_name, present_name, runs_int8_kv
 
 # The first ONNX Runtime whose CPU GroupQueryAttention was seen to keep an INT8 cache (checked by the tests on the
 # installed one); an older one is refused before anything is built, as the backend refuses it at load.

@@ -28,16 +28,6 @@ import numpy as np
 
 from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 
-# The first ONNX Runtime whose CPU GroupQueryAttention was seen to keep an INT8 KV cache (quantization.kv_cache:
-# build_engines/kv_int8.py refuses an older one at build, generate_model at load).
-INT8_KV_ONNXRUNTIME = (1, 32)
-
-
-def runs_int8_kv(version: str) -> bool:
-    """Whether ONNX Runtime ``version`` (its ``__version__``) runs an INT8 KV cache on the CPU."""
-    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= INT8_KV_ONNXRUNTIME
-
-
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 

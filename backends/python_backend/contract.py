@@ -316,6 +316,14 @@ ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 LOGITS_POSITIONS = "logits_positions"
 KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}
+# The first ONNX Runtime whose CPU GroupQueryAttention was seen to keep an INT8 KV cache (quantization.kv_cache:
+# build_engines/kv_int8.py refuses an older one at build, generate_model at load).
+INT8_KV_ONNXRUNTIME = (1, 32)
+
+
+def runs_int8_kv(version: str) -> bool:
+    """Whether ONNX Runtime ``version`` (its ``__version__``) runs an INT8 KV cache on the CPU."""
+    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= INT8_KV_ONNXRUNTIME
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .cancel_watch import CancelWatch
-from .causal_lm import INT8_KV_ONNXRUNTIME, CausalLM, runs_int8_kv
-from .contract import Files, GenerationSpec
+from .causal_lm import CausalLM
+from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .deferred_responses import ResponseDispatcher
 from .generate_requests import GenerateRequest, read_generate_request, request_inputs
 from .grouping import CostModel, measure_cost_model
