@@ -76,7 +76,7 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
     _check_covered(path, relpath, digests)
     h = hashlib.sha256()
     with path.open("rb", buffering=0) as src, Path(dest).open("wb") as out:
-        for start, end, data in _regions(src.fileno(), os.fstat(src.fileno()).st_size):
+        for start, end, data in file_regions(src.fileno(), os.fstat(src.fileno()).st_size):
             if not data:  # a hole reads as zeros: hash them, leave a hole in the copy too
                 zeros = bytes(min(_BLOCK, end - start))
                 for at in range(start, end, _BLOCK):
@@ -99,7 +99,7 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
         raise _changed(relpath, actual, digests[relpath])
 
 
-def _regions(fd: int, size: int):
+def file_regions(fd: int, size: int):
     """``(start, end, is_data)`` spans covering a file's ``size`` bytes: its data and its holes.
 
     Holes (runs of zeros a filesystem stores as nothing: a sparse weight file's unused rows) are found

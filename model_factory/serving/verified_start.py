@@ -9,7 +9,9 @@ the Triton process (:mod:`.triton_process`), and one scrape of what the backends
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -223,7 +225,16 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
         write_table(path, checked.table)
         digests = VerifiedDigests(repository, path, checked.policy)
         env[VERIFIED_DIGESTS_ENV] = str(path)
-    server = TritonServer(repository, checks.passed, options, log_file=log_file, env=env, queue_costs=checks.costs)
+    try:
+        server = TritonServer(repository, checks.passed, options, log_file=log_file, env=env, queue_costs=checks.costs)
+    except BaseException:
+        if digests is not None:
+            shutil.rmtree(digests.path.parent, ignore_errors=True)
+        raise
+    if digests is not None:
+        # The digests live as long as the server object (a rollout rewrites them while it serves), as its work
+        # folder does: nothing is left in the temporary folder once it is gone.
+        weakref.finalize(server, shutil.rmtree, str(digests.path.parent), ignore_errors=True)
     server.start()
     if on_loaded is not None:
         on_loaded(server)

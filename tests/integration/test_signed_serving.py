@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from dataclasses import replace
@@ -49,6 +50,13 @@ def test_tampered_model_is_refused_and_the_other_serves(signed_repo) -> None:
         assert index.get("good") == "READY" and index.get("tampered") != "READY"
     finally:
         assert server.stop() == 0
+    # The verified digests (written to the temporary folder for the backend) go with the server object,
+    # as its work folder does: a test suite or a restarting service leaves no folder behind per start.
+    folders = (report.digests.path.parent, server._work)
+    assert all(f.is_dir() for f in folders)
+    del server
+    gc.collect()
+    assert not any(f.exists() for f in folders)
     # Serving wrote nothing into the repository (no bytecode caches): it still verifies, so the
     # next start serves it again.
     from model_factory.signing import load_policy, verify_repository
