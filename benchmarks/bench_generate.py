@@ -263,12 +263,14 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout_s: float):
-    """A peer server as a subprocess (its own session), ready when GET /v1/models answers; stopped on exit."""
+    """A peer server as a subprocess (a process group of its own, stopped as one), ready when GET /v1/models answers;
+    stopped on exit. In this process's session, as our server is (``TritonServer.start``): Linux's autogroup
+    scheduler shares the CPU between sessions before nice values count, so every server meets the client alike."""
     say(f"{name}: starting ({' '.join(cmd)})")
     start = time.perf_counter()
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                process_group=0)
     try:
         while True:
             if proc.poll() is not None:

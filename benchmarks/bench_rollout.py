@@ -108,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.harness.minilm import export_minilm, package_variant
     from model_factory.build.pipeline import provenance_for
     from model_factory.build_engines.golden import write_acceptance_data
-    from benchmarks.harness.rollout import (kept_sentence, release_and_policy, stubs_by_version, wait_stubs_ended,
-                                            watch_rollout)
+    from benchmarks.harness.rollout import (LoadInOwnSession, kept_sentence, release_and_policy, stubs_by_version,
+                                            wait_stubs_ended, watch_rollout)
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
@@ -141,13 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sign_model_version(repo / MODEL, v, signer, provenance=prov(v))
             add_release(repo, k, k, k)
             v1_before = stubs_by_version(server, MODEL).get("1", set())
-            clients = Clients(server.http_url, args.clients, texts).start()
+            clients = LoadInOwnSession(Clients, server.http_url, args.clients, texts,
+                                       keep=("results", "errors", "rejected")).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
             say("rollout v1 -> v2")
             command = time.monotonic()
-            control.start(RolloutRequest(MODEL, 2, gate=0.99, min_requests=args.min_requests, timeout_s=120))
-            states = watch_rollout(control, MODEL, {"switched", "rolled_back", "failed"}, 180, say)
+            control.start(RolloutRequest(MODEL, 2, gate=0.99, min_requests=args.min_requests, timeout_s=600))
+            states = watch_rollout(control, MODEL, {"switched", "rolled_back", "failed"}, 900, say)
             status = control.status(MODEL)
             done = time.monotonic()
             if status.state != "switched":

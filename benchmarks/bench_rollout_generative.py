@@ -131,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from benchmarks.harness.rollout import (kept_sentence, release_and_policy, stubs_by_version, wait_stubs_ended,
-                                            watch_rollout)
+    from benchmarks.harness.rollout import (LoadInOwnSession, kept_sentence, release_and_policy, stubs_by_version,
+                                            wait_stubs_ended, watch_rollout)
     from model_factory.serving.rollout import RolloutControl, RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sign_model_version(model_dir, 2, signer)
             add_release(repo, k, k, k)
             v1_before = stubs_by_version(server, MODEL).get("1", set())
-            streams = Streams(server.http_url, args.streams, args.prompt, args.tokens, vocab, args.pause_s).start()
+            streams = LoadInOwnSession(Streams, server.http_url, args.streams, args.prompt, args.tokens, vocab,
+                                       args.pause_s).start()
             t0 = time.monotonic()
             time.sleep(args.steady_s)
             say("rollout v1 -> v2")

@@ -61,3 +61,47 @@ def watch_rollout(control: Any, model: str, until: set[str], timeout: float,
                 break
         time.sleep(0.02)
     return seen
+
+
+class LoadInOwnSession:
+    """A load generator (``start()``, ``join()``, ``results``, ``errors``, other lists named in ``keep``) run in a
+    child process in a session of its own, as clients on other machines would be.
+
+    The server runs in the session of the process that started it (``TritonServer.start``), and Linux's
+    autogroup scheduler shares the CPU between sessions as equals before any nice value counts: client threads
+    inside the benchmark's process would rank level with the server's threads, and the rollout's nice-19 work
+    (in that process too) would no longer be what the benchmark isolates. Timestamps are ``time.monotonic()``,
+    one clock for every process."""
+
+    def __init__(self, factory: Callable[..., Any], *args: Any, keep: tuple[str, ...] = ("results", "errors")) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._keep = keep
+        self._proc = ctx.Process(target=_run_load, args=(factory, args, keep, self._stop, send), daemon=True,
+                                 name="bench-load")
+
+    def start(self) -> "LoadInOwnSession":
+        self._proc.start()
+        return self
+
+    def join(self, timeout: float = 600.0) -> None:
+        self._stop.set()
+        if not self._recv.poll(timeout):
+            self._proc.kill()
+            raise RuntimeError(f"the load process sent no results within {timeout:g} s")
+        for name, value in zip(self._keep, self._recv.recv()):
+            setattr(self, name, value)
+        self._proc.join(timeout=30)
+
+
+def _run_load(factory: Callable[..., Any], args: tuple, keep: tuple[str, ...], stop: Any, send: Any) -> None:
+    import os
+
+    os.setsid()  # a session, so an autogroup, of its own
+    load = factory(*args).start()
+    stop.wait()
+    load.join()
+    send.send(tuple(getattr(load, name) for name in keep))

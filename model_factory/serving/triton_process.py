@@ -183,6 +183,11 @@ def free_ports(count: int, avoid: Sequence[int] = ()) -> list[int]:
     return ports
 
 
+# Popen's process_group is Python 3.11's; on 3.10 the server gets a session of its own (autogroup: see start()).
+_OWN_PROCESS_GROUP: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                                      else {"start_new_session": True})
+
+
 def _bind_to_parent(parent_pid: int):
     """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies, whatever kills it.
 
@@ -379,8 +384,14 @@ class TritonServer:
             self._log = self.log_file.open("wb")
             # Bound to this process from its first instruction: if we die (SIGKILL included, start-up
             # included) the server gets SIGTERM and shuts down, never left running as an orphan.
+            # A process group of its own (stopped as one; a terminal's Ctrl-C reaches serve, which stops it in
+            # order) but this process's session: Linux's autogroup scheduler (sched_autogroup_enabled, on by
+            # default) shares the CPU between sessions as equals before any nice value counts, so a server in a
+            # session of its own took no more than half the cores from serve's nice-19 work beside live traffic
+            # (a rollout's hashing, copying and acceptance), and nice only ranked it within serve's session.
             self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env},
-                                            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                            **_OWN_PROCESS_GROUP,
                                             preexec_fn=_bind_to_parent(os.getpid()) if _in_main_thread() else None)
             try:
                 self._wait_ready()

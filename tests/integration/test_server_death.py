@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -41,6 +42,13 @@ def test_the_stubs_of_a_server_killed_under_load_exit(minilm_repository) -> None
         stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
                  if "triton_python_backend_stub" in " ".join(p.cmdline())]
         assert stubs, "the model's instances run in stub processes"
+        # The server and its stubs: a process group of their own (stopped as one), in the session of the process
+        # that started them. Linux's autogroup scheduler shares the CPU between sessions as equals before a nice
+        # value counts, so in a session of its own the server ranked level with serve's nice-19 work beside live
+        # traffic (a rollout's hashing, copying and acceptance), which then took up to half the cores.
+        for pid in [server.process.pid, *(s.pid for s in stubs)]:
+            assert os.getpgid(pid) == server.process.pid
+            assert os.getsid(pid) == os.getsid(0)
         for c in clients:
             c.start()
         time.sleep(3)

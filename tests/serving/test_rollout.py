@@ -109,6 +109,33 @@ def test_the_rollout_thread_yields_the_cores_and_leaves_the_others_as_they_were(
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # this thread: unchanged
 
 
+
+def test_the_rollout_check_hashes_at_the_lowest_priority_and_its_refusal_reaches_the_caller(tmp_path) -> None:
+    """``start`` verifies the whole version (hashing every file) before it answers: that runs on a nice-19 thread
+    (the control endpoint's own thread keeps its priority), and a refusal is raised in the caller as before."""
+    import os
+    import threading
+
+    from model_factory.serving.rollout import RolloutControl, RolloutRequest
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    control = RolloutControl(_Server(tmp_path), None, ["m"])
+    seen = []
+
+    def check(req):
+        seen.append(priority())
+        raise FactoryError(f"refused: {req.model} {req.version} is not released")
+
+    control.check = check
+    before = priority()
+    with pytest.raises(FactoryError, match="refused: m 2 is not released"):
+        control.start(RolloutRequest("m", 2))
+    assert seen == [19] and priority() == before
+    control.close()
+
+
 class _Server:
     """What RolloutControl asks of the server, with each load's version policy recorded (no Triton)."""
 
