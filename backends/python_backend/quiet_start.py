@@ -78,6 +78,11 @@ class _NormalWorker:
         self._thread.join()
 
 
+def in_quiet_start() -> bool:
+    """Whether a quiet start is under way in this process (its load calls this from the quiet thread)."""
+    return _active is not None
+
+
 def at_normal_priority(fn: Callable[[], T]) -> T:
     """``fn()`` on a thread of the normal priority: inside a quiet start on its worker, else here. For what starts
     threads that outlive the load (an ONNX Runtime session with an intra-op pool)."""

@@ -130,6 +130,46 @@ print(json.dumps({"lowered": lowered, "new": list(new.values()), "caller": nice(
     assert got["new"] and all(n == 0 for n in got["new"]), got  # the wide session's pool: normal priority
 
 
+
+def test_a_session_loaded_quietly_is_initialized_on_the_quiet_thread(tmp_path: Path) -> None:
+    """The C++ session (whose constructor starts the intra-op pool) is made by the normal-priority worker; its
+    initialization (the weights read, the graph optimized, the weights packed: nearly all of the load's CPU time)
+    runs on the quiet thread. Seen through onnxruntime's own two steps, each recording its thread's nice value."""
+    _tiny_onnx(tmp_path / "m.onnx")
+    got = _child("""
+import onnxruntime
+import numpy as np
+from onnxruntime.capi import _pybind_state as c_api
+from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
+
+seen = {}
+real = c_api.InferenceSession
+
+class Spy:
+    def __init__(self, *args):
+        seen["made"] = nice()
+        self._real = real(*args)
+
+    def initialize_session(self, *args):
+        seen["initialized"] = nice()
+        return self._real.initialize_session(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+c_api.InferenceSession = Spy
+before = threads()
+engine, lowered = run_quietly(lambda: OnnxRuntimeEngine(sys.argv[1] + "/m.onnx", threads=2))
+new = new_threads(before)
+y = engine.run({"x": np.ones((2, 64), np.float32)})
+print(json.dumps({"lowered": lowered, "seen": seen, "pool": list(new.values()), "caller": nice(),
+                  "ok": bool(np.allclose(y["y"] if isinstance(y, dict) else y[0], 64.0))}))
+""", str(tmp_path))
+    assert got["lowered"] is True and got["ok"] is True and got["caller"] == 0
+    assert got["seen"] == {"made": 0, "initialized": 19}, got
+    assert got["pool"] and all(n == 0 for n in got["pool"]), got  # the pool's thread: normal priority
+
+
 def test_the_rollout_asks_for_it_with_a_file_per_model(tmp_path: Path) -> None:
     assert not requested(tmp_path, "m") and not requested(None, "m")
     request_path(tmp_path, "m").write_text("")
