@@ -219,7 +219,6 @@ def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
     return total
 
 
-
 def on_a_quiet_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on a thread of its own at nice 19 (waited for; its exception raised here): a caller that keeps
     its priority (the control endpoint's thread) has CPU-heavy work (hashing a version) done at the lowest one.

@@ -385,10 +385,11 @@ class TritonServer:
             # Bound to this process from its first instruction: if we die (SIGKILL included, start-up
             # included) the server gets SIGTERM and shuts down, never left running as an orphan.
             # A process group of its own (stopped as one; a terminal's Ctrl-C reaches serve, which stops it in
-            # order) but this process's session: Linux's autogroup scheduler (sched_autogroup_enabled, on by
-            # default) shares the CPU between sessions as equals before any nice value counts, so a server in a
-            # session of its own took no more than half the cores from serve's nice-19 work beside live traffic
-            # (a rollout's hashing, copying and acceptance), and nice only ranked it within serve's session.
+            # order) but this process's session: Linux's autogroup scheduler (where sched_autogroup_enabled is 1)
+            # shares the CPU between sessions as equals before any nice value counts, so with the server in a
+            # session of its own serve's nice-19 work beside live traffic (a rollout's hashing, copying and
+            # acceptance) ranked level with the whole server and took up to half the cores from it
+            # (benchmarks/bench_session_share.py).
             self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env},
                                             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                             **_OWN_PROCESS_GROUP,

@@ -109,7 +109,7 @@ def _cpu_session(ort: Any, source: str | bytes, options: Any, **kwargs: Any) -> 
 
 
 def _pool_then_initialize(ort: Any, source: str | bytes, options: Any, kwargs: dict) -> Any:
-    """The session made in two steps, as ``InferenceSession.__init__`` makes it (onnxruntime 1.2x-1.3x): the C++
+    """The session made in two steps, as ``InferenceSession._create_inference_session`` makes it (onnxruntime 1.32): the C++
     session on the normal-priority worker, ``initialize_session`` on the calling thread. None where this
     onnxruntime lacks the pieces (the caller then makes the whole session on the worker)."""
     from ..quiet_start import at_normal_priority
