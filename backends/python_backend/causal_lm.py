@@ -49,7 +49,7 @@ class CausalLM:
             opts.intra_op_num_threads = int(threads)
         if not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # A session with an intra-op pool is made at the normal priority even inside a quiet start (quiet_start.py).
+        # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet thread's.
         self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())

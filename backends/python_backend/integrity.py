@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
 _BLOCK = 1 << 24
@@ -76,27 +77,36 @@ def copy_checked(model_dir: Path, relpath: str, digests: dict[str, str], dest: P
     _check_covered(path, relpath, digests)
     h = hashlib.sha256()
     with path.open("rb", buffering=0) as src, Path(dest).open("wb") as out:
-        for start, end, data in file_regions(src.fileno(), os.fstat(src.fileno()).st_size):
-            if not data:  # a hole reads as zeros: hash them, leave a hole in the copy too
-                zeros = bytes(min(_BLOCK, end - start))
-                for at in range(start, end, _BLOCK):
-                    h.update(zeros if end - at >= _BLOCK else zeros[:end - at])
-                out.seek(end)
-                continue
-            src.seek(start)
-            left = end - start
-            while left > 0:
-                chunk = src.read(min(_BLOCK, left))
-                if not chunk:
-                    break  # the file shrank: its hash will not match
-                h.update(chunk)
-                out.write(chunk)
-                left -= len(chunk)
-        out.truncate()
+        copy_sparse(src, out, h.update)  # a file that shrank while copied: its hash will not match
     actual = h.hexdigest()
     if actual != digests[relpath]:
         Path(dest).unlink(missing_ok=True)
         raise _changed(relpath, actual, digests[relpath])
+
+
+def copy_sparse(src: BinaryIO, out: BinaryIO, update: Callable[[bytes], None] | None = None) -> None:
+    """Copy the open file ``src`` (unbuffered) into ``out``, a hole in ``src`` left a hole in ``out`` (a copy written
+    densely would take a sparse weight file's whole size on disk). ``update`` sees every byte of ``src`` in order, a
+    hole's as zeros: a hash of what was copied. A file that shrinks while copied ends the copy where it ends."""
+    for start, end, data in file_regions(src.fileno(), os.fstat(src.fileno()).st_size):
+        if not data:
+            if update is not None:
+                zeros = bytes(min(_BLOCK, end - start))
+                for at in range(start, end, _BLOCK):
+                    update(zeros if end - at >= _BLOCK else zeros[:end - at])
+            out.seek(end)
+            continue
+        src.seek(start)
+        left = end - start
+        while left > 0:
+            chunk = src.read(min(_BLOCK, left))
+            if not chunk:
+                break
+            if update is not None:
+                update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+    out.truncate()
 
 
 def file_regions(fd: int, size: int):

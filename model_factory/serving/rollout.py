@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from model_factory.backend.idle_cores import yield_cores
+from model_factory.backend.quiet_start import run_quietly
 from model_factory.errors import FactoryError
 
 # States a rollout goes through; the last four are final.
@@ -219,27 +220,6 @@ def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
     return total
 
 
-def on_a_quiet_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a thread of its own at nice 19 (waited for; its exception raised here): a caller that keeps
-    its priority (the control endpoint's thread) has CPU-heavy work (hashing a version) done at the lowest one.
-    Linux never lets a thread raise its priority back without privilege, so the work gets a thread to lower."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        yield_cores()
-        try:
-            out["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-            out["error"] = exc
-
-    worker = threading.Thread(target=run, name="mf-rollout-check", daemon=True)
-    worker.start()
-    worker.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 class RolloutControl:
     """Rollouts of the models one ``serve`` serves (one at a time per server).
 
@@ -331,7 +311,8 @@ class RolloutControl:
                 busy = next((s for s in self.statuses.values() if s.state not in FINAL), None)
                 raise FactoryError(f"refused: a rollout is in progress ({busy.model if busy else '?'} "
                                    f"{busy.state if busy else ''}). Fix: wait for it (rollout --status)")
-            digests = on_a_quiet_thread(self.check, req)  # hashing the whole version beside live traffic
+            # Hashing the whole version beside live traffic: on a nice-19 thread (this one keeps its priority).
+            digests, _ = run_quietly(lambda: self.check(req))
             status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version, self.serving[req.model],
                                    gate=req.gate, min_requests=req.min_requests)
             self.statuses[req.model] = status

@@ -49,7 +49,6 @@ from model_factory.signing.layout import DEFAULT_EXCLUSIONS, is_signature_name, 
 
 PYCACHE_BLOCKER = "__pycache__"
 _COMPARE_BYTES_UP_TO = 1 << 20
-_COPY_BLOCK = 1 << 24
 _FICLONE = 0x40049409  # linux/fs.h: share the source's blocks, copy on write
 
 
@@ -67,26 +66,13 @@ def _copy(src: Path, dst: Path) -> None:
     Elsewhere the bytes, and a hole in ``src`` (a sparse weight file's unused rows) stays a hole in the
     copy: a copy written densely would take the file's whole size on disk again.
     """
-    from model_factory.backend.integrity import file_regions
+    from model_factory.backend.integrity import copy_sparse
 
     with open(src, "rb", buffering=0) as fin, open(dst, "wb") as fout:
         try:
             fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
-        except OSError:  # ext4, tmpfs, another file system: bytes
-            size = os.fstat(fin.fileno()).st_size
-            for start, end, is_data in file_regions(fin.fileno(), size):
-                if not is_data:
-                    fout.seek(end)
-                    continue
-                fin.seek(start)
-                left = end - start
-                while left > 0:
-                    chunk = fin.read(min(_COPY_BLOCK, left))
-                    if not chunk:
-                        break  # the file shrank while copied: the backend's digest check refuses the copy
-                    fout.write(chunk)
-                    left -= len(chunk)
-            fout.truncate()
+        except OSError:  # ext4, tmpfs, another file system: bytes (a file that shrank meanwhile is refused by
+            copy_sparse(fin, fout)  # the backend's digest check)
     shutil.copystat(src, dst)
 
 
