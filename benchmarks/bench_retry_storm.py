@@ -6,10 +6,11 @@
 MiniLM exported once (FP32), its cost measured once, packaged twice from the same files with the example's
 batching (two instances, preferred batches 16/32/64), each on its own real Triton in this process:
 
-(count)  the default: ``max_queue_size = "auto"``, the bound sized from the measured cost to ``queue_budget_ms``
-         (300 ms) of work. Past it Triton answers 503 / UNAVAILABLE at once.
-(age)    the recipe's ``shed_by = "age"``: Triton's queue timeout = the same budget, the bound 8 x the count
-         bound (a safety net): a request is shed when it has waited the budget, not when it arrives behind a full
+(count)  ``shed_by = "count"``: ``max_queue_size = "auto"``, the bound sized from the measured cost to
+         ``queue_budget_ms`` (300 ms) of work. Past it Triton answers 503 / UNAVAILABLE at once.
+(age)    the default, ``shed_by = "age"``: Triton's queue timeout as ``serve`` derives it (the budget, at least twice
+         a full launch of the longest sequences by the same cost: ``queue_bound.shed_wait_us``), the bound 8 x the
+         count bound (a safety net): a request is shed when it has waited that long, not when it arrives behind a full
          queue.
 
 The knee: closed-loop goodput (answered requests/s) at 8, 16 and 32 in flight, where nothing is shed; the best of
@@ -154,11 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batching (two instances, preferred batches 16/32/64), gRPC token ids of real-text lengths, closed loop; "
         f"{args.rounds} round(s) of {args.seconds:g} s per cell, the variants alternating; medians with (min-max).",
         "",
-        f"- (count): `max_queue_size = \"auto\"`, here {b['size']} requests (the FP32 cost measured in this run, "
+        f"- (count): `shed_by = \"count\"`, `max_queue_size = \"auto\"`, here {b['size']} requests (the FP32 cost measured in this run, "
         f"{budget} ms of work): past it Triton answers 503 at once.",
-        f"- (age): the recipe's `shed_by = \"age\"` (with `max_queue_size = \"auto\"`), as `serve` derives it here: "
+        f"- (age): the default, `shed_by = \"age\"` (with `max_queue_size = \"auto\"`), as `serve` derives it here: "
         f"Triton's `max_queue_size = {age.max_queue_size}` (a safety bound) and `default_timeout_microseconds = "
-        f"{age.default_timeout_microseconds}`: a request is shed once it has waited {budget} ms.",
+        f"{age.default_timeout_microseconds}`: a request is shed once it has waited "
+        f"{age.default_timeout_microseconds / 1000:.0f} ms (the {budget} ms budget, or twice a full launch of the "
+        f"longest sequences by the cost model, whichever is longer).",
         f"- The knee: the best goodput at {', '.join(map(str, knee_levels))} in flight, {knee:.1f} answered/s "
         f"(({knee_at[0]}) at {knee_at[1]}).", "",
         *rows, "",

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# MiniLM FP32's cost model (a + b·n·L + c·n·L² s per launch of n sequences of L tokens) as measured on a 2-core Xeon
+# (queue_bound.measure_engine_cost: 0.0024, 8.4e-5, 4.0e-7): fixed in test packages so that nothing is measured.
+MINILM_COST = "0.002,8e-5,4e-7"
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -48,7 +52,9 @@ def package_signed(minilm_export):
     """A factory: ``package_signed(recipe, key, artifacts=None, **package_model_kwargs)`` packages the session's
     MiniLM export (or ``artifacts``) as ``recipe`` says and signs it with ``key`` (a ``KeyPaths``) and provenance.
 
-    The cost model is fixed, so Triton loads the model without measuring it. Returns the model folder.
+    The cost model is fixed, so Triton loads the model without measuring it: MINILM_COST, about what MiniLM FP32
+    measures on 2 cores, so that the queue timeout `serve` derives from it for the default shedding by age
+    (twice a full launch of 64 x 128 tokens: about 2 s) is not shorter than a real launch. Returns the model folder.
     """
     def package_signed(recipe, key, artifacts=None, **kwargs) -> Path:
         from model_factory.build.pipeline import provenance_for
@@ -56,7 +62,7 @@ def package_signed(minilm_export):
         from model_factory.signing import SignerConfig, sign_model_version
 
         package_model(recipe, artifacts or {"model.onnx": minilm_export.onnx_path},
-                      tokenizer_dir=minilm_export.tokenizer_dir, parameters={"cost_model": "0.002,1e-6,1e-9"}, **kwargs)
+                      tokenizer_dir=minilm_export.tokenizer_dir, parameters={"cost_model": MINILM_COST}, **kwargs)
         model_dir = recipe.repository.path / recipe.name
         sign_model_version(model_dir, recipe.version, SignerConfig(private_key=key.private_key, password=None),
                            provenance=provenance_for(recipe, {"source_digest": minilm_export.source_digest},

@@ -37,7 +37,12 @@ def _package(recipe, tmp_path: Path, **params: str) -> Path:
     return package_model(recipe, {"model.onnx": onnx}, parameters=params).model_dir
 
 
+def _shed_by(recipe, how: str):
+    return replace(recipe, batching=replace(recipe.batching, shed_by=how))
+
+
 def test_serve_derives_the_bound_from_a_measured_or_fixed_cost_model(minilm_recipe, tmp_path: Path) -> None:
+    minilm_recipe = _shed_by(minilm_recipe, "count")  # the bound itself; shedding by age multiplies it (below)
     model_dir = _package(minilm_recipe, tmp_path)
     config = read_config(model_dir)
     signed = config.dynamic_batching.default_queue_policy.max_queue_size
@@ -55,6 +60,7 @@ def test_serve_derives_the_bound_from_a_measured_or_fixed_cost_model(minilm_reci
 
 
 def test_constants_in_the_configuration_need_no_measuring(minilm_recipe, tmp_path: Path) -> None:
+    minilm_recipe = _shed_by(minilm_recipe, "count")
     model_dir = _package(minilm_recipe, tmp_path, cost_model="0.001,1e-7,0")
     assert not needs_measuring(model_dir)
     configs = load_configs(model_dir.parent, [model_dir.name])
@@ -113,24 +119,38 @@ def test_a_model_that_degrades_gets_a_larger_bound(minilm_recipe, tmp_path: Path
 
 
 def test_a_queue_that_sheds_by_age_waits_the_budget_behind_a_larger_bound(minilm_recipe, tmp_path: Path) -> None:
-    """shed_by = "age": Triton's queue timeout is the budget (signed), and the bound serve derives is
-    SHED_AGE_BOUND_FACTOR times the one that sheds by count (a cap on memory, not the shedding rule)."""
+    """shed_by = "age": serve derives Triton's queue timeout (the budget, at least twice the longest launch by the
+    cost model measured there) and a bound SHED_AGE_BOUND_FACTOR times the one that sheds by count (a cap on
+    memory, not the shedding rule); the signed configuration has that cap on its fallback bound, no timeout."""
     from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
+    from model_factory.serving.queue_bound import shed_wait_us
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    age = replace(minilm_recipe, batching=replace(minilm_recipe.batching, shed_by="age"))
-    plain = derived_config(read_config(_package(minilm_recipe, tmp_path / "a")), (0.001, 1e-5, 0.0))
+    age = _shed_by(minilm_recipe, "age")
+    plain = derived_config(read_config(_package(_shed_by(minilm_recipe, "count"), tmp_path / "a")),
+                           (0.001, 1e-5, 0.0))
     by_age = read_config(_package(age, tmp_path / "b"))
     signed = by_age.dynamic_batching.default_queue_policy
-    assert signed.default_timeout_microseconds == minilm_recipe.batching.queue_budget_ms * 1000
+    assert signed.default_timeout_microseconds == 0  # derived where it serves, as the bound is
     assert signed.max_queue_size == SHED_AGE_BOUND_FACTOR * FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
     assert not read_config(tmp_path / "a" / "repo" / "minilm").dynamic_batching.default_queue_policy \
         .default_timeout_microseconds  # shedding by count: no timeout
     derived = derived_config(by_age, (0.001, 1e-5, 0.0))["dynamic_batching"]["default_queue_policy"]
     bound = int(plain["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
     assert int(derived["max_queue_size"]) == SHED_AGE_BOUND_FACTOR * bound
-    assert int(derived["default_timeout_microseconds"]) == minilm_recipe.batching.queue_budget_ms * 1000
+    # A full launch of 64 x 128 tokens takes 1 ms + 82 ms here: the 300 ms budget is the wait.
+    budget = minilm_recipe.batching.queue_budget_ms
+    assert int(derived["default_timeout_microseconds"]) == budget * 1000
+    assert derived["timeout_action"] == "REJECT"
+    # A machine where that launch takes 0.82 s: a request may wait two of them (1.64 s), not the 300 ms budget, so
+    # that no request is shed for waiting behind one busy launch.
+    slow = derived_config(by_age, (0.001, 1e-4, 0.0))["dynamic_batching"]["default_queue_policy"]
+    max_len = minilm_recipe.shapes.max_sequence_length
+    assert int(slow["default_timeout_microseconds"]) == shed_wait_us(
+        (0.001, 1e-4, 0.0), max_batch=minilm_recipe.shapes.max_batch, max_length=max_len, budget_ms=budget)
+    assert 1_600_000 < int(slow["default_timeout_microseconds"]) < 1_700_000
+    assert shed_wait_us((0.0, 0.0, 0.0), max_batch=64, max_length=128, budget_ms=300) is None
     # One instance: no bound, so no shedding of either kind (Triton's batcher and a queue policy, above).
     one = replace(age, repository=replace(age.repository, instance_count=1))
     (tmp_path / "c").mkdir()

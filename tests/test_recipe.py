@@ -127,6 +127,19 @@ def test_bad_recipe_names_field_and_fix(onnx_recipe_dir: Path, mutate, field: st
     assert f"'{field}'" in msg and "Fix:" in msg and fix in msg
 
 
+def test_the_default_sheds_by_age_where_the_bound_is_auto_and_as_given_elsewhere(onnx_recipe_dir: Path) -> None:
+    """shed_by defaults to "age" on an "auto" bound; a fixed bound or a queue timeout of the recipe's own is kept
+    as given ("count"), where "age" named outright is an error (above)."""
+    assert parse_recipe(_data(), onnx_recipe_dir).batching.shed_by == "age"
+    for given in ({"max_queue_size": 64}, {"queue_timeout_us": 1000}):
+        data = _data()
+        data["batching"] = dict(given)
+        assert parse_recipe(data, onnx_recipe_dir).batching.shed_by == "count"
+    data = _data()
+    data["batching"] = {"shed_by": "count"}
+    assert parse_recipe(data, onnx_recipe_dir).batching.shed_by == "count"
+
+
 def test_torch_source_requires_declared_io(tmp_path: Path) -> None:
     with pytest.raises(FactoryError, match="'inputs'.*declared"):
         parse_recipe({"model": {"name": "m"}, "source": {"kind": "torch", "factory": "pkg.mod:make"}}, tmp_path)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from model_factory.errors import FactoryError
+from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
 from model_factory.fileio import atomic_dir
 from model_factory.build.repository import (FALLBACK_QUEUE_BATCHES, config_dict, config_parameters, config_to_pbtxt,
                                             package_model, parse_config, read_config)
@@ -41,8 +42,15 @@ def test_queue_is_bounded_by_default_with_two_instances_and_unbounded_with_one(m
     assert minilm_recipe.batching.max_queue_size is None  # "auto", the default
     assert minilm_recipe.repository.instance_count == 2
     cfg = parse_config(config_to_pbtxt(config_dict(minilm_recipe, {})))
-    # The signed bound: a few full batches (serve derives the deployment's own where it runs).
-    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+    # The signed bound: a few full batches (serve derives the deployment's own where it runs), 8x that by default,
+    # where requests are shed by their wait (shed_by = "age": serve derives Triton's queue timeout too).
+    policy = cfg.dynamic_batching.default_queue_policy
+    fallback = FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+    assert minilm_recipe.batching.shed_by == "age"
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (SHED_AGE_BOUND_FACTOR * fallback, 0)
+    by_count = replace(minilm_recipe, batching=replace(minilm_recipe.batching, shed_by="count"))
+    policy = parse_config(config_to_pbtxt(config_dict(by_count, {}))).dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (fallback, 0)
     # One instance: Triton's batcher would lose wake-ups with a bound, so "auto" leaves the queue unbounded.
     one = replace(minilm_recipe, repository=replace(minilm_recipe.repository, instance_count=1))
     cfg = parse_config(config_to_pbtxt(config_dict(one, {})))

@@ -54,7 +54,7 @@ BACKEND_OUTPUTS = (TRUNCATED_TOKENS_OUTPUT, PRECISION_OUTPUT)
 # backend sees the requests it can still answer on the cheaper engine (serving/queue_bound.py, packaging).
 DEGRADE_QUEUE_FACTOR = 2
 # With shed_by = "age" Triton's queue bound is this many times the "count" bound: requests are shed by their wait
-# (queue_budget_ms), the bound only caps the memory a flood of clients can hold queued.
+# (Triton's queue timeout, derived by `serve`), the bound only caps the memory a flood of clients can hold queued.
 SHED_AGE_BOUND_FACTOR = 8
 
 
@@ -248,8 +248,8 @@ class ModelParameters:
     # machine that serves, as queue_budget_ms of work by the cost model measured there (serving/queue_bound.py).
     queue_bound: str = _param("choice", "fixed", choices=QUEUE_BOUNDS)
     queue_budget_ms: int = _param("int", 0, minimum=0)
-    # How that bound sheds (QUEUE_SHEDDING): "age" multiplies the derived bound by SHED_AGE_BOUND_FACTOR; the
-    # queue timeout (queue_budget_ms) is in config.pbtxt's queue policy.
+    # How that bound sheds (QUEUE_SHEDDING): "age" multiplies the derived bound by SHED_AGE_BOUND_FACTOR, and
+    # ``serve`` adds the queue timeout it derives (queue_budget_ms, at least twice the longest launch there).
     queue_shed_by: str = _param("choice", "count", choices=QUEUE_SHEDDING)
     # The allowed [low, high] of each index-like input, as JSON {"name": [low, high]} (input_bounds.py parses it:
     # it needs numpy, which this file may not import); None: no bounds beyond input_ids < vocab_size.

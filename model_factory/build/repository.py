@@ -154,7 +154,8 @@ def queue_policy_note(recipe: Recipe) -> str | None:
 
 def sheds_by_age(recipe: Recipe) -> bool:
     """Whether the recipe's "auto" queue sheds requests by their wait (``shed_by = "age"``) on a bounded queue."""
-    return recipe.batching.shed_by == "age" and bounds_queue_by_default(recipe)
+    b = recipe.batching
+    return b.shed_by == "age" and not b.queue_timeout_us and bounds_queue_by_default(recipe)
 
 
 def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
@@ -164,9 +165,9 @@ def queue_policy_dict(recipe: Recipe, queue_size: int) -> dict[str, Any]:
                               "timeout_action": "REJECT" if b.timeout_action == "reject" else "DELAY"}
     if b.queue_timeout_us:
         policy["default_timeout_microseconds"] = b.queue_timeout_us
-    elif sheds_by_age(recipe):  # a request that has waited the budget is answered 503 (UNAVAILABLE) then
-        policy["default_timeout_microseconds"] = b.queue_budget_ms * 1000
-        policy["timeout_action"] = "REJECT"
+    # Shedding by age: the queue timeout is derived where the model serves (serving/queue_bound.shed_wait_us: the
+    # budget, never under twice the longest launch measured there), as the bound is; the signed bound is 8x the
+    # fallback (config_dict), a cap that a server started without `serve` sheds at.
     out: dict[str, Any] = {"default_queue_policy": policy}
     if b.priority_levels:
         out["priority_levels"] = b.priority_levels

@@ -105,13 +105,19 @@ def _batching(b: BatchingTable, max_batch: int, max_len: int, inputs: tuple[Tens
     if b.max_group_tokens != 0 and b.max_group_tokens < max_len:
         raise _err("batching.max_group_tokens", f"{b.max_group_tokens} is below shapes.max_sequence_length "
                    f"{max_len}", f"use 0 (no budget) or at least {max_len}")
-    if b.shed_by == "age" and b.max_queue_size != "auto":
-        raise _err("batching.shed_by", f'"age" needs max_queue_size = "auto" (it is {b.max_queue_size})',
-                   'use max_queue_size = "auto" (the bound derived where the model serves), or keep your fixed '
-                   "bound and set queue_timeout_us yourself")
-    if b.shed_by == "age" and b.queue_timeout_us:
-        raise _err("batching.shed_by", f'"age" sheds at queue_budget_ms, and queue_timeout_us is also set '
-                   f"({b.queue_timeout_us})", "give the wait as queue_budget_ms and remove queue_timeout_us")
+    # The default sheds by age where it can: an "auto" bound and no queue timeout of the recipe's own; a fixed
+    # bound or a timeout given sheds as given (count). Asked for by name where it cannot, it is an error.
+    shed_by = b.shed_by
+    if shed_by == "age" and (b.max_queue_size != "auto" or b.queue_timeout_us):
+        if "shed_by" not in b.model_fields_set:
+            shed_by = "count"
+        elif b.max_queue_size != "auto":
+            raise _err("batching.shed_by", f'"age" needs max_queue_size = "auto" (it is {b.max_queue_size})',
+                       'use max_queue_size = "auto" (the bound derived where the model serves), or keep your fixed '
+                       "bound and set queue_timeout_us yourself")
+        else:
+            raise _err("batching.shed_by", f'"age" sheds at queue_budget_ms, and queue_timeout_us is also set '
+                       f"({b.queue_timeout_us})", "give the wait as queue_budget_ms and remove queue_timeout_us")
     levels = b.priority_levels
     if not levels and b.default_priority is not None:
         raise _err("batching.default_priority", "is set without priority_levels",
@@ -125,7 +131,7 @@ def _batching(b: BatchingTable, max_batch: int, max_len: int, inputs: tuple[Tens
         preferred_batch_sizes=pref, max_queue_delay_us=b.max_queue_delay_us, grouping=b.grouping,
         ragged=b.ragged, max_group_tokens=b.max_group_tokens, pad_sequences=pad,
         max_queue_size=None if b.max_queue_size == "auto" else b.max_queue_size,
-        queue_budget_ms=b.queue_budget_ms, shed_by=b.shed_by, queue_timeout_us=b.queue_timeout_us,
+        queue_budget_ms=b.queue_budget_ms, shed_by=shed_by, queue_timeout_us=b.queue_timeout_us,
         timeout_action=b.timeout_action, priority_levels=levels, default_priority=default if levels else 0)
 
 

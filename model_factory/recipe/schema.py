@@ -296,13 +296,14 @@ class BatchingTable(_Table):
         "on a model with two or more instances (unbounded on one instance); 0: unbounded; N: N requests. Past it "
         "Triton answers 503 / UNAVAILABLE at once.")
     queue_budget_ms: Positive = Field(300, description='The work, in ms, the "auto" queue bound holds.')
-    shed_by: _choice(SHEDDING) = Field("count", description='How an "auto" queue bound sheds: count: a request '
-                                       "that arrives behind the bound is answered 503 at once; age: a request is "
-                                       "answered 503 once it has waited queue_budget_ms in the queue (Triton's "
-                                       "queue timeout), the bound kept 8x larger only to cap memory (both on two "
-                                       'or more instances, where "auto" bounds the queue). age keeps goodput when '
-                                       "clients resend at once after a 503 (benchmarks/RESULTS.md, "
-                                       '"Goodput under a retry storm").')
+    shed_by: _choice(SHEDDING) = Field("age", description='How an "auto" queue bound sheds (on two or more '
+                                       'instances, where "auto" bounds the queue): age: a request is answered 503 '
+                                       "once it has waited queue_budget_ms in the queue (Triton's queue timeout), "
+                                       "the bound kept 8x larger only to cap memory; count: a request that arrives "
+                                       "behind the bound is answered 503 at once. age keeps goodput when clients "
+                                       "resend at once after a 503 (benchmarks/RESULTS.md, \"Goodput under a retry "
+                                       'storm"); count answers a shed request without its wait. Default: age, where '
+                                       'max_queue_size = "auto" and no queue_timeout_us is set; count otherwise.')
     queue_timeout_us: Annotated[Whole, Fix("give microseconds as a whole number (0: no timeout)")] = Field(
         0, description="How long a request may wait in the queue, µs (0: as long as it takes).")
     timeout_action: _choice(TIMEOUT_ACTIONS) = Field("reject", description="What happens to a request past "

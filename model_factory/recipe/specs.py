@@ -114,7 +114,7 @@ class BatchingSpec:
     # "Overload"; docs/operations.md, "Overload shedding"). 0: unbounded; N: N requests.
     max_queue_size: int | None = None
     queue_budget_ms: int = 300
-    shed_by: str = "count"  # count | age: how the "auto" bound sheds (recipe schema, docs/operations.md)
+    shed_by: str = "age"  # age | count: how the "auto" bound sheds (recipe schema, docs/operations.md)
     queue_timeout_us: int = 0  # 0: a queued request waits as long as it takes
     timeout_action: str = "reject"  # reject | delay (what happens to a request past queue_timeout_us)
     priority_levels: int = 0  # 0: one priority; else requests carry a priority 1..levels

@@ -46,11 +46,30 @@ def queue_size(cost: Sequence[float], *, max_batch: int, length: int, preferred:
     return max(int(floor), int(math.ceil(n / seconds * budget_ms / 1000.0)))
 
 
+def shed_wait_us(cost: Sequence[float], *, max_batch: int, max_length: int, budget_ms: float) -> int | None:
+    """How long, µs, a request may wait in Triton's queue before it is shed by its age; None when ``cost`` says nothing.
+
+    The budget, but never under twice the longest launch the instances run (``max_batch`` sequences of
+    ``max_length``, by the cost model ``(a, b, c)``): below one load's worth of clients a request waits at most
+    for one busy launch to end, and a budget shorter than that launch shed requests at 4 clients of 16 long
+    texts each (tests/integration/test_faults.py on MiniLM, 2 cores). Under overload the answered requests
+    then waited at most this long in the queue.
+    """
+    a, b, c = (float(x) for x in cost)
+    n, length = int(max_batch), int(max_length)
+    launch = a + b * n * length + c * n * length * length
+    if not (launch > 0 and math.isfinite(launch)) or n < 1:
+        return None
+    return int(math.ceil(max(float(budget_ms) / 1000.0, 2.0 * launch) * 1e6))
+
+
 def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] | None:
     """The configuration (Triton's JSON form) with this deployment's queue bound; None when it keeps its own.
 
     ``config`` is a parsed ``ModelConfig``. Only a model whose parameters say ``queue_bound = auto`` gets
-    a derived bound (times ``DEGRADE_QUEUE_FACTOR`` for a model that degrades before shedding: ``degrade_to``); ``cost`` is the cost model measured here, else the constants the configuration
+    a derived bound (times ``DEGRADE_QUEUE_FACTOR`` for a model that degrades before shedding: ``degrade_to``;
+    times ``SHED_AGE_BOUND_FACTOR`` for one that sheds by age, which also gets its queue timeout here:
+    :func:`shed_wait_us`); ``cost`` is the cost model measured here, else the constants the configuration
     fixes (``cost_model``); with neither, the signed (fallback) bound stays.
     """
     from google.protobuf import json_format
@@ -72,12 +91,19 @@ def derived_config(config: Any, cost: Sequence[float] | None) -> dict[str, Any] 
         from model_factory.backend.contract import DEGRADE_QUEUE_FACTOR
 
         size *= DEGRADE_QUEUE_FACTOR
-    if params.queue_shed_by == "age":  # shed by the wait (the signed queue timeout); the bound only caps memory
+    wait_us = None
+    if params.queue_shed_by == "age":  # shed by the wait, derived here too; the bound only caps memory
         from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
 
         size *= SHED_AGE_BOUND_FACTOR
+        wait_us = shed_wait_us(cost, max_batch=config.max_batch_size, max_length=params.max_sequence_length,
+                               budget_ms=params.queue_budget_ms)
     data = json_format.MessageToDict(config, preserving_proto_field_name=True)
-    data.setdefault("dynamic_batching", {}).setdefault("default_queue_policy", {})["max_queue_size"] = size
+    policy = data.setdefault("dynamic_batching", {}).setdefault("default_queue_policy", {})
+    policy["max_queue_size"] = size
+    if wait_us is not None:  # Triton's queue timeout: a request that waited this long is answered 503
+        policy["default_timeout_microseconds"] = str(wait_us)
+        policy["timeout_action"] = "REJECT"
     return data
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from model_factory.build.repository import (FALLBACK_QUEUE_BATCHES, config_parameters, package_model, read_config)
 from model_factory.errors import FactoryError
+from model_factory.backend.contract import SHED_AGE_BOUND_FACTOR
 
 
 def _artifacts(tmp_path: Path, int8_score: float = 0.995, min_accuracy: float | None = 0.99):
@@ -41,7 +42,7 @@ def test_degrade_to_keeps_its_files_declares_the_precision_output_and_doubles_th
     assert (params["precision"], params["degrade_to"], params["degrade_backlog"]) == ("fp32", "int8", "8")
     assert [o.data_type for o in config.output if o.name == "precision"] == [13]  # TYPE_STRING, dims [1]
     assert config.dynamic_batching.default_queue_policy.max_queue_size == \
-        2 * FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+        2 * SHED_AGE_BOUND_FACTOR * FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch  # by age: 8x, a cap
     # The signed metadata lists the degrade precision's files (signed with the rest).
     meta = json.loads((result.version_dir / "metadata.json").read_text())
     assert {"model.int8.onnx", "model.int8.w7.onnx", "accuracy.json"} <= set(meta["files"])
@@ -55,7 +56,7 @@ def test_without_degrade_to_nothing_changes(minilm_recipe, tmp_path):
     assert not [o for o in config.output if o.name == "precision"]
     assert not (result.version_dir / "model.int8.onnx").exists()
     assert config.dynamic_batching.default_queue_policy.max_queue_size == \
-        FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
+        SHED_AGE_BOUND_FACTOR * FALLBACK_QUEUE_BATCHES * minilm_recipe.shapes.max_batch
 
 
 @pytest.mark.parametrize("score, gate, said", [

@@ -38,8 +38,9 @@ def test_the_scaling_signal_crosses_its_target_only_when_the_replica_saturates(t
     """Low load: every metric under its target. Saturated: the HPA (the larger recommendation) scales out.
 
     The session's server runs the default package: two instances, started without ``serve``, so the queue keeps
-    the signed fallback bound (4 full batches; ``serve`` would size it to about 300 ms of work). The mean queue
-    time, targeted at half that budget, is the metric that crosses (docs/fleet.md).
+    the signed fallback bound (8 x 4 full batches, shedding by age, the default; no queue timeout: ``serve``
+    derives it, and would size a count bound to about 300 ms of work). The mean queue time, targeted at half that
+    budget, is the metric that crosses (docs/fleet.md).
     """
     from model_factory.measure.bench import draw_texts, load_texts, load_tokenizer, make_payloads, run_load, settled_scrape
     from benchmarks.harness.scaling import evaluate, parse_ratio_rule
@@ -64,9 +65,9 @@ def test_the_scaling_signal_crosses_its_target_only_when_the_replica_saturates(t
 
     low = signals(1, 20, gap_s=0.05)
     assert all(low[name] < target for name, (_, target) in rules.items()), low
-    # Closed loop: 6x the max batch of clients keeps the queue at its bound (4 full batches here: this server
-    # was started without serve, so it keeps the signed fallback bound) behind two busy instances. With 3x,
-    # only one batch waited, and on a fast, quiet CPU its mean queue time fell under the 150 ms target.
+    # Closed loop: 6x the max batch of clients keeps 4 full batches queued (under the signed fallback bound: this
+    # server was started without serve) behind two busy instances. With 3x, only one batch waited, and on a fast,
+    # quiet CPU its mean queue time fell under the 150 ms target.
     saturated = signals(384, 768)
     assert saturated["triton_mean_queue_us"] > rules["triton_mean_queue_us"][1], saturated
     assert saturated["triton_queue_compute_ratio"] > 10 * low["triton_queue_compute_ratio"], (low, saturated)

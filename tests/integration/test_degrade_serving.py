@@ -31,7 +31,10 @@ def _recipe(root: Path, name: str, **repository):
         "quantization.calibration_data": str(EXAMPLES / "calibration.txt"),
         "quantization.heldout_data": str(EXAMPLES / "heldout.txt"), "quantization.min_accuracy": 0.99,
         # Small batches: the signed ("auto" fallback) bound is 4 x 4 = 16 requests, 32 with degrade_to.
-        "shapes.max_batch": 4, "batching.preferred_batch_sizes": [2, 4]})
+        "shapes.max_batch": 4, "batching.preferred_batch_sizes": [2, 4],
+        # Shed by count, at once: a burst past the bound is what degrading answers instead (by age, the default, the
+        # burst waits its turn and nothing is shed here).
+        "batching.shed_by": "count"})
     return replace(recipe, name=name, repository=replace(recipe.repository, **repository))
 
 
