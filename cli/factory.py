@@ -240,6 +240,9 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         click.echo(f"refused {name}: {why}", err=True)
         if debug_enabled() and name in report.load_details:
             click.echo(report.load_details[name], err=True)
+    if server.swept:
+        click.echo(f"note: removed {len(server.swept)} temporary folder(s) of servers killed earlier: "
+                   + ", ".join(p.name for p in server.swept), err=True)
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     frontend = None
     if openai_port is not None:

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -49,6 +48,9 @@ def default_cost_cache() -> Path:
 # Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
 INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/cpu_features.py reads it
+# Prefixes of the temporary folders a server owns (serving/work_folders.py): its work folder, and the verified
+# digests serve hands to it (serving/verified_start.py).
+WORK_PREFIX, VERIFIED_PREFIX = "model-factory-triton-", "model-factory-verified-"
 RUNTIME_DIR_ENV = "MODEL_FACTORY_RUNTIME_DIR"  # backends/python_backend/idle_cores.py keeps its ledger there
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
@@ -276,11 +278,15 @@ class TritonServer:
         opts = options or ServerOptions()
         self._requested = opts  # ports left at 0 are ours to pick (again, if one is taken before Triton binds)
         self.options = self._pick_ports(opts)
-        self._work = Path(tempfile.mkdtemp(prefix="model-factory-triton-"))
-        # The work folder (a 3 MB copy of the Python backend, the default log, the served repository's links)
+        from model_factory.serving.work_folders import make_owned, release, sweep_stale
+
+        # Work folders of servers killed outright (SIGKILL: no finalizer ran) go first (serving/work_folders.py).
+        self.swept = sweep_stale(WORK_PREFIX) + sweep_stale(VERIFIED_PREFIX)
+        self._work, self._owner_fd = make_owned(WORK_PREFIX)
+        # The work folder (a 3 MB copy of the Python backend, the default log, the served repository's copies)
         # lives as long as this object: the log stays readable after stop(), and nothing is left in the temp
-        # folder once the object is gone.
-        weakref.finalize(self, shutil.rmtree, str(self._work), ignore_errors=True)
+        # folder once the object is gone. Its lock is held by this process and by each tritonserver it starts.
+        weakref.finalize(self, release, self._work, self._owner_fd)
         self.log_file = Path(log_file) if log_file else self._work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self._log: Any = None
@@ -392,7 +398,7 @@ class TritonServer:
             # (benchmarks/bench_session_share.py).
             self.process = subprocess.Popen(self.command(install), env={**install.env, **self.extra_env},
                                             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                            **_OWN_PROCESS_GROUP,
+                                            **_OWN_PROCESS_GROUP, pass_fds=(self._owner_fd,),
                                             preexec_fn=_bind_to_parent(os.getpid()) if _in_main_thread() else None)
             try:
                 self._wait_ready()

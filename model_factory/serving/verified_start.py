@@ -9,8 +9,6 @@ the Triton process (:mod:`.triton_process`), and one scrape of what the backends
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +18,9 @@ from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
 from model_factory.serving.metrics_scrape import engine_info_from_metrics, serving_notes
 from model_factory.serving.refusals import load_error_line
-from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, ServerOptions, TritonServer,
-                                                  discover_models)
+from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, VERIFIED_PREFIX, ServerOptions,
+                                                  TritonServer, discover_models)
+from model_factory.serving.work_folders import make_owned, release
 
 
 @dataclass(frozen=True)
@@ -221,20 +220,27 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
     if checked.table is not None:
         # The verified digests go to a file outside the repository; the backend checks the bytes it
         # loads against them, so a file swapped after this verification is refused at load.
-        path = Path(tempfile.mkdtemp(prefix="model-factory-verified-")) / "verified-digests.json"
-        write_table(path, checked.table)
+        # A folder owned through a lock, as the server's work folder is: one a killed serve left behind is removed
+        # by the next server that starts (serving/work_folders.py).
+        folder, owner_fd = make_owned(VERIFIED_PREFIX)
+        path = folder / "verified-digests.json"
+        try:
+            write_table(path, checked.table)
+        except BaseException:
+            release(folder, owner_fd)
+            raise
         digests = VerifiedDigests(repository, path, checked.policy)
         env[VERIFIED_DIGESTS_ENV] = str(path)
     try:
         server = TritonServer(repository, checks.passed, options, log_file=log_file, env=env, queue_costs=checks.costs)
     except BaseException:
         if digests is not None:
-            shutil.rmtree(digests.path.parent, ignore_errors=True)
+            release(folder, owner_fd)
         raise
     if digests is not None:
         # The digests live as long as the server object (a rollout rewrites them while it serves), as its work
         # folder does: nothing is left in the temporary folder once it is gone.
-        weakref.finalize(server, shutil.rmtree, str(digests.path.parent), ignore_errors=True)
+        weakref.finalize(server, release, folder, owner_fd)
     server.start()
     if on_loaded is not None:
         on_loaded(server)

@@ -204,10 +204,11 @@ def test_a_killed_stub_is_noticed_marked_not_ready_reverified_and_reloaded(repo_
 # --------------------------------------------------------------------------- the serve command's lifetime
 
 
-def _serve(repo: Path, policy: Path, *extra: str) -> subprocess.Popen:
+def _serve(repo: Path, policy: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "model_factory.cli.main", "serve", "--policy", str(policy), "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", *extra, str(repo)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def _tritons_of(pid: int) -> list[int]:
@@ -257,18 +258,43 @@ def test_a_signal_while_serve_is_starting_leaves_no_tritonserver_behind(signed_m
             proc.kill()
 
 
-def test_serve_killed_outright_takes_tritonserver_with_it(signed_minilm) -> None:
+def test_serve_killed_outright_takes_tritonserver_with_it_and_the_next_server_removes_its_folders(
+        signed_minilm, tmp_path: Path, monkeypatch) -> None:
+    from model_factory.serving.triton_process import VERIFIED_PREFIX, WORK_PREFIX, TritonServer
+
     repo, policy = signed_minilm
-    proc = _serve(repo, policy)
+    tmp = tmp_path / "tmp"  # serve's temporary folder: what it leaves there is all its own
+    tmp.mkdir()
+    proc = _serve(repo, policy, env={"TMPDIR": str(tmp)})
     try:
         triton = _wait_for(lambda: _tritons_of(proc.pid), 60)
         assert triton
+        left = sorted(p.name for p in tmp.iterdir())
+        assert any(n.startswith(WORK_PREFIX) for n in left) and any(n.startswith(VERIFIED_PREFIX) for n in left), left
+        # tritonserver holds its work folder's lock too (inherited): the folder outlives neither.
+        held = {os.readlink(fd) for fd in Path(f"/proc/{triton[0]}/fd").iterdir()}
+        (work,) = [n for n in left if n.startswith(WORK_PREFIX)]
+        assert str(tmp / work / ".owner") in held, held
         proc.kill()  # SIGKILL: no handler runs; the kernel tells tritonserver (PR_SET_PDEATHSIG)
         proc.wait(timeout=10)
         assert _gone(triton[0]), "tritonserver outlived a SIGKILLed serve"
     finally:
         if proc.poll() is None:
             proc.kill()
+    # No finalizer ran: serve's folders are still there (the served repository's copy of the model among them).
+    assert {p.name for p in tmp.iterdir()} >= set(left)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    # Their owners are gone (stubs included: they end with the server): the next server's start removes them.
+    theirs = [n for n in left if n.startswith((WORK_PREFIX, VERIFIED_PREFIX))]
+    swept: list[str] = []
+
+    def all_swept() -> bool:
+        swept.extend(p.name for p in TritonServer(repo).swept)  # each a server that is made, not started
+        return len(swept) >= len(theirs)
+
+    _wait_for(all_swept, 30, step=0.5)
+    assert sorted(swept) == theirs and not any((tmp / n).exists() for n in theirs)
 
 
 SENT_BEFORE_S = 0.05
