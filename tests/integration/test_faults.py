@@ -226,6 +226,17 @@ def _tritons_of(pid: int) -> list[int]:
     return found
 
 
+def _open_files(pid: int) -> set[str]:
+    """What the process ``pid`` has open (its descriptors come and go while it starts: one closed meanwhile is skipped)."""
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.add(os.readlink(fd))
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def _wait_for(predicate, timeout: float, step: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -272,7 +283,7 @@ def test_serve_killed_outright_takes_tritonserver_with_it_and_the_next_server_re
         left = sorted(p.name for p in tmp.iterdir())
         assert any(n.startswith(WORK_PREFIX) for n in left) and any(n.startswith(VERIFIED_PREFIX) for n in left), left
         # tritonserver holds its work folder's lock too (inherited): the folder outlives neither.
-        held = {os.readlink(fd) for fd in Path(f"/proc/{triton[0]}/fd").iterdir()}
+        held = _open_files(triton[0])
         (work,) = [n for n in left if n.startswith(WORK_PREFIX)]
         assert str(tmp / work / ".owner") in held, held
         proc.kill()  # SIGKILL: no handler runs; the kernel tells tritonserver (PR_SET_PDEATHSIG)
