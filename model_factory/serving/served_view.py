@@ -32,7 +32,8 @@ here, so a version still loaded can be loaded again within a rollout's grace per
 against the digests verified when they served, like any other.
 
 The price: the loaded versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
-version is copied once before its first load (MiniLM's 89 MB: about 0.4 s here).
+version is copied once before its first load (MiniLM's 89 MB: about 0.4 s here). The copy lives in the server's work
+folder: a server killed outright leaves it behind until the next server starts (``work_folders.py``).
 """
 
 from __future__ import annotations
