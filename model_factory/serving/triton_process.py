@@ -281,7 +281,7 @@ class TritonServer:
         from model_factory.serving.work_folders import make_owned, release, sweep_stale
 
         # Work folders of servers killed outright (SIGKILL: no finalizer ran) go first (serving/work_folders.py).
-        self.swept = sweep_stale(WORK_PREFIX) + sweep_stale(VERIFIED_PREFIX)
+        self.swept = sweep_stale((WORK_PREFIX, VERIFIED_PREFIX))
         self._work, self._owner_fd = make_owned(WORK_PREFIX)
         # The work folder (a 3 MB copy of the Python backend, the default log, the served repository's copies)
         # lives as long as this object: the log stays readable after stop(), and nothing is left in the temp

@@ -53,9 +53,9 @@ def release(folder: Path, fd: int) -> None:
             pass
 
 
-def sweep_stale(prefix: str, where: Path | None = None) -> list[Path]:
-    """Remove the folders named ``<prefix>…`` in ``where`` (the temporary folder) whose owner is gone: this user's,
-    with an ``.owner`` whose lock can be taken. Returns what was removed."""
+def sweep_stale(prefix: str | tuple[str, ...], where: Path | None = None) -> list[Path]:
+    """Remove the folders named ``<prefix>…`` (any of them, when a tuple: one scan) in ``where`` (the temporary
+    folder) whose owner is gone: this user's, with an ``.owner`` whose lock can be taken. Returns what was removed."""
     where = Path(where or tempfile.gettempdir())
     uid = os.getuid()
     removed: list[Path] = []
