@@ -4,6 +4,9 @@
     python3 benchmarks/gpu_checks.py prepare    # HERE (CPU machine): the Triton check's model and references
     python3 benchmarks/gpu_checks.py triton     # THERE: 256 concurrent requests through the real Triton
     python3 benchmarks/gpu_checks.py accept     # THERE: the packaged acceptance data through the GPU engine
+    python3 benchmarks/gpu_checks.py prepare-generate   # HERE: a tiny fp16 Llama and its CPU references
+    python3 benchmarks/gpu_checks.py generate   # THERE: the scheduler on ONNX Runtime CUDA, KV cache in the pool
+    python3 benchmarks/gpu_checks.py generate-triton   # THERE: the same model through Triton, KIND_GPU
 
 The ``triton`` check is driven by ``gpu_checks.sh`` after
 ``benchmarks/prepare_gpu_wheels.sh`` has put what it needs into ``.whl/`` (see
@@ -792,17 +795,262 @@ def accept_main(repo: Path, model: str) -> int:
     return 1 if problems else 0
 
 
+# --------------------------------------------------------------------------- text generation on ONNX Runtime CUDA
+#
+#   here   `gpu_checks.py prepare-generate` builds a tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads)
+#          with the factory serving fp16 (the GPU's precision: ONNX Runtime's CUDA attention is float16 only) and
+#          keeps, for 16 prompts of mixed lengths and max_tokens, the greedy tokens the same fp16 graph makes
+#          on ONNX Runtime's CPU provider, one sequence at a time, with each step's top-two logit margin;
+#   there  `gpu_checks.py generate` (the onnxruntime-gpu venv of gpu_checks.sh) runs the backend's own
+#          scheduler with the graph on the CUDA provider and the KV cache in device buffers from the pool
+#          (kv_device), slots sized from cudaMemGetInfo less a reserve, all 16 sequences together (continuous
+#          batching: they finish at different steps, so slots are compacted on the device), and compares
+#          every continuation with its reference up to its first near-tie.
+
+GENERATE_MODEL = "llm"
+GENERATE_NEAR_TIE = 2e-2  # float16 logits: a wider margin than the FP32 tests' 1e-3
+
+
+def _greedy_together(model, slots, prompts: list, max_tokens: list) -> tuple[list, int]:
+    """Every prompt submitted at once to the backend's scheduler, greedy; ``(tokens per prompt, steps)``."""
+    from mf_backend.sampling import SamplingParams
+    from mf_backend.scheduler import Generation, Scheduler
+
+    done: dict[int, list] = {}
+    sched = Scheduler(model, slots, None, (), max_waiting=len(prompts), max_prefill_tokens=4096)
+    gens = []
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=int(n), ignore_eos=True)
+        gens.append(sched.submit(Generation(list(prompt), params,
+                                            lambda g, e, i=i: done.__setitem__(i, list(g.generated))
+                                            if e.finish_reason else None)))
+    steps = 0
+    while sched.has_work() and steps < 10_000:
+        sched.step()
+        steps += 1
+    return [done.get(i, []) for i in range(len(prompts))], steps
+
+
+def prepare_generate_main(out: Path) -> int:
+    """Build the tiny fp16 Llama's packaged model and its references into ``out`` (CPU machine)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    from tests.generative_models import make_causal_lm
+    from tests.generative_repository import layout_generative_model
+
+    from mf_backend.causal_lm import CausalLM
+    from mf_backend.contract import Files, GenerationSpec
+    from mf_backend.kv_slots import KVSlots
+
+    if out.exists():
+        shutil.rmtree(out)
+    work = Path(tempfile.mkdtemp(prefix="gpu-generate-prepare-"))
+    hf = make_causal_lm("llama", work / "hf", max_positions=512)
+    vdir = layout_generative_model(hf, None, out / "model_repository", GENERATE_MODEL, precision="fp16",
+                                   memory_budget_mib=256, max_active_sequences=16)
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp16")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, spec.vocab_size, int(n)).tolist() for n in rng.integers(4, 96, 16)]
+    max_tokens = [int(n) for n in rng.integers(6, 48, 16)]
+    model = CausalLM(next(vdir.glob("model.fp16.onnx")))
+    slots = KVSlots(spec, 1, 64 << 20, max_context=256)
+    refs = []
+    for prompt, n in zip(prompts, max_tokens):  # one at a time: what batching must not change
+        views = slots.views(0, 1)
+        logits = model.prefill([prompt], views)[0]
+        tokens, margins = [], []
+        for step in range(n):
+            top2 = np.sort(logits.astype(np.float32))[-2:]
+            margins.append(float(top2[1] - top2[0]))
+            tokens.append(int(np.argmax(logits)))
+            if step + 1 < n:
+                logits = model.decode([tokens[-1]], [len(prompt) + step], views)[0]
+        slots.clear()
+        refs.append({"prompt": prompt, "max_tokens": n, "tokens": tokens, "margins": margins})
+    (out / "generate_refs.json").write_text(json.dumps(refs))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {GENERATE_MODEL} (fp16, {spec.num_layers} layers), {len(refs)} references, {size / MIB:.1f} MiB",
+          flush=True)
+    return 0
+
+
+def generate_main(out: Path) -> int:
+    """The backend's scheduler on ONNX Runtime's CUDA provider with the KV cache in the pool; tokens checked."""
+    import json
+
+    import numpy as np
+
+    from mf_backend.causal_lm import CausalLM, CudaPlacement
+    from mf_backend.contract import Files, GenerationSpec
+    from mf_backend.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
+    from mf_backend.kv_slots import KVSlots
+
+    vdir = out / "model_repository" / GENERATE_MODEL / "1"
+    refs = json.loads((out / "generate_refs.json").read_text())
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp16")
+    rt = cuda_runtime()
+    check(rt, rt.cudaSetDevice(0), "cudaSetDevice")
+    stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+    problems: list[str] = []
+    with MemoryPool(0) as pool:
+        start = time.perf_counter()
+        model = CausalLM(vdir / "model.fp16.onnx", cuda=CudaPlacement(0, int(stream)), precision="fp16")
+        load_s = time.perf_counter() - start
+        free, total = device_memory(0)
+        count = device_slots(spec, kv_budget_from_device(free, 1 << 30), wanted=16, max_context=256)
+        storage = DeviceKVBuffers(spec, count, pool, stream, max_context=256)
+        slots = KVSlots(spec, count, storage.nbytes, max_context=256, storage=storage)
+        prompts, max_tokens = [r["prompt"] for r in refs], [r["max_tokens"] for r in refs]
+        start = time.perf_counter()
+        got, steps = _greedy_together(model, slots, prompts, max_tokens)
+        wall = time.perf_counter() - start
+        same = ties = 0
+        for i, (ref, tokens) in enumerate(zip(refs, got)):
+            if len(tokens) != ref["max_tokens"]:
+                problems.append(f"sequence {i}: {len(tokens)} tokens, asked {ref['max_tokens']}")
+                continue
+            tie = next((k for k, m in enumerate(ref["margins"]) if m < GENERATE_NEAR_TIE), len(tokens))
+            ties += tie < len(tokens)
+            if tokens[:tie] == ref["tokens"][:tie]:
+                same += 1
+            else:
+                k = next(k for k in range(tie) if tokens[k] != ref["tokens"][k])
+                problems.append(f"sequence {i}: token {k} is {tokens[k]} on the GPU, {ref['tokens'][k]} on the CPU "
+                                f"(margin there {ref['margins'][k]:.3g})")
+        # The same sequence twice in a batch of 16: rows must not talk to each other.
+        twice, _ = _greedy_together(model, slots, [prompts[0]] * 16, [max_tokens[0]] * 16)
+        if any(t != twice[0] for t in twice):
+            problems.append("16 copies of one prompt decoded together gave different tokens")
+        slots.close()
+        model.close()
+        check(rt, rt.cudaStreamSynchronize(stream), "sync")
+        if pool.live_allocations:
+            problems.append(f"{pool.live_allocations} allocations left in the pool after close")
+    check(rt, rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+    tokens = sum(len(t) for t in got)
+    print(f"generate on cuda:0: session {load_s:.1f} s; {count} KV slots of 256 tokens in the pool "
+          f"({storage.nbytes / MIB:.1f} MiB; {free / 2**30:.1f} of {total / 2**30:.0f} GiB free after the session); "
+          f"16 sequences together: {tokens} tokens in {steps} steps, {wall:.2f} s ({tokens / wall:.0f} tokens/s, a "
+          f"tiny model: launch-bound); {same} of 16 equal to the CPU's fp16 tokens up to their first near-tie "
+          f"(margin < {GENERATE_NEAR_TIE}; {ties} have one)", flush=True)
+    for p_ in problems:
+        print(f"FAIL {p_}", flush=True)
+    print(f"generate check: {'FAILED' if problems else 'PASS'} ({len(problems)} problems)", flush=True)
+    return 1 if problems else 0
+
+
+def generate_triton_main(out: Path, log_dir: Path | None, kind: str = "gpu") -> int:
+    """Triton serving the packaged text-generation model on a KIND_GPU instance (``kind`` cpu: the same check on
+    the CPU, to try it here): the backend's load line says where it generates, and 16 concurrent generate requests
+    (prompt ids, exactly ``max_tokens``) give the CPU references' tokens up to each near-tie."""
+    import json
+    import shutil
+    import tempfile
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from model_factory.serving.server import ServerOptions, TritonServer
+
+    refs = json.loads((out / "generate_refs.json").read_text())
+    repo = Path(tempfile.mkdtemp(prefix="gpu-generate-repo-")) / "model_repository"
+    shutil.copytree(out / "model_repository", repo)
+    config_file = repo / GENERATE_MODEL / "config.pbtxt"
+    config = text_format.Parse(config_file.read_text(), model_config_pb2.ModelConfig())
+    config.instance_group[0].kind = (model_config_pb2.ModelInstanceGroup.KIND_GPU if kind == "gpu"
+                                     else model_config_pb2.ModelInstanceGroup.KIND_CPU)
+    config_file.write_text(text_format.MessageToString(config))
+    problems: list[str] = []
+    log = (log_dir / f"triton_generate_{kind}.log") if log_dir else None
+    start = time.perf_counter()
+    server = TritonServer(repo, [GENERATE_MODEL], ServerOptions(0, 0, 0, startup_timeout_s=240), log_file=log).start()
+    try:
+        print(f"server ready with {GENERATE_MODEL} in {time.perf_counter() - start:.1f} s; load errors: "
+              f"{server.load_errors or 'none'}", flush=True)
+        if server.load_errors:
+            print(server.log_tail(60))
+            return 1
+        text = Path(server.log_file).read_text(errors="replace")
+        lines = [ln.strip() for ln in text.splitlines() if "generates with" in ln]
+        for ln in lines:
+            print(f"log: {ln[:300]}", flush=True)
+        where = "on cuda:" if kind == "gpu" else "on cpu"
+        if not any(f"{GENERATE_MODEL} generates with fp16 on onnxruntime (model.fp16.onnx) {where}" in ln
+                   for ln in lines):
+            problems.append(f"the server log does not say the model generates {where}")
+        if "on the CPU instead of" in text:
+            problems.append("the server log shows a CPU fallback")
+        url = f"http://{server.http_url}/v2/models/{GENERATE_MODEL}/generate"
+
+        def one(ref: dict) -> tuple[int, dict]:
+            body = {"prompt_ids": ref["prompt"], "max_tokens": ref["max_tokens"], "ignore_eos": True}
+            req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, {"error": e.read().decode(errors="replace")}
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(refs)) as pool:
+            answers = list(pool.map(one, refs))
+        wall = time.perf_counter() - start
+        same = 0
+        for i, (ref, (status, body)) in enumerate(zip(refs, answers)):
+            if status != 200 or "error" in body:
+                problems.append(f"request {i}: HTTP {status} {str(body)[:200]}")
+                continue
+            got = body["output_ids"] if isinstance(body["output_ids"], list) else [body["output_ids"]]
+            tie = next((k for k, m in enumerate(ref["margins"]) if m < GENERATE_NEAR_TIE), len(ref["tokens"]))
+            if len(got) != ref["max_tokens"]:
+                problems.append(f"request {i}: {len(got)} tokens, asked {ref['max_tokens']}")
+            elif got[:tie] != ref["tokens"][:tie]:
+                problems.append(f"request {i}: tokens differ from the CPU's before its first near-tie")
+            else:
+                same += 1
+        print(f"16 concurrent generate requests through Triton ({kind} instance): {same} of {len(refs)} equal to "
+              f"the CPU's tokens up to their first near-tie, {wall:.2f} s", flush=True)
+    finally:
+        rc = server.stop()
+        shutil.rmtree(repo.parent, ignore_errors=True)
+    if rc not in (0, None):
+        problems.append(f"tritonserver exited with {rc}")
+    for p_ in problems:
+        print(f"FAIL {p_}", flush=True)
+    print(f"generate-triton check: {'FAILED' if problems else 'PASS'} ({len(problems)} problems)", flush=True)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="GPU checks (default: the backend's CUDA parts)")
-    ap.add_argument("mode", nargs="?", choices=("cuda", "prepare", "triton", "accept"), default="cuda")
+    ap.add_argument("mode", nargs="?", default="cuda", choices=("cuda", "prepare", "triton", "accept",
+                                                                 "prepare-generate", "generate", "generate-triton"))
+    ap.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
+                    help="generate-triton: the instance kind served (cpu: the same check on a CPU machine)")
     ap.add_argument("--out", type=Path, default=ROOT / ".whl" / "gpu_triton",
                     help="prepare: where the packaged repository and references go")
     ap.add_argument("--log-dir", type=Path, default=None, help="triton: where the server log goes")
     ap.add_argument("--model", choices=sorted(ENGINES), default=TRITON_MODEL,
                     help="triton, accept: tiny (torch engine) or tiny-ort (ONNX Runtime CUDA)")
     args = ap.parse_args()
+    if args.mode in ("prepare-generate", "generate", "generate-triton"):
+        where = args.out if args.out != ROOT / ".whl" / "gpu_triton" else ROOT / ".whl" / "gpu_generate"
+        if args.mode == "generate-triton":
+            sys.exit(generate_triton_main(where, args.log_dir, args.kind))
+        sys.exit(prepare_generate_main(where) if args.mode == "prepare-generate" else generate_main(where))
     if args.mode == "prepare":
         sys.exit(prepare_main(args.out))
     if args.mode == "accept":

@@ -14,9 +14,9 @@
 #
 # Sections: the backend's CUDA checks; the gpu-marked unit tests; Triton with 256 requests on the torch
 # engine; `accept` on the torch engine (the packaged golden inputs, needs .whl/polygraphy-*.whl); ONNX
-# Runtime CUDA (engine test, accept, Triton with engine=onnxruntime) when onnxruntime-gpu was staged
-# (ORT_GPU=1 benchmarks/prepare_gpu_wheels.sh: .whl-ort/part-NN carried one per call first); the GPU
-# batching benchmark.
+# Runtime CUDA (engine test, accept, Triton with engine=onnxruntime, text generation with the KV cache in the
+# pool) when onnxruntime-gpu was staged (ORT_GPU=1 benchmarks/prepare_gpu_wheels.sh: .whl-ort/part-NN carried
+# one per call first); the GPU batching benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,6 +69,10 @@ triton_env() {
     TC_WHL=$(ls .whl/tritonclient-*.whl 2>/dev/null | head -1)
     if [ -n "$TC_WHL" ]; then  # the batching benchmark's client (pure Python)
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TC_WHL"
+    fi
+    TK_WHL=$(ls .whl/tokenizers-*.whl 2>/dev/null | head -1)
+    if [ -n "$TK_WHL" ]; then  # a text-generation model's stub detokenizes (the generate check)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TK_WHL"
     fi
     PG_WHL=$(ls .whl/polygraphy-*.whl 2>/dev/null | head -1)
     if [ -n "$PG_WHL" ]; then  # reads the acceptance data (pure Python, no dependencies)
@@ -164,6 +168,21 @@ if [ "$ORT_OK" -eq 1 ]; then
     PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py triton \
         --model tiny-ort --out .whl/gpu_triton --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+# Text generation on the CUDA provider (issue 32's GPU path): the backend's scheduler, the fp16 graph on the
+# instance's stream, the KV cache in device buffers from the pool sized from cudaMemGetInfo, 16 sequences
+# together, each checked against the CPU's tokens (.whl/gpu_generate from gpu_checks.py prepare-generate).
+section "ONNX Runtime CUDA: text generation, KV cache in the pool (gpu_checks.py generate)"
+if [ "$ORT_OK" -eq 1 ] && [ -f .whl/gpu_generate/generate_refs.json ]; then
+    timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py generate --out .whl/gpu_generate 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    # The same model through Triton on a KIND_GPU instance (its stub needs the carried tokenizers wheel).
+    PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py \
+        generate-triton --out .whl/gpu_generate --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+else
+    echo "SKIP needs onnxruntime-gpu staged and .whl/gpu_generate (prepare_gpu_wheels.sh)" | tee -a "$LOG"
 fi
 
 # ============================================================================

@@ -25,6 +25,9 @@
 #                                        engine (engine=torch; model.torchscript.pt, ~4 MB, beside the
 #                                        ONNX), and refs.npz: 256 requests of real-text lengths and
 #                                        their PyTorch outputs
+#   gpu_generate/                        a tiny random Llama (2 layers, hidden 64) packaged serving fp16,
+#                                        and 16 greedy continuations of its fp16 graph on the CPU
+#                                        (gpu_checks.py generate checks the GPU's against them)
 #
 # Not carried, on purpose: nvidia-pytriton as a wheel (the slim bundle replaces it), tritonclient's
 # dependencies (grpcio, protobuf and numpy are there; the correctness check's client uses the stdlib
@@ -122,6 +125,16 @@ fi
 
 echo "== tiny model, packaged, and 256 references (PyTorch)"
 "$PY" benchmarks/gpu_checks.py prepare --out "$W/gpu_triton"
+
+echo "== text generation: a tiny Llama packaged serving fp16, and its CPU references (~1.5 MiB)"
+"$PY" benchmarks/gpu_checks.py prepare-generate --out "$W/gpu_generate"
+TK_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("tokenizers"))')
+if ls "$W"/tokenizers-"$TK_VERSION"-*.whl >/dev/null 2>&1; then
+    echo "tokenizers $TK_VERSION: already there"
+else  # the text-generation model's stub on the GPU machine detokenizes with it (abi3 wheel)
+    "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" "tokenizers==$TK_VERSION"
+fi
+ls -l "$W"/tokenizers-*.whl
 
 echo "== for the GPU batching benchmark: tritonclient (its load generator) and MiniLM's config + tokenizer"
 TC_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("tritonclient"))')

@@ -16,11 +16,19 @@ A step's I/O binding is kept per KV view (the same ``views`` object: ``KVSlots.v
 then binds its ids, mask, positions and a new logits array instead of two tensors per layer and kind as well
 (0.4-0.6 ms a step on the 30-layer SmolLM shape; decode at batch 1 was 1.07x faster in FP32 and 1.14x in INT4
 with it). Each step's logits are an array of their own, as before: a caller may keep them.
+
+On a GPU (``CausalLM(..., cuda=CudaPlacement(device, stream))``) the session runs ONNX Runtime's CUDA provider on
+the instance's stream and the KV views are ``kv_device.DeviceView`` pointers into the device buffers (the
+compaction's copies are queued on the same stream, so a step sees them); ids, mask and positions are copied in by
+ONNX Runtime and the logits come back to the host. Only a graph whose cache is float16 is run there: ONNX
+Runtime's CUDA ``GroupQueryAttention`` has float16 and bfloat16 kernels only, and a float32 or INT8-cache graph's
+attention would run on the CPU, copying the whole cache across every step (:func:`device_kv_problem`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,27 +38,61 @@ from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_KV_NUMPY = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+# KV element types ONNX Runtime's CUDA GroupQueryAttention computes in (its kernels: MLFloat16, BFloat16).
+DEVICE_KV_TYPES = ("tensor(float16)", "tensor(bfloat16)")
+
+
+@dataclass(frozen=True)
+class CudaPlacement:
+    """Where a GPU instance's graph runs: its device and the instance's CUDA stream (an integer handle)."""
+
+    device_id: int
+    stream: int
+
+
+def device_kv_problem(kv_input_types: dict[str, str], precision: str) -> str | None:
+    """Why a graph with these KV inputs (name -> ONNX type) cannot run on ONNX Runtime's CUDA provider, else None."""
+    bad = sorted({t for t in kv_input_types.values() if t not in DEVICE_KV_TYPES})
+    if not bad:
+        return None
+    return (f"{precision}'s graph keeps its KV cache as {', '.join(bad)}: ONNX Runtime's CUDA attention "
+            "(GroupQueryAttention) computes in float16 only, so its attention would run on the CPU and copy the "
+            "cache every step. Serve the fp16 build on a GPU instance (repository.serve = \"fp16\", with fp16 "
+            "among repository.precisions), or serve this precision on a CPU instance (repository.instance_kind = "
+            "\"cpu\")")
 
 
 class CausalLM:
     """An ONNX Runtime session of a text-generation graph, run with I/O binding on the KV slots."""
 
     flavour = "onnxruntime"
-    device = "cpu"
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
-                 pad_token_id: int = 0) -> None:
-        from .engines.onnxruntime import _cpu_session, import_onnxruntime
+                 pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this") -> None:
+        from .engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 4  # errors arrive as exceptions
-        if threads:
-            opts.intra_op_num_threads = int(threads)
-        if not spinning:
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet thread's.
-        self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
+        if cuda is not None:
+            self.device, self._device_type, self._device_id = f"cuda:{cuda.device_id}", "cuda", int(cuda.device_id)
+            self.session = cuda_session(ort, source, cuda.device_id, cuda.stream)
+            kv_types = {i.name: i.type for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
+            problem = device_kv_problem(kv_types, precision)
+            if problem:
+                self.session = None
+                from .engines.base import EngineError
+
+                raise EngineError(problem)
+        else:
+            self.device, self._device_type, self._device_id = "cpu", "cpu", 0
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 4  # errors arrive as exceptions
+            if threads:
+                opts.intra_op_num_threads = int(threads)
+            if not spinning:
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet thread's.
+            self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)
@@ -66,7 +108,7 @@ class CausalLM:
                 raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
                                  "shared-slots layout (rebuild the model with this model-factory)")
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
+    def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
              positions: np.ndarray) -> np.ndarray:
         """Logits ``[n, k, vocab]`` (float32) at ``positions [n, k]`` (indices into each row's new tokens)."""
         logits = self._logits(ids, mask, views, positions)
@@ -74,7 +116,7 @@ class CausalLM:
         # what the sampler compares).
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
-    def _logits(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, np.ndarray],
+    def _logits(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
                 positions: np.ndarray) -> np.ndarray:
         kept = self._kept_binding(views) if positions.shape[1] == 1 and self._vocab is not None else None
         io = kept if kept is not None else self._new_binding(views)
@@ -94,20 +136,28 @@ class CausalLM:
             return logits
         return np.take_along_axis(logits, np.asarray(positions, dtype=np.int64)[:, :, None], axis=1)
 
-    def _new_binding(self, views: dict[str, np.ndarray]) -> Any:
+    def _new_binding(self, views: dict[str, Any]) -> Any:
         """A binding of the KV buffers (each past and its present on the same pointer) and of the logits where
         ONNX Runtime allocates them (bound first: get_outputs() returns outputs in binding order)."""
         io = self.session.io_binding()
         io.bind_output(LOGITS, "cpu")
+        where, device_id = self._device_type, self._device_id
         for name, view in views.items():
-            if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
-                raise ValueError(f"{name}: KV view is not contiguous")
-            shape, ptr, dtype = list(view.shape), view.ctypes.data, view.dtype.type
-            io.bind_input(name, "cpu", 0, dtype, shape, ptr)
-            io.bind_output(name.replace("past_key_values", "present"), "cpu", 0, dtype, shape, ptr)
+            if isinstance(view, np.ndarray):
+                if where != "cpu":
+                    raise ValueError(f"{name}: a host KV view given to a graph on {self.device}")
+                if not view.flags.c_contiguous:  # a slice of the slot axis always is; anything else is a bug
+                    raise ValueError(f"{name}: KV view is not contiguous")
+                shape, ptr, dtype = list(view.shape), view.ctypes.data, view.dtype.type
+            else:  # kv_device.DeviceView: contiguous by construction
+                if where == "cpu":
+                    raise ValueError(f"{name}: a device KV view given to a graph on the CPU")
+                shape, ptr, dtype = list(view.shape), int(view.ptr), _KV_NUMPY[view.dtype]
+            io.bind_input(name, where, device_id, dtype, shape, ptr)
+            io.bind_output(name.replace("past_key_values", "present"), where, device_id, dtype, shape, ptr)
         return io
 
-    def _kept_binding(self, views: dict[str, np.ndarray]) -> Any:
+    def _kept_binding(self, views: dict[str, Any]) -> Any:
         """The kept binding of ``views``, made on first use (the least recently used dropped past
         ``BINDINGS_KEPT``). The entry holds ``views`` itself, so its id is not reused while kept."""
         entry = self._bindings.get(id(views))
@@ -121,7 +171,7 @@ class CausalLM:
             self._bindings.popitem(last=False)
         return io
 
-    def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, np.ndarray]) -> np.ndarray:
+    def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, Any]) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
         returns each row's last real position's logits ``[n, vocab]``."""
         n = len(prompts)
@@ -134,12 +184,12 @@ class CausalLM:
         last = np.asarray([[len(p) - 1] for p in prompts], dtype=np.int64)
         return self._run(ids, mask, views, last)[:, 0]
 
-    def position_logits(self, ids: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
+    def position_logits(self, ids: Sequence[int], views: dict[str, Any]) -> np.ndarray:
         """One sequence from an empty cache (one slot of ``views``): the logits of every position ``[len, vocab]``."""
         row = np.asarray([list(ids)], dtype=np.int64)
         return self._run(row, np.ones_like(row), views, np.arange(row.shape[1], dtype=np.int64)[None, :])[0]
 
-    def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, np.ndarray]) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, Any]) -> np.ndarray:
         """One new token per row, each row holding ``lengths[r]`` cached tokens; returns ``[n, vocab]``."""
         n = len(tokens)
         lengths = np.asarray(lengths, dtype=np.int64)

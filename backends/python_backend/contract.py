@@ -274,6 +274,9 @@ class ModelParameters:
     preemption_wait_ms: int = _param("int", 0, minimum=0)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
+    # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other
+    # instances on the device); the cache gets what cudaMemGetInfo reports free at load less this (kv_device).
+    device_reserve_mib: int = _param("int", 1024, minimum=0)
     # Degrade before shedding (degrade.py): a cheaper precision packaged beside the served one, that passed its
     # gate, answers the windows whose backlog reaches degrade_backlog requests (0: half of the largest preferred
     # batch size, else of max_batch_size);

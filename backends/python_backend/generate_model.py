@@ -14,6 +14,13 @@ the watcher saw it (within 50 ms).
 Load: ``generation.json`` (``contract.GenerationSpec``), the served precision's ONNX file and its tokenizer,
 each read through the integrity check; the KV slots sized from ``memory_budget_mib`` less the weights; the
 prefill cost model measured by a short warm-up (or the configured ``cost_model`` constants).
+
+A GPU instance (``KIND_GPU``) runs the graph on ONNX Runtime's CUDA provider on a stream of its own, with the KV
+buffers allocated once from the instance's ``cudaMallocAsync`` pool (``kv_device``): as many slots as
+``cudaMemGetInfo``'s free memory after the session loaded, less ``device_reserve_mib``, holds at full context
+(capped by ``memory_budget_mib`` less the weights when that is set), admission by the same account as on the CPU.
+When it cannot (no CUDA provider, no GPU, a precision whose attention has no CUDA kernel) the load fails naming
+the fix, unless the recipe allows the CPU (``allow_cpu_fallback``): then it serves on the CPU and says why.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cancel_watch import CancelWatch
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, CudaPlacement
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .deferred_responses import ResponseDispatcher
 from .generate_requests import GenerateRequest, read_generate_request, request_inputs
@@ -81,6 +88,10 @@ class GenerativeModel:
         self.pb = pb_utils
         self.settings = s = settings
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        self._gpu = (int(args.get("model_instance_device_id", 0) or 0)
+                     if args.get("model_instance_kind", "CPU") == "GPU" else None)
+        self._device: GpuGeneration | None = None
+        self.placement_note = ""
         cpus = available_cpus()
         threads = cpu_threads_per_instance(s, cpus)
         started = time.monotonic()
@@ -134,9 +145,12 @@ class GenerativeModel:
         usage = self.slots.usage()
         pb_utils.Logger.log_info(
             f"model-factory backend: {s.model_name} generates with {s.precision} on onnxruntime "
-            f"({s.onnx_file}) on cpu, {threads} threads, {self.slots.slots} KV slots of {self.slots.max_context} "
+            f"({s.onnx_file}) on {self.model.device}"
+            + (f", {threads} threads" if self.model.device == "cpu" else ", KV cache in the instance's pool")
+            + f", {self.slots.slots} KV slots of {self.slots.max_context} "
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
             f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
+            f"{self.placement_note}"
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
@@ -155,15 +169,19 @@ class GenerativeModel:
             s.precision)
         if spec.kv_dtype == "int8":
             _require_int8_kv_runtime(s.precision)
-        model = load_verified_onnx(
-            version_dir, s.onnx_file, digests,
-            lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
-                                 pad_token_id=spec.pad_token_id or 0))
+        loaded = self._load_on_gpu(version_dir, digests, spec) if self._gpu is not None else None
+        if loaded is not None:
+            model, slots = loaded
+        else:
+            model = load_verified_onnx(
+                version_dir, s.onnx_file, digests,
+                lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
+                                     pad_token_id=spec.pad_token_id or 0))
+            slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
         tokenizer = _load_tokenizer(version_dir, digests)
-        slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
-        cache_file = _cost_cache_file(version_dir, s, digests)
+        cache_file = _cost_cache_file(version_dir, s, digests, model.device)
         cached = _cached_cost(cache_file)
         if cached is not None:
             return spec, model, tokenizer, slots, cached, f"measured at an earlier load, {cache_file.name}"
@@ -171,6 +189,19 @@ class GenerativeModel:
         if cache_file is not None:
             _save_cost(cache_file, cost, s.model_name)
         return spec, model, tokenizer, slots, cost, "measured"
+
+    def _load_on_gpu(self, version_dir: Path, digests: Any, spec: GenerationSpec) -> tuple | None:
+        """``(model, slots)`` on the instance's GPU, or None to serve on the CPU where the recipe allows it (the
+        reason kept in ``placement_note``); SettingsError naming the fix otherwise."""
+        s, device_id = self.settings, int(self._gpu)
+        try:
+            self._device = load_on_gpu(version_dir, s, digests, spec, device_id)
+        except GpuUnavailable as exc:
+            if not s.cpu_fallback:
+                raise SettingsError(f"GPU instance of {s.model_name}: {exc}") from exc
+            self.placement_note = f"; on the CPU instead of cuda:{device_id}, allowed by the recipe ({exc.why})"
+            return None
+        return self._device.model, self._device.slots
 
     # ------------------------------------------------------------------ Triton
 
@@ -288,6 +319,8 @@ class GenerativeModel:
         if self.metrics is not None:
             self.metrics.close()
         self.model.close()
+        if self._device is not None:
+            self._device.close()  # the model again (idempotent), the KV buffers, the pool and the stream
 
 
 def _require_int8_kv_runtime(precision: str) -> None:
@@ -318,7 +351,7 @@ def _measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> C
 _COST_FLAVOUR = "onnxruntime-causal-lm-prefill"
 
 
-def _cost_cache_file(version_dir: Path, s: Settings, digests: Any) -> Path | None:
+def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str = "cpu") -> Path | None:
     """Where this graph's prefill cost model is kept on this machine (``cost_cache``: keyed by the graph's sha256,
     the CPU and its cores), or None without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
     measures it; the same version, loaded again at the switch, reads it instead of running the warm-up beside
@@ -333,7 +366,9 @@ def _cost_cache_file(version_dir: Path, s: Settings, digests: Any) -> Path | Non
     sha = (digests or {}).get(relpath)
     if not sha:
         return None  # unverified: no key that names these bytes without hashing them again
-    key = cost_cache.cache_key(sha, _COST_FLAVOUR, cost_cache.device_description({}, "CPU", 0), (128,), False)
+    where = cost_cache.device_description({"device": device}, "GPU" if device.startswith("cuda") else "CPU",
+                                          int(device.partition(":")[2] or 0))
+    key = cost_cache.cache_key(sha, _COST_FLAVOUR, where, (128,), False)
     return cost_cache.cache_path(folder, s.model_name.removesuffix(CANDIDATE_SUFFIX), key)
 
 
@@ -359,6 +394,83 @@ def _save_cost(path: Path, cost: CostModel, model_name: str) -> None:
         cost_cache.save_state(path, {"prefill": {"a": cost.a, "b": cost.b, "c": cost.c}, "model": model_name})
     except OSError:
         pass  # a cache folder that cannot be written: the next load measures again
+
+
+class GpuUnavailable(RuntimeError):
+    """A text-generation graph that does not load on the instance's GPU (``why``: the cause), with the fixes."""
+
+    def __init__(self, device_id: int, why: str) -> None:
+        super().__init__(f"the text-generation graph does not load on cuda:{device_id} ({why}) and this model does "
+                         "not allow serving on the CPU instead. Fix: install onnxruntime-gpu "
+                         "('model-factory[onnxruntime-gpu]') on a machine with the GPU, serve the fp16 build, or set "
+                         "[repository] allow_cpu_fallback = true in the recipe, or give the model a KIND_CPU "
+                         "instance group")
+        self.why = why
+
+
+class GpuGeneration:
+    """What a GPU instance of a text-generation model holds: the CUDA runtime, its stream, its pool, the graph's
+    session on that stream and the KV slots in device buffers from the pool."""
+
+    def __init__(self) -> None:
+        self.rt: Any = None
+        self.stream: Any = None
+        self.pool: Any = None
+        self.model: Any = None
+        self.storage: Any = None
+        self.slots: Any = None
+
+    def close(self) -> None:
+        """The session, the KV buffers back to the pool, then the pool and the stream (stream-ordered; idempotent)."""
+        from .memory_pool import release_stream
+
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = self.slots = None
+        if self.rt is not None and self.stream is not None:
+            self.rt.cudaStreamSynchronize(self.stream)
+        release_stream(self.rt, self.stream, self.pool, True)
+        self.stream = self.pool = None
+
+
+def load_on_gpu(version_dir: Path, s: Settings, digests: Any, spec: GenerationSpec, device_id: int) -> GpuGeneration:
+    """The served precision's graph on ONNX Runtime's CUDA provider on ``device_id``, on a stream of its own, and
+    its KV slots in device buffers from a pool of its own: as many as hold a sequence at full context in what
+    ``cudaMemGetInfo`` reports free once the session holds its weights, less ``device_reserve_mib`` (capped by
+    ``memory_budget_mib`` less the weights when set). GpuUnavailable when it cannot (nothing half-made is kept);
+    an IntegrityError or SettingsError as they come."""
+    from .integrity import IntegrityError
+    from .kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
+    from .memory_pool import MemoryPool, check, require_device
+
+    gpu = GpuGeneration()
+    try:
+        rt = gpu.rt = require_device(device_id)
+        check(rt, rt.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+        gpu.stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+        gpu.pool = MemoryPool(device_id, s.pool_release_threshold_mib * _MIB, s.pool_initial_mib * _MIB)
+        placement = CudaPlacement(device_id, int(gpu.stream))
+        gpu.model = load_verified_onnx(version_dir, s.onnx_file, digests,
+                                       lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0,
+                                                            cuda=placement, precision=s.precision))
+        # Read after the session holds its weights: what is free now is what the cache and activations share.
+        free, _total = device_memory(device_id)
+        budget = kv_budget_from_device(free, s.device_reserve_mib * _MIB)
+        if s.memory_budget_mib:
+            budget = min(budget, kv_budget_bytes(s, spec, 0))
+        count = device_slots(spec, budget, s.max_active_sequences)
+        gpu.storage = DeviceKVBuffers(spec, count, gpu.pool, gpu.stream)
+        gpu.slots = KVSlots(spec, count, gpu.storage.nbytes, storage=gpu.storage)
+    except (SettingsError, IntegrityError):
+        gpu.close()
+        raise  # a file changed after verification, or settings that fit no device: never a fallback
+    except Exception as exc:  # noqa: BLE001 - no CUDA provider, no GPU, a graph it cannot run: named
+        gpu.close()
+        raise GpuUnavailable(device_id, f"{type(exc).__name__}: {exc}") from exc
+    return gpu
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ buffer by pointer. What differs on a device:
   per buffer, device to device, on the instance's stream: ``kv_heads`` rows of ``length x head_dim``
   elements, each row ``max_context x head_dim`` apart.
 
-Not wired into ``generate_model`` yet: text-generation graphs run on ONNX Runtime's CPU provider today
-(docs/generation.md, "Not yet"). ``benchmarks/gpu_checks.py`` checks this module on the first GPU lent.
-``cuda.bindings`` is imported when used (``memory_pool.cuda_runtime``), never at import.
+:class:`DeviceKVBuffers` is a storage of ``kv_slots.KVSlots`` (which keeps the account, as on the CPU): a
+GPU instance of a text-generation model (``generate_model``, ONNX Runtime's CUDA provider) binds its views.
+Tests marked ``gpu`` and ``benchmarks/gpu_checks.py`` check it on the first GPU lent. ``cuda.bindings`` is
+imported when used (``memory_pool.cuda_runtime``), never at import.
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ def device_slots(spec: Any, budget_bytes: int, wanted: int, max_context: int | N
 
 
 class DeviceKVBuffers:
-    """Per-layer KV buffers in device memory from ``pool``, with views by slot and device-side compaction."""
+    """Per-layer KV buffers in device memory from ``pool``, with views by slot and device-side compaction (a
+    storage of ``kv_slots.KVSlots``)."""
+
+    granule_bytes = 1  # committed when allocated: a token's bytes are its bytes
 
     def __init__(self, spec: Any, slots: int, pool: Any, stream: Any = 0, max_context: int | None = None) -> None:
         if slots < 1:
@@ -93,6 +97,7 @@ class DeviceKVBuffers:
         self.slot_bytes = spec.num_kv_heads * self.row_bytes  # one slot of one buffer
         self.names = tuple(past_name(layer, kind) for layer in range(spec.num_layers) for kind in ("key", "value"))
         self.buffers: dict[str, int] = {}
+        self._views: dict[tuple[int, int], dict[str, DeviceView]] = {}
         try:
             for name in self.names:
                 self.buffers[name] = pool.allocate(self.slots * self.slot_bytes, stream)
@@ -112,9 +117,13 @@ class DeviceKVBuffers:
         """Every buffer's slots ``[start, start + count)``, contiguous."""
         if start < 0 or count < 1 or start + count > self.slots:
             raise IndexError(f"slots [{start}, {start + count}) are outside [0, {self.slots})")
-        shape = (count, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
-        return {name: DeviceView(ptr + start * self.slot_bytes, shape, self.spec.kv_dtype)
+        got = self._views.get((start, count))
+        if got is None:  # the same object for the same slice: the engine keeps its binding of it (causal_lm)
+            shape = (count, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
+            got = self._views[(start, count)] = {
+                name: DeviceView(ptr + start * self.slot_bytes, shape, self.spec.kv_dtype)
                 for name, ptr in self.buffers.items()}
+        return got
 
     def move(self, dst: int, src: int, length: int) -> None:
         """Queue the copy of slot ``src``'s first ``length`` tokens into slot ``dst`` (every buffer, every head)
@@ -131,8 +140,12 @@ class DeviceKVBuffers:
                                                        self.spec.num_kv_heads, kind, self.stream),
                   "cudaMemcpy2DAsync (KV compaction)")
 
+    def give_back(self, slot: int) -> None:
+        """Nothing to return: device memory stays allocated for the next sequence of the slot."""
+
     def close(self) -> None:
         """Give the buffers back to the pool (in stream order)."""
+        self._views.clear()
         buffers, self.buffers = self.buffers, {}
         for ptr in buffers.values():
             self.pool.free(ptr, self.stream)

@@ -12,6 +12,10 @@ while ``budget - weights >= kv bytes of the tokens reserved by the running seque
 are zero pages until written (``numpy.zeros`` maps them lazily): memory is committed as tokens are written,
 and a freed slot's pages are given back to the system (``madvise(MADV_DONTNEED)``) so what is resident stays
 within the reservations. A token's bytes are counted in whole pages per head row, as they are committed.
+
+Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
+``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool): :class:`KVSlots` keeps the account (slots,
+reservations, the budget) and asks its storage for views, moves and the return of freed memory.
 """
 
 from __future__ import annotations
@@ -61,26 +65,80 @@ def _libc_madvise() -> Any:
         return None
 
 
+class HostKVBuffers:
+    """The KV buffers in host memory: numpy arrays of zero pages, a freed slot's pages given back to the system."""
+
+    granule_bytes = _PAGE  # memory is committed a page at a time
+
+    def __init__(self, spec: Any, slots: int, max_context: int) -> None:
+        self.spec, self.slots, self.max_context = spec, int(slots), int(max_context)
+        self.dtype = _NUMPY_DTYPES[spec.kv_dtype]
+        self.names = tuple(past_name(layer, kind) for layer in range(spec.num_layers) for kind in ("key", "value"))
+        shape = spec.kv_shape(self.slots, self.max_context)
+        self.buffers = {name: np.zeros(shape, dtype=self.dtype) for name in self.names}
+        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._madvise = _libc_madvise()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for buf in self.buffers.values())
+
+    def views(self, start: int, count: int) -> dict[str, np.ndarray]:
+        """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer. The same slice
+        returns the same object (the last 256 kept), so the engine keeps its binding of it (causal_lm)."""
+        key = (int(start), int(count))
+        got = self._views.get(key)
+        if got is None:
+            got = self._views[key] = {name: buf[start:start + count] for name, buf in self.buffers.items()}
+            while len(self._views) > _VIEWS_KEPT:
+                self._views.pop(next(iter(self._views)))
+        return got
+
+    def move(self, dst: int, src: int, length: int) -> None:
+        """Slot ``src``'s first ``length`` tokens (every buffer, every head) into slot ``dst``."""
+        for buf in self.buffers.values():
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def give_back(self, slot: int) -> None:
+        """Return a freed slot's pages to the system (they read as zeros when touched again)."""
+        if self._madvise is None:
+            return
+        for buf in self.buffers.values():
+            start = buf[slot].ctypes.data
+            end = start + buf[slot].nbytes
+            first = -(-start // _PAGE) * _PAGE
+            last = end // _PAGE * _PAGE
+            if last > first:
+                self._madvise(ctypes.c_void_p(first), last - first, _MADV_DONTNEED)
+
+    def close(self) -> None:
+        self._views.clear()
+
+
 class KVSlots:
     """Per-layer KV buffers, slot allocation with compaction, and admission by memory."""
 
-    def __init__(self, spec: Any, slots: int, budget_bytes: int, max_context: int | None = None) -> None:
+    def __init__(self, spec: Any, slots: int, budget_bytes: int, max_context: int | None = None,
+                 storage: Any = None) -> None:
         """``spec``: the model's ``contract.GenerationSpec``; ``budget_bytes``: what the cache may hold
-        (the configured budget less the weights)."""
+        (the configured budget less the weights); ``storage``: where the buffers live (default: host memory,
+        :class:`HostKVBuffers`; on a GPU ``kv_device.DeviceKVBuffers`` of the same slots and context)."""
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         self.spec = spec
         self.slots = int(slots)
         self.max_context = int(max_context or spec.max_context)
         self.budget_bytes = int(budget_bytes)
-        self.dtype = _NUMPY_DTYPES[spec.kv_dtype]
-        self.names = tuple(past_name(layer, kind) for layer in range(spec.num_layers) for kind in ("key", "value"))
-        shape = spec.kv_shape(self.slots, self.max_context)
-        self.buffers = {name: np.zeros(shape, dtype=self.dtype) for name in self.names}
-        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._row_bytes = self.max_context * spec.head_dim * KV_DTYPES[spec.kv_dtype]  # one head of one slot
+        if storage is None:
+            storage = HostKVBuffers(spec, self.slots, self.max_context)
+        elif (storage.slots, storage.max_context) != (self.slots, self.max_context):
+            raise ValueError(f"the storage holds {storage.slots} slots of {storage.max_context} tokens, not "
+                             f"{self.slots} of {self.max_context}")
+        self.storage = storage
+        self.names = storage.names
+        self.buffers = storage.buffers  # name -> numpy array (host) or device pointer
+        self._granule = int(storage.granule_bytes)
         self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
-        self._madvise = _libc_madvise()
         if self.bytes_for(1) > self.budget_bytes:
             raise AdmissionError(f"the KV budget of {self.budget_bytes} bytes cannot hold one token "
                                  f"({self.bytes_for(1)} bytes): raise kv_budget_mib")
@@ -88,10 +146,11 @@ class KVSlots:
     # ------------------------------------------------------------------ sizes
 
     def bytes_for(self, tokens: int) -> int:
-        """Bytes ``tokens`` tokens of one sequence commit: whole pages per head row, every layer, K and V."""
+        """Bytes ``tokens`` tokens of one sequence commit: whole granules (host: pages) per head row, every
+        layer, K and V."""
         per_token = self.spec.head_dim * KV_DTYPES[self.spec.kv_dtype]
-        pages = -(-int(tokens) * per_token // _PAGE)
-        return len(self.names) * self.spec.num_kv_heads * pages * _PAGE
+        granules = -(-int(tokens) * per_token // self._granule)
+        return len(self.names) * self.spec.num_kv_heads * granules * self._granule
 
     @property
     def active(self) -> int:
@@ -128,41 +187,25 @@ class KVSlots:
             raise IndexError(f"slot {slot} is not active (active: {self.active})")
         moved = None
         if slot != last:
-            length = self._reserved[last]
-            for buf in self.buffers.values():
-                buf[slot, :, :length] = buf[last, :, :length]
+            self.storage.move(slot, last, self._reserved[last])
             self._reserved[slot] = self._reserved[last]
             moved = last
         self._reserved.pop()
-        self._give_back(last)
+        self.storage.give_back(last)
         return moved
 
-    def _give_back(self, slot: int) -> None:
-        """Return a freed slot's pages to the system (they read as zeros when touched again)."""
-        if self._madvise is None:
-            return
-        for buf in self.buffers.values():
-            start = buf[slot].ctypes.data
-            end = start + buf[slot].nbytes
-            first = -(-start // _PAGE) * _PAGE
-            last = end // _PAGE * _PAGE
-            if last > first:
-                self._madvise(ctypes.c_void_p(first), last - first, _MADV_DONTNEED)
-
-    def views(self, start: int, count: int) -> dict[str, np.ndarray]:
-        """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer. The same slice
-        returns the same object (the last 256 kept), so the engine keeps its binding of it (causal_lm)."""
-        key = (int(start), int(count))
-        got = self._views.get(key)
-        if got is None:
-            got = self._views[key] = {name: buf[start:start + count] for name, buf in self.buffers.items()}
-            while len(self._views) > _VIEWS_KEPT:
-                self._views.pop(next(iter(self._views)))
-        return got
+    def views(self, start: int, count: int) -> dict[str, Any]:
+        """Every buffer's slots ``[start, start + count)``, contiguous, to bind by pointer (the same object for the
+        same slice: the engine keeps its binding of it)."""
+        return self.storage.views(start, count)
 
     def clear(self) -> None:
         """Free every slot (warm-up runs write into the buffers before any sequence is admitted)."""
         while self._reserved:
             self.release(self.active - 1)
         for slot in range(self.slots):
-            self._give_back(slot)
+            self.storage.give_back(slot)
+
+    def close(self) -> None:
+        """Give the buffers back (a device storage returns them to its pool)."""
+        self.storage.close()

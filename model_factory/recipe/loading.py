@@ -197,6 +197,10 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         if doc.repository.degrade_to is not None:
             raise _err("repository.degrade_to", "a text-generation model does not degrade (its scheduler admits by "
                        "memory and answers 503 + Retry-After past max_waiting_sequences)", "remove degrade_to")
+        if doc.repository.instance_kind == "gpu" and doc.repository.serve != "fp16":
+            raise _err("repository.serve", f"a text-generation model on a GPU instance serves the fp16 graph (ONNX "
+                       f"Runtime's CUDA attention computes in float16 only), not {doc.repository.serve}",
+                       "set serve = \"fp16\" (with fp16 among precisions), or instance_kind = \"cpu\"")
         defaults = {k: v for k, v in doc.generation.model_dump().items() if v is not None}
         generation, max_context = check_causal_lm(path, read_hf_config(path), doc.shapes.max_context, defaults)
         inputs, outputs = generate_tensor_specs()

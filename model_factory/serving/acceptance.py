@@ -196,7 +196,8 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
             settings = engine_settings(config)
         except Exception as exc:  # noqa: BLE001 - a configuration the backend refuses: that is the verdict
             return AcceptanceResult(name, version, False, reason=one_line(exc))
-        return AcceptanceResult(name, version, **accept_generative(model_dir, version, settings, digests))
+        return AcceptanceResult(name, version, **accept_generative(model_dir, version, settings, digests,
+                                                                   instance_of(config)))
     try:
         settings = engine_settings(config)
         kind, dev = instance_of(config)

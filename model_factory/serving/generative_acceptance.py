@@ -60,13 +60,16 @@ def teacher_forced(model: Any, slots: Any, prompts: list[Mapping[str, Any]]) -> 
     return (agree / compared if compared else 1.0), compared
 
 
-def accept_generative(model_dir: Path, version: str, settings: Any, digests: Mapping[str, str] | None
-                      ) -> dict[str, Any]:
+def accept_generative(model_dir: Path, version: str, settings: Any, digests: Mapping[str, str] | None,
+                      instance: tuple[str, int] = ("CPU", 0)) -> dict[str, Any]:
     """Replay the golden continuations of ``model_dir/version`` on this machine (never raises): the fields of
-    its ``acceptance.AcceptanceResult`` after model and version (``passed``, ``score``, ``reason``, ...)."""
+    its ``acceptance.AcceptanceResult`` after model and version (``passed``, ``score``, ``reason``, ...).
+    ``instance``: where the model's instance runs (``acceptance.instance_of``); a GPU instance replays them on
+    that GPU as the backend loads it (``generate_model.load_on_gpu``), or on the CPU where its recipe allows the
+    fallback and the GPU path does not load."""
     from model_factory.backend.causal_lm import CausalLM
     from model_factory.backend.contract import Files, GenerationSpec
-    from model_factory.backend.generate_model import _load_tokenizer
+    from model_factory.backend.generate_model import GpuUnavailable, _load_tokenizer, load_on_gpu
     from model_factory.backend.integrity import read_checked
     from model_factory.backend.kv_slots import KVSlots
     from model_factory.backend.loading import load_verified_onnx
@@ -86,17 +89,31 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
     except Exception as exc:  # noqa: BLE001 - an unreadable or tampered file: refused with the reason
         return dict(passed=False, metric=METRIC, reason=f"{type(exc).__name__}: {exc}")
     vdir = Path(model_dir) / version
+    kind, device_id = instance
     where = dict(engine="onnxruntime", file=settings.onnx_file, device="cpu")
+    gpu = slots = None
     try:
-        model = load_verified_onnx(vdir, settings.onnx_file, d, lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0))
+        if kind == "GPU":
+            try:
+                gpu = load_on_gpu(vdir, settings, d, spec, device_id)
+                model, slots, where["device"] = gpu.model, gpu.slots, gpu.model.device
+            except GpuUnavailable:
+                if not settings.cpu_fallback:
+                    raise
+        if gpu is None:
+            model = load_verified_onnx(vdir, settings.onnx_file, d,
+                                       lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0))
         tokenizer = _load_tokenizer(vdir, d)
     except Exception as exc:  # noqa: BLE001 - it would not load in Triton either: that is the verdict
+        if gpu is not None:
+            gpu.close()
         return dict(passed=False, metric=METRIC, threshold=gate, **where,
-                                reason=f"the model does not load here (CPU instance): {one_line(exc)}")
+                                reason=f"the model does not load here ({kind} instance): {one_line(exc)}")
     try:
         need = max(len(p["prompt_ids"]) + len(p["tokens"]) for p in prompts)
-        slots = KVSlots(spec, max(1, min(len(prompts), settings.max_active_sequences)),
-                        budget_bytes=KVSlots(spec, 1, 1 << 62).bytes_for(need) * len(prompts))
+        if slots is None:
+            slots = KVSlots(spec, max(1, min(len(prompts), settings.max_active_sequences)),
+                            budget_bytes=KVSlots(spec, 1, 1 << 62).bytes_for(need) * len(prompts))
         sched = Scheduler(model, slots, tokenizer, spec.eos_token_ids, max_waiting=len(prompts))
         gens = []
         for p in prompts:
@@ -119,6 +136,8 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
                                 reason=f"the engine fails on the golden prompts: {type(exc).__name__}: {exc}")
     finally:
         model.close()
+        if gpu is not None:
+            gpu.close()
     free, free_compared = agreement([g.generated for g in gens], prompts)
     reason = None
     if score < gate:

@@ -9,6 +9,7 @@ import pytest
 
 from model_factory.backend.generate_model import _cached_cost, _cost_cache_file, _save_cost
 from model_factory.backend.grouping import CostModel
+from model_factory.backend.memory_pool import cuda_device_count
 
 SHA = "ab" * 32
 
@@ -70,3 +71,44 @@ def test_an_int8_kv_graph_on_an_onnxruntime_too_old_is_refused_with_the_fix(monk
     monkeypatch.setattr(onnxruntime, "__version__", "1.31.0")
     with pytest.raises(SettingsError, match=r"int4's graph keeps its KV cache in INT8.*onnxruntime>=1\.32"):
         _require_int8_kv_runtime("int4")
+
+
+def test_a_gpu_runs_only_a_graph_whose_attention_has_a_cuda_kernel() -> None:
+    from model_factory.backend.causal_lm import device_kv_problem
+
+    assert device_kv_problem({"past_key_values.0.key": "tensor(float16)"}, "fp16") is None
+    for kind in ("tensor(float)", "tensor(int8)"):
+        why = device_kv_problem({"past_key_values.0.key": kind, "past_key_values.0.value": kind}, "int8")
+        assert why and kind in why and 'repository.serve = "fp16"' in why and "instance_kind" in why
+
+
+def _gpu_instance(tmp_path: Path, cpu_fallback: bool):
+    from model_factory.backend.generate_model import GenerativeModel
+
+    gen = GenerativeModel.__new__(GenerativeModel)  # the load step alone: no Triton, no threads
+    gen.settings = SimpleNamespace(model_name="llm", onnx_file="model.fp16.onnx", precision="fp16",
+                                   cpu_fallback=cpu_fallback, pool_release_threshold_mib=256, pool_initial_mib=0,
+                                   memory_budget_mib=0, device_reserve_mib=1024, max_active_sequences=4)
+    gen._gpu, gen._device, gen.placement_note = 0, None, ""
+    return gen
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks what a GPU instance does on a machine without a GPU")
+def test_a_gpu_instance_without_a_gpu_is_refused_with_the_fix_or_serves_on_the_cpu_where_allowed(tmp_path) -> None:
+    from model_factory.backend.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=r"GPU instance of llm: .*cuda:0.*allow_cpu_fallback = true"):
+        _gpu_instance(tmp_path, cpu_fallback=False)._load_on_gpu(tmp_path, None, None)
+    allowed = _gpu_instance(tmp_path, cpu_fallback=True)
+    assert allowed._load_on_gpu(tmp_path, None, None) is None  # the caller loads on the CPU
+    assert allowed.placement_note.startswith("; on the CPU instead of cuda:0, allowed by the recipe (")
+    assert allowed._device is None
+
+
+def test_the_prefill_cost_is_cached_per_device(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MODEL_FACTORY_COST_CACHE", str(tmp_path / "cache"))
+    v1, digests = tmp_path / "repo" / "llm" / "1", {"1/model.onnx": SHA}
+    cpu = _cost_cache_file(v1, _settings(), digests)
+    assert cpu == _cost_cache_file(v1, _settings(), digests, "cpu")
+    assert len({cpu, _cost_cache_file(v1, _settings(), digests, "cuda:0"),
+                _cost_cache_file(v1, _settings(), digests, "cuda:1")}) == 3

@@ -133,3 +133,25 @@ def test_an_fp16_precision_runs_on_half_width_kv_slots():
     assert 2 * slots16.bytes_for(1024) == slots32.bytes_for(1024)
     with pytest.raises(ParameterError, match="kv_dtypes.fp16='bfloat16'"):
         replace(SPEC, kv_dtypes={"fp16": "bfloat16"})
+
+
+def test_the_account_is_the_slots_and_the_storage_only_holds_the_buffers():
+    """KVSlots keeps the account over any storage of its slots (host memory here; kv_device's buffers on a GPU,
+    which commit a token's bytes exactly instead of whole pages)."""
+    from model_factory.backend.kv_slots import HostKVBuffers
+
+    spec = GenerationSpec(**{**SPEC.__dict__, "max_context": 1024})
+    host = HostKVBuffers(spec, 2, 1024)
+    slots = KVSlots(spec, 2, 1 << 30, storage=host)
+    assert slots.buffers is host.buffers and slots.views(0, 2) is host.views(0, 2)
+    assert slots.bytes_for(1) == len(slots.names) * spec.num_kv_heads * HostKVBuffers.granule_bytes
+    with pytest.raises(ValueError, match="holds 2 slots of 1024 tokens, not 3 of 1024"):
+        KVSlots(spec, 3, 1 << 30, storage=host)
+    from model_factory.backend.kv_device import DeviceKVBuffers
+
+    # A storage that commits a token's bytes exactly (device memory, committed when allocated) is counted so.
+    exact_storage = HostKVBuffers(spec, 2, 1024)
+    exact_storage.granule_bytes = DeviceKVBuffers.granule_bytes
+    exact = KVSlots(spec, 2, 2 * 1024 * spec.kv_bytes_per_token, storage=exact_storage)
+    assert exact.bytes_for(3) == 3 * spec.kv_bytes_per_token
+    assert exact.admit(1024) == 0 and exact.admit(1024) == 1 and exact.usage().ratio == 1.0

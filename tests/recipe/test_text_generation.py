@@ -172,3 +172,13 @@ def test_an_int8_kv_cache_is_refused_for_an_encoder(tmp_path):
                       "quantization": {"calibration_data": "c.txt", "kv_cache": "int8"},
                       "inputs": [{"name": "x", "dtype": "FP32", "dims": [-1]}],
                       "outputs": [{"name": "y", "dtype": "FP32", "dims": [-1]}]}, tmp_path)
+
+
+def test_a_gpu_instance_serves_the_fp16_graph(tmp_path):
+    """ONNX Runtime's CUDA attention computes in float16 only: a GPU text-generation recipe serves fp16."""
+    _folder(tmp_path)
+    message = _refused(tmp_path, "serves the fp16 graph", repository__instance_kind="gpu")
+    assert 'serve = "fp16"' in message and 'instance_kind = "cpu"' in message
+    recipe = _recipe(tmp_path, precisions=["fp32", "fp16"], quantization__heldout_data="h.txt",
+                     repository__instance_kind="gpu", repository__serve="fp16")
+    assert recipe.repository.instance_kind == "gpu" and recipe.repository.serve == "fp16"

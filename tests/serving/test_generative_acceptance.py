@@ -35,3 +35,31 @@ def test_golden_continuations_pass_and_a_changed_one_fails_with_exit_1(tiny_llm,
     result = accept_model(repo / "llm")
     assert not result.passed and "below the gate 0.99" in result.reason
     assert CliRunner().invoke(cli, ["accept", str(repo)]).exit_code == 1
+
+
+def test_a_gpu_instance_is_accepted_where_it_loads_and_nowhere_else(tiny_llm, tmp_path):
+    """A KIND_GPU text-generation model replays its continuations on the GPU as the backend loads it; on a machine
+    where that does not load (this CPU-only one) it fails naming the fix, unless its recipe allows the CPU."""
+    import pytest
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from model_factory.backend.memory_pool import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("checks a GPU instance on a machine without a GPU")
+    hf, onnx_dir = tiny_llm
+    repo = tmp_path / "repo"
+    vdir = layout_generative_model(hf, onnx_dir, repo, "llm")
+    write_continuations(vdir, hf, [[5, 6, 7], list(range(30, 60))], max_tokens=8)
+    config_file = repo / "llm" / "config.pbtxt"
+    config = text_format.Parse(config_file.read_text(), model_config_pb2.ModelConfig())
+    config.instance_group[0].kind = model_config_pb2.ModelInstanceGroup.KIND_GPU
+    config_file.write_text(text_format.MessageToString(config))
+    result = accept_model(repo / "llm")
+    assert not result.passed and "does not load here (GPU instance)" in result.reason
+    assert "cuda:0" in result.reason and "allow_cpu_fallback = true" in result.reason
+    config.parameters["cpu_fallback"].string_value = "true"
+    config_file.write_text(text_format.MessageToString(config))
+    result = accept_model(repo / "llm")
+    assert result.passed and result.device == "cpu", result.reason

@@ -88,6 +88,35 @@ def cuda_provider_unavailable_reason(ort: ModuleType | None = None) -> str | Non
     return None
 
 
+def cuda_session(ort: Any, source: Path | str | bytes, device_id: int, stream: int, *, preload: bool = True) -> Any:
+    """An InferenceSession on ONNX Runtime's CUDA provider computing on ``stream`` (the instance's: copies it queues
+    there are ordered with the session's work), its arena growing only by what is asked. EngineError where this
+    onnxruntime has no CUDA provider, or where the session silently fell back to the CPU provider (CUDA libraries
+    missing): a GPU instance never computes on the CPU by surprise."""
+    why = cuda_provider_unavailable_reason(ort)
+    if why:
+        raise EngineError(why)
+    loader = getattr(ort, "preload_dlls", None)
+    if preload and callable(loader):
+        try:  # CUDA and cuDNN from the nvidia-* wheels (torch's cu130 ones included), when ORT finds them
+            loader()
+        except Exception:  # noqa: BLE001 - the session below names what is really missing
+            pass
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
+    provider = {"device_id": str(int(device_id)), "user_compute_stream": str(int(stream)),
+                "has_user_compute_stream": "1", "arena_extend_strategy": "kSameAsRequested",
+                "do_copy_in_default_stream": "1"}
+    session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), sess_options=opts,
+                                   providers=[(CUDA_PROVIDER, provider), "CPUExecutionProvider"])
+    used = list(session.get_providers())
+    if not used or used[0] != CUDA_PROVIDER:
+        raise EngineError(f"ONNX Runtime did not enable {CUDA_PROVIDER} (session providers: {used}); the "
+                          "CUDA/cuDNN libraries onnxruntime-gpu needs are missing here. Install "
+                          "'model-factory[onnxruntime-gpu]' (it pulls them)")
+    return session
+
+
 def _cpu_session(ort: Any, source: str | bytes, options: Any, **kwargs: Any) -> Any:
     """A CPU InferenceSession. One with an intra-op pool (more than one thread, or ORT's default of one per core)
     keeps its pool's threads at the normal priority even inside a quiet start, for they serve later
@@ -306,15 +335,9 @@ class OnnxRuntimeCudaEngine:
             ort = ort_module or import_onnxruntime()
         except ImportError as exc:
             raise EngineError(f"ONNX Runtime CUDA: {exc}; pip install 'model-factory[onnxruntime-gpu]'") from exc
-        why = cuda_provider_unavailable_reason(ort)
+        why = cuda_provider_unavailable_reason(ort)  # named before the device: the fix for this machine's wheel
         if why:
             raise EngineError(why)
-        preload = getattr(ort, "preload_dlls", None)
-        if callable(preload) and ort_module is None:
-            try:  # CUDA and cuDNN from the nvidia-* wheels (torch's cu130 ones included), when ORT finds them
-                preload()
-            except Exception:  # noqa: BLE001 - the session below names what is really missing
-                pass
         try:
             self._rt = rt = runtime or require_device(self.device_id)
         except CudaError as exc:
@@ -326,19 +349,7 @@ class OnnxRuntimeCudaEngine:
                 threshold = int(getattr(settings, "pool_release_threshold_mib", 256)) * _MIB
                 initial = int(getattr(settings, "pool_initial_mib", 0)) * _MIB
                 self._pool = MemoryPool(self.device_id, threshold, initial)
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 4  # errors arrive as exceptions; ORT's own coloured stderr lines are noise
-            provider = {"device_id": str(self.device_id), "user_compute_stream": str(int(self._stream)),
-                        "has_user_compute_stream": "1", "arena_extend_strategy": "kSameAsRequested",
-                        "do_copy_in_default_stream": "1"}
-            source = model if isinstance(model, bytes) else str(model)
-            self._session = ort.InferenceSession(source, sess_options=opts,
-                                                 providers=[(CUDA_PROVIDER, provider), "CPUExecutionProvider"])
-            used = list(self._session.get_providers())
-            if not used or used[0] != CUDA_PROVIDER:
-                raise EngineError(f"ONNX Runtime did not enable {CUDA_PROVIDER} (session providers: {used}); the "
-                                  "CUDA/cuDNN libraries onnxruntime-gpu needs are missing here. Install "
-                                  "'model-factory[onnxruntime-gpu]' (it pulls them)")
+            self._session = cuda_session(ort, model, self.device_id, self._stream, preload=ort_module is None)
         except BaseException:
             self.close()
             raise
