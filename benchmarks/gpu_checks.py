@@ -970,6 +970,9 @@ def generate_triton_main(out: Path, log_dir: Path | None, kind: str = "gpu") -> 
     config.instance_group[0].kind = (model_config_pb2.ModelInstanceGroup.KIND_GPU if kind == "gpu"
                                      else model_config_pb2.ModelInstanceGroup.KIND_CPU)
     config_file.write_text(text_format.MessageToString(config))
+    # Served without its tokenizer (prompt ids in, ids out): the GPU machine has no `tokenizers`, and its wheel
+    # (3.3 MB) does not fit beside the rest in a device call's 64 MiB. The stub then reads prompt_ids only.
+    shutil.rmtree(repo / GENERATE_MODEL / "1" / "tokenizer")
     problems: list[str] = []
     log = (log_dir / f"triton_generate_{kind}.log") if log_dir else None
     start = time.perf_counter()

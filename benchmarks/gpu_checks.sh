@@ -70,10 +70,6 @@ triton_env() {
     if [ -n "$TC_WHL" ]; then  # the batching benchmark's client (pure Python)
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TC_WHL"
     fi
-    TK_WHL=$(ls .whl/tokenizers-*.whl 2>/dev/null | head -1)
-    if [ -n "$TK_WHL" ]; then  # a text-generation model's stub detokenizes (the generate check)
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TK_WHL"
-    fi
     PG_WHL=$(ls .whl/polygraphy-*.whl 2>/dev/null | head -1)
     if [ -n "$PG_WHL" ]; then  # reads the acceptance data (pure Python, no dependencies)
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$PG_WHL"
@@ -177,7 +173,7 @@ section "ONNX Runtime CUDA: text generation, KV cache in the pool (gpu_checks.py
 if [ "$ORT_OK" -eq 1 ] && [ -f .whl/gpu_generate/generate_refs.json ]; then
     timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py generate --out .whl/gpu_generate 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    # The same model through Triton on a KIND_GPU instance (its stub needs the carried tokenizers wheel).
+    # The same model through Triton on a KIND_GPU instance (served without its tokenizer: prompt ids).
     PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py \
         generate-triton --out .whl/gpu_generate --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1

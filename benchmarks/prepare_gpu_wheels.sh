@@ -128,13 +128,6 @@ echo "== tiny model, packaged, and 256 references (PyTorch)"
 
 echo "== text generation: a tiny Llama packaged serving fp16, and its CPU references (~1.5 MiB)"
 "$PY" benchmarks/gpu_checks.py prepare-generate --out "$W/gpu_generate"
-TK_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("tokenizers"))')
-if ls "$W"/tokenizers-"$TK_VERSION"-*.whl >/dev/null 2>&1; then
-    echo "tokenizers $TK_VERSION: already there"
-else  # the text-generation model's stub on the GPU machine detokenizes with it (abi3 wheel)
-    "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" "tokenizers==$TK_VERSION"
-fi
-ls -l "$W"/tokenizers-*.whl
 
 echo "== for the GPU batching benchmark: tritonclient (its load generator) and MiniLM's config + tokenizer"
 TC_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("tritonclient"))')
