@@ -31,6 +31,12 @@ Version folders that left the repository (``pull`` replaces a model folder with 
 here, so a version still loaded can be loaded again within a rollout's grace period; a load checks their bytes
 against the digests verified when they served, like any other.
 
+Of a version's weight files only those its loads read are copied (:func:`read_precisions`, from the model's
+configuration): the served precision's, a ``degrade_to`` precision's, and for encoders the FP32 files their
+engines may read beside (INT8's fallback, the torch program); a text-generation model reads its served graph
+alone. A version packaged with every precision (``keep_all_precisions``: FP32, FP16, INT8 and INT4 of an LLM) is
+no longer copied whole into the temporary folder.
+
 The price: the loaded versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
 version is copied once before its first load (MiniLM's 89 MB: about 0.4 s here). The copy lives in the server's work
 folder: a server killed outright leaves it behind until the next server starts (``work_folders.py``).
@@ -44,6 +50,8 @@ import os
 import shutil
 import stat
 from pathlib import Path
+
+from typing import Mapping
 
 from model_factory.errors import FactoryError
 from model_factory.signing.layout import DEFAULT_EXCLUSIONS, is_signature_name, is_version_name
@@ -85,10 +93,33 @@ def _place(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
+def read_precisions(parameters: Mapping[str, str]) -> frozenset[str] | None:
+    """The precisions whose weight files a model's loads read, from its configuration's parameters (name ->
+    string value), or None (every file) for a package that names no precision."""
+    from model_factory.backend.contract import TEXT_GENERATION, file_precision
+
+    precision = parameters.get("precision")
+    if not precision:
+        return None
+    read = {precision}
+    if parameters.get("task") != TEXT_GENERATION:
+        read.add("fp32")  # an encoder's engines may read FP32 files beside (INT8's float fallback, the torch program)
+    if parameters.get("degrade_to"):
+        read.add(parameters["degrade_to"])
+    for key in ("onnx_file", "plan_file", "torchscript_file"):
+        named = file_precision(parameters.get(key) or "")
+        if named:
+            read.add(named)
+    return frozenset(read)
+
+
+def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | None = None) -> None:
     """Make the folder ``dst`` hold the regular files of ``src`` (recursively). At ``top`` (a model folder)
     version folders, signature files and OMS's default exclusions are skipped; below it, ``__pycache__``
-    entries are left alone (never signed; one is ours)."""
+    entries are left alone (never signed; one is ours). With ``precisions``, weight files of other precisions
+    (``contract.file_precision``) are skipped."""
+    from model_factory.backend.contract import file_precision
+
     dst.mkdir(parents=True, exist_ok=True)
     wanted: set[str] = set()
     with os.scandir(src) as it:
@@ -99,6 +130,8 @@ def _sync_tree(src: Path, dst: Path, *, top: bool) -> None:
             continue  # version folders (a non-canonical one, "01", is never served: verification reports it)
         if name == PYCACHE_BLOCKER:
             continue
+        if precisions is not None and file_precision(name) not in (None, *precisions):
+            continue  # another precision's weights: no load reads them
         st = entry.stat(follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             wanted.add(name)
@@ -137,9 +170,11 @@ def policy_versions(policy: dict | None, available: list[int]) -> list[int]:
     return sorted(available)[-n:] if n > 0 else []
 
 
-def sync_model(repository: Path, served: Path, model: str, policy: dict | None = None) -> Path:
+def sync_model(repository: Path, served: Path, model: str, policy: dict | None = None,
+               precisions: frozenset[str] | None = None) -> Path:
     """Bring ``served/model`` in line with ``repository/model`` for the versions ``policy`` (a Triton
-    ``version_policy``, JSON form) loads (see the module docstring); return it. Other versions are not copied."""
+    ``version_policy``, JSON form) loads (see the module docstring); return it. Other versions are not copied,
+    nor, with ``precisions`` (:func:`read_precisions`), other precisions' weight files."""
     src, dst = Path(repository) / model, Path(served) / model
     try:
         _sync_tree(src, dst, top=True)
@@ -149,7 +184,7 @@ def sync_model(repository: Path, served: Path, model: str, policy: dict | None =
         versions = [folders[v] for v in sorted(folders) if v in wanted]
         for entry in versions:
             folder = dst / entry.name
-            _sync_tree(Path(entry.path), folder, top=False)
+            _sync_tree(Path(entry.path), folder, top=False, precisions=precisions)
             blocker = folder / PYCACHE_BLOCKER
             if not blocker.is_file():
                 if blocker.is_dir():

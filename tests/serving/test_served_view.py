@@ -157,3 +157,49 @@ def test_a_sparse_weight_file_stays_sparse_in_the_view(tmp_path: Path) -> None:
         assert f.read(1 << 20) == bytes(1 << 20)
         f.seek(size - len(tail))
         assert f.read() == tail
+
+
+def test_only_the_weight_files_its_loads_read_are_copied(tmp_path: Path) -> None:
+    """A version packaged with every precision: the served one's files (and, for an encoder, FP32's; a degrade
+    precision's) are copied, the others' are not; a package naming no precision gets every file."""
+    from model_factory.serving.served_view import read_precisions
+
+    src = _model(tmp_path / "repo")
+    weights = ("model.onnx", "model.onnx.data", "model.fp16.onnx", "model.int8.onnx", "model.int8.onnx.data",
+               "model.int4.onnx", "model.int4.onnx.data", "model.fp16.plan", "model.pt2")
+    for name in weights:
+        (src / "1" / name).write_bytes(b"\x01" * 32)
+    (src / "1" / "tokenizer").mkdir()
+    (src / "1" / "tokenizer" / "tokenizer.json").write_text("{}")
+    (src / "1" / "generation.json").write_text("{}")
+
+    views = iter(range(100))
+
+    def copied(parameters: dict) -> set[str]:
+        view = sync_model(tmp_path / "repo", tmp_path / f"served-{next(views)}", "m", None,
+                          read_precisions(parameters))
+        assert {"model.py", "generation.json"} <= {p.name for p in (view / "1").iterdir()}  # shared files always
+        assert (view / "1" / "tokenizer" / "tokenizer.json").is_file()
+        return {p.name for p in (view / "1").iterdir() if p.is_file() and p.name in weights}
+
+    llm = copied({"precision": "int4", "task": "text-generation", "onnx_file": "model.int4.onnx"})
+    assert llm == {"model.int4.onnx", "model.int4.onnx.data"}
+    assert copied({"precision": "int8"}) == {"model.onnx", "model.onnx.data", "model.pt2", "model.int8.onnx",
+                                             "model.int8.onnx.data"}
+    assert copied({"precision": "fp16", "degrade_to": "int8"}) == {
+        "model.onnx", "model.onnx.data", "model.pt2", "model.fp16.onnx", "model.fp16.plan", "model.int8.onnx",
+        "model.int8.onnx.data"}
+    assert copied({}) == set(weights)  # no precision named: every file
+    assert read_precisions({}) is None
+
+
+def test_a_precision_no_longer_read_leaves_the_view(tmp_path: Path) -> None:
+    from model_factory.serving.served_view import read_precisions
+
+    src = _model(tmp_path / "repo")
+    (src / "1" / "model.int8.onnx").write_bytes(b"\x02" * 32)
+    view = sync_model(tmp_path / "repo", tmp_path / "served", "m", None, read_precisions({"precision": "int8"}))
+    assert (view / "1" / "model.int8.onnx").is_file()
+    sync_model(tmp_path / "repo", tmp_path / "served", "m", None,
+               read_precisions({"precision": "fp32", "task": "text-generation"}))
+    assert not (view / "1" / "model.int8.onnx").exists() and (view / "1" / "model.onnx").is_file()
