@@ -323,7 +323,9 @@ class RepositoryTable(_Table):
                            "Build artifacts go to build/<model name> beside it.")
     instance_count: Positive = Field(2, description="Model instances (Triton's instance_group count). On a CPU "
                                      "they split the cores; each GPU instance holds its own engine.")
-    instance_kind: _choice(INSTANCE_KINDS) = Field("auto", description="auto: GPU when there is one, else CPU.")
+    instance_kind: _choice(INSTANCE_KINDS) = Field("auto", description="auto: GPU when there is one, else CPU (a "
+                                                   "text-generation model: CPU). A text-generation model on gpu "
+                                                   "serves fp16 (generation.md, \"On a GPU\").")
     engine: _choice(ENGINES) = Field("auto", description="Which engine the backend serves with (auto: TensorRT plan "
                                      "on a GPU, ONNX Runtime on a CPU).")
     memory_pool_release_threshold_mib: Positive = Field(256, description="Freed GPU memory the instance's CUDA "
