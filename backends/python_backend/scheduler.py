@@ -214,8 +214,10 @@ class Scheduler:
             need = self.slots.bytes_for(head.reserved_tokens)
             if reserved + need > self.slots.budget_bytes:
                 if self._preempt_for(head):
+                    # What the running sequences hold now, and what this step already chose (not in the slots yet).
                     free = self.slots.slots - self.slots.active
-                    reserved = self.slots.usage().reserved_bytes
+                    reserved = self.slots.usage().reserved_bytes + sum(
+                        self.slots.bytes_for(g.reserved_tokens) for g in chosen)
                     continue
                 break
             chosen.append(self.waiting.popleft())

@@ -164,3 +164,29 @@ def test_preempted_sequence_resumes_with_the_same_tokens(engine):
     _run_all(sched, [first, second])
     ref = reference_greedy(hf, [first.prompt, second.prompt], [30, 8])
     assert agree_until_tie(first.generated, *ref[0]) and agree_until_tie(second.generated, *ref[1])
+
+
+def test_preemption_never_admits_past_the_budget_whatever_the_arrivals(engine):
+    """Long and short sequences arriving at random under a budget of three long ones, preemption on: every step keeps
+    the reservations within the budget (the ones chosen earlier in a step that preempts included), and every sequence
+    ends with all its tokens."""
+    spec, model, tok, _ = engine
+    clock = {"t": 0.0}
+    unit = KVSlots(spec, 1, 1 << 30).bytes_for(24)
+    slots = KVSlots(spec, 8, 3 * unit)
+    sched = Scheduler(model, slots, tok, spec.eos_token_ids, preemption_wait_s=0.2, max_waiting=64,
+                      clock=lambda: clock["t"])
+    rng = random.Random(7)
+    gens = []
+    for step in range(400):
+        if step < 120 and rng.random() < 0.3:
+            n = rng.choice([4, 20])  # a short one, or one holding a whole unit
+            gens.append(sched.submit(Generation([rng.randrange(3, 200) for _ in range(4)],
+                                                SamplingParams(max_tokens=n, min_tokens=n), lambda g, e: None)))
+        sched.step()
+        assert slots.usage().reserved_bytes <= slots.budget_bytes
+        clock["t"] += 0.1
+        if step >= 120 and not sched.has_work():
+            break
+    assert not sched.has_work() and any(g.preemptions for g in gens)
+    assert all(g.finish_reason == "length" and len(g.generated) == g.params.max_tokens for g in gens)
