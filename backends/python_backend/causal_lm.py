@@ -21,8 +21,9 @@ On a GPU (``CausalLM(..., cuda=CudaPlacement(device, stream))``) the session run
 the instance's stream and the KV views are ``kv_device.DeviceView`` pointers into the device buffers (the
 compaction's copies are queued on the same stream, so a step sees them); ids, mask and positions are copied in by
 ONNX Runtime and the logits come back to the host. Only a graph whose cache is float16 is run there: ONNX
-Runtime's CUDA ``GroupQueryAttention`` has float16 and bfloat16 kernels only, and a float32 or INT8-cache graph's
-attention would run on the CPU, copying the whole cache across every step (:func:`device_kv_problem`).
+Runtime's CUDA ``GroupQueryAttention`` has half-precision kernels only (float16, bfloat16), and a float32 or
+INT8-cache graph's attention would run on the CPU, copying the whole cache across every step
+(:func:`device_kv_problem`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 _KV_NUMPY = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
-# KV element types ONNX Runtime's CUDA GroupQueryAttention computes in (its kernels: MLFloat16, BFloat16).
-DEVICE_KV_TYPES = ("tensor(float16)", "tensor(bfloat16)")
+# KV element types run on ONNX Runtime's CUDA GroupQueryAttention (its kernels: MLFloat16 and BFloat16; the factory
+# builds no bfloat16 graph, and generation.json names no bfloat16 cache).
+DEVICE_KV_TYPES = ("tensor(float16)",)
 
 
 @dataclass(frozen=True)
