@@ -7,6 +7,7 @@
     python3 benchmarks/gpu_checks.py prepare-generate   # HERE: a tiny fp16 Llama and its CPU references
     python3 benchmarks/gpu_checks.py generate   # THERE: the scheduler on ONNX Runtime CUDA, KV cache in the pool
     python3 benchmarks/gpu_checks.py generate-triton   # THERE: the same model through Triton, KIND_GPU
+    python3 benchmarks/gpu_checks.py generate-speed    # THERE: the 110M Llama's fp16 tokens/s at 1, 8, 32 streams
 
 The ``triton`` check is driven by ``gpu_checks.sh`` after
 ``benchmarks/prepare_gpu_wheels.sh`` has put what it needs into ``.whl/`` (see
@@ -809,6 +810,10 @@ def accept_main(repo: Path, model: str) -> int:
 
 GENERATE_MODEL = "llm"
 GENERATE_NEAR_TIE = 2e-2  # float16 logits: a wider margin than the FP32 tests' 1e-3
+# bench_generate's 110M Llama (SmolLM-135M's shape), for generate-speed.
+SPEED_SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294,
+                   max_positions=2048, tie=True)
+SPEED_LEVELS, SPEED_PROMPT, SPEED_TOKENS, SPEED_CONTEXT = (1, 8, 32), 128, 128, 512
 
 
 def _greedy_together(model, slots, prompts: list, max_tokens: list) -> tuple[list, int]:
@@ -875,6 +880,13 @@ def prepare_generate_main(out: Path) -> int:
         slots.clear()
         refs.append({"prompt": prompt, "max_tokens": n, "tokens": tokens, "margins": margins})
     (out / "generate_refs.json").write_text(json.dumps(refs))
+    # The speed check's model: bench_generate's 110M Llama built serving fp16; only its graph (no weights: 220 MB
+    # would not travel) and generation.json go, the weights are drawn again there (generate-speed).
+    big = layout_generative_model(make_causal_lm("llama", work / "hf-110m", **SPEED_SHAPE), None,
+                                  work / "speed_repository", GENERATE_MODEL, precision="fp16")
+    (out / "speed").mkdir()
+    for name in ("model.fp16.onnx", Files.GENERATION):
+        shutil.copy2(big / name, out / "speed" / name)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {GENERATE_MODEL} (fp16, {spec.num_layers} layers), {len(refs)} references, {size / MIB:.1f} MiB",
           flush=True)
@@ -944,6 +956,120 @@ def generate_main(out: Path) -> int:
         print(f"FAIL {p_}", flush=True)
     print(f"generate check: {'FAILED' if problems else 'PASS'} ({len(problems)} problems)", flush=True)
     return 1 if problems else 0
+
+
+def _draw_weights(graph: Path, seed: int = 0) -> Path:
+    """Write ``graph``'s external-data file with weights drawn at random (normal, std 0.02; integers zero) at the
+    offsets its initializers name: the graph's shapes and kernels, not its trained values (speed only)."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(graph), load_external_data=False)
+    rng = np.random.default_rng(seed)
+    files: dict = {}
+    try:
+        for t in model.graph.initializer:
+            ext = {e.key: e.value for e in t.external_data}
+            if "location" not in ext:
+                continue
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+            count = int(ext["length"]) // dtype.itemsize
+            values = ((rng.standard_normal(count, dtype=np.float32) * 0.02).astype(dtype)
+                      if dtype.kind == "f" else np.zeros(count, dtype))
+            f = files.get(ext["location"]) or files.setdefault(ext["location"],
+                                                               open(graph.parent / ext["location"], "wb"))
+            f.seek(int(ext.get("offset", 0)))
+            f.write(values.tobytes())
+    finally:
+        for f in files.values():
+            f.close()
+    return graph
+
+
+def generate_speed_main(out: Path, kind: str = "gpu") -> int:
+    """bench_generate's 110M Llama in fp16 (weights drawn here) on the backend's scheduler in-process, on the GPU
+    (the CUDA provider, the KV cache in the pool) or with ``kind`` cpu here: output tokens/s and time to first token
+    at 1, 8 and 32 streams of 128 + 128 tokens, greedy (2 rounds each after a warm-up; no Triton, no HTTP)."""
+    import os
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from mf_backend.causal_lm import CausalLM, CudaPlacement
+    from mf_backend.contract import Files, GenerationSpec
+    from mf_backend.kv_slots import KVSlots
+    from mf_backend.sampling import SamplingParams
+    from mf_backend.scheduler import Generation, Scheduler
+
+    src = out / "speed"
+    spec = GenerationSpec.from_json((src / Files.GENERATION).read_text()).for_precision("fp16")
+    work = Path(tempfile.mkdtemp(prefix="gpu-generate-speed-"))
+    graph = work / "model.fp16.onnx"
+    shutil.copy2(src / "model.fp16.onnx", graph)
+    start = time.perf_counter()
+    _draw_weights(graph)
+    drawn_s = time.perf_counter() - start
+    rt = stream = pool = storage = None
+    try:
+        if kind == "gpu":
+            from mf_backend.kv_device import DeviceKVBuffers
+
+            rt = cuda_runtime()
+            check(rt, rt.cudaSetDevice(0), "cudaSetDevice")
+            stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+            pool = MemoryPool(0)
+            model = CausalLM(graph, cuda=CudaPlacement(0, int(stream)), precision="fp16")
+            storage = DeviceKVBuffers(spec, max(SPEED_LEVELS), pool, stream, max_context=SPEED_CONTEXT)
+            slots = KVSlots(spec, max(SPEED_LEVELS), storage.nbytes, max_context=SPEED_CONTEXT, storage=storage)
+        else:
+            model = CausalLM(graph, threads=os.cpu_count())
+            slots = KVSlots(spec, max(SPEED_LEVELS), 8 << 30, max_context=SPEED_CONTEXT)
+        rng = np.random.default_rng(1)
+
+        def one(streams: int) -> tuple[float, float, float]:
+            sched = Scheduler(model, slots, None, (), max_waiting=streams, max_prefill_tokens=4096)
+            first: dict[int, float] = {}
+            gens = []
+            for _ in range(streams):
+                prompt = rng.integers(10, spec.vocab_size - 10, SPEED_PROMPT).tolist()
+                params = SamplingParams(max_tokens=SPEED_TOKENS, min_tokens=SPEED_TOKENS, ignore_eos=True)
+                gens.append(sched.submit(Generation(prompt, params,
+                                                    lambda g, e: first.setdefault(g.id, time.perf_counter()))))
+            t0 = time.perf_counter()
+            while sched.has_work():
+                sched.step()
+            wall = time.perf_counter() - t0
+            ttft = sorted(first[g.id] - g.arrival for g in gens)
+            tokens = sum(len(g.generated) for g in gens)
+            if tokens != streams * SPEED_TOKENS:
+                raise AssertionError(f"{tokens} tokens generated, asked {streams * SPEED_TOKENS}")
+            return tokens / wall, ttft[len(ttft) // 2], ttft[-1]
+
+        one(8)  # warm-up: the sessions' first runs, the allocator
+        lines = []
+        for streams in SPEED_LEVELS:
+            got = [one(streams) for _ in range(2)]
+            best = max(got)
+            lines.append(f"{streams} streams: {best[0]:.0f} output tokens/s (rounds: "
+                         f"{', '.join(f'{g[0]:.0f}' for g in got)}), TTFT p50 {best[1]:.3f} s, max {best[2]:.3f} s")
+        model.close()
+    finally:
+        if storage is not None:
+            slots.close()
+        if rt is not None:
+            check(rt, rt.cudaStreamSynchronize(stream), "sync")
+            pool.close()
+            check(rt, rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"generate-speed on {model.device}: the 110M Llama (SmolLM-135M's shape) in fp16, weights drawn at random "
+          f"({drawn_s:.1f} s), {SPEED_PROMPT} + {SPEED_TOKENS} tokens per stream, greedy, the backend's scheduler "
+          "in-process (no Triton, no HTTP):", flush=True)
+    for line in lines:
+        print(f"    {line}", flush=True)
+    print("generate-speed: PASS", flush=True)
+    return 0
 
 
 def generate_triton_main(out: Path, log_dir: Path | None, kind: str = "gpu") -> int:
@@ -1040,19 +1166,22 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description="GPU checks (default: the backend's CUDA parts)")
     ap.add_argument("mode", nargs="?", default="cuda", choices=("cuda", "prepare", "triton", "accept",
-                                                                 "prepare-generate", "generate", "generate-triton"))
+                                                                 "prepare-generate", "generate", "generate-triton",
+                                                                 "generate-speed"))
     ap.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
-                    help="generate-triton: the instance kind served (cpu: the same check on a CPU machine)")
+                    help="generate-triton, generate-speed: the GPU, or the CPU (the same check on a CPU machine)")
     ap.add_argument("--out", type=Path, default=ROOT / ".whl" / "gpu_triton",
                     help="prepare: where the packaged repository and references go")
     ap.add_argument("--log-dir", type=Path, default=None, help="triton: where the server log goes")
     ap.add_argument("--model", choices=sorted(ENGINES), default=TRITON_MODEL,
                     help="triton, accept: tiny (torch engine) or tiny-ort (ONNX Runtime CUDA)")
     args = ap.parse_args()
-    if args.mode in ("prepare-generate", "generate", "generate-triton"):
+    if args.mode in ("prepare-generate", "generate", "generate-triton", "generate-speed"):
         where = args.out if args.out != ROOT / ".whl" / "gpu_triton" else ROOT / ".whl" / "gpu_generate"
         if args.mode == "generate-triton":
             sys.exit(generate_triton_main(where, args.log_dir, args.kind))
+        if args.mode == "generate-speed":
+            sys.exit(generate_speed_main(where, args.kind))
         sys.exit(prepare_generate_main(where) if args.mode == "prepare-generate" else generate_main(where))
     if args.mode == "prepare":
         sys.exit(prepare_main(args.out))

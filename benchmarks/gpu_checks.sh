@@ -177,6 +177,10 @@ if [ "$ORT_OK" -eq 1 ] && [ -f .whl/gpu_generate/generate_refs.json ]; then
     PATH="$T/venv-ort/bin:$PATH" in_triton_env timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py \
         generate-triton --out .whl/gpu_generate --log-dir "${OUT:-$T}" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    # Speed: bench_generate's 110M Llama in fp16 (its graph carried, weights drawn there), 1 / 8 / 32 streams.
+    timeout 300 "$T/venv-ort/bin/python" benchmarks/gpu_checks.py generate-speed --out .whl/gpu_generate 2>&1 \
+        | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 else
     echo "SKIP needs onnxruntime-gpu staged and .whl/gpu_generate (prepare_gpu_wheels.sh)" | tee -a "$LOG"
 fi

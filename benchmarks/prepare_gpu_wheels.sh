@@ -27,7 +27,9 @@
 #                                        their PyTorch outputs
 #   gpu_generate/                        a tiny random Llama (2 layers, hidden 64) packaged serving fp16,
 #                                        and 16 greedy continuations of its fp16 graph on the CPU
-#                                        (gpu_checks.py generate checks the GPU's against them)
+#                                        (gpu_checks.py generate checks the GPU's against them); speed/:
+#                                        the 110M Llama's fp16 graph without its weights (173 KB; 220 MB
+#                                        of weights are drawn there: gpu_checks.py generate-speed)
 #
 # Not carried, on purpose: nvidia-pytriton as a wheel (the slim bundle replaces it), tritonclient's
 # dependencies (grpcio, protobuf and numpy are there; the correctness check's client uses the stdlib
@@ -126,7 +128,7 @@ fi
 echo "== tiny model, packaged, and 256 references (PyTorch)"
 "$PY" benchmarks/gpu_checks.py prepare --out "$W/gpu_triton"
 
-echo "== text generation: a tiny Llama packaged serving fp16, and its CPU references (~1.5 MiB)"
+echo "== text generation: a tiny Llama packaged serving fp16, its CPU references, the 110M Llama's graph (~1.7 MiB)"
 "$PY" benchmarks/gpu_checks.py prepare-generate --out "$W/gpu_generate"
 
 echo "== for the GPU batching benchmark: tritonclient (its load generator) and MiniLM's config + tokenizer"
