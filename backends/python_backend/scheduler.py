@@ -35,7 +35,7 @@ import numpy as np
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from .grouping import CostModel, plan_groups
-from .kv_slots import KVSlots
+from .kv_slots import AdmissionError, KVSlots
 from .sampling import Sampler, SamplingError, SamplingParams
 
 JITTER_WINDOW = 10  # token intervals per jitter sample (000 §4.1)
@@ -227,12 +227,20 @@ class Scheduler:
         lengths = [len(g.context()) for g in chosen]
         groups = plan_groups(lengths, self.cost, max_batch=len(chosen),
                              max_tokens=max(self.max_prefill_tokens, max(lengths)))
-        ordered = []
+        ordered: list[list[Generation]] = []
         for group in groups:
-            members = [chosen[i] for i in group]
-            for gen in members:
-                gen.slot = self.slots.admit(gen.reserved_tokens)
+            members: list[Generation] = []
+            for gen in (chosen[i] for i in group):
+                try:
+                    gen.slot = self.slots.admit(gen.reserved_tokens)
+                except AdmissionError as exc:  # not expected (the choice above kept within the budget): lose nothing
+                    self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
+                                   "admitted wait again at the head of the queue")
+                    placed = {id(g) for g in members} | {id(g) for grp in ordered for g in grp}
+                    self.waiting.extendleft(reversed([g for g in chosen if id(g) not in placed]))
+                    return ordered + ([members] if members else [])
                 self.running.append(gen)
+                members.append(gen)
             ordered.append(members)
         return ordered
 

@@ -190,3 +190,31 @@ def test_preemption_never_admits_past_the_budget_whatever_the_arrivals(engine):
             break
     assert not sched.has_work() and any(g.preemptions for g in gens)
     assert all(g.finish_reason == "length" and len(g.generated) == g.params.max_tokens for g in gens)
+
+
+def test_an_admission_that_fails_midway_loses_no_sequence(engine, monkeypatch):
+    """Should the slots refuse a sequence the step chose (never expected), those not admitted wait again at the head
+    of the queue, in order, the admitted ones are prefilled, and every sequence ends with all its tokens."""
+    from model_factory.backend.kv_slots import AdmissionError
+
+    spec, model, tok, _ = engine
+    slots = KVSlots(spec, 8, 1 << 30)
+    errors: list[str] = []
+    sched = Scheduler(model, slots, tok, spec.eos_token_ids, log_error=errors.append)
+    gens = [sched.submit(Generation([5 + i, 6, 7], SamplingParams(max_tokens=6, min_tokens=6), lambda g, e: None))
+            for i in range(5)]
+    real_admit, calls = slots.admit, {"n": 0}
+
+    def admit_refusing_the_third(tokens):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise AdmissionError("refused for the test")
+        return real_admit(tokens)
+
+    monkeypatch.setattr(slots, "admit", admit_refusing_the_third)
+    sched.step()
+    assert [g.slot is not None for g in gens] == [True, True, False, False, False]
+    assert list(sched.waiting) == gens[2:] and len(errors) == 1 and "admission stopped short" in errors[0]
+    assert all(len(g.generated) == 1 for g in gens[:2])  # the admitted ones were prefilled: their first token
+    _run_all(sched, gens)
+    assert all(g.finish_reason == "length" and len(g.generated) == 6 for g in gens)
