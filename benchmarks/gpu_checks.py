@@ -897,8 +897,6 @@ def generate_main(out: Path) -> int:
     """The backend's scheduler on ONNX Runtime's CUDA provider with the KV cache in the pool; tokens checked."""
     import json
 
-    import numpy as np
-
     from mf_backend.causal_lm import CausalLM, CudaPlacement
     from mf_backend.contract import Files, GenerationSpec
     from mf_backend.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
