@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -802,18 +803,20 @@ def accept_main(repo: Path, model: str) -> int:
 #          with the factory serving fp16 (the GPU's precision: ONNX Runtime's CUDA attention is float16 only) and
 #          keeps, for 16 prompts of mixed lengths and max_tokens, the greedy tokens the same fp16 graph makes
 #          on ONNX Runtime's CPU provider, one sequence at a time, with each step's top-two logit margin;
-#   there  `gpu_checks.py generate` (the onnxruntime-gpu venv of gpu_checks.sh) runs the backend's own
-#          scheduler with the graph on the CUDA provider and the KV cache in device buffers from the pool
-#          (kv_device), slots sized from cudaMemGetInfo less a reserve, all 16 sequences together (continuous
+#   there  `gpu_checks.py generate` (the onnxruntime-gpu venv of gpu_checks.sh) loads the model as a KIND_GPU
+#          instance does (generate_model.load_on_gpu, with the packaged settings: the graph on the CUDA provider,
+#          the KV cache in device buffers from the pool, slots sized from cudaMemGetInfo less device_reserve_mib)
+#          and runs the backend's own scheduler over it, all 16 sequences together (continuous
 #          batching: they finish at different steps, so slots are compacted on the device), and compares
 #          every continuation with its reference up to its first near-tie.
 
 GENERATE_MODEL = "llm"
+GENERATE_CONFIG = "model_config.json"  # the packaged config.pbtxt in Triton's JSON form
 GENERATE_NEAR_TIE = 2e-2  # float16 logits: a wider margin than the FP32 tests' 1e-3
 # bench_generate's 110M Llama (SmolLM-135M's shape), for generate-speed.
 SPEED_SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294,
                    max_positions=2048, tie=True)
-SPEED_LEVELS, SPEED_PROMPT, SPEED_TOKENS, SPEED_CONTEXT = (1, 8, 32), 128, 128, 512
+SPEED_LEVELS, SPEED_PROMPT, SPEED_TOKENS, SPEED_CONTEXT = (1, 8, 32), 128, 128, 512  # context: the CPU's
 
 
 def _greedy_together(model, slots, prompts: list, max_tokens: list) -> tuple[list, int]:
@@ -880,6 +883,13 @@ def prepare_generate_main(out: Path) -> int:
         slots.clear()
         refs.append({"prompt": prompt, "max_tokens": n, "tokens": tokens, "margins": margins})
     (out / "generate_refs.json").write_text(json.dumps(refs))
+    # The backend's settings there come from this (Triton's JSON form of config.pbtxt): no protobuf needed there.
+    from google.protobuf import json_format
+
+    from model_factory.build.repository import read_config
+
+    config = json_format.MessageToDict(read_config(vdir.parent), preserving_proto_field_name=True)
+    (out / GENERATE_CONFIG).write_text(json.dumps(config))
     # The speed check's model: bench_generate's 110M Llama built serving fp16; only its graph (no weights: 220 MB
     # would not travel) and generation.json go, the weights are drawn again there (generate-speed).
     big = layout_generative_model(make_causal_lm("llama", work / "hf-110m", **SPEED_SHAPE), None,
@@ -893,30 +903,38 @@ def prepare_generate_main(out: Path) -> int:
     return 0
 
 
+def _gpu_generation(out: Path, version_dir: Path, spec_file: Path, **overrides: Any) -> Any:
+    """``generate_model.load_on_gpu`` on ``version_dir`` (unverified: no digests), with the packaged model's settings
+    (``overrides`` replacing some): what a KIND_GPU instance loads, sized from this device's free memory."""
+    import dataclasses
+    import json
+
+    from mf_backend.contract import GenerationSpec
+    from mf_backend.generate_model import load_on_gpu
+    from mf_backend.settings import parse_settings
+
+    settings = dataclasses.replace(parse_settings(json.loads((out / GENERATE_CONFIG).read_text())), **overrides)
+    spec = GenerationSpec.from_json(spec_file.read_text()).for_precision(settings.precision)
+    return load_on_gpu(version_dir, settings, None, spec, 0)
+
+
 def generate_main(out: Path) -> int:
     """The backend's scheduler on ONNX Runtime's CUDA provider with the KV cache in the pool; tokens checked."""
     import json
 
-    from mf_backend.causal_lm import CausalLM, CudaPlacement
-    from mf_backend.contract import Files, GenerationSpec
-    from mf_backend.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
-    from mf_backend.kv_slots import KVSlots
+    from mf_backend.contract import Files
+    from mf_backend.kv_device import device_memory
 
     vdir = out / "model_repository" / GENERATE_MODEL / "1"
     refs = json.loads((out / "generate_refs.json").read_text())
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp16")
-    rt = cuda_runtime()
-    check(rt, rt.cudaSetDevice(0), "cudaSetDevice")
-    stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
     problems: list[str] = []
-    with MemoryPool(0) as pool:
-        start = time.perf_counter()
-        model = CausalLM(vdir / "model.fp16.onnx", cuda=CudaPlacement(0, int(stream)), precision="fp16")
-        load_s = time.perf_counter() - start
-        free, total = device_memory(0)
-        count = device_slots(spec, kv_budget_from_device(free, 1 << 30), wanted=16, max_context=256)
-        storage = DeviceKVBuffers(spec, count, pool, stream, max_context=256)
-        slots = KVSlots(spec, count, storage.nbytes, max_context=256, storage=storage)
+    start = time.perf_counter()
+    gpu = _gpu_generation(out, vdir, vdir / Files.GENERATION, max_active_sequences=16)
+    load_s = time.perf_counter() - start
+    model, slots, storage, pool = gpu.model, gpu.slots, gpu.storage, gpu.pool
+    count, context = slots.slots, slots.max_context
+    free, total = device_memory(0)
+    try:
         prompts, max_tokens = [r["prompt"] for r in refs], [r["max_tokens"] for r in refs]
         start = time.perf_counter()
         got, steps = _greedy_together(model, slots, prompts, max_tokens)
@@ -938,18 +956,19 @@ def generate_main(out: Path) -> int:
         twice, _ = _greedy_together(model, slots, [prompts[0]] * 16, [max_tokens[0]] * 16)
         if any(t != twice[0] for t in twice):
             problems.append("16 copies of one prompt decoded together gave different tokens")
-        slots.close()
         model.close()
-        check(rt, rt.cudaStreamSynchronize(stream), "sync")
+        storage.close()
+        check(gpu.rt, gpu.rt.cudaStreamSynchronize(gpu.stream), "sync")
         if pool.live_allocations:
             problems.append(f"{pool.live_allocations} allocations left in the pool after close")
-    check(rt, rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+    finally:
+        gpu.close()
     tokens = sum(len(t) for t in got)
-    print(f"generate on cuda:0: session {load_s:.1f} s; {count} KV slots of 256 tokens in the pool "
-          f"({storage.nbytes / MIB:.1f} MiB; {free / 2**30:.1f} of {total / 2**30:.0f} GiB free after the session); "
-          f"16 sequences together: {tokens} tokens in {steps} steps, {wall:.2f} s ({tokens / wall:.0f} tokens/s, a "
-          f"tiny model: launch-bound); {same} of 16 equal to the CPU's fp16 tokens up to their first near-tie "
-          f"(margin < {GENERATE_NEAR_TIE}; {ties} have one)", flush=True)
+    print(f"generate on cuda:0 (generate_model.load_on_gpu): session {load_s:.1f} s; {count} KV slots of {context} "
+          f"tokens in the pool ({storage.nbytes / MIB:.1f} MiB; {free / 2**30:.1f} of {total / 2**30:.0f} GiB free "
+          f"after); 16 sequences together: {tokens} tokens in {steps} steps, {wall:.2f} s ({tokens / wall:.0f} "
+          f"tokens/s, a tiny model: launch-bound); {same} of 16 equal to the CPU's fp16 tokens up to their first "
+          f"near-tie (margin < {GENERATE_NEAR_TIE}; {ties} have one)", flush=True)
     for p_ in problems:
         print(f"FAIL {p_}", flush=True)
     print(f"generate check: {'FAILED' if problems else 'PASS'} ({len(problems)} problems)", flush=True)
@@ -995,7 +1014,7 @@ def generate_speed_main(out: Path, kind: str = "gpu") -> int:
 
     import numpy as np
 
-    from mf_backend.causal_lm import CausalLM, CudaPlacement
+    from mf_backend.causal_lm import CausalLM
     from mf_backend.contract import Files, GenerationSpec
     from mf_backend.kv_slots import KVSlots
     from mf_backend.sampling import SamplingParams
@@ -1009,18 +1028,11 @@ def generate_speed_main(out: Path, kind: str = "gpu") -> int:
     start = time.perf_counter()
     _draw_weights(graph)
     drawn_s = time.perf_counter() - start
-    rt = stream = pool = storage = None
+    gpu = None
     try:
-        if kind == "gpu":
-            from mf_backend.kv_device import DeviceKVBuffers
-
-            rt = cuda_runtime()
-            check(rt, rt.cudaSetDevice(0), "cudaSetDevice")
-            stream = check(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
-            pool = MemoryPool(0)
-            model = CausalLM(graph, cuda=CudaPlacement(0, int(stream)), precision="fp16")
-            storage = DeviceKVBuffers(spec, max(SPEED_LEVELS), pool, stream, max_context=SPEED_CONTEXT)
-            slots = KVSlots(spec, max(SPEED_LEVELS), storage.nbytes, max_context=SPEED_CONTEXT, storage=storage)
+        if kind == "gpu":  # what a KIND_GPU instance loads (slots at the model's full context)
+            gpu = _gpu_generation(out, work, src / Files.GENERATION, max_active_sequences=max(SPEED_LEVELS))
+            model, slots = gpu.model, gpu.slots
         else:
             model = CausalLM(graph, threads=os.cpu_count())
             slots = KVSlots(spec, max(SPEED_LEVELS), 8 << 30, max_context=SPEED_CONTEXT)
@@ -1054,12 +1066,8 @@ def generate_speed_main(out: Path, kind: str = "gpu") -> int:
                          f"{', '.join(f'{g[0]:.0f}' for g in got)}), TTFT p50 {best[1]:.3f} s, max {best[2]:.3f} s")
         model.close()
     finally:
-        if storage is not None:
-            slots.close()
-        if rt is not None:
-            check(rt, rt.cudaStreamSynchronize(stream), "sync")
-            pool.close()
-            check(rt, rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+        if gpu is not None:
+            gpu.close()
         shutil.rmtree(work, ignore_errors=True)
     print(f"generate-speed on {model.device}: the 110M Llama (SmolLM-135M's shape) in fp16, weights drawn at random "
           f"({drawn_s:.1f} s), {SPEED_PROMPT} + {SPEED_TOKENS} tokens per stream, greedy, the backend's scheduler "

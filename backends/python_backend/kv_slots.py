@@ -79,10 +79,6 @@ class HostKVBuffers:
         self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self._madvise = _libc_madvise()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(buf.nbytes for buf in self.buffers.values())
-
     def views(self, start: int, count: int) -> dict[str, np.ndarray]:
         """Every buffer's rows ``[start, start + count)``: contiguous views to bind by pointer. The same slice
         returns the same object (the last 256 kept), so the engine keeps its binding of it (causal_lm)."""

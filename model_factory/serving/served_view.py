@@ -53,6 +53,7 @@ from pathlib import Path
 
 from typing import Mapping
 
+from model_factory.backend.contract import TEXT_GENERATION, file_precision
 from model_factory.errors import FactoryError
 from model_factory.signing.layout import DEFAULT_EXCLUSIONS, is_signature_name, is_version_name
 
@@ -96,8 +97,6 @@ def _place(src: Path, dst: Path) -> None:
 def read_precisions(parameters: Mapping[str, str]) -> frozenset[str] | None:
     """The precisions whose weight files a model's loads read, from its configuration's parameters (name ->
     string value), or None (every file) for a package that names no precision."""
-    from model_factory.backend.contract import TEXT_GENERATION, file_precision
-
     precision = parameters.get("precision")
     if not precision:
         return None
@@ -118,8 +117,6 @@ def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | 
     version folders, signature files and OMS's default exclusions are skipped; below it, ``__pycache__``
     entries are left alone (never signed; one is ours). With ``precisions``, weight files of other precisions
     (``contract.file_precision``) are skipped."""
-    from model_factory.backend.contract import file_precision
-
     dst.mkdir(parents=True, exist_ok=True)
     wanted: set[str] = set()
     with os.scandir(src) as it:

@@ -438,7 +438,9 @@ class TritonServer:
         Triton keeps those already loaded as they are and unloads the others.
         """
         config = self.load_configs.get(name)
-        policy, precisions = self._version_policy(name), self._read_precisions(name)
+        loaded = self._config_dict(name)  # read once: its version policy and the precisions its loads read
+        policy = None if loaded is None else loaded.get("version_policy")
+        precisions = None if loaded is None else _read_precisions(loaded)
         if versions is not None:
             if config is None:
                 return f"{name} has no derived configuration to load versions {list(versions)} with"
@@ -453,17 +455,6 @@ class TritonServer:
                 return str(exc)
         return self._repository_control("load", name, config, timeout_s)
 
-    def _read_precisions(self, name: str) -> frozenset[str] | None:
-        """The precisions whose weight files ``name``'s next load reads (``served_view.read_precisions``), from its
-        derived configuration, else its ``config.pbtxt`` (None: every file)."""
-        from model_factory.serving.served_view import read_precisions
-
-        config = self._config_dict(name)
-        if config is None:
-            return None
-        return read_precisions({k: str((v or {}).get("string_value", ""))
-                                for k, v in (config.get("parameters") or {}).items()})
-
     def _config_dict(self, name: str) -> dict | None:
         """``name``'s next load's configuration (Triton JSON): its derived one, else its ``config.pbtxt``."""
         if name in self.load_configs:
@@ -476,12 +467,6 @@ class TritonServer:
             return json_format.MessageToDict(read_config(self.repository / name), preserving_proto_field_name=True)
         except Exception:  # noqa: BLE001 - Triton itself reports an unreadable config.pbtxt at the load
             return None
-
-    def _version_policy(self, name: str) -> dict | None:
-        """The version policy (Triton JSON) of ``name``'s next load: its derived configuration's, else its
-        ``config.pbtxt``'s (None: Triton's default, the latest version)."""
-        config = self._config_dict(name)
-        return None if config is None else config.get("version_policy")
 
     def unload_model(self, name: str) -> str | None:
         """Ask the server to unload one model; return None when done, else the reason."""
@@ -625,3 +610,12 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _read_precisions(config: dict) -> frozenset[str] | None:
+    """The precisions whose weight files a load of this configuration (Triton JSON) reads
+    (``served_view.read_precisions``; None: every file)."""
+    from model_factory.serving.served_view import read_precisions
+
+    return read_precisions({k: str((v or {}).get("string_value", ""))
+                            for k, v in (config.get("parameters") or {}).items()})
