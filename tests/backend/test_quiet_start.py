@@ -45,7 +45,11 @@ def new_threads(before):
 def threads():
     out = {}
     for t in os.listdir("/proc/self/task"):
-        out[int(t)] = int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+        try:  # a thread that ends between the listing and the read is gone: not one of the threads asked about
+            stat = open(f"/proc/self/task/{t}/stat").read()
+        except FileNotFoundError:
+            continue
+        out[int(t)] = int(stat.rsplit(")", 1)[1].split()[16])
     return out
 """
 
