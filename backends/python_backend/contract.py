@@ -272,6 +272,9 @@ class ModelParameters:
     max_waiting_sequences: int = _param("int", 64, minimum=0)
     # A request that waited this long for memory preempts the youngest running sequence (0: never).
     preemption_wait_ms: int = _param("int", 0, minimum=0)
+    # Admission grouped by max_tokens (power-of-two buckets, the smallest first) until a request has waited this
+    # long, which then goes first (0: arrival order).
+    max_tokens_grouping_ms: int = _param("int", 0, minimum=0)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other

@@ -130,7 +130,8 @@ class GenerativeModel:
         self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
                                    max_waiting=s.max_waiting_sequences, cost=cost,
                                    max_prefill_tokens=s.max_prefill_tokens,
-                                   preemption_wait_s=s.preemption_wait_ms / 1000.0, metrics=self.metrics,
+                                   preemption_wait_s=s.preemption_wait_ms / 1000.0,
+                                   max_tokens_grouping_s=s.max_tokens_grouping_ms / 1000.0, metrics=self.metrics,
                                    log_error=pb_utils.Logger.log_error,
                                    cancel_check_s=0.0)  # reads the watcher's flags: no round trip
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -6,7 +6,9 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    a round trip to the Triton process) are dropped and their slots freed;
 2. waiting sequences are admitted in arrival order while their KV reservation fits
    (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes of (prompt + max_tokens)`` of every
-   running sequence and the new one); the first that does not fit waits, and nothing overtakes it;
+   running sequence and the new one); the first that does not fit waits, and nothing overtakes it. With
+   ``max_tokens_grouping_s`` set, the waiting are taken grouped by ``max_tokens`` instead (power-of-two
+   buckets, the smallest first, arrival order within one) until one has waited that long: those go first;
 3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
    (``grouping.plan_groups``: a launch costs ``a + b n L + c n L^2``), each group in one launch on contiguous
    slots; each new sequence gets its first token;
@@ -111,7 +113,8 @@ class Scheduler:
 
     def __init__(self, model: Any, slots: KVSlots, tokenizer: Any, eos_token_ids: Sequence[int], *,
                  max_waiting: int = 64, cost: CostModel | None = None, max_prefill_tokens: int = 2048,
-                 max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, retry_after_s: float = 1.0,
+                 max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, max_tokens_grouping_s: float = 0.0,
+                 retry_after_s: float = 1.0,
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
                  log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
@@ -121,6 +124,7 @@ class Scheduler:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_prefill_batch = max(1, int(max_prefill_batch))
         self.preemption_wait_s = float(preemption_wait_s)
+        self.max_tokens_grouping_s = float(max_tokens_grouping_s)
         self.retry_after_s = float(retry_after_s)
         self.metrics = metrics or NullMetrics()
         self.clock = clock
@@ -204,8 +208,22 @@ class Scheduler:
         self.waiting = kept
         self._release_finished()
 
+    def _admission_key(self, now: float) -> Callable[[Generation], tuple]:
+        """The order waiting sequences are taken in when grouping by ``max_tokens``: those that waited past the
+        bound first (by arrival), then by power-of-two bucket of ``max_tokens``, by arrival within a bucket."""
+        bound = self.max_tokens_grouping_s
+
+        def key(gen: Generation) -> tuple:
+            if now - gen.arrival >= bound:
+                return (0, 0, gen.arrival)
+            return (1, int(gen.params.max_tokens).bit_length(), gen.arrival)
+        return key
+
     def _admit(self) -> list[Generation]:
-        """Waiting sequences that fit now, in arrival order, slots assigned by prefill group."""
+        """Waiting sequences that fit now, in arrival order (or grouped by ``max_tokens``), slots assigned by
+        prefill group."""
+        if self.max_tokens_grouping_s > 0 and len(self.waiting) > 1:
+            self.waiting = collections.deque(sorted(self.waiting, key=self._admission_key(self.clock())))
         chosen: list[Generation] = []
         free = self.slots.slots - self.slots.active
         reserved = self.slots.usage().reserved_bytes

@@ -218,3 +218,40 @@ def test_an_admission_that_fails_midway_loses_no_sequence(engine, monkeypatch):
     assert all(len(g.generated) == 1 for g in gens[:2])  # the admitted ones were prefilled: their first token
     _run_all(sched, gens)
     assert all(g.finish_reason == "length" and len(g.generated) == 6 for g in gens)
+
+
+def test_grouping_by_max_tokens_admits_the_smallest_bucket_first_until_one_waited_the_bound(engine):
+    """With max_tokens_grouping_s set, waiting requests are taken by power-of-two bucket of max_tokens (the smallest
+    first, arrival order within one), and a request that waited the bound goes first; off, arrival order holds."""
+    spec, model, tok, _ = engine
+    unit = KVSlots(spec, 1, 1 << 30).bytes_for(4 + 20)
+
+    def run(grouping_s: float) -> list[str]:
+        clock = {"t": 0.0}
+        admitted: list[str] = []
+        sched = Scheduler(model, KVSlots(spec, 8, unit), tok, spec.eos_token_ids, max_waiting=16,
+                          max_tokens_grouping_s=grouping_s, clock=lambda: clock["t"])
+
+        def submit(name: str, n: int) -> Generation:
+            def emit(gen, event, name=name):
+                if len(gen.generated) == 1 and event.token is not None:
+                    admitted.append(name)
+            return sched.submit(Generation([5, 6, 7, 8], SamplingParams(max_tokens=n, min_tokens=n), emit))
+
+        gens = [submit("running", 20)]  # holds the whole budget
+        sched.step()
+        for name, n in (("long-a", 20), ("short-a", 3), ("mid", 9), ("short-b", 2)):
+            clock["t"] += 0.1
+            gens.append(submit(name, n))
+        while sched.has_work():
+            sched.step()
+            clock["t"] += 0.01
+        assert all(len(g.generated) == g.params.max_tokens for g in gens)
+        return admitted
+
+    # Off: arrival order (the long one blocks those behind it until the budget frees).
+    assert run(0.0) == ["running", "long-a", "short-a", "mid", "short-b"]
+    # Grouped, a bound none reaches: the buckets of 2 and 3 (2 bits), then 9 (4 bits), then 20 (5 bits).
+    assert run(60.0) == ["running", "short-a", "short-b", "mid", "long-a"]
+    # Grouped, a bound every waiting request reaches before the budget frees: arrival order again.
+    assert run(0.05) == ["running", "long-a", "short-a", "mid", "short-b"]

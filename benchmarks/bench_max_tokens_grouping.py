@@ -1,0 +1,177 @@
+"""Admission grouped by ``max_tokens`` against arrival order, under KV-memory pressure with short and long requests
+mixed (issue 32's "grouping by max_new_tokens ... kept where measured to help, documented with the measurement
+either way").
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_max_tokens_grouping.py [--work DIR] [--rounds 3] [--write]
+
+The 110M Llama of bench_generate (SmolLM-135M's shape, random weights; made here or reused from ``--work``), built by
+the factory at INT8 dynamic with the INT8 cache (the precision bench_generate serves best), on the backend's own
+scheduler in-process (``Scheduler`` over ``CausalLM`` and ``KVSlots``, 2 threads; no Triton, no HTTP: what differs
+between the settings is the admission order alone). The KV budget holds ``BUDGET_LONG`` long requests (``PROMPT``
++ ``LONG`` tokens). ``REQUESTS`` requests arrive one every ``GAP`` seconds from another thread, each short
+(``SHORT`` output tokens) or long at random (half each, the same sequence in every run of a round). Settings:
+``max_tokens_grouping_ms`` 0 (arrival order: the first that does not fit waits, nothing overtakes it) against
+``BOUNDS`` (waiting requests taken by power-of-two bucket of ``max_tokens``, the smallest first, until one has waited
+the bound). Per setting: the short and the long requests' time to first token and to their last token (p50 / p99),
+all requests' mean completion time, output tokens per second. Rounds alternate the order of the settings; medians
+and ranges. The section between ``<!-- max_tokens_grouping:start -->`` and ``<!-- max_tokens_grouping:end -->`` is
+replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from results_file import publish, say  # noqa: E402
+
+START, END = "<!-- max_tokens_grouping:start -->", "<!-- max_tokens_grouping:end -->"
+SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294, max_positions=2048,
+             tie=True)
+PROMPT, SHORT, LONG = 64, 32, 384
+BUDGET_LONG, REQUESTS, GAP = 8, 48, 0.4  # offered about 520 output tokens/s: just past what it serves
+SETTINGS = {"off (arrival order)": 0.0, "1 s": 1.0, "4 s": 4.0}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
+    """One workload on a fresh scheduler; its timings."""
+    from model_factory.backend.grouping import CostModel
+    from model_factory.backend.kv_slots import KVSlots
+    from model_factory.backend.sampling import SamplingParams
+    from model_factory.backend.scheduler import Generation, Scheduler
+
+    probe = KVSlots(spec, 1, 1 << 40)
+    slots = KVSlots(spec, 32, BUDGET_LONG * probe.bytes_for(PROMPT + LONG))
+    sched = Scheduler(lm, slots, None, spec.eos_token_ids, max_waiting=REQUESTS, cost=CostModel(1e-3, 1e-5, 0.0),
+                      max_tokens_grouping_s=grouping_s, cancel_check_s=0.0)
+    rng = np.random.default_rng(seed)
+    kinds = rng.random(REQUESTS) < 0.5  # True: long
+    prompts = [rng.integers(10, spec.vocab_size - 10, PROMPT).tolist() for _ in range(REQUESTS)]
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+
+    def emit(gen, event) -> None:
+        now = time.perf_counter()
+        first.setdefault(gen.id, now)
+        if event.finish_reason is not None:
+            last[gen.id] = now
+
+    gens: list = []
+
+    def arrivals() -> None:
+        for i in range(REQUESTS):
+            n = LONG if kinds[i] else SHORT
+            gens.append(sched.submit(Generation(prompts[i], SamplingParams(max_tokens=n, min_tokens=n,
+                                                                           ignore_eos=True), emit)))
+            time.sleep(GAP)
+
+    start = time.perf_counter()
+    feeder = threading.Thread(target=arrivals)
+    feeder.start()
+    while feeder.is_alive() or sched.has_work():
+        if sched.has_work():
+            sched.step()
+        else:
+            sched.wake.wait(0.01)
+            sched.wake.clear()
+    feeder.join()
+    wall = time.perf_counter() - start
+    out: dict[str, float] = {}
+    for name, want in (("short", SHORT), ("long", LONG)):
+        mine = [g for g in gens if g.params.max_tokens == want]
+        assert all(len(g.generated) == want for g in mine), "a request ended short"
+        ttft = [first[g.id] - g.arrival for g in mine]
+        done = [last[g.id] - g.arrival for g in mine]
+        out.update({f"{name} TTFT p50 (s)": _pct(ttft, 0.5), f"{name} TTFT p99 (s)": _pct(ttft, 0.99),
+                    f"{name} done p50 (s)": _pct(done, 0.5), f"{name} done p99 (s)": _pct(done, 0.99)})
+    out["mean done, all (s)"] = statistics.mean(last[g.id] - g.arrival for g in gens)
+    out["output tokens/s"] = sum(len(g.generated) for g in gens) / wall
+    return out
+
+
+def main() -> int:
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+    from tests.generative_models import make_causal_lm
+    from tests.generative_repository import layout_generative_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-grouping-"))
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        say("making the 110M Llama (random weights)")
+        make_causal_lm("llama", hf, **SHAPE)
+    repo = Path(tempfile.mkdtemp(prefix="bench-grouping-repo-"))
+    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
+                                   quantization='int8_method = "dynamic"\nkv_cache = "int8"')
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
+    lm = CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0)
+    say("warm-up")
+    one_run(lm, spec, 0.0, seed=99)
+    load = LoadReading.begin()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    for r in range(args.rounds):
+        order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+        for name in order:
+            got = one_run(lm, spec, SETTINGS[name], seed=r)
+            runs[name].append(got)
+            say(f"round {r + 1} grouping {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))
+    load = load.finish()
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+    first = next(iter(SETTINGS))
+    keys = list(runs[first][0])
+    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[name]]) for name in SETTINGS) + " |" for k in keys]
+    # Each round's settings ran the same requests: the ratios against arrival order, round by round.
+    paired = []
+    for name in list(SETTINGS)[1:]:
+        for key in ("output tokens/s", "mean done, all (s)", "short TTFT p50 (s)", "long done p99 (s)"):
+            ratios = [mine[key] / base[key] for mine, base in zip(runs[name], runs[first])]
+            paired.append(f"- grouping {name} / arrival order, {key}: " + ", ".join(f"{x:.2f}" for x in ratios)
+                          + f" (median {statistics.median(ratios):.2f})")
+    section = "\n".join([
+        START, "## Admission grouped by max_tokens under KV-memory pressure (benchmarks/bench_max_tokens_grouping.py)",
+        "", run_header("benchmarks/bench_max_tokens_grouping.py", load), "",
+        "The 110M Llama of bench_generate (random weights), INT8 dynamic with the INT8 cache, on the backend's "
+        "scheduler in-process (no Triton, no HTTP; 2 threads). The KV budget holds exactly "
+        f"{BUDGET_LONG} requests of {PROMPT} + {LONG} tokens; {REQUESTS} requests of {PROMPT}-token prompts arrive "
+        f"one every {GAP:.2f} s, each short ({SHORT} output tokens) or long ({LONG}) at random, half each (the same "
+        "sequence for every setting of a round). `max_tokens_grouping_ms` 0 (arrival order, the default: the first "
+        "request that does not fit waits and nothing overtakes it) against the bounds named: waiting requests taken "
+        "by power-of-two bucket of `max_tokens`, the smallest first, until one has waited the bound. "
+        f"{args.rounds} rounds alternating the order of the settings: medians, the range in brackets; times from "
+        "each request's submission.", "",
+        "| per run | " + " | ".join(f"grouping {n}" for n in SETTINGS) + " |",
+        "| --- |" + " ---: |" * len(SETTINGS), *rows, "",
+        "Round by round (each round's settings served the same requests), the setting's value over arrival order's:",
+        "", *paired, "", END])
+    publish(section, HERE / "RESULTS.md", START, END, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
