@@ -202,11 +202,12 @@ def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
 
 
 def _cells(who: str, precision: str, url: str, model: str, levels: list[int], rounds: int, style: str = "openai",
-           extra: dict | None = None) -> dict:
-    """Warm-up request, then ``rounds`` rounds of every level; checks every stream made exactly OUTPUT tokens."""
+           extra: dict | None = None, first_round: int = 0) -> dict:
+    """Warm-up request, then ``rounds`` rounds of every level (numbered from ``first_round``: each round its own
+    prompts); checks every stream made exactly OUTPUT tokens."""
     out: dict = {}
     asyncio.run(_drive(url, model, _prompts(1, VOCAB, 99), style, extra))  # warm-up
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for c in levels:
             if AIPERF["path"] and style == "openai":
                 got = _aiperf(url, model, c, c + 1000 * r)
@@ -231,7 +232,8 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
 KV_INT8_SUFFIX = "kv8"  # --precisions int8kv8 / int4kv8: that precision built with quantization.kv_cache = "int8"
 
 
-def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int) -> dict:
+def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int,
+               first_round: int = 0) -> dict:
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
     from tests.generative_repository import layout_generative_model
@@ -249,7 +251,8 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
         assert not server.load_errors, server.load_errors
         with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
             for precision in precisions:
-                out.update(_cells("ours", precision, fe.url, f"llm_{precision}", levels, rounds))
+                out.update(_cells("ours", precision, fe.url, f"llm_{precision}", levels, rounds,
+                                  first_round=first_round))
     finally:
         server.stop()
     return out
@@ -396,7 +399,7 @@ def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> d
 
 
 def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
-                   weight_format: str) -> tuple[dict, dict]:
+                   weight_format: str, first_round: int = 0) -> tuple[dict, dict]:
     """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
     bindir = Path(python).parent
     ov_dir = work / f"ov-{weight_format}"
@@ -405,8 +408,8 @@ def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds:
         subprocess.run([str(bindir / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
                         "text-generation-with-past", "--weight-format", weight_format, str(ov_dir)], check=True,
                        env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
-    cells = [{"round": r, "level": c, "prompts": _prompts(c, VOCAB, c + 1000 * r)} for r in range(rounds)
-             for c in levels]
+    cells = [{"round": r, "level": c, "prompts": _prompts(c, VOCAB, c + 1000 * r)}
+             for r in range(first_round, first_round + rounds) for c in levels]
     spec = work / "openvino-prompts.json"
     spec.write_text(json.dumps(cells))
     run = subprocess.run([python, str(ROOT / "benchmarks" / "openvino_peer.py"), "--model", str(ov_dir),
@@ -522,6 +525,30 @@ def ratios(results: dict, levels: list[int]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def paired_ratios(results: dict, levels: list[int]) -> str:
+    """With --interleave: ours / OpenVINO round by round (each round ran both, one after the other, on the same
+    prompts), output tokens/s at each level, for each of ours' precisions."""
+    ov = sorted({p for who, p, _ in results if who == "openvino"})
+    lines = ["Round by round (each round: ours, then OpenVINO GenAI, on the same prompts), ours / OpenVINO GenAI "
+             "output tokens/s:", ""]
+    for mine in sorted({p for who, p, _ in results if who == "ours"}):
+        for theirs in ov:
+            for c in levels:
+                a, b = results.get(("ours", mine, c), []), results.get(("openvino", theirs, c), [])
+                pairs = [x[0] / y[0] for x, y in zip(a, b)]
+                if pairs:
+                    lines.append(f"- ours {mine.upper()} / openvino {theirs.upper()} @{c}: "
+                                 + ", ".join(f"{x:.2f}" for x in pairs) + f" (median {statistics.median(pairs):.2f}, "
+                                 f"{sum(x >= 1.0 for x in pairs)} of {len(pairs)} rounds >= 1.0)")
+    return "\n".join(lines)
+
+
+def _merge(into: dict, got: dict) -> None:
+    """Add one round's cells to the results (each cell a list of rounds)."""
+    for key, runs in got.items():
+        into.setdefault(key, []).extend(runs)
+
+
 def main() -> None:
     global _TOKENIZER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -554,11 +581,16 @@ def main() -> None:
     parser.add_argument("--aiperf", default="/work/peers/aiperf/bin/aiperf", help="aiperf's executable (own venv)")
     parser.add_argument("--section", default=None, help="write a section of its own, between <!-- bench_generate_"
                         "SECTION:start/end --> (e.g. kv: our KV-cache variants beside one peer), leaving the others")
+    parser.add_argument("--interleave", action="store_true", help="with --peers openvino alone: the rounds "
+                        "alternate, ours (its server started for the round) then OpenVINO GenAI, instead of all of "
+                        "ours first: the machine's drift over the run then falls on both alike; ratios paired by round")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.levels.split(",")]
     peers = [p for p in args.peers.split(",") if p]
+    if args.interleave and peers != ["openvino"]:
+        parser.error("--interleave pairs ours with OpenVINO GenAI alone: give --peers openvino")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-generate-"))
     work.mkdir(parents=True, exist_ok=True)
     from tokenizers import Tokenizer
@@ -585,9 +617,20 @@ def main() -> None:
     say(f"{n_params / 1e6:.0f}M parameters, vocabulary {cfg['vocab_size']}")
     load = LoadReading.begin()
     loads = {}
-    results = bench_ours(hf, args.precisions.split(","), levels, work, args.rounds)
-    loads["ours"] = os.getloadavg()[0]
     info: dict = {}
+    if args.interleave:
+        results = {}
+        for r in range(args.rounds):
+            _merge(results, bench_ours(hf, args.precisions.split(","), levels, work, 1, first_round=r))
+            loads["ours"] = os.getloadavg()[0]
+            got, info["openvino"] = bench_openvino(args.openvino_python, hf, levels, work, 1, os.cpu_count() or 1,
+                                                   args.openvino_weights, first_round=r)
+            _merge(results, got)
+            loads["openvino"] = os.getloadavg()[0]
+        peers = []  # run above
+    else:
+        results = bench_ours(hf, args.precisions.split(","), levels, work, args.rounds)
+        loads["ours"] = os.getloadavg()[0]
     if "genai" in peers:
         results.update(bench_genai(genai_dirs, levels, args.rounds))
         loads["genai"] = os.getloadavg()[0]
@@ -676,7 +719,9 @@ def main() -> None:
            else "the same token ids for every runtime") + f"), exactly {OUTPUT} output tokens, greedy; "
         f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
         "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, in the order: " + ", ".join(
+        "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
+                                     "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
+                                     else "") + "in the order: " + ", ".join(
             name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
                                    ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
             if any(key[0] == who for key in results)) + ". "
@@ -697,7 +742,7 @@ def main() -> None:
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",
         table(results, levels), "",
-        ratios(results, levels), "", end])
+        ratios(results, levels), "", *([paired_ratios(results, levels), ""] if args.interleave else []), end])
     publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
 
 
