@@ -285,7 +285,7 @@ def test_bad_request_is_answered_alone(zoo, name, protocol) -> None:
         with pytest.raises(InferenceServerException) as info:
             bad.result()
     status = str(info.value.status())
-    assert ("400" in status) if protocol == "http" else ("INVALID_ARGUMENT" in status)
+    assert ("400" in status) if protocol == "http" else ("INVALID_ARGUMENT" in status), (status, info.value.message())
     if message:
         assert message in info.value.message()
     assert outcomes == [None] * len(samples)
