@@ -705,7 +705,8 @@ def main() -> None:
     if args.section:  # a section of its own (its command line in the title), the others left as they are
         start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
         title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py --precisions {args.precisions} "
-                 f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds} --section {args.section}`")
+                 f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds}"
+                 + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
     kv8 = [p for p in args.precisions.split(",") if p.endswith(KV_INT8_SUFFIX)]
     section = "\n".join([
         start, title,
