@@ -108,3 +108,10 @@ def test_int8_kernels_parameter() -> None:
     assert _settings(int8_kernels="simulated").int8_kernels == "simulated"
     with pytest.raises(SettingsError, match="int8_kernels='fast'"):
         _settings(int8_kernels="fast")
+
+
+def test_max_tokens_grouping_parameter() -> None:
+    assert _settings().max_tokens_grouping_ms == 0  # off: arrival order
+    assert _settings(max_tokens_grouping_ms="250").max_tokens_grouping_ms == 250
+    with pytest.raises(SettingsError, match="max_tokens_grouping_ms"):
+        _settings(max_tokens_grouping_ms="-1")
