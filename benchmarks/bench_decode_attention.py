@@ -5,10 +5,10 @@ ops (issue 32: is there a faster CPU attention to put in the graph?).
 
 The shapes of bench_generate's Llama (SmolLM-135M's attention: 9 query heads, 3 KV heads, head size 64), B rows
 decoding one token each over T cached tokens, the KV buffers of the backend's slot layout (``[slots, kv_heads,
-max_context, head_size]``, max_context 2048), 2 threads, each variant a session of its own. Every variant cycles through ``LAYERS`` (30) sets of
-buffers, one per layer of the model, so that as in a served decode step its keys and values come from memory, not
-from a cache that still holds them (with a single set, which for 32 x 192 tokens fits this EPYC's 32 MB L3, the
-grouped variant ran 1.28x GQA's speed; in the whole model it ran slower):
+max_context, head_size]``, max_context 2048), 2 threads, each variant a session of its own. Every variant cycles
+through ``LAYERS`` (30) sets of buffers, one per layer of the model, so that as in a served decode step its keys and
+values come from memory, not from a CPU cache that still holds them (a single set, which for 32 x 192 tokens fits
+this EPYC's 32 MB L3, flatters the grouped variants):
 
 - ``GQA fp32``: the graph's own node (``com.microsoft.GroupQueryAttention``, rotary applied, the new token written in
   place into the shared buffer, as the packaged graphs run it);
@@ -23,8 +23,8 @@ grouped variant ran 1.28x GQA's speed; in the whole model it ran slower):
 
 Median milliseconds per call over the rounds (each round 300 calls after a warm-up), the range in brackets, the
 attention's arithmetic rate (2 x 2 x B x heads x T x head_size floating-point operations a call) and the rate at which
-it reads the cached keys and values (2 x B x kv_heads x T x head_size values, one byte each in INT8, else four). The section
-between ``<!-- decode_attention:start -->`` and ``<!-- decode_attention:end -->`` is replaced.
+it reads the cached keys and values (2 x B x kv_heads x T x head_size values, one byte each in INT8, else four).
+The section between ``<!-- decode_attention:start -->`` and ``<!-- decode_attention:end -->`` is replaced.
 """
 
 from __future__ import annotations
