@@ -31,6 +31,9 @@ vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-g
 ``min_tokens`` there: llama-cpp-python 0.3.36 drops every logits processor, ``logit_bias`` included, when
 ``min_tokens`` comes with another one).
 ``python benchmarks/bench_generate.py --work DIR --peers genai,vllm,llamacpp,openvino [--rounds N] [--write]``.
+``--peers openvino --interleave`` alternates the rounds instead (ours, its server started for the round, then
+OpenVINO GenAI, on the same prompts) and adds the ratios paired round by round: the machine's drift over a run
+then falls on both alike.
 
 The peers live in their own venvs, outside the repository, by default under ``/work/peers``, where
 ``benchmarks/install_peers.sh`` installs them (``--vllm-python``,
