@@ -28,10 +28,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
+from benchmarks.harness.scheduler_run import llama_folder  # noqa: E402
 
 START, END = "<!-- kv_int8:start -->", "<!-- kv_int8:end -->"
-SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294, max_positions=2048,
-             tie=True)
 ROWS, CONTEXTS, PREFILL = 32, (64, 192, 512), (8, 128)
 
 
@@ -74,7 +73,6 @@ def timings(lm, slots) -> dict[str, float]:
 
 def main() -> int:
     from benchmarks.harness.run_header import LoadReading, run_header
-    from tests.generative_models import make_causal_lm
     from tests.generative_repository import layout_generative_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,11 +80,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-kv-int8-"))
-    hf = work / "hf"
-    if not (hf / "config.json").is_file():
-        say("making the 110M Llama (random weights)")
-        make_causal_lm("llama", hf, **SHAPE)
+    hf = llama_folder(args.work, "bench-kv-int8-")
     repo = Path(tempfile.mkdtemp(prefix="bench-kv-int8-repo-"))
     dirs = {kv: layout_generative_model(hf, None, repo, f"llm_{kv}", precision="int8",
                                         quantization='int8_method = "dynamic"' + (

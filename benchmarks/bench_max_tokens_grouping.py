@@ -24,8 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,18 +34,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
+from benchmarks.harness.scheduler_run import int8_kv8_engine, pct, step_while_arriving  # noqa: E402
 
 START, END = "<!-- max_tokens_grouping:start -->", "<!-- max_tokens_grouping:end -->"
-SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294, max_positions=2048,
-             tie=True)
 PROMPT, SHORT, LONG = 64, 32, 384
 BUDGET_LONG, REQUESTS, GAP = 8, 48, 0.4  # offered about 520 output tokens/s: just past what it serves
 SETTINGS = {"off (arrival order)": 0.0, "1 s": 1.0, "4 s": 4.0}
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
@@ -82,25 +74,15 @@ def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
                                                                            ignore_eos=True), emit)))
             time.sleep(GAP)
 
-    start = time.perf_counter()
-    feeder = threading.Thread(target=arrivals)
-    feeder.start()
-    while feeder.is_alive() or sched.has_work():
-        if sched.has_work():
-            sched.step()
-        else:
-            sched.wake.wait(0.01)
-            sched.wake.clear()
-    feeder.join()
-    wall = time.perf_counter() - start
+    wall = step_while_arriving(sched, arrivals)
     out: dict[str, float] = {}
     for name, want in (("short", SHORT), ("long", LONG)):
         mine = [g for g in gens if g.params.max_tokens == want]
         assert all(len(g.generated) == want for g in mine), "a request ended short"
         ttft = [first[g.id] - g.arrival for g in mine]
         done = [last[g.id] - g.arrival for g in mine]
-        out.update({f"{name} TTFT p50 (s)": _pct(ttft, 0.5), f"{name} TTFT p99 (s)": _pct(ttft, 0.99),
-                    f"{name} done p50 (s)": _pct(done, 0.5), f"{name} done p99 (s)": _pct(done, 0.99)})
+        out.update({f"{name} TTFT p50 (s)": pct(ttft, 0.5), f"{name} TTFT p99 (s)": pct(ttft, 0.99),
+                    f"{name} done p50 (s)": pct(done, 0.5), f"{name} done p99 (s)": pct(done, 0.99)})
     out["mean done, all (s)"] = statistics.mean(last[g.id] - g.arrival for g in gens)
     out["output tokens/s"] = sum(len(g.generated) for g in gens) / wall
     return out
@@ -108,26 +90,13 @@ def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
 
 def main() -> int:
     from benchmarks.harness.run_header import LoadReading, run_header
-    from model_factory.backend.causal_lm import CausalLM
-    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
-    from tests.generative_models import make_causal_lm
-    from tests.generative_repository import layout_generative_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-grouping-"))
-    hf = work / "hf"
-    if not (hf / "config.json").is_file():
-        say("making the 110M Llama (random weights)")
-        make_causal_lm("llama", hf, **SHAPE)
-    repo = Path(tempfile.mkdtemp(prefix="bench-grouping-repo-"))
-    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
-                                   quantization='int8_method = "dynamic"\nkv_cache = "int8"')
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
-    lm = CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0)
+    spec, lm = int8_kv8_engine(args.work, "bench-grouping-")
     say("warm-up")
     one_run(lm, spec, 0.0, seed=99)
     load = LoadReading.begin()

@@ -23,8 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -35,10 +33,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
+from benchmarks.harness.scheduler_run import int8_kv8_engine, pct, step_while_arriving  # noqa: E402
 
 START, END = "<!-- preemption:start -->", "<!-- preemption:end -->"
-SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294, max_positions=2048,
-             tie=True)
 LONG, LONG_PROMPT, LONG_TOKENS = 8, 128, 384
 SHORT, SHORT_PROMPT, SHORT_TOKENS, GAP = 24, 64, 32, 0.25
 SETTINGS = {"off": 0.0, "200 ms": 0.2}
@@ -91,7 +88,6 @@ def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
         return sched.submit(Generation(prompt, params, emit))  # its arrival: the scheduler's clock at submit
 
-    start = time.perf_counter()
     longs = [submit(LONG_PROMPT, LONG_TOKENS) for _ in range(LONG)]
     shorts: list = []
 
@@ -100,25 +96,12 @@ def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
             time.sleep(GAP)
             shorts.append(submit(SHORT_PROMPT, SHORT_TOKENS))
 
-    feeder = threading.Thread(target=arrivals)
-    feeder.start()
-    while feeder.is_alive() or sched.has_work():
-        if sched.has_work():
-            sched.step()
-        else:
-            sched.wake.wait(0.01)
-            sched.wake.clear()
-    feeder.join()
-    wall = time.perf_counter() - start
+    wall = step_while_arriving(sched, arrivals)
     tokens = sum(len(g.generated) for g in longs + shorts)
     again = prefilled["tokens"] - LONG * LONG_PROMPT - SHORT * SHORT_PROMPT
     ttft = sorted(first[g.id] - g.arrival for g in shorts)
     done = sorted(last[g.id] - g.arrival for g in shorts)
     long_done = sorted(last[g.id] - g.arrival for g in longs)
-
-    def pct(v, q):
-        return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
-
     return {"short TTFT p50 (s)": pct(ttft, 0.5), "short TTFT p99 (s)": pct(ttft, 0.99),
             "short done p50 (s)": pct(done, 0.5), "short done p99 (s)": pct(done, 0.99),
             "long done p50 (s)": pct(long_done, 0.5), "long done max (s)": long_done[-1],
@@ -128,26 +111,13 @@ def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
 
 def main() -> int:
     from benchmarks.harness.run_header import LoadReading, run_header
-    from model_factory.backend.causal_lm import CausalLM
-    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
-    from tests.generative_models import make_causal_lm
-    from tests.generative_repository import layout_generative_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-preemption-"))
-    hf = work / "hf"
-    if not (hf / "config.json").is_file():
-        say("making the 110M Llama (random weights)")
-        make_causal_lm("llama", hf, **SHAPE)
-    repo = Path(tempfile.mkdtemp(prefix="bench-preemption-repo-"))
-    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
-                                   quantization='int8_method = "dynamic"\nkv_cache = "int8"')
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
-    lm = CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0)
+    spec, lm = int8_kv8_engine(args.work, "bench-preemption-")
     say("warm-up")
     one_run(lm, spec, 0.0, seed=99)
     load = LoadReading.begin()

@@ -1,0 +1,65 @@
+"""What the in-process text-generation benchmarks share (bench_kv_int8, bench_preemption,
+bench_max_tokens_grouping): the 110M Llama they run, its factory build at INT8 dynamic with the INT8 cache on the
+backend's engine, and requests arriving from another thread while the backend's scheduler steps."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# bench_generate's Llama in SmolLM-135M's shape (random weights), with a vocabulary of 6294.
+SHAPE = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=6294, max_positions=2048,
+             tie=True)
+
+
+def llama_folder(work: Path | None, prefix: str) -> Path:
+    """The HF folder of the 110M Llama under ``work`` (a new temporary folder when None), made when absent."""
+    from benchmarks.results_file import say
+    from tests.generative_models import make_causal_lm
+
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        say("making the 110M Llama (random weights)")
+        make_causal_lm("llama", hf, **SHAPE)
+    return hf
+
+
+def int8_kv8_engine(work: Path | None, prefix: str) -> tuple[Any, Any]:
+    """``(spec, CausalLM)``: the factory's build of the 110M Llama at INT8 dynamic with the INT8 cache (the precision
+    bench_generate serves best), on the backend's engine with 2 threads."""
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+    from tests.generative_repository import layout_generative_model
+
+    hf = llama_folder(work, prefix)
+    repo = Path(tempfile.mkdtemp(prefix=f"{prefix}repo-"))
+    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
+                                   quantization='int8_method = "dynamic"\nkv_cache = "int8"')
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
+    return spec, CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0)
+
+
+def step_while_arriving(sched: Any, arrivals: Callable[[], None]) -> float:
+    """Run ``arrivals`` (which submits requests, sleeping between them) on another thread while ``sched`` steps,
+    until it has submitted everything and the scheduler has no work left; returns the wall time."""
+    start = time.perf_counter()
+    feeder = threading.Thread(target=arrivals)
+    feeder.start()
+    while feeder.is_alive() or sched.has_work():
+        if sched.has_work():
+            sched.step()
+        else:
+            sched.wake.wait(0.01)
+            sched.wake.clear()
+    feeder.join()
+    return time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
