@@ -50,12 +50,14 @@ SHAPES = ((8, 192), (32, 192), (32, 448))  # (rows, cached tokens)
 CALLS = 300  # ten passes over the LAYERS buffer sets
 
 
-def _session(model, threads: int = 2):
+def _session(model, threads: int = 2, library: str | None = None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
+    if library:
+        opts.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -65,8 +67,9 @@ def _opsets():
     return [helper.make_opsetid("", 22), helper.make_opsetid("com.microsoft", 1)]
 
 
-def gqa_call(rows: int, cached: int, int8: bool, rng: np.random.Generator):
-    """A GroupQueryAttention decode call over the shared slot buffers, as a no-argument function."""
+def gqa_call(rows: int, cached: int, int8: bool, rng: np.random.Generator, kernel: bool = False):
+    """A GroupQueryAttention decode call over the shared slot buffers, as a no-argument function; ``kernel``: the
+    factory's INT8-cache operator instead (the node rewritten as the backend rewrites it)."""
     from onnx import TensorProto as TP
     from onnx import helper, numpy_helper
 
@@ -90,7 +93,14 @@ def gqa_call(rows: int, cached: int, int8: bool, rng: np.random.Generator):
         [helper.make_tensor_value_info("out", TP.FLOAT, [rows, 1, HEADS * HEAD]),
          helper.make_tensor_value_info("prk", kv_type, kv_shape), helper.make_tensor_value_info("prv", kv_type, kv_shape)],
         inits)
-    sess = _session(helper.make_model(graph, opset_imports=_opsets()))
+    model = helper.make_model(graph, opset_imports=_opsets())
+    library = None
+    if kernel:
+        from model_factory.backend.int8_attention import library as kernel_library, rewrite
+
+        rewrite(model)
+        library = str(kernel_library())
+    sess = _session(model, library=library)
     angles = rng.standard_normal((MAX_CONTEXT, HEAD // 2))
     qkv = rng.standard_normal((rows, 1, (HEADS + 2 * KV_HEADS) * HEAD), dtype=np.float32)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -174,6 +184,7 @@ def grouped_call(rows: int, cached: int, slot_layout: bool, rng: np.random.Gener
 VARIANTS = {
     "GQA fp32": lambda b, t, rng: gqa_call(b, t, False, rng),
     "GQA int8": lambda b, t, rng: gqa_call(b, t, True, rng),
+    "kernel int8": lambda b, t, rng: gqa_call(b, t, True, rng, kernel=True),
     "grouped, token-major": lambda b, t, rng: grouped_call(b, t, False, rng),
     "grouped, slot layout": lambda b, t, rng: grouped_call(b, t, True, rng),
 }

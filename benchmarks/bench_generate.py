@@ -233,6 +233,9 @@ def _cells(who: str, precision: str, url: str, model: str, levels: list[int], ro
 
 
 KV_INT8_SUFFIX = "kv8"  # --precisions int8kv8 / int4kv8: that precision built with quantization.kv_cache = "int8"
+# --precisions int8kv8-ort: the same build served with int8_attention = "onnxruntime" (ONNX Runtime's own attention
+# over the INT8 cache instead of the factory's kernel, int8_attention.py)
+ORT_ATTENTION_SUFFIX = "-ort"
 
 
 def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int,
@@ -243,11 +246,13 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
 
     repo = work / "repo"
     for precision in precisions:  # the factory's own build of the folder, serving that precision
-        base = precision.removesuffix(KV_INT8_SUFFIX)  # "int8kv8": INT8 dynamic with its KV cache in INT8
+        built = precision.removesuffix(ORT_ATTENTION_SUFFIX)
+        base = built.removesuffix(KV_INT8_SUFFIX)  # "int8kv8": INT8 dynamic with its KV cache in INT8
         lines = (['int8_method = "dynamic"'] if base == "int8" else []) + (
-            ['kv_cache = "int8"'] if precision.endswith(KV_INT8_SUFFIX) else [])
+            ['kv_cache = "int8"'] if built.endswith(KV_INT8_SUFFIX) else [])
+        attention = {"int8_attention": "onnxruntime"} if precision.endswith(ORT_ATTENTION_SUFFIX) else {}
         layout_generative_model(hf, None, repo, f"llm_{precision}", precision=base, quantization="\n".join(lines),
-                                memory_budget_mib=4096, max_active_sequences=max(levels))
+                                memory_budget_mib=4096, max_active_sequences=max(levels), **attention)
     out = {}
     server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=600)).start()
     try:
@@ -543,6 +548,16 @@ def paired_ratios(results: dict, levels: list[int]) -> str:
                     lines.append(f"- ours {mine.upper()} / openvino {theirs.upper()} @{c}: "
                                  + ", ".join(f"{x:.2f}" for x in pairs) + f" (median {statistics.median(pairs):.2f}, "
                                  f"{sum(x >= 1.0 for x in pairs)} of {len(pairs)} rounds >= 1.0)")
+    ours = {p for who, p, _ in results if who == "ours"}
+    for ort_variant in sorted(p for p in ours if p.endswith(ORT_ATTENTION_SUFFIX)):
+        kernel = ort_variant.removesuffix(ORT_ATTENTION_SUFFIX)
+        for c in levels if kernel in ours else ():
+            a, b = results.get(("ours", kernel, c), []), results.get(("ours", ort_variant, c), [])
+            pairs = [x[0] / y[0] for x, y in zip(a, b)]
+            if pairs:
+                lines.append(f"- ours {kernel.upper()} on the factory's attention kernel / on ONNX Runtime's "
+                             f"@{c}: " + ", ".join(f"{x:.2f}" for x in pairs)
+                             + f" (median {statistics.median(pairs):.2f})")
     return "\n".join(lines)
 
 
@@ -710,7 +725,7 @@ def main() -> None:
         title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py --precisions {args.precisions} "
                  f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds}"
                  + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
-    kv8 = [p for p in args.precisions.split(",") if p.endswith(KV_INT8_SUFFIX)]
+    kv8 = [p for p in args.precisions.split(",") if p.removesuffix(ORT_ATTENTION_SUFFIX).endswith(KV_INT8_SUFFIX)]
     section = "\n".join([
         start, title,
         "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
@@ -741,7 +756,11 @@ def main() -> None:
         "per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
         "batch-independent) behind Triton and our OpenAI frontend."
         + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
-           "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py)." if kv8 else ""),
+           "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
+           "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/int8_attention.py)"
+           + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
+              "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
+              if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),
         "",
         *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
         counts, "",

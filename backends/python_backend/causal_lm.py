@@ -65,16 +65,28 @@ def device_kv_problem(kv_input_types: dict[str, str], precision: str) -> str | N
             "\"cpu\")")
 
 
+def attention_kernel(setting: str, kv_dtype: str) -> str:
+    """The ``int8_attention`` a CausalLM gets for a graph whose KV cache is ``kv_dtype``: the setting
+    (contract.INT8_ATTENTION) for an INT8 cache, ONNX Runtime's own attention for any other."""
+    return setting if kv_dtype == "int8" else "onnxruntime"
+
+
 class CausalLM:
     """An ONNX Runtime session of a text-generation graph, run with I/O binding on the KV slots."""
 
     flavour = "onnxruntime"
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
-                 pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this") -> None:
+                 pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this",
+                 int8_attention: str = "onnxruntime") -> None:
+        """``int8_attention`` (contract.INT8_ATTENTION), for a graph whose KV cache is INT8 on the CPU: ``auto`` runs
+        its attention on the factory's kernel where it builds (``int8_attention.py``; else as packaged, the reason
+        in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged."""
         from .engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
+        # Which kernel computes attention, and why (logged at load).
+        self.attention = "onnxruntime GroupQueryAttention"
         if cuda is not None:
             self.device, self._device_type, self._device_id = f"cuda:{cuda.device_id}", "cuda", int(cuda.device_id)
             self.session = cuda_session(ort, source, cuda.device_id, cuda.stream)
@@ -93,6 +105,8 @@ class CausalLM:
                 opts.intra_op_num_threads = int(threads)
             if not spinning:
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            if int8_attention != "onnxruntime":
+                source = self._with_int8_attention(source, opts, required=int8_attention == "kernel")
             # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet thread's.
             self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
@@ -109,6 +123,28 @@ class CausalLM:
             if needed not in self.input_names:
                 raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
                                  "shared-slots layout (rebuild the model with this model-factory)")
+
+    def _with_int8_attention(self, source: Path | bytes, opts: Any, required: bool) -> Path | bytes:
+        """``source`` with its INT8-cache attention on the factory's kernel (library registered in ``opts``), or
+        unchanged with the reason in :attr:`attention`; ``required``: the reason raised instead (EngineError)."""
+        from .int8_attention import KernelUnavailable, prepare
+
+        try:
+            prepared = prepare(source)
+        except KernelUnavailable as e:
+            if required:
+                from .engines.base import EngineError
+
+                raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Fix: {e} or "
+                                  "set int8_attention = \"auto\"") from e
+            self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
+            return source
+        opts.register_custom_ops_library(str(prepared.library))
+        if prepared.weights_folder is not None:
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                          str(prepared.weights_folder))
+        self.attention = f"model-factory Int8KVAttention ({prepared.nodes} nodes, {prepared.library.name})"
+        return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
              positions: np.ndarray) -> np.ndarray:

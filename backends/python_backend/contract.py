@@ -34,6 +34,9 @@ QUEUE_SHEDDING = ("count", "age")
 # integer: ONNX Runtime's integer kernels (8-bit weights where the CPU has integer dot products, the 7-bit
 # form elsewhere); integer-7bit: the 7-bit form on any CPU; simulated: Q/DQ as float arithmetic (cpu_features).
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
+# Attention over an INT8 KV cache on the CPU (int8_attention.py): auto (the factory's kernel, compiled on the host,
+# where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
+INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
 LONG_INPUTS = ("refuse", "truncate", "chunk")
@@ -275,6 +278,8 @@ class ModelParameters:
     # Admission grouped by max_tokens (power-of-two buckets, the smallest first) until a request has waited this
     # long, which then goes first (0: arrival order).
     max_tokens_grouping_ms: int = _param("int", 0, minimum=0)
+    # A CPU instance serving an INT8 KV cache: whose attention kernel reads it (INT8_ATTENTION).
+    int8_attention: str = _param("choice", "auto", choices=INT8_ATTENTION)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other

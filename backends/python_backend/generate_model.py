@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cancel_watch import CancelWatch
-from .causal_lm import CausalLM, CudaPlacement
+from .causal_lm import CausalLM, CudaPlacement, attention_kernel
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .deferred_responses import ResponseDispatcher
 from .generate_requests import GenerateRequest, read_generate_request, request_inputs
@@ -152,6 +152,7 @@ class GenerativeModel:
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
             f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
             f"{self.placement_note}"
+            + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
@@ -177,7 +178,8 @@ class GenerativeModel:
             model = load_verified_onnx(
                 version_dir, s.onnx_file, digests,
                 lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
-                                     pad_token_id=spec.pad_token_id or 0))
+                                     pad_token_id=spec.pad_token_id or 0,
+                                     int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype)))
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:

@@ -67,7 +67,7 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
     ``instance``: where the model's instance runs (``acceptance.instance_of``); a GPU instance replays them on
     that GPU as the backend loads it (``generate_model.load_on_gpu``), or on the CPU where its recipe allows the
     fallback and the GPU path does not load."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.causal_lm import CausalLM, attention_kernel
     from model_factory.backend.contract import Files, GenerationSpec
     from model_factory.backend.generate_model import GpuUnavailable, _load_tokenizer, load_on_gpu
     from model_factory.backend.integrity import read_checked
@@ -102,7 +102,9 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
                     raise
         if gpu is None:
             model = load_verified_onnx(vdir, settings.onnx_file, d,
-                                       lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0))
+                                       lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0,
+                                                            int8_attention=attention_kernel(settings.int8_attention,
+                                                                                            spec.kv_dtype)))
         tokenizer = _load_tokenizer(vdir, d)
     except Exception as exc:  # noqa: BLE001 - it would not load in Triton either: that is the verdict
         if gpu is not None:

@@ -110,6 +110,13 @@ def test_int8_kernels_parameter() -> None:
         _settings(int8_kernels="fast")
 
 
+def test_int8_attention_parameter() -> None:
+    assert _settings().int8_attention == "auto"  # the factory's kernel where it builds
+    assert _settings(int8_attention="onnxruntime").int8_attention == "onnxruntime"
+    with pytest.raises(SettingsError, match="int8_attention"):
+        _settings(int8_attention="fast")
+
+
 def test_max_tokens_grouping_parameter() -> None:
     assert _settings().max_tokens_grouping_ms == 0  # off: arrival order
     assert _settings(max_tokens_grouping_ms="250").max_tokens_grouping_ms == 250

@@ -1,0 +1,204 @@
+"""Attention over an INT8 KV cache at memory speed: the factory's custom operator for ONNX Runtime's CPU provider.
+
+A text-generation graph with ``quantization.kv_cache = "int8"`` keeps its cache in ``com.microsoft.GroupQueryAttention``
+with per-channel INT8 scales. ONNX Runtime's CPU kernel for it reads that cache at 2-3 GB/s (compute-bound), slower
+than its float cache; at 32 streams attention is about half of a decode step (docs/generation.md). The operator in
+``kernels/int8_kv_attention.cc`` computes the same attention (the same inputs, attributes and in-place cache write;
+checked against ONNX Runtime's kernel in ``tests/backend/test_int8_attention.py``) reading each cached row once per KV
+head.
+
+The packaged graph keeps the standard node (it is what was gated, signed, and what any ONNX Runtime runs). At load,
+on a CPU instance, :func:`prepare` rewrites its attention nodes to the factory's operator in memory and names the
+library for the session; the library is compiled on this host (``g++ -O3 -march=native``: the host's own vector
+instructions, AVX2 or AVX-512) from the source shipped, signed, in the version folder, and kept in a cache keyed by
+the source, the flags, the compiler and the CPU. Where it cannot be used (no compiler, no ``onnx`` to edit the graph,
+a node with features it lacks, ``int8_attention = "off"``) the graph runs as packaged and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "int8_kv_attention.cc"
+DOMAIN = "ai.model_factory"
+OP_TYPE = "Int8KVAttention"
+LIBRARY_NAME = "libmf_int8_kv_attention.so"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared",
+         "-fvisibility=hidden")
+COMPILE_TIMEOUT_S = 120
+GQA = "GroupQueryAttention"
+# The standard node's inputs the operator takes, in its order (packed QKV; past key and value; seqlens_k;
+# total_sequence_length; cos and sin caches; k_scale and v_scale). Inputs 1, 2 (separate key and value), 9
+# (position_ids), 10 (attention_bias) and 11 (head_sink) must be absent.
+_KEPT_INPUTS = (0, 3, 4, 5, 6, 7, 8, 12, 13)
+_ABSENT_INPUTS = (1, 2, 9, 10, 11)
+_KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "rotary_interleaved")
+_REQUIRED = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8, "do_rotary": 1}
+_DEFAULT_ZERO = ("smooth_softmax", "qk_output")
+
+
+class KernelUnavailable(RuntimeError):
+    """The operator cannot be used here; the message says why (the graph then runs as packaged)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A graph rewritten to the factory's operator: its bytes, the library to register, and (for a graph whose
+    weights are external) the folder ONNX Runtime reads them from."""
+
+    model: bytes
+    library: Path
+    nodes: int
+    weights_folder: Path | None = None
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept: ``$MF_KERNEL_CACHE``, else ``$XDG_CACHE_HOME`` (``~/.cache``)/model-factory."""
+    explicit = os.environ.get("MF_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "model-factory" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The first CPU's instruction-set flags (``-march=native`` compiles for them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX``, else ``g++``, else ``c++``; :class:`KernelUnavailable` naming the fix if none."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not found:
+        raise KernelUnavailable("no C++ compiler on this host (g++ or $CXX); install g++ (Debian: apt-get install "
+                                "g++) for the INT8-cache attention kernel")
+    return found
+
+
+def library(source: Path = SOURCE) -> Path:
+    """The compiled operator library for this host, compiled on first use (a few seconds) and cached."""
+    source = Path(source)
+    if not source.is_file():
+        raise KernelUnavailable(f"the kernel source {source} is missing (a backend copied without kernels/)")
+    cxx = compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C++ compiler {cxx} does not run: {e}") from e
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), cxx, version, _cpu_flags()]).encode())
+    folder = cache_dir() / key.hexdigest()[:24]
+    built = folder / LIBRARY_NAME
+    if built.is_file():
+        return built
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"the kernel cache {folder} cannot be created ({e}); set MF_KERNEL_CACHE to a "
+                                "writable folder") from e
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{cxx} failed to compile {source.name} (exit {done.returncode}): "
+                                    f"{done.stderr.strip()[-600:]}")
+        os.replace(tmp, built)  # atomic: a concurrent instance compiles the same bytes and one rename wins
+    except subprocess.TimeoutExpired as e:
+        raise KernelUnavailable(f"{cxx} took over {COMPILE_TIMEOUT_S} s to compile {source.name}") from e
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return built
+
+
+def _attribute_values(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    values = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        values[a.name] = v.decode() if isinstance(v, bytes) else v
+    return values
+
+
+def unsupported(node: Any) -> str | None:
+    """Why the operator cannot stand in for this ``GroupQueryAttention`` node, else None."""
+    attrs = _attribute_values(node)
+    for name, want in _REQUIRED.items():
+        if attrs.get(name) != want:
+            return f"{node.name}: {name} is {attrs.get(name)!r}, the kernel needs {want!r}"
+    for name in _DEFAULT_ZERO:
+        if attrs.get(name, 0):
+            return f"{node.name}: {name} = {attrs[name]} is not implemented by the kernel"
+    inputs = list(node.input) + [""] * (14 - len(node.input))
+    if len(inputs) > 14 and any(inputs[14:]):
+        return f"{node.name}: inputs past k_scale / v_scale are not implemented by the kernel"
+    for i in _ABSENT_INPUTS:
+        if inputs[i]:
+            return f"{node.name}: input {i} ({inputs[i]}) is not implemented by the kernel (packed QKV only)"
+    for i in _KEPT_INPUTS:
+        if not inputs[i]:
+            return f"{node.name}: input {i} is absent"
+    if len(node.output) > 3 and any(node.output[3:]):
+        return f"{node.name}: its attention-scores output is not implemented by the kernel"
+    return None
+
+
+def rewrite(model: Any) -> int:
+    """Replace every ``GroupQueryAttention`` node of ``model`` (an ``onnx.ModelProto``, edited in place) by the
+    factory's operator; returns how many. :class:`KernelUnavailable` (and ``model`` untouched) if any cannot be."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == GQA and n.domain == "com.microsoft"]
+    if not nodes:
+        raise KernelUnavailable("the graph has no GroupQueryAttention node")
+    for node in nodes:
+        why = unsupported(node)
+        if why:
+            raise KernelUnavailable(why)
+    for node in nodes:
+        attrs = _attribute_values(node)
+        inputs = list(node.input) + [""] * (14 - len(node.input))
+        replacement = helper.make_node(OP_TYPE, [inputs[i] for i in _KEPT_INPUTS], list(node.output[:3]),
+                                       name=node.name, domain=DOMAIN,
+                                       **{k: attrs[k] for k in _KEPT_ATTRIBUTES if k in attrs})
+        node.CopyFrom(replacement)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return len(nodes)
+
+
+def prepare(source: Path | bytes) -> Prepared:
+    """``source`` (the graph's bytes, or its path when its weights are external) rewritten to the operator, with the
+    library compiled for this host. :class:`KernelUnavailable` says why not."""
+    try:
+        import onnx
+    except ImportError as e:
+        raise KernelUnavailable("the onnx package is not installed (pip install 'model-factory[serve]')") from e
+    lib = library()
+    if isinstance(source, (bytes, bytearray)):
+        model = onnx.load_from_string(bytes(source))
+        folder = None
+    else:
+        model = onnx.load(str(source), load_external_data=False)
+        folder = Path(source).resolve().parent
+    count = rewrite(model)
+    return Prepared(model.SerializeToString(), lib, count, folder)

@@ -1,0 +1,607 @@
+// Grouped-query attention over an INT8 KV cache, for ONNX Runtime's CPU provider (a custom operator).
+//
+// Why it exists (docs/generation.md, "Attention over an INT8 cache"): at many concurrent sequences a CPU decode step is
+// bound by reading the KV cache. ONNX Runtime's GroupQueryAttention keeps an INT8 cache (k_quant_type PER_CHANNEL)
+// but reads it at 2-3 GB/s (it is compute-bound), slower than its float cache. This kernel reads each cached key
+// and value row once per KV head, converts it to float in registers and serves every query head of the group from
+// it, so one byte per element is what crosses memory.
+//
+// Semantics: those of com.microsoft.GroupQueryAttention as the factory's text-generation graphs use it (packed
+// QKV, rotary inside, past and present sharing one [batch, kv_heads, max_context, head_dim] buffer, per-channel
+// scales), checked against ONNX Runtime's own kernel in tests/backend/test_int8_attention.py:
+//   inputs  0 packed query/key/value [B, S, (N + 2K) * H] float   1 past_key [B, K, M, H] int8
+//           2 past_value (same)   3 seqlens_k [B] int32 (a row's total length - 1)   4 total_sequence_length int32
+//           5 cos_cache, 6 sin_cache [positions, R / 2] float    7 k_scale, 8 v_scale [K * H] float
+//   outputs 0 attention [B, S, N * H] float   1 present_key   2 present_value (written in place when bound to the past)
+//   attributes num_heads, kv_num_heads, scale (0: 1/sqrt(H)), softcap (0: none), local_window_size (-1: none),
+//              rotary_interleaved.
+// A first prompt (S == total_sequence_length) places token s at position s; otherwise row b's tokens follow its
+// seqlens_k[b] + 1 - S cached ones. Right-padding tokens (past a row's length) are skipped and their output is 0.
+// A new key is rotated, then stored as clamp(round(x / k_scale), -128, 127); attention reads keys and values back
+// as q * scale.
+//
+// ONNX Runtime's C API is a table of function pointers whose order is fixed (new entries are only appended), so
+// this file declares the slice it calls by index instead of including the SDK's headers (the Python wheel ships
+// none). Built on the serving host by backends/python_backend/int8_attention.py (g++ -O3 -march=native).
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" {
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtShapeInferContext;
+struct OrtApi;
+struct OrtApiBase {
+  const OrtApi* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+}
+
+namespace {
+
+// The version of the API this file asks for: KernelContext_ParallelFor arrived in 1.17.
+constexpr uint32_t kApiVersion = 17;
+
+// Positions in OrtApi's table (onnxruntime_c_api.h, append-only).
+enum ApiIndex : size_t {
+  kCreateStatus = 0, kGetErrorMessage = 2, kCreateCustomOpDomain = 26, kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28, kGetTensorMutableData = 51, kGetTensorElementType = 60, kGetDimensionsCount = 61,
+  kGetDimensions = 62, kGetTensorTypeAndShape = 65, kKernelInfoGetAttributeFloat = 85,
+  kKernelInfoGetAttributeInt64 = 86, kKernelContextGetInput = 90, kKernelContextGetOutput = 91,
+  kReleaseStatus = 93, kReleaseTensorTypeAndShapeInfo = 99, kKernelContextParallelFor = 274,
+};
+enum : int { kOrtInvalidArgument = 2, kOrtRuntimeException = 6 };
+enum : int { kFloat = 1, kInt8 = 3, kInt32 = 6 };
+
+const void* const* g_api = nullptr;
+
+template <typename F>
+F fn(size_t index) { return reinterpret_cast<F>(const_cast<void*>(g_api[index])); }
+
+OrtStatus* error(int code, const std::string& message) {
+  return fn<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, message.c_str());
+}
+
+// The custom-op descriptor's layout (OrtCustomOp, fields only appended), up to the fields ORT reads for version 17.
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const OrtApi*, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  OrtStatus* (*CreateKernelV2)(const CustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, OrtShapeInferContext*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+static_assert(offsetof(CustomOp, CreateKernelV2) == 136 && sizeof(CustomOp) == 208, "OrtCustomOp layout");
+
+struct Tensor {
+  void* data = nullptr;
+  int type = 0;
+  std::vector<int64_t> dims;
+  int64_t dim(size_t i) const { return i < dims.size() ? dims[i] : -1; }
+};
+
+OrtStatus* describe(const OrtValue* value, Tensor* out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* s = fn<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(value, &info)) return s;
+  size_t rank = 0;
+  OrtStatus* s = fn<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &rank);
+  if (!s) {
+    out->dims.assign(rank, 0);
+    s = fn<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out->dims.data(), rank);
+  }
+  if (!s) s = fn<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int*)>(kGetTensorElementType)(info, &out->type);
+  fn<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  if (!s) s = fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(value), &out->data);
+  return s;
+}
+
+struct Attention {
+  int64_t num_heads = 0, kv_heads = 0, window = -1, interleaved = 0;
+  float scale = 0.f, softcap = 0.f;
+};
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), written so that the compiler vectorizes it:
+// 2^(x log2 e) split into an integer power and a degree-6 polynomial on [0, 1) (relative error ~2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float t = x * 1.44269504088896341f;
+  float whole = std::floor(t);
+  float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  return p * power;
+}
+
+inline float dot_int8(const float* __restrict q, const int8_t* __restrict k, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * static_cast<float>(k[d]);
+  return acc;
+}
+
+// Rotates x (head_dim values, the first rotary_dim of them paired) at one position's cos/sin row.
+inline void rotate(const float* x, float* out, const float* cos, const float* sin, int64_t head_dim,
+                   int64_t rotary_dim, bool interleaved) {
+  const int64_t half = rotary_dim / 2;
+  if (interleaved) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      out[2 * i] = a * cos[i] - b * sin[i];
+      out[2 * i + 1] = b * cos[i] + a * sin[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      out[i] = a * cos[i] - b * sin[i];
+      out[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+  for (int64_t i = rotary_dim; i < head_dim; ++i) out[i] = x[i];
+}
+
+inline int8_t quantize(float x, float scale) {
+  const float q = std::nearbyint(x / scale);
+  return static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, q)));
+}
+
+using TokenKernel = void (*)(const float*, const int8_t*, const int8_t*, const float*, int64_t, float, float*, float*);
+
+struct Step {
+  const Attention* op;
+  const float* qkv;
+  int8_t* key;
+  int8_t* value;
+  const int32_t* seqlens;
+  const float* cos;
+  const float* sin;
+  const float* k_scale;
+  const float* v_scale;
+  float* out;
+  int64_t batch, seq, max_context, head_dim, rotary_dim, positions, blocks;
+  bool first_prompt;
+  TokenKernel kernel = nullptr;  // specialized for (head_dim, group), else null
+  std::atomic<int> bad_position{0};  // set when a token's position is outside the cache
+
+  // Row b's token s: its position, or -1 for right padding.
+  int64_t position(int64_t b, int64_t s) const {
+    const int64_t total = static_cast<int64_t>(seqlens[b]) + 1;
+    const int64_t pos = first_prompt ? s : total - seq + s;
+    return (pos < total && pos >= 0) ? pos : -1;
+  }
+  int8_t* cache(int8_t* base, int64_t b, int64_t h, int64_t pos) const {
+    return base + ((b * op->kv_heads + h) * max_context + pos) * head_dim;
+  }
+};
+
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kPrefetchRows = 16;  // cached rows read ahead of use
+
+// Phase 1, one (row, token): rotate and store the token's keys and values, rotate and scale its queries into `out`.
+void place_token(void* user, size_t index) {
+  Step& st = *static_cast<Step*>(user);
+  const Attention& op = *st.op;
+  const int64_t b = static_cast<int64_t>(index) / st.seq, s = static_cast<int64_t>(index) % st.seq;
+  const int64_t H = st.head_dim, N = op.num_heads, K = op.kv_heads;
+  float* out = st.out + (b * st.seq + s) * N * H;
+  const int64_t pos = st.position(b, s);
+  if (pos < 0) {
+    std::fill(out, out + N * H, 0.f);
+    return;
+  }
+  if (pos >= st.max_context || (st.rotary_dim > 0 && pos >= st.positions)) {
+    st.bad_position.store(1, std::memory_order_relaxed);
+    return;
+  }
+  const float* qkv = st.qkv + (b * st.seq + s) * (N + 2 * K) * H;
+  const float* cos = st.cos + pos * (st.rotary_dim / 2);
+  const float* sin = st.sin + pos * (st.rotary_dim / 2);
+  float rotated[1024];
+  const float scale = op.scale > 0.f ? op.scale : 1.0f / std::sqrt(static_cast<float>(H));
+  for (int64_t n = 0; n < N; ++n) {
+    rotate(qkv + n * H, out + n * H, cos, sin, H, st.rotary_dim, op.interleaved != 0);
+    for (int64_t d = 0; d < H; ++d) out[n * H + d] *= scale;
+  }
+  for (int64_t h = 0; h < K; ++h) {
+    rotate(qkv + (N + h) * H, rotated, cos, sin, H, st.rotary_dim, op.interleaved != 0);
+    int8_t* k = st.cache(st.key, b, h, pos);
+    int8_t* v = st.cache(st.value, b, h, pos);
+    const float* vin = qkv + (N + K + h) * H;
+    for (int64_t d = 0; d < H; ++d) {
+      k[d] = quantize(rotated[d], st.k_scale[h * H + d]);
+      v[d] = quantize(vin[d], st.v_scale[h * H + d]);
+    }
+  }
+}
+
+// 16 floats, and 16 int8 converted to them: GCC's vector extensions, one AVX-512 register or two AVX2 ones.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// 16 int8 to float. GCC scalarizes __builtin_convertvector from int8, so the sign extension and conversion are
+// spelled out for the instruction set compiled for (-march=native): AVX-512, AVX2, else plain C.
+inline v16f load16(const int8_t* p) {
+  v16f out;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &f, sizeof out);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  std::memcpy(&out, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+#else
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(p[i]);
+#endif
+  return out;
+}
+inline float hsum(v16f v) {
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Softmax in place over each of the G score rows (n keys each), softcap first when set.
+void softmax_rows(float* scores, int64_t G, int64_t n, float softcap) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * n;
+    if (softcap > 0.f)
+      for (int64_t j = 0; j < n; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
+    float top = sc[0];
+    for (int64_t j = 1; j < n; ++j) top = std::max(top, sc[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      const float e = exp_nonpositive(sc[j] - top);
+      sc[j] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+  }
+}
+
+// The sums of four vectors' lanes, {sum a, sum b, sum c, sum d}: three rounds of shuffles and adds for all four.
+inline v4f reduce4(v16f a, v16f b, v16f c, v16f d) {
+  const v16f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16f x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                 __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const v16f y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  const v16f z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v4f{z[0], z[4], z[8], z[12]};
+}
+
+// One token's G query heads (query: G x H floats, the key scale folded in) over n cached rows, head_dim H = 16 * HV:
+// each cached key and value row is loaded and converted once and serves the G heads from registers.
+template <int HV, int G>
+void attend_token(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t n,
+                  float softcap, float* scores, float* out) {
+  constexpr int64_t H = 16 * HV;
+  v16f q[G][HV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < HV; ++v) q[g][v] = load16(query + g * H + 16 * v);
+  const v16f zero{};
+  for (int64_t j = 0; j < n; ++j) {
+    __builtin_prefetch(keys + (j + kPrefetchRows) * H);  // past a page the hardware prefetcher starts over
+    if (H > 64) __builtin_prefetch(keys + (j + kPrefetchRows) * H + 64);
+    v16f k[HV];
+    for (int v = 0; v < HV; ++v) k[v] = load16(keys + j * H + 16 * v);
+    v16f a[G];
+    for (int g = 0; g < G; ++g) {
+      a[g] = q[g][0] * k[0];
+      for (int v = 1; v < HV; ++v) a[g] += q[g][v] * k[v];
+    }
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      const v4f r = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
+                            g0 + 3 < G ? a[g0 + 3] : zero);
+      for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j] = r[t];
+    }
+  }
+  softmax_rows(scores, G, n, softcap);
+  v16f acc[G][HV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < HV; ++v) acc[g][v] = zero;
+  for (int64_t j = 0; j < n; ++j) {
+    __builtin_prefetch(values + (j + kPrefetchRows) * H);
+    if (H > 64) __builtin_prefetch(values + (j + kPrefetchRows) * H + 64);
+    v16f x[HV];
+    for (int v = 0; v < HV; ++v) x[v] = load16(values + j * H + 16 * v);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * n + j];
+      for (int v = 0; v < HV; ++v) acc[g][v] += p * x[v];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < HV; ++v) {
+      const v16f o = acc[g][v] * load16(v_scale + 16 * v);
+      std::memcpy(out + g * H + 16 * v, &o, sizeof o);
+    }
+}
+
+template <int HV>
+TokenKernel token_kernel_for_group(int64_t G) {
+  switch (G) {
+    case 1: return attend_token<HV, 1>;
+    case 2: return attend_token<HV, 2>;
+    case 3: return attend_token<HV, 3>;
+    case 4: return attend_token<HV, 4>;
+    case 5: return attend_token<HV, 5>;
+    case 6: return attend_token<HV, 6>;
+    case 7: return attend_token<HV, 7>;
+    case 8: return attend_token<HV, 8>;
+    default: return nullptr;
+  }
+}
+
+// The specialized kernel for head_dim H and group size G (query heads per KV head), or null: the general one then.
+TokenKernel token_kernel(int64_t H, int64_t G) {
+  if (H == 64) return token_kernel_for_group<4>(G);
+  if (H == 128) return token_kernel_for_group<8>(G);
+  return nullptr;
+}
+
+// The same for any head_dim.
+void attend_token_any(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t G,
+                      int64_t H, int64_t n, float softcap, float* scores, float* acc, float* out) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot_int8(query + g * H, keys + j * H, H);
+  softmax_rows(scores, G, n, softcap);
+  std::fill(acc, acc + G * H, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* v = values + j * H;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + j];
+      float* a = acc + g * H;
+#pragma omp simd
+      for (int64_t d = 0; d < H; ++d) a[d] += p * static_cast<float>(v[d]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < H; ++d) out[g * H + d] = acc[g * H + d] * v_scale[d];
+}
+
+// Phase 2, one (row, KV head, block of tokens): every query head of the group attends over the cached rows.
+void attend(void* user, size_t index) {
+  Step& st = *static_cast<Step*>(user);
+  const Attention& op = *st.op;
+  const int64_t block = static_cast<int64_t>(index) % st.blocks;
+  const int64_t h = (static_cast<int64_t>(index) / st.blocks) % op.kv_heads;
+  const int64_t b = static_cast<int64_t>(index) / (st.blocks * op.kv_heads);
+  const int64_t H = st.head_dim, N = op.num_heads, G = N / op.kv_heads;
+  const float* ks = st.k_scale + h * H;
+  const float* vs = st.v_scale + h * H;
+  thread_local std::vector<float> scores, query, acc;
+  query.resize(static_cast<size_t>(G * H));
+  acc.resize(static_cast<size_t>(G * H));
+  for (int64_t s = block * kQueryBlock; s < std::min(st.seq, (block + 1) * kQueryBlock); ++s) {
+    const int64_t pos = st.position(b, s);
+    if (pos < 0 || pos >= st.max_context) continue;
+    const int64_t lo = op.window >= 0 ? std::min(pos, std::max<int64_t>(0, pos - op.window + 1)) : 0;
+    const int64_t n_keys = pos - lo + 1;
+    if (scores.size() < static_cast<size_t>(G * n_keys)) scores.resize(static_cast<size_t>(G * n_keys));
+    float* out = st.out + (b * st.seq + s) * N * H + h * G * H;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < H; ++d) query[g * H + d] = out[g * H + d] * ks[d];  // the key's scale folded in
+    const int8_t* keys = st.cache(st.key, b, h, lo);
+    const int8_t* values = st.cache(st.value, b, h, lo);
+    if (st.kernel)
+      st.kernel(query.data(), keys, values, vs, n_keys, op.softcap, scores.data(), out);
+    else
+      attend_token_any(query.data(), keys, values, vs, G, H, n_keys, op.softcap, scores.data(), acc.data(), out);
+  }
+}
+
+OrtStatus* attr_int(const OrtKernelInfo* info, const char* name, int64_t* out, bool required) {
+  OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name, out);
+  if (s && !required) {
+    fn<void (*)(OrtStatus*)>(kReleaseStatus)(s);
+    return nullptr;
+  }
+  return s;
+}
+
+OrtStatus* attr_float(const OrtKernelInfo* info, const char* name, float* out) {
+  OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name, out);
+  if (s) fn<void (*)(OrtStatus*)>(kReleaseStatus)(s);  // absent: the default stays
+  return nullptr;
+}
+
+OrtStatus* create_kernel(const CustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  auto* op = new (std::nothrow) Attention();
+  if (!op) return error(kOrtRuntimeException, "Int8KVAttention: out of memory");
+  OrtStatus* s = attr_int(info, "num_heads", &op->num_heads, true);
+  if (!s) s = attr_int(info, "kv_num_heads", &op->kv_heads, true);
+  if (!s) s = attr_int(info, "local_window_size", &op->window, false);
+  if (!s) s = attr_int(info, "rotary_interleaved", &op->interleaved, false);
+  if (!s) s = attr_float(info, "scale", &op->scale);
+  if (!s) s = attr_float(info, "softcap", &op->softcap);
+  if (!s && (op->num_heads <= 0 || op->kv_heads <= 0 || op->num_heads % op->kv_heads != 0))
+    s = error(kOrtInvalidArgument, "Int8KVAttention: num_heads must be a positive multiple of kv_num_heads");
+  if (s) {
+    delete op;
+    return s;
+  }
+  *kernel = op;
+  return nullptr;
+}
+
+std::string shape(const Tensor& t) {
+  std::string out = "[";
+  for (size_t i = 0; i < t.dims.size(); ++i) out += (i ? ", " : "") + std::to_string(t.dims[i]);
+  return out + "]";
+}
+
+OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+  const Attention& op = *static_cast<Attention*>(kernel);
+  Tensor in[9];
+  for (size_t i = 0; i < 9; ++i) {
+    const OrtValue* value = nullptr;
+    if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(context, i, &value)) return s;
+    if (!value) return error(kOrtInvalidArgument, "Int8KVAttention: input " + std::to_string(i) + " is missing");
+    if (OrtStatus* s = describe(value, &in[i])) return s;
+  }
+  const Tensor &qkv = in[0], &past_k = in[1], &past_v = in[2], &seqlens = in[3], &total = in[4], &cos = in[5],
+               &sin = in[6], &k_scale = in[7], &v_scale = in[8];
+  const int64_t N = op.num_heads, K = op.kv_heads;
+  if (qkv.type != kFloat || qkv.dims.size() != 3 || qkv.dims[2] % (N + 2 * K) != 0)
+    return error(kOrtInvalidArgument, "Int8KVAttention: packed QKV must be float [batch, seq, (num_heads + 2 * kv_num_heads) * head_dim], got " + shape(qkv));
+  const int64_t B = qkv.dims[0], S = qkv.dims[1], H = qkv.dims[2] / (N + 2 * K);
+  if (H > 1024) return error(kOrtInvalidArgument, "Int8KVAttention: head_dim above 1024");
+  for (const Tensor* t : {&past_k, &past_v})
+    if (t->type != kInt8 || t->dims.size() != 4 || t->dims[0] != B || t->dims[1] != K || t->dims[3] != H || t->dims[2] < 1)
+      return error(kOrtInvalidArgument, "Int8KVAttention: past key/value must be int8 [batch, kv_num_heads, max_context, head_dim], got " + shape(*t));
+  if (seqlens.type != kInt32 || seqlens.dims.size() != 1 || seqlens.dims[0] != B)
+    return error(kOrtInvalidArgument, "Int8KVAttention: seqlens_k must be int32 [batch], got " + shape(seqlens));
+  if (total.type != kInt32) return error(kOrtInvalidArgument, "Int8KVAttention: total_sequence_length must be int32");
+  if (cos.type != kFloat || sin.type != kFloat || cos.dims.size() != 2 || cos.dims != sin.dims || 2 * cos.dims[1] > H)
+    return error(kOrtInvalidArgument, "Int8KVAttention: cos/sin caches must be float [positions, rotary_dim / 2], got " + shape(cos));
+  for (const Tensor* t : {&k_scale, &v_scale}) {
+    int64_t n = 1;
+    for (int64_t d : t->dims) n *= d;
+    if (t->type != kFloat || n != K * H)
+      return error(kOrtInvalidArgument, "Int8KVAttention: k_scale/v_scale must hold kv_num_heads * head_dim floats, got " + shape(*t));
+  }
+  const int64_t out_dims[3] = {B, S, N * H};
+  OrtValue* outs[3] = {nullptr, nullptr, nullptr};
+  auto get_output = fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput);
+  if (OrtStatus* s = get_output(context, 0, out_dims, 3, &outs[0])) return s;
+  if (OrtStatus* s = get_output(context, 1, past_k.dims.data(), 4, &outs[1])) return s;
+  if (OrtStatus* s = get_output(context, 2, past_v.dims.data(), 4, &outs[2])) return s;
+  Tensor out, present_k, present_v;
+  if (OrtStatus* s = describe(outs[0], &out)) return s;
+  if (OrtStatus* s = describe(outs[1], &present_k)) return s;
+  if (OrtStatus* s = describe(outs[2], &present_v)) return s;
+  const size_t cache_bytes = static_cast<size_t>(B * K * past_k.dims[2] * H);
+  // Bound to the same buffers (the backend's KV slots) the cache is updated in place; else the present starts as a copy.
+  if (present_k.data != past_k.data) std::memcpy(present_k.data, past_k.data, cache_bytes);
+  if (present_v.data != past_v.data) std::memcpy(present_v.data, past_v.data, cache_bytes);
+  if (B == 0 || S == 0) return nullptr;
+
+  Step st;
+  st.op = &op;
+  st.qkv = static_cast<const float*>(qkv.data);
+  st.key = static_cast<int8_t*>(present_k.data);
+  st.value = static_cast<int8_t*>(present_v.data);
+  st.seqlens = static_cast<const int32_t*>(seqlens.data);
+  st.cos = static_cast<const float*>(cos.data);
+  st.sin = static_cast<const float*>(sin.data);
+  st.k_scale = static_cast<const float*>(k_scale.data);
+  st.v_scale = static_cast<const float*>(v_scale.data);
+  st.out = static_cast<float*>(out.data);
+  st.batch = B;
+  st.seq = S;
+  st.max_context = past_k.dims[2];
+  st.head_dim = H;
+  st.rotary_dim = 2 * cos.dims[1];
+  st.positions = cos.dims[0];
+  st.blocks = (S + kQueryBlock - 1) / kQueryBlock;
+  st.first_prompt = static_cast<const int32_t*>(total.data)[0] == S;
+  st.kernel = token_kernel(H, N / K);
+  auto parallel = fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(kKernelContextParallelFor);
+  if (OrtStatus* s = parallel(context, place_token, static_cast<size_t>(B * S), 0, &st)) return s;
+  if (st.bad_position.load())
+    return error(kOrtInvalidArgument, "Int8KVAttention: a token's position is past the cache (max_context " +
+                                          std::to_string(st.max_context) + ") or the rotary cache (" + std::to_string(st.positions) + " positions)");
+  return parallel(context, attend, static_cast<size_t>(B * K * st.blocks), 0, &st);
+}
+
+const int kInputTypes[9] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kFloat, kFloat};
+const int kOutputTypes[3] = {kFloat, kInt8, kInt8};
+
+CustomOp make_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = [](const CustomOp*) { return "Int8KVAttention"; };
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) { return size_t{9}; };
+  op.GetOutputType = [](const CustomOp*, size_t i) { return kOutputTypes[i]; };
+  op.GetOutputTypeCount = [](const CustomOp*) { return size_t{3}; };
+  op.KernelDestroy = [](void* k) { delete static_cast<Attention*>(k); };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  return op;
+}
+
+CustomOp g_op = make_op();
+OrtCustomOpDomain* g_domain = nullptr;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(kApiVersion);
+  if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
+  g_api = reinterpret_cast<const void* const*>(api);
+  if (!g_domain) {
+    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory", &g_domain)) return s;
+    if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, &g_op)) return s;
+  }
+  return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain);
+}

@@ -1,0 +1,248 @@
+"""The factory's attention over an INT8 KV cache (backends/python_backend/int8_attention.py and its kernel,
+kernels/int8_kv_attention.cc): the same outputs and cache bytes as ONNX Runtime's GroupQueryAttention with its INT8
+cache, node for node and in a whole text-generation graph; the graph rewrite and its refusals; where no compiler is,
+the packaged graph runs and says why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from model_factory.backend import int8_attention as ia
+
+needs_compiler = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),
+                                    reason="no C++ compiler (g++) to build the kernel")
+POSITIONS = 128
+
+
+def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_context: int, *, kernel: bool,
+                window: int = -1, softcap: float = 0.0, interleaved: int = 0):
+    """A session of one attention node as the factory's graphs have it (packed QKV, rotary inside, INT8 cache)."""
+    import onnxruntime as ort
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    kv = ["B", kv_heads, max_context, head_dim]
+    inputs = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["B", "S", (heads + 2 * kv_heads) * head_dim]),
+              helper.make_tensor_value_info("pk", TP.INT8, kv), helper.make_tensor_value_info("pv", TP.INT8, kv),
+              helper.make_tensor_value_info("seqlens", TP.INT32, ["B"]),
+              helper.make_tensor_value_info("total", TP.INT32, []),
+              helper.make_tensor_value_info("cos", TP.FLOAT, [POSITIONS, rotary_dim // 2]),
+              helper.make_tensor_value_info("sin", TP.FLOAT, [POSITIONS, rotary_dim // 2]),
+              helper.make_tensor_value_info("ks", TP.FLOAT, [kv_heads * head_dim]),
+              helper.make_tensor_value_info("vs", TP.FLOAT, [kv_heads * head_dim])]
+    outputs = [helper.make_tensor_value_info("out", TP.FLOAT, ["B", "S", heads * head_dim]),
+               helper.make_tensor_value_info("prk", TP.INT8, kv), helper.make_tensor_value_info("prv", TP.INT8, kv)]
+    node = helper.make_node(
+        "GroupQueryAttention", ["qkv", "", "", "pk", "pv", "seqlens", "total", "cos", "sin", "", "", "", "ks", "vs"],
+        ["out", "prk", "prv"], name="attn", domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads,
+        scale=head_dim ** -0.5, local_window_size=window, softcap=softcap, do_rotary=1, rotary_interleaved=interleaved,
+        k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    if kernel:
+        assert ia.rewrite(model) == 1
+        opts.register_custom_ops_library(str(ia.library()))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs):
+    """One call with the caches bound in place (as the backend binds its KV slots); returns the attention output."""
+    io = session.io_binding()
+    io.bind_output("out", "cpu")
+    for name, value in dict(qkv=qkv, seqlens=seqlens, total=np.array(total, np.int32), cos=cos, sin=sin, ks=ks,
+                            vs=vs).items():
+        io.bind_cpu_input(name, value)
+    for past, present, buf in (("pk", "prk", cache[0]), ("pv", "prv", cache[1])):
+        io.bind_input(past, "cpu", 0, np.int8, list(buf.shape), buf.ctypes.data)
+        io.bind_output(present, "cpu", 0, np.int8, list(buf.shape), buf.ctypes.data)
+    session.run_with_iobinding(io)
+    return io.get_outputs()[0].numpy()
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim, options", [
+    (9, 3, 64, 64, {}),                       # SmolLM's attention (the specialized head size 64 path)
+    (9, 3, 64, 64, {"window": 4}),            # a sliding window (local_window_size)
+    (9, 3, 64, 64, {"softcap": 5.0}),         # Gemma-2's logit soft-capping
+    (9, 3, 64, 32, {"interleaved": 1}),       # interleaved pairs, rotary over half the head
+    (8, 2, 128, 128, {}),                     # head size 128, 4 query heads a KV head (Llama-3-8B's)
+    (4, 2, 16, 16, {"window": 3}),            # any other head size: the general path
+])
+def test_the_kernel_matches_onnxruntimes_attention_over_an_int8_cache(heads, kv_heads, head_dim, rotary_dim,
+                                                                      options) -> None:
+    """A right-padded first prompt of 4 rows, then 5 one-token decode steps, each on the same buffers: the kernel's
+    outputs equal ONNX Runtime's to float rounding, and the cache bytes it writes are the same bytes."""
+    _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths=np.array([5, 17, 9, 1]), continuation=0)
+
+
+@needs_compiler
+def test_a_continued_prompt_matches_too() -> None:
+    """One row: a first prompt, a 3-token continuation (its positions follow the cached ones; ONNX Runtime takes
+    these one row at a time), then decode steps."""
+    _compare(9, 3, 64, 64, {}, lengths=np.array([6]), continuation=3)
+
+
+def _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths, continuation) -> None:
+    rng = np.random.default_rng(7)
+    max_context, batch = 48, len(lengths)
+    angles = np.outer(np.arange(POSITIONS), 1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    ks = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    vs = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    steps = [(rng.standard_normal((batch, int(lengths.max()), width)).astype(np.float32), lengths - 1,
+              int(lengths.max()))]  # the first prompt: total == S
+    seen = lengths + continuation
+    if continuation:
+        steps.append((rng.standard_normal((batch, continuation, width)).astype(np.float32), seen - 1,
+                      int(seen.max())))
+    for _ in range(5):
+        seen = seen + 1
+        steps.append((rng.standard_normal((batch, 1, width)).astype(np.float32), seen - 1, int(seen.max())))
+    results = []
+    for kernel in (False, True):
+        session = _node_graph(heads, kv_heads, head_dim, rotary_dim, max_context, kernel=kernel, **options)
+        cache = (np.zeros((batch, kv_heads, max_context, head_dim), np.int8),
+                 np.zeros((batch, kv_heads, max_context, head_dim), np.int8))
+        outs = [_run(session, qkv, cache, seqlens.astype(np.int32), total, cos, sin, ks, vs)
+                for qkv, seqlens, total in steps]
+        results.append((outs, cache))
+    (ref, ref_cache), (got, got_cache) = results
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if i == 0:  # padding tokens of the first prompt are never read
+            valid = np.arange(a.shape[1])[None, :] < lengths[:, None]
+            a, b = a[valid], b[valid]
+        assert np.abs(a - b).max() <= 1e-5 * max(1.0, float(np.abs(a).max())), f"call {i}"
+    for r, g in zip(ref_cache, got_cache):
+        for row in range(batch):
+            n = int(seen[row])
+            assert np.array_equal(r[row, :, :n], g[row, :, :n])
+
+
+def test_a_float_cache_graph_is_left_as_packaged_with_the_reason() -> None:
+    from onnx import helper
+
+    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "pk", "pv", "s", "t", "cos", "sin"], ["o", "k", "v"],
+                            name="attn", domain="com.microsoft", num_heads=4, kv_num_heads=2, do_rotary=1)
+    model = helper.make_model(helper.make_graph([node], "g", [], []))
+    before = model.SerializeToString()
+    with pytest.raises(ia.KernelUnavailable, match="attn: k_quant_type is None, the kernel needs 'PER_CHANNEL'"):
+        ia.rewrite(model)
+    assert model.SerializeToString() == before
+    with pytest.raises(ia.KernelUnavailable, match="no GroupQueryAttention"):
+        ia.rewrite(helper.make_model(helper.make_graph([], "g", [], [])))
+
+
+def test_a_node_with_separate_key_and_value_inputs_is_refused_by_name() -> None:
+    from onnx import helper
+
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "s", "t", "cos", "sin", "", "", "",
+                                                    "ks", "vs"], ["o", "pk2", "pv2"], name="layer0", domain="com.microsoft",
+                            num_heads=4, kv_num_heads=2, do_rotary=1, k_quant_type="PER_CHANNEL",
+                            v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    with pytest.raises(ia.KernelUnavailable, match=r"layer0: input 1 \(k\) is not implemented by the kernel"):
+        ia.rewrite(helper.make_model(helper.make_graph([node], "g", [], [])))
+
+
+def test_without_a_compiler_the_reason_names_the_fix(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++, no c++
+    with pytest.raises(ia.KernelUnavailable, match=r"no C\+\+ compiler on this host \(g\+\+ or \$CXX\); install g\+\+"):
+        ia.library()
+    monkeypatch.setenv("CXX", str(tmp_path / "missing-g++"))
+    with pytest.raises(ia.KernelUnavailable, match="does not run"):
+        ia.library()
+
+
+@needs_compiler
+def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = ia.library()
+    assert first.is_file() and first.parent.parent == tmp_path / "cache"
+    stamp = first.stat().st_mtime_ns
+    assert ia.library() == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    changed = tmp_path / "changed.cc"
+    changed.write_text(ia.SOURCE.read_text() + "\n// another source\n")
+    assert ia.library(changed).parent != first.parent
+    assert [p.name for p in first.parent.iterdir()] == [ia.LIBRARY_NAME]  # no partial build left behind
+
+
+def test_a_source_that_does_not_compile_is_refused_with_the_compilers_words(monkeypatch, tmp_path) -> None:
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler (g++)")
+    monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(ia.KernelUnavailable, match="failed to compile broken.cc"):
+        ia.library(broken)
+    assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_int8_cache(tiny_llm, tmp_path_factory):
+    """tiny_llm's FP32 graph with its KV cache in INT8 (scales fitted on three prompts): FP32 weights, so the two
+    attention kernels' outputs differ by float rounding alone."""
+    from model_factory.build_engines.kv_int8 import fit_kv_scales, quantize_kv_cache
+
+    _hf, onnx_dir = tiny_llm
+    folder = tmp_path_factory.mktemp("kv8") / "g"
+    shutil.copytree(onnx_dir, folder)
+    rng = np.random.default_rng(1)
+    quantize_kv_cache(folder / "model.onnx",
+                      fit_kv_scales(onnx_dir / "model.onnx", 16, [rng.integers(3, 2000, n).tolist() for n in (5, 17, 40)]))
+    return folder / "model.onnx"
+
+
+def _views(batch: int, layers: int = 2, kv_heads: int = 2, max_context: int = 64, head_dim: int = 16):
+    return {f"past_key_values.{i}.{kind}": np.zeros((batch, kv_heads, max_context, head_dim), np.int8)
+            for i in range(layers) for kind in ("key", "value")}
+
+
+@needs_compiler
+def test_a_text_generation_graph_decodes_the_same_on_the_kernel(tiny_llm_int8_cache) -> None:
+    """Three prompts of mixed lengths prefilled together, then 6 batched decode steps: the logits of the graph on
+    the kernel equal those of the packaged graph within float rounding, every greedy token the same."""
+    from model_factory.backend.causal_lm import CausalLM
+
+    packaged = CausalLM(tiny_llm_int8_cache, threads=2, int8_attention="onnxruntime")
+    kernel = CausalLM(tiny_llm_int8_cache, threads=2, int8_attention="kernel")
+    assert packaged.attention == "onnxruntime GroupQueryAttention"
+    assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
+    runs = []
+    for model in (packaged, kernel):
+        views = _views(len(prompts))
+        logits = [model.prefill(prompts, views)]
+        lengths = [len(p) for p in prompts]
+        for _ in range(6):
+            tokens = [int(t) for t in logits[-1].argmax(-1)]
+            logits.append(model.decode(tokens, lengths, views))
+            lengths = [n + 1 for n in lengths]
+        runs.append(logits)
+    for a, b in zip(*runs):
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_auto_falls_back_to_the_packaged_graph_and_kernel_refuses_where_none_builds(tiny_llm_int8_cache, monkeypatch,
+                                                                                  tmp_path) -> None:
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.engines.base import EngineError
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing compiled earlier to reuse
+    auto = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="auto")
+    assert auto.attention.startswith("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: no C++ "
+                                     "compiler on this host")
+    assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1  # the packaged graph runs
+    with pytest.raises(EngineError, match=r'int8_attention = "kernel" but the kernel cannot be used: no C\+\+ compiler'):
+        CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
