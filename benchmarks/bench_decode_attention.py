@@ -1,5 +1,5 @@
-"""One decode step's attention, one layer: ONNX Runtime's GroupQueryAttention against the same attention in standard
-ops (issue 32: is there a faster CPU attention to put in the graph?).
+"""One decode step's attention, one layer: ONNX Runtime's GroupQueryAttention against the factory's INT8-cache kernel
+and the same attention in standard ops (issue 32: is there a faster CPU attention to put in the graph?).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_decode_attention.py [--rounds 5] [--write]
 
@@ -14,6 +14,8 @@ this EPYC's 32 MB L3, flatters the grouped variants):
   place into the shared buffer, as the packaged graphs run it);
 - ``GQA int8``: the same with the INT8 cache (``k_quant_type`` / ``v_quant_type`` PER_CHANNEL, 8 bits:
   ``quantization.kv_cache = "int8"``);
+- ``kernel int8``: the INT8-cache node rewritten to the factory's operator (``Int8KVAttention``,
+  backends/python_backend/int8_attention.py, compiled for this host), as the backend rewrites it at load;
 - ``grouped, token-major``: the 3 query heads that share a KV head as 3 rows of one batched product
   (``FusedMatMul`` transB, a mask bias, ``Softmax``, ``MatMul``) over keys and values handed over as ``[B, kv_heads,
   T, head_size]``: what a cache laid out with the first T tokens of every slot contiguous would allow (no rotary,
@@ -233,14 +235,16 @@ def main() -> int:
             f"KV {kv_rate(name):.1f} GB/s; {base / statistics.median(ms[(name, (b, t))]):.2f}x" for name in VARIANTS)
             + " |")
     section = "\n".join([
-        START, "## Decode attention, one layer: GroupQueryAttention against standard ops "
-        "(benchmarks/bench_decode_attention.py)", "",
+        START, "## Decode attention, one layer: GroupQueryAttention against the factory's INT8-cache kernel and "
+        "standard ops (benchmarks/bench_decode_attention.py)", "",
         run_header("benchmarks/bench_decode_attention.py", load), "",
         f"One decode step's attention in one layer of bench_generate's Llama ({HEADS} query heads, {KV_HEADS} KV "
         f"heads, head size {HEAD}), B rows over T cached tokens, KV buffers of the backend's slot layout "
         f"(max_context {MAX_CONTEXT}), ONNX Runtime on 2 threads; each variant cycles through {LAYERS} sets of buffers, one "
         "per layer of the model, so its keys and values come from memory as in a served step. GQA: the packaged graphs' node (rotary and the "
-        "in-place cache write included), with the float and with the INT8 cache. Grouped: the 3 query heads of a "
+        "in-place cache write included), with the float and with the INT8 cache. Kernel int8: the INT8-cache node "
+        "rewritten to the factory's operator (`Int8KVAttention`, compiled on this host), as the backend serves it. "
+        "Grouped: the 3 query heads of a "
         "KV head as the rows of one batched FusedMatMul / Softmax / MatMul, over keys and values already "
         "`[B, kv_heads, T, head_size]` (token-major: a cache layout the backend does not have; no rotary, no cache "
         "write) or sliced out of the slot layout's buffers every step. Per cell: milliseconds per call, median "

@@ -508,13 +508,15 @@ def ratios(results: dict, levels: list[int]) -> str:
     if not ours:
         return ""
     top = max(levels)
-    invariant = [p for p in ours if p.removesuffix(KV_INT8_SUFFIX) not in BATCH_VARIANT]
+    def built(p: str) -> str:  # the precision built, without its cache and attention suffixes
+        return p.removesuffix(ORT_ATTENTION_SUFFIX).removesuffix(KV_INT8_SUFFIX)
+
+    invariant = [p for p in ours if built(p) not in BATCH_VARIANT]
     picks = []
     if invariant:
         picks.append((max(invariant, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels)),
                       "its best batch-independent precision"))
-    picks += [(p, "dynamic: outputs depend on the batch") for p in ours
-              if p.removesuffix(KV_INT8_SUFFIX) in BATCH_VARIANT]
+    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if built(p) in BATCH_VARIANT]
     lines = []
     for best, what in picks:
         lines += [f"Ratios from this run, ours {best.upper()} ({what}) through HTTP / each peer (output tokens/s at "
