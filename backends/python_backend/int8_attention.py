@@ -1,4 +1,4 @@
-"""Attention over an INT8 KV cache at memory speed: the factory's custom operator for ONNX Runtime's CPU provider.
+"""Attention over an INT8 KV cache nearer memory speed: the factory's custom operator for ONNX Runtime's CPU provider.
 
 A text-generation graph with ``quantization.kv_cache = "int8"`` keeps its cache in ``com.microsoft.GroupQueryAttention``
 with per-channel INT8 scales. ONNX Runtime's CPU kernel for it reads that cache at 2-3 GB/s (compute-bound), slower
@@ -11,8 +11,9 @@ The packaged graph keeps the standard node (it is what was gated, signed, and wh
 on a CPU instance, :func:`prepare` rewrites its attention nodes to the factory's operator in memory and names the
 library for the session; the library is compiled on this host (``g++ -O3 -march=native``: the host's own vector
 instructions, AVX2 or AVX-512) from the source shipped, signed, in the version folder, and kept in a cache keyed by
-the source, the flags, the compiler and the CPU. Where it cannot be used (no compiler, no ``onnx`` to edit the graph,
-a node with features it lacks, ``int8_attention = "off"``) the graph runs as packaged and the reason is logged.
+the source, the flags, the compiler and the CPU. Where it cannot be used (a CPU without AVX2, no compiler, no
+``onnx`` to edit the graph, a node with features it lacks, ``int8_attention = "onnxruntime"``) the graph runs as
+packaged and the reason is logged (``int8_attention = "kernel"``: the load fails with it instead).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ DOMAIN = "ai.model_factory"
 OP_TYPE = "Int8KVAttention"
 LIBRARY_NAME = "libmf_int8_kv_attention.so"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared",
-         "-fvisibility=hidden")
+         "-fvisibility=hidden", "-Wno-psabi")
 COMPILE_TIMEOUT_S = 120
 GQA = "GroupQueryAttention"
 # The standard node's inputs the operator takes, in its order (packed QKV; past key and value; seqlens_k;
@@ -95,6 +96,9 @@ def compiler() -> str:
 def library(source: Path = SOURCE) -> Path:
     """The compiled operator library for this host, compiled on first use (a few seconds) and cached."""
     source = Path(source)
+    if "avx2" not in _cpu_flags().split():
+        raise KernelUnavailable("this CPU has no AVX2: the kernel's plain C path runs slower than ONNX Runtime's "
+                                "attention (measured 2.5x slower on one layer), so ONNX Runtime's is kept")
     if not source.is_file():
         raise KernelUnavailable(f"the kernel source {source} is missing (a backend copied without kernels/)")
     cxx = compiler()

@@ -13,8 +13,9 @@ import pytest
 
 from model_factory.backend import int8_attention as ia
 
-needs_compiler = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),
-                                    reason="no C++ compiler (g++) to build the kernel")
+needs_compiler = pytest.mark.skipif(
+    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in ia._cpu_flags().split(),
+    reason="no C++ compiler (g++) to build the kernel, or a CPU without AVX2 (the kernel is not used there)")
 POSITIONS = 128
 
 
@@ -161,6 +162,12 @@ def test_without_a_compiler_the_reason_names_the_fix(monkeypatch, tmp_path) -> N
         ia.library()
 
 
+def test_a_cpu_without_avx2_keeps_onnxruntimes_attention(monkeypatch) -> None:
+    monkeypatch.setattr(ia, "_cpu_flags", lambda: "fpu sse sse2 ssse3 sse4_1 sse4_2")
+    with pytest.raises(ia.KernelUnavailable, match="this CPU has no AVX2"):
+        ia.library()
+
+
 @needs_compiler
 def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -174,9 +181,8 @@ def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path)
     assert [p.name for p in first.parent.iterdir()] == [ia.LIBRARY_NAME]  # no partial build left behind
 
 
+@needs_compiler
 def test_a_source_that_does_not_compile_is_refused_with_the_compilers_words(monkeypatch, tmp_path) -> None:
-    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("no C++ compiler (g++)")
     monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")

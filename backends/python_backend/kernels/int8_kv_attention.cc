@@ -259,40 +259,60 @@ void place_token(void* user, size_t index) {
   }
 }
 
-// 16 floats, and 16 int8 converted to them: GCC's vector extensions, one AVX-512 register or two AVX2 ones.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int8_t v16b __attribute__((vector_size(16)));
-typedef float v8f __attribute__((vector_size(32)));
+// W floats in one vector register: 16 with AVX-512, else 8 (two SSE registers where there is no AVX2). GCC's
+// vector extensions; the int8 conversion is spelled out per instruction set (GCC scalarizes __builtin_convertvector
+// from int8).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vecf __attribute__((vector_size(W * sizeof(float))));
 typedef float v4f __attribute__((vector_size(16)));
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vecf load_f(const float* p) {
+  vecf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// 16 int8 to float. GCC scalarizes __builtin_convertvector from int8, so the sign extension and conversion are
-// spelled out for the instruction set compiled for (-march=native): AVX-512, AVX2, else plain C.
-inline v16f load16(const int8_t* p) {
-  v16f out;
+
+// W int8 to float.
+inline vecf load_b(const int8_t* p) {
+  vecf out;
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   std::memcpy(&out, &f, sizeof out);
 #elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
-  std::memcpy(&out, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &f, sizeof out);
 #else
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < W; ++i) out[i] = static_cast<float>(p[i]);
 #endif
   return out;
 }
-inline float hsum(v16f v) {
-  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+
+// The sums of four vectors' lanes, {sum a, sum b, sum c, sum d}: rounds of shuffles and adds shared by the four.
+inline v4f reduce4(vecf a, vecf b, vecf c, vecf d) {
+#if defined(__AVX512F__)
+  const vecf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vecf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vecf x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                 __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vecf y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  const vecf z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v4f{z[0], z[4], z[8], z[12]};
+#else
+  const vecf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  // [a: 4 | b: 4]
+  const vecf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);  // [c: 4 | d: 4]
+  const vecf x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);  // [a a c c b b d d]
+  const vecf y = x + __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v4f{y[0], y[4], y[2], y[6]};
+#endif
 }
 
 // Softmax in place over each of the G score rows (n keys each), softcap first when set.
@@ -316,35 +336,22 @@ void softmax_rows(float* scores, int64_t G, int64_t n, float softcap) {
   }
 }
 
-// The sums of four vectors' lanes, {sum a, sum b, sum c, sum d}: three rounds of shuffles and adds for all four.
-inline v4f reduce4(v16f a, v16f b, v16f c, v16f d) {
-  const v16f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const v16f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const v16f x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                 __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const v16f y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  const v16f z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v4f{z[0], z[4], z[8], z[12]};
-}
-
-// One token's G query heads (query: G x H floats, the key scale folded in) over n cached rows, head_dim H = 16 * HV:
+// One token's G query heads (query: G x H floats, the key scale folded in) over n cached rows, head_dim H = W * HV:
 // each cached key and value row is loaded and converted once and serves the G heads from registers.
 template <int HV, int G>
 void attend_token(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t n,
                   float softcap, float* scores, float* out) {
-  constexpr int64_t H = 16 * HV;
-  v16f q[G][HV];
+  constexpr int64_t H = W * HV;
+  vecf q[G][HV];
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < HV; ++v) q[g][v] = load16(query + g * H + 16 * v);
-  const v16f zero{};
+    for (int v = 0; v < HV; ++v) q[g][v] = load_f(query + g * H + W * v);
+  const vecf zero{};
   for (int64_t j = 0; j < n; ++j) {
     __builtin_prefetch(keys + (j + kPrefetchRows) * H);  // past a page the hardware prefetcher starts over
     if (H > 64) __builtin_prefetch(keys + (j + kPrefetchRows) * H + 64);
-    v16f k[HV];
-    for (int v = 0; v < HV; ++v) k[v] = load16(keys + j * H + 16 * v);
-    v16f a[G];
+    vecf k[HV];
+    for (int v = 0; v < HV; ++v) k[v] = load_b(keys + j * H + W * v);
+    vecf a[G];
     for (int g = 0; g < G; ++g) {
       a[g] = q[g][0] * k[0];
       for (int v = 1; v < HV; ++v) a[g] += q[g][v] * k[v];
@@ -356,14 +363,14 @@ void attend_token(const float* query, const int8_t* keys, const int8_t* values, 
     }
   }
   softmax_rows(scores, G, n, softcap);
-  v16f acc[G][HV];
+  vecf acc[G][HV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < HV; ++v) acc[g][v] = zero;
   for (int64_t j = 0; j < n; ++j) {
     __builtin_prefetch(values + (j + kPrefetchRows) * H);
     if (H > 64) __builtin_prefetch(values + (j + kPrefetchRows) * H + 64);
-    v16f x[HV];
-    for (int v = 0; v < HV; ++v) x[v] = load16(values + j * H + 16 * v);
+    vecf x[HV];
+    for (int v = 0; v < HV; ++v) x[v] = load_b(values + j * H + W * v);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * n + j];
       for (int v = 0; v < HV; ++v) acc[g][v] += p * x[v];
@@ -371,8 +378,8 @@ void attend_token(const float* query, const int8_t* keys, const int8_t* values, 
   }
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < HV; ++v) {
-      const v16f o = acc[g][v] * load16(v_scale + 16 * v);
-      std::memcpy(out + g * H + 16 * v, &o, sizeof o);
+      const vecf o = acc[g][v] * load_f(v_scale + W * v);
+      std::memcpy(out + g * H + W * v, &o, sizeof o);
     }
 }
 
@@ -393,8 +400,8 @@ TokenKernel token_kernel_for_group(int64_t G) {
 
 // The specialized kernel for head_dim H and group size G (query heads per KV head), or null: the general one then.
 TokenKernel token_kernel(int64_t H, int64_t G) {
-  if (H == 64) return token_kernel_for_group<4>(G);
-  if (H == 128) return token_kernel_for_group<8>(G);
+  if (H == 64) return token_kernel_for_group<64 / W>(G);
+  if (H == 128) return token_kernel_for_group<128 / W>(G);
   return nullptr;
 }
 
