@@ -99,16 +99,33 @@ class CausalLM:
                 raise EngineError(problem)
         else:
             self.device, self._device_type, self._device_id = "cpu", "cpu", 0
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 4  # errors arrive as exceptions
-            if threads:
-                opts.intra_op_num_threads = int(threads)
-            if not spinning:
-                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+            def options() -> Any:
+                opts = ort.SessionOptions()
+                opts.log_severity_level = 4  # errors arrive as exceptions
+                if threads:
+                    opts.intra_op_num_threads = int(threads)
+                if not spinning:
+                    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                return opts
+
+            def session(graph: Path | bytes, opts: Any) -> Any:
+                # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet
+                # thread's.
+                return _cpu_session(ort, graph if isinstance(graph, bytes) else str(graph), opts)
+
+            opts = options()
+            kernel_graph = source
             if int8_attention != "onnxruntime":
-                source = self._with_int8_attention(source, opts, required=int8_attention == "kernel")
-            # Inside a quiet start a session's pool keeps the normal priority, its initialization the quiet thread's.
-            self.session = _cpu_session(ort, source if isinstance(source, bytes) else str(source), opts)
+                kernel_graph = self._with_int8_attention(source, opts, required=int8_attention == "kernel")
+            try:
+                self.session = session(kernel_graph, opts)
+            except Exception as e:  # noqa: BLE001 - the kernel's session failed: "auto" keeps the packaged graph
+                if kernel_graph is source or int8_attention == "kernel":
+                    raise
+                self.attention = ("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: a session on "
+                                  f"it failed: {str(e).splitlines()[0][:300]})")
+                self.session = session(source, options())
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pad = int(pad_token_id)
@@ -139,7 +156,16 @@ class CausalLM:
                                   "set int8_attention = \"auto\"") from e
             self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
             return source
-        opts.register_custom_ops_library(str(prepared.library))
+        try:
+            opts.register_custom_ops_library(str(prepared.library))
+        except Exception as e:  # noqa: BLE001 - a library ONNX Runtime will not load: as if none were built
+            if required:
+                from .engines.base import EngineError
+
+                raise EngineError(f"int8_attention = \"kernel\" but ONNX Runtime does not load {prepared.library}: "
+                                  f"{e}. Fix: delete that file (it is rebuilt) or set int8_attention = \"auto\"") from e
+            self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
+            return source
         if prepared.weights_folder is not None:
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(prepared.weights_folder))

@@ -252,3 +252,27 @@ def test_auto_falls_back_to_the_packaged_graph_and_kernel_refuses_where_none_bui
     assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1  # the packaged graph runs
     with pytest.raises(EngineError, match=r'int8_attention = "kernel" but the kernel cannot be used: no C\+\+ compiler'):
         CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
+
+
+@needs_compiler
+def test_auto_keeps_the_packaged_graph_when_onnxruntime_refuses_the_library_or_the_session(tiny_llm_int8_cache,
+                                                                                           monkeypatch, tmp_path) -> None:
+    """A library ONNX Runtime will not load, or a session on the rewritten graph that fails: ``auto`` serves the
+    packaged graph and says why; ``kernel`` fails the load naming the fix."""
+    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.engines.base import EngineError
+
+    junk = tmp_path / ia.LIBRARY_NAME
+    junk.write_bytes(b"not a shared library")
+    monkeypatch.setattr(ia, "library", lambda *a, **k: junk)
+    auto = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="auto")
+    assert auto.attention.startswith("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used:")
+    assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1
+    with pytest.raises(EngineError, match="does not load .*Fix: delete that file"):
+        CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
+    monkeypatch.undo()
+    real = ia.library()
+    monkeypatch.setattr(ia, "prepare", lambda source: ia.Prepared(b"not a graph", real, 2))
+    auto = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="auto")
+    assert "a session on it failed" in auto.attention
+    assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1
