@@ -152,8 +152,9 @@ class CausalLM:
             if required:
                 from .engines.base import EngineError
 
-                raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Fix: {e} or "
-                                  "set int8_attention = \"auto\"") from e
+                raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Fix: remove that "
+                                  "cause, or set int8_attention = \"auto\" (ONNX Runtime's attention where the "
+                                  "kernel cannot run)") from e
             self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
             return source
         try:

@@ -184,7 +184,7 @@ class GenerativeModel:
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
-        cache_file = _cost_cache_file(version_dir, s, digests, model.device)
+        cache_file = _cost_cache_file(version_dir, s, digests, model.device, model.attention)
         cached = _cached_cost(cache_file)
         if cached is not None:
             return spec, model, tokenizer, slots, cached, f"measured at an earlier load, {cache_file.name}"
@@ -354,9 +354,11 @@ def _measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> C
 _COST_FLAVOUR = "onnxruntime-causal-lm-prefill"
 
 
-def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str = "cpu") -> Path | None:
+def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str = "cpu",
+                     attention: str = "") -> Path | None:
     """Where this graph's prefill cost model is kept on this machine (``cost_cache``: keyed by the graph's sha256,
-    the CPU and its cores), or None without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
+    the CPU and its cores, and the attention kernel when it is the factory's: ``CausalLM.attention``), or None
+    without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
     measures it; the same version, loaded again at the switch, reads it instead of running the warm-up beside
     live traffic."""
     from . import cost_cache
@@ -371,7 +373,8 @@ def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str =
         return None  # unverified: no key that names these bytes without hashing them again
     where = cost_cache.device_description({"device": device}, "GPU" if device.startswith("cuda") else "CPU",
                                           int(device.partition(":")[2] or 0))
-    key = cost_cache.cache_key(sha, _COST_FLAVOUR, where, (128,), False)
+    flavour = _COST_FLAVOUR + ("+int8-kv-attention" if attention.startswith("model-factory") else "")
+    key = cost_cache.cache_key(sha, flavour, where, (128,), False)
     return cost_cache.cache_path(folder, s.model_name.removesuffix(CANDIDATE_SUFFIX), key)
 
 

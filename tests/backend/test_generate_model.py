@@ -30,6 +30,12 @@ def test_a_candidate_saves_what_the_served_version_of_the_same_graph_reads(tmp_p
     # Other bytes (another version's graph) are another file: never constants learned for something else.
     other = _cost_cache_file(v2, _settings("llm"), {"2/model.onnx": "cd" * 32})
     assert other != served and _cached_cost(other) is None
+    # The same graph with its INT8 cache's attention on the factory's kernel prefills at another speed: its own file.
+    kernel = _cost_cache_file(v2, _settings("llm"), {"2/model.onnx": SHA}, "cpu",
+                              "model-factory Int8KVAttention (30 nodes, libmf_int8_kv_attention.so)")
+    assert kernel != served and _cached_cost(kernel) is None
+    assert _cost_cache_file(v2, _settings("llm"), {"2/model.onnx": SHA}, "cpu",
+                            "onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: ...)") == served
 
 
 def test_no_cache_folder_or_no_verified_digest_means_no_cache(tmp_path: Path, monkeypatch) -> None:
