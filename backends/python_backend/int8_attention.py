@@ -36,11 +36,12 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17
          "-fvisibility=hidden", "-Wno-psabi")
 COMPILE_TIMEOUT_S = 120
 GQA = "GroupQueryAttention"
-# The standard node's inputs the operator takes, in its order (packed QKV; past key and value; seqlens_k;
-# total_sequence_length; cos and sin caches; k_scale and v_scale). Inputs 1, 2 (separate key and value), 9
-# (position_ids), 10 (attention_bias) and 11 (head_sink) must be absent.
-_KEPT_INPUTS = (0, 3, 4, 5, 6, 7, 8, 12, 13)
-_ABSENT_INPUTS = (1, 2, 9, 10, 11)
+# The standard node's inputs the operator takes, in its order (the query, or query, key and value packed; the key
+# and value when separate; past key and value; seqlens_k; total_sequence_length; cos and sin caches; k_scale and
+# v_scale). Inputs 9 (position_ids), 10 (attention_bias) and 11 (head_sink) must be absent.
+_KEPT_INPUTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13)
+_OPTIONAL_INPUTS = (1, 2)  # both or neither
+_ABSENT_INPUTS = (9, 10, 11)
 _KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "rotary_interleaved")
 _REQUIRED = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8, "do_rotary": 1}
 _DEFAULT_ZERO = ("smooth_softmax", "qk_output")
@@ -157,10 +158,12 @@ def unsupported(node: Any) -> str | None:
         return f"{node.name}: inputs past k_scale / v_scale are not implemented by the kernel"
     for i in _ABSENT_INPUTS:
         if inputs[i]:
-            return f"{node.name}: input {i} ({inputs[i]}) is not implemented by the kernel (packed QKV only)"
+            return f"{node.name}: input {i} ({inputs[i]}) is not implemented by the kernel"
     for i in _KEPT_INPUTS:
-        if not inputs[i]:
+        if not inputs[i] and i not in _OPTIONAL_INPUTS:
             return f"{node.name}: input {i} is absent"
+    if bool(inputs[1]) != bool(inputs[2]):
+        return f"{node.name}: one of key and value is given without the other"
     if len(node.output) > 3 and any(node.output[3:]):
         return f"{node.name}: its attention-scores output is not implemented by the kernel"
     return None

@@ -20,15 +20,21 @@ POSITIONS = 128
 
 
 def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_context: int, *, kernel: bool,
-                window: int = -1, softcap: float = 0.0, interleaved: int = 0):
-    """A session of one attention node as the factory's graphs have it (packed QKV, rotary inside, INT8 cache)."""
+                window: int = -1, softcap: float = 0.0, interleaved: int = 0, separate: bool = False):
+    """A session of one attention node as the factory's graphs have it (packed QKV, or separate query, key and value
+    as Qwen3's; rotary inside, INT8 cache)."""
     import onnxruntime as ort
     from onnx import TensorProto as TP
     from onnx import helper
 
     kv = ["B", kv_heads, max_context, head_dim]
-    inputs = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["B", "S", (heads + 2 * kv_heads) * head_dim]),
-              helper.make_tensor_value_info("pk", TP.INT8, kv), helper.make_tensor_value_info("pv", TP.INT8, kv),
+    if separate:
+        qkv = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["B", "S", heads * head_dim]),
+               helper.make_tensor_value_info("k", TP.FLOAT, ["B", "S", kv_heads * head_dim]),
+               helper.make_tensor_value_info("v", TP.FLOAT, ["B", "S", kv_heads * head_dim])]
+    else:
+        qkv = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["B", "S", (heads + 2 * kv_heads) * head_dim])]
+    inputs = [*qkv, helper.make_tensor_value_info("pk", TP.INT8, kv), helper.make_tensor_value_info("pv", TP.INT8, kv),
               helper.make_tensor_value_info("seqlens", TP.INT32, ["B"]),
               helper.make_tensor_value_info("total", TP.INT32, []),
               helper.make_tensor_value_info("cos", TP.FLOAT, [POSITIONS, rotary_dim // 2]),
@@ -38,7 +44,7 @@ def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_c
     outputs = [helper.make_tensor_value_info("out", TP.FLOAT, ["B", "S", heads * head_dim]),
                helper.make_tensor_value_info("prk", TP.INT8, kv), helper.make_tensor_value_info("prv", TP.INT8, kv)]
     node = helper.make_node(
-        "GroupQueryAttention", ["qkv", "", "", "pk", "pv", "seqlens", "total", "cos", "sin", "", "", "", "ks", "vs"],
+        "GroupQueryAttention", ["qkv", "k" if separate else "", "v" if separate else "", "pk", "pv", "seqlens", "total", "cos", "sin", "", "", "", "ks", "vs"],
         ["out", "prk", "prv"], name="attn", domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads,
         scale=head_dim ** -0.5, local_window_size=window, softcap=softcap, do_rotary=1, rotary_interleaved=interleaved,
         k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
@@ -53,10 +59,17 @@ def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_c
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs):
-    """One call with the caches bound in place (as the backend binds its KV slots); returns the attention output."""
+def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs, heads=None, kv_heads=None):
+    """One call with the caches bound in place (as the backend binds its KV slots); returns the attention output.
+    With ``heads`` and ``kv_heads`` the packed ``qkv`` is handed over as separate query, key and value."""
     io = session.io_binding()
     io.bind_output("out", "cpu")
+    if heads is not None:
+        head_dim = qkv.shape[2] // (heads + 2 * kv_heads)
+        q, k, v = np.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2)
+        io.bind_cpu_input("k", np.ascontiguousarray(k))
+        io.bind_cpu_input("v", np.ascontiguousarray(v))
+        qkv = np.ascontiguousarray(q)
     for name, value in dict(qkv=qkv, seqlens=seqlens, total=np.array(total, np.int32), cos=cos, sin=sin, ks=ks,
                             vs=vs).items():
         io.bind_cpu_input(name, value)
@@ -75,6 +88,7 @@ def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs):
     (9, 3, 64, 32, {"interleaved": 1}),       # interleaved pairs, rotary over half the head
     (8, 2, 128, 128, {}),                     # head size 128, 4 query heads a KV head (Llama-3-8B's)
     (4, 2, 16, 16, {"window": 3}),            # any other head size: the general path
+    (8, 4, 64, 64, {"separate": True}),       # separate query, key and value inputs (Qwen3's graphs)
 ])
 def test_the_kernel_matches_onnxruntimes_attention_over_an_int8_cache(heads, kv_heads, head_dim, rotary_dim,
                                                                       options) -> None:
@@ -112,7 +126,8 @@ def _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths, continuati
         session = _node_graph(heads, kv_heads, head_dim, rotary_dim, max_context, kernel=kernel, **options)
         cache = (np.zeros((batch, kv_heads, max_context, head_dim), np.int8),
                  np.zeros((batch, kv_heads, max_context, head_dim), np.int8))
-        outs = [_run(session, qkv, cache, seqlens.astype(np.int32), total, cos, sin, ks, vs)
+        split = (heads, kv_heads) if options.get("separate") else (None, None)
+        outs = [_run(session, qkv, cache, seqlens.astype(np.int32), total, cos, sin, ks, vs, *split)
                 for qkv, seqlens, total in steps]
         results.append((outs, cache))
     (ref, ref_cache), (got, got_cache) = results
@@ -141,14 +156,14 @@ def test_a_float_cache_graph_is_left_as_packaged_with_the_reason() -> None:
         ia.rewrite(helper.make_model(helper.make_graph([], "g", [], [])))
 
 
-def test_a_node_with_separate_key_and_value_inputs_is_refused_by_name() -> None:
+def test_a_node_with_position_ids_is_refused_by_name() -> None:
     from onnx import helper
 
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "s", "t", "cos", "sin", "", "", "",
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "s", "t", "cos", "sin", "pos", "", "",
                                                     "ks", "vs"], ["o", "pk2", "pv2"], name="layer0", domain="com.microsoft",
                             num_heads=4, kv_num_heads=2, do_rotary=1, k_quant_type="PER_CHANNEL",
                             v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
-    with pytest.raises(ia.KernelUnavailable, match=r"layer0: input 1 \(k\) is not implemented by the kernel"):
+    with pytest.raises(ia.KernelUnavailable, match=r"layer0: input 9 \(pos\) is not implemented by the kernel"):
         ia.rewrite(helper.make_model(helper.make_graph([node], "g", [], [])))
 
 

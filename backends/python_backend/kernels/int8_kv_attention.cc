@@ -6,12 +6,13 @@
 // and value row once per KV head, converts it to float in registers and serves every query head of the group from
 // it, so one byte per element is what crosses memory.
 //
-// Semantics: those of com.microsoft.GroupQueryAttention as the factory's text-generation graphs use it (packed
-// QKV, rotary inside, past and present sharing one [batch, kv_heads, max_context, head_dim] buffer, per-channel
+// Semantics: those of com.microsoft.GroupQueryAttention as the factory's text-generation graphs use it (packed or
+// separate QKV, rotary inside, past and present sharing one [batch, kv_heads, max_context, head_dim] buffer, per-channel
 // scales), checked against ONNX Runtime's own kernel in tests/backend/test_int8_attention.py:
-//   inputs  0 packed query/key/value [B, S, (N + 2K) * H] float   1 past_key [B, K, M, H] int8
-//           2 past_value (same)   3 seqlens_k [B] int32 (a row's total length - 1)   4 total_sequence_length int32
-//           5 cos_cache, 6 sin_cache [positions, R / 2] float    7 k_scale, 8 v_scale [K * H] float
+//   inputs  0 query [B, S, N * H] float, or query/key/value packed [B, S, (N + 2K) * H] with 1 and 2 absent
+//           1 key, 2 value [B, S, K * H] float (optional)   3 past_key [B, K, M, H] int8   4 past_value (same)
+//           5 seqlens_k [B] int32 (a row's total length - 1)   6 total_sequence_length int32
+//           7 cos_cache, 8 sin_cache [positions, R / 2] float    9 k_scale, 10 v_scale [K * H] float
 //   outputs 0 attention [B, S, N * H] float   1 present_key   2 present_value (written in place when bound to the past)
 //   attributes num_heads, kv_num_heads, scale (0: 1/sqrt(H)), softcap (0: none), local_window_size (-1: none),
 //              rotary_interleaved.
@@ -194,7 +195,10 @@ using TokenKernel = void (*)(const float*, const int8_t*, const int8_t*, const f
 
 struct Step {
   const Attention* op;
-  const float* qkv;
+  const float* q;  // token (b, s)'s query heads at q + (b * seq + s) * q_stride; its KV heads likewise
+  const float* k;
+  const float* v;
+  int64_t q_stride, kv_stride;
   int8_t* key;
   int8_t* value;
   const int32_t* seqlens;
@@ -219,6 +223,7 @@ struct Step {
   }
 };
 
+constexpr size_t kInputs = 11;
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kPrefetchRows = 16;  // cached rows read ahead of use
 
@@ -238,20 +243,23 @@ void place_token(void* user, size_t index) {
     st.bad_position.store(1, std::memory_order_relaxed);
     return;
   }
-  const float* qkv = st.qkv + (b * st.seq + s) * (N + 2 * K) * H;
+  const int64_t token = b * st.seq + s;
+  const float* q_in = st.q + token * st.q_stride;
+  const float* k_in = st.k + token * st.kv_stride;
+  const float* v_in = st.v + token * st.kv_stride;
   const float* cos = st.cos + pos * (st.rotary_dim / 2);
   const float* sin = st.sin + pos * (st.rotary_dim / 2);
   float rotated[1024];
   const float scale = op.scale > 0.f ? op.scale : 1.0f / std::sqrt(static_cast<float>(H));
   for (int64_t n = 0; n < N; ++n) {
-    rotate(qkv + n * H, out + n * H, cos, sin, H, st.rotary_dim, op.interleaved != 0);
+    rotate(q_in + n * H, out + n * H, cos, sin, H, st.rotary_dim, op.interleaved != 0);
     for (int64_t d = 0; d < H; ++d) out[n * H + d] *= scale;
   }
   for (int64_t h = 0; h < K; ++h) {
-    rotate(qkv + (N + h) * H, rotated, cos, sin, H, st.rotary_dim, op.interleaved != 0);
+    rotate(k_in + h * H, rotated, cos, sin, H, st.rotary_dim, op.interleaved != 0);
     int8_t* k = st.cache(st.key, b, h, pos);
     int8_t* v = st.cache(st.value, b, h, pos);
-    const float* vin = qkv + (N + K + h) * H;
+    const float* vin = v_in + h * H;
     for (int64_t d = 0; d < H; ++d) {
       k[d] = quantize(rotated[d], st.k_scale[h * H + d]);
       v[d] = quantize(vin[d], st.v_scale[h * H + d]);
@@ -498,19 +506,30 @@ std::string shape(const Tensor& t) {
 
 OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const Attention& op = *static_cast<Attention*>(kernel);
-  Tensor in[9];
-  for (size_t i = 0; i < 9; ++i) {
+  Tensor in[kInputs];
+  bool present[kInputs] = {};
+  for (size_t i = 0; i < kInputs; ++i) {
     const OrtValue* value = nullptr;
     if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(context, i, &value)) return s;
-    if (!value) return error(kOrtInvalidArgument, "Int8KVAttention: input " + std::to_string(i) + " is missing");
-    if (OrtStatus* s = describe(value, &in[i])) return s;
+    present[i] = value != nullptr;
+    if (!value && i != 1 && i != 2) return error(kOrtInvalidArgument, "Int8KVAttention: input " + std::to_string(i) + " is missing");
+    if (value)
+      if (OrtStatus* s = describe(value, &in[i])) return s;
   }
-  const Tensor &qkv = in[0], &past_k = in[1], &past_v = in[2], &seqlens = in[3], &total = in[4], &cos = in[5],
-               &sin = in[6], &k_scale = in[7], &v_scale = in[8];
+  const Tensor &query = in[0], &key = in[1], &value = in[2], &past_k = in[3], &past_v = in[4], &seqlens = in[5],
+               &total = in[6], &cos = in[7], &sin = in[8], &k_scale = in[9], &v_scale = in[10];
   const int64_t N = op.num_heads, K = op.kv_heads;
-  if (qkv.type != kFloat || qkv.dims.size() != 3 || qkv.dims[2] % (N + 2 * K) != 0)
-    return error(kOrtInvalidArgument, "Int8KVAttention: packed QKV must be float [batch, seq, (num_heads + 2 * kv_num_heads) * head_dim], got " + shape(qkv));
-  const int64_t B = qkv.dims[0], S = qkv.dims[1], H = qkv.dims[2] / (N + 2 * K);
+  if (present[1] != present[2]) return error(kOrtInvalidArgument, "Int8KVAttention: key and value come together or not at all");
+  const bool packed = !present[1];
+  const int64_t width = packed ? N + 2 * K : N;  // heads in the query input
+  if (query.type != kFloat || query.dims.size() != 3 || query.dims[2] % width != 0)
+    return error(kOrtInvalidArgument, std::string("Int8KVAttention: the query must be float [batch, seq, ") +
+                                          (packed ? "(num_heads + 2 * kv_num_heads)" : "num_heads") + " * head_dim], got " + shape(query));
+  const int64_t B = query.dims[0], S = query.dims[1], H = query.dims[2] / width;
+  if (!packed)
+    for (const Tensor* t : {&key, &value})
+      if (t->type != kFloat || t->dims.size() != 3 || t->dims[0] != B || t->dims[1] != S || t->dims[2] != K * H)
+        return error(kOrtInvalidArgument, "Int8KVAttention: key and value must be float [batch, seq, kv_num_heads * head_dim], got " + shape(*t));
   if (H > 1024) return error(kOrtInvalidArgument, "Int8KVAttention: head_dim above 1024");
   for (const Tensor* t : {&past_k, &past_v})
     if (t->type != kInt8 || t->dims.size() != 4 || t->dims[0] != B || t->dims[1] != K || t->dims[3] != H || t->dims[2] < 1)
@@ -544,7 +563,17 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 
   Step st;
   st.op = &op;
-  st.qkv = static_cast<const float*>(qkv.data);
+  st.q = static_cast<const float*>(query.data);
+  if (packed) {
+    st.q_stride = st.kv_stride = (N + 2 * K) * H;
+    st.k = st.q + N * H;
+    st.v = st.q + (N + K) * H;
+  } else {
+    st.q_stride = N * H;
+    st.kv_stride = K * H;
+    st.k = static_cast<const float*>(key.data);
+    st.v = static_cast<const float*>(value.data);
+  }
   st.key = static_cast<int8_t*>(present_k.data);
   st.value = static_cast<int8_t*>(present_v.data);
   st.seqlens = static_cast<const int32_t*>(seqlens.data);
@@ -570,7 +599,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   return parallel(context, attend, static_cast<size_t>(B * K * st.blocks), 0, &st);
 }
 
-const int kInputTypes[9] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kFloat, kFloat};
+const int kInputTypes[kInputs] = {kFloat, kFloat, kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kFloat, kFloat};
 const int kOutputTypes[3] = {kFloat, kInt8, kInt8};
 
 CustomOp make_op() {
@@ -579,11 +608,11 @@ CustomOp make_op() {
   op.GetName = [](const CustomOp*) { return "Int8KVAttention"; };
   op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
-  op.GetInputTypeCount = [](const CustomOp*) { return size_t{9}; };
+  op.GetInputTypeCount = [](const CustomOp*) { return kInputs; };
   op.GetOutputType = [](const CustomOp*, size_t i) { return kOutputTypes[i]; };
   op.GetOutputTypeCount = [](const CustomOp*) { return size_t{3}; };
   op.KernelDestroy = [](void* k) { delete static_cast<Attention*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 1 || i == 2 ? 1 : 0; };  // optional: required
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
   op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
