@@ -107,7 +107,9 @@ def library(source: Path = SOURCE) -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C++ compiler {cxx} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), cxx, version, _cpu_flags()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # ort_abi.h, included beside it
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), cxx, version,
+                                     _cpu_flags()]).encode())
     folder = cache_dir() / key.hexdigest()[:24]
     built = folder / LIBRARY_NAME
     if built.is_file():

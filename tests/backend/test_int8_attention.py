@@ -190,7 +190,8 @@ def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path)
     assert first.is_file() and first.parent.parent == tmp_path / "cache"
     stamp = first.stat().st_mtime_ns
     assert ia.library() == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
-    changed = tmp_path / "changed.cc"
+    shutil.copytree(ia.SOURCE.parent, tmp_path / "kernels")
+    changed = tmp_path / "kernels" / ia.SOURCE.name
     changed.write_text(ia.SOURCE.read_text() + "\n// another source\n")
     assert ia.library(changed).parent != first.parent
     assert [p.name for p in first.parent.iterdir()] == [ia.LIBRARY_NAME]  # no partial build left behind
