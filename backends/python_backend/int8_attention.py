@@ -112,13 +112,15 @@ def library(source: Path = SOURCE) -> Path:
                                      _cpu_flags()]).encode())
     folder = cache_dir() / key.hexdigest()[:24]
     built = folder / LIBRARY_NAME
-    if built.is_file():
-        return built
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise KernelUnavailable(f"the kernel cache {folder} cannot be created ({e}); set MF_KERNEL_CACHE to a "
                                 "writable folder") from e
+    _check_private(folder)
+    if built.is_file():
+        _check_private(built)
+        return built
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
@@ -134,6 +136,18 @@ def library(source: Path = SOURCE) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return built
+
+
+def _check_private(path: Path) -> None:
+    """A cached library is loaded into the server: only this user may have written it or its folder (as ssh
+    treats its keys); :class:`KernelUnavailable` naming the fix otherwise."""
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise KernelUnavailable(f"{path} belongs to another user (uid {st.st_uid}): a library loaded into the server "
+                                "must be this user's own. Fix: set MF_KERNEL_CACHE to a folder of this user's")
+    if st.st_mode & 0o022:
+        raise KernelUnavailable(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o}): a library "
+                                f"loaded into the server must be this user's alone. Fix: chmod go-w {path}")
 
 
 def _attribute_values(node: Any) -> dict[str, Any]:

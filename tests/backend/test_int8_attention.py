@@ -195,6 +195,13 @@ def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path)
     changed.write_text(ia.SOURCE.read_text() + "\n// another source\n")
     assert ia.library(changed).parent != first.parent
     assert [p.name for p in first.parent.iterdir()] == [ia.LIBRARY_NAME]  # no partial build left behind
+    first.parent.chmod(0o777)  # a folder others may write to: its library is not loaded
+    with pytest.raises(ia.KernelUnavailable, match="is writable by group or others .*Fix: chmod go-w"):
+        ia.library()
+    first.parent.chmod(0o700)
+    first.chmod(0o666)
+    with pytest.raises(ia.KernelUnavailable, match=f"{ia.LIBRARY_NAME} is writable by group or others"):
+        ia.library()
 
 
 @needs_compiler
