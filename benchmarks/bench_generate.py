@@ -238,6 +238,11 @@ KV_INT8_SUFFIX = "kv8"  # --precisions int8kv8 / int4kv8: that precision built w
 ORT_ATTENTION_SUFFIX = "-ort"
 
 
+def _built(precision: str) -> str:
+    """The build a --precisions entry serves: without its attention suffix ("int8kv8-ort" -> "int8kv8")."""
+    return precision.removesuffix(ORT_ATTENTION_SUFFIX)
+
+
 def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, rounds: int,
                first_round: int = 0) -> dict:
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
@@ -246,7 +251,7 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
 
     repo = work / "repo"
     for precision in precisions:  # the factory's own build of the folder, serving that precision
-        built = precision.removesuffix(ORT_ATTENTION_SUFFIX)
+        built = _built(precision)
         base = built.removesuffix(KV_INT8_SUFFIX)  # "int8kv8": INT8 dynamic with its KV cache in INT8
         lines = (['int8_method = "dynamic"'] if base == "int8" else []) + (
             ['kv_cache = "int8"'] if built.endswith(KV_INT8_SUFFIX) else [])
@@ -508,15 +513,15 @@ def ratios(results: dict, levels: list[int]) -> str:
     if not ours:
         return ""
     top = max(levels)
-    def built(p: str) -> str:  # the precision built, without its cache and attention suffixes
-        return p.removesuffix(ORT_ATTENTION_SUFFIX).removesuffix(KV_INT8_SUFFIX)
+    def base(p: str) -> str:  # the weights' precision, without the cache and attention suffixes
+        return _built(p).removesuffix(KV_INT8_SUFFIX)
 
-    invariant = [p for p in ours if built(p) not in BATCH_VARIANT]
+    invariant = [p for p in ours if base(p) not in BATCH_VARIANT]
     picks = []
     if invariant:
         picks.append((max(invariant, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels)),
                       "its best batch-independent precision"))
-    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if built(p) in BATCH_VARIANT]
+    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if base(p) in BATCH_VARIANT]
     lines = []
     for best, what in picks:
         lines += [f"Ratios from this run, ours {best.upper()} ({what}) through HTTP / each peer (output tokens/s at "
@@ -552,7 +557,7 @@ def paired_ratios(results: dict, levels: list[int]) -> str:
                                  f"{sum(x >= 1.0 for x in pairs)} of {len(pairs)} rounds >= 1.0)")
     ours = {p for who, p, _ in results if who == "ours"}
     for ort_variant in sorted(p for p in ours if p.endswith(ORT_ATTENTION_SUFFIX)):
-        kernel = ort_variant.removesuffix(ORT_ATTENTION_SUFFIX)
+        kernel = _built(ort_variant)
         for c in levels if kernel in ours else ():
             a, b = results.get(("ours", kernel, c), []), results.get(("ours", ort_variant, c), [])
             pairs = [x[0] / y[0] for x, y in zip(a, b)]
@@ -727,7 +732,7 @@ def main() -> None:
         title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py --precisions {args.precisions} "
                  f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds}"
                  + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
-    kv8 = [p for p in args.precisions.split(",") if p.removesuffix(ORT_ATTENTION_SUFFIX).endswith(KV_INT8_SUFFIX)]
+    kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
     section = "\n".join([
         start, title,
         "", run_header("benchmarks/bench_generate.py", load, own_processes=3)

@@ -144,32 +144,19 @@ class CausalLM:
     def _with_int8_attention(self, source: Path | bytes, opts: Any, required: bool) -> Path | bytes:
         """``source`` with its INT8-cache attention on the factory's kernel (library registered in ``opts``), or
         unchanged with the reason in :attr:`attention`; ``required``: the reason raised instead (EngineError)."""
-        from .int8_attention import KernelUnavailable, prepare
+        from .int8_attention import KernelUnavailable, prepare, register
 
         try:
             prepared = prepare(source)
+            register(prepared, opts)
         except KernelUnavailable as e:
             if required:
                 from .engines.base import EngineError
 
-                raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Fix: remove that "
-                                  "cause, or set int8_attention = \"auto\" (ONNX Runtime's attention where the "
-                                  "kernel cannot run)") from e
+                raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Where it cannot "
+                                  "be, set int8_attention = \"auto\" (ONNX Runtime's attention then)") from e
             self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
             return source
-        try:
-            opts.register_custom_ops_library(str(prepared.library))
-        except Exception as e:  # noqa: BLE001 - a library ONNX Runtime will not load: as if none were built
-            if required:
-                from .engines.base import EngineError
-
-                raise EngineError(f"int8_attention = \"kernel\" but ONNX Runtime does not load {prepared.library}: "
-                                  f"{e}. Fix: delete that file (it is rebuilt) or set int8_attention = \"auto\"") from e
-            self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
-            return source
-        if prepared.weights_folder is not None:
-            opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                          str(prepared.weights_folder))
         self.attention = f"model-factory Int8KVAttention ({prepared.nodes} nodes, {prepared.library.name})"
         return prepared.model
 

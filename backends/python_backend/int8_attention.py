@@ -99,7 +99,7 @@ def library(source: Path = SOURCE) -> Path:
     source = Path(source)
     if "avx2" not in _cpu_flags().split():
         raise KernelUnavailable("this CPU has no AVX2: the kernel's plain C path runs slower than ONNX Runtime's "
-                                "attention (measured 2.5x slower on one layer), so ONNX Runtime's is kept")
+                                "attention, so ONNX Runtime's is kept")
     if not source.is_file():
         raise KernelUnavailable(f"the kernel source {source} is missing (a backend copied without kernels/)")
     cxx = compiler()
@@ -225,3 +225,16 @@ def prepare(source: Path | bytes) -> Prepared:
         folder = Path(source).resolve().parent
     count = rewrite(model)
     return Prepared(model.SerializeToString(), lib, count, folder)
+
+
+def register(prepared: Prepared, options: Any) -> None:
+    """Make ONNX Runtime session ``options`` run ``prepared``: its library registered, and the folder of its external
+    weights named. :class:`KernelUnavailable` where ONNX Runtime will not load the library."""
+    try:
+        options.register_custom_ops_library(str(prepared.library))
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types: a library it will not load
+        raise KernelUnavailable(f"ONNX Runtime does not load {prepared.library}: {e}. Fix: delete that file (it is "
+                                "rebuilt)") from e
+    if prepared.weights_folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(prepared.weights_folder))
