@@ -270,8 +270,8 @@ def bare_engine(exported: Any, setup: Setup, threads: int | None = None) -> Any:
 def bare_ort(exported: Any, payloads: Sequence[bench.Payload], window: int, cost: tuple[float, float, float],
              max_batch: int, mode: str, threads: int | None = None, setup: Setup = Setup()) -> dict[str, Any]:
     """Run the stream in-process as the backend would, on windows of ``window`` requests."""
-    from model_factory.backend.executor import pad_items
-    from model_factory.backend.grouping import CostModel, plan_groups
+    from model_factory.backend.batching.executor import pad_items
+    from model_factory.backend.batching.grouping import CostModel, plan_groups
 
     engine = bare_engine(exported, setup, threads)
     names = engine.input_names
@@ -636,7 +636,7 @@ def learning_section(learning: dict[str, Any], costs: dict[str, Any]) -> list[st
         c = counters["a"]
         out += ["", "### What (a)'s cost model learned over the rounds", ""]
         out += ["(a) starts from the short warm-up and refits from the timings of its own launches "
-                "(`backends/python_backend/cost_estimator.py`); (a′) keeps the constants of the load-time sweep. "
+                "(`backends/python_backend/batching/cost_estimator.py`); (a′) keeps the constants of the load-time sweep. "
                 "From the metrics port at the end of the rounds (docs/metrics.md):", ""]
         out += ["| config | a, b, c at load (s) | a, b, c at the end (s) |", "| --- | --- | --- |"]
         for key in costs:

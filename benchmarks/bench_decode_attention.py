@@ -15,7 +15,7 @@ this EPYC's 32 MB L3, flatters the grouped variants):
 - ``GQA int8``: the same with the INT8 cache (``k_quant_type`` / ``v_quant_type`` PER_CHANNEL, 8 bits:
   ``quantization.kv_cache = "int8"``);
 - ``kernel int8``: the INT8-cache node rewritten to the factory's operator (``Int8KVAttention``,
-  backends/python_backend/int8_attention.py, compiled for this host), as the backend rewrites it at load;
+  backends/python_backend/generation/int8_attention.py, compiled for this host), as the backend rewrites it at load;
 - ``grouped, token-major``: the 3 query heads that share a KV head as 3 rows of one batched product
   (``FusedMatMul`` transB, a mask bias, ``Softmax``, ``MatMul``) over keys and values handed over as ``[B, kv_heads,
   T, head_size]``: what a cache laid out with the first T tokens of every slot contiguous would allow (no rotary,
@@ -98,7 +98,7 @@ def gqa_call(rows: int, cached: int, int8: bool, rng: np.random.Generator, kerne
     model = helper.make_model(graph, opset_imports=_opsets())
     library = None
     if kernel:
-        from model_factory.backend.int8_attention import library as kernel_library, rewrite
+        from model_factory.backend.generation.int8_attention import library as kernel_library, rewrite
 
         rewrite(model)
         library = str(kernel_library())

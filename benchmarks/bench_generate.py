@@ -764,7 +764,7 @@ def main() -> None:
         "batch-independent) behind Triton and our OpenAI frontend."
         + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
            "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
-           "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/int8_attention.py)"
+           "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"
            + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
               "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
               if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),

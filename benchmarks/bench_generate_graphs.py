@@ -52,7 +52,7 @@ def ours(graph: Path, head_dim: int, rows: list[list[int]]) -> tuple[float, floa
     """(prefill seconds, decode tokens/s) through the backend's own engine (``causal_lm.CausalLM``, the class a
     served model runs): each row prefilled into its own slot of one [batch, kv, context, head_dim] buffer per
     layer, then all rows decoded together, written in place, with the engine's kept I/O binding per slice."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.contract import past_name
 
     model = _ENGINES.get(graph)

@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.concurrency, args.no_write = 1, "16", True
 
     from model_factory.measure import bench
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.loading import available_cpus
     from benchmarks.harness.minilm import export_minilm, package_variant, start_server
     from benchmarks.harness.onnx_cost import measure_onnx_cost_model
 

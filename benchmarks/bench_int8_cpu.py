@@ -11,7 +11,7 @@ MiniLM built once (FP32 + INT8, the example recipe's gate), then packaged eight 
 (FP32, split)           the cores split between the instances (2 x 1 on 2 cores), nothing lent: the baseline;
 (FP32, split again)     the baseline a second time, its own server: how far two equal packages differ here;
 (FP32)                  the default package: split, and a run takes every core while the other instance is
-                        idle (``lend_idle_cores``, backends/python_backend/idle_cores.py);
+                        idle (``lend_idle_cores``, backends/python_backend/batching/idle_cores.py);
 (FP32, 2 x all)         every core per instance, spinning off (cpu_threads = the core count);
 (INT8 simulated)        INT8 with Q/DQ as float arithmetic (weights folded at load), the default threads;
 (INT8 integer, split)   ONNX Runtime's integer kernels, cores split, nothing lent;
@@ -58,7 +58,7 @@ EXAMPLE = HERE.parent / "model_factory" / "examples" / "minilm.toml"
 
 def markers(flags: frozenset[str]) -> tuple[str, str]:
     """This CPU kind's section of RESULTS.md: ``int8cpu`` with integer dot products, ``int8cpu-avx2`` without."""
-    from model_factory.backend.cpu_features import integer_dot_product
+    from model_factory.backend.engines.cpu_features import integer_dot_product
 
     name = "int8cpu" if integer_dot_product(flags) else "int8cpu-avx2"
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
@@ -102,7 +102,7 @@ def _counts(bench, url: str) -> tuple[float, float]:
 
 def _auto_lines(flags, accepted, results, levels, ratio, cpu_gain) -> list[str]:
     """What ``auto`` picks on this CPU, with the figures behind it (throughput and CPU per sequence vs FP32)."""
-    from model_factory.backend.cpu_features import integer_dot_product
+    from model_factory.backend.engines.cpu_features import integer_dot_product
 
     top = max(levels)
     found = integer_dot_product(flags)
@@ -142,8 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.concurrency, args.no_write = 1, "1,8", True
 
     from benchmarks.harness.server_cpu import server_cpu_seconds
-    from model_factory.backend.cpu_features import cpu_flags, integer_dot_product
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.cpu_features import cpu_flags, integer_dot_product
+    from model_factory.backend.engines.loading import available_cpus
     from model_factory.build.pipeline import build, package_existing
     from model_factory.measure import bench
     from model_factory.recipe import load_recipe

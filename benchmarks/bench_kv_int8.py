@@ -36,9 +36,9 @@ ROWS, CONTEXTS, PREFILL = 32, (64, 192, 512), (8, 128)
 
 def runner(version_dir: Path, precision: str):
     """(CausalLM, KVSlots with every slot filled) for ``precision``'s graph in ``version_dir``."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.contract import Files, GenerationSpec, onnx_file
-    from model_factory.backend.kv_slots import KVSlots
+    from model_factory.backend.generation.kv_slots import KVSlots
 
     spec = GenerationSpec.from_json((version_dir / Files.GENERATION).read_text()).for_precision(precision)
     lm = CausalLM(version_dir / onnx_file(precision), threads=2)

@@ -74,7 +74,7 @@ def main() -> None:
     from benchmarks.results_file import publish, say
     from generative_models import make_causal_lm
 
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.build_engines.causal_lm import run_builder
     from model_factory.build_engines.logits_positions import select_logits_positions
 

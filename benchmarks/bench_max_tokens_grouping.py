@@ -44,10 +44,10 @@ SETTINGS = {"off (arrival order)": 0.0, "1 s": 1.0, "4 s": 4.0}
 
 def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
     """One workload on a fresh scheduler; its timings."""
-    from model_factory.backend.grouping import CostModel
-    from model_factory.backend.kv_slots import KVSlots
-    from model_factory.backend.sampling import SamplingParams
-    from model_factory.backend.scheduler import Generation, Scheduler
+    from model_factory.backend.batching.grouping import CostModel
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
 
     probe = KVSlots(spec, 1, 1 << 40)
     slots = KVSlots(spec, 32, BUDGET_LONG * probe.bytes_for(PROMPT + LONG))

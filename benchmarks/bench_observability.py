@@ -137,7 +137,7 @@ def _long_inputs(work: Path, recipe, exported, lines: Sequence[str], quick: bool
     from tokenizers import Tokenizer
 
     from benchmarks.harness.minilm import package_variant, start_server
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.loading import available_cpus
 
     repo = work / "repo"
     package_variant(dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, instance_count=1)),

@@ -43,10 +43,10 @@ SETTINGS = {"off": 0.0, "200 ms": 0.2}
 
 def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
     """One workload on a fresh scheduler; the timings and counts of it."""
-    from model_factory.backend.grouping import CostModel
-    from model_factory.backend.kv_slots import KVSlots
-    from model_factory.backend.sampling import SamplingParams
-    from model_factory.backend.scheduler import Generation, Scheduler
+    from model_factory.backend.batching.grouping import CostModel
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
 
     probe = KVSlots(spec, 1, 1 << 40)
     budget = LONG * probe.bytes_for(LONG_PROMPT + LONG_TOKENS)

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.harness.minilm import TEXTS, export_minilm, package_variant
-    from model_factory.backend.sandbox import SERVE_ENV, support
+    from model_factory.backend.operations.sandbox import SERVE_ENV, support
     from model_factory.measure import bench
     from model_factory.serving.server import ServerOptions, TritonServer
 

@@ -53,8 +53,8 @@ def load_backend() -> ModuleType:
 
 
 load_backend()
-from mf_backend import grouping  # noqa: E402
-from mf_backend.memory_pool import (  # noqa: E402
+from mf_backend.batching import grouping  # noqa: E402
+from mf_backend.memory.pool import (  # noqa: E402
     MemoryPool,
     TensorRTPoolAllocator,
     check,
@@ -297,8 +297,8 @@ def check_memory_guard_on_gpu() -> str:
     import numpy as np
 
     from mf_backend.engines.torch import IO_EXTRA_FILE, TorchEngine
-    from mf_backend.executor import GroupedExecutor
-    from mf_backend.memory_guard import MemoryGuard
+    from mf_backend.batching.executor import GroupedExecutor
+    from mf_backend.memory.guard import MemoryGuard
 
     class Encoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -356,7 +356,7 @@ def check_tensorrt_memory_estimate() -> str:
     import numpy as np
 
     from mf_backend.engines.tensorrt import TensorRTEngine
-    from mf_backend.memory_guard import guard_for
+    from mf_backend.memory.guard import guard_for
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.harness.tiny_plan import doubling_plan
@@ -391,8 +391,8 @@ def check_generative_kv_on_gpu() -> str:
     import numpy as np
 
     from mf_backend.contract import GenerationSpec
-    from mf_backend.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device, slot_bytes
-    from mf_backend.kv_slots import KVSlots
+    from mf_backend.generation.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device, slot_bytes
+    from mf_backend.generation.kv_slots import KVSlots
 
     rt = cuda_runtime()
     # SmolLM-135M's shape (the benchmarks' 110M Llama): 30 layers, 3 KV heads of 64, 2048 positions.
@@ -821,8 +821,8 @@ SPEED_LEVELS, SPEED_PROMPT, SPEED_TOKENS, SPEED_CONTEXT = (1, 8, 32), 128, 128, 
 
 def _greedy_together(model, slots, prompts: list, max_tokens: list) -> tuple[list, int]:
     """Every prompt submitted at once to the backend's scheduler, greedy; ``(tokens per prompt, steps)``."""
-    from mf_backend.sampling import SamplingParams
-    from mf_backend.scheduler import Generation, Scheduler
+    from mf_backend.generation.sampling import SamplingParams
+    from mf_backend.generation.scheduler import Generation, Scheduler
 
     done: dict[int, list] = {}
     sched = Scheduler(model, slots, None, (), max_waiting=len(prompts), max_prefill_tokens=4096)
@@ -853,9 +853,9 @@ def prepare_generate_main(out: Path) -> int:
     from tests.generative_models import make_causal_lm
     from tests.generative_repository import layout_generative_model
 
-    from mf_backend.causal_lm import CausalLM
+    from mf_backend.generation.causal_lm import CausalLM
     from mf_backend.contract import Files, GenerationSpec
-    from mf_backend.kv_slots import KVSlots
+    from mf_backend.generation.kv_slots import KVSlots
 
     if out.exists():
         shutil.rmtree(out)
@@ -923,7 +923,7 @@ def generate_main(out: Path) -> int:
     import json
 
     from mf_backend.contract import Files
-    from mf_backend.kv_device import device_memory
+    from mf_backend.generation.kv_device import device_memory
 
     vdir = out / "model_repository" / GENERATE_MODEL / "1"
     refs = json.loads((out / "generate_refs.json").read_text())
@@ -1014,11 +1014,11 @@ def generate_speed_main(out: Path, kind: str = "gpu") -> int:
 
     import numpy as np
 
-    from mf_backend.causal_lm import CausalLM
+    from mf_backend.generation.causal_lm import CausalLM
     from mf_backend.contract import Files, GenerationSpec
-    from mf_backend.kv_slots import KVSlots
-    from mf_backend.sampling import SamplingParams
-    from mf_backend.scheduler import Generation, Scheduler
+    from mf_backend.generation.kv_slots import KVSlots
+    from mf_backend.generation.sampling import SamplingParams
+    from mf_backend.generation.scheduler import Generation, Scheduler
 
     src = out / "speed"
     spec = GenerationSpec.from_json((src / Files.GENERATION).read_text()).for_precision("fp16")

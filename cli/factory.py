@@ -278,7 +278,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     reverify = functools.partial(reverify_model, report.digests) if report.digests is not None else None
     events = None
     if events_file:
-        from model_factory.backend.events import EventLog
+        from model_factory.backend.operations.events import EventLog
 
         events = EventLog("serve", path=str(Path(events_file).resolve()), rate=events_rate or 20.0)
     watch = StubWatch(server, report.served, watch_interval, echo=lambda m: click.echo(m, err=True),

@@ -1,14 +1,14 @@
-"""The build's sandbox: the walls themselves live in the backend (:mod:`model_factory.backend.sandbox`,
+"""The build's sandbox: the walls themselves live in the backend (:mod:`model_factory.backend.operations.sandbox`,
 standard library only, so a serving stub can wall itself in too); this adds the build's wording and its
 one user-error type."""
 
 from __future__ import annotations
 
-from model_factory.backend.sandbox import (SYSTEM_FILES, SYSTEM_READ, Support, SandboxUnavailable,  # noqa: F401
+from model_factory.backend.operations.sandbox import (SYSTEM_FILES, SYSTEM_READ, Support, SandboxUnavailable,  # noqa: F401
                                            Walls, active, blocked_by_walls, gpu_devices, landlock_abi,
                                            network_filter, python_paths, seccomp_available, support,
                                            syscall_filter)
-from model_factory.backend import sandbox as _walls
+from model_factory.backend.operations import sandbox as _walls
 from model_factory.errors import FactoryError
 
 
@@ -23,7 +23,7 @@ def support_line(have: Support) -> str:
 
 
 def apply(walls: Walls, required: bool = False) -> Support:
-    """Put this process behind ``walls`` (:func:`model_factory.backend.sandbox.apply`); a FactoryError when
+    """Put this process behind ``walls`` (:func:`model_factory.backend.operations.sandbox.apply`); a FactoryError when
     they are ``required`` and the kernel lacks them."""
     try:
         return _walls.apply(walls, required=required)

@@ -86,7 +86,7 @@ def test_accept_fails_on_an_int8_engine_below_the_gate_and_names_the_layers(acce
     repo, _ = accept_repo
     # Where the CPU has no integer dot products, `auto` would serve the FP32 model packaged beside this INT8 one
     # (it has no 7-bit form): the INT8 graph is then scored with Q/DQ in float, as its gate was.
-    from model_factory.backend.cpu_features import integer_dot_product
+    from model_factory.backend.engines.cpu_features import integer_dot_product
 
     result = accept_model(repo / "int8", int8_kernels=None if integer_dot_product() else "simulated")
     assert not result.passed and result.file == "model.int8.onnx" and result.score < 0.99
@@ -98,7 +98,7 @@ def test_accept_fails_on_an_int8_engine_below_the_gate_and_names_the_layers(acce
 def test_accept_replays_the_int8_kernels_that_will_serve(accept_repo) -> None:
     import os
 
-    from model_factory.backend.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels, integer_dot_product
+    from model_factory.backend.engines.cpu_features import INT8_KERNELS_ENV, choose_int8_kernels, integer_dot_product
 
     repo, _ = accept_repo
     # This CPU's choice; the package keeps model.onnx beside the INT8 model (and has no 7-bit form).
@@ -140,7 +140,7 @@ def test_accept_command_table_json_and_exit_status(accept_repo) -> None:
     assert bad.exit_code == 1
     records = {r["model"]: r for r in json.loads(bad.output)}
     assert records["good"]["passed"] and not records["swapped"]["passed"]
-    from model_factory.backend.cpu_features import integer_dot_product
+    from model_factory.backend.engines.cpu_features import integer_dot_product
 
     if integer_dot_product():  # the clipped INT8 graph itself, on integer kernels: below the gate
         assert not records["int8"]["passed"]

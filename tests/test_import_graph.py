@@ -130,9 +130,62 @@ def test_build_code_never_imports_serving_or_the_backend_runtime(side: str) -> N
     packaged model through the backend's own load path (what builds must also serve, issue 20).
     """
     allowed = {"model_factory.backend", "model_factory.backend.contract"}
-    on_purpose = {"model_factory.build.loadcheck": {"model_factory.backend.loading", "model_factory.backend.settings"}}
+    on_purpose = {"model_factory.build.loadcheck": {"model_factory.backend.engines.loading", "model_factory.backend.settings"}}
     graph = import_graph()
     bad = {f"{m} -> {t}" for m, targets in graph.items() if m == side or m.startswith(side + ".")
            for t in targets - on_purpose.get(m, set())
            if t.startswith("model_factory.serving") or (t.startswith("model_factory.backend") and t not in allowed)}
     assert not bad, sorted(bad)
+
+
+# The backend's rooms, lowest first: a room imports only the rooms below it (and the top-level shared modules).
+BACKEND = "model_factory.backend"
+BACKEND_ROOMS = ("memory", "requests", "batching", "engines", "operations", "generation")
+# At the top, beside the rooms: what every room may use (one definition each), and Triton's entry points.
+BACKEND_SHARED = ("contract", "settings", "integrity")
+BACKEND_ENTRY_POINTS = ("model", "generate_model")
+# Modules over this many lines are split (tests and benchmarks aside).
+MAX_MODULE_LINES = 650
+
+
+def _backend_place(module: str) -> str | None:
+    """The room (or top-level module) of a backend module, None outside the backend."""
+    if not module.startswith(BACKEND + "."):
+        return None
+    return module[len(BACKEND) + 1:].split(".")[0]
+
+
+def test_the_backend_is_only_rooms_shared_modules_and_entry_points() -> None:
+    places = {_backend_place(m) for m in MODULES} - {None}
+    assert places == set(BACKEND_ROOMS) | set(BACKEND_SHARED) | set(BACKEND_ENTRY_POINTS), sorted(places)
+    for room in BACKEND_ROOMS:  # each room says what it owns
+        doc = ast.get_docstring(ast.parse(MODULES[f"{BACKEND}.{room}"].read_text()))
+        assert doc and len(doc) > 80, f"{room}/__init__.py needs a docstring saying what the room owns"
+
+
+def test_backend_arrows_run_from_the_entry_points_down_through_the_rooms() -> None:
+    graph = _parents_removed(import_graph())
+    rank = {room: i for i, room in enumerate(BACKEND_ROOMS)}
+    bad = []
+    for module, targets in graph.items():
+        src = _backend_place(module)
+        if src is None:
+            continue
+        for target in targets:
+            dst = _backend_place(target)
+            if dst is None or dst == src:
+                continue
+            if dst in BACKEND_ENTRY_POINTS and src not in BACKEND_ENTRY_POINTS:
+                bad.append(f"{module} -> {target} (only an entry point hands over to another)")
+            elif src in BACKEND_SHARED and dst not in BACKEND_SHARED:
+                bad.append(f"{module} -> {target} (a shared module imports only shared modules)")
+            elif src in rank and dst in rank and rank[dst] > rank[src]:
+                bad.append(f"{module} -> {target} (a room imports only the rooms below it)")
+    assert not bad, bad
+
+
+def test_no_backend_module_is_too_long_to_read() -> None:
+    roots = [ROOT / "model_factory", ROOT / "cli", ROOT / "build_engines", ROOT / "backends" / "python_backend"]
+    long = {str(p.relative_to(ROOT)): n for root in roots for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long

@@ -60,7 +60,7 @@ def test_a_malformed_range_is_refused_with_the_field(tmp_path: Path, bad) -> Non
 
 
 def test_packaging_writes_the_bounds_parameter_and_the_packaged_model_passes_its_load_check(tmp_path: Path) -> None:
-    from model_factory.backend.input_bounds import parse_bounds
+    from model_factory.backend.requests.input_bounds import parse_bounds
     from model_factory.build.loadcheck import check_packaged
     from model_factory.build.repository import config_parameters, package_model, read_config
 

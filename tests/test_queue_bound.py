@@ -77,7 +77,7 @@ def test_a_fixed_bound_or_one_instance_is_left_as_signed(minilm_recipe, tmp_path
 
 def test_a_measured_cost_is_kept_per_served_version_and_machine(minilm_recipe, tmp_path: Path,
                                                                  monkeypatch) -> None:
-    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+    from model_factory.backend.engines.cpu_features import INT8_KERNELS_ENV
     from model_factory.serving.queue_bound import cached_cost, cost_file, remember_cost
     from model_factory.serving.verified_start import check_on_this_machine
 

@@ -95,7 +95,7 @@ def test_no_second_retry_and_no_retry_for_ports_the_user_chose(fake_triton) -> N
 
 
 def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path: Path) -> None:
-    from model_factory.backend.loading import GPU_PRODUCT_ENV as BACKEND_ENV
+    from model_factory.backend.engines.loading import GPU_PRODUCT_ENV as BACKEND_ENV
 
     pinned = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, gpu_product="NVIDIA-L4"))
     assert pinned.extra_env[serve.GPU_PRODUCT_ENV] == "NVIDIA-L4" and serve.GPU_PRODUCT_ENV == BACKEND_ENV
@@ -103,7 +103,7 @@ def test_gpu_product_reaches_the_backend_through_the_server_environment(tmp_path
 
 
 def test_int8_kernels_reach_the_backend_and_acceptance(tmp_path: Path) -> None:
-    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+    from model_factory.backend.engines.cpu_features import INT8_KERNELS_ENV
 
     forced = TritonServer(tmp_path, models=[], options=ServerOptions(0, 0, 0, int8_kernels="simulated"))
     assert forced.extra_env[INT8_KERNELS_ENV] == "simulated" and serve.INT8_KERNELS_ENV == INT8_KERNELS_ENV

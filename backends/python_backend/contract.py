@@ -496,11 +496,48 @@ class GenerationSpec:
             raise ParameterError(f"generation.json does not parse: {exc}") from None
 
 
-def format_bounds(bounds: Mapping[str, tuple[int, int]]) -> str:
-    """The ``input_bounds`` parameter's text: ``{"name": [low, high]}``, sorted, compact (input_bounds.py reads it)."""
-    import json
+# The allowed values of index-like inputs (requests/input_bounds.py checks requests against them): both halves of
+# the parameter are here, the writer's (format_bounds) and the reader's (parse_bounds), standard library only.
+BOUNDS_PARAMETER = "input_bounds"
 
+
+class BoundsError(ValueError):
+    """The ``input_bounds`` parameter cannot be read (the model is refused at load)."""
+
+
+def format_bounds(bounds: Mapping[str, tuple[int, int]]) -> str:
+    """The ``input_bounds`` parameter's text: ``{"name": [low, high]}``, sorted, compact (:func:`parse_bounds` reads it)."""
     return json.dumps({k: [int(lo), int(hi)] for k, (lo, hi) in sorted(bounds.items())}, separators=(",", ":"))
+
+
+def parse_bounds(text: str) -> dict[str, tuple[int, int]]:
+    """Parse the parameter's text ('' means no bounds); a malformed one raises :class:`BoundsError`."""
+    if not text.strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise BoundsError(f"parameter {BOUNDS_PARAMETER} is not JSON ({exc}): repackage the model") from None
+    if not isinstance(raw, dict):
+        raise BoundsError(f"parameter {BOUNDS_PARAMETER} must be a JSON object of input -> [low, high]: "
+                          "repackage the model")
+    out = {}
+    for name, pair in raw.items():
+        ok = (isinstance(pair, list) and len(pair) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) and pair[0] <= pair[1])
+        if not ok:
+            raise BoundsError(f"parameter {BOUNDS_PARAMETER}: {name!r} has {pair!r}, expected [low, high] with "
+                              "whole numbers low <= high: repackage the model")
+        out[str(name)] = (int(pair[0]), int(pair[1]))
+    return out
+
+
+def bounds_from_parameters(params: Mapping[str, str], vocab_size: int | None = None) -> dict[str, tuple[int, int]]:
+    """The bounds of a model's string parameters: ``input_bounds``, and ``input_ids`` below ``vocab_size``."""
+    bounds = parse_bounds(params.get(BOUNDS_PARAMETER, ""))
+    if vocab_size is not None:
+        bounds.setdefault("input_ids", (0, vocab_size - 1))
+    return bounds
 
 
 def _names(choices: tuple[str, ...]) -> str:

@@ -34,17 +34,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .cancel_watch import CancelWatch
-from .causal_lm import CausalLM, CudaPlacement, attention_kernel
+from .generation.cancel_watch import CancelWatch
+from .generation.causal_lm import CausalLM, CudaPlacement, attention_kernel
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
-from .deferred_responses import ResponseDispatcher
-from .generate_requests import GenerateRequest, read_generate_request, request_inputs
-from .grouping import CostModel, measure_cost_model
+from .batching.deferred_responses import ResponseDispatcher
+from .generation.requests import GenerateRequest, read_generate_request, request_inputs
+from .batching.grouping import CostModel, measure_cost_model
 from .integrity import read_checked, verified_digests
-from .kv_slots import KVSlots
-from .loading import available_cpus, load_verified_onnx
-from .sampling import SamplingError
-from .scheduler import Generation, QueueFull, Scheduler, TokenEvent
+from .generation.kv_slots import KVSlots
+from .engines.loading import available_cpus, load_verified_onnx
+from .generation.sampling import SamplingError
+from .generation.scheduler import Generation, QueueFull, Scheduler, TokenEvent
 from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
 _MIB = 1 << 20
@@ -100,7 +100,7 @@ class GenerativeModel:
         # that serves later (the session's pool, the engine loop, the watcher, the response thread), keeps the
         # normal priority (quiet_start.py).
         if quiet:
-            from .quiet_start import run_quietly
+            from .engines.quiet_start import run_quietly
 
             loaded, lowered = run_quietly(lambda: self._load(version_dir, cpus, threads))
             start_note = f", load quiet ({'nice 19' if lowered else 'priority unchanged'})"
@@ -113,10 +113,10 @@ class GenerativeModel:
         # threads it starts later), as the encoder path does (sandbox.py): reads only its model folder, the Python
         # environment and system libraries; writes only scratch; no new process, no network socket.
         from .integrity import ENV as DIGESTS_ENV
-        from .sandbox import wall_in_stub
+        from .operations.sandbox import wall_in_stub
 
-        from .events import input_hash
-        from .shadow import ShadowMirror, shadow_folder
+        from .operations.events import input_hash
+        from .operations.shadow import ShadowMirror, shadow_folder
 
         # A rollout's shadow (shadow.py): finished requests whose tokens are reproducible generated again by the
         # candidate, the continuations compared token by token.
@@ -361,8 +361,8 @@ def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str =
     without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
     measures it; the same version, loaded again at the switch, reads it instead of running the warm-up beside
     live traffic."""
-    from . import cost_cache
-    from .shadow import CANDIDATE_SUFFIX
+    from .batching import cost_cache
+    from .operations.shadow import CANDIDATE_SUFFIX
 
     folder = cost_cache.cache_dir_from_env()
     if folder is None:
@@ -379,7 +379,7 @@ def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str =
 
 
 def _cached_cost(path: Path | None) -> CostModel | None:
-    from . import cost_cache
+    from .batching import cost_cache
 
     if path is None:
         return None
@@ -394,7 +394,7 @@ def _cached_cost(path: Path | None) -> CostModel | None:
 
 
 def _save_cost(path: Path, cost: CostModel, model_name: str) -> None:
-    from . import cost_cache
+    from .batching import cost_cache
 
     try:
         cost_cache.save_state(path, {"prefill": {"a": cost.a, "b": cost.b, "c": cost.c}, "model": model_name})
@@ -428,7 +428,7 @@ class GpuGeneration:
 
     def close(self) -> None:
         """The session, the KV buffers back to the pool, then the pool and the stream (stream-ordered; idempotent)."""
-        from .memory_pool import release_stream
+        from .memory.pool import release_stream
 
         if self.model is not None:
             self.model.close()
@@ -449,8 +449,8 @@ def load_on_gpu(version_dir: Path, s: Settings, digests: Any, spec: GenerationSp
     ``memory_budget_mib`` less the weights when set). GpuUnavailable when it cannot (nothing half-made is kept);
     an IntegrityError or SettingsError as they come."""
     from .integrity import IntegrityError
-    from .kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
-    from .memory_pool import MemoryPool, check, require_device
+    from .generation.kv_device import DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device
+    from .memory.pool import MemoryPool, check, require_device
 
     gpu = GpuGeneration()
     try:
@@ -497,7 +497,7 @@ def _input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
 
 def _load_tokenizer(version_dir: Path, digests: Any) -> Any:
     """The version's tokenizer, never truncating (a prompt past the context is refused with both lengths)."""
-    from .tokenizer import load_tokenizer
+    from .requests.tokenizer import load_tokenizer
 
     try:
         tok = load_tokenizer(version_dir, 1 << 30, digests)
@@ -510,6 +510,6 @@ def _load_tokenizer(version_dir: Path, digests: Any) -> Any:
 def _make_metrics(pb_utils: Any, model_name: str, labels: dict):
     if not hasattr(pb_utils, "MetricFamily"):
         return None
-    from .generation_metrics import GenerationMetrics
+    from .generation.metrics import GenerationMetrics
 
     return GenerationMetrics(pb_utils, model_name, extra_labels=labels)

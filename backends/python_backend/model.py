@@ -21,18 +21,18 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .contract import TEXT_GENERATION
-from .executor import GroupedExecutor
-from .grouping import profile_for_length
-from .loading import load_for_serving, text_inputs
-from . import decisions
+from .batching.executor import GroupedExecutor
+from .batching.grouping import profile_for_length
+from .engines.loading import load_for_serving, text_inputs
+from .operations import decisions
 from .contract import BACKEND_OUTPUTS, PRECISION_OUTPUT, TRUNCATED_TOKENS_OUTPUT
-from .degrade import precision_column
-from .events import EventLog, request_id
-from .tracing import Sampler, SpanExporter, parse_context
-from .long_inputs import LongInputRefused, TextEncoder, pool_chunks
-from .requests import RequestError, check_items, items_from_tensors, request_parameters, texts_from_text_inputs
-from .memory_guard import guard_for
-from .samples import sample_feeds
+from .operations.degrade import precision_column
+from .operations.events import EventLog, request_id
+from .operations.tracing import Sampler, SpanExporter, parse_context
+from .requests.long_inputs import LongInputRefused, TextEncoder, pool_chunks
+from .requests.items import RequestError, check_items, items_from_tensors, request_parameters, texts_from_text_inputs
+from .memory.guard import guard_for
+from .requests.samples import sample_feeds
 from .settings import parse_settings
 
 
@@ -43,7 +43,7 @@ class TritonPythonModel:
     shadow = None  # the rollout's shadow mirror (shadow.py), set at load
 
     def initialize(self, args: dict) -> None:
-        from .orphan_watch import watch_parent
+        from .operations.orphan_watch import watch_parent
 
         watch_parent()  # this stub exits when its server has died (Triton 2.51 leaves it running)
         # A stub that crashes (a fault in native code) leaves every thread's Python stack in Triton's log.
@@ -51,15 +51,15 @@ class TritonPythonModel:
             faulthandler.enable(all_threads=True)
         except (AttributeError, OSError, RuntimeError, ValueError):  # no usable stderr: serve without it
             pass
-        from .shadow import yield_cores_if_candidate
+        from .operations.shadow import yield_cores_if_candidate
 
         yield_cores_if_candidate(str(args.get("model_name", "")))  # a rollout's candidate: lowest CPU priority
         self.settings = s = parse_settings(args["model_config"])
         kind = args.get("model_instance_kind", "CPU")
         # A rollout's switch loads this version beside the one serving: the load then runs at the lowest CPU
         # priority in a thread of its own, this (serving) thread keeping its priority (quiet_start.py).
-        from .quiet_start import requested, run_quietly
-        from .shadow import shadow_folder
+        from .engines.quiet_start import requested, run_quietly
+        from .operations.shadow import shadow_folder
 
         quiet = kind == "CPU" and requested(shadow_folder(), s.model_name)
         if s.task == TEXT_GENERATION:
@@ -123,19 +123,19 @@ class TritonPythonModel:
         # Degrade before shedding (degrade.py): a backlogged window runs on a cheaper precision that passed its gate.
         self.degrader = None
         if s.degrade_to:
-            from .degrade import build_degrader
+            from .operations.degrade import build_degrader
 
             self.degrader = build_degrader(s, version_dir, args, seq_inputs, buckets, self._fill, self.events,
                                            pb_utils.Logger.log_info)
         # Loaded: from here on the stub reads only its model folder, the Python environment and system libraries,
         # writes only its scratch (and the cost cache), starts no process and opens no network socket (sandbox.py).
         from .integrity import ENV as DIGESTS_ENV
-        from .sandbox import wall_in_stub
+        from .operations.sandbox import wall_in_stub
 
         digests = os.environ.get(DIGESTS_ENV)
         # Shadow mirroring during a rollout (shadow.py): a share of answered requests sent again to a candidate.
-        from .events import input_hash
-        from .shadow import ShadowMirror, shadow_folder
+        from .operations.events import input_hash
+        from .operations.shadow import ShadowMirror, shadow_folder
 
         shadow_dir = shadow_folder()
         self.shadow = ShadowMirror(pb_utils, shadow_dir, s.model_name, str(args.get("model_instance_name", "")),
@@ -153,7 +153,7 @@ class TritonPythonModel:
                                      {"instance": str(args.get("model_instance_name", ""))})
         self.cost_keeper = None
         if self.executor.estimator is not None:
-            from .cost_learning import CostKeeper
+            from .batching.cost_learning import CostKeeper
 
             self.cost_keeper = CostKeeper(self.executor.estimator, cache_file=cache_file,
                                           log=pb_utils.Logger.log_info, meta={"model": s.model_name, **cache_key})
@@ -161,14 +161,14 @@ class TritonPythonModel:
         # by the next requests instead of sleeping 500 ms on them (deferred_responses).
         self.dispatcher = None
         if s.respond_after_return:
-            from .deferred_responses import ResponseDispatcher
+            from .batching.deferred_responses import ResponseDispatcher
 
             final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
             self.dispatcher = ResponseDispatcher(lambda sender, response: sender.send(response, flags=final),
                                                  pb_utils.Logger.log_error)
         self.trimmer = None
         if self.pool is not None:
-            from .memory_pool import IdleTrimmer
+            from .memory.pool import IdleTrimmer
 
             self.trimmer = IdleTrimmer(self.pool, keep_bytes=s.pool_initial_mib << 20, on_trim=self._publish_pool)
         for key, why in self.engine_info.items():  # every engine skipped on the way, with its reason
@@ -414,8 +414,8 @@ def _as_numpy(tensor) -> np.ndarray | None:
 
 def _start_cost(s, run, buckets, per_profile: bool, args: dict, engine_info: dict):
     """``(CostStart, cache file or None, cache key parts)``: the starting cost model (cost_learning)."""
-    from . import cost_cache
-    from .cost_learning import start_cost_model
+    from .batching import cost_cache
+    from .batching.cost_learning import start_cost_model
 
     folder, key, cache_file = cost_cache.cache_dir_from_env(), {}, None
     if folder is not None and not s.cost_model:
@@ -462,7 +462,7 @@ def _engine_sha256(model_dir: Path, version: str, file: str) -> str:
 
 def _make_metrics(model_name: str, cost, engine_info: dict, pool_source=None, labels=None):
     try:
-        from .metrics import BackendMetrics
+        from .operations.metrics import BackendMetrics
     except ImportError:  # metrics are optional for the backend to run
         return None
     return BackendMetrics(pb_utils, model_name, cost, engine_info, extra_labels=labels, pool_source=pool_source)

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .contract import (ENGINES, PRECISIONS, Files, ParameterError, parse_parameters, plan_file,  # noqa: F401
-                       string_parameters)
-from .input_bounds import bounds_from_parameters
+                       bounds_from_parameters, string_parameters)
 
 
 class SettingsError(ValueError):

@@ -23,7 +23,7 @@ def measure_onnx_cost_model(onnx_path: Path, recipe: Recipe) -> tuple[float, flo
         import onnxruntime  # noqa: F401  (the engine below needs it)
 
         from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
-        from model_factory.backend.grouping import measure_cost_model
+        from model_factory.backend.batching.grouping import measure_cost_model
     except ImportError:
         return None
     engine = OnnxRuntimeEngine(Path(onnx_path))

@@ -25,7 +25,7 @@ def cpu_model() -> str:
 
 def cpu_flags() -> tuple[str, ...]:
     """The flags of :data:`FLAGS_OF_INTEREST` this CPU has, in that order (read as the backend reads them)."""
-    from model_factory.backend.cpu_features import cpu_flags as backend_cpu_flags
+    from model_factory.backend.engines.cpu_features import cpu_flags as backend_cpu_flags
 
     have = backend_cpu_flags()
     return tuple(f for f in FLAGS_OF_INTEREST if f in have)

@@ -31,7 +31,7 @@ def llama_folder(work: Path | None, prefix: str) -> Path:
 def int8_kv8_engine(work: Path | None, prefix: str) -> tuple[Any, Any]:
     """``(spec, CausalLM)``: the factory's build of the 110M Llama at INT8 dynamic with the INT8 cache (the precision
     bench_generate serves best), on the backend's engine with 2 threads."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.contract import Files, GenerationSpec, onnx_file
     from tests.generative_repository import layout_generative_model
 

@@ -18,7 +18,7 @@ def check_packaged(version_dir: Path) -> None:
     """Load ``version_dir`` (``<model>/<version>``, config beside it) as the backend does; FactoryError if it cannot."""
     from google.protobuf import json_format
 
-    from model_factory.backend.loading import load_for_serving
+    from model_factory.backend.engines.loading import load_for_serving
     from model_factory.backend.settings import parse_settings
     from model_factory.build.repository import read_config
 

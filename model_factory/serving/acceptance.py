@@ -2,7 +2,7 @@
 
 Verification proves the bytes are the ones that were signed; acceptance proves they compute the right
 answer *on this machine*. ``accept_model`` reads the configuration Triton would read, picks and loads
-the engine with the backend's own load path (``model_factory.backend.loading.load_for_serving``: same choice,
+the engine with the backend's own load path (``model_factory.backend.engines.loading.load_for_serving``: same choice,
 same files, the tokenizer and the warm-up ``serve`` runs, bytes checked against the verified digests when given), runs ``acceptance/inputs.json``
 through it, and scores every output against ``acceptance/outputs.json`` (the FP32 references, paired
 by exact output name) with the task's metrics (``accuracy.task_metrics``: one place, keyed by task, the
@@ -104,7 +104,7 @@ def _num(x: float | None) -> float | str | None:
 
 def instance_of(config: Any) -> tuple[str, int]:
     """Triton's instance kind for the first instance group (KIND_AUTO: GPU when one is visible), and the device."""
-    from model_factory.backend.memory_pool import cuda_device_count
+    from model_factory.backend.memory.pool import cuda_device_count
 
     groups = list(config.instance_group)
     kind = groups[0].kind if groups else 0
@@ -143,8 +143,8 @@ def engine_settings(config: Any) -> Any:
 def gpu_product_env(product: str | None, int8_kernels: str | None = None):
     """The backend reads the GPU product (and INT8 kernels) the server was started with from its environment:
     set them alike."""
-    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
-    from model_factory.backend.loading import GPU_PRODUCT_ENV
+    from model_factory.backend.engines.cpu_features import INT8_KERNELS_ENV
+    from model_factory.backend.engines.loading import GPU_PRODUCT_ENV
 
     with _env(INT8_KERNELS_ENV, int8_kernels):
         with _env(GPU_PRODUCT_ENV, product):
@@ -179,7 +179,7 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     (only plans built on that GPU product count); ``int8_kernels`` is ``serve --int8-kernels``'s.
     """
     from model_factory.backend.integrity import read_checked
-    from model_factory.backend.loading import load_for_serving
+    from model_factory.backend.engines.loading import load_for_serving
     from model_factory.build.repository import read_config
 
     model_dir = Path(model_dir)
@@ -251,8 +251,8 @@ def _accept_degrade(result: AcceptanceResult, model_dir: Path, version: str, set
     golden outputs against the same threshold. A failure fails the model (the backend would degrade to it)."""
     import dataclasses
 
-    from model_factory.backend.degrade import DegradeRefused, degrade_settings, read_gate, report_text
-    from model_factory.backend.loading import load_for_serving
+    from model_factory.backend.operations.degrade import DegradeRefused, degrade_settings, read_gate, report_text
+    from model_factory.backend.engines.loading import load_for_serving
 
     precision = settings.degrade_to
     try:
@@ -285,7 +285,7 @@ def _d(digests: Mapping[str, str] | None) -> dict[str, str] | None:
 
 def _run(engine: Any, inputs: Sequence[Mapping[str, np.ndarray]], settings: Any,
          spec: AcceptanceSpec) -> list[dict[str, np.ndarray]]:
-    from model_factory.backend.grouping import profile_for_length
+    from model_factory.backend.batching.grouping import profile_for_length
 
     profile = 0
     if spec.sequence_length is not None and settings.sequence_buckets:

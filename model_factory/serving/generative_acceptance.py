@@ -67,14 +67,14 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
     ``instance``: where the model's instance runs (``acceptance.instance_of``); a GPU instance replays them on
     that GPU as the backend loads it (``generate_model.load_on_gpu``), or on the CPU where its recipe allows the
     fallback and the GPU path does not load."""
-    from model_factory.backend.causal_lm import CausalLM, attention_kernel
+    from model_factory.backend.generation.causal_lm import CausalLM, attention_kernel
     from model_factory.backend.contract import Files, GenerationSpec
     from model_factory.backend.generate_model import GpuUnavailable, _load_tokenizer, load_on_gpu
     from model_factory.backend.integrity import read_checked
-    from model_factory.backend.kv_slots import KVSlots
-    from model_factory.backend.loading import load_verified_onnx
-    from model_factory.backend.sampling import SamplingParams
-    from model_factory.backend.scheduler import Generation, Scheduler
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.engines.loading import load_verified_onnx
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
 
     d = None if digests is None else dict(digests)
     rel = f"{version}/{Files.ACCEPTANCE_DIR}/{Files.CONTINUATIONS}"

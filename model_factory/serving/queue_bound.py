@@ -11,7 +11,7 @@ bound differs, and it exists only in the server's memory.
 
 Measuring takes a child process that loads and times the engine (2-3 s for MiniLM on 2 cores): done at every
 start it put ``serve`` → READY past 3 s. So the measured cost model is kept in the cost cache folder (the one the
-backend keeps its learned constants in, :mod:`model_factory.backend.cost_cache`), one file per (the served
+backend keeps its learned constants in, :mod:`model_factory.backend.batching.cost_cache`), one file per (the served
 version's signed digests, this machine, the INT8 kernels and GPU product asked for): a restart of the same
 engine on the same machine reads it and measures nothing (:func:`cached_cost`, :func:`remember_cost`).
 """
@@ -140,9 +140,9 @@ def measure_engine_cost(model_dir: Path, digests: Mapping[str, str] | None = Non
     """
     import numpy as np
 
-    from model_factory.backend.cost_learning import start_cost_model
-    from model_factory.backend.grouping import profile_for_length
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.batching.cost_learning import start_cost_model
+    from model_factory.backend.batching.grouping import profile_for_length
+    from model_factory.backend.engines.loading import load_engine
     from model_factory.build.repository import read_config
     from model_factory.serving.acceptance import engine_settings, gpu_product_env, instance_of, served_version
 
@@ -209,9 +209,9 @@ def cost_file(cache_dir: Path | None, model_dir: Path, digests: Mapping[str, str
     import os
     import platform
 
-    from model_factory.backend import cost_cache
+    from model_factory.backend.batching import cost_cache
     from model_factory.backend.contract import parse_parameters
-    from model_factory.backend.cpu_features import INT8_KERNELS_ENV
+    from model_factory.backend.engines.cpu_features import INT8_KERNELS_ENV
     from model_factory.build.repository import config_parameters, read_config
 
     if cache_dir is None:
@@ -231,7 +231,7 @@ def cost_file(cache_dir: Path | None, model_dir: Path, digests: Mapping[str, str
 
 def cached_cost(path: Path | None) -> CostModel | None:
     """The cost model a start on this machine measured before (None: none kept, or a file that does not fit)."""
-    from model_factory.backend import cost_cache
+    from model_factory.backend.batching import cost_cache
 
     if path is None:
         return None
@@ -249,7 +249,7 @@ def remember_cost(path: Path | None, cost: Sequence[float], model: str) -> None:
     """Keep a measured cost model for the next start (atomically); a cache that cannot be written is skipped."""
     import datetime as dt
 
-    from model_factory.backend import cost_cache
+    from model_factory.backend.batching import cost_cache
 
     if path is None:
         return

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from model_factory.backend.idle_cores import yield_cores
-from model_factory.backend.quiet_start import run_quietly
+from model_factory.backend.batching.idle_cores import yield_cores
+from model_factory.backend.engines.quiet_start import run_quietly
 from model_factory.errors import FactoryError
 
 # States a rollout goes through; the last four are final.
@@ -135,7 +135,7 @@ class RolloutStatus:
 
 
 def candidate_name(model: str) -> str:
-    from model_factory.backend.shadow import CANDIDATE_SUFFIX
+    from model_factory.backend.operations.shadow import CANDIDATE_SUFFIX
 
     return model + CANDIDATE_SUFFIX
 
@@ -261,7 +261,7 @@ class RolloutControl:
 
     @property
     def shadow_dir(self) -> Path:
-        from model_factory.backend.shadow import SHADOW_DIR
+        from model_factory.backend.operations.shadow import SHADOW_DIR
 
         return Path(self.server.work_dir) / SHADOW_DIR
 
@@ -436,7 +436,7 @@ class RolloutControl:
 
     def _shadow(self, req: RolloutRequest, status: RolloutStatus) -> bool:
         """Mirror until ``min_requests`` were scored; True when the gate passed (False: rolled back)."""
-        from model_factory.backend.shadow import control_path
+        from model_factory.backend.operations.shadow import control_path
         from model_factory.fileio import atomic_file
 
         for old in self.shadow_dir.glob(f"{req.model}.*.tally.json"):  # earlier rollouts' (their ids differ anyway)
@@ -473,7 +473,7 @@ class RolloutControl:
         return True
 
     def _stop_mirroring(self, model: str) -> None:
-        from model_factory.backend.shadow import control_path
+        from model_factory.backend.operations.shadow import control_path
 
         control_path(self.shadow_dir, model).unlink(missing_ok=True)
 
@@ -490,7 +490,7 @@ class RolloutControl:
     @contextmanager
     def _quiet_start(self, model: str) -> Iterator[None]:
         """Ask the instances ``model`` loads in the block to start quietly (``backend/quiet_start.py``)."""
-        from model_factory.backend.quiet_start import request_path
+        from model_factory.backend.engines.quiet_start import request_path
 
         path = request_path(self.shadow_dir, model)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from model_factory.errors import FactoryError
 _SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
 # Read by the Python backend (backends/python_backend/integrity.py).
 VERIFIED_DIGESTS_ENV = "MODEL_FACTORY_VERIFIED_DIGESTS"
-# Read by the Python backend (backends/python_backend/cost_cache.py): where learned cost models are kept.
+# Read by the Python backend (backends/python_backend/batching/cost_cache.py): where learned cost models are kept.
 COST_CACHE_ENV = "MODEL_FACTORY_COST_CACHE"
 
 
@@ -45,13 +45,13 @@ def default_cost_cache() -> Path:
     return Path(base) / "model-factory" / "cost-models"
 
 
-# Read by the Python backend (backends/python_backend/loading.py): load only plans built on this GPU product.
+# Read by the Python backend (backends/python_backend/engines/loading.py): load only plans built on this GPU product.
 GPU_PRODUCT_ENV = "MODEL_FACTORY_GPU_PRODUCT"
-INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/cpu_features.py reads it
+INT8_KERNELS_ENV = "MODEL_FACTORY_INT8_KERNELS"  # backends/python_backend/engines/cpu_features.py reads it
 # Prefixes of the temporary folders a server owns (serving/work_folders.py): its work folder, and the verified
 # digests serve hands to it (serving/verified_start.py).
 WORK_PREFIX, VERIFIED_PREFIX = "model-factory-triton-", "model-factory-verified-"
-RUNTIME_DIR_ENV = "MODEL_FACTORY_RUNTIME_DIR"  # backends/python_backend/idle_cores.py keeps its ledger there
+RUNTIME_DIR_ENV = "MODEL_FACTORY_RUNTIME_DIR"  # backends/python_backend/batching/idle_cores.py keeps its ledger there
 
 # The admin APIs closed to ordinary clients (--http-restricted-api / --grpc-restricted-protocol): only a
 # caller that presents ADMIN_HEADER with the key may load, unload or list models, register shared
@@ -105,7 +105,7 @@ class ServerOptions:
 def trace_arguments(endpoint: str | None, rate: int = 1, source: str = "backend") -> list[str]:
     """tritonserver's OpenTelemetry tracing flags: one request in ``rate`` sampled, spans sent to ``endpoint``
     (OTLP/HTTP, ``host:port/v1/traces``); none when ``endpoint`` is None or the backend is the trace source."""
-    from model_factory.backend.tracing import TRACE_SOURCES
+    from model_factory.backend.operations.tracing import TRACE_SOURCES
 
     if source not in TRACE_SOURCES:
         raise FactoryError(f"trace source {source!r} is not one of {', '.join(TRACE_SOURCES)}. Fix: give backend "
@@ -296,17 +296,17 @@ class TritonServer:
         if opts.int8_kernels:
             self.extra_env[INT8_KERNELS_ENV] = opts.int8_kernels
         if opts.events_file is not None:
-            from model_factory.backend.events import EVENTS_FILE_ENV
+            from model_factory.backend.operations.events import EVENTS_FILE_ENV
 
             self.extra_env[EVENTS_FILE_ENV] = str(Path(opts.events_file).resolve())
         if opts.trace_endpoint:
-            from model_factory.backend.tracing import TRACE_ENDPOINT_ENV, TRACE_RATE_ENV, TRACE_SOURCE_ENV
+            from model_factory.backend.operations.tracing import TRACE_ENDPOINT_ENV, TRACE_RATE_ENV, TRACE_SOURCE_ENV
 
             self.extra_env[TRACE_ENDPOINT_ENV] = opts.trace_endpoint
             self.extra_env[TRACE_SOURCE_ENV] = opts.trace_source
             self.extra_env[TRACE_RATE_ENV] = str(int(opts.trace_rate))
         if opts.events_rate is not None:
-            from model_factory.backend.events import EVENTS_RATE_ENV
+            from model_factory.backend.operations.events import EVENTS_RATE_ENV
 
             self.extra_env[EVENTS_RATE_ENV] = str(float(opts.events_rate))
         self.work_dir = self._work

@@ -155,7 +155,7 @@ def check_on_this_machine(repository: Path, models: tuple[str, ...], table: dict
 def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None, bool]
                ) -> tuple[bool, str | None, str | None, Any]:
     """One model's verdict and cost model (run in the child process of :func:`check_on_this_machine`)."""
-    from model_factory.backend.idle_cores import yield_cores
+    from model_factory.backend.batching.idle_cores import yield_cores
     from model_factory.serving.acceptance import accept_model
     from model_factory.serving.queue_bound import measure_engine_cost
 

@@ -43,7 +43,7 @@ _load_backend_package()
 @pytest.fixture
 def cuda_device() -> int:
     """Device 0, or skip the test with the reason when there is no CUDA device."""
-    from model_factory.backend.memory_pool import cuda_device_count
+    from model_factory.backend.memory.pool import cuda_device_count
 
     if cuda_device_count() < 1:
         pytest.skip("needs a CUDA device (cuda-bindings installed and a driver with a GPU)")

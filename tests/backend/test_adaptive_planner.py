@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from model_factory.backend.adaptive_planner import AdaptivePlanner
-from model_factory.backend.cost_estimator import CostEstimator
-from model_factory.backend.grouping import CostModel, plan_cost, plan_groups
+from model_factory.backend.batching.adaptive_planner import AdaptivePlanner
+from model_factory.backend.batching.cost_estimator import CostEstimator
+from model_factory.backend.batching.grouping import CostModel, plan_cost, plan_groups
 
 TRUE = CostModel(2e-3, 1.5e-4, 4e-7)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from model_factory.backend.cancel_watch import CancelWatch
+from model_factory.backend.generation.cancel_watch import CancelWatch
 
 
 def _asker(answers: list[bool]):

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from model_factory.backend.cost_estimator import CostEstimator, EstimatorConfig, fit_robust, length_bin, size_bin
-from model_factory.backend.grouping import CostModel, ProfileCostModel
+from model_factory.backend.batching.cost_estimator import CostEstimator, EstimatorConfig, fit_robust, length_bin, size_bin
+from model_factory.backend.batching.grouping import CostModel, ProfileCostModel
 
 TRUE = CostModel(2e-3, 1.5e-4, 4e-7)  # a CPU-like engine: a launch ~ a dozen tokens
 SIZES = (1, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)

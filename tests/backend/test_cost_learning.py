@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from model_factory.backend import cost_cache
-from model_factory.backend.cost_estimator import CostEstimator
-from model_factory.backend.cost_learning import CostKeeper, short_points, start_cost_model
-from model_factory.backend.grouping import CostModel, ProfileCostModel, sweep_points
+from model_factory.backend.batching import cost_cache
+from model_factory.backend.batching.cost_estimator import CostEstimator
+from model_factory.backend.batching.cost_learning import CostKeeper, short_points, start_cost_model
+from model_factory.backend.batching.grouping import CostModel, ProfileCostModel, sweep_points
 
 TRUE = CostModel(2e-3, 1.5e-4, 4e-7)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend.cpu_features import (INT8_KERNELS_ENV, Int8Refused, choose_int8_kernels, cpu_flags,
+from model_factory.backend.engines.cpu_features import (INT8_KERNELS_ENV, Int8Refused, choose_int8_kernels, cpu_flags,
                                                 integer_dot_product)
 
 XEON = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni avx_vnni amx_int8\n"
@@ -135,7 +135,7 @@ def _check(engine, w: np.ndarray) -> None:
         "weights saturate without one, and the product never runs them there (the 7-bit form is tested below)"))),
     "simulated"])
 def test_loading_runs_int8_with_the_chosen_kernels(tmp_path: Path, monkeypatch, kernels: str) -> None:
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.engines.loading import load_engine
 
     version, w, _ = _int8_version(tmp_path, seven_bit=False)
     monkeypatch.setenv(INT8_KERNELS_ENV, kernels)
@@ -152,7 +152,7 @@ def test_the_7_bit_form_runs_right_on_integer_kernels_on_any_avx2_cpu(tmp_path: 
                                                                       kernels: str) -> None:
     """On an AVX2-only CPU this is the path ``auto`` and ``integer`` take (and AVX2's kernels are exercised); on a
     VNNI/AMX CPU ``integer-7bit`` runs the same file on those kernels. The outputs are the 7-bit weights' exactly."""
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.engines.loading import load_engine
 
     version, w, w7 = _int8_version(tmp_path, seven_bit=True)
     monkeypatch.setenv(INT8_KERNELS_ENV, kernels)
@@ -169,8 +169,8 @@ def test_the_7_bit_form_runs_right_on_integer_kernels_on_any_avx2_cpu(tmp_path: 
 def test_integer_forced_without_the_safe_form_is_refused_on_an_avx2_only_cpu(tmp_path: Path, monkeypatch) -> None:
     """Forcing integer where it would saturate refuses the load with the reason (the CPU's flags read from an
     AVX2-only EPYC's cpuinfo: the refusal happens before any kernel runs, so this holds on every CPU)."""
-    from model_factory.backend import cpu_features
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.engines import cpu_features
+    from model_factory.backend.engines.loading import load_engine
     from model_factory.backend.settings import SettingsError
 
     info_file = tmp_path / "cpuinfo"
@@ -190,8 +190,8 @@ def test_loading_auto_on_an_avx2_only_cpu_runs_the_fp32_model_when_int8_has_no_7
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from model_factory.backend import cpu_features
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.engines import cpu_features
+    from model_factory.backend.engines.loading import load_engine
 
     info_file = tmp_path / "cpuinfo"
     info_file.write_text(EPYC)
@@ -214,7 +214,7 @@ def test_loading_auto_on_an_avx2_only_cpu_runs_the_fp32_model_when_int8_has_no_7
 
 
 def test_fp32_says_nothing_about_int8_kernels(tmp_path: Path) -> None:
-    from model_factory.backend.loading import load_engine
+    from model_factory.backend.engines.loading import load_engine
     from model_factory.backend.settings import parse_settings
 
     version = tmp_path / "m" / "1"

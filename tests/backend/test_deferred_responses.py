@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from model_factory.backend.deferred_responses import ResponseDispatcher
+from model_factory.backend.batching.deferred_responses import ResponseDispatcher
 
 
 def test_every_response_reaches_its_own_sender_in_order_and_close_drains() -> None:

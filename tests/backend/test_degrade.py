@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from model_factory.backend.contract import ModelParameters, format_parameters, parse_parameters
-from model_factory.backend.degrade import (Degrader, DegradePolicy, DegradeRefused, decide, precision_column,
+from model_factory.backend.operations.degrade import (Degrader, DegradePolicy, DegradeRefused, decide, precision_column,
                                            read_gate)
 
 

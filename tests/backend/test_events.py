@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from model_factory.backend.events import EventLog, TokenBucket, input_hash, request_id
+from model_factory.backend.operations.events import EventLog, TokenBucket, input_hash, request_id
 
 
 class Clock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_factory.backend.executor import GroupedExecutor, pad_items
-from model_factory.backend.grouping import CostModel
+from model_factory.backend.batching.executor import GroupedExecutor, pad_items
+from model_factory.backend.batching.grouping import CostModel
 
 SEQ = frozenset({"input_ids", "attention_mask"})
 
@@ -169,7 +169,7 @@ def test_other_dynamic_axes_batch_only_equal_shapes() -> None:
 
 
 def test_every_launch_is_timed_and_fed_back_to_a_learning_cost_model() -> None:
-    from model_factory.backend.cost_estimator import CostEstimator
+    from model_factory.backend.batching.cost_estimator import CostEstimator
 
     engine = SumEngine()
     est = CostEstimator((8, 32), CostModel(1.0, 1e-6, 0.0))
@@ -193,7 +193,7 @@ def test_fixed_constants_are_not_timed() -> None:
 
 def test_runs_on_borrowed_cores_do_not_teach_the_cost_model() -> None:
     """A run on every core (idle_cores) is faster than the loaded case the planner prices: not a timing."""
-    from model_factory.backend.cost_estimator import CostEstimator
+    from model_factory.backend.batching.cost_estimator import CostEstimator
 
     class Borrowing(SumEngine):
         last_run_borrowed = True

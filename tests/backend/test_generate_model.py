@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from model_factory.backend.generate_model import _cached_cost, _cost_cache_file, _save_cost
-from model_factory.backend.grouping import CostModel
-from model_factory.backend.memory_pool import cuda_device_count
+from model_factory.backend.batching.grouping import CostModel
+from model_factory.backend.memory.pool import cuda_device_count
 
 SHA = "ab" * 32
 
@@ -80,7 +80,7 @@ def test_an_int8_kv_graph_on_an_onnxruntime_too_old_is_refused_with_the_fix(monk
 
 
 def test_a_gpu_runs_only_a_graph_whose_attention_has_a_cuda_kernel() -> None:
-    from model_factory.backend.causal_lm import device_kv_problem
+    from model_factory.backend.generation.causal_lm import device_kv_problem
 
     assert device_kv_problem({"past_key_values.0.key": "tensor(float16)"}, "fp16") is None
     for kind in ("tensor(float)", "tensor(int8)"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from model_factory.backend.generation_metrics import GenerationMetrics
-from model_factory.backend.kv_slots import KVUsage
+from model_factory.backend.generation.metrics import GenerationMetrics
+from model_factory.backend.generation.kv_slots import KVUsage
 from tests.backend.test_metrics import FakeMetric, FakeMetricFamily, FakePbUtils
 
 

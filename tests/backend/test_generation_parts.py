@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from model_factory.backend.contract import GenerationSpec, SamplingDefaults
-from model_factory.backend.detokenize import IncrementalDetokenizer, StopMatcher
-from model_factory.backend.kv_slots import AdmissionError, KVSlots
-from model_factory.backend.sampling import Sampler, SamplingError, SamplingParams, parse_sampling
+from model_factory.backend.generation.detokenize import IncrementalDetokenizer, StopMatcher
+from model_factory.backend.generation.kv_slots import AdmissionError, KVSlots
+from model_factory.backend.generation.sampling import Sampler, SamplingError, SamplingParams, parse_sampling
 
 SPEC = GenerationSpec(family="llama", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
                       vocab_size=100, max_context=64, eos_token_ids=(2,))
@@ -138,7 +138,7 @@ def test_an_fp16_precision_runs_on_half_width_kv_slots():
 def test_the_account_is_the_slots_and_the_storage_only_holds_the_buffers():
     """KVSlots keeps the account over any storage of its slots (host memory here; kv_device's buffers on a GPU,
     which commit a token's bytes exactly instead of whole pages)."""
-    from model_factory.backend.kv_slots import HostKVBuffers
+    from model_factory.backend.generation.kv_slots import HostKVBuffers
 
     spec = GenerationSpec(**{**SPEC.__dict__, "max_context": 1024})
     host = HostKVBuffers(spec, 2, 1024)
@@ -147,7 +147,7 @@ def test_the_account_is_the_slots_and_the_storage_only_holds_the_buffers():
     assert slots.bytes_for(1) == len(slots.names) * spec.num_kv_heads * HostKVBuffers.granule_bytes
     with pytest.raises(ValueError, match="holds 2 slots of 1024 tokens, not 3 of 1024"):
         KVSlots(spec, 3, 1 << 30, storage=host)
-    from model_factory.backend.kv_device import DeviceKVBuffers
+    from model_factory.backend.generation.kv_device import DeviceKVBuffers
 
     # A storage that commits a token's bytes exactly (device memory, committed when allocated) is counted so.
     exact_storage = HostKVBuffers(spec, 2, 1024)

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from model_factory.backend.grouping import (
+from model_factory.backend.batching.grouping import (
     ProfileCostModel,
     CostModel,
     fit_cost_model,

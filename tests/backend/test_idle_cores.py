@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend.idle_cores import RUNTIME_DIR_ENV, BusyLedger, ledger_path, lending_plan
+from model_factory.backend.batching.idle_cores import RUNTIME_DIR_ENV, BusyLedger, ledger_path, lending_plan
 
 
 def _hold_busy(path: str, ready) -> None:
@@ -142,7 +142,7 @@ def test_engine_borrows_only_inside_a_lone_window_and_only_when_the_others_are_i
 
 
 def test_loading_lends_where_the_cores_are_split(tmp_path: Path, monkeypatch) -> None:
-    from model_factory.backend import loading
+    from model_factory.backend.engines import loading
     from model_factory.backend.settings import parse_settings
 
     version = tmp_path / "m" / "1"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_factory.backend.input_bounds import (BoundsError, check_bounds, format_bounds, parse_bounds,
+from model_factory.backend.requests.input_bounds import (BoundsError, check_bounds, format_bounds, parse_bounds,
                                                 sample_value)
-from model_factory.backend.requests import RequestError, check_items, items_from_tensors
-from model_factory.backend.samples import WarmupError, sample_feeds, warm_up
+from model_factory.backend.requests.items import RequestError, check_items, items_from_tensors
+from model_factory.backend.requests.samples import WarmupError, sample_feeds, warm_up
 from model_factory.backend.settings import parse_settings
 
 BERT_BOUNDS = {"input_ids": (0, 99), "token_type_ids": (0, 1), "attention_mask": (0, 1)}
@@ -117,7 +117,7 @@ class _Engine:
 
 
 def test_warm_up_runs_each_bucket_and_fails_in_one_line_with_the_fix() -> None:
-    from model_factory.backend.grouping import profile_for_length
+    from model_factory.backend.batching.grouping import profile_for_length
 
     inputs = [_int("input_ids"), _int("attention_mask"), _int("token_type_ids")]
     warm_up(_Engine(1), parse_settings(_config(inputs, {"input_bounds": '{"token_type_ids":[0,0]}'})),

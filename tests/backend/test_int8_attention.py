@@ -1,4 +1,4 @@
-"""The factory's attention over an INT8 KV cache (backends/python_backend/int8_attention.py and its kernel,
+"""The factory's attention over an INT8 KV cache (backends/python_backend/generation/int8_attention.py and its kernel,
 kernels/int8_kv_attention.cc): the same outputs and cache bytes as ONNX Runtime's GroupQueryAttention with its INT8
 cache, node for node and in a whole text-generation graph; the graph rewrite and its refusals; where no compiler is,
 the packaged graph runs and says why."""
@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from model_factory.backend import int8_attention as ia
+from model_factory.backend.generation import int8_attention as ia
 
 needs_compiler = pytest.mark.skipif(
     not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in ia._cpu_flags().split(),
@@ -238,7 +238,7 @@ def _views(batch: int, layers: int = 2, kv_heads: int = 2, max_context: int = 64
 def test_a_text_generation_graph_decodes_the_same_on_the_kernel(tiny_llm_int8_cache) -> None:
     """Three prompts of mixed lengths prefilled together, then 6 batched decode steps: the logits of the graph on
     the kernel equal those of the packaged graph within float rounding, every greedy token the same."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
 
     packaged = CausalLM(tiny_llm_int8_cache, threads=2, int8_attention="onnxruntime")
     kernel = CausalLM(tiny_llm_int8_cache, threads=2, int8_attention="kernel")
@@ -263,7 +263,7 @@ def test_a_text_generation_graph_decodes_the_same_on_the_kernel(tiny_llm_int8_ca
 
 def test_auto_falls_back_to_the_packaged_graph_and_kernel_refuses_where_none_builds(tiny_llm_int8_cache, monkeypatch,
                                                                                   tmp_path) -> None:
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.engines.base import EngineError
 
     monkeypatch.delenv("CXX", raising=False)
@@ -282,7 +282,7 @@ def test_auto_keeps_the_packaged_graph_when_onnxruntime_refuses_the_library_or_t
                                                                                            monkeypatch, tmp_path) -> None:
     """A library ONNX Runtime will not load, or a session on the rewritten graph that fails: ``auto`` serves the
     packaged graph and says why; ``kernel`` fails the load naming the fix."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.engines.base import EngineError
 
     junk = tmp_path / ia.LIBRARY_NAME

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from model_factory.backend.contract import GenerationSpec
-from model_factory.backend.kv_device import (DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device,
+from model_factory.backend.generation.kv_device import (DeviceKVBuffers, device_memory, device_slots, kv_budget_from_device,
                                              slot_bytes)
-from model_factory.backend.kv_slots import AdmissionError
-from model_factory.backend.memory_pool import CudaError, MemoryPool, cuda_device_count
+from model_factory.backend.generation.kv_slots import AdmissionError
+from model_factory.backend.memory.pool import CudaError, MemoryPool, cuda_device_count
 
 SPEC = GenerationSpec(family="llama", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
                       vocab_size=100, max_context=64, eos_token_ids=(2,))
@@ -47,7 +47,7 @@ def test_buffers_from_the_pool_compaction_on_the_device(cuda_device):
     import numpy as np
     from cuda.bindings import runtime as rt
 
-    from model_factory.backend.memory_pool import check
+    from model_factory.backend.memory.pool import check
 
     free_before, total = device_memory(cuda_device)
     assert 0 < free_before <= total

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend.loading import GPU_PRODUCT_ENV, _gpu_plan, load_engine, product_label
+from model_factory.backend.engines.loading import GPU_PRODUCT_ENV, _gpu_plan, load_engine, product_label
 from model_factory.backend.settings import SettingsError, parse_settings
 
 
@@ -173,7 +173,7 @@ def pretend_cuda(monkeypatch):
     Unavoidable to reach auto's torch branch on a CPU machine; the real CUDA path is the gpu test in
     test_torch_engine.py and the Triton check of benchmarks/gpu_checks.py.
     """
-    from model_factory.backend import loading
+    from model_factory.backend.engines import loading
     from model_factory.backend.engines import torch as torch_engine
 
     monkeypatch.setattr(torch_engine, "cuda_unavailable_reason", lambda device_id=0: None)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend.long_inputs import LongInputRefused, TextEncoder, pool_chunks
-from model_factory.backend.requests import RequestError
+from model_factory.backend.requests.long_inputs import LongInputRefused, TextEncoder, pool_chunks
+from model_factory.backend.requests.items import RequestError
 
 NAMES = ("input_ids", "attention_mask", "token_type_ids")
 LONG = " ".join(f"word{i % 50}" for i in range(60))  # 122 tokens with [CLS] and [SEP]
@@ -54,7 +54,7 @@ def test_chunk_windows_overlap_and_cover_the_text(tokenizer) -> None:
 
 
 def test_pooling_is_the_token_weighted_mean_back_to_unit_length() -> None:
-    from model_factory.backend.long_inputs import EncodedTexts
+    from model_factory.backend.requests.long_inputs import EncodedTexts
 
     enc = EncodedTexts(items=[{}] * 3, spans=(2, 1), lengths=(30, 5), dropped=(0, 0), weights=((3.0, 1.0), (1.0,)))
     rows = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)

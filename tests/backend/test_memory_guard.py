@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_factory.backend.executor import GroupedExecutor
-from model_factory.backend.grouping import CostModel
-from model_factory.backend.memory_guard import MemoryGuard, guard_for
+from model_factory.backend.batching.executor import GroupedExecutor
+from model_factory.backend.batching.grouping import CostModel
+from model_factory.backend.memory.guard import MemoryGuard, guard_for
 
 SEQ = frozenset({"input_ids", "attention_mask"})
 BYTES_PER_TOKEN = 1000
@@ -96,8 +96,8 @@ def test_cpu_engines_get_no_guard() -> None:
 
 
 def test_the_metric_counts_memory_splits() -> None:
-    from model_factory.backend.executor import WindowStats
-    from model_factory.backend.metrics import _WINDOW_COUNTERS
+    from model_factory.backend.batching.executor import WindowStats
+    from model_factory.backend.operations.metrics import _WINDOW_COUNTERS
 
     assert _WINDOW_COUNTERS["groups_split_for_memory_total"] == "memory_splits"
     assert WindowStats(memory_splits=2).memory_splits == 2

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from model_factory.backend import memory_pool
-from model_factory.backend.memory_pool import (
+from model_factory.backend.memory import pool as memory_pool
+from model_factory.backend.memory.pool import (
     CudaError,
     MemoryPool,
     PoolStats,
@@ -65,8 +65,8 @@ def test_backend_imports_without_heavy_dependencies():
         import sys
         sys.path.insert(0, {str(HERE)!r})
         import conftest  # loads model_factory.backend when not installed
-        import model_factory.backend.grouping, model_factory.backend.memory_pool
-        import model_factory.backend.metrics, model_factory.backend.engines.base
+        import model_factory.backend.batching.grouping, model_factory.backend.memory.pool
+        import model_factory.backend.operations.metrics, model_factory.backend.engines.base
         import model_factory.backend.engines.tensorrt
         heavy = sorted(m for m in sys.modules
                        if m.split('.')[0] in ('cuda', 'tensorrt', 'tensorrt_rtx', 'torch', 'cupy'))
@@ -230,7 +230,7 @@ def test_idle_trimmer_trims_once_after_idle_and_not_while_busy():
     """The trimmer's timing logic, on a stand-in pool (no GPU needed)."""
     import time
 
-    from model_factory.backend.memory_pool import IdleTrimmer
+    from model_factory.backend.memory.pool import IdleTrimmer
 
     class FakePool:
         closed = False

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from model_factory.backend.grouping import CostModel
-from model_factory.backend.memory_pool import PoolStats
-from model_factory.backend.executor import WindowStats
-from model_factory.backend.metrics import FAMILIES, PREFIX, BackendMetrics
+from model_factory.backend.batching.grouping import CostModel
+from model_factory.backend.memory.pool import PoolStats
+from model_factory.backend.batching.executor import WindowStats
+from model_factory.backend.operations.metrics import FAMILIES, PREFIX, BackendMetrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -220,7 +220,7 @@ def test_every_metric_is_documented():
 
 
 def test_a_cost_model_per_profile_is_published_per_profile():
-    from model_factory.backend.grouping import ProfileCostModel
+    from model_factory.backend.batching.grouping import ProfileCostModel
 
     FakeMetricFamily.created = []
     cost = ProfileCostModel((32, 128), (CostModel(1e-3, 1e-7, 0.0), CostModel(4e-3, 3e-7, 2e-9)))
@@ -234,8 +234,8 @@ def test_a_cost_model_per_profile_is_published_per_profile():
 
 
 def test_a_learning_estimator_is_published_with_its_uncertainty_and_resent_when_it_moves():
-    from model_factory.backend.adaptive_planner import PlanReport
-    from model_factory.backend.cost_estimator import CostEstimator
+    from model_factory.backend.batching.adaptive_planner import PlanReport
+    from model_factory.backend.batching.cost_estimator import CostEstimator
 
     FakeMetricFamily.created = []
     est = CostEstimator((128,), CostModel(2e-3, 1e-4, 0.0))

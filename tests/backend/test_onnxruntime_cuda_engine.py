@@ -141,7 +141,7 @@ def test_the_fake_uses_real_onnxruntime_names() -> None:
 
 
 def test_auto_on_a_gpu_instance_takes_onnxruntime_cuda_before_torch(tmp_path, monkeypatch) -> None:
-    from model_factory.backend import loading
+    from model_factory.backend.engines import loading
     from model_factory.backend.engines import onnxruntime as ort_engine
     from model_factory.backend.settings import parse_settings
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-BACKEND = Path(__file__).resolve().parents[2] / "backends" / "python_backend"
+BACKEND = Path(__file__).resolve().parents[2] / "backends" / "python_backend" / "operations"
 
 # The "server": starts the "stub", prints its pid, reaps it when it ends (as Triton does), then sleeps until killed.
 SERVER = """

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from model_factory.backend.quiet_start import request_path, requested
+from model_factory.backend.engines.quiet_start import request_path, requested
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
 
 _PRELUDE = """
 import json, os, sys, threading
-from model_factory.backend.quiet_start import at_normal_priority, run_quietly
+from model_factory.backend.engines.quiet_start import at_normal_priority, run_quietly
 
 def nice():
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -121,7 +121,7 @@ def test_an_engine_loaded_quietly_keeps_its_serving_threads_at_the_normal_priori
 import onnxruntime  # as in the stub's load: whatever importing it starts is not a serving thread
 import numpy as np
 from model_factory.backend.engines.onnxruntime import OnnxRuntimeEngine
-from model_factory.backend.idle_cores import BusyLedger
+from model_factory.backend.batching.idle_cores import BusyLedger
 before = threads()
 engine, lowered = run_quietly(lambda: OnnxRuntimeEngine(sys.argv[1] + "/m.onnx", threads=1, wide_threads=2,
                                                        ledger=BusyLedger(sys.argv[1] + "/ledger")))
@@ -203,7 +203,7 @@ def test_a_text_generation_graph_loaded_quietly_keeps_its_pool_at_the_normal_pri
     _tiny_causal_lm(tmp_path / "lm.onnx")
     got = _child("""
 import onnxruntime
-from model_factory.backend.causal_lm import CausalLM
+from model_factory.backend.generation.causal_lm import CausalLM
 before = threads()
 lm, lowered = run_quietly(lambda: CausalLM(sys.argv[1] + "/lm.onnx", threads=2))
 new = new_threads(before)

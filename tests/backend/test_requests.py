@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_factory.backend.requests import RequestError, decode_texts, items_from_tensors, items_from_texts
+from model_factory.backend.requests.items import RequestError, decode_texts, items_from_tensors, items_from_texts
 from model_factory.backend.settings import SettingsError, parse_settings
 
 CONFIG = {
@@ -127,7 +127,7 @@ def test_integrity_reads_once_and_refuses_changed_bytes(tmp_path, monkeypatch) -
 
 
 def test_reranker_pairs_are_tokenized_as_pairs() -> None:
-    from model_factory.backend.requests import items_from_text_inputs
+    from model_factory.backend.requests.items import items_from_text_inputs
 
     class FakeEncoding:
         def __init__(self, pair) -> None:

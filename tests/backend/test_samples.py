@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_factory.backend.samples import sample_feeds, sample_shape
+from model_factory.backend.requests.samples import sample_feeds, sample_shape
 from model_factory.backend.settings import parse_settings
 
 

@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from model_factory.backend.causal_lm import CausalLM
+from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.contract import GenerationSpec
-from model_factory.backend.kv_slots import KVSlots
-from model_factory.backend.sampling import SamplingParams
-from model_factory.backend.scheduler import Generation, QueueFull, Scheduler
+from model_factory.backend.generation.kv_slots import KVSlots
+from model_factory.backend.generation.sampling import SamplingParams
+from model_factory.backend.generation.scheduler import Generation, QueueFull, Scheduler
 from tests.generative_repository import agree_until_tie, generation_spec, reference_greedy
 
 
@@ -195,7 +195,7 @@ def test_preemption_never_admits_past_the_budget_whatever_the_arrivals(engine):
 def test_an_admission_that_fails_midway_loses_no_sequence(engine, monkeypatch):
     """Should the slots refuse a sequence the step chose (never expected), those not admitted wait again at the head
     of the queue, in order, the admitted ones are prefilled, and every sequence ends with all its tokens."""
-    from model_factory.backend.kv_slots import AdmissionError
+    from model_factory.backend.generation.kv_slots import AdmissionError
 
     spec, model, tok, _ = engine
     slots = KVSlots(spec, 8, 1 << 30)

@@ -74,7 +74,7 @@ def test_cpu_instances_split_the_cores_and_spin_only_when_they_fit() -> None:
 def test_available_cpus_honours_a_cgroup_quota(tmp_path) -> None:
     import os
 
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.loading import available_cpus
 
     cores = len(os.sched_getaffinity(0))
     quota = tmp_path / "cpu.max"

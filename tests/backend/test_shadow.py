@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from model_factory.backend.shadow import Tally, agreement, control_path, tally_path
+from model_factory.backend.operations.shadow import Tally, agreement, control_path, tally_path
 
 
 def test_identical_outputs_agree_fully_and_integer_outputs_are_not_scored() -> None:
@@ -52,7 +52,7 @@ def test_a_candidate_stub_runs_at_the_lowest_cpu_priority_and_a_served_one_does_
     import subprocess
     import sys
 
-    code = ("import os, sys; from model_factory.backend.shadow import yield_cores_if_candidate as y; "
+    code = ("import os, sys; from model_factory.backend.operations.shadow import yield_cores_if_candidate as y; "
             "print(y(sys.argv[1]), os.nice(0))")
     import os
 
@@ -62,7 +62,7 @@ def test_a_candidate_stub_runs_at_the_lowest_cpu_priority_and_a_served_one_does_
 
 
 def test_token_agreement_counts_the_same_tokens_from_the_first_over_the_longer_continuation() -> None:
-    from model_factory.backend.shadow import token_agreement
+    from model_factory.backend.operations.shadow import token_agreement
 
     assert token_agreement([5, 6, 7, 8], np.array([5, 6, 7, 8], dtype=np.int32)) == 1.0
     assert token_agreement([], []) == 1.0
@@ -74,7 +74,7 @@ def test_token_agreement_counts_the_same_tokens_from_the_first_over_the_longer_c
 
 def test_a_generate_request_read_back_from_its_mirrored_inputs_is_the_same_request() -> None:
     from model_factory.backend.contract import GenerationSpec
-    from model_factory.backend.generate_requests import read_generate_request, request_inputs
+    from model_factory.backend.generation.requests import read_generate_request, request_inputs
 
     spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
                           hidden_size=4, vocab_size=100, max_context=64, eos_token_ids=(2,))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_factory.backend import sandbox
+from model_factory.backend.operations import sandbox
 
 
 def test_serving_walls_grant_the_model_folder_scratch_and_no_processes(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 from model_factory.backend.engines import tensorrt as trt_engine
 from model_factory.backend.engines.base import Engine, EngineError
 from model_factory.backend.engines.tensorrt import TensorRTEngine
-from model_factory.backend.memory_pool import PoolStats, cuda_device_count
+from model_factory.backend.memory.pool import PoolStats, cuda_device_count
 
 PROFILES = [((1, 1), (8, 32)), ((1, 33), (8, 128))]  # (min, max) of input_ids per profile
 
@@ -361,7 +361,7 @@ def test_the_bindings_wheel_is_found_under_its_own_module_name(monkeypatch):
     """tensorrt-cu13-bindings (the serving image's engine) installs ``tensorrt_bindings``, not ``tensorrt``."""
     import types
 
-    from model_factory.backend.memory_pool import import_tensorrt
+    from model_factory.backend.memory.pool import import_tensorrt
 
     bindings = types.ModuleType("tensorrt_bindings")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
@@ -436,9 +436,9 @@ def test_fake_cuda_names_exist_in_cuda_bindings():
 def test_a_group_whose_buffers_would_not_fit_is_split_before_launch(fakes):
     """Memory-aware groups on the TensorRT engine: a group's input and output buffers against the memory free
     now (the driver's free plus the pool's cached bytes); one that does not fit is split, none is retried."""
-    from model_factory.backend.executor import GroupedExecutor
-    from model_factory.backend.grouping import CostModel
-    from model_factory.backend.memory_guard import guard_for
+    from model_factory.backend.batching.executor import GroupedExecutor
+    from model_factory.backend.batching.grouping import CostModel
+    from model_factory.backend.memory.guard import guard_for
 
     cuda, _ = fakes
     engine = _engine(fakes)

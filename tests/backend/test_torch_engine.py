@@ -148,7 +148,7 @@ def test_backend_package_imports_without_torch() -> None:
     import subprocess
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import model_factory.backend.engines.torch as t, model_factory.backend.loading\n"
+            "import model_factory.backend.engines.torch as t, model_factory.backend.engines.loading\n"
             "print(t.cuda_unavailable_reason(0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

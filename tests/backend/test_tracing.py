@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from model_factory.backend.executor import GroupedExecutor
-from model_factory.backend.grouping import CostModel
-from model_factory.backend.tracing import (Sampler, SpanExporter, TraceParent, encode_window, export_body,
+from model_factory.backend.batching.executor import GroupedExecutor
+from model_factory.backend.batching.grouping import CostModel
+from model_factory.backend.operations.tracing import (Sampler, SpanExporter, TraceParent, encode_window, export_body,
                                           parse_context, window_spans)
 
 import numpy as np
@@ -115,7 +115,7 @@ def test_a_queued_window_reaches_a_collector_as_its_spans() -> None:
 def test_a_window_that_finds_the_queue_full_is_counted_as_the_spans_it_would_have_made(monkeypatch) -> None:
     import socket
 
-    from model_factory.backend import tracing
+    from model_factory.backend.operations import tracing
 
     monkeypatch.setattr(tracing, "MAX_QUEUED", 1)
     with socket.socket() as s:  # a port nobody listens on

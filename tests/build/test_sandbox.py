@@ -137,7 +137,7 @@ def test_the_syscall_filter_is_a_whole_bpf_program(machine: str, no_new_processe
 
 SERVE_WALLS = """
 import os, socket, subprocess, sys, threading
-from model_factory.backend import sandbox
+from model_factory.backend.operations import sandbox
 sandbox.apply(sandbox.Walls(read=tuple(sys.argv[2:]), write=(sys.argv[1],), read_files=("/etc/ld.so.cache",),
                             no_new_processes=True))
 def attempt(name, fn):

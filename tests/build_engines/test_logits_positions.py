@@ -32,8 +32,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def test_the_rewritten_graph_serves_the_same_logits(graphs):
-    from model_factory.backend.causal_lm import CausalLM
-    from model_factory.backend.kv_slots import KVSlots
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.backend.generation.kv_slots import KVSlots
 
     _, whole, rewritten, spec = graphs
     prompts = _prompts(4)
@@ -58,8 +58,8 @@ def test_kept_bindings_give_the_logits_of_fresh_ones_step_after_step(graphs):
     """The engine keeps one I/O binding per KV view (rebinding only ids, mask, positions and a new logits array):
     eight decode steps, the batch shrinking midway as the scheduler's does, equal to fresh bindings bit for bit,
     and the logits a step returned untouched by the later steps."""
-    from model_factory.backend.causal_lm import CausalLM
-    from model_factory.backend.kv_slots import KVSlots
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.backend.generation.kv_slots import KVSlots
 
     _, _, rewritten, spec = graphs
     kept, fresh = CausalLM(rewritten, threads=1), CausalLM(rewritten, threads=1)

@@ -39,7 +39,7 @@ def test_user_errors_are_clean(args, message) -> None:
 def test_base_package_imports_without_heavy_dependencies() -> None:
     """Importing the package and building the CLI loads no torch, onnxruntime, tensorrt or CUDA."""
     code = ("import sys, model_factory, model_factory.recipe, model_factory.build.repository, model_factory.serving.server, "
-            "model_factory.cli.main, model_factory.backend.grouping; "
+            "model_factory.cli.main, model_factory.backend.batching.grouping; "
             "heavy = {'torch', 'onnxruntime', 'tensorrt', 'tensorrt_rtx', 'cuda', 'transformers', 'onnx'}; "
             "print(sorted(heavy & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

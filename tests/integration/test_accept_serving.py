@@ -11,7 +11,7 @@ def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> No
     from model_factory.measure.client import embed_texts
     from model_factory.serving.server import ServerOptions, start_verified_server
 
-    from model_factory.backend.cpu_features import integer_dot_product
+    from model_factory.backend.engines.cpu_features import integer_dot_product
 
     repo, policy = accept_repo
     # Without integer dot products `auto` would serve (and accept) the FP32 model packaged beside the clipped INT8
@@ -37,7 +37,7 @@ def test_serve_accept_refuses_the_models_that_fail_acceptance(accept_repo) -> No
 
 def test_serve_reports_engine_and_device_without_accept(accept_repo) -> None:
     """Engines, threads, and a plain note where INT8 is simulated in float (FP32 is faster there)."""
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.loading import available_cpus
     from model_factory.serving.server import ServerOptions, start_verified_server
 
     repo, policy = accept_repo

@@ -113,7 +113,7 @@ def test_every_model_verifies_accepts_and_serves(served) -> None:
 
 
 def test_roberta_has_no_token_type_input_and_its_bounds_travel_in_the_config(served) -> None:
-    from model_factory.backend.input_bounds import parse_bounds
+    from model_factory.backend.requests.input_bounds import parse_bounds
     from model_factory.build.repository import config_parameters, read_config
 
     config = read_config(served["repo"] / "roberta")

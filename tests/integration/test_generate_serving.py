@@ -160,7 +160,7 @@ def test_an_int8_cache_streams_batched_equal_its_graph_alone_on_the_kernel(serve
     attention on the factory's kernel (its log says so), and each stream's tokens are the same graph's greedy tokens
     for its prompt alone, on the kernel in this process, up to the first step whose top-two logits differ by less
     than 1e-3 there (float rounding of batched and lone matrix products may pick either)."""
-    from model_factory.backend.causal_lm import CausalLM
+    from model_factory.backend.generation.causal_lm import CausalLM
 
     server, _, _ = served
     prompts, max_tokens, _ = workload

@@ -68,8 +68,8 @@ NOT_ON_THE_DASHBOARD = {
 
 def backend_metric_names() -> set[str]:
     """Every metric family the backend defines: the batching backend's and the text-generation instance's."""
-    from model_factory.backend import generation_metrics as gen
-    from model_factory.backend.metrics import FAMILIES, PREFIX
+    from model_factory.backend.generation import metrics as gen
+    from model_factory.backend.operations.metrics import FAMILIES, PREFIX
 
     names = {PREFIX + short for short in FAMILIES}
     names |= {PREFIX + n + suffix for n in gen.HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
@@ -92,7 +92,7 @@ def test_every_metric_the_backend_defines_is_on_the_dashboard_or_allowed_off_it(
 def test_every_query_names_a_metric_of_a_real_scrape(triton):
     import urllib.request
 
-    from model_factory.backend.metrics import FAMILIES, PREFIX
+    from model_factory.backend.operations.metrics import FAMILIES, PREFIX
     from model_factory.measure.bench import parse_prometheus
 
     url = triton.metrics_url if "://" in triton.metrics_url else f"http://{triton.metrics_url}"
@@ -111,8 +111,8 @@ def test_every_query_names_a_metric_of_a_real_scrape(triton):
 
 def generation_series() -> set[str]:
     """Every series a text-generation instance exports (a histogram's _bucket, _sum and _count)."""
-    from model_factory.backend.generation_metrics import COUNTERS, GAUGES, HISTOGRAMS
-    from model_factory.backend.metrics import PREFIX
+    from model_factory.backend.generation.metrics import COUNTERS, GAUGES, HISTOGRAMS
+    from model_factory.backend.operations.metrics import PREFIX
 
     return ({PREFIX + h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
             | {PREFIX + name for name in (*COUNTERS, *GAUGES)})

@@ -170,7 +170,7 @@ serve = "int8"
             assert np.allclose(got[mask == 0], 0.0)
         # The backend says which precision it serves, and from which file: the 8-bit weights where the CPU has
         # integer dot products, the 7-bit form elsewhere (AVX2 only: 8-bit weights would saturate there).
-        from model_factory.backend.cpu_features import choose_int8_kernels
+        from model_factory.backend.engines.cpu_features import choose_int8_kernels
 
         served = "model.int8.w7.onnx" if choose_int8_kernels("auto", seven_bit=True)[1] == "7-bit" else "model.int8.onnx"
         assert f"big serves int8 on onnxruntime ({served})" in server.log_file.read_text(errors="replace")

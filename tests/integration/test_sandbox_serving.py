@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_factory.backend import sandbox
+from model_factory.backend.operations import sandbox
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not sandbox.support().complete,

@@ -124,7 +124,7 @@ def test_a_lone_client_borrows_the_idle_cores(triton, torch_reference) -> None:
     """Two CPU instances split the cores; a request alone in its window runs on every core (idle_cores)."""
     import time
 
-    from model_factory.backend.loading import available_cpus
+    from model_factory.backend.engines.loading import available_cpus
     from model_factory.measure import bench
     from model_factory.measure.client import embed_texts
 

@@ -44,7 +44,7 @@ def test_a_gpu_instance_is_accepted_where_it_loads_and_nowhere_else(tiny_llm, tm
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from model_factory.backend.memory_pool import cuda_device_count
+    from model_factory.backend.memory.pool import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("checks a GPU instance on a machine without a GPU")

@@ -93,7 +93,7 @@ def test_the_rollout_thread_yields_the_cores_and_leaves_the_others_as_they_were(
     import os
     import threading
 
-    from model_factory.backend.idle_cores import yield_cores as _yield_cores
+    from model_factory.backend.batching.idle_cores import yield_cores as _yield_cores
 
     seen = {}
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..memory_pool import CudaError, MemoryPool, check, release_stream, require_device, to_device, to_host
+from ..memory.pool import CudaError, MemoryPool, check, release_stream, require_device, to_device, to_host
 from .base import EngineError
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -128,7 +128,7 @@ def _cpu_session(ort: Any, source: str | bytes, options: Any, **kwargs: Any) -> 
 
     if options.intra_op_num_threads == 1:
         return make()
-    from ..quiet_start import at_normal_priority, in_quiet_start
+    from .quiet_start import at_normal_priority, in_quiet_start
 
     if in_quiet_start():
         session = _pool_then_initialize(ort, source, options, kwargs)
@@ -141,7 +141,7 @@ def _pool_then_initialize(ort: Any, source: str | bytes, options: Any, kwargs: d
     """The session made in two steps, as ``InferenceSession._create_inference_session`` makes it (onnxruntime 1.32): the C++
     session on the normal-priority worker, ``initialize_session`` on the calling thread. None where this
     onnxruntime lacks the pieces (the caller then makes the whole session on the worker)."""
-    from ..quiet_start import at_normal_priority
+    from .quiet_start import at_normal_priority
 
     c_api = getattr(getattr(ort, "capi", None), "_pybind_state", None)
     wrap = getattr(ort.InferenceSession, "_from_initialized_c_session", None)

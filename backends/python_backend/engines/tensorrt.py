@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..memory_pool import (
+from ..memory.pool import (
     CudaError,
     MemoryPool,
     TensorRTPoolAllocator,

@@ -193,7 +193,7 @@ class TorchCudaPool:
         }
 
     def stats(self) -> Any:
-        from ..memory_pool import PoolStats
+        from ..memory.pool import PoolStats
 
         s = self.raw_stats()
         return PoolStats(reserved=s["reserved_bytes"], used=s["used_bytes"], high_water=s["high_water_bytes"],

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # The gate check is the contract's: packaging (build side) makes the same check before it writes the package.
-from .contract import PRECISIONS, DegradeRefused, Files, Gate, onnx_file, plan_file, read_gate  # noqa: F401
+from ..contract import PRECISIONS, DegradeRefused, Files, Gate, onnx_file, plan_file, read_gate  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def degrade_settings(settings: Any, precision: str) -> Any:
 
 def report_text(model_dir: Any, version: str, digests: Mapping[str, str] | None) -> bytes | None:
     """``accuracy.json``'s verified bytes (None when the version has none)."""
-    from .integrity import read_checked
+    from ..integrity import read_checked
 
     relpath = f"{version}/{Files.ACCURACY}"
     if digests is not None and relpath not in digests:
@@ -78,9 +78,9 @@ def load_degrade_engine(version_dir: Any, settings: Any, instance_kind: str, dev
     """``(engine, info, gate)`` of the degrade precision, or :class:`DegradeRefused` (gate first, then files)."""
     from pathlib import Path
 
-    from .loading import load_engine
-    from .samples import warm_up
-    from .grouping import profile_for_length
+    from ..engines.loading import load_engine
+    from ..requests.samples import warm_up
+    from ..batching.grouping import profile_for_length
 
     version_dir = Path(version_dir)
     precision = settings.degrade_to
@@ -134,13 +134,13 @@ def build_degrader(settings: Any, version_dir: Any, args: Mapping[str, Any], seq
     from pathlib import Path
 
     from . import decisions
-    from .cost_learning import start_cost_model
-    from .executor import GroupedExecutor
-    from .grouping import profile_for_length
-    from .integrity import verified_digests
-    from .memory_guard import guard_for
-    from .samples import sample_feeds
-    from .settings import SettingsError
+    from ..batching.cost_learning import start_cost_model
+    from ..batching.executor import GroupedExecutor
+    from ..batching.grouping import profile_for_length
+    from ..integrity import verified_digests
+    from ..memory.guard import guard_for
+    from ..requests.samples import sample_feeds
+    from ..settings import SettingsError
 
     s, version_dir = settings, Path(version_dir)
     try:

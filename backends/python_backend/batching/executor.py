@@ -33,8 +33,8 @@ import numpy as np
 from .adaptive_planner import AdaptivePlanner, PlanReport
 from .cost_estimator import CostEstimator
 from .grouping import CostModel, ProfileCostModel, profile_for_length, token_counts
-from .memory_guard import MemoryGuard
-from .requests import Item
+from ..memory.guard import MemoryGuard
+from ..requests.items import Item
 
 Engine = object  # anything with input_names, output_names and run(feeds, profile)
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
-from .grouping import CostModel, plan_groups
+from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
 from .sampling import Sampler, SamplingError, SamplingParams
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
+from ..contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
 
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -82,7 +82,7 @@ class CausalLM:
         """``int8_attention`` (contract.INT8_ATTENTION), for a graph whose KV cache is INT8 on the CPU: ``auto`` runs
         its attention on the factory's kernel where it builds (``int8_attention.py``; else as packaged, the reason
         in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged."""
-        from .engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
+        from ..engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
         # Which kernel computes attention, and why (logged at load).
@@ -94,7 +94,7 @@ class CausalLM:
             problem = device_kv_problem(kv_types, precision)
             if problem:
                 self.session = None
-                from .engines.base import EngineError
+                from ..engines.base import EngineError
 
                 raise EngineError(problem)
         else:
@@ -151,7 +151,7 @@ class CausalLM:
             register(prepared, opts)
         except KernelUnavailable as e:
             if required:
-                from .engines.base import EngineError
+                from ..engines.base import EngineError
 
                 raise EngineError(f"int8_attention = \"kernel\" but the kernel cannot be used: {e}. Where it cannot "
                                   "be, set int8_attention = \"auto\" (ONNX Runtime's attention then)") from e

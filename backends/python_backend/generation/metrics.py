@@ -14,7 +14,7 @@ import bisect
 import threading
 from typing import Any, Mapping
 
-from .metrics import PREFIX
+from ..operations.metrics import PREFIX
 
 # Seconds: first tokens wait for a prefill (and, under load, for memory); token intervals are a decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

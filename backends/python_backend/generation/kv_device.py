@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .contract import KV_DTYPES, past_name
+from ..contract import KV_DTYPES, past_name
 from .kv_slots import AdmissionError
-from .memory_pool import check, require_device
+from ..memory.pool import check, require_device
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class DeviceKVBuffers:
     def __init__(self, spec: Any, slots: int, pool: Any, stream: Any = 0, max_context: int | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
-        from .memory_pool import cuda_runtime
+        from ..memory.pool import cuda_runtime
 
         self._rt = cuda_runtime()
         self.spec, self.slots, self.pool, self.stream = spec, int(slots), pool, stream

@@ -79,7 +79,7 @@ def request_id(kserve_id: str | None, parameters: str | Mapping[str, Any] | None
     """``(id, source)``: the request's KServe id, else its X-Request-ID header, else a generated one."""
     if kserve_id:
         return str(kserve_id), "client"
-    from .requests import request_parameters
+    from ..requests.items import request_parameters
 
     for key, value in request_parameters(parameters).items():  # HTTP keeps the header's case, gRPC lower case
         if str(key).lower() == REQUEST_ID_HEADER and value:

@@ -46,7 +46,7 @@ def yield_cores_if_candidate(model_name: str) -> bool:
     at the lowest CPU priority (nice 19) so that it takes the cores live traffic leaves. Called first in
     ``initialize``: the threads the engine starts afterwards inherit it (Linux keeps a nice value per thread).
     True when lowered."""
-    from .idle_cores import yield_cores
+    from ..batching.idle_cores import yield_cores
 
     return model_name.endswith(CANDIDATE_SUFFIX) and yield_cores()
 
@@ -64,7 +64,7 @@ def tally_path(folder: Path, model: str, instance: str) -> Path:
 
 def shadow_folder(environ: Mapping[str, str] | None = None) -> Path | None:
     """``$MODEL_FACTORY_RUNTIME_DIR/shadow``, or None when the server was not started by ``serve``."""
-    from .idle_cores import RUNTIME_DIR_ENV
+    from ..batching.idle_cores import RUNTIME_DIR_ENV
 
     env = os.environ if environ is None else environ
     base = env.get(RUNTIME_DIR_ENV, "").strip()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .contract import Files
-from .integrity import read_checked, verified_digests
+from ..contract import Files
+from ..integrity import read_checked, verified_digests
 
 
 def load_tokenizer(version_dir: Path, max_length: int, digests: Any = ...) -> Any:

@@ -12,10 +12,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .contract import TEXT_INPUT_NAMES
+from ..contract import TEXT_INPUT_NAMES
 from .input_bounds import check_bounds
 from .samples import NUMPY_DTYPES
-from .settings import Settings
+from ..settings import Settings
 
 Item = dict[str, np.ndarray]
 

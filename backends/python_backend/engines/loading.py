@@ -53,10 +53,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .contract import BACKEND_OUTPUTS, Files
-from .integrity import IntegrityError, copy_checked, read_checked, verified_digests
+from ..contract import BACKEND_OUTPUTS, Files
+from ..integrity import IntegrityError, copy_checked, read_checked, verified_digests
 from .cpu_features import Int8Refused, choose_int8_kernels
-from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
+from ..settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
 
 DATA_SUFFIX = Files.DATA_SUFFIX  # an ONNX file's external data (build_engines/onnx_files.py writes it)
@@ -102,7 +102,7 @@ def _gpu_plan(version_dir: Path, settings: Settings,
 def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, str] | None,
                       device_id: int | None = None, server_instance: bool = False):
     """ONNX Runtime on the CPU, or with ``device_id`` its CUDA provider on that GPU."""
-    from .engines.onnxruntime import OnnxRuntimeCudaEngine, OnnxRuntimeEngine
+    from .onnxruntime import OnnxRuntimeCudaEngine, OnnxRuntimeEngine
 
     model_dir, version = version_dir.parent, version_dir.name
     onnx_name = settings.onnx_file
@@ -147,7 +147,7 @@ def _load_onnxruntime(version_dir: Path, settings: Settings, digests: dict[str, 
         if device_id is None:
             ledger = None
             if wide:
-                from .idle_cores import BusyLedger, ledger_path
+                from ..batching.idle_cores import BusyLedger, ledger_path
 
                 ledger = BusyLedger(ledger_path())
             return OnnxRuntimeEngine(source, threads=threads, spinning=cpu_spinning(settings, cpus, threads),
@@ -187,8 +187,8 @@ def load_verified_onnx(version_dir: Path, onnx_file: str, digests: dict[str, str
 
 def _lending(version_dir: Path, settings: Settings, cpus: int, threads: int, data_name: str) -> tuple[int | None, str]:
     """``(wide threads or None, why)`` for a CPU instance (idle_cores.lending_plan)."""
-    from .engines.onnxruntime import FOLD_LIMIT_BYTES
-    from .idle_cores import lending_plan
+    from .onnxruntime import FOLD_LIMIT_BYTES
+    from ..batching.idle_cores import lending_plan
 
     if not settings.lend_idle_cores:
         return None, "off (lend_idle_cores = false)"
@@ -223,7 +223,7 @@ def instance_device(instance_kind: str, device_id: int) -> str:
 def torch_file(version_dir: Path, settings: Settings) -> Path:
     """The torch engine's file: the ExportedProgram (``model.pt2``) when the version has one and the
     configuration names no other file, else the configured one (a TorchScript trace from before)."""
-    from .engines.torch import EXPORTED_PROGRAM_FILE, TORCHSCRIPT_FILE
+    from .torch import EXPORTED_PROGRAM_FILE, TORCHSCRIPT_FILE
 
     program = version_dir / EXPORTED_PROGRAM_FILE
     if settings.torchscript_file == TORCHSCRIPT_FILE and program.is_file():
@@ -232,7 +232,7 @@ def torch_file(version_dir: Path, settings: Settings) -> Path:
 
 
 def _load_torch(version_dir: Path, settings: Settings, device: str, digests: dict[str, str] | None):
-    from .engines.torch import TorchEngine
+    from .torch import TorchEngine
 
     model_dir, version = version_dir.parent, version_dir.name
     file = torch_file(version_dir, settings).name
@@ -300,7 +300,7 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
                                    if skipped else ": build engines for it, or use engine=auto"))
         data = read_checked(model_dir, f"{version}/{plan.name}", digests)
         try:
-            from .engines.tensorrt import TensorRTEngine
+            from .tensorrt import TensorRTEngine
 
             engine = TensorRTEngine(data, device_id=device_id, settings=settings)
             return engine, {"flavour": "tensorrt", "file": plan.name, "device": f"cuda:{int(device_id)}",
@@ -314,7 +314,7 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
     elif settings.engine == "auto" and gpu and "fallback_from_tensorrt" not in fallback:
         fallback["fallback_from_tensorrt"] = f"no {settings.precision} plan in the version folder"
     if gpu and settings.engine in ("auto", "onnxruntime"):
-        from .engines.onnxruntime import cuda_provider_unavailable_reason
+        from .onnxruntime import cuda_provider_unavailable_reason
 
         why = cuda_provider_unavailable_reason()
         if why is None:  # checked before any bytes are read
@@ -334,7 +334,7 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
             fallback["fallback_from_torch"] = (f"no model.pt2 (or {settings.torchscript_file}) in the version folder (package with "
                                                "export.torchscript = true to serve with torch on the GPU)")
         else:
-            from .engines.torch import cuda_unavailable_reason
+            from .torch import cuda_unavailable_reason
 
             why = cuda_unavailable_reason(device_id)
             if why is None:
@@ -363,7 +363,7 @@ def load_engine(version_dir: Path, settings: Settings, instance_kind: str, devic
 
 def text_inputs(settings: Settings) -> tuple[str, ...]:
     """The model's text inputs (``text``, or ``query`` + ``passage``), tokenized by the backend."""
-    from .requests import TEXT_INPUTS
+    from ..requests.items import TEXT_INPUTS
 
     return tuple(i.name for i in settings.inputs if i.data_type == "TYPE_STRING" and i.name in TEXT_INPUTS)
 
@@ -376,8 +376,8 @@ def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, 
     packaged model: what passes here loads in Triton. A failing warm-up closes the engine and raises
     :class:`~.samples.WarmupError`.
     """
-    from .grouping import profile_for_length
-    from .samples import warm_up
+    from ..batching.grouping import profile_for_length
+    from ..requests.samples import warm_up
 
     if digests is _FROM_ENV:
         digests = verified_digests(Path(version_dir).parent.name, Path(version_dir).name)
@@ -385,7 +385,7 @@ def load_for_serving(version_dir: Path, settings: Settings, instance_kind: str, 
     try:
         tokenizer = None
         if text_inputs(settings):
-            from .tokenizer import load_tokenizer
+            from ..requests.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(Path(version_dir), settings.max_sequence_length, digests)
         warm_up(engine, settings, profile_for_length)

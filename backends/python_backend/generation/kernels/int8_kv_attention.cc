@@ -22,7 +22,7 @@
 // as q * scale.
 //
 // The ONNX Runtime API it calls is declared in ort_abi.h (the Python wheel ships no SDK headers). Built on the serving
-// host by backends/python_backend/int8_attention.py (g++ -O3 -march=native).
+// host by backends/python_backend/generation/int8_attention.py (g++ -O3 -march=native).
 
 #include <algorithm>
 #include <atomic>

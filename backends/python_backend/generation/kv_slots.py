@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .contract import KV_DTYPES, past_name
+from ..contract import KV_DTYPES, past_name
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4

@@ -24,8 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .contract import LONG_INPUTS
-from .requests import Item, RequestError, item_from_encoding, request_parameters
+from ..contract import LONG_INPUTS
+from .items import Item, RequestError, item_from_encoding, request_parameters
 
 
 class LongInputRefused(RequestError):

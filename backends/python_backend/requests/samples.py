@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .input_bounds import sample_value
-from .settings import Settings
+from ..settings import Settings
 
 # Triton's configuration dtypes, as numpy reads them in the stub (TYPE_STRING is text: never an engine input).
 NUMPY_DTYPES = {

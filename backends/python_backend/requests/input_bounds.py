@@ -4,7 +4,7 @@ An index-like input (token ids, token types, an attention mask, position ids, an
 feeds an embedding lookup) has a closed range of allowed values ``[low, high]``. Packaging finds them
 (the recipe's ``range``, the Hugging Face config, the ONNX graph's lookup tables) and writes them as one
 model parameter, ``input_bounds``: a JSON object ``{"<input>": [low, high], ...}``. The backend parses it
-once (:func:`parse_bounds`) and refuses a request holding a value outside its input's range
+once (:func:`parse_bounds`, in the contract) and refuses a request holding a value outside its input's range
 (:func:`check_bounds`) before anything reaches an engine: ONNX Runtime would fail the whole window on an
 index past a table (a 500), and a negative index would wrap to the end of the table (a wrong answer).
 
@@ -13,51 +13,15 @@ Standard library and numpy only: this module runs inside the Triton stub.
 
 from __future__ import annotations
 
-import json
 from typing import Mapping
 
 import numpy as np
 
-from .contract import format_bounds  # noqa: F401  (the writer's half lives in the contract, stdlib only)
-
-PARAMETER = "input_bounds"
+# The parameter's writer and reader live in the contract (standard library only); re-exported for callers here.
+from ..contract import BOUNDS_PARAMETER as PARAMETER  # noqa: F401
+from ..contract import BoundsError, bounds_from_parameters, format_bounds, parse_bounds  # noqa: F401
 
 Bounds = Mapping[str, tuple[int, int]]
-
-
-class BoundsError(ValueError):
-    """The ``input_bounds`` parameter cannot be read (the model is refused at load)."""
-
-
-
-
-def parse_bounds(text: str) -> dict[str, tuple[int, int]]:
-    """Parse the parameter's text ('' means no bounds); a malformed one raises :class:`BoundsError`."""
-    if not text.strip():
-        return {}
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise BoundsError(f"parameter {PARAMETER} is not JSON ({exc}): repackage the model") from None
-    if not isinstance(raw, dict):
-        raise BoundsError(f"parameter {PARAMETER} must be a JSON object of input -> [low, high]: repackage the model")
-    out = {}
-    for name, pair in raw.items():
-        ok = (isinstance(pair, list) and len(pair) == 2
-              and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) and pair[0] <= pair[1])
-        if not ok:
-            raise BoundsError(f"parameter {PARAMETER}: {name!r} has {pair!r}, expected [low, high] with "
-                              "whole numbers low <= high: repackage the model")
-        out[str(name)] = (int(pair[0]), int(pair[1]))
-    return out
-
-
-def bounds_from_parameters(params: Mapping[str, str], vocab_size: int | None = None) -> dict[str, tuple[int, int]]:
-    """The bounds of a model's string parameters: ``input_bounds``, and ``input_ids`` below ``vocab_size``."""
-    bounds = parse_bounds(params.get(PARAMETER, ""))
-    if vocab_size is not None:
-        bounds.setdefault("input_ids", (0, vocab_size - 1))
-    return bounds
 
 
 def check_bounds(name: str, values: np.ndarray, bounds: Bounds) -> str | None:

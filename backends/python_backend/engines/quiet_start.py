@@ -96,7 +96,7 @@ def run_quietly(fn: Callable[[], T], lower: Callable[[], bool] | None = None) ->
     and ``fn`` ran at the normal one. Exceptions from ``fn`` are raised here."""
     global _active
     if lower is None:
-        from .idle_cores import yield_cores as lower
+        from ..batching.idle_cores import yield_cores as lower
     worker = _NormalWorker()
     box: dict[str, Any] = {}
 

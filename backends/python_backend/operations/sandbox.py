@@ -377,7 +377,7 @@ def wall_in_stub(version_dir: Path, writable: tuple[str, ...] = (), readable_fil
     # Inside the server's own work folder where there is one (removed with it): a walled stub cannot remove its
     # scratch from the shared temporary folder (Landlock grants no removal in its parent), so one left there
     # per stub start would pile up.
-    from .idle_cores import RUNTIME_DIR_ENV
+    from ..batching.idle_cores import RUNTIME_DIR_ENV
 
     runtime = env.get(RUNTIME_DIR_ENV, "").strip()
     parent = Path(runtime) / "stub-scratch" if runtime and Path(runtime).is_dir() else None
