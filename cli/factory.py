@@ -250,7 +250,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
 
         try:
             frontend = OpenAIFrontend(server.http_url, generative_models(Path(repository), report.served), host,
-                                      openai_port).start()
+                                      openai_port, metrics_url=server.metrics_url).start()
         except BaseException:
             server.stop()
             raise

@@ -103,8 +103,9 @@ class OpenAIFrontend:
     """The frontend's aiohttp server, run on its own event-loop thread (:meth:`start` / :meth:`stop`)."""
 
     def __init__(self, triton_http: str, models: Mapping[str, ServedModel], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, metrics_url: str | None = None) -> None:
         self.triton = f"http://{triton_http}" if "://" not in triton_http else triton_http
+        self.metrics_url = metrics_url  # Triton's metrics port: /metrics answers from it (pool_metrics)
         self.models = dict(models)
         self.host, self.port = host, int(port)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,6 +152,7 @@ class OpenAIFrontend:
         app.on_response_prepare.append(_add_request_id)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -191,6 +193,12 @@ class OpenAIFrontend:
             ready = False
         return web.json_response({"status": "ok" if ready else "inference server not ready"},
                                  status=200 if ready else 503)
+
+    async def _metrics(self, request: Any) -> Any:
+        """The model-server protocol's metrics, for an InferencePool's endpoint picker (``pool_metrics``)."""
+        from model_factory.serving.pool_metrics import metrics_response
+
+        return await metrics_response(self._session, self.metrics_url, sorted(self.models))
 
     async def _list_models(self, request: Any) -> Any:
         _, web = _aiohttp()

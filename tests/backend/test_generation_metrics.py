@@ -41,3 +41,25 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.flush()
     assert FakeMetric.calls - before == sent  # nothing new: nothing sent
     m.close()
+
+
+def test_lora_adapters_start_at_none_and_an_adapter_no_longer_reported_goes_to_zero():
+    """What the OpenAI port's vllm:lora_requests_info is written from (model_factory/serving/pool_metrics.py)."""
+    m = GenerationMetrics(FakePbUtils, "llm", interval_s=None)
+    m.flush()
+    v = _values(m)
+    assert v[("lora_max_adapters", ())] == 0  # no adapters: max 0, no adapter series
+    assert not [k for k in v if k[0] == "lora_adapter_sequences"]
+    m.adapters({"support": 2, "code": 1}, {"contracts": 3}, 4)
+    m.flush()
+    v = _values(m)
+    assert v[("lora_max_adapters", ())] == 4
+    assert v[("lora_adapter_sequences", (("adapter", "support"), ("state", "running")))] == 2
+    assert v[("lora_adapter_sequences", (("adapter", "contracts"), ("state", "waiting")))] == 3
+    m.adapters({"contracts": 3}, {}, 4)
+    m.flush()
+    v = _values(m)
+    assert v[("lora_adapter_sequences", (("adapter", "support"), ("state", "running")))] == 0
+    assert v[("lora_adapter_sequences", (("adapter", "contracts"), ("state", "waiting")))] == 0
+    assert v[("lora_adapter_sequences", (("adapter", "contracts"), ("state", "running")))] == 3
+    m.close()

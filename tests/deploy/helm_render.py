@@ -35,6 +35,11 @@ CRD_SCHEMAS = {
     ("serving.kserve.io/v1alpha1", "ClusterStorageContainer"): "serving.kserve.io_clusterstoragecontainer_v1alpha1.json.gz",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproute_v1.json.gz",
     ("gateway.networking.k8s.io/v1", "GRPCRoute"): "gateway.networking.k8s.io_grpcroute_v1.json.gz",
+    # The Gateway API Inference Extension (schemas/SOURCES.md: its v1.6.0 release, llm-d-router v0.10.0).
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepool_v1.json.gz",
+    ("llm-d.ai/v1alpha2", "InferenceObjective"): "llm-d.ai_inferenceobjective_v1alpha2.json.gz",
+    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"):
+        "inference.networking.x-k8s.io_inferenceobjective_v1alpha2.json.gz",
 }
 
 DIGEST = "sha256:" + "ab" * 32
@@ -113,6 +118,23 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                       "grpc": {"parentRefs": [{"name": "inference", "namespace": "gateways",
                                                                "sectionName": "grpc"}]}}}},
                        "openai": {"enabled": True, "port": 9100}},
+    # LLM fleets behind the Gateway API Inference Extension (docs/fleet.md, "LLM fleets behind an InferencePool").
+    "inference-pool": {"openai": {"enabled": True, "port": 9100},
+                       "inferencePool": {"enabled": True,
+                                         "objectives": [{"name": "llama-3-8b", "priority": 0},
+                                                        {"name": "contract-review", "priority": 10}],
+                                         "httpRoute": {"parentRefs": [{"name": "inference", "namespace": "gateways",
+                                                                       "sectionName": "http"}],
+                                                       "hostnames": ["llm.example.internal"]}}},
+    "inference-pool-legacy-ha": {"openai": {"enabled": True},
+                                 "networkPolicy": {"clients": [{"podSelector": {"matchLabels": {"role": "gateway"}}}]},
+                                 "canary": {"enabled": True, "repository": {"subPath": "releases/8/x"}},
+                                 "inferencePool": {"enabled": True, "failureMode": "FailOpen",
+                                                   "objectiveApiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                                                   "objectives": [{"name": "tiny-llm"}],
+                                                   "httpRoute": {"parentRefs": [{"name": "inference"}],
+                                                                 "requestTimeout": ""},
+                                                   "endpointPicker": {"replicas": 2, "flags": {"v": 2}}}},
     "canary-gateway-http-only": {"canary": {"enabled": True, "repository": {"subPath": "releases/8/x"},
                                             "traffic": {"split": "gateway", "gateway": {
                                                 "weight": 0, "parentRefs": [{"name": "inference"}]}}}},

@@ -40,7 +40,7 @@ def mounts(c: dict) -> dict[str, dict]:
 # --------------------------------------------------------------------------- the engine and the validators
 
 
-@pytest.mark.parametrize("values_set", ["default", "factory", "s3", "canary-gateway"])
+@pytest.mark.parametrize("values_set", ["default", "factory", "s3", "canary-gateway", "inference-pool"])
 def test_helm_lint_passes_strictly(values_set: str) -> None:
     from helm_python import chart
 

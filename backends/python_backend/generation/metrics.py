@@ -38,7 +38,11 @@ GAUGES: dict[str, str] = {
     "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
     "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (prompt + max_tokens each).",
     "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",
+    "lora_max_adapters": "LoRA adapters one batch may hold (0: this instance serves none).",
 }
+# Sequences per LoRA adapter, label `adapter` and `state` (running, waiting): the OpenAI port's /metrics writes
+# the model-server protocol's vllm:lora_requests_info from them (model_factory/serving/pool_metrics.py).
+ADAPTER_SEQUENCES = ("lora_adapter_sequences", "Sequences of one LoRA adapter, by state (running, waiting).")
 
 
 class GenerationMetrics:
@@ -59,10 +63,14 @@ class GenerationMetrics:
             self._families[name] = family(name=PREFIX + name, description=description, kind=family.COUNTER)
         for name, description in GAUGES.items():
             self._families[name] = family(name=PREFIX + name, description=description, kind=family.GAUGE)
+        self._families[ADAPTER_SEQUENCES[0]] = family(name=PREFIX + ADAPTER_SEQUENCES[0],
+                                                      description=ADAPTER_SEQUENCES[1], kind=family.GAUGE)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, tuple], float] = {}
         self._gauges: dict[str, float] = {}
         self._sent_gauges: dict[str, float] = {}
+        self._adapters: dict[tuple[str, str], float] = {}
+        self._sent_adapters: dict[tuple[str, str], float] = {}
         for name, (_, buckets) in HISTOGRAMS.items():  # every series exists at 0 from load
             for le in (*buckets, float("inf")):
                 self._metric(name + "_bucket", le=_le(le))
@@ -139,6 +147,15 @@ class GenerationMetrics:
                                 kv_cache_reserved_bytes=float(usage.reserved_bytes),
                                 kv_cache_budget_bytes=float(usage.budget_bytes))
 
+    def adapters(self, running: Mapping[str, int], waiting: Mapping[str, int], max_adapters: int) -> None:
+        """The LoRA adapters of the running and waiting sequences (adapter -> sequences), and how many one batch may
+        hold. An adapter no longer reported goes to 0 (its series stays: Triton cannot drop one)."""
+        with self._lock:
+            now = {(a, "running"): float(n) for a, n in running.items()}
+            now.update({(a, "waiting"): float(n) for a, n in waiting.items()})
+            self._adapters = {**{k: 0.0 for k in self._sent_adapters}, **now}
+            self._gauges["lora_max_adapters"] = float(max_adapters)
+
     # ------------------------------------------------------------------ sending
 
     def _flusher(self) -> None:
@@ -154,10 +171,14 @@ class GenerationMetrics:
             pending, self._pending = self._pending, {}
             gauges = {k: v for k, v in self._gauges.items() if self._sent_gauges.get(k) != v}
             self._sent_gauges.update(gauges)
+            adapters = {k: v for k, v in self._adapters.items() if self._sent_adapters.get(k) != v}
+            self._sent_adapters.update(adapters)
         for (name, more), value in pending.items():
             self._metric(name, **dict(more)).increment(value)
         for name, value in gauges.items():
             self._metric(name).set(value)
+        for (adapter, state), value in adapters.items():
+            self._metric(ADAPTER_SEQUENCES[0], adapter=adapter, state=state).set(value)
 
     def close(self) -> None:
         self._stop.set()

@@ -179,3 +179,36 @@ seccompProfile:
   protocol: TCP
 {{- end }}
 {{- end -}}
+
+{{/* The Gateway API Inference Extension (docs/fleet.md, "LLM fleets behind an InferencePool"): the pool's name
+     (the release's), its endpoint picker's (<fullname>-epp) and the picker's pod labels. */}}
+{{- define "mf.eppName" -}}
+{{- printf "%s-epp" (include "mf.fullname" . | trunc 59 | trimSuffix "-") -}}
+{{- end -}}
+
+{{- define "mf.eppSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "mf.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: endpoint-picker
+{{- end -}}
+
+{{/* Checks of inferencePool.* the schema cannot make (they depend on other values). */}}
+{{- define "mf.inferencePoolChecks" -}}
+{{- $pool := .Values.inferencePool -}}
+{{- if not .Values.openai.enabled -}}
+{{- fail "inferencePool.enabled needs openai.enabled: the pool's target port is the OpenAI API's (its /v1 routes and /metrics)" -}}
+{{- end -}}
+{{- if include "mf.gatewaySplit" . -}}
+{{- fail "inferencePool.enabled with canary.traffic.split=gateway: two routes would claim /v1. Use canary.traffic.split=replicas (the pool then selects both tracks and the picker balances them)" -}}
+{{- end -}}
+{{- if not $pool.httpRoute.parentRefs -}}
+{{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway listener the HTTPRoute to the pool attaches to" -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $pool.objectives -}}
+{{- if hasKey $seen .name -}}
+{{- fail (printf "inferencePool.objectives: %q is listed twice" .name) -}}
+{{- end -}}
+{{- $_ := set $seen .name true -}}
+{{- end -}}
+{{- end -}}
