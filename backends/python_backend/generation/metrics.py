@@ -38,11 +38,14 @@ GAUGES: dict[str, str] = {
     "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
     "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (prompt + max_tokens each).",
     "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",
-    "lora_max_adapters": "LoRA adapters one batch may hold (0: this instance serves none).",
 }
-# Sequences per LoRA adapter, label `adapter` and `state` (running, waiting): the OpenAI port's /metrics writes
-# the model-server protocol's vllm:lora_requests_info from them (model_factory/serving/pool_metrics.py).
-ADAPTER_SEQUENCES = ("lora_adapter_sequences", "Sequences of one LoRA adapter, by state (running, waiting).")
+# LoRA adapters: the OpenAI port's /metrics writes the model-server protocol's vllm:lora_requests_info from them
+# (model_factory/serving/pool_metrics.py). The limit is 0 from load; a sequences series (labels `adapter`, `state`:
+# running, waiting) exists once an adapter was reported. No dashboard panel until adapters are served.
+ADAPTER_GAUGES: dict[str, str] = {
+    "lora_max_adapters": "LoRA adapters one batch may hold (0: this instance serves none).",
+    "lora_adapter_sequences": "Sequences of one LoRA adapter, by state (running, waiting).",
+}
 
 
 class GenerationMetrics:
@@ -63,8 +66,8 @@ class GenerationMetrics:
             self._families[name] = family(name=PREFIX + name, description=description, kind=family.COUNTER)
         for name, description in GAUGES.items():
             self._families[name] = family(name=PREFIX + name, description=description, kind=family.GAUGE)
-        self._families[ADAPTER_SEQUENCES[0]] = family(name=PREFIX + ADAPTER_SEQUENCES[0],
-                                                      description=ADAPTER_SEQUENCES[1], kind=family.GAUGE)
+        for name, description in ADAPTER_GAUGES.items():
+            self._families[name] = family(name=PREFIX + name, description=description, kind=family.GAUGE)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, tuple], float] = {}
         self._gauges: dict[str, float] = {}
@@ -79,7 +82,7 @@ class GenerationMetrics:
         for name in COUNTERS:
             if name != "generate_requests_total":
                 self._metric(name)
-        for name in GAUGES:
+        for name in (*GAUGES, "lora_max_adapters"):
             self._metric(name).set(0.0)
         self._stop = threading.Event()
         self._thread = None
@@ -178,7 +181,7 @@ class GenerationMetrics:
         for name, value in gauges.items():
             self._metric(name).set(value)
         for (adapter, state), value in adapters.items():
-            self._metric(ADAPTER_SEQUENCES[0], adapter=adapter, state=state).set(value)
+            self._metric("lora_adapter_sequences", adapter=adapter, state=state).set(value)
 
     def close(self) -> None:
         self._stop.set()
