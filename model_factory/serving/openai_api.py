@@ -32,6 +32,7 @@ from model_factory.errors import FactoryError
 from model_factory.serving.openai_protocol import (OpenAIError, chat_chunk, chat_request, chat_response,
                                                    completion_chunk, completion_request, completion_response,
                                                    new_id, openai_finish, triton_error, usage)
+from model_factory.serving.pool_metrics import ProtocolMetrics
 
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -152,11 +153,12 @@ class OpenAIFrontend:
         app.on_response_prepare.append(_add_request_id)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                               connector=aiohttp.TCPConnector(limit=0))
+        # The model-server protocol's metrics, for an InferencePool's endpoint picker.
+        app.router.add_get("/metrics", ProtocolMetrics(self._session, self.metrics_url, sorted(self.models)).response)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -193,12 +195,6 @@ class OpenAIFrontend:
             ready = False
         return web.json_response({"status": "ok" if ready else "inference server not ready"},
                                  status=200 if ready else 503)
-
-    async def _metrics(self, request: Any) -> Any:
-        """The model-server protocol's metrics, for an InferencePool's endpoint picker (``pool_metrics``)."""
-        from model_factory.serving.pool_metrics import metrics_response
-
-        return await metrics_response(self._session, self.metrics_url, sorted(self.models))
 
     async def _list_models(self, request: Any) -> Any:
         _, web = _aiohttp()

@@ -5,11 +5,13 @@ request by what it reads there: the extension's model-server protocol
 (gateway-api-inference-extension ``docs/proposals/003-model-server-protocol``) asks for the queued requests, the
 running requests and the KV-cache utilization (gauges), and the LoRA adapters' info metric; the picker reads them under
 vLLM's names (its default engine; llm-d-router v0.10.0's ``core-metrics-extractor``), so dashboards made for vLLM read
-them too. Triton's metrics port cannot serve these: it is another port, and its families carry Triton's labels.
+them too. Not on Triton's metrics port: Triton 2.51 accepts those names (``:`` included) from ``pb_utils``, but the
+picker reads the pool's target port only.
 
-Each scrape reads the text-generation backend's own gauges from Triton's metrics port (``generation/metrics.py``:
-``model_factory_{waiting,running}_sequences``, ``_kv_cache_{reserved,budget}_bytes``, the adapters'), sums them over
-a model's instances and writes, per served text-generation model (label ``model_name``, as vLLM does):
+It reads the text-generation backend's own gauges from Triton's metrics port (``generation/metrics.py``:
+``model_factory_{waiting,running}_sequences``, ``_kv_cache_{reserved,budget}_bytes``, the adapters'; one read serves
+the scrapes of 0.25 s), sums them over a model's instances and writes, per served text-generation model (label
+``model_name``, as vLLM does):
 
 ==============================  =====================================================================================
 ``vllm:num_requests_waiting``   requests queued, not yet admitted into the running batch (waiting for KV memory)
@@ -128,26 +130,63 @@ def exposition(loads: Mapping[str, ModelLoad], now: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def metrics_response(session, metrics_url: str | None, models: Sequence[str], timeout_s: float = 2.0):
-    """The frontend's ``/metrics`` answer: :func:`exposition` of one scrape of Triton's metrics port
-    (``metrics_url``, read with the frontend's aiohttp ``session``); 503 when that port cannot be read (a picker
-    then treats the pod's metrics as stale rather than as an idle pod)."""
-    import asyncio
+class ProtocolMetrics:
+    """The frontend's ``/metrics`` answer: :func:`exposition` of a read of Triton's metrics port (``metrics_url``,
+    with the frontend's aiohttp ``session``).
 
-    import aiohttp
-    from aiohttp import web
+    One read serves every scrape within ``max_age_s``: a picker scrapes each pod every 50 ms (llm-d-router's
+    ``--refresh-metrics-interval``), while the backend's gauges change once a second at most, and a read of Triton's
+    port writes every metric of every model. Concurrent scrapes share one read. 503 when the port cannot be read (a
+    picker then treats the pod's metrics as stale rather than as an idle pod); a failure is not kept.
+    """
 
-    from model_factory.errors import FactoryError
-    from model_factory.measure.bench import parse_prometheus
+    def __init__(self, session, metrics_url: str | None, models: Sequence[str], *, max_age_s: float = 0.25,
+                 timeout_s: float = 2.0, clock=time.monotonic) -> None:
+        self.session, self.metrics_url, self.models = session, metrics_url, list(models)
+        self.max_age_s, self.timeout_s, self.clock = float(max_age_s), float(timeout_s), clock
+        self.reads = 0
+        self._loads: dict[str, ModelLoad] | None = None
+        self._at = float("-inf")
+        self._lock = None  # an asyncio.Lock, made on the frontend's loop
 
-    if not metrics_url:
-        return web.Response(status=503, text="no Triton metrics port is known to this frontend\n")
-    try:
-        async with session.get(metrics_url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    async def _read(self) -> dict[str, ModelLoad]:
+        import aiohttp
+
+        from model_factory.measure.bench import parse_prometheus
+
+        self.reads += 1
+        async with self.session.get(self.metrics_url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
             if resp.status != 200:
                 raise ValueError(f"Triton's metrics port answered {resp.status}")
             text = await resp.text()
-        body = exposition(model_loads(parse_prometheus(text), models))
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, FactoryError) as exc:
-        return web.Response(status=503, text=f"cannot read Triton's metrics port: {exc}\n")
-    return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
+        return model_loads(parse_prometheus(text), self.models)
+
+    async def loads(self) -> dict[str, ModelLoad]:
+        """The models' loads, read again when the last read is older than ``max_age_s``."""
+        import asyncio
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._loads is None or self.clock() - self._at > self.max_age_s:
+                self._loads = None
+                self._loads = await self._read()
+                self._at = self.clock()
+            return self._loads
+
+    async def response(self, request=None):
+        """The aiohttp handler of ``GET /metrics``."""
+        import asyncio
+
+        import aiohttp
+        from aiohttp import web
+
+        from model_factory.errors import FactoryError
+
+        if not self.metrics_url:
+            return web.Response(status=503, text="no Triton metrics port is known to this frontend\n")
+        try:
+            body = exposition(await self.loads())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, FactoryError) as exc:
+            return web.Response(status=503, text=f"cannot read Triton's metrics port: {exc}\n")
+        return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})

@@ -71,3 +71,71 @@ def test_kv_usage_never_passes_one_and_names_are_escaped() -> None:
     assert ModelLoad(reserved_bytes=3.0, budget_bytes=2.0).kv_usage == 1.0
     text = exposition({'we"ird\\name': ModelLoad()})
     assert {s.labels["model_name"] for s in parse_prometheus(text)} == {'we"ird\\name'}
+
+
+class _Answer:
+    def __init__(self, status: int, text: str) -> None:
+        self.status, self._text = status, text
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def text(self) -> str:
+        return self._text
+
+
+class _Session:
+    """aiohttp's ClientSession.get as ProtocolMetrics uses it: one answer per read, counted."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers, self.urls = answers, []
+
+    def get(self, url, timeout=None):
+        self.urls.append(url)
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def _text(samples) -> str:
+    """Samples in the text format Triton's metrics port writes."""
+    lines = []
+    for s in samples:
+        labels = ",".join('%s="%s"' % kv for kv in s.labels.items())
+        lines.append(f"{s.name}{{{labels}}} {s.value}\n")
+    return "".join(lines)
+
+
+def test_one_read_of_tritons_port_serves_the_scrapes_within_max_age_and_a_failure_is_503_not_kept() -> None:
+    import asyncio
+
+    pytest.importorskip("aiohttp")
+    from model_factory.serving.pool_metrics import ProtocolMetrics
+
+    clock = [100.0]
+    busy, idle = _text(_backend("llm", "0", 3, 2, 1, 4)), _text(_backend("llm", "0", 0, 0, 0, 4))
+    session = _Session([_Answer(200, busy), ConnectionRefusedError("gone"), _Answer(200, idle)])
+    pm = ProtocolMetrics(session, "http://127.0.0.1:8002/metrics", ["llm"], max_age_s=0.25, clock=lambda: clock[0])
+
+    async def scrape() -> tuple[int, dict]:
+        resp = await pm.response()
+        if resp.status != 200:
+            return resp.status, {}
+        return 200, {s.name: s.value for s in parse_prometheus(resp.body.decode())}
+
+    async def run() -> None:
+        status, first = await scrape()
+        assert status == 200 and first[WAITING] == 3 and first[RUNNING] == 2 and first[KV_USAGE] == 0.25
+        clock[0] += 0.2  # within max_age: no new read
+        assert (await scrape())[1][WAITING] == 3 and pm.reads == 1
+        clock[0] += 0.1
+        assert (await scrape())[0] == 503  # the port is gone: not answered as an idle pod
+        status, values = await scrape()  # the failure was not kept: read again
+        assert status == 200 and values[WAITING] == values[RUNNING] == 0 and pm.reads == 3
+
+    asyncio.run(run())
+    assert session.urls == ["http://127.0.0.1:8002/metrics"] * 3
