@@ -42,6 +42,9 @@ def test_serve_accepts_then_serves_the_openai_api_and_stops_with_triton(tiny_llm
             headers={"Content-Type": "application/json"})
         body = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+        # serve hands the frontend Triton's metrics port: the endpoint picker's /metrics (test_pool_metrics_serving).
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        assert 'vllm:num_requests_running{model_name="llm"}' in metrics
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, err = proc.communicate(timeout=90)
