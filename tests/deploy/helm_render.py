@@ -119,7 +119,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                                "sectionName": "grpc"}]}}}},
                        "openai": {"enabled": True, "port": 9100}},
     # LLM fleets behind the Gateway API Inference Extension (docs/fleet.md, "LLM fleets behind an InferencePool").
-    "inference-pool": {"openai": {"enabled": True, "port": 9100},
+    "inference-pool": {"openai": {"enabled": True, "port": 9100}, "metrics": {"openaiPort": True},
                        "inferencePool": {"enabled": True,
                                          "objectives": [{"name": "llama-3-8b", "priority": 0},
                                                         {"name": "contract-review", "priority": 10}],
@@ -127,6 +127,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                                        "sectionName": "http"}],
                                                        "hostnames": ["llm.example.internal"]}}},
     "inference-pool-legacy-ha": {"openai": {"enabled": True},
+                                 "metrics": {"openaiPort": True, "serviceMonitor": {"enabled": False},
+                                             "podMonitor": {"enabled": True}},
                                  "networkPolicy": {"clients": [{"podSelector": {"matchLabels": {"role": "gateway"}}}]},
                                  "canary": {"enabled": True, "repository": {"subPath": "releases/8/x"}},
                                  "inferencePool": {"enabled": True, "failureMode": "FailOpen",

@@ -212,6 +212,32 @@ def test_a_restricted_network_policy_still_lets_the_picker_read_the_metrics() ->
     assert clients and {"port": port, "protocol": "TCP"} in clients[0]["ports"]
 
 
+@pytest.mark.parametrize("values_set", ["text-generation", *SETS])
+def test_prometheus_scrapes_the_protocol_metrics_only_when_asked(values_set: str) -> None:
+    """metrics.openaiPort: the ServiceMonitor / PodMonitor also scrape the OpenAI port's /metrics (vllm:* series for
+    dashboards made for vLLM), and the NetworkPolicy opens that port to the scrapers; off, neither."""
+    docs = objects(values_set)
+    on = VALUE_SETS[values_set].get("metrics", {}).get("openaiPort", False)
+    monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert monitors
+    openai_port = VALUE_SETS[values_set]["openai"].get("port", 9000)
+    for monitor in monitors:
+        endpoints = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+        assert ({"port": "openai", "path": "/metrics"} in [{"port": e["port"], "path": e["path"]} for e in endpoints]) == on
+        if monitor["kind"] == "ServiceMonitor":  # the Service names that port
+            service = find(docs, "Service", FULLNAME)
+            assert {"name": "openai", "port": openai_port} in [{"name": p["name"], "port": p["port"]}
+                                                               for p in service["spec"]["ports"]]
+        else:
+            pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+            assert "openai" in {p["name"] for c in pod["containers"] for p in c.get("ports", [])}
+    policy = find(docs, "NetworkPolicy")
+    scrapers = [r for r in policy["spec"]["ingress"] if r.get("from") == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]]
+    assert len(scrapers) == 1
+    assert ({"port": openai_port, "protocol": "TCP"} in scrapers[0]["ports"]) == on
+
+
 # --------------------------------------------------------------------------- the vendored schemas refuse
 
 
@@ -255,6 +281,7 @@ def _with(*more: dict) -> dict:
     (_with({"canary": {"enabled": True, "repository": {"subPath": "x"},
                        "traffic": {"split": "gateway", "gateway": {"parentRefs": [{"name": "gw"}]}}}}),
      "two routes would claim /v1"),
+    ({"metrics": {"openaiPort": True}}, "metrics.openaiPort needs openai.enabled"),
 ])
 def test_values_the_pool_cannot_work_with_are_refused(values: dict, message: str) -> None:
     with pytest.raises(Exception, match=re.escape(message)):
