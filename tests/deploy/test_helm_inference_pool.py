@@ -16,7 +16,8 @@ import re
 import pytest
 import yaml
 
-from .helm_render import FULLNAME, KUBE_VERSIONS, NAMESPACE, VALUE_SETS, find, objects, render, schema_errors, validate_object
+from .helm_render import (FULLNAME, KUBE_VERSIONS, NAMESPACE, VALUE_SETS, find, objects, render, schema_errors,
+                          validate_object)
 from .test_helm_canary import selects
 
 pytest.importorskip("helm_python", reason="pip install 'model-factory[test]' (helm-python-sdk renders the chart)")
@@ -160,12 +161,15 @@ def test_the_picker_may_read_what_it_watches_and_nothing_else(values_set: str) -
     binding = find(docs, "RoleBinding", EPP)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     role = find(docs, "Role", binding["roleRef"]["name"])
-    granted = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    objective_group = VALUE_SETS[values_set]["inferencePool"].get("objectiveApiVersion", "llm-d.ai/v1alpha2").split("/")[0]
-    for need in (("", "pods"), (POOL_GROUP, "inferencepools"), (objective_group, "inferenceobjectives")):
+    granted = {(g, r): set(rule["verbs"])
+               for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    api_version = VALUE_SETS[values_set]["inferencePool"].get("objectiveApiVersion", "llm-d.ai/v1alpha2")
+    for need in (("", "pods"), (POOL_GROUP, "inferencepools"), (api_version.split("/")[0], "inferenceobjectives")):
         assert {"get", "watch", "list"} <= granted[need], need
-    assert not [k for k, verbs in granted.items() if verbs & {"create", "update", "delete"} and k[0] != "coordination.k8s.io"
-                and k != ("", "events")]
+    # It writes nothing but, with more than one replica, its leader election's leases and events.
+    writes = {k for k, verbs in granted.items() if verbs & {"create", "update", "patch", "delete"}}
+    assert writes <= {("coordination.k8s.io", "leases"), ("", "events")}
+    assert bool(writes) == (find(docs, "Deployment", EPP)["spec"]["replicas"] > 1)
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
 
