@@ -43,6 +43,18 @@ CRD_SCHEMAS = {
 }
 
 DIGEST = "sha256:" + "ab" * 32
+# An EndpointPickerConfig of one's own (inferencePool.endpointPicker.pluginsConfig).
+PICKER_CONFIG = """apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: metrics-data-source
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+"""
 # Every documented option (values.yaml, docs/fleet.md), each rendered once per test session.
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -136,7 +148,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                    "objectives": [{"name": "tiny-llm"}],
                                                    "httpRoute": {"parentRefs": [{"name": "inference"}],
                                                                  "requestTimeout": ""},
-                                                   "endpointPicker": {"replicas": 2, "flags": {"v": 2}}}},
+                                                   "endpointPicker": {"replicas": 2, "flags": {"v": 2},
+                                                                      "pluginsConfig": PICKER_CONFIG}}},
     "canary-gateway-http-only": {"canary": {"enabled": True, "repository": {"subPath": "releases/8/x"},
                                             "traffic": {"split": "gateway", "gateway": {
                                                 "weight": 0, "parentRefs": [{"name": "inference"}]}}}},

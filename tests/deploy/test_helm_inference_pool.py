@@ -125,14 +125,20 @@ def test_the_picker_watches_this_pool_with_the_configuration_it_mounts(values_se
     mount = next(m for m in container["volumeMounts"] if config.startswith(m["mountPath"] + "/"))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     data = find(docs, "ConfigMap", volume["configMap"]["name"])["data"]
-    plugins = yaml.safe_load(data[config.rsplit("/", 1)[1]])
+    text = data[config.rsplit("/", 1)[1]]
+    plugins = yaml.safe_load(text)
     assert plugins["kind"] == "EndpointPickerConfig" and plugins["apiVersion"] == "llm-d.ai/v1alpha1"
     types = {p["type"]: p for p in plugins["plugins"]}
     # Scrapes /metrics on the pool's target port, read as the default engine's (vLLM's) names.
-    assert types["metrics-data-source"]["parameters"]["path"] == "/metrics"
+    assert types["metrics-data-source"].get("parameters", {}).get("path", "/metrics") == "/metrics"
     assert "defaultEngine" not in types["core-metrics-extractor"].get("parameters", {})
     refs = {p["pluginRef"] for prof in plugins["schedulingProfiles"] for p in prof["plugins"]}
-    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= refs <= set(types)
+    assert "queue-scorer" in refs and refs <= set(types)
+    own = VALUE_SETS[values_set]["inferencePool"].get("endpointPicker", {}).get("pluginsConfig")
+    if own:  # one's own configuration, whole
+        assert text == own
+    else:  # by queue and KV cache; no prefix affinity (the server reuses no prefixes)
+        assert refs == {"queue-scorer", "kv-cache-utilization-scorer"} and "prefix-cache-scorer" not in types
     # Hardened like the serving pods, by digest, air-gapped registry by default.
     assert container["image"].startswith("registry.example.internal/") and "@sha256:" in container["image"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
