@@ -365,15 +365,21 @@ GENERATE_INPUTS = (
     TritonTensor("seed", "TYPE_INT64", (1,), optional=True),
     TritonTensor("stop", "TYPE_STRING", (-1,), optional=True),
     TritonTensor("exclude_input_in_output", "TYPE_BOOL", (1,), optional=True),
-    # vLLM backend style: the sampling parameters as one JSON object (explicit inputs win over it).
+    # vLLM backend style: the sampling parameters as one JSON object (explicit inputs win over it). Read from it
+    # only: presence_penalty, frequency_penalty (-2..2), logit_bias ({"token id": -100..100}), stop_token_ids,
+    # logprobs (0..20: the chosen token's log-probability and that many alternatives, from the raw logits) and
+    # n (1..128 sequences of the prompt, prefilled once: generation/sampling.py, scheduler.py).
     TritonTensor("sampling_parameters", "TYPE_STRING", (1,), optional=True),
 )
+# One entry a choice where a response holds several (n > 1, not streamed; streamed: one choice a response).
 GENERATE_OUTPUTS = (
     TritonTensor("text_output", "TYPE_STRING", (-1,)),
-    TritonTensor("output_ids", "TYPE_INT32", (-1,)),
-    TritonTensor("finish_reason", "TYPE_STRING", (1,)),  # "" while streaming; then stop | length | cancelled
+    TritonTensor("output_ids", "TYPE_INT32", (-1,)),  # not streamed with n > 1: the choices' ids one after another
+    TritonTensor("finish_reason", "TYPE_STRING", (-1,)),  # "" while streaming; then stop | length | cancelled
     TritonTensor("num_input_tokens", "TYPE_INT32", (1,)),
-    TritonTensor("num_output_tokens", "TYPE_INT32", (1,)),
+    TritonTensor("num_output_tokens", "TYPE_INT32", (-1,)),
+    TritonTensor("index", "TYPE_INT32", (-1,)),  # the choice each entry is (sent when n > 1)
+    TritonTensor("logprobs", "TYPE_STRING", (-1,)),  # a JSON list per choice (sent when logprobs is asked)
 )
 
 

@@ -11,6 +11,14 @@ carrying the finish reason; a request with ``stream`` false gets exactly one res
 endpoint accepts nothing else). A client that goes away (``is_cancelled()``) frees its slot at the step after
 the watcher saw it (within 50 ms).
 
+A request with ``n`` choices (``sampling_parameters``) runs as ``n`` sequences (``scheduler.Generation.index``,
+choice 0 the leader whose prefill the others share; choice ``i``'s seed ``sampling.choice_seed``): streamed, each
+response is one choice's delta with its ``index``, the last one to finish flagged final; not streamed, one
+response holds every choice (``text_output``, ``finish_reason``, ``num_output_tokens``, ``index`` one entry a
+choice; ``output_ids`` the choices' ids one after the other). With ``logprobs`` asked, ``logprobs`` holds a JSON
+list a choice entry: per token its id, text, bytes, log-probability and the top alternatives (each token's text
+made here, on the response thread: ``detokenize.TokenTexts``).
+
 Load: ``generation.json`` (``contract.GenerationSpec``), the served precision's ONNX file and its tokenizer,
 each read through the integrity check; the KV slots sized from ``memory_budget_mib`` less the weights; the
 prefill cost model measured by a short warm-up (or the configured ``cost_model`` constants).
@@ -25,6 +33,8 @@ the fix, unless the recipe allows the CPU (``allow_cpu_fallback``): then it serv
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import threading
 import time
@@ -43,7 +53,8 @@ from .batching.grouping import CostModel, measure_cost_model
 from .integrity import read_checked, verified_digests
 from .generation.kv_slots import KVSlots
 from .engines.loading import available_cpus, load_verified_onnx
-from .generation.sampling import SamplingError
+from .generation.detokenize import TokenTexts
+from .generation.sampling import SamplingError, choice_seed
 from .generation.scheduler import Generation, QueueFull, Scheduler, TokenEvent
 from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
@@ -140,6 +151,7 @@ class GenerativeModel:
         # token's response (the loop hands over a _Delta; the response thread makes the tensors).
         self.cancels = CancelWatch(log_error=pb_utils.Logger.log_error)
         self.responses = ResponseDispatcher(self._send, pb_utils.Logger.log_error)
+        self._token_texts = TokenTexts(self.tokenizer)  # the response thread's, for log-probabilities
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._engine_loop, name="mf-engine-loop", daemon=True)
         self._loop.start()
@@ -219,10 +231,7 @@ class GenerativeModel:
                 continue
             cancelled = self.cancels.watch(request.is_cancelled)
             try:
-                gen = Generation(list(req.prompt_ids), req.params,
-                                 self._mirrored(self._emitter(sender, req, cancelled.close), req),
-                                 is_cancelled=cancelled)
-                self.scheduler.submit(gen)
+                self.scheduler.submit_all(self._choices(req, sender, cancelled))
             except SamplingError as exc:
                 cancelled.close()
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
@@ -239,12 +248,25 @@ class GenerativeModel:
         response = self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
         self.responses.dispatch([sender], [(response, self._final)])
 
+    def _choices(self, req: GenerateRequest, sender: Any, cancelled: Any) -> list[Generation]:
+        """The request's sequences: one, or its ``n`` choices (choice 0 the leader; each its own seed)."""
+        closed = threading.Event()  # set once the request is answered: its other choices stop at the next step
+        emit = self._emitter(sender, req, lambda: (closed.set(), cancelled.close()))
+        if req.params.n == 1:
+            return [Generation(list(req.prompt_ids), req.params, self._mirrored(emit, req), is_cancelled=cancelled)]
+        gens: list[Generation] = []
+        for index in range(req.params.n):
+            params = dataclasses.replace(req.params, seed=choice_seed(req.params.seed, index))
+            gens.append(Generation(list(req.prompt_ids), params, emit, index=index, leader=gens[0] if gens else None,
+                                   is_cancelled=lambda: closed.is_set() or cancelled()))
+        return gens
+
     def _mirrored(self, emit, req: GenerateRequest):
         """``emit``, and while a rollout mirrors this model, its continuation offered to the shadow once it ended
         (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed; the
         mirror drops it if that rollout has stopped by then)."""
         control = self.shadow.active()
-        if control is None or not (req.params.greedy or req.params.seed is not None):
+        if control is None or req.params.n > 1 or not (req.params.greedy or req.params.seed is not None):
             return emit
 
         def emit_and_offer(gen: Generation, event: TokenEvent) -> None:
@@ -256,34 +278,62 @@ class GenerativeModel:
         return emit_and_offer
 
     def _emitter(self, sender: Any, req: GenerateRequest, answered: Callable[[], None] = lambda: None):
-        """What a step's event for this request sends: a delta per token when streaming, else one response;
-        ``answered`` is called with the final one."""
-        pieces: list[str] = [req.prompt_text] if (not req.stream and not req.exclude_input and req.prompt_text) else []
-        ids: list[int] = []
-        n_in = len(req.prompt_ids)
+        """What a step's event for one of this request's sequences sends: a delta per token when streaming (its
+        choice's index with it when ``n`` > 1), else one response once every choice ended; ``answered`` is
+        called with the final one."""
+        n, n_in = req.params.n, len(req.prompt_ids)
+        with_lp = req.params.logprobs is not None
+        prefix = ""
+        if not req.stream and not req.exclude_input:
+            prefix = req.prompt_text if req.prompt_text is not None else (
+                self.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False) if self.tokenizer else "")
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[Any]] = [[] for _ in range(n)]
+        reasons = [""] * n
+        state = {"done": 0, "closed": False}
 
         def emit(gen: Generation, event: TokenEvent) -> None:
-            final = event.finish_reason is not None or event.error is not None
-            if final:
-                answered()
+            if state["closed"]:
+                return
+            i = gen.index
             if event.error is not None:
+                state["closed"] = True
+                answered()
                 response = self.pb.InferenceResponse(error=self.pb.TritonError(event.error))
                 self.responses.dispatch([sender], [(response, self._final)])
                 return
+            if event.finish_reason is not None:
+                state["done"] += 1
+                reasons[i] = event.finish_reason
+            last = state["done"] == n
+            if last:
+                state["closed"] = True
+                answered()
             if req.stream:
-                out_text, out_ids = event.text, ([] if event.token is None else [event.token])
-            else:
-                if event.token is not None:
-                    ids.append(event.token)
-                pieces.append(event.text)
-                if not final:
+                if event.finish_reason == "cancelled":  # nobody listens: close the stream without a payload
+                    if last:
+                        self.responses.dispatch([sender], [(None, self._final)])
                     return
-                out_text, out_ids = "".join(pieces), ids
-            if event.finish_reason == "cancelled":  # nobody listens: close the stream without a payload
+                choice = _Choice(i, event.text, () if event.token is None else (event.token,),
+                                 event.finish_reason or "", len(gen.generated),
+                                 (event.logprobs,) if with_lp and event.logprobs is not None else ())
+                self.responses.dispatch([sender], [(_Delta((choice,), n_in, n > 1, with_lp),
+                                                    self._final if last else 0)])
+                return
+            if event.token is not None:
+                ids[i].append(event.token)
+                if with_lp and event.logprobs is not None:
+                    lps[i].append(event.logprobs)
+            pieces[i].append(event.text)
+            if not last:
+                return
+            if "cancelled" in reasons:
                 self.responses.dispatch([sender], [(None, self._final)])
                 return
-            delta = _Delta(out_text, tuple(out_ids), event.finish_reason or "", n_in, len(gen.generated))
-            self.responses.dispatch([sender], [(delta, self._final if final else 0)])
+            choices = tuple(_Choice(k, prefix + "".join(pieces[k]), tuple(ids[k]), reasons[k], len(ids[k]),
+                                    tuple(lps[k])) for k in range(n))
+            self.responses.dispatch([sender], [(_Delta(choices, n_in, n > 1, with_lp), self._final)])
 
         return emit
 
@@ -291,14 +341,34 @@ class GenerativeModel:
         """The response thread's send: a _Delta becomes its response here, off the engine loop."""
         payload, flags = item
         if isinstance(payload, _Delta):
-            payload = self.pb.InferenceResponse(output_tensors=[
-                self.pb.Tensor("text_output", np.array([payload.text.encode("utf-8")], dtype=np.object_)),
-                self.pb.Tensor("output_ids", np.asarray(payload.ids, dtype=np.int32)),
-                self.pb.Tensor("finish_reason", np.array([payload.finish_reason.encode()], dtype=np.object_)),
+            cs = payload.choices
+            tensors = [
+                self.pb.Tensor("text_output", np.array([c.text.encode("utf-8") for c in cs], dtype=np.object_)),
+                self.pb.Tensor("output_ids", np.asarray([t for c in cs for t in c.ids], dtype=np.int32)),
+                self.pb.Tensor("finish_reason", np.array([c.finish_reason.encode() for c in cs], dtype=np.object_)),
                 self.pb.Tensor("num_input_tokens", np.array([payload.input_tokens], dtype=np.int32)),
-                self.pb.Tensor("num_output_tokens", np.array([payload.output_tokens], dtype=np.int32)),
-            ])
+                self.pb.Tensor("num_output_tokens", np.array([c.output_tokens for c in cs], dtype=np.int32)),
+            ]
+            if payload.indexed:
+                tensors.append(self.pb.Tensor("index", np.array([c.index for c in cs], dtype=np.int32)))
+            if payload.logprobs:
+                tensors.append(self.pb.Tensor("logprobs", np.array(
+                    [json.dumps(self._logprob_entries(c)).encode("utf-8") for c in cs], dtype=np.object_)))
+            payload = self.pb.InferenceResponse(output_tensors=tensors)
         sender.send(payload, flags=flags)
+
+    def _logprob_entries(self, choice: "_Choice") -> list[dict]:
+        """One choice's tokens with their log-probabilities, as the ``logprobs`` output's JSON holds them."""
+        texts = self._token_texts
+        out = []
+        for token, lp in zip(choice.ids, choice.logprobs):
+            text, raw = texts(token)
+            top = []
+            for alt, alt_lp in zip(lp.top_ids, lp.top_logprobs):
+                alt_text, alt_raw = texts(alt)
+                top.append({"id": alt, "token": alt_text, "bytes": alt_raw, "logprob": alt_lp})
+            out.append({"id": token, "token": text, "bytes": raw, "logprob": lp.logprob, "top": top})
+        return out
 
     def _engine_loop(self) -> None:
         while not self._stop.is_set():
@@ -480,14 +550,26 @@ def load_on_gpu(version_dir: Path, s: Settings, digests: Any, spec: GenerationSp
 
 
 @dataclass(frozen=True)
-class _Delta:
-    """One response's content, as the engine loop hands it to the response thread."""
+class _Choice:
+    """One choice's part of a response: its text (a delta when streaming), ids, finish reason, tokens so far and,
+    when asked, each token's log-probabilities."""
 
+    index: int
     text: str
     ids: tuple[int, ...]
     finish_reason: str
-    input_tokens: int
     output_tokens: int
+    logprobs: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """One response's content, as the engine loop hands it to the response thread."""
+
+    choices: tuple[_Choice, ...]
+    input_tokens: int
+    indexed: bool = False  # the index output (a request with n > 1)
+    logprobs: bool = False  # the logprobs output (asked)
 
 
 def _input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:

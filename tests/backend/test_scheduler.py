@@ -11,7 +11,7 @@ import pytest
 from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.contract import GenerationSpec
 from model_factory.backend.generation.kv_slots import KVSlots
-from model_factory.backend.generation.sampling import SamplingParams
+from model_factory.backend.generation.sampling import SamplingError, SamplingParams
 from model_factory.backend.generation.scheduler import Generation, QueueFull, Scheduler
 from tests.generative_repository import agree_until_tie, generation_spec, reference_greedy
 
@@ -255,3 +255,87 @@ def test_grouping_by_max_tokens_admits_the_smallest_bucket_first_until_one_waite
     assert run(60.0) == ["running", "short-a", "short-b", "mid", "long-a"]
     # Grouped, a bound every waiting request reaches before the budget frees: arrival order again.
     assert run(0.05) == ["running", "long-a", "short-a", "mid", "short-b"]
+
+
+class _CountingModel:
+    """The engine, with the contexts each prefill launched recorded."""
+
+    def __init__(self, model):
+        self.model, self.prefilled = model, []
+
+    def prefill(self, contexts, views):
+        self.prefilled.append([len(c) for c in contexts])
+        return self.model.prefill(contexts, views)
+
+    def decode(self, *args):
+        return self.model.decode(*args)
+
+
+def _siblings(prompt, params, n, emit):
+    import dataclasses
+
+    from model_factory.backend.generation.sampling import choice_seed
+
+    gens = []
+    for i in range(n):
+        gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)), emit,
+                               index=i, leader=gens[0] if gens else None))
+    return gens
+
+
+def test_n_choices_share_one_prefill_and_equal_each_choice_run_alone(engine):
+    spec, model, tok, _ = engine
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    for params in (SamplingParams(max_tokens=12, min_tokens=12),
+                   SamplingParams(max_tokens=12, min_tokens=12, temperature=0.9, top_k=40, seed=77, logprobs=2)):
+        counting = _CountingModel(model)
+        events, emit = _collector()
+        sched = Scheduler(counting, KVSlots(spec, 8, 1 << 26), tok, spec.eos_token_ids)
+        other = sched.submit(Generation([40, 41], SamplingParams(max_tokens=5, min_tokens=5), emit))
+        gens = sched.submit_all(_siblings(prompt, params, 3, emit))
+        _run_all(sched, gens)
+        # One launch: the other request's prompt and the leader's; the two siblings copied the leader's cache.
+        assert sorted(n for launch in counting.prefilled for n in launch) == [2, 7] and len(other.generated) == 5
+        alone = []
+        for gen in gens:
+            _, emit2 = _collector()
+            solo = Scheduler(model, KVSlots(spec, 2, 1 << 26), tok, spec.eos_token_ids)
+            g = solo.submit(Generation(list(prompt), gen.params, emit2))
+            _run_all(solo, [g])
+            alone.append(g.generated)
+        assert [g.generated for g in gens] == alone
+        if params.greedy:
+            assert alone[0] == alone[1] == alone[2]
+        else:
+            assert len({tuple(a) for a in alone}) > 1  # each choice its own seed
+            assert all(e.logprobs is not None and len(e.logprobs.top_ids) == 2
+                       for g in gens for e in events[id(g)])
+        assert sched.slots.active == 0
+
+
+def test_n_choices_are_queued_together_or_not_at_all(engine):
+    spec, model, tok, _ = engine
+    _, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 2, 1 << 26), tok, spec.eos_token_ids, max_waiting=1)
+    with pytest.raises(SamplingError, match="n=4"):
+        sched.submit_all(_siblings([5], SamplingParams(max_tokens=3), 4, emit))
+    sched.submit_all(_siblings([5], SamplingParams(max_tokens=3), 3, emit))
+    with pytest.raises(QueueFull):
+        sched.submit_all(_siblings([5], SamplingParams(max_tokens=3), 2, emit))
+    assert len(sched._arrivals) == 3
+
+
+def test_a_stop_token_id_ends_the_sequence_without_its_text(engine):
+    spec, model, tok, _ = engine
+    events, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 2, 1 << 26), tok, spec.eos_token_ids)
+    first = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=6, min_tokens=6), emit))
+    _run_all(sched, [first])
+    stop_at = first.generated[3]
+    events, emit = _collector()
+    sched = Scheduler(model, KVSlots(spec, 2, 1 << 26), tok, spec.eos_token_ids)
+    gen = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=(stop_at,)), emit))
+    _run_all(sched, [gen])
+    cut = first.generated.index(stop_at)
+    assert gen.generated == first.generated[:cut + 1] and events[id(gen)][-1].finish_reason == "stop"
+    assert events[id(gen)][-1].text == "" or tok.decode([stop_at]) not in events[id(gen)][-1].text

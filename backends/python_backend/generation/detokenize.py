@@ -82,3 +82,49 @@ class StopMatcher:
         """The held-back tail, at the end of a sequence that did not stop on a string."""
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
+
+
+class TokenTexts:
+    """Each token's own text and bytes, for log-probabilities (OpenAI's ``token`` and ``bytes``): the token
+    decoded alone; a byte-level piece that holds part of a UTF-8 character gives its raw bytes (GPT-2's byte
+    alphabet, or SentencePiece's ``<0xNN>`` fallback) and the text ``bytes:\\xNN...``, as OpenAI writes them.
+    Cached per id (the vocabulary at most)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._unbyte = {c: b for b, c in _byte_alphabet().items()}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        got = self._cache.get(token)
+        if got is None:
+            got = self._cache[token] = self._text(int(token))
+        return got
+
+    def _text(self, token: int) -> tuple[str, list[int]]:
+        if self._tok is None:
+            return f"<{token}>", []
+        text = self._tok.decode([token], skip_special_tokens=False)
+        if REPLACEMENT not in text:
+            return text, list(text.encode("utf-8"))
+        piece = self._tok.id_to_token(token) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            raw = bytes([int(piece[3:5], 16)])
+        elif piece and all(c in self._unbyte for c in piece):
+            raw = bytes(self._unbyte[c] for c in piece)
+        else:
+            raw = text.encode("utf-8")
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte as the printable character its pieces spell it with."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}

@@ -190,6 +190,13 @@ class KVSlots:
         self.storage.give_back(last)
         return moved
 
+    def copy(self, dst: int, src: int, length: int) -> None:
+        """Slot ``src``'s first ``length`` tokens into slot ``dst`` (both active): a prompt prefilled once, shared
+        by the sibling sequences of a request with ``n`` choices."""
+        if not (0 <= dst < self.active and 0 <= src < self.active) or dst == src:
+            raise IndexError(f"copy {src} -> {dst}: both must be distinct active slots (active: {self.active})")
+        self.storage.move(dst, src, int(length))
+
     def views(self, start: int, count: int) -> dict[str, Any]:
         """Every buffer's slots ``[start, start + count)``, contiguous, to bind by pointer (the same object for the
         same slice: the engine keeps its binding of it)."""

@@ -2,7 +2,9 @@
 
 The names are those of Triton's vLLM and TensorRT-LLM backends: ``text_input`` (or our ``prompt_ids``),
 ``stream``, ``max_tokens``, the sampling parameters, ``exclude_input_in_output``, and vLLM's
-``sampling_parameters`` JSON object (an explicit input wins over the same name in it). Every bad value is a
+``sampling_parameters`` JSON object (an explicit input wins over the same name in it; ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``stop_token_ids``, ``logprobs`` and ``n`` are read from it only, as
+vLLM's backend reads them). Every bad value is a
 :class:`~.sampling.SamplingError` naming it; no exception of another kind leaves :func:`read_generate_request`
 for what a client sent.
 """
@@ -92,7 +94,8 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
         prompt = tuple(tokenizer.encode(text).ids)
     else:
         raise SamplingError("the request has neither text_input nor prompt_ids")
-    params = parse_sampling(given, spec.defaults, prompt_tokens=len(prompt), max_context=max_context)
+    params = parse_sampling(given, spec.defaults, prompt_tokens=len(prompt), max_context=max_context,
+                            vocab_size=spec.vocab_size)
     stream = _flag_input(get("stream"), given.get("stream"), "stream")
     exclude = _flag_input(get("exclude_input_in_output"), given.get("exclude_input_in_output"),
                           "exclude_input_in_output")
@@ -118,6 +121,11 @@ def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
         inputs["seed"] = np.array([p.seed], dtype=np.int64)
     if p.stop:
         inputs["stop"] = np.array([s.encode("utf-8") for s in p.stop], dtype=np.object_)
+    extra = {name: value for name, value in (
+        ("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty),
+        ("logit_bias", {str(t): b for t, b in p.logit_bias}), ("stop_token_ids", list(p.stop_token_ids))) if value}
+    if extra:
+        inputs["sampling_parameters"] = np.array([json.dumps(extra).encode("utf-8")], dtype=np.object_)
     return inputs
 
 

@@ -5,10 +5,18 @@
 :class:`SamplingParams`, refusing every bad value with a :class:`SamplingError` that names it (the
 Triton model answers INVALID_ARG, the OpenAI frontend 400). :class:`Sampler` picks each next token:
 repetition penalty (Hugging Face's: positive logits of seen tokens divided by it, negative ones
-multiplied), eos blocked until ``min_tokens``, then greedy (``temperature == 0``) or temperature, top-k
-and top-p sampling from the sequence's own random generator, seeded per request: the same seed gives
-the same tokens whatever else the batch holds, and a sequence preempted and resumed keeps its
-generator.
+multiplied), OpenAI's presence and frequency penalties over the generated tokens (``logit -= count *
+frequency_penalty + (count > 0) * presence_penalty``), ``logit_bias`` added, eos and ``stop_token_ids``
+blocked until ``min_tokens``, then greedy (``temperature == 0``) or temperature, top-k and top-p sampling
+from the sequence's own random generator, seeded per request: the same seed gives the same tokens whatever
+else the batch holds, and a sequence preempted and resumed keeps its generator. A choice ``i > 0`` of a
+request with ``n`` choices samples from :func:`choice_seed` (the request's seed and ``i``), so a seeded
+request with ``n`` choices is reproducible too.
+
+Log-probabilities (``logprobs``: None, or how many alternatives beside the chosen token) are the model's own
+distribution: the log-softmax of the raw logits, before penalties, bias and temperature (what vLLM reports by
+default, and what OpenAI's API documents as the token's log-probability). The top alternatives come from an
+``argpartition`` over the vocabulary (no full sort), and only for the sequences that ask.
 
 numpy and the standard library only (runs inside Triton's Python-backend stub).
 """
@@ -24,10 +32,16 @@ import numpy as np
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGPROBS = 20  # OpenAI's chat top_logprobs bound (completions' logprobs are at most 5: the frontend says so)
+MAX_CHOICES = 128  # OpenAI's bound on n
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 64
+LOGPROB_FLOOR = -9999.0  # an impossible token's log-probability, as vLLM reports it (JSON has no -inf)
 _SEED_LIMIT = 1 << 63
 # Names of the vLLM-style sampling_parameters JSON this backend reads (others are refused, not ignored).
 JSON_NAMES = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "repetition_penalty",
-              "seed", "stop", "exclude_input_in_output")
+              "seed", "stop", "exclude_input_in_output", "presence_penalty", "frequency_penalty", "logit_bias",
+              "stop_token_ids", "logprobs", "n")
 
 
 class SamplingError(ValueError):
@@ -47,10 +61,54 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids sorted
+    stop_token_ids: tuple[int, ...] = ()  # generation stops at these tokens too (vLLM's), their text not output
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    n: int = 1  # sequences generated for the request (choices 0..n-1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely alternatives (ids and log-probabilities, the
+    most likely first), from the raw logits of the step that chose it."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """Log-softmax of ``logits`` at ``token`` and at the ``top`` most likely ids (argpartition, then a sort of
+    those ``top`` only: a 262k vocabulary costs one pass for the normalizer and one for the partition)."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    peak = float(x.max())
+    lse = peak + math.log(float(np.exp(x - peak).sum(dtype=np.float64)))
+
+    def lp(value: float) -> float:
+        out = float(value) - lse
+        return out if math.isfinite(out) and out > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+    if top <= 0:
+        return TokenLogprobs(lp(x[token]))
+    k = min(int(top), x.size)
+    idx = np.argpartition(x, x.size - k)[x.size - k:] if k < x.size else np.arange(x.size)
+    idx = idx[np.argsort(-x[idx], kind="stable")]
+    return TokenLogprobs(lp(x[token]), tuple(int(i) for i in idx), tuple(lp(x[i]) for i in idx))
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed``: the seed itself for choice 0 (n = 1 is
+    unchanged), one derived from both for the others (numpy's SeedSequence); None stays None (random)."""
+    if seed is None or index == 0:
+        return seed
+    state = np.random.SeedSequence([int(seed), int(index)]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31 | int(state[1]) >> 1) % _SEED_LIMIT
 
 
 def _number(name: str, value: Any, kind: type) -> Any:
@@ -110,7 +168,49 @@ def _stops(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def parse_sampling(given: Mapping[str, Any], defaults: Any, *, prompt_tokens: int, max_context: int) -> SamplingParams:
+def _token_id(name: str, value: Any, vocab_size: int | None) -> int:
+    if isinstance(value, str):  # logit_bias keys are token ids as JSON strings (OpenAI's shape)
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise SamplingError(f"{name} key {value!r} must be a token id") from None
+    token = _number(name, value, int)
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        raise SamplingError(f"{name} holds token id {token}, outside the vocabulary [0, {vocab_size})")
+    return token
+
+
+def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise SamplingError("logit_bias must be an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise SamplingError(f"logit_bias holds {len(value)} tokens: at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _token_id("logit_bias", key, vocab_size)
+        bias = _number("logit_bias", bias, float)
+        if not -100.0 <= bias <= 100.0:
+            raise SamplingError(f"logit_bias={bias} for token {token} must be between -100 and 100")
+        out[token] = bias
+    return tuple(sorted(out.items()))
+
+
+def _stop_token_ids(value: Any, vocab_size: int | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, np.ndarray):
+        value = value.reshape(-1).tolist()
+    if not isinstance(value, (list, tuple)):
+        raise SamplingError(f"stop_token_ids={value!r} must be a list of token ids")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise SamplingError(f"stop_token_ids holds {len(value)} ids: at most {MAX_STOP_TOKEN_IDS}")
+    return tuple(sorted({_token_id("stop_token_ids", t, vocab_size) for t in value}))
+
+
+def parse_sampling(given: Mapping[str, Any], defaults: Any, *, prompt_tokens: int, max_context: int,
+                   vocab_size: int | None = None) -> SamplingParams:
     """Checked :class:`SamplingParams` from the values a request gave (None or absent: the default).
 
     ``defaults`` is the model's ``contract.SamplingDefaults``: a request that names no temperature is
@@ -158,9 +258,23 @@ def parse_sampling(given: Mapping[str, Any], defaults: Any, *, prompt_tokens: in
         if not 0 <= seed < _SEED_LIMIT:
             raise SamplingError(f"seed={seed} must be between 0 and 2**63 - 1")
     ignore_eos = _flag("ignore_eos", v.get("ignore_eos", False))
+    presence, frequency = (_number(name, v.get(name, 0.0), float) for name in ("presence_penalty", "frequency_penalty"))
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2.0 <= value <= 2.0:
+            raise SamplingError(f"{name}={value} must be between -2 and 2")
+    logprobs = v.get("logprobs")
+    if logprobs is not None:
+        logprobs = _number("logprobs", logprobs, int)
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs={logprobs} must be between 0 and {MAX_LOGPROBS} (alternatives per token)")
+    n = _number("n", v.get("n", 1), int)
+    if not 1 <= n <= MAX_CHOICES:
+        raise SamplingError(f"n={n} must be between 1 and {MAX_CHOICES}")
     return SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty,
-                          seed=seed, stop=_stops(v.get("stop")))
+                          seed=seed, stop=_stops(v.get("stop")), presence_penalty=presence,
+                          frequency_penalty=frequency, logit_bias=_logit_bias(v.get("logit_bias"), vocab_size),
+                          stop_token_ids=_stop_token_ids(v.get("stop_token_ids"), vocab_size), logprobs=logprobs, n=n)
 
 
 class Sampler:
@@ -168,28 +282,51 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], prompt_ids: Sequence[int]) -> None:
         self.params = params
-        self.eos = np.asarray(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
+        # Tokens blocked until min_tokens: eos, and the stop token ids (they would end the sequence as well).
+        self.eos = np.asarray(sorted(set(int(e) for e in eos_token_ids) | set(params.stop_token_ids)),
+                              dtype=np.int64)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self._seen = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else None
+        # Generated tokens' counts, kept only when a presence or frequency penalty asks for them.
+        self._counts: dict[int, int] | None = {} if (params.presence_penalty or params.frequency_penalty) else None
+        self._bias_ids = np.asarray([t for t, _ in params.logit_bias], dtype=np.int64)
+        self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
+        self.last: TokenLogprobs | None = None  # the last chosen token's log-probabilities, when asked
 
-    def choose(self, logits: np.ndarray, generated: int) -> int:
-        """The next token from one row of logits; ``generated``: tokens this sequence made before it."""
+    def adjusted(self, logits: np.ndarray, generated: int) -> np.ndarray:
+        """The logits the choice is made from: repetition, presence and frequency penalties, logit_bias, and the
+        stopping tokens blocked before ``min_tokens`` (a copy; ``logits`` is left as it is)."""
         p = self.params
-        x = np.array(logits, dtype=np.float32, copy=True)
+        x = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
         if self._seen:
             idx = np.fromiter(self._seen, dtype=np.int64)
             idx = idx[idx < x.size]
             seen = x[idx]
             x[idx] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if self._counts:
+            idx = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+            keep = idx < x.size
+            x[idx[keep]] -= counts[keep] * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+        if self._bias_ids.size:
+            keep = self._bias_ids < x.size
+            x[self._bias_ids[keep]] += self._bias[keep]
         if generated < p.min_tokens and self.eos.size:
             x[self.eos[self.eos < x.size]] = -np.inf
-        if p.greedy:
-            token = int(np.argmax(x))
-        else:
-            token = self._sample(x)
+        return x
+
+    def choose(self, logits: np.ndarray, generated: int) -> int:
+        """The next token from one row of logits; ``generated``: tokens this sequence made before it. With
+        ``logprobs`` asked, :attr:`last` holds its log-probabilities (from ``logits`` as the model gave them)."""
+        p = self.params
+        x = self.adjusted(logits, generated)
+        token = int(np.argmax(x)) if p.greedy else self._sample(x)
         if self._seen is not None:
             self._seen.add(token)
+        if self._counts is not None:
+            self._counts[token] = self._counts.get(token, 0) + 1
+        self.last = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         return token
 
     def _sample(self, x: np.ndarray) -> int:

@@ -11,7 +11,11 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    buckets, the smallest first, arrival order within one) until one has waited that long: those go first;
 3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
    (``grouping.plan_groups``: a launch costs ``a + b n L + c n L^2``), each group in one launch on contiguous
-   slots; each new sequence gets its first token;
+   slots; each new sequence gets its first token. The sibling sequences of a request with ``n`` choices
+   (``Generation.leader``: choice 0) share their prompt's prefill: admitted in the same group as their leader,
+   they take the slots after the group's launched rows, the leader's keys and values are copied into them
+   (``KVSlots.copy``), and each samples its first token from the leader's logits row with its own sampler. A
+   sibling admitted apart from its leader (the budget split them) prefills its prompt itself;
 4. every sequence that was already running decodes one token, all in one launch, each at its own length.
 
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
@@ -38,7 +42,7 @@ import numpy as np
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
-from .sampling import Sampler, SamplingError, SamplingParams
+from .sampling import Sampler, SamplingError, SamplingParams, TokenLogprobs
 
 JITTER_WINDOW = 10  # token intervals per jitter sample (000 §4.1)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -61,6 +65,7 @@ class TokenEvent:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(eq=False)
@@ -83,6 +88,9 @@ class Generation:
     sampler: Any = None
     detok: Any = None
     stopper: Any = None
+    index: int = 0  # the choice this sequence is, of a request with n choices
+    leader: "Generation | None" = None  # choice 0 of the same request, whose prefill this one may share
+    prefill_from: "Generation | None" = None  # set at admission when it shares its leader's prefill
 
     @property
     def reserved_tokens(self) -> int:
@@ -143,27 +151,37 @@ class Scheduler:
     def submit(self, gen: Generation) -> Generation:
         """Queue a sequence for the next step; :class:`QueueFull` past the waiting bound, a
         :class:`SamplingError` for one that could never fit the cache."""
-        if not self.slots.fits_ever(gen.reserved_tokens):
-            raise SamplingError(f"the prompt ({len(gen.prompt)} tokens) and max_tokens ({gen.params.max_tokens}) "
-                                f"need {self.slots.bytes_for(gen.reserved_tokens)} bytes of KV cache, more than "
-                                f"its budget of {self.slots.budget_bytes}: lower max_tokens or shorten the prompt")
+        return self.submit_all([gen])[0]
+
+    def submit_all(self, gens: Sequence[Generation]) -> list[Generation]:
+        """Queue the sequences of one request (its ``n`` choices) together: all of them, or none (QueueFull,
+        or a SamplingError when they could never be queued at once)."""
+        for gen in gens:
+            if not self.slots.fits_ever(gen.reserved_tokens):
+                raise SamplingError(f"the prompt ({len(gen.prompt)} tokens) and max_tokens ({gen.params.max_tokens}) "
+                                    f"need {self.slots.bytes_for(gen.reserved_tokens)} bytes of KV cache, more than "
+                                    f"its budget of {self.slots.budget_bytes}: lower max_tokens or shorten the prompt")
+        if len(gens) > self.slots.slots + self.max_waiting:
+            raise SamplingError(f"n={len(gens)} sequences cannot be queued together: this model runs "
+                                f"{self.slots.slots} at once and queues {self.max_waiting} more")
         with self._lock:
             # Queued sequences beyond the free slots are the ones that will wait: max_waiting bounds those (the
             # engine thread changes `running`; a stale count errs by a step, and nothing overflows the cache:
             # admission checks the budget).
             queued = len(self.waiting) + len(self._arrivals)
             free = max(0, self.slots.slots - len(self.running))
-            if queued - free >= self.max_waiting:
+            if queued + len(gens) - free > self.max_waiting:
                 self.metrics.refused()
                 raise QueueFull(max(0, queued - free), self.retry_after_s)
-            gen.id = next(self._ids)
-            gen.arrival = self.clock()
-            gen.sampler = Sampler(gen.params, self.eos, gen.prompt)
-            gen.detok = IncrementalDetokenizer(self.tokenizer, gen.prompt) if self.tokenizer is not None else None
-            gen.stopper = StopMatcher(gen.params.stop)
-            self._arrivals.append(gen)
+            for gen in gens:
+                gen.id = next(self._ids)
+                gen.arrival = self.clock()
+                gen.sampler = Sampler(gen.params, self.eos, gen.prompt)
+                gen.detok = IncrementalDetokenizer(self.tokenizer, gen.prompt) if self.tokenizer is not None else None
+                gen.stopper = StopMatcher(gen.params.stop)
+                self._arrivals.append(gen)
         self.wake.set()
-        return gen
+        return list(gens)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -248,7 +266,7 @@ class Scheduler:
         ordered: list[list[Generation]] = []
         for group in groups:
             members: list[Generation] = []
-            for gen in (chosen[i] for i in group):
+            for gen in self._sharing_last([chosen[i] for i in group]):
                 try:
                     gen.slot = self.slots.admit(gen.reserved_tokens)
                 except AdmissionError as exc:  # not expected (the choice above kept within the budget): lose nothing
@@ -261,6 +279,18 @@ class Scheduler:
                 members.append(gen)
             ordered.append(members)
         return ordered
+
+    @staticmethod
+    def _sharing_last(group: list[Generation]) -> list[Generation]:
+        """The group with the siblings that will share a leader's prefill (``prefill_from`` set) after the rest:
+        the launch binds the group's first slots, the sharing ones take the slots behind them."""
+        fresh = {id(g) for g in group if not g.generated and not g.preemptions}
+        own, sharing = [], []
+        for gen in group:
+            share = gen.leader is not None and id(gen) in fresh and id(gen.leader) in fresh
+            gen.prefill_from = gen.leader if share else None
+            (sharing if share else own).append(gen)
+        return own + sharing
 
     def _preempt_for(self, head: Generation) -> bool:
         """Free the most recently admitted running sequence for ``head`` when it waited past the bound."""
@@ -281,13 +311,24 @@ class Scheduler:
     def _prefill(self, groups: list[list[Generation]]) -> None:
         for members in groups:
             start = members[0].slot
-            contexts = [g.context() for g in members]
-            logits = self.model.prefill(contexts, self.slots.views(start, len(members)))
-            for gen, ctx, row in zip(members, contexts, logits):
+            launched = [g for g in members if g.prefill_from is None]
+            contexts = [g.context() for g in launched]
+            logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
+            rows = {}
+            for gen, ctx, row in zip(launched, contexts, logits):
                 gen.cached = len(ctx)
+                rows[id(gen)] = row
                 if not gen.preemptions:
                     self.metrics.tokens(len(gen.prompt), 0)
-                self._accept(gen, row)
+            # Siblings sharing their leader's prefill: its keys and values copied into their slots (before any
+            # slot is released: that happens after the step), the first token sampled from its row.
+            for gen in members[len(launched):]:
+                leader = gen.prefill_from
+                self.slots.copy(gen.slot, leader.slot, leader.cached)
+                gen.cached = leader.cached
+                rows[id(gen)] = rows[id(leader)]
+            for gen in members:
+                self._accept(gen, rows[id(gen)])
 
     def _decode(self, count: int) -> None:
         active = self.running[:count]
@@ -303,6 +344,7 @@ class Scheduler:
         if gen.finish_reason is not None:
             return
         token = gen.sampler.choose(logits, len(gen.generated))
+        logprobs = gen.sampler.last
         gen.generated.append(token)
         now = self.clock()
         if gen.last_token_time is None:
@@ -316,11 +358,12 @@ class Scheduler:
                 gen.intervals.clear()
         gen.last_token_time = now
         self.metrics.tokens(0, 1)
-        text = gen.detok.add(token) if gen.detok is not None else ""
-        text = gen.stopper.feed(text)
         p = gen.params
+        stop_token = token in p.stop_token_ids  # ends the sequence; its own text is not output
+        text = gen.detok.add(token) if gen.detok is not None and not stop_token else ""
+        text = gen.stopper.feed(text)
         reason = None
-        if token in self.eos and not p.ignore_eos:
+        if token in self.eos and not p.ignore_eos or stop_token:
             reason = FINISH_STOP
         elif gen.stopper.stopped:
             reason = FINISH_STOP
@@ -332,7 +375,7 @@ class Scheduler:
                 text += gen.stopper.feed(tail) + gen.stopper.flush()
             gen.finish_reason = reason
             self.metrics.finished(reason)
-        gen.emit(gen, TokenEvent(token, text, reason))
+        gen.emit(gen, TokenEvent(token, text, reason, logprobs=logprobs))
 
     def _finish(self, gen: Generation, reason: str, error: str | None = None) -> None:
         if gen.finish_reason is not None:
