@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from model_factory.errors import FactoryError
-from model_factory.serving.openai_protocol import (OpenAIError, chat_chunk, chat_request, chat_response,
-                                                   completion_chunk, completion_request, completion_response,
-                                                   new_id, openai_finish, triton_error, usage)
+from model_factory.serving.openai_protocol import (OpenAIError, best_choices, chat_chunk, chat_logprobs, chat_request,
+                                                   chat_response, completion_chunk, completion_logprobs,
+                                                   completion_request, completion_response, new_id, openai_finish,
+                                                   triton_error, usage)
 from model_factory.serving.pool_metrics import ProtocolMetrics
 
 
@@ -98,6 +99,22 @@ def _first(value: Any) -> Any:
 def _count(value: Any) -> int:
     value = _first(value)
     return int(value) if isinstance(value, (int, float)) else 0
+
+
+def _each(value: Any, n: int, default: Any = None) -> list:
+    """An output's entries, one a choice (Triton's generate answers a one-element tensor as a scalar)."""
+    if value is None:
+        return [default] * n
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _entries(raw: Any) -> list[dict]:
+    """The backend's ``logprobs`` entry of one choice: its JSON list of tokens."""
+    try:
+        entries = json.loads(raw) if isinstance(raw, str) else []
+    except ValueError:
+        return []
+    return entries if isinstance(entries, list) else []
 
 
 class OpenAIFrontend:
@@ -237,10 +254,26 @@ class OpenAIFrontend:
             raise OpenAIError(502, f"the inference server answered {resp.status}: {text[:200]}") from None
         if resp.status != 200 or "error" in data:
             raise triton_error(resp.status, str(data.get("error", text)))
+        texts = _each(data.get("text_output"), 1, "")
+        k = len(texts)
+        finishes, counts = _each(data.get("finish_reason"), k, ""), _each(data.get("num_output_tokens"), k, 0)
+        indexes, lps = _each(data.get("index"), k, 0), _each(data.get("logprobs"), k)
+        choices = []
+        for pos in range(k):
+            entries = _entries(lps[pos]) if lps[pos] is not None else None
+            choice = {"index": int(indexes[pos]) if k > 1 else 0, "text": call.echo + str(texts[pos] or ""),
+                      "finish_reason": openai_finish(finishes[pos]) or "stop",
+                      "cumulative_logprob": sum(e["logprob"] for e in entries or ())}
+            if entries is not None and call.logprobs is not None:
+                choice["logprobs"] = (chat_logprobs(entries) if chat
+                                      else completion_logprobs(entries, len(call.echo))[0])
+            choices.append(choice)
+        choices.sort(key=lambda c: c["index"])
+        if call.best_of > call.n:
+            choices = best_choices(choices, call.n)
         make = chat_response if chat else completion_response
-        return web.json_response(make(call.model, str(_first(data.get("text_output")) or ""),
-                                      openai_finish(_first(data.get("finish_reason"))) or "stop",
-                                      _count(data.get("num_input_tokens")), _count(data.get("num_output_tokens"))),
+        return web.json_response(make(call.model, choices, _count(data.get("num_input_tokens")),
+                                      sum(_count(c) for c in counts)),
                                  headers={REQUEST_ID_HEADER: rid})
 
     async def _stream(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
@@ -248,7 +281,10 @@ class OpenAIFrontend:
         url = f"{self.triton}/v2/models/{call.model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         out = None
-        n_in = n_out = 0
+        n_in = 0
+        n_out: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # completions' text_offset, per choice
+        echo = {i: call.echo for i in range(call.n)} if call.echo else {}  # prepended to each choice's first chunk
         async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: request_id}) as resp:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").strip()
@@ -269,20 +305,30 @@ class OpenAIFrontend:
                                                       REQUEST_ID_HEADER: request_id})
                     await out.prepare(request)
                     if chat:
-                        first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None)
-                        await out.write(f"data: {json.dumps(first)}\n\n".encode())
+                        for i in range(call.n):
+                            first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None, i)
+                            await out.write(f"data: {json.dumps(first)}\n\n".encode())
+                index = int(_first(event.get("index")) or 0)
                 finish = openai_finish(_first(event.get("finish_reason")))
-                text = str(_first(event.get("text_output")) or "")
-                n_in, n_out = _count(event.get("num_input_tokens")), _count(event.get("num_output_tokens"))
-                if text or finish:
-                    chunk = (chat_chunk(rid, call.model, created, {"content": text} if text else {}, finish) if chat
-                             else completion_chunk(rid, call.model, created, text, finish))
+                text = echo.pop(index, "") + str(_first(event.get("text_output")) or "")
+                n_in, n_out[index] = _count(event.get("num_input_tokens")), _count(event.get("num_output_tokens"))
+                entries = _entries(_first(event.get("logprobs"))) if call.logprobs is not None else []
+                logprobs = None
+                if entries:
+                    if chat:
+                        logprobs = chat_logprobs(entries)
+                    else:
+                        logprobs, offsets[index] = completion_logprobs(entries, offsets.get(index, len(call.echo)))
+                if text or finish or logprobs:
+                    chunk = (chat_chunk(rid, call.model, created, {"content": text} if text else {}, finish, index,
+                                        logprobs) if chat
+                             else completion_chunk(rid, call.model, created, text, finish, index, logprobs))
                     await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if out is None:
                 raise triton_error(resp.status, "the inference server closed the stream without an answer")
         if call.include_usage:
             tail = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": call.model, "choices": [], "usage": usage(n_in, n_out)}
+                    "model": call.model, "choices": [], "usage": usage(n_in, sum(n_out.values()))}
             await out.write(f"data: {json.dumps(tail)}\n\n".encode())
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

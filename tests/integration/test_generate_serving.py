@@ -421,7 +421,7 @@ def test_the_openai_frontend_answers_with_the_request_id_sent_or_one_it_made(ser
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"), ({"min_tokens": 50, "max_tokens": 4}, "min_tokens"),
-    ({"max_tokens": 100000}, "max_tokens"), ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"),
+    ({"max_tokens": 100000}, "max_tokens"), ({"n": 0}, "n"), ({"logprobs": 9}, "logprobs"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, None),
 ])
 def test_bad_values_answer_400_naming_them(served, body, param):
