@@ -41,6 +41,16 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_and_the_top_k_its_larges
     assert token_logprobs(masked, 0, 5).top_ids == (2, 0, 1)
 
 
+@pytest.mark.parametrize("size, k", [(262_144, 20), (262_145 + 100, 5), (151_936, 1), (2048, 20), (7, 3), (5, 9)])
+def test_top_ids_by_blocks_are_the_largest_whatever_the_size(size, k):
+    from model_factory.backend.generation.sampling import top_ids
+
+    x = np.random.default_rng(size).normal(size=size).astype(np.float32)
+    x[-1] = 50.0  # in the tail past the last whole block
+    want = np.argsort(-x, kind="stable")[:min(k, size)]
+    assert list(top_ids(x, k)) == [int(i) for i in want]
+
+
 def test_the_sampler_reports_logprobs_of_the_model_not_of_the_penalised_logits():
     logits = np.array([0.0, 1.0, 5.0, 3.0], dtype=np.float32)
     s = Sampler(SamplingParams(max_tokens=4, logprobs=2, logit_bias=((3, 100.0),)), (0,), ())

@@ -86,3 +86,11 @@ def test_a_generate_request_read_back_from_its_mirrored_inputs_is_the_same_reque
     again = read_generate_request(request_inputs(req).get, None, spec, 64)
     assert again.prompt_ids == req.prompt_ids and again.params == req.params
     assert req.stream and not again.stream  # mirrored as one non-streamed request
+    import json
+
+    sent["sampling_parameters"] = np.array([json.dumps({"presence_penalty": 0.5, "frequency_penalty": -1,
+                                                        "logit_bias": {"7": 3}, "stop_token_ids": [9]}).encode()],
+                                           dtype=np.object_)
+    req = read_generate_request(sent.get, None, spec, 64)
+    again = read_generate_request(request_inputs(req).get, None, spec, 64)
+    assert again.params == req.params and req.params.logit_bias == ((7, 3.0),)

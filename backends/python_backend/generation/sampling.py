@@ -15,8 +15,9 @@ request with ``n`` choices is reproducible too.
 
 Log-probabilities (``logprobs``: None, or how many alternatives beside the chosen token) are the model's own
 distribution: the log-softmax of the raw logits, before penalties, bias and temperature (what vLLM reports by
-default, and what OpenAI's API documents as the token's log-probability). The top alternatives come from an
-``argpartition`` over the vocabulary (no full sort), and only for the sequences that ask.
+default, and what OpenAI's API documents as the token's log-probability). The top alternatives come from
+:func:`top_ids` (the blocks of the largest maxima, then an ``argpartition``: no sort, no partition of the whole
+vocabulary), and only for the sequences that ask.
 
 numpy and the standard library only (runs inside Triton's Python-backend stub).
 """
@@ -96,10 +97,33 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
 
     if top <= 0:
         return TokenLogprobs(lp(x[token]))
-    k = min(int(top), x.size)
-    idx = np.argpartition(x, x.size - k)[x.size - k:] if k < x.size else np.arange(x.size)
-    idx = idx[np.argsort(-x[idx], kind="stable")]
+    idx = top_ids(x, int(top))
     return TokenLogprobs(lp(x[token]), tuple(int(i) for i in idx), tuple(lp(x[i]) for i in idx))
+
+
+_BLOCK = 256
+
+
+def top_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest entries' ids, the largest first. Over a large vocabulary, by blocks: the top ``k`` lie in
+    the ``k`` blocks of the largest maxima (a block holding one of them has a maximum at least the k-th value, and
+    at most ``k`` blocks do), so one pass for the blocks' maxima and an ``argpartition`` of ``k`` blocks'
+    entries replace a partition of the whole row (numpy's partition of 262k floats took 10x the maxima's pass)."""
+    k = min(int(k), x.size)
+    whole = x.size // _BLOCK * _BLOCK
+    if whole // _BLOCK <= 4 * k:
+        cand = np.arange(x.size)
+    else:
+        maxima = x[:whole].reshape(-1, _BLOCK).max(axis=1)
+        blocks = np.argpartition(maxima, maxima.size - k)[maxima.size - k:]
+        cand = (blocks[:, None] * _BLOCK + np.arange(_BLOCK)).reshape(-1)
+        if whole < x.size:
+            cand = np.concatenate([cand, np.arange(whole, x.size)])
+    vals = x[cand]
+    if k < cand.size:
+        keep = np.argpartition(vals, cand.size - k)[cand.size - k:]
+        cand, vals = cand[keep], vals[keep]
+    return cand[np.argsort(-vals, kind="stable")]
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
