@@ -109,6 +109,7 @@ def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
     inputs = {
         "prompt_ids": np.asarray(req.prompt_ids, dtype=np.int32),
         "stream": np.array([False]),
+        "exclude_input_in_output": np.array([True]),  # the mirror compares ids: no prompt text to decode
         "max_tokens": np.array([p.max_tokens], dtype=np.int32),
         "min_tokens": np.array([p.min_tokens], dtype=np.int32),
         "ignore_eos": np.array([p.ignore_eos]),
