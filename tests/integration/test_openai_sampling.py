@@ -110,7 +110,8 @@ def test_n_three_greedy_identical_seeded_reproducible_streamed_indexed(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                           max_completion_tokens=5, extra_body={"min_tokens": 5})
-    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
 
 
 def test_best_of_returns_n_of_the_generated_and_counts_them_all(client):
