@@ -119,7 +119,7 @@ class TokenTexts:
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte-level BPE alphabet: each byte as the printable character its pieces spell it with."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = keep[:]
     extra = 0
     for b in range(256):
