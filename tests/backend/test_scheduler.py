@@ -339,3 +339,21 @@ def test_a_stop_token_id_ends_the_sequence_without_its_text(engine):
     cut = first.generated.index(stop_at)
     assert gen.generated == first.generated[:cut + 1] and events[id(gen)][-1].finish_reason == "stop"
     assert events[id(gen)][-1].text == "" or tok.decode([stop_at]) not in events[id(gen)][-1].text
+
+
+def test_siblings_admitted_apart_from_their_leader_prefill_themselves(engine):
+    spec, model, tok, _ = engine
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.8, seed=3)
+    counting = _CountingModel(model)
+    _, emit = _collector()
+    sched = Scheduler(counting, KVSlots(spec, 1, 1 << 26), tok, spec.eos_token_ids)  # one slot: one at a time
+    gens = sched.submit_all(_siblings(prompt, params, 3, emit))
+    _run_all(sched, gens)
+    assert counting.prefilled == [[5], [5], [5]]
+    shared = _CountingModel(model)
+    sched = Scheduler(shared, KVSlots(spec, 4, 1 << 26), tok, spec.eos_token_ids)
+    together = sched.submit_all(_siblings(prompt, params, 3, emit))
+    _run_all(sched, together)
+    assert shared.prefilled == [[5]]
+    assert [g.generated for g in gens] == [g.generated for g in together]
