@@ -1,6 +1,6 @@
 """Every document a tracked file cites is in the repository: nothing points at the machines' shared notes.
 
-The team's machine notes live outside the repository (``../shared/``); what the code relies on from them is
+The team's machine notes live outside the repository, in a folder beside it; what the code relies on from them is
 copied into ``docs/environment.md``, which a fresh clone has. ``docs/history`` keeps old write-ups as written.
 """
 
