@@ -181,7 +181,7 @@ def _served_contract(model_dir: Path) -> tuple[dict[str, str], str]:
         config = read_config(model_dir)
     except FactoryError:
         return {}, "KIND_CPU"
-    kinds = [config.InstanceGroup.Kind.Name(g.kind) for g in config.instance_group]
+    kinds = [type(g).Kind.Name(g.kind) for g in config.instance_group]
     return config_parameters(config), "KIND_GPU" if "KIND_GPU" in kinds else "KIND_CPU"
 
 

@@ -28,3 +28,18 @@ def test_a_model_without_labels_is_described_from_its_config_never_unknown():
         assert "unknown" not in line and line.split()[0] in ("onnxruntime", "tensorrt")
     assert engine_description({}, {"engine": "tensorrt", "precision": "fp16"}, "KIND_GPU").startswith(
         "tensorrt on a GPU (fp16")
+
+
+def test_the_banner_reads_the_served_contract_from_config_pbtxt(tmp_path):
+    from model_factory.serving.verified_start import _served_contract
+
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    (model / "config.pbtxt").write_text(
+        'name: "tiny-llama"\nbackend: "python"\ninstance_group { count: 1 kind: KIND_GPU }\n'
+        'parameters { key: "task" value { string_value: "text-generation" } }\n'
+        'parameters { key: "precision" value { string_value: "int8" } }\n')
+    params, kind = _served_contract(model)
+    assert (params["task"], params["precision"], kind) == ("text-generation", "int8", "KIND_GPU")
+    assert engine_description({}, params, kind).startswith("onnxruntime on a GPU")
+    assert _served_contract(tmp_path / "missing") == ({}, "KIND_CPU")
