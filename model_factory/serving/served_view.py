@@ -1,10 +1,8 @@
 """The model repository Triton reads: a copy of the served models, without their signature files.
 
 ``serve`` verifies the repository it is given, then points Triton at a folder of its own
-(``<work>/repository``) holding, per served model, the files Triton and the backend read: ``config.pbtxt`` (the
-served version's own signed copy, ``<version>/config.pbtxt``, where it carries one: the model's file is derived
-from it, :mod:`model_factory.signing.model_config`) and the other files beside it, and each version folder its
-loads name, copied from the repository (a reflink
+(``<work>/repository``) holding, per served model, the files Triton and the backend read: ``config.pbtxt``
+and the other files beside it, and each version folder its loads name, copied from the repository (a reflink
 where the file system has them: btrfs, XFS). The backend still checks each file it loads against the verified
 digests (``backend/integrity.py``). Triton does the same with a repository in cloud storage: it copies each
 model to a local folder before it loads it.
@@ -57,8 +55,7 @@ from typing import Mapping
 
 from model_factory.backend.contract import TEXT_GENERATION, file_precision
 from model_factory.errors import FactoryError
-from model_factory.signing.layout import (CONFIG, DEFAULT_EXCLUSIONS, carries_own_config, is_signature_name,
-                                         is_version_name, own_config_path)
+from model_factory.signing.layout import DEFAULT_EXCLUSIONS, is_signature_name, is_version_name
 
 PYCACHE_BLOCKER = "__pycache__"
 _COMPARE_BYTES_UP_TO = 1 << 20
@@ -115,13 +112,11 @@ def read_precisions(parameters: Mapping[str, str]) -> frozenset[str] | None:
     return frozenset(read)
 
 
-def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | None = None,
-               config: Path | None = None) -> None:
+def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | None = None) -> None:
     """Make the folder ``dst`` hold the regular files of ``src`` (recursively). At ``top`` (a model folder)
-    version folders, signature files and OMS's default exclusions are skipped, and ``config`` (a version's own
-    signed configuration) stands for ``config.pbtxt``; below it, ``__pycache__`` entries are left alone (never
-    signed; one is ours). With ``precisions``, weight files of other precisions (``contract.file_precision``)
-    are skipped."""
+    version folders, signature files and OMS's default exclusions are skipped; below it, ``__pycache__``
+    entries are left alone (never signed; one is ours). With ``precisions``, weight files of other precisions
+    (``contract.file_precision``) are skipped."""
     dst.mkdir(parents=True, exist_ok=True)
     wanted: set[str] = set()
     with os.scandir(src) as it:
@@ -134,10 +129,7 @@ def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | 
             continue
         if precisions is not None and file_precision(name) not in (None, *precisions):
             continue  # another precision's weights: no load reads them
-        source = Path(entry.path)
-        if top and config is not None and name == CONFIG:
-            source = config
-        st = source.stat() if source != Path(entry.path) else entry.stat(follow_symlinks=False)
+        st = entry.stat(follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             wanted.add(name)
             _sync_tree(Path(entry.path), dst / name, top=False)
@@ -145,11 +137,11 @@ def _sync_tree(src: Path, dst: Path, *, top: bool, precisions: frozenset[str] | 
             wanted.add(name)
             target = dst / name
             try:
-                if _same(source, st, target, target.stat(follow_symlinks=False)):
+                if _same(Path(entry.path), st, target, target.stat(follow_symlinks=False)):
                     continue
             except FileNotFoundError:
                 pass
-            _place(source, target)
+            _place(Path(entry.path), target)
         # links and special files are not served (verification reports them)
     with os.scandir(dst) as it:
         present = list(it)
@@ -182,14 +174,11 @@ def sync_model(repository: Path, served: Path, model: str, policy: dict | None =
     nor, with ``precisions`` (:func:`read_precisions`), other precisions' weight files."""
     src, dst = Path(repository) / model, Path(served) / model
     try:
+        _sync_tree(src, dst, top=True)
         with os.scandir(src) as it:
             folders = {int(e.name): e for e in it if is_version_name(e.name) and e.is_dir(follow_symlinks=False)}
         wanted = set(policy_versions(policy, list(folders)))
         versions = [folders[v] for v in sorted(folders) if v in wanted]
-        # Triton reads the configuration of the version it serves, as signed with it (the highest loaded one that
-        # carries its own); the model's config.pbtxt is only derived from it (signing/model_config.py).
-        own = [v for v in sorted(wanted, reverse=True) if v in folders and carries_own_config(src, v)]
-        _sync_tree(src, dst, top=True, config=own_config_path(src, own[0]) if own else None)
         for entry in versions:
             folder = dst / entry.name
             _sync_tree(Path(entry.path), folder, top=False, precisions=precisions)

@@ -21,7 +21,7 @@ configuration of the version it serves, so building version N+1 (which
 rewrites it) leaves version N's signature verifying. Verification holds the
 derived file to the served version's signed copy (``model_factory.signing.
 model_config``), so a tampered ``config.pbtxt`` still fails the version it
-would serve; ``serve`` gives Triton the served version's own copy. A version
+would serve. A version
 without its own copy (packaged before) keeps the model's ``config.pbtxt`` in
 its unit, as it was signed.
 

@@ -76,7 +76,6 @@ def _ok(result) -> str:
 
 @pytest.mark.slow
 def test_building_version_2_beside_released_version_1_keeps_it_verifying(tmp_path: Path, monkeypatch) -> None:
-    from model_factory.serving.served_view import sync_model
     from model_factory.signing import signed_digests
 
     run = CliRunner().invoke
@@ -118,13 +117,6 @@ def test_building_version_2_beside_released_version_1_keeps_it_verifying(tmp_pat
     for version in (1, 2):  # each signature covers the version's own configuration, not the derived one
         signed = signed_digests(model_dir, version)
         assert f"{version}/config.pbtxt" in signed and "config.pbtxt" not in signed
-
-    # The served view gives Triton the served version's own signed configuration.
-    served = tmp_path / "served"
-    sync_model(repo, served, "scale", {"specific": {"versions": [1]}})
-    assert (served / "scale" / "config.pbtxt").read_bytes() == v1_config
-    sync_model(repo, served, "scale", {"specific": {"versions": [2]}})
-    assert (served / "scale" / "config.pbtxt").read_bytes() == (model_dir / "2" / "config.pbtxt").read_bytes()
 
     # A tampered model-level config.pbtxt fails the version it serves (2), not version 1.
     tampered = b'parameters {\n  key: "cpu_threads"\n  value {\n    string_value: "64"\n  }\n}\n'
