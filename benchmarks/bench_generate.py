@@ -42,7 +42,7 @@ The peers live in their own venvs, outside the repository, by default under ``/w
 (a source build), its converter from the sdist (``pip download --no-binary :all: llama-cpp-python``),
 ``openvino`` from ``pip install openvino==2026.4.0 openvino-genai==2026.4.0.0 openvino-tokenizers==2026.4.0.0
 'optimum-intel[openvino]'`` (one release for all three: genai 2026.4.0 does not import on openvino 2026.4.1). The
-machine notes (``../shared/ENVIRONMENT.md``) record these installs on 2 cores.
+machine notes (``docs/environment.md``, "Text-generation exporters and peers") record these installs on 2 cores.
 """
 
 from __future__ import annotations

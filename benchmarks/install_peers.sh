@@ -9,7 +9,7 @@
 # Usage: benchmarks/install_peers.sh [vllm] [llamacpp] [openvino] [aiperf] [optimum]   (none named: all)
 #   PYTHON=python3.11  the interpreter each venv is made from (default: the one .venv was made from, else python3)
 #   WHEELHOUSE=DIR     install offline from a wheelhouse (pip --no-index --find-links DIR)
-# Idempotent: a peer whose check passes is left as it is. Times above: the 2-core machines of ENVIRONMENT.md.
+# Idempotent: a peer whose check passes is left as it is. Times above: the 2-core machines of docs/environment.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS_DIR=${PEERS_DIR:-/work/peers}

@@ -5,8 +5,8 @@ The exporter is onnxruntime-genai's model builder (``onnxruntime_genai.models.bu
 (GroupQueryAttention with rotary inside, past and present sharing one buffer, MatMulNBits for INT4/INT8). Why
 it and not optimum's ``text-generation-with-past`` (same greedy tokens, but a cache that grows by concatenation
 each step, FP32 batch-8 generate 53.6 tokens/s against the builder graph's 83.6 on one 116M Llama, and no INT4 of
-its own) or torch's dynamo export (no fused attention, no in-place cache): measured on these machines (shared
-ENVIRONMENT.md, "Exporters for decoders"), and the builder's graph is token-identical to transformers on all six
+its own) or torch's dynamo export (no fused attention, no in-place cache): measured on these machines
+(docs/environment.md, "Exporters for decoders"), and the builder's graph is token-identical to transformers on all six
 families here (tests/build/test_generative.py); its decode speed: benchmarks/RESULTS.md, "Text-generation graphs".
 
 The check: on the golden prompts (held-out text, else fixed samples) the prefill logits' max abs error against

@@ -274,6 +274,13 @@ def _builder_options(precision: str, method: str, block: int, mixed: Sequence[st
         return {}
     opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
                             "accuracy_level": ACCURACY_LEVEL[precision]}
+    if precision == "int8":
+        # The weight-only pass quantizes MatMuls alone: ONNX Runtime's quantizer can quantize a Gather (the
+        # embedding) at 4 bits only, and the builder, on a tied model (shared_embeddings follows
+        # tie_word_embeddings), asks it for the Gather too, which it refuses with an "[ERROR]" line in a build that
+        # succeeds. At 8 bits the embedding and the LM head are never shared anyway (only both at 4 bits, or
+        # both in float), so the graph is the same.
+        opts.update({"op_types_to_quantize": "MatMul", "shared_embeddings": "false"})
     if precision == "int4" and method == "k_quant":
         opts["algo_config"] = "k_quant"
     if mixed:

@@ -90,3 +90,21 @@ def recipe_overrides(repository: str | None) -> dict[str, Any]:
     from pathlib import Path
 
     return {"repository.path": str(Path(repository).resolve())} if repository else {}
+
+
+def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--require-sandbox`` and ``--no-sandbox``, for every command that runs a source's code (build, export,
+    quantize, build-engine); :func:`sandbox_mode` turns them into the library's ``sandbox`` argument."""
+    fn = click.option("--no-sandbox", is_flag=True,
+                      help="Run the stages unwalled (a source you trust, a kernel that breaks it).")(fn)
+    return click.option("--require-sandbox", is_flag=True,
+                        help="Refuse to run where the kernel cannot wall in the stages (Landlock and seccomp).")(fn)
+
+
+def sandbox_mode(require_sandbox: bool, no_sandbox: bool) -> str:
+    """``"require"``, ``"off"`` or ``"auto"`` from :func:`sandbox_options`' flags; a FactoryError for both."""
+    from model_factory.errors import FactoryError
+
+    if require_sandbox and no_sandbox:
+        raise FactoryError("--require-sandbox and --no-sandbox contradict each other. Fix: pass one of them")
+    return "off" if no_sandbox else "require" if require_sandbox else "auto"

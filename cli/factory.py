@@ -10,24 +10,32 @@ from pathlib import Path
 import click
 
 from model_factory.cli.common import (debug_enabled, progress_printer, recipe_argument, recipe_overrides, repository_option,
-                                      user_errors)
+                                      sandbox_mode, sandbox_options, user_errors)
 
 
 @click.command()
 @recipe_argument
 @repository_option
+@sandbox_options
 @user_errors
-def export(recipe: str, repository: str | None) -> None:
+def export(recipe: str, repository: str | None, require_sandbox: bool, no_sandbox: bool) -> None:
     """Export the recipe's model to ONNX and check it against the source framework.
+
+    The source's code (a torch factory, a model's own modules) runs in a child process walled in as
+    build's stages are (Landlock and seccomp: the source, the Python environment and the data read,
+    only the work folder written, no network socket); --no-sandbox runs it unwalled.
 
     \b
     Example:
       model-factory export examples/minilm.toml
     """
+    from model_factory.build.pipeline import run_stage
     from model_factory.build_engines.export import export_model
     from model_factory.recipe import load_recipe
 
-    res = export_model(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
+    spec = load_recipe(recipe, recipe_overrides(repository))
+    res = run_stage(spec, "export", export_model, spec, progress=progress_printer(),
+                    sandbox=sandbox_mode(require_sandbox, no_sandbox))
     click.echo(f"wrote {res.onnx_path} (max abs error vs source {res.max_abs_error:.3g}, "
                f"tolerance {res.tolerance:g})")
 
@@ -58,10 +66,7 @@ def package(recipe: str, repository: str | None) -> None:
               help="Signing certificate, then intermediates (repeat). Omit for key mode.")
 @click.option("--min-accuracy", type=float, default=None, help="Override quantization.min_accuracy.")
 @click.option("--engines/--no-engines", default=None, help="Build TensorRT engines (default: the recipe's tensorrt.enabled).")
-@click.option("--require-sandbox", is_flag=True,
-              help="Refuse to build where the kernel cannot wall in the stages (Landlock and seccomp).")
-@click.option("--no-sandbox", is_flag=True,
-              help="Run export, quantize and engine build unwalled (a source you trust, a kernel that breaks it).")
+@sandbox_options
 @user_errors
 def build(recipe: str, repository: str | None, key: str | None, cert_chain: tuple[str, ...],
           min_accuracy: float | None, engines: bool | None, require_sandbox: bool, no_sandbox: bool) -> None:
@@ -77,11 +82,9 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
       model-factory build examples/minilm.toml --key keys/signing-key.pem
     """
     from model_factory.build.pipeline import build as run_build
-    from model_factory.errors import FactoryError
     from model_factory.recipe import load_recipe
 
-    if require_sandbox and no_sandbox:
-        raise FactoryError("--require-sandbox and --no-sandbox contradict each other. Fix: pass one of them")
+    mode = sandbox_mode(require_sandbox, no_sandbox)
 
     signer = None
     if key:
@@ -90,7 +93,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
                     min_accuracy=min_accuracy, engines=engines, isolate=True,
-                    sandbox="off" if no_sandbox else "require" if require_sandbox else "auto")
+                    sandbox=mode)
     click.echo(f"built {res.version_dir}")
     for name in res.files:  # what the version folder holds, not what the stages made
         click.echo(f"  {name}")

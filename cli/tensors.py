@@ -19,7 +19,8 @@ def diff(old: Path, new: Path, exit_code: bool) -> None:
 
     Each side is a Hugging Face folder or .safetensors file (its tensors), an .onnx file (its
     initializers), or a version folder of a repository (the tensors its signed BOM lists: the
-    source's and each built ONNX file's). Tensors are compared by name, dtype, shape and the
+    source's and each built ONNX file's; without a BOM, as after model-factory sign, its .onnx
+    files' initializers). Tensors are compared by name, dtype, shape and the
     SHA-256 of their bytes, so a re-saved copy reads "identical weights" and a fine-tune that
     changed one tensor names exactly that one.
 

@@ -4,7 +4,7 @@
 ``task = "text-generation"``: the builder's graph checked against transformers, generation.json, the tokenizer,
 the golden continuations, config.pbtxt through Triton's protobuf) once per (model folder, precision), then
 copies the packaged model under the name a test asks for and sets the serving parameters it tunes in
-config.pbtxt (through the protobuf, as an operator would). The references the tests compare with are here
+config.pbtxt (through the protobuf, as an operator would: the version's own copy and the model's). The references the tests compare with are here
 too: greedy tokens of ``transformers`` and the first near-tie.
 """
 
@@ -111,7 +111,9 @@ def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Pat
     for key, value in format_parameters(replace(ModelParameters(), **parameters)).items():
         if key in parameters:
             config.parameters[key].string_value = value
-    (model_dir / Files.CONFIG).write_text(text_format.MessageToString(config))
+    # The version's own configuration (signed with it) and the model's, a copy of the served version's.
+    for path in (model_dir / built.name / Files.CONFIG, model_dir / Files.CONFIG):
+        path.write_text(text_format.MessageToString(config))
     return model_dir / built.name
 
 

@@ -112,6 +112,22 @@ def _sandbox_says(sandbox: str, isolate: bool, say: Progress) -> bool:
     return have.landlock_abi > 0 or have.seccomp
 
 
+def run_stage(recipe: Recipe, name: str, fn: Callable[..., Any], *args: Any, progress: Progress | None = None,
+              sandbox: str = "auto", **kwargs: Any) -> Any:
+    """One build stage alone (``model-factory export``, ``quantize``, ``build-engine``), as ``build`` runs it: in a
+    child process behind the stage's walls (:mod:`model_factory.build.walls`), where the kernel offers them (said in
+    one line); ``sandbox`` as :func:`build`'s (``"off"``: unwalled, the ``--no-sandbox`` escape). Every command that
+    runs a source's code (a torch factory, a model's own modules) runs it here."""
+    from model_factory.build.walls import stage_walls
+    from model_factory.isolation import run_isolated
+
+    say = progress or (lambda _m: None)
+    walled = _sandbox_says(sandbox, True, say)
+    return run_isolated(fn, *args, progress=say, what=f"{name} stage",
+                        walls=stage_walls(recipe, name) if walled else None,
+                        require_sandbox=sandbox == "require", **kwargs)
+
+
 def _build(recipe: Recipe, *, progress: Progress | None, signer: Any, min_accuracy: float | None,
            engines: bool | None, parameters: dict[str, str] | None, isolate: bool = False,
            sandbox: str = "auto") -> BuildResult:

@@ -252,6 +252,15 @@ def read_config(model_dir: Path) -> Any:
     return parse_config(path.read_text())
 
 
+def read_version_config(model_dir: Path, version: int | str | None = None) -> Any:
+    """The configuration of ``version`` as signed with it (``<model_dir>/<version>/config.pbtxt``, which packaging
+    writes), else the model's ``config.pbtxt`` (a version packaged before carries none; or no version given)."""
+    own = Path(model_dir) / str(version) / Files.CONFIG if version is not None else None
+    if own is not None and own.is_file() and not own.is_symlink():
+        return parse_config(own.read_text())
+    return read_config(model_dir)
+
+
 def discover_models(repository: Path) -> list[str]:
     """Model folders in a repository (folders holding a config.pbtxt; hidden ones, a build's staging, are not)."""
     return sorted(p.name for p in Path(repository).iterdir()
@@ -502,6 +511,10 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             shutil.copyfile(extra, vdir / Path(extra).name)
         # What clients rely on (inputs, outputs, limits, the tokenizer's golden ids), signed with the rest.
         write_contract(pbtxt, vdir)
+        # The version's own configuration, signed with it: the model's config.pbtxt is a copy of the served
+        # version's, rewritten by each build, and out of the unit of every version that carries its own
+        # (signing/layout.py), so a new version leaves the signatures of those built before verifying.
+        (vdir / Files.CONFIG).write_text(pbtxt)
         metadata = {
             "model": recipe.name,
             "version": recipe.version,

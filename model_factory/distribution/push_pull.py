@@ -36,6 +36,7 @@ from model_factory.distribution.oci_layout import (ANNOTATION_TITLE, ANNOTATION_
                                                    open_layout, remove_tree, sha256_bytes, sha256_file)
 from model_factory.distribution.registry import RegistryOptions, RegistryTarget, parse_registry_ref
 from model_factory.errors import FactoryError
+from model_factory.signing import layout
 
 ReleaseCheck = Callable[[Path, int, Sequence[Path]], None]
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -395,6 +396,10 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
             shutil.copyfile(cached, out) if uses[d] else os.replace(cached, out)
         for empty in json.loads(ann.get(mp.EMPTY_DIRS, "[]")):
             (staged / _safe_relpath(empty)).mkdir(parents=True, exist_ok=True)
+        own_config = layout.own_config_path(staged, version)
+        if layout.carries_own_config(staged, version) and not (staged / layout.CONFIG).exists():
+            # The model's config.pbtxt is derived from the version's signed copy (signing/model_config.py).
+            shutil.copyfile(own_config, staged / layout.CONFIG)
         result = verify_model_version(staged, version, trust)
         if not result.ok:
             raise FactoryError(f"{model} version {version} from {ref} failed verification: " + "; ".join(result.reasons))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from model_factory.errors import FactoryError
 
 
@@ -19,6 +21,30 @@ def engine_info_from_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str
     except FactoryError:
         pass
     return info
+
+
+def engine_description(labels: Mapping[str, str] | None, parameters: Mapping[str, str], instance_kind: str) -> str:
+    """What a loaded model computes on, for ``serve``'s banner: its ``model_factory_engine_info`` labels where it
+    published them (an encoder's instance), else its served contract: a text-generation model runs its graph on
+    ONNX Runtime (its metrics carry no engine label), any other model on the engine its parameters name.
+
+    ``parameters``: the served ``config.pbtxt``'s string parameters; ``instance_kind``: its instance group's kind
+    (``KIND_CPU``, ``KIND_GPU``).
+    """
+    if labels and labels.get("engine"):
+        return f"{labels['engine']} on {labels.get('device', '?')}"
+    from model_factory.backend.contract import TEXT_GENERATION
+
+    gpu = instance_kind == "KIND_GPU"
+    precision = parameters.get("precision") or "fp32"
+    if parameters.get("task") == TEXT_GENERATION:
+        where = ("a GPU (ONNX Runtime's CUDA provider" + (", the CPU where it cannot load there" if
+                                                          parameters.get("cpu_fallback") == "true" else "") + ")"
+                 if gpu else "cpu")
+        return f"onnxruntime on {where} (text generation, {precision})"
+    engine = parameters.get("engine") or "auto"
+    engine = "onnxruntime or tensorrt, chosen at load" if engine == "auto" else engine
+    return f"{engine} on {'a GPU' if gpu else 'cpu'} ({precision}, from its config: no engine label in the metrics)"
 
 
 def serving_notes(info: dict[str, dict[str, str]]) -> dict[str, str]:

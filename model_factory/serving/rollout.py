@@ -193,12 +193,13 @@ def candidate_config(base: dict[str, Any], version: int, name: str) -> dict[str,
     return out
 
 
-def _config_json(model_dir: Path) -> dict[str, Any]:
+def _config_json(model_dir: Path, version: int | None = None) -> dict[str, Any]:
+    """The configuration (Triton JSON) of ``version`` as signed with it, else the model's ``config.pbtxt``."""
     from google.protobuf import json_format
 
-    from model_factory.build.repository import read_config
+    from model_factory.build.repository import read_version_config
 
-    return json_format.MessageToDict(read_config(model_dir), preserving_proto_field_name=True)
+    return json_format.MessageToDict(read_version_config(model_dir, version), preserving_proto_field_name=True)
 
 
 def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
@@ -246,7 +247,8 @@ class RolloutControl:
             self.serving[m] = int(max(int(v) for v in wanted)) if wanted else int(
                 served_version(repo / m, read_config(repo / m)))
             if cfg is None:  # from now on its loads carry the configuration it serves with (a heal, an undo)
-                server.load_configs[m] = json.dumps(version_config(_config_json(repo / m), self.serving[m]))
+                server.load_configs[m] = json.dumps(version_config(_config_json(repo / m, self.serving[m]),
+                                                                   self.serving[m]))
         self.statuses: dict[str, RolloutStatus] = {}
         self.switched: dict[str, Switched] = {}
         self._lock = threading.Lock()
@@ -360,7 +362,7 @@ class RolloutControl:
             self._set(status, "switching")
             with self._switch_lock, self._quiet_start(req.model):  # the new stubs load at the lowest priority
                 serving_config = self.server.load_configs[req.model]
-                new_config = self._derived_config(req.model)
+                new_config = self._derived_config(req.model, req.version)
                 versions, kept = switch_plan(json.loads(serving_config), new_config, status.serving, req.version,
                                              req.grace_s)
                 self._switch(req.model, versions, timeout_s=QUIET_LOAD_TIMEOUT_S, base=new_config)
@@ -412,12 +414,12 @@ class RolloutControl:
             if rel.split("/", 1)[0] == str(v):
                 (dst / rel).parent.mkdir(parents=True, exist_ok=True)
                 hardlink_or_copy(src / rel, dst / rel)
-        config = candidate_config(_config_json(src), v, cand)
+        config = candidate_config(_config_json(src, v), v, cand)  # its own signed configuration
         (dst / "config.pbtxt").write_text(config_to_pbtxt(config))
         table = read_table(self.digests.path)
         table.setdefault(m, {})[str(v)] = digests
         table[cand] = {str(v): digests}
-        try:  # the serving version again (its signature covers config.pbtxt, re-signed with the new version)
+        try:  # the serving version again (one packaged before carrying its own config.pbtxt is re-signed with it)
             serving = str(self.serving[m])
             table[m][serving] = signed_digests(src, int(serving), self.digests.policy)
         except FactoryError:
@@ -500,14 +502,17 @@ class RolloutControl:
         finally:
             path.unlink(missing_ok=True)
 
-    def _derived_config(self, model: str) -> dict[str, Any]:
-        """The configuration a load of ``model`` would carry, derived from its ``config.pbtxt`` as it is now (the
-        newest packaging's) as ``serve`` derives it at the start."""
-        from model_factory.serving.queue_bound import load_configs
+    def _derived_config(self, model: str, version: int | None = None) -> dict[str, Any]:
+        """The configuration a load of ``model`` at ``version`` would carry, derived from that version's own signed
+        ``config.pbtxt`` (else the model's, as it is now) as ``serve`` derives it at the start."""
+        from google.protobuf import json_format
 
-        repo = Path(self.server.repository)
-        derived = load_configs(repo, [model], getattr(self.server, "queue_costs", None)).get(model)
-        return json.loads(derived) if derived else _config_json(repo / model)
+        from model_factory.build.repository import read_version_config
+        from model_factory.serving.queue_bound import derived_config
+
+        config = read_version_config(Path(self.server.repository) / model, version)
+        derived = derived_config(config, (getattr(self.server, "queue_costs", None) or {}).get(model))
+        return derived if derived is not None else json_format.MessageToDict(config, preserving_proto_field_name=True)
 
     def _switch(self, model: str, versions: Sequence[int], timeout_s: float | None = None,
                 base: dict[str, Any] | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from model_factory.errors import FactoryError
 from model_factory.serving.digests import VerifiedDigests, verified_table, write_table
-from model_factory.serving.metrics_scrape import engine_info_from_metrics, serving_notes
+from model_factory.serving.metrics_scrape import engine_description, engine_info_from_metrics, serving_notes
 from model_factory.serving.refusals import load_error_line
 from model_factory.serving.triton_process import (COST_CACHE_ENV, VERIFIED_DIGESTS_ENV, VERIFIED_PREFIX, ServerOptions,
                                                   TritonServer, discover_models)
@@ -173,6 +173,18 @@ def _check_one(job: tuple[str, dict | None, str | None, bool, bool, str | None, 
     return ok, where, reason, cost if ok else None
 
 
+def _served_contract(model_dir: Path) -> tuple[dict[str, str], str]:
+    """The served config's string parameters and its instance kind (what the banner says a model runs on)."""
+    from model_factory.build.repository import config_parameters, read_config
+
+    try:
+        config = read_config(model_dir)
+    except FactoryError:
+        return {}, "KIND_CPU"
+    kinds = [type(g).Kind.Name(g.kind) for g in config.instance_group]
+    return config_parameters(config), "KIND_GPU" if "KIND_GPU" in kinds else "KIND_CPU"
+
+
 def _cost_cache_env(repository: Path, cost_cache: Path | None) -> dict[str, str]:
     if cost_cache is None:
         return {}
@@ -254,8 +266,8 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
                            "later loads")
     engines = dict(checks.engines)
     info = engine_info_from_metrics(server.metrics_url) if served else {}  # one scrape: engine, device, threads
-    labelled = {m: f"{x['engine']} on {x.get('device', '?')}" for m, x in info.items() if "engine" in x}
-    engines = {m: engines.get(m) or labelled.get(m, "unknown (no engine label in the metrics)") for m in served}
+    engines = {m: engines.get(m) or engine_description(info.get(m), *_served_contract(repository / m))
+               for m in served}
     for m, labels in info.items():
         if m in engines and labels.get("threads"):
             borrow = labels.get("wide_threads", "0")

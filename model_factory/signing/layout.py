@@ -14,6 +14,17 @@ tokenizer) and, through backends and model code, possibly any other file in
   ``.gitattributes`` and ``.github`` at the top of the model folder (files or
   folders, with everything under them). Triton never loads them.
 
+A version that carries its own configuration (``<repo>/M/N/config.pbtxt``, which
+packaging writes into every version it builds) leaves the model's
+``config.pbtxt`` out of its unit too: that file is derived, a copy of the
+configuration of the version it serves, so building version N+1 (which
+rewrites it) leaves version N's signature verifying. Verification holds the
+derived file to the served version's signed copy (``model_factory.signing.
+model_config``), so a tampered ``config.pbtxt`` still fails the version it
+would serve. A version
+without its own copy (packaged before) keeps the model's ``config.pbtxt`` in
+its unit, as it was signed.
+
 Triton reads numeric sub-folders as versions and ignores plain files beside
 ``config.pbtxt``, so the signature files do not disturb it. The exclusion is a
 fixed rule applied at verification time: ``ignore_paths`` written into a
@@ -40,6 +51,23 @@ _NUMERIC = re.compile(r"^[0-9]+$")
 _SIG_FILE = re.compile(r"^(0|[1-9][0-9]*)(\.provenance)?\.sig$")
 # OMS v1.0 §6.2: excluded by default, matched as top-level components of the model root only.
 DEFAULT_EXCLUSIONS = (".git", ".gitignore", ".gitattributes", ".github")
+# Triton's model configuration: at the model's top (what Triton reads) and, signed with it, in each version folder.
+CONFIG = "config.pbtxt"
+
+
+def own_config_path(model_dir: Path, version: int) -> Path:
+    """``<repo>/<model>/<version>/config.pbtxt``: the version's own configuration, signed with it."""
+    return Path(model_dir) / str(int(version)) / CONFIG
+
+
+def carries_own_config(model_dir: Path, version: int) -> bool:
+    """Whether the version holds its own ``config.pbtxt`` (a regular file): the model's one is then derived, out of
+    its unit. Decided from the disk on both sides: a copy added to, or removed from, a signed version changes its
+    file list, which verification reports."""
+    try:
+        return stat.S_ISREG(os.lstat(own_config_path(model_dir, version)).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def signature_path(model_dir: Path, version: int) -> Path:
@@ -83,13 +111,18 @@ def model_entries(model_dir: Path) -> ModelEntries:
     return ModelEntries(tuple(sorted(versions)), tuple(sorted(signed)))
 
 
-def excluded_top_level(name: str, is_dir: bool, is_file: bool, version: int, is_link: bool = False) -> bool:
+def excluded_top_level(name: str, is_dir: bool, is_file: bool, version: int, is_link: bool = False,
+                       own_config: bool = False) -> bool:
     """The fixed exclusion rule for one top-level entry of the model folder.
 
     Another version's entry is left out even when it is a symlink: that
-    version's own verification reports the link.
+    version's own verification reports the link. With ``own_config`` (the
+    version carries its own configuration) the model's ``config.pbtxt`` is left
+    out when it is a regular file (a link is still reported).
     """
     if name in DEFAULT_EXCLUSIONS:
+        return True
+    if own_config and name == CONFIG and is_file:
         return True
     if (is_dir or is_link) and is_version_name(name) and int(name) != version:
         return True
@@ -158,7 +191,7 @@ def scan_unit(model_dir: Path, version: int) -> UnitScan:
             st = entry.stat(follow_symlinks=False)
             is_dir, is_file = stat.S_ISDIR(st.st_mode), stat.S_ISREG(st.st_mode)
             if rel is None and excluded_top_level(entry.name, is_dir, is_file, version,
-                                                  stat.S_ISLNK(st.st_mode)):
+                                                  stat.S_ISLNK(st.st_mode), own_config):
                 continue
             count += 1
             if not (is_dir or is_file):
@@ -181,6 +214,7 @@ def scan_unit(model_dir: Path, version: int) -> UnitScan:
     if os.path.islink(model_dir):
         problems.append(f"the model folder {model_dir.name} is a symlink; symlinks are never signed or followed")
     else:
+        own_config = carries_own_config(model_dir, version)
         walk(model_dir, None)
     return UnitScan(tuple(sorted(files)), tuple(sorted(empty)), tuple(problems), tuple(sorted(not_regular)))
 
@@ -188,12 +222,15 @@ def scan_unit(model_dir: Path, version: int) -> UnitScan:
 def other_version_ignores(model_dir: Path, version: int) -> list[str]:
     """The ``ignore_paths`` of one version's signature: what the unit leaves out.
 
-    OMS v1.0's default exclusions, the other version folders and every
-    signature file, present or to come. model_signing honours them when it
-    verifies; our verifier applies the same rule from :func:`outside_unit`.
+    OMS v1.0's default exclusions, the other version folders, every
+    signature file, present or to come, and the model's ``config.pbtxt`` when
+    the version carries its own. model_signing honours them when it verifies;
+    our verifier applies the same rule from :func:`scan_unit`.
     """
     entries = model_entries(model_dir)
     names = {f"{version}{SIGNATURE_SUFFIX}", f"{version}{PROVENANCE_SUFFIX}", *DEFAULT_EXCLUSIONS}
+    if carries_own_config(model_dir, version):
+        names.add(CONFIG)
     for k in entries.versions:
         names.update({f"{k}{SIGNATURE_SUFFIX}", f"{k}{PROVENANCE_SUFFIX}"})
         if k != version:

@@ -223,8 +223,10 @@ def diff_manifests(old: Iterable[TensorDigest], new: Iterable[TensorDigest], lab
 def manifests_of_path(path: Path) -> dict[str, list[TensorDigest]]:
     """The tensor sets ``model-factory diff`` compares for one side.
 
-    A version folder (or a model folder: its latest version) is read from its signed BOM; a Hugging Face
-    folder or .safetensors file gives ``source``; an .onnx file its initializers.
+    A version folder (or a model folder: its latest version) is read from its signed BOM, or, without one (a
+    version that ``model-factory sign`` signed: only ``build`` writes the BOM), from its own .onnx files, one set
+    each, named as a BOM names them; a Hugging Face folder or .safetensors file gives ``source``; an .onnx file
+    its initializers.
     """
     path = Path(path)
     bom = _bom_file(path)
@@ -237,10 +239,30 @@ def manifests_of_path(path: Path) -> dict[str, list[TensorDigest]]:
     if path.is_file() and path.suffix == ".onnx":
         return {path.name: onnx_manifest(path)}
     tensors = manifest_of(path)
-    if not tensors:
-        raise FactoryError(f"{path} holds no .safetensors file, .onnx file or bom.cdx.json. Fix: pass a model "
-                           "folder with safetensors weights, an .onnx file, or a version folder of a repository")
-    return {SOURCE_SET: tensors}
+    if tensors:
+        return {SOURCE_SET: tensors}
+    graphs = _onnx_files(path)
+    if graphs:
+        return {g.name: onnx_manifest(g) for g in graphs}
+    raise FactoryError(f"{path} holds no .safetensors file, .onnx file or bom.cdx.json (nor does its latest "
+                       "version folder). Fix: pass a model folder with safetensors weights, an .onnx file, or a "
+                       "version folder of a repository")
+
+
+def _onnx_files(path: Path) -> list[Path]:
+    """The .onnx files of a version folder (its top level, where packaging puts them), or of a model folder's
+    latest version folder that holds any."""
+    if not path.is_dir():
+        return []
+    found = sorted(p for p in path.glob("*.onnx") if p.is_file())
+    if found:
+        return found
+    versions = sorted((int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
+    for v in versions:
+        found = sorted(p for p in (path / str(v)).glob("*.onnx") if p.is_file())
+        if found:
+            return found
+    return []
 
 
 def _bom_file(path: Path) -> Path | None:

@@ -28,6 +28,7 @@ from model_factory.signing.bundle import MAX_BUNDLE_BYTES, Bundle, parse_bundle
 from model_factory.signing.certificates import check_chain, identity_matches, name_of, sans_of
 from model_factory.signing.digests import file_tasks, hash_tasks, shard_tasks
 from model_factory.signing.manifest import Manifest, describe_differences, parse_statement, split_shard
+from model_factory.signing.model_config import derived_config_reasons
 from model_factory.signing.policy import TrustPolicy
 from model_factory.signing.provenance import check_statement
 
@@ -225,6 +226,8 @@ def _verify_version(model_dir: Path, version: int, policy: TrustPolicy,
     # Already explained above: do not report these again as "missing".
     explained = set(scan.not_regular) | set(outside) | set(unreadable)
     reasons.extend(describe_differences(manifest, actual, scan.empty_dirs, explained))
+    # The model's config.pbtxt, out of the unit of a version that carries its own, must be that copy if it serves it.
+    reasons.extend(derived_config_reasons(model_dir, version))
     reasons.extend(_provenance_reasons(model_dir, version, manifest, policy, at))
     return result(reasons, signer, len(manifest.files())), manifest
 

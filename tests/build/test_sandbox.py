@@ -167,3 +167,90 @@ def test_serving_walls_allow_threads_and_refuse_processes_sockets_and_files(tmp_
     said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert said == {"thread": "allowed", "fork": "refused 13", "exec": "refused 13", "socket": "refused 13",
                     "passwd": "refused 13", "scratch": "allowed"}, done.stdout + done.stderr
+
+
+RECIPE_TOML = '''
+[model]
+name = "walled"
+task = "generic"
+
+[source]
+kind = "torch"
+factory = "walled_factory:{factory}"
+
+[[inputs]]
+name = "x"
+dtype = "FP32"
+dims = [-1, 4]
+
+[[outputs]]
+name = "y"
+dtype = "FP32"
+dims = [3]
+
+[shapes]
+max_batch = 4
+max_sequence_length = 16
+sequence_buckets = [16]
+
+[repository]
+path = "out/repo"
+instance_kind = "cpu"
+'''
+
+
+def _cli(source: Path, factory: str, *args: str):
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    recipe = source / f"{factory}.toml"
+    recipe.write_text(RECIPE_TOML.format(factory=factory))
+    return CliRunner().invoke(main, [args[0], str(recipe), *args[1:]])
+
+
+@needs_walls
+@pytest.mark.slow
+def test_the_export_command_runs_a_torch_source_in_the_sandbox_and_no_sandbox_is_the_escape(source: Path) -> None:
+    """``model-factory export`` alone walls the source's code in as ``build`` does: a factory that reads /etc/passwd
+    is refused in one line; ``--no-sandbox`` runs it (a source you trust)."""
+    refused = _cli(source, "read_passwd", "export")
+    assert refused.exit_code == 1, refused.output
+    last = refused.output.strip().splitlines()[-1]
+    assert "the build sandbox stopped the export stage: permission denied for" in last and "/etc/passwd" in last
+    assert "Fix:" in last
+    assert sandbox.support_line(HAVE) in refused.output
+    trusted = _cli(source, "read_passwd", "export", "--no-sandbox")
+    assert trusted.exit_code == 0, trusted.output
+    assert "[sandbox] off (--no-sandbox)" in trusted.output and "wrote " in trusted.output
+    both = _cli(source, "good", "export", "--no-sandbox", "--require-sandbox")
+    assert both.exit_code == 1 and "contradict each other" in both.output
+
+
+def read_passwd_stage(recipe, progress=None):
+    """A stage body that reads what no stage may (module level: the spawned child imports it by name)."""
+    return open("/etc/passwd").read()[:0] + "read"
+
+
+@needs_walls
+@pytest.mark.parametrize("stage", ["export", "quantize", "build-engine"])
+def test_each_command_s_stage_runs_walled_and_no_sandbox_runs_it_unwalled(source: Path, stage: str) -> None:
+    """``run_stage`` is what export, quantize and build-engine run their stage through."""
+    from model_factory.build.pipeline import run_stage
+
+    recipe = _recipe(source, "good")
+    said: list[str] = []
+    with pytest.raises(FactoryError, match=rf"^the build sandbox stopped the {stage} stage: permission denied "
+                                           r"for .*/etc/passwd.*Fix:"):
+        run_stage(recipe, stage, read_passwd_stage, recipe, progress=said.append)
+    assert said == [sandbox.support_line(HAVE)]
+    assert run_stage(recipe, stage, read_passwd_stage, recipe, progress=said.append, sandbox="off") == "read"
+    assert said[-1].startswith("[sandbox] off (--no-sandbox)")
+
+
+def test_quantize_and_build_engine_take_the_sandbox_options() -> None:
+    from model_factory.cli.main import main
+
+    for name in ("export", "quantize", "build-engine", "build"):
+        options = {o for p in main.commands[name].params for o in p.opts}
+        assert {"--no-sandbox", "--require-sandbox"} <= options, name

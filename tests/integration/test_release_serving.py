@@ -16,7 +16,7 @@ def test_serve_refuses_a_rolled_back_repository_at_start(tmp_path, minilm_recipe
     from model_factory.demo import write_key_policy
     from model_factory.errors import FactoryError
     from model_factory.serving.server import ServerOptions, start_verified_server
-    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+    from model_factory.signing import generate_keypair
     from model_factory.signing.release import KeyFile, add_release, init_release
 
     repo = tmp_path / "repo"
@@ -34,7 +34,6 @@ def test_serve_refuses_a_rolled_back_repository_at_start(tmp_path, minilm_recipe
 
     package_signed(replace(recipe, version=2), keys)
     assert (model_dir / "2").is_dir()
-    sign_model_version(model_dir, 1, SignerConfig(keys.private_key))  # config.pbtxt is in every version's unit
     assert add_release(repo, k, k, k) == 2
 
     policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)

@@ -36,13 +36,6 @@ class Env:
     healed: list = field(default_factory=list)  # stubs healed: Triton 2.51 then never finishes that unload
 
 
-def _sign_all(model_dir: Path, keys, versions) -> None:
-    from model_factory.signing import SignerConfig, sign_model_version
-
-    for v in versions:  # config.pbtxt is in every version's signed unit: each packaging re-signs the others
-        sign_model_version(model_dir, v, SignerConfig(keys.private_key))
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
     """Serving v1 of a released model; v2 (same weights) and v3 (other weights, its own golden data) packaged,
@@ -84,7 +77,6 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
         other = _other_weights(fp32, root / "other.onnx")
         golden_bad = write_acceptance_data(recipe, other, minilm_export.tokenizer_dir, root / "golden-bad")
         package_signed(replace(recipe, version=3), keys, {"model.onnx": other}, acceptance_dir=golden_bad)
-        _sign_all(model_dir, keys, (1, 2))
         assert add_release(repo, k, k, k) == 2
         key_file = root / "admin-key"
         key_file.write_text(KEY + "\n")
@@ -376,7 +368,6 @@ def test_watch_rolls_out_a_newly_released_version_and_says_each_refusal_once(env
     golden = env.model_dir / "1" / "acceptance"
     assert golden.is_dir()
     package_signed(recipe, env.keys, acceptance_dir=golden)
-    _sign_all(env.model_dir, env.keys, (1, 2, 3))
     add_release(env.repo, env.release_keys, env.release_keys, env.release_keys)
     with Load(env.server.http_url):
         started = env.control.scan()
@@ -406,7 +397,6 @@ def test_a_version_with_another_configuration_replaces_the_previous_one_and_undo
     recipe = replace(minilm_recipe, name=MODEL, version=5, repository=replace(minilm_recipe.repository, path=env.repo),
                      batching=replace(minilm_recipe.batching, max_queue_delay_us=100))
     package_signed(recipe, env.keys, acceptance_dir=env.model_dir / "1" / "acceptance")
-    _sign_all(env.model_dir, env.keys, (1, 2, 3, 4))
     add_release(env.repo, env.release_keys, env.release_keys, env.release_keys)
     v4_stubs = _stubs_by_version(env)["4"]
     with Load(env.server.http_url) as load:
@@ -500,7 +490,6 @@ def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm
 
         assert "no rollout of roll" in rollout("--status")
         package_signed(replace(recipe, version=2), keys, acceptance_dir=golden)
-        _sign_all(model_dir, keys, (1,))
         add_release(factory, k, k, k)
         push(factory, MODEL, f"oci-layout:{layout}:2")
         with Load(url) as load:

@@ -35,6 +35,8 @@ def test_serve_accepts_then_serves_the_openai_api_and_stops_with_triton(tiny_llm
             if "Ctrl-C to stop" in line:
                 break
         url = next(m.group(1) for line in out if (m := re.search(r"OpenAI\s+(http://\S+)/v1", line)))
+        banner = next(line for line in out if line.startswith("  llm: "))  # what it runs on, never "unknown"
+        assert "unknown" not in banner and "onnxruntime" in banner, banner
         models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())
         assert [m["id"] for m in models["data"]] == ["llm"]
         req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(

@@ -121,9 +121,17 @@ def test_metrics_endpoint_is_up(triton) -> None:
 
 
 def test_a_lone_client_borrows_the_idle_cores(triton, torch_reference) -> None:
-    """Two CPU instances split the cores; a request alone in its window runs on every core (idle_cores)."""
+    """Two CPU instances split the cores; a request alone in its window runs on every core (idle_cores).
+
+    Deterministic on a busy machine too: a run borrows when no other instance of the server is computing, as the
+    shared ledger says, and an instance marks itself computing for its whole ``execute()``, which may still be
+    ending (the response already sent) when the client's next request reaches the other instance. So each request
+    is sent once the ledger shows no instance computing, as a lone client's next request finds it when the server
+    is not slowed by other work; then every one of them borrows, and each borrow is counted.
+    """
     import time
 
+    from model_factory.backend.batching.idle_cores import RUNTIME_DIR_ENV, BusyLedger, ledger_path
     from model_factory.backend.engines.loading import available_cpus
     from model_factory.measure import bench
     from model_factory.measure.client import embed_texts
@@ -133,21 +141,43 @@ def test_a_lone_client_borrows_the_idle_cores(triton, torch_reference) -> None:
         pytest.skip(f"one usable core here: nothing to lend")
     info = [s.labels for s in bench.scrape_metrics(triton.metrics_url) if s.name == "model_factory_engine_info"]
     assert info and all(x["threads"] == str(max(1, cores // 2)) and x["wide_threads"] == str(cores) for x in info)
+    # The ledger the instances share (named after their parent, the server); probed as process id 1, which no
+    # instance is: its check covers every instance's byte and the borrowers' byte 0.
+    path = ledger_path({RUNTIME_DIR_ENV: str(triton.work_dir)}, triton.process.pid)
+    assert path.is_file(), f"no ledger at {path}"
+    probe = BusyLedger(path, me=1)
 
     def borrowed() -> float:
         return bench.metric_total(bench.scrape_metrics(triton.metrics_url), "model_factory_borrowed_core_runs_total",
                                   model="minilm") or 0.0
 
-    time.sleep(1.5)  # counters are flushed about once a second
-    before = borrowed()
-    for text in TEXTS:  # one client, one request at a time
-        emb = embed_texts(triton.grpc_url, "minilm", [text], protocol="grpc")[0]
-        expected = torch_reference[0][TEXTS.index(text)]
-        assert float(cosine(emb, expected)) > 0.9999
-    deadline = time.monotonic() + 10
-    while borrowed() - before < len(TEXTS) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert borrowed() - before == len(TEXTS)
+    def wait_idle() -> None:
+        deadline = time.monotonic() + 10
+        while probe.others_busy():
+            assert time.monotonic() < deadline, "an instance kept computing for 10 s with no request in flight"
+            time.sleep(0.01)
+
+    try:
+        time.sleep(1.5)  # counters are flushed about once a second
+        before = borrowed()
+        for text in TEXTS:  # one client, one request at a time
+            wait_idle()
+            emb = embed_texts(triton.grpc_url, "minilm", [text], protocol="grpc")[0]
+            expected = torch_reference[0][TEXTS.index(text)]
+            assert float(cosine(emb, expected)) > 0.9999
+        wait_idle()
+        deadline = time.monotonic() + 10
+        while borrowed() - before < len(TEXTS) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert borrowed() - before == len(TEXTS)
+        # The other side of the decision: while another instance computes (the probe holds an instance's byte),
+        # a lone request keeps its own share of the cores.
+        with probe.busy():
+            embed_texts(triton.grpc_url, "minilm", [TEXTS[0]], protocol="grpc")
+        time.sleep(1.5)
+        assert borrowed() - before == len(TEXTS)
+    finally:
+        probe.close()
 
 
 def test_clean_shutdown(minilm_repository) -> None:

@@ -188,3 +188,22 @@ def test_model_signing_cli_signs_we_verify(repo, keys, key_policy):
     assert proc.returncode == 0, proc.stderr
     result = {(r.model, r.version): r for r in verify_repository(repo, load_policy(key_policy()))}[("encoder", 1)]
     assert result.ok and result.signer == "key:release", result.reasons
+
+
+def test_model_signing_verifies_versions_that_carry_their_own_config(tmp_path, keys):
+    """A version with its own ``<version>/config.pbtxt`` leaves the model's (derived) one out of its unit and says so
+    in ``ignore_paths``: model_signing verifies it, after the model's config.pbtxt changed for a newer version."""
+    from signing_helpers import build_model
+
+    model_dir = build_model(tmp_path / "repo" / "encoder", (1, 2))  # (its ignore_paths name the versions present)
+    (model_dir / "1" / "config.pbtxt").write_bytes((model_dir / "config.pbtxt").read_bytes())
+    sign_model_version(model_dir, 1, SignerConfig(keys["trusted"].private))
+    # Version 2's packaging rewrites the model's config.pbtxt (its own, copied into 2/).
+    (model_dir / "config.pbtxt").write_text('name: "encoder"\nbackend: "python"\nmax_batch_size: 16\n')
+    (model_dir / "2" / "config.pbtxt").write_bytes((model_dir / "config.pbtxt").read_bytes())
+    sign_model_version(model_dir, 2, SignerConfig(keys["trusted"].private))
+    for v in (1, 2):
+        ms_verify_key(model_dir, v, keys["trusted"].public)
+    (model_dir / "1" / "config.pbtxt").write_text("tampered")
+    with pytest.raises(ValueError, match="Hash mismatch for '1/config.pbtxt'"):
+        ms_verify_key(model_dir, 1, keys["trusted"].public)

@@ -90,3 +90,41 @@ def test_diff_refuses_what_holds_no_tensors_in_one_line(tmp_path: Path) -> None:
     run = CliRunner().invoke(main, ["diff", str(tmp_path / "a"), str(tmp_path / "a")])
     assert run.exit_code != 0 and "holds no .safetensors file" in run.output and "Fix:" in run.output
     assert len(run.output.strip().splitlines()) == 1
+
+
+def test_diff_reads_a_version_signed_without_a_bom_from_its_onnx_files(tmp_path: Path) -> None:
+    """``model-factory sign`` writes no bom.cdx.json (only ``build`` does): ``diff`` of such version folders compares
+    their .onnx files' initializers, and never says a folder holding model.onnx holds no .onnx file."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper, numpy_helper
+
+    from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
+
+    def graph(weights: np.ndarray):
+        w = numpy_helper.from_array(weights, "w")
+        b = numpy_helper.from_array(np.zeros(4, dtype=np.float32), "b")
+        return helper.make_model(helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])], "g",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [w, b]))
+
+    model_dir = tmp_path / "repo" / "tiny"
+    keys = generate_keypair(tmp_path / "keys")
+    weights = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for version, w in ((1, weights), (2, weights + np.eye(3, 4, dtype=np.float32))):
+        (model_dir / str(version)).mkdir(parents=True)
+        onnx.save(graph(w), str(model_dir / str(version) / "model.onnx"))
+        sign_model_version(model_dir, version, SignerConfig(keys.private_key))
+    assert not list(model_dir.rglob("bom.cdx.json")) and (model_dir / "2.sig").is_file()
+
+    run = CliRunner().invoke(main, ["diff", "--exit-code", str(model_dir / "1"), str(model_dir / "2")])
+    assert run.exit_code == 1, run.output
+    assert "holds no" not in run.output
+    lines = run.output.strip().splitlines()
+    assert lines[0] == "model.onnx: 1 of 2 tensors changed, 0 added, 0 removed, 1 identical"
+    assert lines[1].startswith("  changed  w ")
+    same = CliRunner().invoke(main, ["diff", "--exit-code", str(model_dir / "1"), str(model_dir / "1")])
+    assert same.exit_code == 0 and "identical weights" in same.output
+    # A model folder stands for its latest version, as a version folder does.
+    assert CliRunner().invoke(main, ["diff", str(model_dir / "2"), str(model_dir)]).output.startswith(
+        "model.onnx: identical weights")
