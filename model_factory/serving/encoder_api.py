@@ -5,8 +5,8 @@ Each request is checked (``openai_encoders``, ``tei_protocol``), sent to the mod
 ``infer`` like any client's (``kserve_infer``: one call, or one per ``max_batch_size`` rows, sent together, and
 token-id rows grouped by length), and answered in the shape its API reads. The request id (the client's
 ``X-Request-ID``, else one generated) goes to Triton in the same header, so the backend's events name it, and comes
-back on the answer. Tokens for ``usage`` are counted with the model's own tokenizer (``encoder_models``), off the
-event loop.
+back on the answer. Tokens for ``usage`` are counted with the model's own tokenizer (``encoder_models``), beside
+the infer call (a large request's off the event loop).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from model_factory.serving.tei_protocol import (cohere_rerank_request, cohere_re
                                                 tei_rerank_response)
 
 TRUNCATED = "truncated_tokens"
+INLINE_COUNT = 16  # texts counted on the event loop; more go to a worker thread
 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
@@ -90,6 +91,10 @@ class EncoderRoutes:
         return out
 
     async def _count(self, model: EncoderModel, texts: Sequence[Any]) -> int:
+        """Tokens of ``texts`` for ``usage``: a few inline (tens of microseconds, less than a thread's hand-over),
+        many off the event loop."""
+        if len(texts) <= INLINE_COUNT:
+            return int(sum(model.tokens.count(list(texts))))
         counts = await asyncio.get_running_loop().run_in_executor(None, model.tokens.count, list(texts))
         return int(sum(counts))
 
