@@ -69,7 +69,9 @@ async def infer(session: Any, triton: str, model: str, inputs: Mapping[str, Sequ
     """One ``infer`` call; the request id goes as the ``X-Request-ID`` header the backend reads (serving.md)."""
     data = json.dumps(infer_body(inputs, outputs, parameters)).encode()
     async with session.post(f"{triton}/v2/models/{model}/infer", data=data,
-                            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}) as resp:
+                            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id,
+                                     # aiohttp asks for gzip by default, and Triton then compresses each answer
+                                     "Accept-Encoding": "identity"}) as resp:
         raw = await resp.read()
         length = resp.headers.get(HEADER_LENGTH)
     if resp.status != 200:

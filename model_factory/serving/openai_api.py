@@ -96,6 +96,16 @@ def _aiohttp():
     return aiohttp, web
 
 
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (the frontend's own CPU per request is what it saves), else
+    asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
@@ -157,7 +167,7 @@ class OpenAIFrontend:
         return self
 
     def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
+        loop = self._loop = _new_event_loop()
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._serve())
