@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,6 +56,7 @@ class Turn:
     p50_ms: float
     p99_ms: float
     errors: int
+    cpu_ms_per_text: float  # user + system CPU of serve (the frontend), tritonserver and its stubs, per text answered
 
 
 def _kserve_body(texts: list[str]) -> bytes:
@@ -86,8 +88,8 @@ async def _one(session, path: str, url: str, texts: list[str]) -> int:
 
 
 async def _load(path: str, url: str, texts: list[str], per_request: int, in_flight: int,
-                seconds: float) -> tuple[float, float, float, int]:
-    """(texts/s, p50 ms, p99 ms, errors) of ``in_flight`` closed-loop clients for ``seconds``."""
+                seconds: float) -> tuple[float, float, float, int, int]:
+    """(texts/s, p50 ms, p99 ms, errors, texts) of ``in_flight`` closed-loop clients for ``seconds``."""
     import aiohttp
 
     latencies: list[float] = []
@@ -115,9 +117,9 @@ async def _load(path: str, url: str, texts: list[str], per_request: int, in_flig
         wall = time.monotonic() - t0
     latencies.sort()
     if not latencies:
-        return 0.0, float("nan"), float("nan"), errors
+        return 0.0, float("nan"), float("nan"), errors, 0
     return (done / wall, 1e3 * latencies[len(latencies) // 2],
-            1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], errors)
+            1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], errors, done)
 
 
 def _start_serve(repo: Path) -> tuple[subprocess.Popen, str, str]:
@@ -156,22 +158,29 @@ def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
              f"not refused). {args.rounds} rounds of {args.seconds:g} s a path "
              f"(after a {args.warmup:g} s warm-up of each), the paths interleaved in each round, the order "
              "alternating; one asyncio client for both, in the benchmark's process, on the same cores.", "",
-             "| shape (texts/request x in flight) | round | path | texts/s | p50 ms | p99 ms | errors |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| shape (texts/request x in flight) | round | path | texts/s | p50 ms | p99 ms | server CPU ms/text "
+             "| errors |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {t.shape} | {t.round} | {t.path} | {t.texts_per_s:.1f} | {t.p50_ms:.1f} | {t.p99_ms:.1f} | "
-              f"{t.errors} |" for t in turns]
-    lines += ["", "| shape | /v1/embeddings texts/s (median) | KServe texts/s (median) | ratio per round: median "
-              "| range |", "| --- | ---: | ---: | ---: | --- |"]
+              f"{t.cpu_ms_per_text:.2f} | {t.errors} |" for t in turns]
+    lines += ["", "| shape | /v1/embeddings texts/s (median) | KServe texts/s (median) | texts/s ratio per round: "
+              "median | range | server CPU per text, /v1/embeddings over KServe: median | range |",
+              "| --- | ---: | ---: | ---: | --- | ---: | --- |"]
     for shape in dict.fromkeys(t.shape for t in turns):
         mine = [t for t in turns if t.shape == shape]
         rounds = sorted({t.round for t in mine})
         by = {(t.round, t.path): t.texts_per_s for t in mine}
         ratios = [by[(r, "openai")] / by[(r, "kserve")] for r in rounds if by.get((r, "kserve"))]
+        cpu = {(t.round, t.path): t.cpu_ms_per_text for t in mine}
+        costs = [cpu[(r, "openai")] / cpu[(r, "kserve")] for r in rounds if cpu.get((r, "kserve"))]
         med = {p: statistics.median(t.texts_per_s for t in mine if t.path == p) for p in PATHS}
         lines.append(f"| {shape} | {med['openai']:.1f} | {med['kserve']:.1f} | **{statistics.median(ratios):.3f}x** "
-                     f"| {min(ratios):.3f}-{max(ratios):.3f}x |")
+                     f"| {min(ratios):.3f}-{max(ratios):.3f}x | {statistics.median(costs):.3f}x | "
+                     f"{min(costs):.3f}-{max(costs):.3f}x |")
     lines += ["", "The frontend is a second hop on loopback (JSON in, the binary tensor out, base64 to the client) in "
-              "a process that shares the cores with Triton, its stubs and the client.", END]
+              "a process that shares the cores with Triton, its stubs and the client. Server CPU per text (user + "
+              "system seconds of `serve`, where the frontend runs, of tritonserver and of the stubs, read around "
+              "each turn) is steadier than texts/s on a shared machine: its ratio is what the frontend adds per "
+              "text.", END]
     return "\n".join(lines)
 
 
@@ -187,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.harness.minilm import TEXTS, export_minilm, package_variant
     from benchmarks.harness.run_header import LoadReading, run_header
+    from benchmarks.harness.server_cpu import server_cpu_seconds
 
     texts = [t for t in TEXTS.read_text().splitlines() if t.strip()]
     load = LoadReading.begin()
@@ -196,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recipe, exported = export_minilm(root, {"repository.path": str(root / "repo")})
         repo = package_variant(recipe, exported)
         proc, kserve, openai = _start_serve(repo)
+        served = SimpleNamespace(process=proc)  # serve, its tritonserver and the stubs: one process tree
         urls = {"kserve": f"{kserve}/v2/models/minilm/infer", "openai": f"{openai}/v1/embeddings"}
         try:
             for per_request, in_flight in _shapes(args.shapes):
@@ -205,11 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for r in range(1, args.rounds + 1):
                     order = PATHS if r % 2 else PATHS[::-1]
                     for path in order:
-                        rate, p50, p99, errors = asyncio.run(_load(path, urls[path], texts, per_request, in_flight,
-                                                                   args.seconds))
-                        say(f"{shape} round {r} {path}: {rate:.1f} texts/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms"
-                            + (f", {errors} errors" if errors else ""))
-                        turns.append(Turn(shape, r, path, rate, p50, p99, errors))
+                        cpu0 = server_cpu_seconds(served)
+                        rate, p50, p99, errors, n = asyncio.run(_load(path, urls[path], texts, per_request, in_flight,
+                                                                      args.seconds))
+                        cpu = 1e3 * (server_cpu_seconds(served) - cpu0) / max(n, 1)
+                        say(f"{shape} round {r} {path}: {rate:.1f} texts/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+                            f"{cpu:.2f} CPU ms/text" + (f", {errors} errors" if errors else ""))
+                        turns.append(Turn(shape, r, path, rate, p50, p99, errors, cpu))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
