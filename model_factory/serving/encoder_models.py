@@ -8,7 +8,8 @@ truncated to (``metadata.json``'s ``embedding.matryoshka_dimensions``, from the 
 model through Triton's KServe infer like any client: nothing here runs a model.
 
 :class:`TokenCounter` counts a request's tokens for ``usage`` with the model's own tokenizer (the version's
-``tokenizer/tokenizer.json``), untruncated, as the backend tokenizes before its long-input policy.
+``tokenizer/tokenizer.json``, read when the frontend starts), untruncated, as the backend tokenizes before its
+long-input policy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ class TokenCounter:
         self.path = path
         self._tok: Any = None
         self._lock = threading.Lock()
+
+    def load(self) -> "TokenCounter":
+        """Read the tokenizer now (at start: a later rollout may remove the version folder it came from)."""
+        if self.path is not None:
+            try:
+                self._tokenizer()
+            except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own exception type
+                from model_factory.errors import FactoryError
+
+                raise FactoryError(f"{self.path} cannot be read as a tokenizer ({exc}). Fix: package the model "
+                                   "again with its tokenizer") from None
+        return self
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
@@ -120,7 +133,7 @@ def encoder_model(repository: Path, name: str) -> EncoderModel | None:
         normalized=params.get("chunk_pooling") == "mean_normalized",
         matryoshka_dimensions=tuple(int(d) for d in embedding.get("matryoshka_dimensions") or ()),
         labels=labels, takes_token_types="token_type_ids" in inputs,
-        tokens=TokenCounter(tokenizer if tokenizer.is_file() else None))
+        tokens=TokenCounter(tokenizer if tokenizer.is_file() else None).load())
 
 
 def encoder_models(repository: Path, names: Sequence[str]) -> dict[str, EncoderModel]:

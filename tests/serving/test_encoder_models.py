@@ -37,3 +37,19 @@ def test_matryoshka_sizes_travel_in_the_signed_metadata(minilm_recipe, tmp_path:
 def test_other_models_are_not_encoders(minilm_recipe, tmp_path: Path) -> None:
     _package(minilm_recipe, tmp_path, task="generic")
     assert encoder_models(tmp_path / "repo", ["minilm"]) == {}
+
+
+def test_the_tokenizer_is_read_at_start_and_counts_untruncated(minilm_recipe, minilm_export, tmp_path: Path) -> None:
+    import pytest
+
+    from model_factory.errors import FactoryError
+
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"onnx bytes")
+    recipe = replace(minilm_recipe, repository=replace(minilm_recipe.repository, path=tmp_path / "repo"))
+    res = package_model(recipe, {"model.onnx": onnx}, tokenizer_dir=minilm_export.tokenizer_dir)
+    model = encoder_models(tmp_path / "repo", ["minilm"])["minilm"]
+    assert model.tokens.count(["hello world", "word " * 300]) == [4, 302]  # [CLS] hello world [SEP]; no cut at 128
+    (res.version_dir / "tokenizer" / "tokenizer.json").write_text("not a tokenizer")
+    with pytest.raises(FactoryError, match="cannot be read as a tokenizer"):
+        encoder_models(tmp_path / "repo", ["minilm"])
