@@ -49,7 +49,6 @@ class EncoderRoutes:
 
     def add_to(self, app: Any) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/embeddings", self.embeddings)
         app.router.add_post("/rerank", self.tei_rerank)
         app.router.add_post("/v1/rerank", self.cohere_rerank)
         app.router.add_post("/predict", self.predict)
