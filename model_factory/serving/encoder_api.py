@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
@@ -26,6 +27,8 @@ from model_factory.serving.tei_protocol import (cohere_rerank_request, cohere_re
                                                 tei_rerank_response)
 
 TRUNCATED = "truncated_tokens"
+# A row the backend names in its message: text[3], query[3], passage[3].
+_ROW = re.compile(r"\b(text|query|passage)\[(\d+)\]")
 INLINE_COUNT = 16  # texts counted on the event loop; more go to a worker thread
 
 
@@ -58,8 +61,16 @@ class EncoderRoutes:
     async def _run(self, model: EncoderModel, rows: int, inputs: Callable[[int, int], dict[str, Any]],
                    outputs: Sequence[str], parameters: Mapping[str, Any] | None, rid: str) -> dict[str, np.ndarray]:
         """``rows`` rows through the model's infer, ``max_batch`` rows a call (sent together), joined in order."""
-        parts = await asyncio.gather(*(infer(self._session(), self.triton, model.name, inputs(a, b), outputs,
-                                             parameters, rid) for a, b in _chunks(rows, model.max_batch)))
+        async def part(a: int, b: int) -> dict[str, np.ndarray]:
+            try:
+                return await infer(self._session(), self.triton, model.name, inputs(a, b), outputs, parameters, rid)
+            except OpenAIError as err:
+                if a:  # the backend numbers the rows of the call it was sent: name them as the client sent them
+                    err.message = _ROW.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + a}]", err.message)
+                    err.args = (err.message,)
+                raise
+
+        parts = await asyncio.gather(*(part(a, b) for a, b in _chunks(rows, model.max_batch)))
         return {o: np.concatenate([p[o] for p in parts]) if o in parts[0] else None for o in outputs}
 
     async def _text_outputs(self, model: EncoderModel, inputs: dict[str, Sequence[str]], rows: int,

@@ -23,7 +23,7 @@ DIMS = 4
 
 class FakeTriton:
     """Answers KServe infer: a text's vector is [len(text), row, 0, 1] (binary output), ids' [sum(ids), row, 0, 1];
-    the text "bad" gets the backend's 400, "busy" Triton's 503. Every call is kept."""
+    the text "bad" gets the backend's 400 naming its row in the call, "busy" Triton's 503. Every call is kept."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict, dict]] = []
@@ -43,7 +43,8 @@ class FakeTriton:
             if "text" in inputs or "query" in inputs:
                 rows = inputs["text"]["data"] if "text" in inputs else inputs["passage"]["data"]
                 if "bad" in rows:
-                    return web.json_response({"error": "text[0] is bad, said the backend"}, status=400)
+                    return web.json_response({"error": f"text[{rows.index('bad')}] is bad, said the backend"},
+                                             status=400)
                 if "busy" in rows:
                     return web.json_response({"error": "Exceeds maximum queue size"}, status=503)
                 sizes = [len(r) for r in rows]
@@ -141,7 +142,10 @@ def test_the_backends_refusal_is_a_400_and_shedding_a_503(frontend) -> None:
     status, headers, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": ["ok", "bad"]},
                                   {"X-Request-ID": "bad-1"})
     assert status == 400 and headers["X-Request-ID"] == "bad-1"
-    assert body["error"]["message"] == "text[0] is bad, said the backend"
+    assert body["error"]["message"] == "text[1] is bad, said the backend"
+    texts = ["ok"] * 6 + ["bad"]  # the seventh row, the third of the second call (max_batch 4)
+    status, _, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": texts})
+    assert status == 400 and body["error"]["message"] == "text[6] is bad, said the backend"
     status, headers, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": "busy"})
     assert status == 503 and headers["Retry-After"] == "1" and body["error"]["type"] == "server_busy"
     status, _, body = _post(f"{front.url}/predict", {"inputs": "bad"})
