@@ -67,13 +67,18 @@ def parse_infer_response(body: bytes, header_length: int | None) -> dict[str, np
 async def infer(session: Any, triton: str, model: str, inputs: Mapping[str, Sequence[str] | np.ndarray],
                 outputs: Sequence[str], parameters: Mapping[str, Any] | None, request_id: str) -> dict[str, np.ndarray]:
     """One ``infer`` call; the request id goes as the ``X-Request-ID`` header the backend reads (serving.md)."""
+    import aiohttp
+
     data = json.dumps(infer_body(inputs, outputs, parameters)).encode()
-    async with session.post(f"{triton}/v2/models/{model}/infer", data=data,
-                            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id,
-                                     # aiohttp asks for gzip by default, and Triton then compresses each answer
-                                     "Accept-Encoding": "identity"}) as resp:
-        raw = await resp.read()
-        length = resp.headers.get(HEADER_LENGTH)
+    try:
+        async with session.post(f"{triton}/v2/models/{model}/infer", data=data,
+                                headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id,
+                                         # aiohttp asks for gzip by default, and Triton then compresses each answer
+                                         "Accept-Encoding": "identity"}) as resp:
+            raw = await resp.read()
+            length = resp.headers.get(HEADER_LENGTH)
+    except aiohttp.ClientError as exc:
+        raise OpenAIError(503, f"the inference server cannot be reached ({exc})", retry_after_s=1.0) from None
     if resp.status != 200:
         try:
             message = str(json.loads(raw).get("error", raw[:200]))

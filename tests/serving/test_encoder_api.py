@@ -166,3 +166,15 @@ def test_models_lists_the_encoders_with_their_task(frontend) -> None:
     front, _ = frontend
     listed = json.loads(urllib.request.urlopen(f"{front.url}/v1/models", timeout=30).read())["data"]
     assert [(m["id"], m["task"]) for m in listed] == [("c", "classification"), ("e", "embedding"), ("r", "reranker")]
+
+
+def test_an_inference_server_out_of_reach_is_a_503() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    encoders = {"e": EncoderModel("e", "embedding", max_batch=4, dimensions=DIMS)}
+    with OpenAIFrontend(f"127.0.0.1:{port}", {}, encoders=encoders) as front:
+        status, headers, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": "x"})
+    assert status == 503 and "cannot be reached" in body["error"]["message"] and headers["Retry-After"] == "1"
