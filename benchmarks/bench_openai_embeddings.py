@@ -8,10 +8,11 @@ deployed. The same texts (benchmarks/texts.txt) at the same concurrency go eithe
 ``/v2/models/minilm/infer`` (a BYTES ``text`` input, the ``embedding`` output in the binary extension, as
 ``tritonclient.http`` asks for it) or to the frontend's ``/v1/embeddings`` (``encoding_format`` base64, as the
 ``openai`` client asks by default), which makes that same KServe call on loopback. Both ask for texts over 128
-tokens to be truncated (TEI's ``truncate``: some of texts.txt's are longer, and the model refuses them by default). Each shape (texts per request x
-requests in flight) runs in rounds, the two paths interleaved within a round (the order alternating), so that drift
-on a shared machine falls on both; the ratio is taken per round, and its median and range are reported. The
-driver is one asyncio aiohttp client for both paths, in this process. The section between
+tokens to be truncated (TEI's ``truncate``: some of texts.txt's are longer, and the model refuses them by
+default). Each shape (texts per request x requests in flight) runs in rounds, the two paths interleaved within a
+round (the order alternating), so that drift on a shared machine falls on both; the ratio is taken per round, and
+its median and range are reported, for texts/s and for the server's CPU per text (``serve``, where the frontend
+runs, tritonserver and its stubs). The driver is one asyncio aiohttp client for both paths, in this process. The section between
 ``<!-- openai_embeddings:start -->`` and ``<!-- openai_embeddings:end -->`` of RESULTS.md is replaced.
 """
 
@@ -149,7 +150,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
-    lines = [START, "## Embeddings through /v1/embeddings against the KServe path (benchmarks/bench_openai_embeddings.py)",
+    lines = [START,
+             "## Embeddings through /v1/embeddings against the KServe path (benchmarks/bench_openai_embeddings.py)",
              "", header, "",
              f"MiniLM FP32 (the example recipe: ONNX Runtime CPU, two instances) behind one `model-factory serve "
              f"--openai-port`; the same texts of benchmarks/texts.txt at the same concurrency sent to Triton's KServe "

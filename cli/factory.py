@@ -155,9 +155,9 @@ class _Interrupted(Exception):
                    "serve then exits 1.")
 @click.option("--openai-port", type=click.IntRange(min=0), default=None,
               help="Also serve the OpenAI API on this port (0 picks a free one), stopped with the server: "
-                   "/v1/completions and /v1/chat/completions for text-generation models, /v1/embeddings for "
-                   "embedding models, TEI's /rerank and Cohere's /v1/rerank for rerankers, TEI's /predict for "
-                   "classifiers, /v1/models.")
+                   "/v1/completions and /v1/chat/completions for text-generation models, /v1/embeddings and "
+                   "TEI's /embed for embedding models, TEI's /rerank and Cohere's /v1/rerank for rerankers, "
+                   "TEI's /predict for classifiers, /v1/models.")
 @click.option("--control-port", type=click.IntRange(min=0), default=None,
               help="Also listen on 127.0.0.1:PORT for model-factory rollout (new versions verified, accepted, "
                    "mirrored in shadow and switched without a restart); needs --admin-key-file. 0 picks a port.")

@@ -1,5 +1,5 @@
-"""The frontend's encoder routes: ``/v1/embeddings`` (OpenAI), ``/rerank`` and ``/predict`` (TEI), ``/v1/rerank``
-(Cohere / Jina), registered on the OpenAI frontend's aiohttp application (``openai_api``).
+"""The frontend's encoder routes: ``/v1/embeddings`` (OpenAI), ``/embed``, ``/rerank`` and ``/predict`` (TEI),
+``/v1/rerank`` (Cohere / Jina), registered on the OpenAI frontend's aiohttp application (``openai_api``).
 
 Each request is checked (``openai_encoders``, ``tei_protocol``), sent to the model through Triton's KServe
 ``infer`` like any client's (``kserve_infer``: one call, or one per ``max_batch_size`` rows, sent together, and
@@ -23,8 +23,8 @@ from model_factory.serving.kserve_infer import infer
 from model_factory.serving.openai_encoders import embeddings_request, embeddings_response, shape_vectors
 from model_factory.serving.openai_protocol import OpenAIError
 from model_factory.serving.tei_protocol import (cohere_rerank_request, cohere_rerank_response, predict_request,
-                                                predict_response, tei_error, tei_rerank_request,
-                                                tei_rerank_response)
+                                                predict_response, tei_embed_request, tei_embed_response, tei_error,
+                                                tei_rerank_request, tei_rerank_response)
 
 TRUNCATED = "truncated_tokens"
 # A row the backend names in its message: text[3], query[3], passage[3].
@@ -52,6 +52,7 @@ class EncoderRoutes:
 
     def add_to(self, app: Any) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/embed", self.tei_embed)
         app.router.add_post("/rerank", self.tei_rerank)
         app.router.add_post("/v1/rerank", self.cohere_rerank)
         app.router.add_post("/predict", self.predict)
@@ -142,6 +143,15 @@ class EncoderRoutes:
             return embeddings_response(call.model, vectors, call.encoding_format, tokens)
 
         return await self._answer(request, handle)
+
+    async def tei_embed(self, request: Any) -> Any:
+        async def handle(body: Any, rid: str) -> Any:
+            call = tei_embed_request(body, self.of(EMBEDDING))
+            vectors, _ = await self._text_outputs(self.models[call.model], {"text": call.texts}, len(call.texts),
+                                                  call.parameters, rid)
+            return tei_embed_response(call, shape_vectors(vectors.reshape(len(call.texts), -1), call.dimensions))
+
+        return await self._answer(request, handle, tei=True)
 
     async def _rerank_scores(self, call: Any, rid: str) -> np.ndarray:
         model = self.models[call.model]

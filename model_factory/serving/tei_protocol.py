@@ -1,4 +1,5 @@
-"""Rerank and classify as RAG stacks call them: TEI's ``/rerank`` and ``/predict``, Cohere / Jina's ``/v1/rerank``.
+"""Rerank, embed and classify as RAG stacks call them: TEI's ``/rerank``, ``/embed`` and ``/predict``, Cohere / Jina's
+``/v1/rerank``.
 
 Pure functions (no server). Requests are checked into frozen calls, answers built from the model's raw outputs:
 
@@ -8,6 +9,8 @@ Pure functions (no server). Requests are checked into frozen calls, answers buil
 - Cohere / Jina ``POST /v1/rerank``: ``{"model", "query", "documents", "top_n", "return_documents"}`` (a
   document a string or ``{"text": ...}``) -> ``{"id", "model", "results": [{"index", "relevance_score",
   "document"?}], "usage", "meta"}``, best first; ``relevance_score`` the sigmoid of the logit.
+- TEI ``POST /embed``: ``{"inputs": text | [texts], "normalize", "truncate", "dimensions"}`` -> one list of floats
+  a text (LlamaIndex's ``TextEmbeddingsInference`` and LangChain's ``HuggingFaceEndpointEmbeddings`` call it).
 - TEI ``POST /predict``: ``{"inputs": text | [texts], "raw_scores", "truncate"}`` -> ``[{"label", "score"}]`` for
   one text, one such list per text for a list, each best first, labels from the model's label file; scores the
   softmax of the logits unless ``raw_scores``.
@@ -25,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from model_factory.serving.openai_encoders import check_model, long_input_parameters
+from model_factory.serving.openai_encoders import check_dimensions, check_model, long_input_parameters
 from model_factory.serving.openai_protocol import OpenAIError
 
 MAX_DOCUMENTS = 1000
@@ -46,6 +49,17 @@ class RerankCall:
     @property
     def pairs(self) -> list[tuple[str, str]]:
         return [(self.query, d) for d in self.documents]
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    """TEI's ``/embed``: ``texts``, whether to scale the vectors to unit length, the size asked for."""
+
+    model: str
+    texts: tuple[str, ...]
+    normalize: bool = True
+    dimensions: int | None = None
+    parameters: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,23 +171,51 @@ def cohere_rerank_response(call: RerankCall, logits: np.ndarray, tokens: int) ->
             "meta": {"api_version": {"version": "1"}, "billed_units": {"search_units": 1}}}
 
 
+def _texts(raw: Any, name: str) -> tuple[tuple[str, ...], bool]:
+    """A TEI ``inputs``: one text, or a list of them; (texts, whether one text was sent)."""
+    if isinstance(raw, str):
+        return (_text(raw, name),), True
+    if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        if len(raw) > MAX_DOCUMENTS:
+            raise OpenAIError(400, f"{name} has {len(raw)} items; at most {MAX_DOCUMENTS} per request", name)
+        return tuple(_text(t, f"{name}[{i}]") for i, t in enumerate(raw)), False
+    if isinstance(raw, list) and raw and all(isinstance(t, list) for t in raw):
+        raise OpenAIError(400, f"{name}: text pairs are not supported: this server's models take one text here",
+                          name)
+    raise OpenAIError(400, f"{name} must be a non-empty string or list of strings", name)
+
+
+def tei_embed_request(req: Any, models: Mapping[str, Any]) -> EmbedCall:
+    """TEI's ``/embed``: ``{"inputs": text | [texts], "normalize", "truncate", "dimensions"}`` -> one vector a text."""
+    name = pick_model(req, models, "embedding")
+    model = models[name]
+    if not getattr(model, "text_input", True):
+        raise OpenAIError(400, f"model {name!r} takes token ids, not text: use /v1/embeddings", "model")
+    texts, _ = _texts(req.get("inputs"), "inputs")
+    normalize = _flag(req, "normalize", True)
+    if not normalize and getattr(model, "normalized", False):
+        raise OpenAIError(400, f"normalize=false: model {name!r} returns unit-length embeddings (its recipe's "
+                          "[embedding] normalize); the raw vectors are not kept", "normalize")
+    dims = req.get("dimensions")
+    return EmbedCall(name, texts, normalize, None if dims is None else check_dimensions(dims, model),
+                     long_input_parameters(req) or None)
+
+
+def tei_embed_response(call: EmbedCall, vectors: np.ndarray) -> list[list[float]]:
+    """TEI's answer: one list of floats per text (scaled to unit length when ``normalize``)."""
+    vectors = np.asarray(vectors, dtype=np.float32).reshape(len(call.texts), -1)
+    if call.normalize:
+        norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+        vectors = vectors / np.where(norms > 0, norms, 1.0)
+    return vectors.astype(np.float32).tolist()
+
+
 def predict_request(req: Any, models: Mapping[str, Any]) -> PredictCall:
     """TEI's ``/predict``: ``{"inputs": text | [texts], "raw_scores", "truncate"}``."""
     name = pick_model(req, models, "classification")
     if not getattr(models[name], "text_input", True):
         raise OpenAIError(400, f"model {name!r} takes token ids, not text", "model")
-    raw = req.get("inputs")
-    if isinstance(raw, str):
-        texts, single = (_text(raw, "inputs"),), True
-    elif isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
-        texts, single = tuple(_text(t, f"inputs[{i}]") for i, t in enumerate(raw)), False
-    elif isinstance(raw, list) and raw and all(isinstance(t, list) for t in raw):
-        raise OpenAIError(400, "inputs: text pairs are not supported: this server's classifiers take one text",
-                          "inputs")
-    else:
-        raise OpenAIError(400, "inputs must be a non-empty string or list of strings", "inputs")
-    if len(texts) > MAX_DOCUMENTS:
-        raise OpenAIError(400, f"inputs has {len(texts)} items; at most {MAX_DOCUMENTS} per request", "inputs")
+    texts, single = _texts(req.get("inputs"), "inputs")
     return PredictCall(name, texts, single, _flag(req, "raw_scores", False), long_input_parameters(req) or None)
 
 

@@ -3,8 +3,8 @@
 One ``serve`` for the module, on a repository holding the session's MiniLM export (packaged, not built again) and
 the zoo's random-weight reranker and sentiment classifier (FP32 exports, as tests/zoo_models.py makes them). The
 ``openai`` client (and LangChain's ``OpenAIEmbeddings`` where installed) drive ``/v1/embeddings`` unchanged; TEI's
-``/rerank`` and ``/predict`` and Cohere's ``/v1/rerank`` are called in their own shapes. Every answer is compared
-with what the KServe path returns for the same inputs: the frontend adds no inference path of its own.
+``/embed``, ``/rerank`` and ``/predict`` and Cohere's ``/v1/rerank`` are called in their own shapes. Every answer
+is compared with what the KServe path returns for the same inputs: the frontend adds no inference path of its own.
 """
 
 from __future__ import annotations
@@ -187,6 +187,16 @@ def test_a_long_text_keeps_the_long_input_policy_and_the_request_id(served) -> N
     events = [json.loads(line) for line in served.events.read_text().splitlines()]
     refused = [e for e in events if e.get("event") == "input_refused" and e.get("request_id") == "emb-long-1"]
     assert refused and refused[0]["id_source"] == "header"
+
+
+def test_tei_embed_equals_the_kserve_path(served) -> None:
+    status, headers, body = _post(f"{served.openai}/embed", {"inputs": TEXTS}, {"X-Request-ID": "tei-embed-1"})
+    assert status == 200 and headers["X-Request-ID"] == "tei-embed-1"
+    assert cosine(np.array(body, dtype=np.float32), kserve_embeddings(served, TEXTS)).min() > 0.9999
+    status, _, body = _post(f"{served.openai}/embed", {"inputs": LONG})
+    assert status == 400 and "over this model's limit" in body["error"] and body["error_type"] == "Validation"
+    status, _, body = _post(f"{served.openai}/embed", {"inputs": LONG, "truncate": True})
+    assert status == 200 and len(body) == 1 and len(body[0]) == 384
 
 
 def test_models_lists_the_encoders(served) -> None:

@@ -154,7 +154,8 @@ def test_the_backends_refusal_is_a_400_and_shedding_a_503(frontend) -> None:
 
 def test_a_body_that_is_not_json_and_an_unknown_model(frontend) -> None:
     front, _ = frontend
-    req = urllib.request.Request(f"{front.url}/v1/embeddings", data=b"{nope", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{front.url}/v1/embeddings", data=b"{nope",
+                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 400

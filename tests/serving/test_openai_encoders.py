@@ -15,8 +15,9 @@ from model_factory.serving.openai_encoders import (embeddings_request, embedding
                                                    shape_vectors)
 from model_factory.serving.openai_protocol import OpenAIError
 from model_factory.serving.tei_protocol import (class_scores, cohere_rerank_request, cohere_rerank_response,
-                                                predict_request, predict_response, sigmoid, tei_error,
-                                                tei_rerank_request, tei_rerank_response)
+                                                predict_request, predict_response, sigmoid, tei_embed_request,
+                                                tei_embed_response, tei_error, tei_rerank_request,
+                                                tei_rerank_response)
 
 EMB = {"e": EncoderModel("e", "embedding", 64, dimensions=8, normalized=True),
        "m": EncoderModel("m", "embedding", 64, dimensions=8, normalized=True, matryoshka_dimensions=(2, 4))}
@@ -176,3 +177,19 @@ def test_kserve_body_and_binary_answer():
     np.testing.assert_array_equal(out["truncated_tokens"], cut)
     plain = json.dumps({"outputs": [{"name": "score", "datatype": "FP32", "shape": [1, 1], "data": [0.5]}]})
     assert parse_infer_response(plain.encode(), None)["score"].tolist() == [[0.5]]
+
+
+def test_tei_embed_shape_normalize_and_dimensions():
+    raw = {"r": EncoderModel("r", "embedding", 8, dimensions=2, normalized=False)}
+    call = tei_embed_request({"inputs": "x", "normalize": True, "truncate": True}, raw)
+    assert (call.model, call.texts, call.normalize, call.parameters) == ("r", ("x",), True, {"truncate": True})
+    assert tei_embed_response(call, np.array([[3.0, 4.0]])) == [[pytest.approx(0.6), pytest.approx(0.8)]]
+    plain = tei_embed_request({"inputs": ["x", "y"], "normalize": False}, raw)
+    assert tei_embed_response(plain, np.array([[3.0, 4.0], [1.0, 0.0]])) == [[3.0, 4.0], [1.0, 0.0]]
+    assert tei_embed_request({"model": "m", "inputs": "x", "dimensions": 4}, EMB).dimensions == 4
+    for req, param in (({"model": "e", "inputs": "x", "normalize": False}, "normalize"),  # unit length already
+                       ({"model": "e", "inputs": "x", "dimensions": 4}, "dimensions"),
+                       ({"model": "e", "inputs": [["a", "b"]]}, "inputs"), ({"inputs": "x"}, "model")):
+        with pytest.raises(OpenAIError) as info:
+            tei_embed_request(req, EMB)
+        assert info.value.param == param
