@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP frontend for the models a Triton server serves.
 
-The encoders' routes (``/v1/embeddings``, TEI's ``/rerank`` and ``/predict``, Cohere / Jina's ``/v1/rerank``)
-are ``encoder_api``'s, registered on the same application: each becomes KServe ``infer`` calls on Triton.
+The encoders' routes (``/v1/embeddings``, TEI's ``/embed``, ``/rerank`` and ``/predict``, Cohere / Jina's
+``/v1/rerank``) are ``encoder_api``'s, registered on the same application: each becomes KServe ``infer`` calls on
+Triton.
 For text-generation models:
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events, or one JSON answer),
