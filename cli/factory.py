@@ -157,8 +157,10 @@ class _Interrupted(Exception):
               help="Keep serving when no model loads (models are loaded later through the admin API); by default "
                    "serve then exits 1.")
 @click.option("--openai-port", type=click.IntRange(min=0), default=None,
-              help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for the "
-                   "text-generation models on this port (0 picks a free one); stopped with the server.")
+              help="Also serve the OpenAI API on this port (0 picks a free one), stopped with the server: "
+                   "/v1/completions and /v1/chat/completions for text-generation models, /v1/embeddings and "
+                   "TEI's /embed for embedding models, TEI's /rerank and Cohere's /v1/rerank for rerankers, "
+                   "TEI's /predict for classifiers, /v1/models.")
 @click.option("--control-port", type=click.IntRange(min=0), default=None,
               help="Also listen on 127.0.0.1:PORT for model-factory rollout (new versions verified, accepted, "
                    "mirrored in shadow and switched without a restart); needs --admin-key-file. 0 picks a port.")
@@ -249,15 +251,18 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     click.echo(f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n  metrics {server.metrics_url}")
     frontend = None
     if openai_port is not None:
+        from model_factory.serving.encoder_models import encoder_models
         from model_factory.serving.openai_api import OpenAIFrontend, generative_models
 
         try:
             frontend = OpenAIFrontend(server.http_url, generative_models(Path(repository), report.served), host,
-                                      openai_port, metrics_url=server.metrics_url).start()
+                                      openai_port, metrics_url=server.metrics_url,
+                                      encoders=encoder_models(Path(repository), report.served)).start()
         except BaseException:
             server.stop()
             raise
-        click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(frontend.models) or 'no text-generation model'})")
+        listed = [*frontend.models, *(f"{n} ({m.task})" for n, m in frontend.encoders.items())]
+        click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(listed) or 'no text-generation or encoder model'})")
     from model_factory.serving.rollout import RolloutControl
 
     # Rollouts (serve --control-port, --watch, SIGHUP): new versions verified, accepted, shadowed, switched.

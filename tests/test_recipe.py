@@ -407,3 +407,13 @@ def test_exporter_is_chosen_by_size_unless_the_recipe_says(onnx_recipe_dir: Path
         assert use_dynamo(chosen, 10) is choice and use_dynamo(chosen, 10**10) is choice
 
 
+
+
+def test_matryoshka_dimensions_only_on_embedding_models(tmp_path: Path) -> None:
+    _hf_folder(tmp_path, ["BertModel"])
+    r = _task_recipe(tmp_path, "embedding", "[embedding]\nmatryoshka_dimensions = [16, 8, 16]\n")
+    assert r.matryoshka_dimensions == (8, 16)
+    assert _task_recipe(tmp_path, "embedding").matryoshka_dimensions == ()
+    _hf_folder(tmp_path, ["BertForSequenceClassification"], num_labels=1)
+    with pytest.raises(FactoryError, match="embedding.matryoshka_dimensions"):
+        _task_recipe(tmp_path, "reranker", "[embedding]\nmatryoshka_dimensions = [8]\n")

@@ -539,6 +539,9 @@ def _stage_model(recipe: Recipe, model_dir: Path, version: str, pbtxt: str, arti
             "engines": sorted(name for name in files if name.endswith(".plan")
                               or name in (Files.TORCHSCRIPT, Files.EXPORTED_PROGRAM)),
         }
+        if recipe.task == "embedding" and recipe.matryoshka_dimensions:
+            # The sizes /v1/embeddings may cut this model's vectors to (serving/encoder_models.py).
+            metadata["embedding"] = {"matryoshka_dimensions": list(recipe.matryoshka_dimensions)}
         if generation is not None:
             metadata["generation"] = {"family": generation["family"], "max_context": generation["max_context"],
                                       "weights_bytes": generation["weights_bytes"],

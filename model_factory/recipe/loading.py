@@ -258,6 +258,9 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
     elif "int8" in precisions and calib is None:
         raise _err("quantization.calibration_data", "int8 needs calibration data and none is set",
                    "point calibration_data at a local .txt/.jsonl of your inputs or an .npz of tensors")
+    if doc.embedding.matryoshka_dimensions and task != "embedding":
+        raise _err("embedding.matryoshka_dimensions", f"it is an embedding model's, not task {task!r}'s",
+                   "remove embedding.matryoshka_dimensions")
     if q.kv_cache == "int8":
         if task != "text-generation":
             raise _err("quantization.kv_cache", f"a KV cache is a text-generation model's, not task {task!r}'s",
@@ -298,6 +301,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         inputs=inputs, outputs=outputs, shapes=shapes,
         export=export, precisions=precisions, quantization=quant, tensorrt=trt,
         batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,
+        matryoshka_dimensions=tuple(sorted(set(doc.embedding.matryoshka_dimensions or ()))),
         text_input=text_input, probabilities=probabilities, recipe_path=recipe_path, generation=generation,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,

@@ -136,6 +136,11 @@ class EmbeddingTable(_Table):
     pooling: _choice(POOLINGS) = Field("mean", description="mean: the mask-weighted mean of the last hidden "
                                        "state; cls: its first token.")
     normalize: Flag = Field(True, description="Scale each pooled embedding to unit length.")
+    matryoshka_dimensions: Annotated[Optional[list[Positive]], Field(min_length=1), Fix(
+        "list the sizes the model was trained to be cut to, e.g. matryoshka_dimensions = [64, 128, 256]")] = Field(
+        None, description="The sizes the model was trained (Matryoshka-style) to have its embeddings cut to: "
+        "/v1/embeddings' `dimensions` may ask for one of them (the first values, scaled back to unit length). "
+        "Unset: `dimensions` other than the model's own size is refused (400).")
     text_input: MaybeFlag = Field(None, description="Accept raw text (`text`, or `query` + `passage`) and "
                                   "tokenize in the backend. Default: true for a huggingface source; with declared "
                                   "inputs, only if one of them is BYTES.")

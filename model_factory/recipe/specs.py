@@ -187,6 +187,7 @@ class Recipe:
     repository: RepositorySpec
     pooling: str = "mean"
     normalize: bool = True
+    matryoshka_dimensions: tuple[int, ...] = ()  # embedding sizes /v1/embeddings may cut to (and renormalize)
     text_input: bool = True
     probabilities: bool = False  # classification heads: also return softmax probabilities
     recipe_path: Path | None = None

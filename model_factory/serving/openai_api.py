@@ -1,4 +1,9 @@
-"""An OpenAI-compatible HTTP frontend for the text-generation models a Triton server serves.
+"""An OpenAI-compatible HTTP frontend for the models a Triton server serves.
+
+The encoders' routes (``/v1/embeddings``, TEI's ``/embed``, ``/rerank`` and ``/predict``, Cohere / Jina's
+``/v1/rerank``) are ``encoder_api``'s, registered on the same application: each becomes KServe ``infer`` calls on
+Triton.
+For text-generation models:
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events, or one JSON answer),
 ``/v1/models`` and ``/health`` (200 while Triton is ready, 503 otherwise: a probe of this port covers both),
@@ -92,6 +97,16 @@ def _aiohttp():
     return aiohttp, web
 
 
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (the frontend's own CPU per request is what it saves), else
+    asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
@@ -121,10 +136,12 @@ class OpenAIFrontend:
     """The frontend's aiohttp server, run on its own event-loop thread (:meth:`start` / :meth:`stop`)."""
 
     def __init__(self, triton_http: str, models: Mapping[str, ServedModel], host: str = "127.0.0.1",
-                 port: int = 0, metrics_url: str | None = None) -> None:
+                 port: int = 0, metrics_url: str | None = None,
+                 encoders: Mapping[str, Any] | None = None) -> None:
         self.triton = f"http://{triton_http}" if "://" not in triton_http else triton_http
         self.metrics_url = metrics_url  # Triton's metrics port: /metrics answers from it (pool_metrics)
         self.models = dict(models)
+        self.encoders = dict(encoders or {})  # embedding, reranker, classification: encoder_api's routes
         self.host, self.port = host, int(port)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -151,7 +168,7 @@ class OpenAIFrontend:
         return self
 
     def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
+        loop = self._loop = _new_event_loop()
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._serve())
@@ -172,6 +189,10 @@ class OpenAIFrontend:
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        from model_factory.serving.encoder_api import EncoderRoutes
+
+        EncoderRoutes(self.triton, self.encoders, lambda: self._session,
+                      lambda request: request_id_for(request.headers.get(REQUEST_ID_HEADER))).add_to(app)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                               connector=aiohttp.TCPConnector(limit=0))
         # The model-server protocol's metrics, for an InferencePool's endpoint picker.
@@ -215,9 +236,11 @@ class OpenAIFrontend:
 
     async def _list_models(self, request: Any) -> Any:
         _, web = _aiohttp()
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "model-factory",
-             **({"max_model_len": m.max_context} if m.max_context else {})} for name, m in sorted(self.models.items())]})
+        listed = [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": "text-generation",
+                   **({"max_model_len": m.max_context} if m.max_context else {})} for name, m in self.models.items()]
+        listed += [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": m.task,
+                    **({"dimensions": m.dimensions} if m.dimensions else {})} for name, m in self.encoders.items()]
+        return web.json_response({"object": "list", "data": sorted(listed, key=lambda m: m["id"])})
 
     async def _completions(self, request: Any) -> Any:
         return await self._handle(request, chat=False)

@@ -283,7 +283,10 @@ def test_the_gateway_routes_split_by_weight_between_the_tracks() -> None:
     assert route["spec"]["parentRefs"] == [{"name": "inference", "namespace": "gateways", "sectionName": "http"}]
     assert route["spec"]["hostnames"] == ["models.example.internal"]
     openai_rule, triton_rule = route["spec"]["rules"]
-    assert openai_rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert openai_rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}},  # and TEI's encoder routes
+                                      {"path": {"type": "Exact", "value": "/embed"}},
+                                      {"path": {"type": "Exact", "value": "/rerank"}},
+                                      {"path": {"type": "Exact", "value": "/predict"}}]
     assert openai_rule["backendRefs"] == [{"name": FULLNAME, "port": 9100, "weight": 80},
                                           {"name": CANARY, "port": 9100, "weight": 20}]
     assert "matches" not in triton_rule
