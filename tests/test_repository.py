@@ -145,7 +145,7 @@ def test_package_layout_metadata_and_digests(minilm_recipe, tmp_path: Path) -> N
     import hashlib
 
     assert meta["files"]["model.onnx"] == hashlib.sha256(b"onnx bytes").hexdigest()
-    assert meta["files"]["mf_backend/executor.py"]
+    assert meta["files"]["mf_backend/batching/executor.py"]
     assert read_config(res.model_dir).name == "minilm"
     # GPU instances fall back to the CPU only when the recipe says so (the example does); no acceptance data given.
     assert recipe.repository.allow_cpu_fallback is True
