@@ -259,8 +259,28 @@ def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = (), seven_bi
 ACCURACY_LEVEL = {"int4": 4, "int8": 4}
 
 
-def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
-    """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider)."""
+# Above this vocabulary INT4 keeps its LM head at 8 bits from the first build, as llama.cpp's K-quant recipes keep
+# token_embd / output at Q8_0 or Q6_K: the head is then the largest matrix (Gemma 3 270M's 262k x 640 is 63 % of its
+# weights) and the one whose rounding every token's choice goes through. Its embedding is a table of its own, at
+# 4 bits (GatherBlockQuantized has no 8 bits), no longer the head's (the builder ties them only at one width).
+WIDE_HEAD_VOCAB = 65536
+WIDE_HEAD = "last_matmul:int8"
+
+
+def wide_head(precision: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether ``precision``'s LM head is built at 8 bits from the start (INT4 of a vocabulary over 64k)."""
+    vocab = hf_config.get("vocab_size")
+    return precision == "int4" and isinstance(vocab, int) and vocab > WIDE_HEAD_VOCAB and \
+        hf_config.get("model_type") != "gpt2"
+
+
+def _ladder(precision: str, method: str, mixed: bool, tied: bool,
+            head8: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider).
+    ``head8``: the LM head is at 8 bits in every step (:func:`wide_head`)."""
+    if head8:
+        steps = MIXED_STEPS if mixed else MIXED_STEPS[:1]
+        return [(method, w) for w in dict.fromkeys(tuple(dict.fromkeys((WIDE_HEAD,) + s)) for s in steps)]
     if precision == "fp16":
         return [("fp16", ())]
     if precision == "int8" and method == "dynamic":
@@ -274,7 +294,8 @@ def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[
     return [(method, step) for step in steps]
 
 
-def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
+def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str],
+                     tied: bool = False) -> dict[str, Any]:
     if precision == "fp16":
         return {}
     opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
@@ -283,6 +304,8 @@ def _builder_options(precision: str, method: str, block: int, mixed: Sequence[st
         opts["algo_config"] = "k_quant"
     if mixed:
         opts["matmul_mixed_precision"] = ",".join(mixed)
+    if precision == "int4" and WIDE_HEAD in mixed and tied:  # the tied head alone at 8 bits: the embedding a 4-bit
+        opts.update(shared_embeddings="false", op_types_to_quantize="MatMul/Gather")  # table of its own
     return opts
 
 
@@ -338,13 +361,16 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
             work = tmp / f".{precision}"
             kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
-            for method, wider in _ladder(precision, method, q.mixed_precision, tied):
+            head8 = wide_head(precision, hf_config)
+            if head8:
+                say(f"[quantize] {precision}: LM head at 8 bits (a vocabulary of {hf_config['vocab_size']:,})")
+            for method, wider in _ladder(precision, method, q.mixed_precision, tied, head8):
                 shutil.rmtree(work, ignore_errors=True)
                 if method == "dynamic":
                     graph = dynamic_int8(Path(export.onnx_path), work, wider)
                 else:
                     graph = run_builder(source, work, precision,
-                                        _builder_options(precision, method, q.int4_block_size, wider), say)
+                                        _builder_options(precision, method, q.int4_block_size, wider, tied), say)
                 if kv == "int8":
                     from model_factory.build_engines.kv_int8 import quantize_kv_cache
 

@@ -1,0 +1,27 @@
+"""The builds a text-generation precision tries (the gate's ladder) and the builder options each gets."""
+
+from __future__ import annotations
+
+from model_factory.build_engines.lm_quantize import ACCURACY_LEVEL, _builder_options, _ladder, wide_head
+
+
+def test_int8_weight_only_quantizes_activations_per_block_in_the_kernel():
+    """Level 1 (float activations) made ONNX Runtime dequantize every 8-bit weight each call: 20x slower than FP32."""
+    assert ACCURACY_LEVEL["int8"] == 4 and _builder_options("int8", "weight_only", 32, ())["accuracy_level"] == 4
+
+
+def test_a_large_vocabulary_keeps_the_int4_lm_head_at_8_bits_from_the_first_build():
+    gemma3 = {"model_type": "gemma3_text", "vocab_size": 262144, "tie_word_embeddings": True}
+    assert wide_head("int4", gemma3) and not wide_head("int8", gemma3)
+    assert not wide_head("int4", {"model_type": "llama", "vocab_size": 32000})
+    assert _ladder("int4", "awq", True, True, head8=True) == [
+        ("awq", ("last_matmul:int8",)), ("awq", ("last_matmul:int8", "mixed_layers:int8"))]
+    assert _ladder("int4", "rtn", False, True, head8=True) == [("rtn", ("last_matmul:int8",))]
+    tied = _builder_options("int4", "awq", 32, ("last_matmul:int8",), tied=True)
+    # the head at 8 bits cannot share the embedding's 4-bit table: the embedding gets one of its own
+    assert tied["shared_embeddings"] == "false" and tied["op_types_to_quantize"] == "MatMul/Gather"
+    assert "shared_embeddings" not in _builder_options("int4", "awq", 32, ("last_matmul:int8",), tied=False)
+
+
+def test_a_small_tied_vocabulary_keeps_the_shared_4_bit_table():
+    assert _ladder("int4", "rtn", True, True) == [("rtn", ()), ("rtn", ("mixed_layers:int8",))]
