@@ -77,6 +77,11 @@ class GenerativeResult:
     metric: str = "token_agreement"
     float_matmuls: tuple[str, ...] = ()  # dynamic INT8: the parts (down_proj, o_proj) kept in float
     kv_cache: str = "float"  # "int8": the graph keeps its KV cache in INT8 (kv_int8.py), scored so
+    # One stream's greedy decode on this build machine (SPEED_TOKENS after a golden prompt, best of two), and FP32's
+    # timed beside it: a precision slower than FP32 is visible before it is served (INT8 with float activations
+    # decoded Gemma 3 270M 20x slower than FP32 and nothing said so).
+    tokens_per_s: float = 0.0
+    tokens_per_s_fp32: float = 0.0
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -129,17 +134,21 @@ class GenerativeAccuracy:
         table = Table(title=f"Accuracy of {self.model} vs FP32 ({self.heldout_samples} held-out samples)",
                       title_justify="left")
         for col in ("precision", "method", "agreement", "perplexity", "ppl ratio", "max abs err", "kept wider",
-                    "gate"):
+                    "tokens/s", "gate"):
             table.add_column(col)
         for r in self.results:
             table.add_row(r.precision, r.method + (" + kv int8" if r.kv_cache == "int8" else ""), f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
-                          f"{r.max_abs_error:.3g}", _wider(r), "pass" if r.passed else "FAIL")
+                          f"{r.max_abs_error:.3g}", _wider(r), _speed(r), "pass" if r.passed else "FAIL")
         console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
         console.print(table)
         console.print(f"held-out: {self.heldout_note}; gate: agreement >= {self.min_accuracy:g} and perplexity ratio "
                       f"<= {self.max_perplexity_ratio:g} -> {'passed' if self.passed else 'FAILED'}",
                       highlight=False, markup=False, soft_wrap=True)
         return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
+
+
+def _speed(r: GenerativeResult) -> str:
+    return f"{r.tokens_per_s:.1f} (fp32 {r.tokens_per_s_fp32:.1f})" if r.tokens_per_s else "-"
 
 
 def _wider(r: GenerativeResult) -> str:
@@ -159,6 +168,28 @@ class GenerativeQuantizeResult:
     calibration_digest: str | None
 
 
+SPEED_TOKENS = 16
+
+
+def decode_tokens_per_s(runner: DecoderRunner, prompt: Sequence[int], tokens: int = SPEED_TOKENS) -> float:
+    """One stream's greedy tokens per second after ``prompt`` (prefill excluded: timed from the first decode step),
+    best of two runs."""
+    import time
+
+    best = float("inf")
+    for _ in range(2):
+        runner.greedy(prompt, 1)
+        start = time.perf_counter()
+        runner.greedy(prompt, tokens + 1)
+        best = min(best, time.perf_counter() - start)
+    prefill = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        runner.greedy(prompt, 1)
+        prefill = min(prefill, time.perf_counter() - start)
+    return tokens / max(best - prefill, 1e-9)
+
+
 class Scorer:
     """FP32's perplexity and logits on the held-out text, kept to score each candidate against."""
 
@@ -169,6 +200,14 @@ class Scorer:
         runner = DecoderRunner(fp32, self.context, head_dim)
         self.ppl_fp32 = self._perplexity(runner)
         self.prompt_logits = [runner.logits(c.prompt_ids) for c in reference]
+        self.fp32 = Path(fp32)
+        self.last_tokens_per_s = 0.0
+
+    def speed(self, path: Path) -> tuple[float, float]:
+        """(tokens/s of ``path``, FP32's) decoding one stream, timed one after the other on this machine."""
+        prompt = self.reference[0].prompt_ids if self.reference else (0,)
+        fp32 = decode_tokens_per_s(DecoderRunner(self.fp32, self.context, self.head_dim), prompt)
+        return decode_tokens_per_s(DecoderRunner(path, self.context, self.head_dim), prompt), fp32
 
     def _perplexity(self, runner: DecoderRunner) -> float:
         total = count = 0.0
@@ -386,6 +425,9 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
                 if ok:
                     break
+            speed, speed_fp32 = scorer.speed(graph) if scorer.reference and SPEED_TOKENS < scorer.context else (0.0, 0.0)
+            say(f"[quantize] {precision}: {speed:.1f} tokens/s decoding one stream here, FP32 {speed_fp32:.1f}"
+                + (" (slower than FP32)" if speed < speed_fp32 else ""))
             name = onnx_file(precision)
             shutil.move(str(graph), tmp / name)
             shutil.move(str(work / data_name(graph)), tmp / data_name(tmp / name))
@@ -395,7 +437,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             results.append(GenerativeResult(
                 precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
                 tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
-                float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv))
+                float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv, tokens_per_s=speed,
+                tokens_per_s_fp32=speed_fp32))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),

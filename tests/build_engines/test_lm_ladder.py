@@ -25,3 +25,32 @@ def test_a_large_vocabulary_keeps_the_int4_lm_head_at_8_bits_from_the_first_buil
 
 def test_a_small_tied_vocabulary_keeps_the_shared_4_bit_table():
     assert _ladder("int4", "rtn", True, True) == [("rtn", ()), ("rtn", ("mixed_layers:int8",))]
+
+
+def test_the_gate_times_each_precision_beside_fp32(tmp_path):
+    """accuracy.json's tokens/s: one stream decoding on the build machine, FP32 timed beside it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("onnxruntime_genai")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from generative_models import make_causal_lm
+
+    from model_factory.build_engines.causal_lm import Continuation, run_builder
+    from model_factory.build_engines.lm_quantize import GenerativeAccuracy, GenerativeResult, Scorer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
+    fp32 = run_builder(src, tmp_path / "fp32", "fp32")
+    int4 = run_builder(src, tmp_path / "int4", "int4", {"block_size": 32, "accuracy_level": 4})
+    reference = [Continuation("x", (1, 2, 3, 4), tuple(range(5, 21)), None)]
+    scorer = Scorer(fp32, 16, [list(range(1, 40))], reference)
+    speed, speed_fp32 = scorer.speed(int4)
+    assert speed > 0 and speed_fp32 > 0
+    row = GenerativeResult("int4", "rtn", 1.0, 2.0, 2.0, 1.0, 0.0, 1, 16, True, tokens_per_s=speed,
+                           tokens_per_s_fp32=speed_fp32)
+    table = GenerativeAccuracy("m", "h", 1, "", None, 0, 0.8, 1.1, (row,)).render(width=200)
+    assert f"{speed:.1f} (fp32 {speed_fp32:.1f})" in table
