@@ -79,3 +79,21 @@ def test_gemma3_scaled_global_rope_keeps_the_local_layers_plain(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     check = _export_check(folder, tmp_path / "onnx")
     assert check["greedy_identical"] and check["relative_logits_error"] < 1e-3, check
+
+
+@pytest.mark.slow
+def test_gemma3_in_transformers_4s_config_form_exports_too(tmp_path):
+    """The 4.x form (rope_theta, rope_local_base_freq, sliding_window_pattern; no nested rope_parameters), as
+    optimum-intel and older tools write it, builds and checks the same."""
+    pytest.importorskip("onnxruntime_genai")
+    from generative_models import make_causal_lm
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = make_causal_lm("gemma3_text", tmp_path / "g3")
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types"):
+        cfg.pop(key, None)
+    cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None, sliding_window_pattern=2)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    check = _export_check(folder, tmp_path / "onnx")
+    assert check["greedy_identical"] and check["relative_logits_error"] < 1e-3, check
