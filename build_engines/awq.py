@@ -104,6 +104,8 @@ def _down_group(mlp: Any) -> Group | None:
     if down is None:
         return None
     up, fused = getattr(mlp, "up_proj", None), getattr(mlp, "gate_up_proj", None)
+    if up is not None and getattr(mlp, "gate_proj", None) is None:
+        return None  # act(up(x)) (Nemotron's relu²): down's input does not scale with up's rows
     if up is not None:
         def fold(s: Any) -> None:
             up.weight.data /= s[:, None]
