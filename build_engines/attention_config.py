@@ -54,13 +54,18 @@ def layer_windows(config: Any, layers: int) -> list[int]:
     return [window] * layers
 
 
-def rotary_caches(config: Any, rows: int, half: int) -> tuple[np.ndarray, np.ndarray] | None:
+def rotary_caches(config: Any, rows: int, half: int,
+                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """transformers' cos and sin for positions ``0..rows-1`` (``[rows, half]``), or None where the model has no
-    static rotary embedding this can compute (no RoPE, or a type whose frequencies depend on the length)."""
+    static rotary embedding this can compute (no RoPE, or a type whose frequencies depend on the length).
+    ``layer_type``: the layers' kind where the config nests its RoPE per kind (Gemma 3: ``full_attention``,
+    ``sliding_attention``)."""
     import torch
     import transformers
 
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     if (params.get("rope_type") or params.get("type") or "default") not in STATIC_ROPE:
         return None
     arch = (getattr(config, "architectures", None) or [None])[0]
@@ -74,7 +79,8 @@ def rotary_caches(config: Any, rows: int, half: int) -> tuple[np.ndarray, np.nda
         return None
     with torch.no_grad():
         emb = rotary(config=config)
-        cos, sin = emb(torch.zeros(1, dtype=torch.float32), torch.arange(rows)[None])
+        kind = {"layer_type": layer_type} if layer_type is not None else {}
+        cos, sin = emb(torch.zeros(1, dtype=torch.float32), torch.arange(rows)[None], **kind)
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
     if cos.shape[-1] < 2 * half:
         return None
@@ -110,13 +116,15 @@ def align_attention(folder: Path, graph: Path, say: Callable[[str], None] = lamb
             node.attribute.remove(attr)
         node.attribute.append(helper.make_attribute("local_window_size", want))
         changed["windows"][int(m.group(1))] = want
-    inits = {i.name: i for i in model.graph.initializer if i.name in ROTARY_CACHES}
     rewrite: list[tuple[Any, np.ndarray]] = []
-    if len(inits) == 2:
-        shape = tuple(inits["cos_cache"].dims)
-        want = rotary_caches(config, shape[0], shape[1]) if len(shape) == 2 else None
+    for (cos_name, sin_name), layer_type in _cache_sets(config):
+        inits = {i.name: i for i in model.graph.initializer if i.name in (cos_name, sin_name)}
+        if len(inits) != 2:
+            continue
+        shape = tuple(inits[cos_name].dims)
+        want = rotary_caches(config, shape[0], shape[1], layer_type) if len(shape) == 2 else None
         if want is not None:
-            for name, values in zip(ROTARY_CACHES, want):
+            for name, values in zip((cos_name, sin_name), want):
                 have = _read(inits[name], graph.parent)
                 close = max(atol, 4 * float(np.finfo(have.dtype).eps))  # an FP16 cache holds 3 decimals
                 if have.shape != values.shape or not np.allclose(have.astype(np.float32), values, atol=close):
@@ -129,6 +137,19 @@ def align_attention(folder: Path, graph: Path, say: Callable[[str], None] = lamb
         say(f"[export] attention as transformers computes it: sliding windows {_windows(changed['windows'])}, "
             f"rotary caches {'rewritten' if rewrite else 'kept'}")
     return changed
+
+
+def _cache_sets(config: Any) -> list[tuple[tuple[str, str], str | None]]:
+    """The graph's rotary cache pairs and the layer kind each serves: one ``cos_cache``/``sin_cache``, or where the
+    config nests RoPE per layer kind (Gemma 3), the builder's ``*_global`` (full attention) and ``*_local``
+    (sliding) pairs, each computed with its own kind's parameters."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        sets: list[tuple[tuple[str, str], str | None]] = [(("cos_cache_global", "sin_cache_global"), "full_attention")]
+        if isinstance(params.get("sliding_attention"), dict):
+            sets.append((("cos_cache_local", "sin_cache_local"), "sliding_attention"))
+        return sets + [(ROTARY_CACHES, "full_attention")]
+    return [(ROTARY_CACHES, None)]
 
 
 def _windows(windows: dict[int, int]) -> str:

@@ -1,11 +1,18 @@
 """Activation-aware scaling for INT4 weights (AWQ-style), applied to the Hugging Face weights before the export.
 
 A weight column that meets large activations costs more when rounded. Per linear group (the projections that
-read one norm's output, and ``down_proj`` behind ``up_proj``) a per-input-channel scale ``s = mean|x| ** a`` is
+read one norm's output, found in each layer's module graph: :func:`find_groups`; and ``down_proj`` behind
+``up_proj``) a per-input-channel scale ``s = mean|x| ** a`` is
 searched on the calibration text's activations: ``a`` in a grid, each scored by the group's output error with
 the weights scaled by ``s``, rounded block-wise to INT4 and scaled back. The best ``s`` is folded in exactly: the
 weights' columns times ``s``, the op before them (the norm's weight, or ``up_proj``'s rows) divided by ``s``, so
-the FP32 model is unchanged and only the rounding moves. The builder then rounds the scaled weights (RTN).
+the FP32 model is unchanged and only the rounding moves (checked: the logits on the first calibration sample must
+not move). The builder then rounds the scaled weights (RTN).
+
+The groups were a list of names: the MLP's scale went into ``post_attention_layernorm``, which in Gemma 2/3 normalises
+attention's output (the MLP reads ``pre_feedforward_layernorm``), and ``gemma3_text``'s norms were taken as ``w``
+where they multiply by ``1 + w``: INT4 awq of Gemma 3 270M came out with perplexity 3481x FP32's. Each group's norm
+and the form of its weight are now found on the model itself.
 """
 
 from __future__ import annotations
@@ -42,33 +49,124 @@ def fake_quant(w: Any, block: int, bits: int = 4) -> Any:
     return q.reshape(out_f, -1)[:, :in_f]
 
 
-def _groups(layer: Any, family: str) -> list[tuple[str, Any, list[Any], Callable[[Any], None]]]:
-    """(name, the module whose input is captured, the linears reading it, fold(s): divide the op before by s)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    gemma = family == "gemma"
+@dataclass(frozen=True)
+class Group:
+    """One group of linears that read the same input, and how a scale is folded into the op before them."""
 
-    def norm_fold(norm: Any) -> Callable[[Any], None]:
+    name: str
+    linears: tuple[Any, ...]
+    fold: Callable[[Any], None]
+
+
+def _norm_form(norm: Any, x: Any) -> str | None:
+    """How ``norm`` applies its weight, found by trying it on ``x`` (an input it had): ``"w"`` (output times w),
+    ``"1+w"`` (Gemma's RMSNorm: times 1 + w), or None where neither divides its output exactly (no weight, or a
+    form this does not know: that group is left unscaled)."""
+    import torch
+
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return None
+    bias = getattr(norm, "bias", None)
+    probe = torch.linspace(0.5, 2.0, weight.shape[0], dtype=weight.dtype)
+    w0 = weight.data.clone()
+    b0 = bias.data.clone() if isinstance(bias, torch.Tensor) else None
+    try:
+        with torch.no_grad():
+            want = norm(x) / probe
+            for form in ("w", "1+w"):
+                weight.data = w0 / probe if form == "w" else (1 + w0) / probe - 1
+                if b0 is not None:
+                    bias.data = b0 / probe
+                got = norm(x)
+                scale = float(want.abs().max()) or 1.0
+                if float((got - want).abs().max()) <= 1e-4 * scale:
+                    return form
+    finally:
+        weight.data = w0
+        if b0 is not None:
+            bias.data = b0
+    return None
+
+
+def _norm_fold(norm: Any, form: str) -> Callable[[Any], None]:
+    def fold(s: Any) -> None:
+        w = norm.weight.data
+        norm.weight.data = (w / s) if form == "w" else ((1 + w) / s - 1)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.data = norm.bias.data / s
+    return fold
+
+
+def _down_group(mlp: Any) -> Group | None:
+    """``down_proj`` behind a gated MLP (``act(gate(x)) * up(x)``): its input scales with ``up``'s rows."""
+    down = getattr(mlp, "down_proj", None)
+    if down is None:
+        return None
+    up, fused = getattr(mlp, "up_proj", None), getattr(mlp, "gate_up_proj", None)
+    if up is not None and getattr(mlp, "gate_proj", None) is None:
+        return None  # act(up(x)) (Nemotron's relu²): down's input does not scale with up's rows
+    if up is not None:
         def fold(s: Any) -> None:
-            w = norm.weight.data
-            norm.weight.data = ((1 + w) / s - 1) if gemma else (w / s)  # Gemma's norm multiplies by (1 + w)
-        return fold
-
-    if family == "phi3":
-        qkv, mlp_in = [attn.qkv_proj], [mlp.gate_up_proj]
-
-        def up_fold(s: Any) -> None:
-            half = mlp.gate_up_proj.weight.shape[0] // 2
-            mlp.gate_up_proj.weight.data[half:] /= s[:, None]
+            up.weight.data /= s[:, None]
+            if getattr(up, "bias", None) is not None:
+                up.bias.data /= s
+    elif fused is not None:  # Phi-3: [gate; up] in one linear, up the second half
+        def fold(s: Any) -> None:
+            half = fused.weight.shape[0] // 2
+            fused.weight.data[half:] /= s[:, None]
     else:
-        qkv, mlp_in = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        return None
+    return Group("down", (down,), fold)
 
-        def up_fold(s: Any) -> None:
-            mlp.up_proj.weight.data /= s[:, None]
-            if getattr(mlp.up_proj, "bias", None) is not None:
-                mlp.up_proj.bias.data /= s
-    return [("qkv", qkv[0], qkv, norm_fold(layer.input_layernorm)),
-            ("mlp_in", mlp_in[0], mlp_in, norm_fold(layer.post_attention_layernorm)),
-            ("down", mlp.down_proj, [mlp.down_proj], up_fold)]
+
+def find_groups(layer: Any, sample: Any) -> list[Group]:
+    """The layer's scalable groups, read from its module graph on one forward of ``sample`` (the layer's input
+    hidden states and the keyword arguments it was called with), never from a list of names: every norm whose
+    output is what some linears read (the same tensor: Llama's ``input_layernorm`` → q/k/v and
+    ``post_attention_layernorm`` → gate/up, Gemma 2/3's ``pre_feedforward_layernorm`` → gate/up while their
+    ``post_attention_layernorm`` feeds no linear) with the form its weight is applied in, plus ``down_proj`` behind
+    a gated MLP. Linears whose input no norm produced (OLMo 2's attention reads the residual stream) form no group."""
+    import torch
+
+    outputs: dict[int, Any] = {}
+    inputs: dict[int, Any] = {}
+    readers: dict[int, list[Any]] = {}
+    held: list[Any] = []  # every tensor whose id is a key, kept alive so that no later tensor reuses its id
+    hooks = []
+    for module in layer.modules():
+        if isinstance(module, torch.nn.Linear):
+            def pre(m: Any, args: tuple) -> None:
+                held.append(args[0])
+                readers.setdefault(id(args[0]), []).append(m)
+            hooks.append(module.register_forward_pre_hook(pre))
+        elif "norm" in type(module).__name__.lower() and not list(module.children()):
+            def post(m: Any, args: tuple, out: Any) -> None:
+                if isinstance(out, torch.Tensor):
+                    outputs[id(m)] = out
+                    inputs[id(m)] = args[0].detach()
+            hooks.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            args, kwargs = sample
+            layer(*args, **{k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
+    finally:
+        for h in hooks:
+            h.remove()
+    groups = []
+    for module in layer.modules():
+        out = outputs.get(id(module))
+        linears = readers.get(id(out)) if out is not None else None
+        if not linears:
+            continue
+        form = _norm_form(module, inputs[id(module)])
+        if form is None:
+            continue
+        name = next((n for n, m in layer.named_modules() if m is module), "norm")
+        groups.append(Group(name, tuple(dict.fromkeys(linears)), _norm_fold(module, form)))
+    mlp = getattr(layer, "mlp", None)
+    down = _down_group(mlp) if mlp is not None else None
+    return groups + ([down] if down is not None else [])
 
 
 def _error(x: Any, refs: Sequence[Any], weights: Sequence[Any]) -> float:
@@ -84,46 +182,75 @@ def _error(x: Any, refs: Sequence[Any], weights: Sequence[Any]) -> float:
 
 def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]], block: int,
                   progress: Callable[[str], None] = lambda _m: None) -> list[GroupScale]:
-    """Search and fold the scales of every layer's groups into ``model`` (in place); returns what was chosen."""
+    """Search and fold the scales of every layer's groups into ``model`` (in place); returns what was chosen.
+
+    ``family`` is kept for the callers; the groups come from each layer's module graph (:func:`find_groups`)."""
     import torch
 
+    from model_factory.errors import FactoryError
+
     layers = model.model.layers
+    samples: dict[int, tuple[tuple, dict]] = {}
+
+    def keep_sample(i: int) -> Callable[..., None]:
+        def hook(_m: Any, args: tuple, kwargs: dict) -> None:
+            samples.setdefault(i, (args, kwargs))
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(keep_sample(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    first = torch.tensor([list(token_batches[0])]) if token_batches else None
+    try:
+        with torch.no_grad():
+            before = model(first, use_cache=False).logits if first is not None else None
+    finally:
+        for h in hooks:
+            h.remove()
+    groups = {i: find_groups(layer, samples[i]) for i, layer in enumerate(layers) if i in samples}
+    samples.clear()
     captured: dict[tuple[int, str], list[Any]] = {}
     hooks = []
-    for i, layer in enumerate(layers):
-        for name, module, _, _ in _groups(layer, family):
-            def hook(_m: Any, args: tuple, key: tuple[int, str] = (i, name)) -> None:
+    for i, found in groups.items():
+        for g in found:
+            def hook(_m: Any, args: tuple, key: tuple[int, str] = (i, g.name)) -> None:
                 kept = captured.setdefault(key, [])
                 if sum(len(x) for x in kept) < MAX_ROWS:  # never more than the search reads
                     kept.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
-            hooks.append(module.register_forward_pre_hook(hook))
+            hooks.append(g.linears[0].register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
             for ids in token_batches:
-                model(torch.tensor([list(ids)]))
+                model(torch.tensor([list(ids)]), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
     chosen: list[GroupScale] = []
     with torch.no_grad():
-        for i, layer in enumerate(layers):
-            for name, _, linears, fold in _groups(layer, family):
-                x = torch.cat(captured.pop((i, name)))[:MAX_ROWS].float()
+        for i, found in groups.items():
+            for g in found:
+                x = torch.cat(captured.pop((i, g.name)))[:MAX_ROWS].float()
                 mean_abs = x.abs().mean(dim=0).clamp(min=1e-8)
-                refs = [x @ lin.weight.data.T for lin in linears]  # the float outputs: once per group, not per alpha
-                base = _error(x, refs, [fake_quant(lin.weight.data, block) for lin in linears])
+                refs = [x @ lin.weight.data.T for lin in g.linears]  # the float outputs: once per group, not per alpha
+                base = _error(x, refs, [fake_quant(lin.weight.data, block) for lin in g.linears])
                 best = (base, 0.0, None)
                 for alpha in GRID[1:]:
                     s = mean_abs ** alpha
                     s = s / torch.sqrt(s.max() * s.min())
-                    err = _error(x, refs, [fake_quant(lin.weight.data * s, block) / s for lin in linears])
+                    err = _error(x, refs, [fake_quant(lin.weight.data * s, block) / s for lin in g.linears])
                     if err < best[0]:
                         best = (err, alpha, s)
                 if best[2] is not None:
-                    for lin in linears:
+                    for lin in g.linears:
                         lin.weight.data *= best[2]
-                    fold(best[2])
-                chosen.append(GroupScale(i, name, best[1], base, best[0]))
+                    g.fold(best[2])
+                chosen.append(GroupScale(i, g.name, best[1], base, best[0]))
+        if before is not None:  # the fold is exact: the FP32 model must answer as before
+            after = model(first, use_cache=False).logits
+            drift = float((after - before).abs().max()) / max(float(before.abs().max()), 1e-30)
+            if drift > 1e-3:
+                raise FactoryError(f"awq's scales changed the FP32 model's logits by {drift:.3g} of their scale "
+                                   f"({family}): a scale was folded where it is not exact. Fix: use "
+                                   "quantization.int4_method = \"rtn\" and report the family to the factory's "
+                                   "maintainers")
     gained = sum(c.error_rtn for c in chosen) / max(sum(c.error_scaled for c in chosen), 1e-30)
     progress(f"[quantize] awq: {len(chosen)} groups scaled, INT4 output error {gained:.2f}x lower than RTN "
              "on the calibration activations")

@@ -6,8 +6,9 @@ like the others; it has no wider step to climb (the GPU's precision: on the CPU,
 FP32).
 
 INT8 has two methods (``quantization.int8_method``). ``weight_only``, the default, is the model builder's
-``MatMulNBits`` with 8-bit weights and float activations: closest to FP32, every sequence's output independent of
-the others in its batch, but its CPU kernel dequantizes every call and decodes slower than FP32. ``dynamic`` is ONNX
+``MatMulNBits`` with 8-bit weights, its activations quantized to int8 per block of each row inside the kernel
+(``ACCURACY_LEVEL``): every sequence's output independent of the others in its batch, and faster than FP32 (with
+float activations its CPU kernel dequantized every weight on every call: 0.3 tokens/s on Gemma 3 270M). ``dynamic`` is ONNX
 Runtime's dynamic quantization of the FP32 graph's MatMuls (``DynamicQuantizeLinear`` + ``MatMulInteger``, fused
 into ``MatMulIntegerToFloat`` when the session loads): weights int8 per output channel, activations quantized per
 tensor as each step runs, products in the integer kernels (VNNI where the CPU has it). About twice FP32's speed,
@@ -76,6 +77,11 @@ class GenerativeResult:
     metric: str = "token_agreement"
     float_matmuls: tuple[str, ...] = ()  # dynamic INT8: the parts (down_proj, o_proj) kept in float
     kv_cache: str = "float"  # "int8": the graph keeps its KV cache in INT8 (kv_int8.py), scored so
+    # One stream's greedy decode on this build machine (SPEED_TOKENS after a golden prompt, best of two), and FP32's
+    # timed beside it: a precision slower than FP32 is visible before it is served (INT8 with float activations
+    # decoded Gemma 3 270M 20x slower than FP32 and nothing said so).
+    tokens_per_s: float = 0.0
+    tokens_per_s_fp32: float = 0.0
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -128,17 +134,21 @@ class GenerativeAccuracy:
         table = Table(title=f"Accuracy of {self.model} vs FP32 ({self.heldout_samples} held-out samples)",
                       title_justify="left")
         for col in ("precision", "method", "agreement", "perplexity", "ppl ratio", "max abs err", "kept wider",
-                    "gate"):
+                    "tokens/s", "gate"):
             table.add_column(col)
         for r in self.results:
             table.add_row(r.precision, r.method + (" + kv int8" if r.kv_cache == "int8" else ""), f"{r.score:.4f}", f"{r.perplexity:.3f}", f"{r.perplexity_ratio:.4f}",
-                          f"{r.max_abs_error:.3g}", _wider(r), "pass" if r.passed else "FAIL")
+                          f"{r.max_abs_error:.3g}", _wider(r), _speed(r), "pass" if r.passed else "FAIL")
         console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
         console.print(table)
         console.print(f"held-out: {self.heldout_note}; gate: agreement >= {self.min_accuracy:g} and perplexity ratio "
                       f"<= {self.max_perplexity_ratio:g} -> {'passed' if self.passed else 'FAILED'}",
                       highlight=False, markup=False, soft_wrap=True)
         return "\n".join(line.rstrip() for line in console.export_text().rstrip().splitlines())
+
+
+def _speed(r: GenerativeResult) -> str:
+    return f"{r.tokens_per_s:.1f} (fp32 {r.tokens_per_s_fp32:.1f})" if r.tokens_per_s else "-"
 
 
 def _wider(r: GenerativeResult) -> str:
@@ -158,6 +168,28 @@ class GenerativeQuantizeResult:
     calibration_digest: str | None
 
 
+SPEED_TOKENS = 16
+
+
+def decode_tokens_per_s(runner: DecoderRunner, prompt: Sequence[int], tokens: int = SPEED_TOKENS) -> float:
+    """One stream's greedy tokens per second after ``prompt`` (prefill excluded: timed from the first decode step),
+    best of two runs."""
+    import time
+
+    best = float("inf")
+    for _ in range(2):
+        runner.greedy(prompt, 1)
+        start = time.perf_counter()
+        runner.greedy(prompt, tokens + 1)
+        best = min(best, time.perf_counter() - start)
+    prefill = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        runner.greedy(prompt, 1)
+        prefill = min(prefill, time.perf_counter() - start)
+    return tokens / max(best - prefill, 1e-9)
+
+
 class Scorer:
     """FP32's perplexity and logits on the held-out text, kept to score each candidate against."""
 
@@ -168,6 +200,14 @@ class Scorer:
         runner = DecoderRunner(fp32, self.context, head_dim)
         self.ppl_fp32 = self._perplexity(runner)
         self.prompt_logits = [runner.logits(c.prompt_ids) for c in reference]
+        self.fp32 = Path(fp32)
+        self.last_tokens_per_s = 0.0
+
+    def speed(self, path: Path) -> tuple[float, float]:
+        """(tokens/s of ``path``, FP32's) decoding one stream, timed one after the other on this machine."""
+        prompt = self.reference[0].prompt_ids if self.reference else (0,)
+        fp32 = decode_tokens_per_s(DecoderRunner(self.fp32, self.context, self.head_dim), prompt)
+        return decode_tokens_per_s(DecoderRunner(path, self.context, self.head_dim), prompt), fp32
 
     def _perplexity(self, runner: DecoderRunner) -> float:
         total = count = 0.0
@@ -249,13 +289,37 @@ def dynamic_int8(fp32: Path, out: Path, keep_float: Sequence[str] = (), seven_bi
 # MatMulNBits' accuracy_level: 4 quantizes the activations to int8 per block inside the kernel. On a CPU without
 # VNNI (AVX2 only) MLAS multiplies with vpmaddubsw (u8 x s8 pairs summed in int16, saturating): INT4 weights are
 # u4 (0..15), so a pair sums at most 2*15*128 = 3840 (7680 after its hadd): no saturation, level 4 is exact enough
-# everywhere. INT8 weights as u8 (0..255) could reach 2*255*128 = 65280 > 32767: the INT8 graph keeps float
-# activations (level 1), right on every CPU the signed graph may meet (the weight_only method).
-ACCURACY_LEVEL = {"int4": 4, "int8": 1}
+# everywhere. INT8 is level 4 too: at level 1 (float activations) ONNX Runtime 1.32's CPU kernel for 8-bit weights
+# dequantizes each weight matrix to float on every call, the 262k x 640 LM head of Gemma 3 270M included: 48
+# tokens took 147 s (0.3 tokens/s) where FP32 took 3.4 s, while level 4's integer kernel
+# (SQ8BitGemmKernel_BlkSum_CompInt8, MLAS's VNNI kernels on x86) decodes faster than FP32 within the gate
+# (docs/generation.md, "Gemma 3 270M, measured"). Its per-block int8 activations are per row: a sequence's output
+# does not depend on its batch, unlike the dynamic method. Not measured on a CPU without VNNI.
+ACCURACY_LEVEL = {"int4": 4, "int8": 4}
 
 
-def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
-    """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider)."""
+# Above this vocabulary INT4 keeps its LM head at 8 bits from the first build, as llama.cpp's K-quant recipes keep
+# token_embd / output at Q8_0 or Q6_K: the head is then the largest matrix (Gemma 3 270M's 262k x 640 is 63 % of its
+# weights) and the one whose rounding every token's choice goes through. Its embedding is a table of its own, at
+# 4 bits (GatherBlockQuantized has no 8 bits), no longer the head's (the builder ties them only at one width).
+WIDE_HEAD_VOCAB = 65536
+WIDE_HEAD = "last_matmul:int8"
+
+
+def wide_head(precision: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether ``precision``'s LM head is built at 8 bits from the start (INT4 of a vocabulary over 64k)."""
+    vocab = hf_config.get("vocab_size")
+    return precision == "int4" and isinstance(vocab, int) and vocab > WIDE_HEAD_VOCAB and \
+        hf_config.get("model_type") != "gpt2"
+
+
+def _ladder(precision: str, method: str, mixed: bool, tied: bool,
+            head8: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """The builds a precision tries in turn until one passes the gate: (method, the MatMuls kept wider).
+    ``head8``: the LM head is at 8 bits in every step (:func:`wide_head`)."""
+    if head8:
+        steps = MIXED_STEPS if mixed else MIXED_STEPS[:1]
+        return [(method, w) for w in dict.fromkeys(tuple(dict.fromkeys((WIDE_HEAD,) + s)) for s in steps)]
     if precision == "fp16":
         return [("fp16", ())]
     if precision == "int8" and method == "dynamic":
@@ -269,7 +333,8 @@ def _ladder(precision: str, method: str, mixed: bool, tied: bool) -> list[tuple[
     return [(method, step) for step in steps]
 
 
-def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str]) -> dict[str, Any]:
+def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str],
+                     tied: bool = False) -> dict[str, Any]:
     if precision == "fp16":
         return {}
     opts: dict[str, Any] = {"block_size": block if precision == "int4" else 32,
@@ -285,6 +350,8 @@ def _builder_options(precision: str, method: str, block: int, mixed: Sequence[st
         opts["algo_config"] = "k_quant"
     if mixed:
         opts["matmul_mixed_precision"] = ",".join(mixed)
+    if precision == "int4" and WIDE_HEAD in mixed and tied:  # the tied head alone at 8 bits: the embedding a 4-bit
+        opts.update(shared_embeddings="false", op_types_to_quantize="MatMul/Gather")  # table of its own
     return opts
 
 
@@ -340,13 +407,16 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
             work = tmp / f".{precision}"
             kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
-            for method, wider in _ladder(precision, method, q.mixed_precision, tied):
+            head8 = wide_head(precision, hf_config)
+            if head8:
+                say(f"[quantize] {precision}: LM head at 8 bits (a vocabulary of {hf_config['vocab_size']:,})")
+            for method, wider in _ladder(precision, method, q.mixed_precision, tied, head8):
                 shutil.rmtree(work, ignore_errors=True)
                 if method == "dynamic":
                     graph = dynamic_int8(Path(export.onnx_path), work, wider)
                 else:
                     graph = run_builder(source, work, precision,
-                                        _builder_options(precision, method, q.int4_block_size, wider), say)
+                                        _builder_options(precision, method, q.int4_block_size, wider, tied), say)
                 if kv == "int8":
                     from model_factory.build_engines.kv_int8 import quantize_kv_cache
 
@@ -362,6 +432,9 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
                 if ok:
                     break
+            speed, speed_fp32 = scorer.speed(graph) if scorer.reference and SPEED_TOKENS < scorer.context else (0.0, 0.0)
+            say(f"[quantize] {precision}: {speed:.1f} tokens/s decoding one stream here, FP32 {speed_fp32:.1f}"
+                + (" (slower than FP32)" if speed < speed_fp32 else ""))
             name = onnx_file(precision)
             shutil.move(str(graph), tmp / name)
             shutil.move(str(work / data_name(graph)), tmp / data_name(tmp / name))
@@ -371,7 +444,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             results.append(GenerativeResult(
                 precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
                 tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
-                float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv))
+                float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv, tokens_per_s=speed,
+                tokens_per_s_fp32=speed_fp32))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),

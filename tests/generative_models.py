@@ -15,6 +15,12 @@ import os
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")
+# Families the zoo's export check covers too (export only: tests/build_engines/test_families.py), each with the
+# parts the builder must get right: Gemma 2/3 sliding and global layers (a window the golden prompts exceed),
+# soft-capping, the query scalar, Gemma 3's two RoPE bases and Q/K norms; Granite's multipliers; SmolLM3's
+# layers without RoPE; OLMo's norms without weights; Phi's partial rotary and LayerNorm with bias.
+MORE_FAMILIES = ("gemma2", "gemma3_text", "granite", "smollm3", "olmo", "nemotron", "phi", "ernie4_5",
+                 "hunyuan_v1_dense")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -60,15 +66,21 @@ def _config(family: str, tok, *, hidden: int, layers: int, heads: int, kv_heads:
                   max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, initializer_range=0.1,
                   tie_word_embeddings=tie)
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "phi3": transformers.Phi3Config, "gemma": transformers.GemmaConfig}
-    extra = {}
-    if family in ("qwen3", "gemma"):
+    extra: dict = {}
+    if family in ("qwen3", "gemma", "gemma2", "gemma3_text", "hunyuan_v1_dense", "ernie4_5"):
         extra["head_dim"] = hidden // heads
     if family == "mistral":
         extra["sliding_window"] = None
-    return classes[family](**common, **extra)
+    if family in ("gemma2", "gemma3_text"):  # a window the golden prompts (32 + 64 tokens) exceed, then a global layer
+        extra.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"][:layers] +
+                     ["full_attention"] * max(0, layers - 2), query_pre_attn_scalar=2 * hidden // heads)
+    if family == "granite":
+        extra.update(embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
+    if family == "smollm3":
+        extra.update(no_rope_layers=[1, 0][:layers] + [1] * max(0, layers - 2))
+    if family == "phi":
+        extra.update(partial_rotary_factor=0.5)
+    return transformers.AutoConfig.for_model(family, **common, **extra)
 
 
 def make_causal_lm(family: str, out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -78,8 +90,8 @@ def make_causal_lm(family: str, out: Path, *, hidden: int = 64, layers: int = 2,
     import torch
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}: use one of {', '.join(FAMILIES)}")
+    if family not in FAMILIES + MORE_FAMILIES:
+        raise ValueError(f"unknown family {family!r}: use one of {', '.join(FAMILIES + MORE_FAMILIES)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab_size)

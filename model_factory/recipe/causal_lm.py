@@ -15,11 +15,30 @@ from model_factory.recipe.errors import field_error as _err
 from model_factory.recipe.specs import GenerationSettings, TensorSpec
 
 # model_type -> the architecture the exporter turns into the shared-slot graph (onnxruntime-genai's model builder;
-# GPT-2, which it has no builder for, build_engines.gpt2_graph). Each is built and checked token-identical to
-# transformers by tests/build/test_generative.py (the zoo).
+# GPT-2, which it has no builder for, build_engines.gpt2_graph): every architecture the builder (0.18) has that
+# transformers runs without the model's own code and whose graph is the contract's. Each is built and checked
+# token-identical to transformers: the first seven end to end by tests/build/test_generative.py (the zoo), the
+# others' export by tests/build_engines/test_families.py; Gemma 3 270M, a real one, by tests/build/test_gemma3.py.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-            "gpt2": "GPT2LMHeadModel"}
+            "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "granite": "GraniteForCausalLM", "phi": "PhiForCausalLM", "nemotron": "NemotronForCausalLM",
+            "ernie4_5": "Ernie4_5ForCausalLM"}
+# Families a user may hold that are refused, each with what is missing (measured on a tiny model of the family).
+REFUSED = {
+    "gemma3": "a Gemma3ForConditionalGeneration (vision and text): the factory builds the text model only",
+    "smollm3": "onnxruntime-genai 0.18's builder fails on SmolLM3's layers without RoPE (no_rope_layers: "
+               "KeyError 'position_ids')",
+    "olmo": "onnxruntime-genai 0.18's builder writes OLMo's weightless LayerNorms wrongly (logits off by 2.1 from "
+            "transformers on a test model)",
+    "olmo2": "onnxruntime-genai 0.18's builder has no Olmo2ForCausalLM (OLMo 2's norms after attention and MLP)",
+    "olmo3": "onnxruntime-genai 0.18's builder has no Olmo3ForCausalLM",
+    "hunyuan_v1_dense": "onnxruntime-genai 0.18's HunYuan graph takes position_ids (its RoPE outside attention), "
+                        "not the shared-slot I/O the backend runs",
+    "gpt_oss": "a mixture of experts: the backend's graph I/O and KV account are for dense decoders",
+    "granitemoehybrid": "Mamba layers keep a recurrent state, not the KV cache the backend runs",
+    "lfm2": "convolution layers keep a recurrent state, not the KV cache the backend runs",
+}
 DEFAULT_MAX_CONTEXT = 4096
 _SUPPORTED = ", ".join(FAMILIES)
 
@@ -71,9 +90,15 @@ def check_causal_lm(folder: Path, cfg: Mapping[str, Any], max_context: int | Non
                    f"ships ({_SUPPORTED}), saved with save_pretrained()")
     family = cfg.get("model_type")
     archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
+    if family == "gemma3" and "Gemma3ForConditionalGeneration" in (cfg.get("architectures") or []):
+        raise _err("model.task", f"text-generation does not build the 'gemma3' family ({folder}/config.json "
+                   f"model_type): {REFUSED['gemma3']}", "save its language model alone (a Gemma3ForCausalLM, "
+                   "model_type gemma3_text), or use a model of a supported family: " + _SUPPORTED)
     if family not in FAMILIES:
+        missing = REFUSED.get(str(family), "onnxruntime-genai 0.18's builder has no graph of it that the backend "
+                              "runs")
         raise _err("model.task", f"text-generation does not build the {family!r} family ({folder}/config.json "
-                   "model_type)", f"use a model of a supported family: {_SUPPORTED}")
+                   f"model_type): {missing}", f"use a model of a supported family: {_SUPPORTED}")
     arch = FAMILIES[family]
     if arch not in archs:
         holds = ", ".join(archs) if archs else "no architectures entry"

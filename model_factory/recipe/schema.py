@@ -185,7 +185,9 @@ class ExportTable(_Table):
     opset: Annotated[int, Field(ge=13, le=21), Fix("use an opset between 13 and 21 (17 is a safe default)")] = Field(
         17, description="The ONNX opset.")
     tolerance: Annotated[float, Field(gt=0), Fix("give a positive number like 1e-3")] = Field(
-        1e-3, description="The largest absolute difference allowed between the ONNX model and the source framework.")
+        1e-3, description="The largest absolute difference allowed between the ONNX model and the source framework. "
+        "text-generation: relative to the logits' scale (max abs logits error / max abs FP32 logit on the golden "
+        "prompts), beside the greedy-token check.")
     dynamo: Annotated[MaybeFlag, Fix("write true (dynamo exporter), false (TorchScript exporter), or leave it out "
                                      "to choose by model size")] = Field(
         None, description="torch's exporter: true the dynamo one, false the TorchScript one. Default: chosen by "

@@ -80,6 +80,26 @@ def test_an_unsupported_family_names_the_supported_ones(tmp_path):
     assert all(f in message for f in FAMILIES) and "gpt2" in FAMILIES
 
 
+@pytest.mark.parametrize("family,arch", [("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
+                                         ("granite", "GraniteForCausalLM"), ("phi", "PhiForCausalLM"),
+                                         ("nemotron", "NemotronForCausalLM"), ("ernie4_5", "Ernie4_5ForCausalLM")])
+def test_the_families_the_exporter_builds_are_recipes(tmp_path, family, arch):
+    """Gemma 3 270M as transformers 5 saves it (rope_parameters nested per layer type) is a recipe."""
+    _folder(tmp_path, model_type=family, architectures=[arch],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert _recipe(tmp_path).generation.family == family
+
+
+@pytest.mark.parametrize("family,arch,missing", [
+    ("smollm3", "SmolLM3ForCausalLM", "no_rope_layers"), ("olmo2", "Olmo2ForCausalLM", "no Olmo2ForCausalLM"),
+    ("gemma3", "Gemma3ForConditionalGeneration", "vision and text"),
+    ("falcon_h1", "FalconH1ForCausalLM", "no graph of it")])
+def test_a_refused_family_says_what_is_missing_in_one_line(tmp_path, family, arch, missing):
+    _folder(tmp_path, model_type=family, architectures=[arch])
+    assert missing in _refused(tmp_path, family)
+
+
 def test_a_gpt2_folder_reads_its_own_config_names(tmp_path):
     """GPT-2's config.json says n_positions / n_embd / n_layer / n_head: the recipe reads them as the others'."""
     _folder(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"], max_position_embeddings=None,

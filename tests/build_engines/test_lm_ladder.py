@@ -1,0 +1,56 @@
+"""The builds a text-generation precision tries (the gate's ladder) and the builder options each gets."""
+
+from __future__ import annotations
+
+from model_factory.build_engines.lm_quantize import ACCURACY_LEVEL, _builder_options, _ladder, wide_head
+
+
+def test_int8_weight_only_quantizes_activations_per_block_in_the_kernel():
+    """Level 1 (float activations) made ONNX Runtime dequantize every 8-bit weight each call: 20x slower than FP32."""
+    assert ACCURACY_LEVEL["int8"] == 4 and _builder_options("int8", "weight_only", 32, ())["accuracy_level"] == 4
+
+
+def test_a_large_vocabulary_keeps_the_int4_lm_head_at_8_bits_from_the_first_build():
+    gemma3 = {"model_type": "gemma3_text", "vocab_size": 262144, "tie_word_embeddings": True}
+    assert wide_head("int4", gemma3) and not wide_head("int8", gemma3)
+    assert not wide_head("int4", {"model_type": "llama", "vocab_size": 32000})
+    assert _ladder("int4", "awq", True, True, head8=True) == [
+        ("awq", ("last_matmul:int8",)), ("awq", ("last_matmul:int8", "mixed_layers:int8"))]
+    assert _ladder("int4", "rtn", False, True, head8=True) == [("rtn", ("last_matmul:int8",))]
+    tied = _builder_options("int4", "awq", 32, ("last_matmul:int8",), tied=True)
+    # the head at 8 bits cannot share the embedding's 4-bit table: the embedding gets one of its own
+    assert tied["shared_embeddings"] == "false" and tied["op_types_to_quantize"] == "MatMul/Gather"
+    assert "shared_embeddings" not in _builder_options("int4", "awq", 32, ("last_matmul:int8",), tied=False)
+
+
+def test_a_small_tied_vocabulary_keeps_the_shared_4_bit_table():
+    assert _ladder("int4", "rtn", True, True) == [("rtn", ()), ("rtn", ("mixed_layers:int8",))]
+
+
+def test_the_gate_times_each_precision_beside_fp32(tmp_path):
+    """accuracy.json's tokens/s: one stream decoding on the build machine, FP32 timed beside it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("onnxruntime_genai")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from generative_models import make_causal_lm
+
+    from model_factory.build_engines.causal_lm import Continuation, run_builder
+    from model_factory.build_engines.lm_quantize import GenerativeAccuracy, GenerativeResult, Scorer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src = make_causal_lm("llama", tmp_path / "llama", vocab_size=512)
+    fp32 = run_builder(src, tmp_path / "fp32", "fp32")
+    int4 = run_builder(src, tmp_path / "int4", "int4", {"block_size": 32, "accuracy_level": 4})
+    reference = [Continuation("x", (1, 2, 3, 4), tuple(range(5, 21)), None)]
+    scorer = Scorer(fp32, 16, [list(range(1, 40))], reference)
+    speed, speed_fp32 = scorer.speed(int4)
+    assert speed > 0 and speed_fp32 > 0
+    row = GenerativeResult("int4", "rtn", 1.0, 2.0, 2.0, 1.0, 0.0, 1, 16, True, tokens_per_s=speed,
+                           tokens_per_s_fp32=speed_fp32)
+    table = GenerativeAccuracy("m", "h", 1, "", None, 0, 0.8, 1.1, (row,)).render(width=200)
+    assert f"{speed:.1f} (fp32 {speed_fp32:.1f})" in table
