@@ -18,7 +18,9 @@ log-probability (:func:`best_choices`); ``echo`` prepends the prompt (a text pro
 comes from the backend, ``exclude_input_in_output`` false, not streamed). Prompt log-probabilities are not
 available: the served graph computes logits only at each row's last position (``logits_positions``), so
 ``echo`` with ``logprobs`` is refused (400), never answered wrongly. ``max_completion_tokens`` is
-``max_tokens`` (it wins when both are given).
+``max_tokens`` (it wins when both are given). Structured outputs (``response_format``, vLLM's ``guided_*``:
+``openai_guided``) and chat's tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``: ``openai_tools``) go to
+the backend as ``sampling_parameters``' ``guided`` grammar; a tool call's answer is made by ``openai_tools``.
 """
 
 from __future__ import annotations
