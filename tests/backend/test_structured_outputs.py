@@ -22,8 +22,8 @@ from model_factory.backend.generation.kv_slots import KVSlots  # noqa: E402
 from model_factory.backend.generation.sampling import Sampler, SamplingError, SamplingParams  # noqa: E402
 from model_factory.backend.generation.scheduler import Generation, Scheduler  # noqa: E402
 from model_factory.backend.generation.structured.engines import load_engine  # noqa: E402
-from model_factory.backend.generation.structured.grammar import (GrammarError, Grammars, allowed_tokens,  # noqa: E402
-                                                                 mask_words, parse_guided)
+from model_factory.backend.generation.structured.grammar import (GrammarError, Grammars, StepMasks,  # noqa: E402
+                                                                 allowed_tokens, mask_words, parse_guided)
 
 EXTRA = 7  # the model's logits are wider than the tokenizer (padded vocabularies): those ids are never allowed
 SCHEMA = {"type": "object", "properties": {
@@ -167,12 +167,15 @@ class RandomLM:
         return self.rng.normal(0, 3, (len(ids), self.vocab)).astype(np.float32)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_scheduler_generates_under_a_grammar_beside_free_sequences(grammars, tok, temperature):
+@pytest.mark.parametrize("temperature, worker_from", [(0.0, None), (1.0, None), (1.0, 0)])
+def test_the_scheduler_generates_under_a_grammar_beside_free_sequences(grammars, tok, temperature, worker_from):
+    """Greedy and sampled; the masks made in place (few rows of a small vocabulary) or on the worker thread."""
     vocab, eos = grammars.vocab_size, tok.token_to_id("<|im_end|>")
     spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
                           hidden_size=4, vocab_size=vocab, max_context=512, eos_token_ids=(eos,))
     sched = Scheduler(RandomLM(vocab), KVSlots(spec, 8, 64 << 20), tok, (eos,))
+    if worker_from is not None:
+        sched.masks = StepMasks(worker_from=worker_from)
     compiled = grammars.compile(parse_guided({"json": SCHEMA}))
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str] = {}
