@@ -193,7 +193,7 @@ def main() -> int:
         "The 110M Llama of bench_generate (random weights, a 6,294-token vocabulary), INT8 dynamic with the INT8 cache, "
         "on the backend's scheduler in-process (no Triton, no HTTP; 2 threads). N closed-loop streams of R requests "
         f"each ({PROMPT}-token prompts, sampled at temperature 0.8). With the schema (2-4 records of strings, bounded "
-        "integers and an enum; compiled once by llguidance, each sequence's mask computed beside the batched step) a "
+        "integers and an enum; compiled once by llguidance, each sequence's mask applied before sampling: made in place at these sizes, StepMasks) a "
         f"request ends when its JSON is complete (at most {MAX_TOKENS} tokens); without it the same prompts generate "
         "exactly as many tokens each, so the work is the same and the grammar is what differs. Two rounds, the "
         "second in the other order: round 1 / round 2.", "",
@@ -203,7 +203,7 @@ def main() -> int:
         f"llguidance's view of the tokenizer built in {engine_s * 1e3:.0f} ms (once per model, at the first guided "
         f"request); the schema compiled in {compile_s * 1e3:.1f} ms (once: cached by its canonical JSON); a mask "
         f"took p50 {statistics.median(ms):.3f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.3f} ms over {len(ms)} "
-        "tokens (on the mask thread, while the step's launch runs).", "", END])
+        "tokens (made in place: below StepMasks' threshold for the worker thread).", "", END])
     publish(section, HERE / "RESULTS.md", START, END, args.write)
     return 0
 

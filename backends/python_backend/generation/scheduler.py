@@ -18,7 +18,8 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    sibling admitted apart from its leader (the budget split them) prefills its prompt itself;
 4. every sequence that was already running decodes one token, all in one launch, each at its own length. The
    token masks of the rows with a grammar (``Generation.grammar``: structured outputs) are computed on a worker
-   thread while that launch runs (``structured.grammar.StepMasks``) and applied to their logits before sampling;
+   thread while that launch runs when there are many, in place when few (``structured.grammar.StepMasks``), and
+   applied to their logits before sampling;
    each matcher advances with its sequence's token, and a sequence whose grammar is complete ends (``stop``).
 
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
