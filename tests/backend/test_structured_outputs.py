@@ -199,3 +199,19 @@ def test_the_scheduler_generates_under_a_grammar_beside_free_sequences(grammars,
             jsonschema.validate(json.loads("".join(texts[gen.id])), SCHEMA)
         else:
             assert gen.matcher is None and reasons[gen.id] in ("stop", "length")
+
+
+def test_guided_is_read_from_sampling_parameters_and_mirrored_for_a_rollouts_shadow():
+    from model_factory.backend.generation.requests import read_generate_request, request_inputs
+
+    spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
+                          hidden_size=4, vocab_size=100, max_context=64, eos_token_ids=(2,))
+    sent = {"prompt_ids": np.array([3, 4, 5], dtype=np.int32), "max_tokens": np.array([7], dtype=np.int32),
+            "sampling_parameters": np.array([json.dumps({"guided": {"json": SCHEMA}}).encode()], dtype=np.object_)}
+    req = read_generate_request(sent.get, None, spec, 64)
+    assert req.params.guided == parse_guided({"json": SCHEMA})
+    again = read_generate_request(request_inputs(req).get, None, spec, 64)
+    assert again.params == req.params
+    sent["sampling_parameters"] = np.array([b'{"guided": {"regex": ""}}'], dtype=np.object_)
+    with pytest.raises(SamplingError, match="guided.regex"):
+        read_generate_request(sent.get, None, spec, 64)
