@@ -368,7 +368,10 @@ GENERATE_INPUTS = (
     # vLLM backend style: the sampling parameters as one JSON object (explicit inputs win over it). Read from it
     # only: presence_penalty, frequency_penalty (-2..2), logit_bias ({"token id": -100..100}), stop_token_ids,
     # logprobs (0..20: the chosen token's log-probability and that many alternatives, from the raw logits) and
-    # n (1..128 sequences of the prompt, prefilled once: generation/sampling.py, scheduler.py).
+    # n (1..128 sequences of the prompt, prefilled once: generation/sampling.py, scheduler.py), and guided, the
+    # grammar the output follows (structured outputs: one of {"json": schema}, {"json_object": true}, {"regex": ...},
+    # {"choice": [...]}, {"grammar": Lark}; compiled against the tokenizer, each token outside it masked before
+    # sampling; one it cannot compile is INVALID_ARG naming the construct: generation/structured/grammar.py).
     TritonTensor("sampling_parameters", "TYPE_STRING", (1,), optional=True),
 )
 # One entry a choice where a response holds several (n > 1, not streamed; streamed: one choice a response).

@@ -56,6 +56,8 @@ from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
 from .generation.sampling import SamplingError, choice_seed
 from .generation.scheduler import Generation, QueueFull, Scheduler, TokenEvent
+from .generation.structured.engines import load_engine
+from .generation.structured.grammar import LazyGrammars
 from .settings import Settings, SettingsError, cpu_spinning, cpu_threads_per_instance
 
 _MIB = 1 << 20
@@ -125,6 +127,11 @@ class GenerativeModel:
         # environment and system libraries; writes only scratch; no new process, no network socket.
         from .integrity import ENV as DIGESTS_ENV
         from .operations.sandbox import wall_in_stub
+
+        # Structured outputs: the grammar engine for this tokenizer, made at the first request that asks for one
+        # (structured/grammar.py); its package imported now, before the walls, where it is installed.
+        self.grammars = LazyGrammars(self._grammar_engine)
+        _preload_grammar_engine()
 
         from .operations.events import input_hash
         from .operations.shadow import ShadowMirror, shadow_folder
@@ -226,12 +233,14 @@ class GenerativeModel:
             try:
                 req = read_generate_request(lambda n: _input(self.pb, request, n), self.tokenizer, self.spec,
                                             self.slots.max_context)
+                # A grammar compiled here, off the engine loop (once per schema: the cache), or refused naming it.
+                grammar = self.grammars.get().compile(req.params.guided) if req.params.guided is not None else None
             except SamplingError as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
                 continue
             cancelled = self.cancels.watch(request.is_cancelled)
             try:
-                self.scheduler.submit_all(self._choices(req, sender, cancelled))
+                self.scheduler.submit_all(self._choices(req, sender, cancelled, grammar))
             except SamplingError as exc:
                 cancelled.close()
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
@@ -248,17 +257,24 @@ class GenerativeModel:
         response = self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
         self.responses.dispatch([sender], [(response, self._final)])
 
-    def _choices(self, req: GenerateRequest, sender: Any, cancelled: Any) -> list[Generation]:
-        """The request's sequences: one, or its ``n`` choices (choice 0 the leader; each its own seed)."""
+    def _grammar_engine(self) -> Any:
+        if self.tokenizer is None:
+            raise SamplingError("guided: structured outputs need the model's tokenizer, and this model has none")
+        return load_engine(self.tokenizer.to_str(), self.spec.vocab_size, self.spec.eos_token_ids)
+
+    def _choices(self, req: GenerateRequest, sender: Any, cancelled: Any, grammar: Any = None) -> list[Generation]:
+        """The request's sequences: one, or its ``n`` choices (choice 0 the leader; each its own seed and, with a
+        grammar, its own matcher)."""
         closed = threading.Event()  # set once the request is answered: its other choices stop at the next step
         emit = self._emitter(sender, req, lambda: (closed.set(), cancelled.close()))
         if req.params.n == 1:
-            return [Generation(list(req.prompt_ids), req.params, self._mirrored(emit, req), is_cancelled=cancelled)]
+            return [Generation(list(req.prompt_ids), req.params, self._mirrored(emit, req), is_cancelled=cancelled,
+                               grammar=grammar)]
         gens: list[Generation] = []
         for index in range(req.params.n):
             params = dataclasses.replace(req.params, seed=choice_seed(req.params.seed, index))
             gens.append(Generation(list(req.prompt_ids), params, emit, index=index, leader=gens[0] if gens else None,
-                                   is_cancelled=lambda: closed.is_set() or cancelled()))
+                                   is_cancelled=lambda: closed.is_set() or cancelled(), grammar=grammar))
         return gens
 
     def _mirrored(self, emit, req: GenerateRequest):
@@ -394,6 +410,13 @@ class GenerativeModel:
         self.model.close()
         if self._device is not None:
             self._device.close()  # the model again (idempotent), the KV buffers, the pool and the stream
+
+
+def _preload_grammar_engine() -> None:
+    try:
+        import llguidance  # noqa: F401 - imported before the stub's walls; absent: guided requests say what to install
+    except ImportError:
+        pass
 
 
 def _require_int8_kv_runtime(precision: str) -> None:

@@ -38,6 +38,7 @@ from model_factory.serving.openai_protocol import (OpenAIError, best_choices, ch
                                                    chat_response, completion_chunk, completion_logprobs,
                                                    completion_request, completion_response, new_id, openai_finish,
                                                    triton_error, usage)
+from model_factory.serving.openai_tools import ToolStream, tool_message
 from model_factory.serving.pool_metrics import ProtocolMetrics
 
 
@@ -121,6 +122,14 @@ def _each(value: Any, n: int, default: Any = None) -> list:
     if value is None:
         return [default] * n
     return list(value) if isinstance(value, list) else [value]
+
+
+def _upstream_error(call: Any, status: int, message: str) -> OpenAIError:
+    """Triton's error as OpenAI's; a grammar the backend could not compile names the field that asked for it."""
+    err = triton_error(status, message)
+    if err.status == 400 and call.guided_param and message.lstrip().startswith("guided"):
+        err.param = call.guided_param
+    return err
 
 
 def _entries(raw: Any) -> list[dict]:
@@ -276,7 +285,7 @@ class OpenAIFrontend:
         except ValueError:
             raise OpenAIError(502, f"the inference server answered {resp.status}: {text[:200]}") from None
         if resp.status != 200 or "error" in data:
-            raise triton_error(resp.status, str(data.get("error", text)))
+            raise _upstream_error(call, resp.status, str(data.get("error", text)))
         texts = _each(data.get("text_output"), 1, "")
         k = len(texts)
         finishes, counts = _each(data.get("finish_reason"), k, ""), _each(data.get("num_output_tokens"), k, 0)
@@ -290,6 +299,9 @@ class OpenAIFrontend:
             if entries is not None and call.logprobs is not None:
                 choice["logprobs"] = (chat_logprobs(entries) if chat
                                       else completion_logprobs(entries, len(call.echo))[0])
+            if chat and call.tools is not None:
+                choice["message"], choice["finish_reason"] = tool_message(call.tools, choice["text"],
+                                                                          choice["finish_reason"])
             choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         if call.best_of > call.n:
@@ -308,6 +320,7 @@ class OpenAIFrontend:
         n_out: dict[int, int] = {}
         offsets: dict[int, int] = {}  # completions' text_offset, per choice
         echo = {i: call.echo for i in range(call.n)} if call.echo else {}  # prepended to each choice's first chunk
+        tools = ToolStream(call.tools) if chat and call.tools is not None else None
         async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: request_id}) as resp:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").strip()
@@ -318,7 +331,7 @@ class OpenAIFrontend:
                 except ValueError:
                     continue
                 if "error" in event:
-                    err = triton_error(resp.status, str(event["error"]))
+                    err = _upstream_error(call, resp.status, str(event["error"]))
                     if out is None:
                         raise err
                     await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
@@ -342,13 +355,18 @@ class OpenAIFrontend:
                         logprobs = chat_logprobs(entries)
                     else:
                         logprobs, offsets[index] = completion_logprobs(entries, offsets.get(index, len(call.echo)))
-                if text or finish or logprobs:
+                if tools is not None:
+                    for delta, done in tools.feed(index, text, finish):
+                        chunk = chat_chunk(rid, call.model, created, delta, done, index, logprobs)
+                        logprobs = None
+                        await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                elif text or finish or logprobs:
                     chunk = (chat_chunk(rid, call.model, created, {"content": text} if text else {}, finish, index,
                                         logprobs) if chat
                              else completion_chunk(rid, call.model, created, text, finish, index, logprobs))
                     await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if out is None:
-                raise triton_error(resp.status, "the inference server closed the stream without an answer")
+                raise _upstream_error(call, resp.status, "the inference server closed the stream without an answer")
         if call.include_usage:
             tail = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                     "model": call.model, "choices": [], "usage": usage(n_in, sum(n_out.values()))}

@@ -18,7 +18,9 @@ log-probability (:func:`best_choices`); ``echo`` prepends the prompt (a text pro
 comes from the backend, ``exclude_input_in_output`` false, not streamed). Prompt log-probabilities are not
 available: the served graph computes logits only at each row's last position (``logits_positions``), so
 ``echo`` with ``logprobs`` is refused (400), never answered wrongly. ``max_completion_tokens`` is
-``max_tokens`` (it wins when both are given).
+``max_tokens`` (it wins when both are given). Structured outputs (``response_format``, vLLM's ``guided_*``:
+``openai_guided``) and chat's tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``: ``openai_tools``) go to
+the backend as ``sampling_parameters``' ``guided`` grammar; a tool call's answer is made by ``openai_tools``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from model_factory.serving.openai_errors import OpenAIError
+from model_factory.serving.openai_guided import guided_request
+from model_factory.serving.openai_tools import ToolPlan, tool_plan
+
 # OpenAI fields passed to the backend as they are (it checks their values and names the bad one).
 _PASSED = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos", "repetition_penalty")
 # Fields taken and left at their meaning-free defaults (anything else in them is refused, not ignored).
-_NEUTRAL = {"suffix": None, "user": None, "response_format": None, "tools": None, "tool_choice": None,
-            "parallel_tool_calls": None, "metadata": None, "store": None}
+_NEUTRAL = {"suffix": None, "user": None, "metadata": None, "store": None}
 _IGNORED = ("user", "metadata", "store")  # informational: taken whatever they hold
 MAX_N = 128  # OpenAI's bounds
 MAX_BEST_OF = 20
@@ -43,20 +48,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 _TYPES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": int, "top_k": int,
           "min_tokens": int, "ignore_eos": bool, "repetition_penalty": (int, float)}
-
-
-class OpenAIError(Exception):
-    """An OpenAI-style error: HTTP ``status``, a message naming the problem, the parameter if one."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: float | None = None,
-                 kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 503: "server_busy"}.get(
-            status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
 @dataclass(frozen=True)
@@ -73,6 +64,8 @@ class GenerateCall:
     best_of: int = 1
     logprobs: int | None = None
     echo: str = ""
+    tools: ToolPlan | None = None  # chat's tool calls (openai_tools): how the output is answered
+    guided_param: str | None = None  # the field that asked for a grammar: a 400 from compiling it names it
 
 
 def _whole(req: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
@@ -154,7 +147,7 @@ def _check_common(req: Mapping[str, Any], models: Mapping[str, Any]) -> tuple[st
         value = req.get(name)
         if name in _IGNORED:
             continue
-        if value is not None and value != neutral and not (name == "tool_choice" and value == "none"):
+        if value is not None and value != neutral:
             raise OpenAIError(400, f"{name}={value!r} is not supported by this server (use {neutral!r})", name)
     stop = req.get("stop")
     if stop is not None:
@@ -181,8 +174,11 @@ def _check_common(req: Mapping[str, Any], models: Mapping[str, Any]) -> tuple[st
     return model, body, stream, bool((options or {}).get("include_usage"))
 
 
-def _with_extras(body: dict[str, Any], req: Mapping[str, Any], generated: int, logprobs: int | None) -> None:
+def _with_extras(body: dict[str, Any], req: Mapping[str, Any], generated: int, logprobs: int | None,
+                 guided: dict[str, Any] | None = None) -> None:
     extra = _sampling_extras(req)
+    if guided is not None:
+        extra["guided"] = guided  # structured outputs: the grammar the backend compiles (openai_guided)
     if generated > 1:
         extra["n"] = generated
     if logprobs is not None:
@@ -194,6 +190,10 @@ def _with_extras(body: dict[str, Any], req: Mapping[str, Any], generated: int, l
 def completion_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> GenerateCall:
     """``/v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
     model, body, stream, usage = _check_common(req, models)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if req.get(name) is not None:
+            raise OpenAIError(400, f"{name} is a /v1/chat/completions parameter, not taken by completions", name)
+    guided, guided_param = guided_request(req)
     prompt = req.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -228,12 +228,15 @@ def completion_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> Gen
         else:
             body["exclude_input_in_output"] = False  # the backend prepends the prompt's text
     # best_of > n: the backend's sequences carry their log-probabilities (the choice is made by them).
-    _with_extras(body, req, best_of, logprobs if logprobs is not None or best_of == n else 0)
-    return GenerateCall(model, body, stream, usage, n=n, best_of=best_of, logprobs=logprobs, echo=echo_text)
+    _with_extras(body, req, best_of, logprobs if logprobs is not None or best_of == n else 0, guided)
+    return GenerateCall(model, body, stream, usage, n=n, best_of=best_of, logprobs=logprobs, echo=echo_text,
+                        guided_param=guided_param)
 
 
-def render_chat(template: str | None, messages: Any) -> str:
-    """The prompt of a chat: the model's chat template over ``messages``, with the assistant's turn opened."""
+def render_chat(template: str | None, messages: Any, tools: list | None = None) -> str:
+    """The prompt of a chat: the model's chat template over ``messages`` (and ``tools``, as Hugging Face templates
+    take them), with the assistant's turn opened. An assistant turn's ``tool_calls`` and a tool result's
+    ``tool_call_id`` and ``name`` are passed on to the template."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "messages must be a non-empty list", "messages")
     clean = []
@@ -246,9 +249,15 @@ def render_chat(template: str | None, messages: Any) -> str:
                        for p in content):
                 raise OpenAIError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        if content is None and (m.get("tool_calls") or m["role"] == "assistant"):
+            content = ""  # an assistant turn that called tools
         if not isinstance(content, str):
             raise OpenAIError(400, f"messages[{i}].content must be a string", "messages")
-        clean.append({"role": m["role"], "content": content})
+        entry = {"role": m["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                entry[key] = m[key]
+        clean.append(entry)
     if not template:
         raise OpenAIError(400, "this model has no chat template: use /v1/completions", "messages")
     from jinja2 import TemplateError
@@ -256,8 +265,9 @@ def render_chat(template: str | None, messages: Any) -> str:
 
     try:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        extra = {"tools": tools} if tools else {}
         return env.from_string(template).render(messages=clean, add_generation_prompt=True, bos_token="",
-                                                eos_token="")
+                                                eos_token="", **extra)
     except TemplateError as exc:
         raise OpenAIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
 
@@ -265,7 +275,15 @@ def render_chat(template: str | None, messages: Any) -> str:
 def chat_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> GenerateCall:
     """``/v1/chat/completions``: the messages rendered with the model's chat template."""
     model, body, stream, usage = _check_common(req, models)
-    body["text_input"] = render_chat(getattr(models[model], "chat_template", None), req.get("messages"))
+    plan = tool_plan(req)
+    guided, guided_param = guided_request(req)
+    if plan is not None and plan.guided() is not None:
+        if guided is not None:
+            raise OpenAIError(400, f"tool_choice={req.get('tool_choice')!r} and {guided_param} each ask for a format: "
+                              "give one", guided_param)
+        guided, guided_param = plan.guided(), "tools"
+    body["text_input"] = render_chat(getattr(models[model], "chat_template", None), req.get("messages"),
+                                     plan.template_tools() if plan is not None else None)
     for name, neutral in (("echo", False), ("best_of", 1)):  # completions' parameters
         if req.get(name) not in (None, neutral):
             raise OpenAIError(400, f"{name} is a /v1/completions parameter, not taken by chat", name)
@@ -277,8 +295,9 @@ def chat_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> GenerateC
     if top is not None and not asked:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (top or 0) if asked else None
-    _with_extras(body, req, n, logprobs)
-    return GenerateCall(model, body, stream, usage, n=n, best_of=n, logprobs=logprobs)
+    _with_extras(body, req, n, logprobs, guided)
+    return GenerateCall(model, body, stream, usage, n=n, best_of=n, logprobs=logprobs, tools=plan,
+                        guided_param=guided_param)
 
 
 # --------------------------------------------------------------------------- responses
@@ -353,7 +372,7 @@ def completion_response(model: str, choices: list[dict[str, Any]], n_in: int, n_
 def chat_response(model: str, choices: list[dict[str, Any]], n_in: int, n_out: int) -> dict[str, Any]:
     """``choices``: each ``index``, ``text``, ``finish_reason`` and ``logprobs`` (chat's shape or None)."""
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+            "choices": [{"index": c["index"], "message": c.get("message") or {"role": "assistant", "content": c["text"]},
                          "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices],
             "usage": usage(n_in, n_out)}
 
@@ -362,7 +381,7 @@ def openai_finish(reason: str | None) -> str | None:
     """The backend's finish reason as OpenAI's (stop, length; a cancelled one never reaches a client)."""
     if not reason:
         return None
-    return reason if reason in ("stop", "length") else "stop"
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
 def triton_error(status: int, message: str) -> OpenAIError:

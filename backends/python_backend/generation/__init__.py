@@ -4,7 +4,8 @@
 cancellation), ``kv_slots`` (the KV account over a storage) and ``kv_device`` (its buffers in device memory
 from the pool), ``causal_lm`` (one prefill/decode launch on ONNX Runtime), ``int8_attention`` (an INT8 KV
 cache's attention on the factory's own ONNX Runtime operator, ``kernels/``), ``sampling``, ``detokenize``
-(incremental text, stop strings), ``requests`` (the generate inputs read and checked), ``cancel_watch``
+(incremental text, stop strings), ``structured`` (structured outputs: a request's grammar, its
+token masks applied before sampling), ``requests`` (the generate inputs read and checked), ``cancel_watch``
 (``is_cancelled()`` asked off the engine loop), ``metrics`` (the generation families).
 
 Imports: ``engines``, ``batching`` (the cost model), ``memory``, ``operations`` (metrics).

@@ -4,13 +4,14 @@ The names are those of Triton's vLLM and TensorRT-LLM backends: ``text_input`` (
 ``stream``, ``max_tokens``, the sampling parameters, ``exclude_input_in_output``, and vLLM's
 ``sampling_parameters`` JSON object (an explicit input wins over the same name in it; ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, ``stop_token_ids``, ``logprobs`` and ``n`` are read from it only, as
-vLLM's backend reads them). Every bad value is a
+vLLM's backend reads them; so is ``guided``, the grammar the output follows: ``structured.grammar``). Every bad value is a
 :class:`~.sampling.SamplingError` naming it; no exception of another kind leaves :func:`read_generate_request`
 for what a client sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .sampling import JSON_NAMES, SamplingError, SamplingParams, parse_sampling
+from .structured.grammar import parse_guided
 
 _SCALARS = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
 
@@ -96,6 +98,9 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
         raise SamplingError("the request has neither text_input nor prompt_ids")
     params = parse_sampling(given, spec.defaults, prompt_tokens=len(prompt), max_context=max_context,
                             vocab_size=spec.vocab_size)
+    guided = parse_guided(given.get("guided"))
+    if guided is not None:
+        params = dataclasses.replace(params, guided=guided)
     stream = _flag_input(get("stream"), given.get("stream"), "stream")
     exclude = _flag_input(get("exclude_input_in_output"), given.get("exclude_input_in_output"),
                           "exclude_input_in_output")
@@ -124,7 +129,8 @@ def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
         inputs["stop"] = np.array([s.encode("utf-8") for s in p.stop], dtype=np.object_)
     extra = {name: value for name, value in (
         ("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty),
-        ("logit_bias", {str(t): b for t, b in p.logit_bias}), ("stop_token_ids", list(p.stop_token_ids))) if value}
+        ("logit_bias", {str(t): b for t, b in p.logit_bias}), ("stop_token_ids", list(p.stop_token_ids)),
+        ("guided", p.guided.as_json() if p.guided is not None else None)) if value}
     if extra:
         inputs["sampling_parameters"] = np.array([json.dumps(extra).encode("utf-8")], dtype=np.object_)
     return inputs

@@ -42,7 +42,7 @@ _SEED_LIMIT = 1 << 63
 # Names of the vLLM-style sampling_parameters JSON this backend reads (others are refused, not ignored).
 JSON_NAMES = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "repetition_penalty",
               "seed", "stop", "exclude_input_in_output", "presence_penalty", "frequency_penalty", "logit_bias",
-              "stop_token_ids", "logprobs", "n")
+              "stop_token_ids", "logprobs", "n", "guided")
 
 
 class SamplingError(ValueError):
@@ -68,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation stops at these tokens too (vLLM's), their text not output
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     n: int = 1  # sequences generated for the request (choices 0..n-1)
+    guided: Any = None  # a grammar the output follows (structured.grammar.GuidedSpec), None: free
 
     @property
     def greedy(self) -> bool:
@@ -318,9 +319,11 @@ class Sampler:
         self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
         self.last: TokenLogprobs | None = None  # the last chosen token's log-probabilities, when asked
 
-    def adjusted(self, logits: np.ndarray, generated: int) -> np.ndarray:
-        """The logits the choice is made from: repetition, presence and frequency penalties, logit_bias, and the
-        stopping tokens blocked before ``min_tokens`` (a copy; ``logits`` is left as it is)."""
+    def adjusted(self, logits: np.ndarray, generated: int, allowed: np.ndarray | None = None) -> np.ndarray:
+        """The logits the choice is made from: repetition, presence and frequency penalties, logit_bias, the
+        stopping tokens blocked before ``min_tokens``, and, with a grammar, every token outside ``allowed`` (its
+        mask: one boolean a token) blocked; where ``min_tokens`` would leave the grammar nothing (its end allows
+        only eos), the grammar wins (a copy; ``logits`` is left as it is)."""
         p = self.params
         x = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
         if self._seen:
@@ -336,15 +339,23 @@ class Sampler:
         if self._bias_ids.size:
             keep = self._bias_ids < x.size
             x[self._bias_ids[keep]] += self._bias[keep]
+        if allowed is not None:
+            keep = np.zeros(x.size, dtype=bool)
+            keep[:min(x.size, allowed.size)] = allowed[:x.size]
+            if generated < p.min_tokens and self.eos.size and keep[self.eos[self.eos < x.size]].sum() < keep.sum():
+                x[self.eos[self.eos < x.size]] = -np.inf
+            x[~keep] = -np.inf
+            return x
         if generated < p.min_tokens and self.eos.size:
             x[self.eos[self.eos < x.size]] = -np.inf
         return x
 
-    def choose(self, logits: np.ndarray, generated: int) -> int:
-        """The next token from one row of logits; ``generated``: tokens this sequence made before it. With
-        ``logprobs`` asked, :attr:`last` holds its log-probabilities (from ``logits`` as the model gave them)."""
+    def choose(self, logits: np.ndarray, generated: int, allowed: np.ndarray | None = None) -> int:
+        """The next token from one row of logits; ``generated``: tokens this sequence made before it; ``allowed``:
+        a grammar's mask (None: every token). With ``logprobs`` asked, :attr:`last` holds its log-probabilities
+        (from ``logits`` as the model gave them)."""
         p = self.params
-        x = self.adjusted(logits, generated)
+        x = self.adjusted(logits, generated, allowed)
         token = int(np.argmax(x)) if p.greedy else self._sample(x)
         if self._seen is not None:
             self._seen.add(token)

@@ -16,7 +16,11 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    they take the slots after the group's launched rows, the leader's keys and values are copied into them
    (``KVSlots.copy``), and each samples its first token from the leader's logits row with its own sampler. A
    sibling admitted apart from its leader (the budget split them) prefills its prompt itself;
-4. every sequence that was already running decodes one token, all in one launch, each at its own length.
+4. every sequence that was already running decodes one token, all in one launch, each at its own length. The
+   token masks of the rows with a grammar (``Generation.grammar``: structured outputs) are computed on a worker
+   thread while that launch runs when there are many, in place when few (``structured.grammar.StepMasks``), and
+   applied to their logits before sampling;
+   each matcher advances with its sequence's token, and a sequence whose grammar is complete ends (``stop``).
 
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
 :meth:`Scheduler.submit` raises :class:`QueueFull` (the frontends answer 503 with Retry-After), so the
@@ -43,6 +47,7 @@ from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
 from .sampling import Sampler, SamplingError, SamplingParams, TokenLogprobs
+from .structured.grammar import StepMasks
 
 JITTER_WINDOW = 10  # token intervals per jitter sample (000 §4.1)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -91,6 +96,8 @@ class Generation:
     index: int = 0  # the choice this sequence is, of a request with n choices
     leader: "Generation | None" = None  # choice 0 of the same request, whose prefill this one may share
     prefill_from: "Generation | None" = None  # set at admission when it shares its leader's prefill
+    grammar: Any = None  # a compiled grammar (structured outputs): the sequence's matcher is made from it at submit
+    matcher: Any = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -145,6 +152,7 @@ class Scheduler:
         self._arrivals: list[Generation] = []
         self._lock = threading.Lock()
         self.wake = threading.Event()  # set when work arrives (the engine loop sleeps on it when idle)
+        self.masks = StepMasks()  # grammar rows' token masks, computed beside the batched step
 
     # ------------------------------------------------------------------ from execute()
 
@@ -179,6 +187,7 @@ class Scheduler:
                 gen.sampler = Sampler(gen.params, self.eos, gen.prompt)
                 gen.detok = IncrementalDetokenizer(self.tokenizer, gen.prompt) if self.tokenizer is not None else None
                 gen.stopper = StopMatcher(gen.params.stop)
+                gen.matcher = gen.grammar.matcher() if gen.grammar is not None else None
                 self._arrivals.append(gen)
         self.wake.set()
         return list(gens)
@@ -204,6 +213,7 @@ class Scheduler:
                 self._prefill(admitted)
         except Exception as exc:  # noqa: BLE001 - an engine failure ends the sequences it ran, not the server
             self.log_error(f"model-factory backend: a generation step failed: {type(exc).__name__}: {exc}")
+            self.masks.clear()
             for gen in list(self.running):
                 self._finish(gen, FINISH_ERROR, error=f"the engine failed: {exc}")
         self._release_finished()
@@ -332,6 +342,7 @@ class Scheduler:
 
     def _decode(self, count: int) -> None:
         active = self.running[:count]
+        self.masks.start(active)  # the grammar rows' masks, on a worker thread while the launch runs
         logits = self.model.decode([g.generated[-1] for g in active], [g.cached for g in active],
                                    self.slots.views(0, count))
         for gen, row in zip(active, logits):
@@ -343,9 +354,14 @@ class Scheduler:
     def _accept(self, gen: Generation, logits: np.ndarray) -> None:
         if gen.finish_reason is not None:
             return
-        token = gen.sampler.choose(logits, len(gen.generated))
+        allowed = self.masks.allowed(gen)
+        if allowed is not None and not allowed.any():
+            self._finish(gen, FINISH_ERROR, error="the grammar allows no next token: " + gen.matcher.error())
+            return
+        token = gen.sampler.choose(logits, len(gen.generated), allowed)
         logprobs = gen.sampler.last
         gen.generated.append(token)
+        grammar_done = gen.matcher is not None and (not gen.matcher.accept(token) or gen.matcher.finished())
         now = self.clock()
         if gen.last_token_time is None:
             self.metrics.first_token(now - gen.arrival)
@@ -365,7 +381,7 @@ class Scheduler:
         reason = None
         if token in self.eos and not p.ignore_eos or stop_token:
             reason = FINISH_STOP
-        elif gen.stopper.stopped:
+        elif gen.stopper.stopped or grammar_done:  # a complete grammar ends the sequence as its eos would
             reason = FINISH_STOP
         elif len(gen.generated) >= p.max_tokens:
             reason = FINISH_LENGTH
