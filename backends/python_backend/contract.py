@@ -280,6 +280,9 @@ class ModelParameters:
     max_tokens_grouping_ms: int = _param("int", 0, minimum=0)
     # A CPU instance serving an INT8 KV cache: whose attention kernel reads it (INT8_ATTENTION).
     int8_attention: str = _param("choice", "auto", choices=INT8_ATTENTION)
+    # Prefix caching (generation/prefix_cache.py): auto (on where reuse is exact: not a batch-dependent precision),
+    # on, off.
+    prefix_caching: str = _param("choice", "auto", choices=("auto", "on", "off"))
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other
