@@ -241,3 +241,24 @@ def test_every_family_gives_the_same_tokens_with_a_hit(variant, tmp_path_factory
         assert spec.sliding_window == changes["sliding_window"]
     model = CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
     _check_hits_equal_misses(model, spec)
+
+
+@pytest.mark.slow
+def test_an_int8_cache_on_the_factorys_kernel_gives_the_same_tokens_with_a_hit(tiny_llm):
+    """INT4 weights (batch-independent) and the INT8 KV cache, its attention on the factory's kernel: the continued
+    prompt reads the cached INT8 keys as a whole prefill would."""
+    import os
+    import shutil
+
+    from model_factory.backend.contract import Files, onnx_file
+    from model_factory.backend.generation import int8_attention as ia
+    from tests.generative_repository import _built
+
+    if not (os.environ.get("CXX") or shutil.which("g++")) or "avx2" not in ia._cpu_flags().split():
+        pytest.skip("no C++ compiler or no AVX2: the kernel is not used here")
+    hf, _ = tiny_llm
+    vdir = _built(hf, "int4", 'kv_cache = "int8"')
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int4")
+    assert spec.kv_dtype == "int8"
+    model = CausalLM(vdir / onnx_file("int4"), threads=1, int8_attention="kernel")
+    _check_hits_equal_misses(model, spec)

@@ -26,7 +26,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                              ITL_BUCKETS),
 }
 COUNTERS: dict[str, str] = {
-    "prompt_tokens_total": "Prompt tokens prefilled (a preempted sequence's recomputation not counted).",
+    "prompt_tokens_total": "Prompt tokens of the sequences prefilled (those found in the prefix cache included; a "
+                           "preempted sequence's recomputation not counted).",
     "generation_tokens_total": "Tokens generated.",
     "generate_requests_total": "Generate requests finished, by finish_reason (stop, length, cancelled, error).",
     "generate_refused_total": "Generate requests refused because the waiting queue was full (503).",

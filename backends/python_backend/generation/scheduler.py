@@ -280,7 +280,6 @@ class Scheduler:
                 pending += need
         if not chosen:
             return hits
-
         lengths = [len(g.context()) for g in chosen]
         groups = plan_groups(lengths, self.cost, max_batch=len(chosen),
                              max_tokens=max(self.max_prefill_tokens, max(lengths)))
