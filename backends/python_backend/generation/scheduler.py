@@ -470,6 +470,10 @@ class Scheduler:
             if keep and gen.finish_reason != FINISH_ERROR:
                 entry = cache.keep(gen)
             cache.stopped(gen)
+            if entry is not None and slot != self.slots.active - 1 and self.slots.free < 1:
+                oldest = cache.least_recent()  # every slot taken: the newest prefix replaces the oldest
+                if oldest is not None:
+                    self._drop_kept(oldest)
         moved = self.slots.release(slot, keep=entry)
         if entry is not None and entry.slot is not None:
             for extended in cache.kept(entry):
