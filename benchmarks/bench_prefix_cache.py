@@ -9,10 +9,10 @@ alone). The first request (the document and its first question) is sent alone an
 others (the same document, each its own question of 16-40 tokens) arrive one every ``GAP`` seconds from another
 thread, as clients would. Each generates ``TOKENS`` greedy tokens. Per setting: the first request's time to first
 token, the later requests' TTFT p50 / p99 and their p50 over the first's, the tokens found in the cache, and whether
-every request's tokens equal the same request's with the cache off. Two precisions: FP32 (exact: the default
-``prefix_caching = "auto"`` caches it) and INT8 dynamic with the INT8 cache (the precision bench_generate serves
-best; its outputs depend on the batch, so ``auto`` leaves the cache off there: run here with it on, to see what it
-would give). The section between ``<!-- prefix-cache:start -->`` and ``<!-- prefix-cache:end -->`` is replaced.
+every request's tokens equal the same request's with the cache off. FP32 (exact: the default ``prefix_caching =
+"auto"`` caches it), the graph of onnxruntime-genai's builder; with ``--int8`` also the factory's INT8 dynamic with
+the INT8 cache (the precision bench_generate serves best; its outputs depend on the batch, so ``auto`` leaves the
+cache off there: run with it on, to see what it would give). The section between ``<!-- prefix-cache:start -->`` and ``<!-- prefix-cache:end -->`` is replaced.
 """
 
 from __future__ import annotations
@@ -83,24 +83,31 @@ def one_run(lm, spec, cached: bool, seed: int) -> dict:
             "tokens": [g.generated for g in [lead, *later]]}
 
 
-def build_engines(work: Path | None) -> dict[str, tuple]:
-    """The factory's build of the 110M Llama at INT8 dynamic with the INT8 cache (as ``harness.scheduler_run``), and
-    the FP32 graph of the same version folder: ``{name: (spec, CausalLM)}``, 2 threads each."""
+def build_engines(work: Path | None, int8: bool) -> dict[str, tuple]:
+    """``{name: (spec, CausalLM)}``, 2 threads each: the 110M Llama's FP32 graph from onnxruntime-genai's builder
+    (the graph the factory exports, without the build's gates: minutes less on a shared machine), and with ``int8``
+    the factory's build at INT8 dynamic with the INT8 cache (``harness.scheduler_run``)."""
     import tempfile
 
     from model_factory.backend.contract import Files, GenerationSpec, onnx_file
     from model_factory.backend.generation.causal_lm import CausalLM
-    from tests.generative_repository import layout_generative_model
+    from tests.generative_repository import build_onnx, layout_generative_model
 
     hf = llama_folder(work, "bench-prefix-cache-")
-    repo = Path(tempfile.mkdtemp(prefix="bench-prefix-cache-repo-"))
-    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
-                                   quantization='int8_method = "dynamic"\nkv_cache = "int8"')
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
-    out = {}
-    for name, precision in (("FP32", "fp32"), ("INT8 dynamic + INT8 cache", "int8")):
-        run = spec.for_precision(precision)
-        out[name] = (run, CausalLM(vdir / onnx_file(precision), threads=2, pad_token_id=run.pad_token_id or 0))
+    onnx_dir = build_onnx(hf, hf.parent / "onnx-fp32", "fp32")
+    cfg = __import__("json").loads((hf / "config.json").read_text())
+    spec = GenerationSpec(family="llama", num_layers=cfg["num_hidden_layers"], num_attention_heads=cfg[
+        "num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["hidden_size"] // cfg[
+        "num_attention_heads"], hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+        max_context=cfg["max_position_embeddings"], eos_token_ids=(int(cfg["eos_token_id"]),))
+    out = {"FP32": (spec, CausalLM(onnx_dir / "model.onnx", threads=2, pad_token_id=0))}
+    if int8:
+        repo = Path(tempfile.mkdtemp(prefix="bench-prefix-cache-repo-"))
+        vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
+                                       quantization='int8_method = "dynamic"\nkv_cache = "int8"')
+        run = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
+        out["INT8 dynamic + INT8 cache"] = (run, CausalLM(vdir / onnx_file("int8"), threads=2,
+                                                           pad_token_id=run.pad_token_id or 0))
     return out
 
 
@@ -119,8 +126,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="also the factory's INT8 dynamic + INT8 cache build (slow)")
     args = ap.parse_args()
-    engines = build_engines(args.work)
+    engines = build_engines(args.work, args.int8)
     say("warm-up")
     for spec, lm in engines.values():
         one_warm(lm, spec)
@@ -156,8 +164,10 @@ def main() -> int:
         f"each: the first request alone, to its end; then the {QUESTIONS - 1} others, one every {GAP} s. TTFT from "
         "each request's submission. The cache keeps a finished request's slot; a later request copies the document's "
         "keys and values (64 blocks of 16 tokens) from a kept or running slot and prefills its question alone. "
-        f"{args.rounds} round(s){', medians and ranges' if args.rounds > 1 else ''}. INT8 dynamic's outputs depend "
-        "on the batch (`prefix_caching = \"auto\"` leaves the cache off for it; on here to measure).", "",
+        f"{args.rounds} round(s){', medians and ranges' if args.rounds > 1 else ''}; the settings one after the "
+        "other on a machine shared with other work. FP32: the graph of onnxruntime-genai's builder (the factory's "
+        "export without its gates)." + (" INT8 dynamic's outputs depend on the batch (`prefix_caching = \"auto\"` "
+                                        "leaves the cache off for it; on here to measure)." if args.int8 else ""), "",
         "| per run | " + " | ".join(f"{n}, cache {s}" for n, s in columns) + " |",
         "| --- | " + " | ".join("---:" for _ in columns) + " |", *rows, "", END])
     publish(section, HERE / "RESULTS.md", START, END, args.write)

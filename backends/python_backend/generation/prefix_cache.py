@@ -36,10 +36,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..contract import PREFIX_CACHING
 from .kv_slots import KeptKV
 
 BLOCK_TOKENS = 16
-PREFIX_CACHING = ("auto", "on", "off")
+__all__ = ["BLOCK_TOKENS", "PREFIX_CACHING", "CachedPrefix", "Hit", "PrefixCache", "chain", "enabled", "identity"]
 
 
 def identity(**fields: Any) -> bytes:
@@ -68,7 +69,7 @@ def chain(tokens: Sequence[int], seed: bytes, block: int = BLOCK_TOKENS, blocks:
 
 @dataclass(eq=False)
 class CachedPrefix(KeptKV):
-    """A kept slot's prefix: its token ids, their block hashes, and when it was last used."""
+    """A kept slot's prefix: its token ids and their block hashes (the table's order says which was used last)."""
 
     ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
