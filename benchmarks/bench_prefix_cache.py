@@ -6,8 +6,9 @@ The 110M Llama of bench_generate (SmolLM-135M's shape, random weights; made here
 the factory (``harness.scheduler_run``), runs on the backend's own scheduler in-process (``Scheduler`` over
 ``CausalLM`` and ``KVSlots``, 2 threads; no Triton, no HTTP: what differs between the settings is the prefix cache
 alone). The first request (the document and its first question) is sent alone and runs to its end; then the 31
-others (the same document, each its own question of 16-40 tokens) arrive one every ``GAP`` seconds from another
-thread, as clients would. Each generates ``TOKENS`` greedy tokens. Per setting: the first request's time to first
+others (the same document, each its own question of 16-40 tokens) come in two patterns: one client, each request
+sent when the one before it has ended (the time to first token of a request alone), and arriving one every ``GAP``
+seconds from another thread whatever the server's state (its queueing included). Each generates ``TOKENS`` greedy tokens. Per setting: the first request's time to first
 token, the later requests' TTFT p50 / p99 and their p50 over the first's, the tokens found in the cache, and whether
 every request's tokens equal the same request's with the cache off. FP32 (exact: the default ``prefix_caching =
 "auto"`` caches it), the graph of onnxruntime-genai's builder; with ``--int8`` also the factory's INT8 dynamic with
@@ -43,7 +44,7 @@ def workload(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
     return document, [rng.integers(10, vocab - 10, int(rng.integers(16, 41))).tolist() for _ in range(QUESTIONS)]
 
 
-def one_run(lm, spec, cached: bool, seed: int) -> dict:
+def one_run(lm, spec, cached: bool, seed: int, gap: float) -> dict:
     """The workload on a fresh scheduler: timings, hits and each request's tokens."""
     from model_factory.backend.batching.grouping import CostModel
     from model_factory.backend.generation.kv_slots import KVSlots
@@ -68,12 +69,18 @@ def one_run(lm, spec, cached: bool, seed: int) -> dict:
         sched.step()
     later: list = []
 
-    def arrivals() -> None:
-        for q in questions[1:]:
-            time.sleep(GAP)
-            later.append(sched.submit(Generation(document + q, params, emit)))
+    if gap > 0:
+        def arrivals() -> None:
+            for q in questions[1:]:
+                time.sleep(gap)
+                later.append(sched.submit(Generation(document + q, params, emit)))
 
-    step_while_arriving(sched, arrivals)
+        step_while_arriving(sched, arrivals)
+    else:  # one client: each request when the one before it has ended
+        for q in questions[1:]:
+            later.append(sched.submit(Generation(document + q, params, emit)))
+            while sched.has_work():
+                sched.step()
     wall = time.perf_counter() - start
     ttft = [first[g.id] - g.arrival for g in later]
     lead_ttft = first[lead.id] - lead.arrival
@@ -134,24 +141,27 @@ def main() -> int:
         one_warm(lm, spec)
     load = LoadReading.begin()
     runs: dict[tuple[str, str], list[dict]] = {}
+    patterns = {"one client": 0.0, f"one every {GAP} s": GAP}
     for r in range(args.rounds):
         for name, (spec, lm) in engines.items():
-            for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                got = one_run(lm, spec, setting == "on", seed=r)
-                runs.setdefault((name, setting), []).append(got)
-                say(f"round {r + 1} {name} cache {setting}: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in got.items() if k != "tokens"))
+            for pattern, gap in patterns.items():
+                for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    got = one_run(lm, spec, setting == "on", seed=r, gap=gap)
+                    runs.setdefault((f"{name}, {pattern}", setting), []).append(got)
+                    say(f"round {r + 1} {name} {pattern} cache {setting}: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in got.items() if k != "tokens"))
     load = load.finish()
+    names = list(dict.fromkeys(name for name, _ in runs))
     same = {name: all(on["tokens"] == off["tokens"] for on, off in zip(runs[(name, "on")], runs[(name, "off")]))
-            for name in engines}
+            for name in names}
 
     def cell(values: list[float], digits: int) -> str:
         if len(values) == 1:
             return f"{values[0]:.{digits}f}"
         return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
-    keys = [k for k in runs[("FP32", "off")][0] if k != "tokens"]
-    columns = [(name, setting) for name in engines for setting in ("off", "on")]
+    keys = [k for k in next(iter(runs.values()))[0] if k != "tokens"]
+    columns = [(name, setting) for name in names for setting in ("off", "on")]
     rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[c]], 0 if k.startswith("tokens") else 3)
                                       for c in columns) + " |" for k in keys]
     rows.append("| every request's tokens = cache off's | " + " | ".join(
@@ -161,7 +171,8 @@ def main() -> int:
         run_header("benchmarks/bench_prefix_cache.py", load), "",
         "The 110M Llama of bench_generate (random weights) on the backend's scheduler in-process (no Triton, no HTTP; "
         f"2 threads). A {DOCUMENT}-token document and {QUESTIONS} questions of 16-40 tokens, {TOKENS} greedy tokens "
-        f"each: the first request alone, to its end; then the {QUESTIONS - 1} others, one every {GAP} s. TTFT from "
+        f"each: the first request alone, to its end; then the {QUESTIONS - 1} others, from one client (each sent when "
+        f"the one before it has ended) or arriving one every {GAP} s (queueing included). TTFT from "
         "each request's submission. The cache keeps a finished request's slot; a later request copies the document's "
         "keys and values (64 blocks of 16 tokens) from a kept or running slot and prefills its question alone. "
         f"{args.rounds} round(s){', medians and ranges' if args.rounds > 1 else ''}; the settings one after the "
