@@ -37,6 +37,7 @@ INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 # Attention over an INT8 KV cache on the CPU (int8_attention.py): auto (the factory's kernel, compiled on the host,
 # where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
+PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
 LONG_INPUTS = ("refuse", "truncate", "chunk")
@@ -280,6 +281,9 @@ class ModelParameters:
     max_tokens_grouping_ms: int = _param("int", 0, minimum=0)
     # A CPU instance serving an INT8 KV cache: whose attention kernel reads it (INT8_ATTENTION).
     int8_attention: str = _param("choice", "auto", choices=INT8_ATTENTION)
+    # Prefix caching (generation/prefix_cache.py): auto (on where reuse is exact: not a batch-dependent precision),
+    # on, off.
+    prefix_caching: str = _param("choice", "auto", choices=PREFIX_CACHING)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other

@@ -145,13 +145,15 @@ class GenerativeModel:
         self.sandbox = wall_in_stub(version_dir, writable=(str(shadow_dir),) if shadow_dir else (),
                                     readable_files=(digests_file,) if digests_file else ())
         self.metrics = _make_metrics(pb_utils, s.model_name, {"instance": str(args.get("model_instance_name", ""))})
+        self.prefix_cache = _prefix_cache(s, spec, version_dir, self.model)
         self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
                                    max_waiting=s.max_waiting_sequences, cost=cost,
                                    max_prefill_tokens=s.max_prefill_tokens,
                                    preemption_wait_s=s.preemption_wait_ms / 1000.0,
                                    max_tokens_grouping_s=s.max_tokens_grouping_ms / 1000.0, metrics=self.metrics,
                                    log_error=pb_utils.Logger.log_error,
-                                   cancel_check_s=0.0)  # reads the watcher's flags: no round trip
+                                   cancel_check_s=0.0,  # reads the watcher's flags: no round trip
+                                   prefix_cache=self.prefix_cache)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
@@ -170,7 +172,7 @@ class GenerativeModel:
             + f", {self.slots.slots} KV slots of {self.slots.max_context} "
             f"tokens, KV budget {usage.budget_bytes // _MIB} MiB, waiting bound {s.max_waiting_sequences}, "
             f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
-            f"{self.placement_note}"
+            f"{self.placement_note}, prefix caching {'on' if self.prefix_cache is not None else 'off'}"
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
@@ -445,6 +447,19 @@ def _measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> C
 
 
 _COST_FLAVOUR = "onnxruntime-causal-lm-prefill"
+
+
+def _prefix_cache(s: Settings, spec: GenerationSpec, version_dir: Path, model: Any) -> Any:
+    """The instance's prefix cache (``prefix_caching``: ``auto`` where reuse is exact), its hashes seeded with what
+    changes the keys and values: the graph's digest, the version, precision, KV element type and attention kernel."""
+    from .generation.prefix_cache import PrefixCache, enabled, identity
+
+    if not enabled(s.prefix_caching, s.precision, spec.batch_dependent):
+        return None
+    digests = verified_digests(version_dir.parent.name, version_dir.name) or {}
+    return PrefixCache(identity(graph=digests.get(f"{version_dir.name}/{s.onnx_file}", s.onnx_file),
+                                version=version_dir.name, precision=s.precision, kv_dtype=spec.kv_dtype,
+                                attention=getattr(model, "attention", ""), device=getattr(model, "device", "")))
 
 
 def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str = "cpu",

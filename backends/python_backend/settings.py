@@ -86,6 +86,7 @@ class Settings:
     preemption_wait_ms: int = 0
     max_tokens_grouping_ms: int = 0
     int8_attention: str = "auto"
+    prefix_caching: str = "auto"
     max_prefill_tokens: int = 2048
     device_reserve_mib: int = 1024
     # Degrade before shedding (degrade.py): the cheaper precision a backlogged window runs on (None: never) and
@@ -174,6 +175,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         preemption_wait_ms=p.preemption_wait_ms,
         max_tokens_grouping_ms=p.max_tokens_grouping_ms,
         int8_attention=p.int8_attention,
+        prefix_caching=p.prefix_caching,
         max_prefill_tokens=p.max_prefill_tokens,
         device_reserve_mib=p.device_reserve_mib,
         degrade_to=p.degrade_to or None,

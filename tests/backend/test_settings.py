@@ -122,3 +122,10 @@ def test_max_tokens_grouping_parameter() -> None:
     assert _settings(max_tokens_grouping_ms="250").max_tokens_grouping_ms == 250
     with pytest.raises(SettingsError, match="max_tokens_grouping_ms"):
         _settings(max_tokens_grouping_ms="-1")
+
+
+def test_prefix_caching_parameter() -> None:
+    assert _settings().prefix_caching == "auto"  # on where reuse is exact
+    assert _settings(prefix_caching="off").prefix_caching == "off"
+    with pytest.raises(SettingsError, match="prefix_caching"):
+        _settings(prefix_caching="yes")

@@ -1,7 +1,8 @@
 """Text generation: continuous batching over a KV cache, tokens streamed.
 
 ``scheduler`` (admission by KV memory, prefill grouped by the cost model, one batched decode step, preemption,
-cancellation), ``kv_slots`` (the KV account over a storage) and ``kv_device`` (its buffers in device memory
+cancellation), ``prefix_cache`` (prefix caching: block hashes of what running and kept slots hold), ``kv_slots``
+(the KV account over a storage, kept prefixes included) and ``kv_device`` (its buffers in device memory
 from the pool), ``causal_lm`` (one prefill/decode launch on ONNX Runtime), ``int8_attention`` (an INT8 KV
 cache's attention on the factory's own ONNX Runtime operator, ``kernels/``), ``sampling``, ``detokenize``
 (incremental text, stop strings), ``structured`` (structured outputs: a request's grammar, its

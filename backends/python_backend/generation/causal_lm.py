@@ -223,9 +223,18 @@ class CausalLM:
             self._bindings.popitem(last=False)
         return io
 
-    def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, Any]) -> np.ndarray:
+    def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, Any],
+                past: Sequence[int] | None = None) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
-        returns each row's last real position's logits ``[n, vocab]``."""
+        returns each row's last real position's logits ``[n, vocab]``. ``past``: the tokens already in each row's
+        slot (a cached prefix): the prompt continues from there, its positions after them. ONNX Runtime's attention
+        takes a continued prompt one row at a time."""
+        if past is not None and any(past):
+            if len(prompts) != 1:
+                raise ValueError(f"a continued prompt runs alone, not in a launch of {len(prompts)}")
+            row = np.asarray([list(prompts[0])], dtype=np.int64)
+            mask = np.ones((1, int(past[0]) + row.shape[1]), dtype=np.int64)
+            return self._run(row, mask, views, np.asarray([[row.shape[1] - 1]], dtype=np.int64))[:, 0]
         n = len(prompts)
         longest = max(len(p) for p in prompts)
         ids = np.full((n, longest), self.pad, dtype=np.int64)

@@ -13,6 +13,10 @@ are zero pages until written (``numpy.zeros`` maps them lazily): memory is commi
 and a freed slot's pages are given back to the system (``madvise(MADV_DONTNEED)``) so what is resident stays
 within the reservations. A token's bytes are counted in whole pages per head row, as they are committed.
 
+A finished sequence's slot may be kept instead of freed (:class:`KeptKV`, prefix caching: ``prefix_cache``): its first
+tokens' keys and values stay valid, in a slot outside the active prefix that no sequence holds, counted in the budget
+(``KVUsage.cached_bytes``) until the scheduler drops it (least recently used first) for the memory or the slot.
+
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
 ``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool): :class:`KVSlots` keeps the account (slots,
 reservations, the budget) and asks its storage for views, moves and the return of freed memory.
@@ -48,6 +52,9 @@ class KVUsage:
     reserved_tokens: int
     reserved_bytes: int
     budget_bytes: int
+    cached_slots: int = 0  # slots kept for their prefix (no sequence holds them)
+    cached_tokens: int = 0
+    cached_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -63,6 +70,16 @@ def _libc_madvise() -> Any:
         return fn
     except (OSError, AttributeError):  # not Linux: freed slots keep their pages until reused
         return None
+
+
+@dataclass(eq=False)
+class KeptKV:
+    """A finished sequence's keys and values kept in a slot no sequence holds: its first ``tokens`` tokens are valid.
+    ``slot`` is where they are now (the account moves them when the active prefix needs that slot), None once
+    dropped."""
+
+    tokens: int
+    slot: int | None = None
 
 
 class HostKVBuffers:
@@ -135,6 +152,7 @@ class KVSlots:
         self.buffers = storage.buffers  # name -> numpy array (host) or device pointer
         self._granule = int(storage.granule_bytes)
         self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
+        self._kept: dict[int, KeptKV] = {}  # slot -> the prefix kept there (outside the active prefix)
         if self.bytes_for(1) > self.budget_bytes:
             raise AdmissionError(f"the KV budget of {self.budget_bytes} bytes cannot hold one token "
                                  f"({self.bytes_for(1)} bytes): raise kv_budget_mib")
@@ -153,48 +171,105 @@ class KVSlots:
         return len(self._reserved)
 
     def usage(self) -> KVUsage:
+        kept = [k.tokens for k in self._kept.values()]
         return KVUsage(self.active, self.slots, sum(self._reserved),
-                       sum(self.bytes_for(t) for t in self._reserved), self.budget_bytes)
+                       sum(self.bytes_for(t) for t in self._reserved), self.budget_bytes,
+                       len(kept), sum(kept), sum(self.bytes_for(t) for t in kept))
+
+    @property
+    def kept(self) -> list[KeptKV]:
+        """The prefixes kept in slots no sequence holds."""
+        return list(self._kept.values())
+
+    @property
+    def free(self) -> int:
+        """Slots neither active nor kept."""
+        return self.slots - self.active - len(self._kept)
 
     def fits_ever(self, tokens: int) -> bool:
         """Whether a sequence of ``tokens`` could be admitted into an empty cache."""
         return tokens <= self.max_context and self.bytes_for(tokens) <= self.budget_bytes
 
     def can_admit(self, tokens: int) -> bool:
-        """Whether a sequence reserving ``tokens`` fits now: a free slot and the budget."""
-        if self.active >= self.slots or tokens > self.max_context:
+        """Whether a sequence reserving ``tokens`` fits now: a free slot and the budget (kept prefixes included:
+        drop them first to make room)."""
+        if self.free < 1 or tokens > self.max_context:
             return False
-        return self.usage().reserved_bytes + self.bytes_for(tokens) <= self.budget_bytes
+        usage = self.usage()
+        return usage.reserved_bytes + usage.cached_bytes + self.bytes_for(tokens) <= self.budget_bytes
 
     # ------------------------------------------------------------------ slots
 
-    def admit(self, tokens: int) -> int:
-        """Reserve the next slot (the end of the active prefix) for ``tokens``; returns its index."""
+    def admit(self, tokens: int, take: KeptKV | None = None) -> int:
+        """Reserve the next slot (the end of the active prefix) for ``tokens``; returns its index. A prefix kept in
+        that slot moves to a free one, unless it is ``take``: then the new sequence takes it over in place (its
+        keys and values are the sequence's first tokens; the prefix is no longer kept)."""
+        slot = self.active
+        taken = take is not None and take.slot == slot and self._kept.get(slot) is take
+        if taken:
+            del self._kept[slot]
+            take.slot = None
         if not self.can_admit(tokens):
+            if taken:
+                self._kept[slot], take.slot = take, slot
             raise AdmissionError(f"no room for {tokens} tokens ({self.usage()})")
+        there = self._kept.pop(slot, None)
+        if there is not None:  # a kept prefix in the way: to the highest free slot
+            dst = self._highest_free(exclude=slot)
+            self.storage.move(dst, slot, there.tokens)
+            there.slot = dst
+            self._kept[dst] = there
         self._reserved.append(int(tokens))
-        return len(self._reserved) - 1
+        return slot
 
-    def release(self, slot: int) -> int | None:
+    def _highest_free(self, exclude: int | None = None) -> int:
+        for slot in range(self.slots - 1, self.active - 1, -1):
+            if slot not in self._kept and slot != exclude:
+                return slot
+        raise AdmissionError(f"no free slot ({self.usage()})")
+
+    def release(self, slot: int, keep: KeptKV | None = None) -> int | None:
         """Free ``slot``. The last active slot's rows move into it to keep the prefix contiguous: returns the
-        index it moved from (its sequence now lives at ``slot``), or None when nothing moved."""
+        index it moved from (its sequence now lives at ``slot``), or None when nothing moved. With ``keep``, the
+        slot's first ``keep.tokens`` tokens are kept (``keep.slot`` says where; None when no slot was free)."""
         last = self.active - 1
         if not 0 <= slot <= last:
             raise IndexError(f"slot {slot} is not active (active: {self.active})")
+        kept_at = None
+        if keep is not None and keep.tokens > 0:
+            if slot == last:
+                kept_at = slot  # in place: it is outside the active prefix once released
+            elif self.free > 0:
+                kept_at = self._highest_free()
+                self.storage.move(kept_at, slot, keep.tokens)
         moved = None
         if slot != last:
             self.storage.move(slot, last, self._reserved[last])
             self._reserved[slot] = self._reserved[last]
             moved = last
         self._reserved.pop()
-        self.storage.give_back(last)
+        if kept_at is not None:
+            keep.slot = kept_at
+            self._kept[kept_at] = keep
+        if kept_at != last:
+            self.storage.give_back(last)
         return moved
 
+    def drop(self, kept: KeptKV) -> None:
+        """Forget a kept prefix: its slot is free, its pages given back."""
+        slot = kept.slot
+        if slot is None or self._kept.get(slot) is not kept:
+            return
+        del self._kept[slot]
+        kept.slot = None
+        self.storage.give_back(slot)
+
     def copy(self, dst: int, src: int, length: int) -> None:
-        """Slot ``src``'s first ``length`` tokens into slot ``dst`` (both active): a prompt prefilled once, shared
-        by the sibling sequences of a request with ``n`` choices."""
-        if not (0 <= dst < self.active and 0 <= src < self.active) or dst == src:
-            raise IndexError(f"copy {src} -> {dst}: both must be distinct active slots (active: {self.active})")
+        """Slot ``src``'s first ``length`` tokens into slot ``dst`` (``dst`` active, ``src`` active or kept): a
+        prompt prefilled once, shared by the sibling sequences of a request with ``n`` choices, or a cached prefix."""
+        if not (0 <= dst < self.active and (0 <= src < self.active or src in self._kept)) or dst == src:
+            raise IndexError(f"copy {src} -> {dst}: both must be distinct active (or kept) slots "
+                             f"(active: {self.active})")
         self.storage.move(dst, src, int(length))
 
     def views(self, start: int, count: int) -> dict[str, Any]:
@@ -206,6 +281,8 @@ class KVSlots:
         """Free every slot (warm-up runs write into the buffers before any sequence is admitted)."""
         while self._reserved:
             self.release(self.active - 1)
+        for kept in list(self._kept.values()):
+            self.drop(kept)
         for slot in range(self.slots):
             self.storage.give_back(slot)
 

@@ -26,11 +26,15 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                              ITL_BUCKETS),
 }
 COUNTERS: dict[str, str] = {
-    "prompt_tokens_total": "Prompt tokens prefilled (a preempted sequence's recomputation not counted).",
+    "prompt_tokens_total": "Prompt tokens of the sequences prefilled (those found in the prefix cache included; a "
+                           "preempted sequence's recomputation not counted).",
     "generation_tokens_total": "Tokens generated.",
     "generate_requests_total": "Generate requests finished, by finish_reason (stop, length, cancelled, error).",
     "generate_refused_total": "Generate requests refused because the waiting queue was full (503).",
     "preemptions_total": "Running sequences preempted for a request that waited past preemption_wait_ms.",
+    "prefix_cache_queried_tokens_total": "Context tokens of admitted sequences looked up in the prefix cache.",
+    "prefix_cache_hit_tokens_total": "Of those, tokens found cached (not prefilled again): hits / queried is the "
+                                     "hit rate.",
 }
 GAUGES: dict[str, str] = {
     "running_sequences": "Sequences holding a KV slot and decoding.",
@@ -38,6 +42,8 @@ GAUGES: dict[str, str] = {
     "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
     "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (prompt + max_tokens each).",
     "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",
+    "prefix_cache_blocks": "Blocks of 16 tokens the prefix cache keeps in slots no sequence holds.",
+    "prefix_cache_bytes": "KV cache bytes those kept prefixes hold (within the budget; dropped first when needed).",
 }
 # LoRA adapters: the OpenAI port's /metrics writes the model-server protocol's vllm:lora_requests_info from them
 # (model_factory/serving/pool_metrics.py). The limit is 0 from load; a sequences series (labels `adapter`, `state`:
@@ -143,12 +149,20 @@ class GenerationMetrics:
         with self._lock:
             self._add("generate_refused_total", 1.0)
 
-    def state(self, running: int, waiting: int, usage: Any) -> None:
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        with self._lock:
+            self._add("prefix_cache_queried_tokens_total", float(queried))
+            if hit:
+                self._add("prefix_cache_hit_tokens_total", float(hit))
+
+    def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None:
         with self._lock:
             self._gauges.update(running_sequences=float(running), waiting_sequences=float(waiting),
                                 kv_cache_usage_ratio=float(usage.ratio),
                                 kv_cache_reserved_bytes=float(usage.reserved_bytes),
-                                kv_cache_budget_bytes=float(usage.budget_bytes))
+                                kv_cache_budget_bytes=float(usage.budget_bytes),
+                                prefix_cache_blocks=float(cached_blocks),
+                                prefix_cache_bytes=float(getattr(usage, "cached_bytes", 0)))
 
     def adapters(self, running: Mapping[str, int], waiting: Mapping[str, int], max_adapters: int) -> None:
         """The LoRA adapters of the running and waiting sequences (adapter -> sequences), and how many one batch may

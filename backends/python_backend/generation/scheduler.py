@@ -29,6 +29,12 @@ request that waited longer than that for memory preempts the running sequence wi
 (each at most once; its slot freed, its tokens kept: it resumes behind the request it made room for by
 prefilling its prompt and what it had generated, with its own sampler, so its output does not change).
 
+With a ``prefix_cache`` (``prefix_cache.PrefixCache``), a waiting sequence whose context starts with whole blocks a
+running sequence's slot or a kept slot holds gets its slot at once, those tokens' keys and values copied in (or, a
+kept slot at the end of the active prefix, taken over in place), and prefills only the rest, alone in its launch
+(ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its prefix; kept slots are
+dropped least recently used first when a waiting sequence needs their memory or their slot, before any preemption.
+
 Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
 """
 
@@ -46,6 +52,7 @@ import numpy as np
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
+from .prefix_cache import Hit, PrefixCache
 from .sampling import Sampler, SamplingError, SamplingParams, TokenLogprobs
 from .structured.grammar import StepMasks
 
@@ -98,6 +105,7 @@ class Generation:
     prefill_from: "Generation | None" = None  # set at admission when it shares its leader's prefill
     grammar: Any = None  # a compiled grammar (structured outputs): the sequence's matcher is made from it at submit
     matcher: Any = None
+    prefix_hit: int = 0  # tokens of its context found in the prefix cache at its (last) admission
 
     @property
     def reserved_tokens(self) -> int:
@@ -118,7 +126,8 @@ class NullMetrics:
     def preempted(self) -> None: ...
     def finished(self, reason: str) -> None: ...
     def refused(self) -> None: ...
-    def state(self, running: int, waiting: int, usage: Any) -> None: ...
+    def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None: ...
+    def prefix_lookup(self, queried: int, hit: int) -> None: ...
 
 
 class Scheduler:
@@ -131,7 +140,8 @@ class Scheduler:
                  max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, max_tokens_grouping_s: float = 0.0,
                  retry_after_s: float = 1.0,
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
-                 log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05) -> None:
+                 log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -146,6 +156,7 @@ class Scheduler:
         self.log_error = log_error
         # is_cancelled() is a round trip to the Triton process per sequence: asked at most this often.
         self.cancel_check_s = float(cancel_check_s)
+        self.prefix_cache = prefix_cache
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
@@ -217,7 +228,9 @@ class Scheduler:
             for gen in list(self.running):
                 self._finish(gen, FINISH_ERROR, error=f"the engine failed: {exc}")
         self._release_finished()
-        self.metrics.state(len(self.running), len(self.waiting), self.slots.usage())
+        cache = self.prefix_cache
+        self.metrics.state(len(self.running), len(self.waiting), self.slots.usage(),
+                           cached_blocks=cache.blocks() if cache is not None else 0)
 
     def _drop_cancelled(self) -> None:
         now = self.clock()
@@ -253,23 +266,30 @@ class Scheduler:
         if self.max_tokens_grouping_s > 0 and len(self.waiting) > 1:
             self.waiting = collections.deque(sorted(self.waiting, key=self._admission_key(self.clock())))
         chosen: list[Generation] = []
-        free = self.slots.slots - self.slots.active
-        reserved = self.slots.usage().reserved_bytes
-        while self.waiting and len(chosen) < min(free, self.max_prefill_batch):
+        hits: list[list[Generation]] = []  # admitted at once, each its own launch
+        pending = 0  # bytes the chosen (not yet in the slots) will reserve
+        while self.waiting and len(chosen) + len(hits) < self.max_prefill_batch:
+            if self.slots.slots - self.slots.active - len(chosen) < 1:
+                break  # no slot, even with every kept prefix dropped
             head = self.waiting[0]
+            hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None else None
             need = self.slots.bytes_for(head.reserved_tokens)
-            if reserved + need > self.slots.budget_bytes:
-                if self._preempt_for(head):
-                    # What the running sequences hold now, and what this step already chose (not in the slots yet).
-                    free = self.slots.slots - self.slots.active
-                    reserved = self.slots.usage().reserved_bytes + sum(
-                        self.slots.bytes_for(g.reserved_tokens) for g in chosen)
+            fits, hit = self._make_room(need + pending, len(chosen) + 1, hit)
+            if not fits:
+                # A sequence admitted with a hit already holds a slot: no preemption may move it this step.
+                if not hits and self._preempt_for(head):
                     continue
                 break
-            chosen.append(self.waiting.popleft())
-            reserved += need
+            self.waiting.popleft()
+            if self.prefix_cache is not None:
+                self.metrics.prefix_lookup(len(head.context()), hit.tokens if hit is not None else 0)
+            if hit is not None and self._admit_hit(head, hit):
+                hits.append([head])
+            else:
+                chosen.append(head)
+                pending += need
         if not chosen:
-            return []
+            return hits
         lengths = [len(g.context()) for g in chosen]
         groups = plan_groups(lengths, self.cost, max_batch=len(chosen),
                              max_tokens=max(self.max_prefill_tokens, max(lengths)))
@@ -284,11 +304,59 @@ class Scheduler:
                                    "admitted wait again at the head of the queue")
                     placed = {id(g) for g in members} | {id(g) for grp in ordered for g in grp}
                     self.waiting.extendleft(reversed([g for g in chosen if id(g) not in placed]))
-                    return ordered + ([members] if members else [])
+                    return hits + ordered + ([members] if members else [])
                 self.running.append(gen)
                 members.append(gen)
             ordered.append(members)
-        return ordered
+        return hits + ordered
+
+    # ------------------------------------------------------------------ the prefix cache
+
+    def _make_room(self, need: int, slots_needed: int, hit: Hit | None) -> tuple[bool, Hit | None]:
+        """Drop kept prefixes, least recently used first (``hit``'s last), until ``need`` more bytes and
+        ``slots_needed`` more slots fit; returns whether they fit, and the hit (None when its prefix was dropped)."""
+        cache = self.prefix_cache
+        while True:
+            usage = self.slots.usage()
+            if (usage.reserved_bytes + usage.cached_bytes + need <= self.budget
+                    and self.slots.free >= slots_needed):
+                return True, hit
+            if cache is None:
+                return False, hit
+            keep = [hit.holder] if hit is not None and hit.kept else []
+            victim = cache.least_recent(exclude=keep) or (keep[0] if keep else None)
+            if victim is None:  # nothing kept: what the running sequences reserve decides
+                return False, hit
+            if hit is not None and victim is hit.holder:
+                hit = None
+            self._drop_kept(victim)
+
+    @property
+    def budget(self) -> int:
+        return self.slots.budget_bytes
+
+    def _drop_kept(self, entry: Any) -> None:
+        self.prefix_cache.forget(entry)
+        self.slots.drop(entry)
+
+    def _admit_hit(self, gen: Generation, hit: Hit) -> bool:
+        """Give ``gen`` its slot now, with the hit's keys and values in it: a kept slot at the end of the active
+        prefix is taken over in place when the hit is at least half of it, anything else copied. False (nothing
+        done) when the slots refuse it."""
+        holder, n = hit.holder, hit.tokens
+        take = holder if hit.kept and holder.slot == self.slots.active and 2 * n >= holder.tokens else None
+        try:
+            gen.slot = self.slots.admit(gen.reserved_tokens, take=take)
+        except AdmissionError:
+            return False
+        if take is not None:
+            self.prefix_cache.forget(take)
+        else:
+            self.slots.copy(gen.slot, holder.slot, n)
+        gen.cached = gen.prefix_hit = n
+        gen.prefill_from = None
+        self.running.append(gen)
+        return True
 
     @staticmethod
     def _sharing_last(group: list[Generation]) -> list[Generation]:
@@ -311,7 +379,7 @@ class Scheduler:
         if not candidates:
             return False
         victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
-        self._release(victim)
+        self._release(victim, keep=False)
         victim.cached, victim.slot = 0, None
         victim.preemptions += 1
         self.metrics.preempted()
@@ -323,13 +391,19 @@ class Scheduler:
             start = members[0].slot
             launched = [g for g in members if g.prefill_from is None]
             contexts = [g.context() for g in launched]
-            logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
+            if launched[0].cached:  # a cached prefix (alone in its launch): the rest of its context from there
+                past = launched[0].cached
+                logits = self.model.prefill([contexts[0][past:]], self.slots.views(start, 1), past=[past])
+            else:
+                logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
             rows = {}
             for gen, ctx, row in zip(launched, contexts, logits):
                 gen.cached = len(ctx)
                 rows[id(gen)] = row
                 if not gen.preemptions:
                     self.metrics.tokens(len(gen.prompt), 0)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.running(gen)
             # Siblings sharing their leader's prefill: its keys and values copied into their slots (before any
             # slot is released: that happens after the step), the first token sampled from its row.
             for gen in members[len(launched):]:
@@ -403,9 +477,23 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a client gone while being told it is gone
             pass
 
-    def _release(self, gen: Generation) -> None:
-        slot = gen.slot
-        moved = self.slots.release(slot)
+    def _release(self, gen: Generation, keep: bool = True) -> None:
+        """Free ``gen``'s slot (the last running sequence moves into it); with the prefix cache its valid tokens are
+        kept (``keep``: not for a preempted sequence, whose memory is what was asked for, nor after an engine error)."""
+        slot, cache = gen.slot, self.prefix_cache
+        entry = None
+        if cache is not None:
+            if keep and gen.finish_reason != FINISH_ERROR:
+                entry = cache.keep(gen)
+            cache.stopped(gen)
+            if entry is not None and slot != self.slots.active - 1 and self.slots.free < 1:
+                oldest = cache.least_recent()  # every slot taken: the newest prefix replaces the oldest
+                if oldest is not None:
+                    self._drop_kept(oldest)
+        moved = self.slots.release(slot, keep=entry)
+        if entry is not None and entry.slot is not None:
+            for extended in cache.kept(entry):
+                self._drop_kept(extended)
         last = self.running.pop()
         if moved is not None:
             self.running[slot] = last
