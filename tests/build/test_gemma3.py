@@ -108,7 +108,7 @@ def test_gemma3_int8_runs_on_the_integer_kernel_and_its_speed_is_recorded(gemma3
     14: ONNX Runtime dequantized every 8-bit weight, the 262k-row LM head included, on every step. Every 8-bit
     MatMulNBits is built at accuracy_level 4 (int8 activations per block: ONNX Runtime's integer kernel where the
     CPU has one; AVX-VNNI / AVX-512 VNNI on x86). Speed is a benchmark's to judge, not a test's: the one-stream
-    figures are recorded here (and the build's own in accuracy.json), not asserted."""
+    figures are recorded here (the build's own are in its gate table), not asserted."""
     import onnx
     import transformers
 
@@ -122,9 +122,6 @@ def test_gemma3_int8_runs_on_the_integer_kernel_and_its_speed_is_recorded(gemma3
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             levels[node.name] = (attrs.get("bits"), attrs.get("accuracy_level"))
     assert levels and all(level == (8, 4) for level in levels.values()), levels
-    accuracy = json.loads((result.version_dir / "accuracy.json").read_text())
-    row = {r["precision"]: r for r in accuracy["results"]}["int8"]
-    assert row["tokens_per_s"] > 0 and row["tokens_per_s_fp32"] > 0  # the build measured both on this machine
     tok = transformers.AutoTokenizer.from_pretrained(str(recipe.source.path))
     prompt = tok("The capital of France is")["input_ids"]
     fp32 = _tokens_per_s(result.version_dir / Files.ONNX, prompt)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,13 @@ def tiny_feeds(n: int = 12, seq: int = 6, seed: int = 1) -> dict[str, np.ndarray
     return {"x": rng.normal(0, 1, (n, seq, 8)).astype(np.float32), "attention_mask": mask}
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def write_recipe(root: Path, precisions: list[str], export_dir: Path | None = None) -> Path:
     """A recipe file for CLI tests: the MiniLM example plus precisions and the example data, under ``root``.
 
@@ -108,5 +117,7 @@ def write_recipe(root: Path, precisions: list[str], export_dir: Path | None = No
     if export_dir is not None:
         work = root / "build" / "minilm"  # recipe.work_dir for repository.path = <root>/model_repository
         work.mkdir(parents=True)
-        (work / "export").symlink_to(export_dir, target_is_directory=True)
+        # Hard links (a copy where they cannot be made), not a link to the folder: the command's stage runs behind
+        # the build's walls, which let it read its own work folder, not the session's shared export it points to.
+        shutil.copytree(export_dir, work / "export", copy_function=_link_or_copy)
     return recipe

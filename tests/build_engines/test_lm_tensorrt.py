@@ -103,7 +103,7 @@ def test_a_text_generation_build_with_tensorrt_packages_a_checked_plan(tmp_path)
     from model_factory.build.rebuild import rebuild_check
 
     report = rebuild_check(result.version_dir)
-    assert report.ok and not report.differences and not report.input_changes, report
+    assert report.ok and not report.differences and not report.input_changes, (report.differences, report.input_changes)
     assert {n.split(":")[0] for n in report.not_compared} >= {f"1/model.{p}.plan{j}" for p in ("fp32", "fp16", "int8",
                                                                                         "int4") for j in ("", ".json")}
 
