@@ -16,9 +16,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 NEAR_TIE = 1e-3
 
@@ -166,3 +167,19 @@ def write_continuations(vdir: Path, hf_dir: Path, prompts: Sequence[Sequence[int
     folder.mkdir(exist_ok=True)
     (folder / Files.CONTINUATIONS).write_text(json.dumps(data))
     return data
+
+
+@contextmanager
+def served_with_openai(repository: Path, **frontend_options: Any) -> Iterator[tuple[Any, Any]]:
+    """(server, frontend): a real Triton on ``repository`` and the OpenAI frontend over its text-generation models;
+    both stopped after, the server's exit checked."""
+    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.server import ServerOptions, TritonServer
+
+    server = TritonServer(repository, options=ServerOptions(0, 0, 0)).start()
+    assert not server.load_errors, server.load_errors
+    frontend = OpenAIFrontend(server.http_url, generative_models(repository, server.ready_models),
+                              **frontend_options).start()
+    yield server, frontend
+    frontend.stop()
+    assert server.stop() == 0, server.log_tail(30)

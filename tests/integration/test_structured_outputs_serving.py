@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.generative_repository import layout_generative_model
+from tests.generative_repository import layout_generative_model, served_with_openai
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("llguidance", reason="llguidance (extra serve) is the grammar engine")
@@ -40,19 +40,12 @@ PROMPTS = ["Describe a person.", "Who are you?", "Permission is hereby granted",
 
 @pytest.fixture(scope="module")
 def served(tiny_llm, tmp_path_factory):
-    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
-    from model_factory.serving.server import ServerOptions, TritonServer
-
     hf, onnx_dir = tiny_llm
     repo = tmp_path_factory.mktemp("structured-repo")
     layout_generative_model(hf, onnx_dir, repo, MODEL, memory_budget_mib=256, max_active_sequences=8,
                             max_waiting_sequences=64)
-    server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
-    assert not server.load_errors, server.load_errors
-    frontend = OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)).start()
-    yield server, frontend
-    frontend.stop()
-    assert server.stop() == 0, server.log_tail(30)
+    with served_with_openai(repo) as (server, frontend):
+        yield server, frontend
 
 
 @pytest.fixture(scope="module")
