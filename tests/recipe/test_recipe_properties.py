@@ -100,11 +100,14 @@ ACROSS_KEYS = {"precisions", "shapes.sequence_buckets", "batching.preferred_batc
                "classification.probabilities",
                "shapes.long_inputs", "shapes.chunk_overlap",
                # text-generation: only for a Hugging Face causal-LM folder; its keys refused on other tasks
-               "source.kind", "inputs", "shapes.max_context", "generation", "quantization.kv_cache"}
+               "source.kind", "inputs", "shapes.max_context", "generation", "quantization.kv_cache",
+               # an embedding model's key: refused on other tasks
+               "embedding.matryoshka_dimensions"}
 # Keys whose recipe value is not the Recipe's attribute as is (paths resolved, "auto", derived defaults).
 _NOT_AS_IS = {"path", "calibration_data", "heldout_data", "timing_cache", "max_queue_size", "text_input",
               "default_priority", "pad_sequences", "preferred_batch_sizes", "sequence_buckets",
-              "max_perplexity_ratio", "min_token_agreement"}
+              "max_perplexity_ratio", "min_token_agreement",
+              "matryoshka_dimensions"}  # kept sorted, without repeats, as a tuple
 _WHERE = {"model": lambda r: r, "embedding": lambda r: r, "shapes": lambda r: r.shapes, "export": lambda r: r.export,
           "quantization": lambda r: r.quantization, "tensorrt": lambda r: r.tensorrt,
           "batching": lambda r: r.batching, "repository": lambda r: r.repository}
@@ -156,3 +159,6 @@ def test_a_recipe_the_schema_allows_passes_the_schema_and_keeps_its_values(folde
                 continue
             got = getattr(where(recipe), key)
             assert got == value or (isinstance(value, float) and math.isclose(got, value)), (table, key, value, got)
+    if "matryoshka_dimensions" in data.get("embedding", {}):
+        sizes = data["embedding"]["matryoshka_dimensions"]
+        assert recipe.matryoshka_dimensions == tuple(sorted(set(sizes))), (sizes, recipe.matryoshka_dimensions)
