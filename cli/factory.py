@@ -53,7 +53,15 @@ def package(recipe: str, repository: str | None) -> None:
     """
     from model_factory.build.pipeline import package_existing
     from model_factory.recipe import load_recipe
+    from model_factory.recipe.prompt import is_prompt_recipe, parse_prompt_recipe, read_recipe_data
 
+    data = read_recipe_data(recipe, recipe_overrides(repository))
+    if is_prompt_recipe(data):  # a prompt template: laid out unsigned (model-factory sign, or build --key)
+        from model_factory.build.prompt import package_prompt
+
+        res = package_prompt(parse_prompt_recipe(data, Path(recipe).resolve().parent, Path(recipe).resolve()))
+        click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name}, prompt template)")
+        return
     res = package_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
     click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name})")
 
@@ -276,7 +284,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
             server.stop()
             raise
         listed = [*frontend.models, *(f"{n} ({m.task})" for n, m in frontend.encoders.items()),
-                  *(f"{n} (prompt on {p.base})" for n, p in frontend.prompts.items())]
+                  *(f"{n} (prompt on {p.base}{': ' + p.pinned if p.pinned else ''})"
+                    for n, p in frontend.prompts.items())]
         click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(listed) or 'no text-generation or encoder model'})")
     from model_factory.serving.rollout import RolloutControl
 

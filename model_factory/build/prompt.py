@@ -21,7 +21,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from model_factory.backend.contract import (PROMPT, PROMPT_BASE_PARAMETER, PROMPT_INPUT, PROMPT_OUTPUT,
                                             TEXT_GENERATION, Files)
@@ -111,12 +111,30 @@ def package_prompt(recipe: PromptRecipe, sign: Callable[[Path], Any] | None = No
     return PackageResult(model_dir, model_dir / version, model_dir / Files.CONFIG, metadata)
 
 
+def prompt_provenance(recipe: PromptRecipe, definition: Mapping[str, Any]) -> dict[str, Any]:
+    """The signed provenance statement's facts (``signing.BuildProvenance`` keys) for a prompt: its source is its base,
+    pinned by the digest of the base digests it records (so a policy that requires provenance serves it too)."""
+    import datetime as dt
+
+    from model_factory.build.repository import tool_versions
+
+    base = json.dumps(definition["base"], sort_keys=True).encode()
+    return {"source_model_digest": hashlib.sha256(base).hexdigest(),
+            "source_model": f"{recipe.base_model}/{recipe.base_version}", "recipe": dict(recipe.raw),
+            "tool_versions": tool_versions(), "precisions": [],
+            "finished_on": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            **({"recipe_path": str(recipe.recipe_path)} if recipe.recipe_path else {})}
+
+
 def build_prompt(recipe: PromptRecipe, signer: Any = None) -> PackageResult:
-    """Package (and, with ``signer``, a ``signing.SignerConfig``, sign) a prompt recipe: ``model-factory build``."""
+    """Package (and, with ``signer``, a ``signing.SignerConfig``, sign with its provenance) a prompt recipe:
+    ``model-factory build``."""
     sign = None
     if signer is not None:
         from model_factory.signing import sign_model_version
 
         def sign(staged: Path) -> Path:
-            return sign_model_version(staged, recipe.version, signer)
+            definition = json.loads((staged / str(recipe.version) / Files.PROMPT).read_text(encoding="utf-8"))
+            return sign_model_version(staged, recipe.version, signer,
+                                      provenance=prompt_provenance(recipe, definition))
     return package_prompt(recipe, sign)

@@ -35,10 +35,33 @@ _OTHER_FORMATS = ("response_format", "guided_json", "guided_regex", "guided_choi
 
 @dataclass(frozen=True)
 class ServedPrompt:
-    """A prompt template the frontend serves: its name and the base model its config names."""
+    """A prompt template the frontend serves: its name, the base model its config names, and whether the base
+    version served here is the one its served version was written for (``prompt.json``'s pinned digests)."""
 
     name: str
     base: str
+    pinned: str = ""  # "written for <base> v<n>, serving v<m>" when the base's files differ from the pins, else ""
+
+
+def _pin_note(repository: Path, model_dir: Path, config: Any) -> str:
+    """What differs between the served prompt version's pins and the base version served (nothing: "")."""
+    import hashlib
+
+    from model_factory.backend.contract import Files
+    from model_factory.build.repository import read_config
+    from model_factory.serving.acceptance import served_version
+
+    try:
+        definition = json.loads((model_dir / served_version(model_dir, config) / Files.PROMPT).read_text())
+        base = definition["base"]
+        base_dir = Path(repository) / base["model"]
+        served = served_version(base_dir, read_config(base_dir))
+        same = all((base_dir / served / rel).is_file()
+                   and hashlib.sha256((base_dir / served / rel).read_bytes()).hexdigest() == digest
+                   for rel, digest in base["digests"].items())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its base cannot be read: {exc}"
+    return "" if same else f"written for {base['model']} v{base['version']}, which serves v{served} with other files"
 
 
 def prompt_models(repository: Path, names: list[str] | tuple[str, ...]) -> dict[str, ServedPrompt]:
@@ -48,9 +71,11 @@ def prompt_models(repository: Path, names: list[str] | tuple[str, ...]) -> dict[
 
     out = {}
     for name in names:
-        params = config_parameters(read_config(Path(repository) / name))
+        config = read_config(Path(repository) / name)
+        params = config_parameters(config)
         if params.get("task") == PROMPT:
-            out[name] = ServedPrompt(name, params.get(PROMPT_BASE_PARAMETER, ""))
+            out[name] = ServedPrompt(name, params.get(PROMPT_BASE_PARAMETER, ""),
+                                     _pin_note(Path(repository), Path(repository) / name, config))
     return out
 
 
@@ -147,25 +172,3 @@ def base_request(req: Mapping[str, Any], definition: Mapping[str, Any], chat: bo
             out[key] = value
     out["model"] = definition["base"]["model"]
     return out
-
-
-def accept_prompt(model_dir: Path, version: str, digests: Mapping[str, str] | None) -> dict[str, Any]:
-    """A prompt version's acceptance on this machine (``accept``, a rollout's candidate): its ``prompt.json`` as
-    verified, its template filled with every field it reads, its schema compiled by the grammar engine where it is
-    installed. ``{"passed": ..., "reason": ...}`` for :class:`~.acceptance.AcceptanceResult`."""
-    from model_factory.backend.contract import Files
-    from model_factory.backend.integrity import read_checked
-    from model_factory.recipe.prompt import MissingField, render_template, schema_problem
-
-    try:
-        definition = json.loads(read_checked(Path(model_dir), f"{version}/{Files.PROMPT}",
-                                             dict(digests) if digests is not None else None))
-        render_template(definition["template"], {f: "x" for f in definition.get("fields") or ()})
-        problem = schema_problem(definition.get("schema"))
-        if problem is not None:
-            return {"passed": False, "reason": f"the output schema does not compile: {problem}"}
-    except MissingField as exc:
-        return {"passed": False, "reason": f"the template reads {exc.name!r}, which its fields do not list"}
-    except Exception as exc:  # noqa: BLE001 - a definition the front could not serve: that is the verdict
-        return {"passed": False, "reason": f"{type(exc).__name__}: {exc}"}
-    return {"passed": True, "engine": "prompt", "file": Files.PROMPT}

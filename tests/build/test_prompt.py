@@ -91,9 +91,11 @@ def test_a_prompt_is_packaged_as_its_own_signed_version_and_tampering_is_refused
     assert contract["prompt"]["schema_fields"]["urgency"] == {"type": "integer", "required": True}
     assert contract["prompt"]["schema_fields"]["tags[].name"] == {"type": "string", "required": False}
 
-    policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False))
+    # Signed with its provenance (its source: the base, by the digest of its pins): a policy requiring it serves it.
+    policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=True))
     results = {(r.model, r.version): r for r in verify_repository(tmp_path / "repo", policy)}
     assert results[("triage", 1)].ok, results[("triage", 1)].reasons
+    assert (vdir.parent / "1.provenance.sig").is_file()
     # The backend's load reads prompt.json against the digests serve verified.
     table = tmp_path / "digests.json"
     table.write_text(json.dumps({"triage": {"1": signed_digests(vdir.parent, 1, policy)}}))
@@ -111,15 +113,21 @@ def test_a_prompt_is_packaged_as_its_own_signed_version_and_tampering_is_refused
 
 def test_a_second_version_keeps_the_first_and_its_signature(tmp_path: Path) -> None:
     from model_factory.build.prompt import build_prompt
+    from model_factory.demo import write_key_policy
     from model_factory.recipe.prompt import load_prompt_recipe
     from model_factory.signing import SignerConfig, generate_keypair
+    from model_factory.signing.policy import load_policy
+    from model_factory.signing.verify import verify_repository
 
     _fake_base(tmp_path / "repo")
     keys = generate_keypair(tmp_path / "keys")
     build_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path)), SignerConfig(keys.private_key))
     res = build_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path, version=2)), SignerConfig(keys.private_key))
     names = sorted(p.name for p in res.model_dir.iterdir())
-    assert names == ["1", "1.sig", "2", "2.sig", "config.pbtxt"], names
+    assert names == ["1", "1.provenance.sig", "1.sig", "2", "2.provenance.sig", "2.sig", "config.pbtxt"], names
+    policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key]))
+    verdicts = {(r.model, r.version): r.ok for r in verify_repository(tmp_path / "repo", policy)}
+    assert verdicts[("triage", 1)] and verdicts[("triage", 2)], verdicts
 
 
 def test_contract_diff_names_what_changed_between_two_prompt_versions(tmp_path: Path) -> None:
@@ -174,3 +182,16 @@ def test_build_packages_a_prompt_recipe_through_the_cli(tmp_path: Path) -> None:
     assert run.exit_code == 0, run.output
     assert "(prompt template, signed)" in run.output
     assert (tmp_path / "repo" / "triage" / "1.sig").is_file()
+
+
+def test_package_lays_a_prompt_recipe_out_unsigned(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    _fake_base(tmp_path / "repo")
+    run = CliRunner().invoke(main, ["package", str(write_prompt_recipe(tmp_path))])
+    assert run.exit_code == 0, run.output
+    assert "prompt template" in run.output
+    assert (tmp_path / "repo" / "triage" / "1" / "prompt.json").is_file()
+    assert not (tmp_path / "repo" / "triage" / "1.sig").exists()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from model_factory.serving.openai_errors import OpenAIError
-from model_factory.serving.openai_prompts import accept_prompt, base_request, read_definition
+from model_factory.serving.openai_prompts import base_request, read_definition
+from model_factory.serving.prompt_acceptance import accept_prompt
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["bug", "question"]}}, "required": ["label"]}
 DEFINITION = {"name": "triage", "version": 1, "base": {"model": "lm", "version": 1, "digests": {}},
@@ -83,3 +84,19 @@ def test_acceptance_renders_the_template_and_compiles_the_schema(tmp_path) -> No
     (tmp_path / "1" / "prompt.json").write_text(json.dumps(bad))
     verdict = accept_prompt(tmp_path, "1", None)
     assert not verdict["passed"] and "does not compile" in verdict["reason"], verdict
+
+
+def test_the_frontend_says_when_the_base_served_is_not_the_one_a_prompt_was_written_for(tmp_path) -> None:
+    from model_factory.build.prompt import package_prompt
+    from model_factory.recipe.prompt import load_prompt_recipe
+    from model_factory.serving.openai_prompts import ServedPrompt, prompt_models
+    from prompt_recipes import fake_base, write_prompt_recipe
+
+    base = fake_base(tmp_path / "repo")
+    package_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path)))
+    assert prompt_models(tmp_path / "repo", ["triage", "base_lm"]) == {"triage": ServedPrompt("triage", "base_lm", "")}
+    (base / "2" / "tokenizer").mkdir(parents=True)  # the base moved on: another chat template
+    (base / "2" / "generation.json").write_text('{"chat_template": "y"}')
+    (base / "2" / "tokenizer" / "tokenizer.json").write_text("{}")
+    served = prompt_models(tmp_path / "repo", ["triage"])["triage"]
+    assert served.pinned == "written for base_lm v1, which serves v2 with other files", served
