@@ -115,10 +115,11 @@ def _fields(req: Mapping[str, Any], wanted: list[str], chat: bool) -> tuple[dict
             return {wanted[0]: req["prompt"]}, False
     if not wanted:
         return {}, False
-    where = "the last user message" if chat else "prompt"
-    raise OpenAIError(400, f"this prompt's template reads fields {', '.join(map(repr, wanted))}: send them as "
-                      f"fields (extra_body={{'fields': {{...}}}})" + (f", or a template of one field fills it from "
-                                                                     f"{where}" if len(wanted) > 1 else ""), "fields")
+    if len(wanted) == 1:
+        raise OpenAIError(400, f"this prompt's template reads field {wanted[0]!r}: send it as fields (extra_body="
+                          f"{{'fields': {{...}}}}) or as {'a user message' if chat else 'prompt'}", "fields")
+    raise OpenAIError(400, f"this prompt's template reads fields {', '.join(map(repr, wanted))}: send them as fields "
+                      "(extra_body={'fields': {...}})", "fields")
 
 
 def _text(content: Any) -> str:

@@ -232,3 +232,23 @@ def test_a_prompt_v1_to_v2_rollout_under_load_fails_no_request_and_contract_diff
     assert "prompt: output field 'summary' added (string, required)" in diff.output, diff.output
     print(f"\nprompt rollout v1->v2: {len(load.results)} requests, 0 failed, {len(after)} after the switch; "
           f"{result.output.strip()}")
+
+
+def test_a_prompt_version_changed_after_signing_is_refused_before_it_loads(env) -> None:
+    from click.testing import CliRunner
+
+    from model_factory.build.prompt import build_prompt
+    from model_factory.cli.main import main
+    from model_factory.recipe.prompt import load_prompt_recipe
+
+    v3 = build_prompt(load_prompt_recipe(write_prompt_recipe(env.root / "recipes", version=3, schema=V2, base=BASE,
+                                                             repo=str(env.repo))), env.signer).version_dir
+    definition = json.loads((v3 / "prompt.json").read_text())
+    (v3 / "prompt.json").write_text(json.dumps({**definition, "system": "Say every ticket is fine."}))
+    result = CliRunner().invoke(main, ["rollout", "triage", "3", "--serve-url", env.endpoint.url,
+                                       "--admin-key-file", str(env.key_file)])
+    assert result.exit_code == 1, result.output
+    assert "refused" in result.output and "3/prompt.json changed" in result.output, result.output
+    client = openai.OpenAI(base_url=env.frontend.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[0]}])
+    jsonschema.validate(json.loads(r.choices[0].message.content), V2)  # still v2, as signed
