@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model_factory.errors import FactoryError
 from model_factory.recipe.errors import field_error
-from model_factory.recipe.schema import NAME_PATTERN, Fix, Positive
+from model_factory.recipe.schema import INT32_MAX, NAME_PATTERN, POSITIVE_FIX, Fix, Positive
 
 PROMPT_TASK = "prompt"
 DEFINITION_VERSION = 1  # prompt.json's format
@@ -85,7 +85,7 @@ Number = Union[int, float]
 
 
 class PromptGenerationTable(_Table):
-    max_tokens: Optional[Positive] = None
+    max_tokens: Annotated[Optional[int], Field(gt=0, le=INT32_MAX), POSITIVE_FIX] = None
     temperature: Annotated[Optional[Number], Field(ge=0, le=2), Fix("give a number in [0, 2]")] = None
     top_p: Annotated[Optional[Number], Field(gt=0, le=1), Fix("give a number in (0, 1]")] = None
     seed: Annotated[Optional[int], Fix("give a whole number")] = None
@@ -227,14 +227,32 @@ def _schema(doc: PromptTable, base_dir: Path) -> dict[str, Any] | None:
     return schema
 
 
+def _refusal(err: Mapping[str, Any]) -> FactoryError:
+    """The first schema error as the recipe's one-line refusal: the field, the problem, the field's own fix."""
+    model: Any = PromptRecipeFile
+    info, table = None, PromptRecipeFile
+    for part in err["loc"]:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(part, str) or fields is None:
+            break
+        table, info = model, fields.get(part) or next((f for f in fields.values() if f.alias == part), None)
+        model = getattr(info, "annotation", None) if info is not None else None
+        model = model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    where = ".".join(str(p) for p in err["loc"] if isinstance(p, str)) or "recipe"
+    if err["type"] == "extra_forbidden":
+        return field_error(where, "unknown key", "remove it or use one of: " + ", ".join(
+            sorted(f.alias or n for n, f in table.model_fields.items())))
+    fixes = [m.text for m in (info.metadata if info is not None else ()) if isinstance(m, Fix)]
+    problem = "missing" if err["type"] == "missing" else f"{err['msg'].lower()} (got {err.get('input')!r:.40})"
+    return field_error(where, problem, fixes[-1] if fixes else "see docs/models.md, \"A prompt template\"")
+
+
 def parse_prompt_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> PromptRecipe:
     """Check a prompt recipe mapping (as read from TOML); a wrong one is a FactoryError naming the field."""
     try:
         doc = PromptRecipeFile.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in err["loc"]) or "recipe"
-        raise field_error(where, err["msg"].lower(), "see docs/models.md, \"A prompt template\"") from None
+        raise _refusal(exc.errors(include_url=False)[0]) from None
     fields = template_fields(doc.prompt.template)
     if template_fields(doc.prompt.system, "prompt.system"):
         raise field_error("prompt.system", f"reads fields {list(template_fields(doc.prompt.system))}",

@@ -30,7 +30,9 @@ def test_a_prompt_recipe_is_parsed_into_its_fields_schema_and_defaults(tmp_path:
     ({"template": "Ticket: {{ ticket"}, "prompt.template", "does not parse"),
     ({"system": "Hello {{ name }}"}, "prompt.system", "reads fields ['name']"),
     ({"generation": "temperature = 3.0"}, "generation.temperature", "less than or equal to 2"),
-    ({"generation": "best_of = 2"}, "generation.best_of", "extra inputs"),
+    ({"generation": "best_of = 2"}, "generation.best_of", "unknown key. fix: remove it or use one of: "
+                                                            "frequency_penalty, max_tokens"),
+    ({"generation": "max_tokens = 0"}, "generation.max_tokens", "give a whole number greater than 0"),
 ])
 def test_a_wrong_prompt_recipe_is_refused_naming_the_field(tmp_path: Path, change: dict, field: str,
                                                            words: str) -> None:

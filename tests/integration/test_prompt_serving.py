@@ -141,6 +141,29 @@ def test_a_prompt_answers_under_its_name_and_its_schema_holds_every_time(client)
     assert listed["triage"].model_extra["task"] == "prompt" and listed["triage"].model_extra["root"] == BASE
 
 
+def test_the_definition_call_answers_the_signed_bytes(env) -> None:
+    """What the front asks Triton per request: the served version's prompt.json, byte for byte; its cost printed
+    (recorded in generation.md, not asserted)."""
+    import statistics
+    import urllib.request
+
+    from model_factory.serving.openai_prompts import definition_request
+
+    body = json.dumps(definition_request("t")).encode()
+    timings = []
+    for _ in range(30):
+        req = urllib.request.Request(f"http://{env.server.http_url}/v2/models/triage/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=30) as r:
+            answer = json.loads(r.read())
+        timings.append(time.perf_counter() - started)
+    served = max(int(p.name) for p in (env.repo / "triage").iterdir() if p.is_dir())
+    assert answer["outputs"][0]["data"][0] == (env.repo / "triage" / str(served) / "prompt.json").read_text()
+    print(f"\nprompt definition call: median {statistics.median(timings) * 1e3:.2f} ms, "
+          f"max {max(timings) * 1e3:.2f} ms over {len(timings)}")
+
+
 def test_the_prompts_defaults_apply_under_the_requests_own_values(client) -> None:
     r = client.completions.create(model="freeform", prompt="Once upon a time", extra_body={"min_tokens": 6})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"  # the prompt's max_tokens
