@@ -275,3 +275,42 @@ def test_a_prompt_version_changed_after_signing_is_refused_before_it_loads(env) 
     client = openai.OpenAI(base_url=env.frontend.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[0]}])
     jsonschema.validate(json.loads(r.choices[0].message.content), V2)  # still v2, as signed
+
+
+def test_serve_accepts_a_prompt_and_serves_it_on_the_openai_port(tiny_llm, tmp_path) -> None:
+    """``model-factory serve --accept --openai-port``: the prompt passes its acceptance at start, the banner names its
+    base, and it answers under its own name."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from model_factory.build.prompt import package_prompt
+    from model_factory.recipe.prompt import load_prompt_recipe
+    from tests.generative_repository import write_continuations
+
+    hf, onnx_dir = tiny_llm
+    repo = tmp_path / "repo"
+    vdir = layout_generative_model(hf, onnx_dir, repo, BASE, memory_budget_mib=128, max_active_sequences=4)
+    write_continuations(vdir, hf, [[5, 6, 7, 8]], max_tokens=8)
+    package_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path / "recipes", schema=V1, base=BASE, repo=str(repo))))
+    cli = str(Path(sys.executable).parent / "model-factory")
+    proc = subprocess.Popen([cli, "serve", "--allow-unsigned", "--accept", "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0", "--watch-interval", "0", "--no-cost-cache", "--openai-port", "0",
+                             str(repo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        url = next(m.group(1) for line in out if (m := re.search(r"OpenAI\s+(http://\S+)/v1", line)))
+        assert any("triage (prompt on tiny_llm)" in line for line in out), out
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[1]}])
+        assert r.model == "triage"
+        jsonschema.validate(json.loads(r.choices[0].message.content), V1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
