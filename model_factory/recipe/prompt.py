@@ -85,6 +85,8 @@ Number = Union[int, float]
 
 
 class PromptGenerationTable(_Table):
+    """[generation]: the defaults of the OpenAI request fields of the same names; a request's own values win."""
+
     max_tokens: Annotated[Optional[int], Field(gt=0, le=INT32_MAX), POSITIVE_FIX] = None
     temperature: Annotated[Optional[Number], Field(ge=0, le=2), Fix("give a number in [0, 2]")] = None
     top_p: Annotated[Optional[Number], Field(gt=0, le=1), Fix("give a number in (0, 1]")] = None
@@ -95,6 +97,8 @@ class PromptGenerationTable(_Table):
 
 
 class PromptRepositoryTable(_Table):
+    """[repository]: the repository the prompt is packaged into (its base's)."""
+
     path: Annotated[str, Fix("give a path as a string")] = Field("model_repository", description="The repository.")
 
 
@@ -133,6 +137,14 @@ class PromptRecipe:
                 "base": {"model": self.base_model, "version": self.base_version, "digests": dict(base_digests)},
                 "system": self.system, "template": self.template, "fields": list(self.fields),
                 "schema": self.schema, "defaults": dict(self.defaults)}
+
+
+def prompt_recipe_json_schema() -> dict[str, Any]:
+    """The prompt recipe's JSON Schema, for editors (``model-factory schema --prompt``), draft-07 as the recipe's."""
+    from model_factory.recipe.schema import _TomlJsonSchema
+
+    body = PromptRecipeFile.model_json_schema(schema_generator=_TomlJsonSchema)
+    return {"$schema": "http://json-schema.org/draft-07/schema#", **body}
 
 
 def is_prompt_recipe(data: Mapping[str, Any]) -> bool:

@@ -197,3 +197,37 @@ def test_package_lays_a_prompt_recipe_out_unsigned(tmp_path: Path) -> None:
     assert "prompt template" in run.output
     assert (tmp_path / "repo" / "triage" / "1" / "prompt.json").is_file()
     assert not (tmp_path / "repo" / "triage" / "1.sig").exists()
+
+
+def test_the_prompt_recipes_json_schema_checks_a_recipe_as_editors_would(tmp_path: Path) -> None:
+    import tomllib
+
+    import jsonschema
+    from click.testing import CliRunner
+
+    from model_factory.cli.main import main
+
+    run = CliRunner().invoke(main, ["schema", "--prompt"])
+    assert run.exit_code == 0, run.output
+    schema = json.loads(run.output)
+    recipe = tomllib.loads(write_prompt_recipe(tmp_path).read_text())
+    jsonschema.validate(recipe, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**recipe, "generation": {"best_of": 2}}, schema)
+
+
+def test_the_prompt_recipe_in_models_md_fits_its_schema(tmp_path: Path) -> None:
+    import re
+    import tomllib
+
+    import jsonschema
+
+    from model_factory.recipe.prompt import parse_prompt_recipe, prompt_recipe_json_schema
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    (block,) = [b for b in re.findall(r"```toml\n(.*?)```", doc, re.S) if re.search(r"^\[prompt\]", b, re.M)]
+    recipe = tomllib.loads(block)
+    jsonschema.validate(recipe, prompt_recipe_json_schema())
+    (tmp_path / "triage.schema.json").write_text(json.dumps(SCHEMA))
+    parsed = parse_prompt_recipe(recipe, tmp_path)
+    assert parsed.fields == ("ticket", "tier") and parsed.base_model == "tiny_llm"
