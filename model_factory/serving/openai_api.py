@@ -10,7 +10,9 @@ For text-generation models:
 served by aiohttp beside Triton (``serve --openai-port``). Each request is checked and translated
 (``openai_protocol``) into one call of Triton's generate extension on loopback: ``generate_stream`` when the
 client streams (each Triton event becomes one OpenAI chunk, ``data: [DONE]`` last), ``generate`` otherwise
-(the backend then sends exactly one response). A client that disconnects cancels its handler (aiohttp's
+(the backend then sends exactly one response). A request naming a prompt template is first filled in from the
+definition the prompt's served version answers (``openai_prompts``: one ``infer`` call) and sent to its base model,
+answered under the prompt's name. A client that disconnects cancels its handler (aiohttp's
 handler cancellation), which closes the upstream stream, and the backend frees the sequence at its next step.
 Errors are OpenAI-shaped JSON with the status they deserve: 400 naming the bad value, 404 for an unknown
 model, 503 with ``Retry-After`` when the model's waiting queue is full. An error the backend reports before
