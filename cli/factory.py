@@ -53,7 +53,15 @@ def package(recipe: str, repository: str | None) -> None:
     """
     from model_factory.build.pipeline import package_existing
     from model_factory.recipe import load_recipe
+    from model_factory.recipe.prompt import is_prompt_recipe, parse_prompt_recipe, read_recipe_data
 
+    data = read_recipe_data(recipe, recipe_overrides(repository))
+    if is_prompt_recipe(data):  # a prompt template: laid out unsigned (model-factory sign, or build --key)
+        from model_factory.build.prompt import package_prompt
+
+        res = package_prompt(parse_prompt_recipe(data, Path(recipe).resolve().parent, Path(recipe).resolve()))
+        click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name}, prompt template)")
+        return
     res = package_existing(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer())
     click.echo(f"wrote {res.model_dir} (config.pbtxt, version {res.version_dir.name})")
 
@@ -72,6 +80,9 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
           min_accuracy: float | None, engines: bool | None, require_sandbox: bool, no_sandbox: bool) -> None:
     """Run export → quantize → build-engine → package (→ sign) for RECIPE.
 
+    A prompt template's recipe (a [prompt] table on a [base] model of the repository) is packaged as its own
+    version instead (prompt.json, signed with --key): docs/models.md, "A prompt template".
+
     Every source file is scanned before it is read (pickles refused unless [source] allow_pickle), and
     export, quantize and engine build run in child processes walled in by Landlock and seccomp: they read
     the source, the Python environment and the data, write only the work folder, and open no network
@@ -83,6 +94,7 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
     """
     from model_factory.build.pipeline import build as run_build
     from model_factory.recipe import load_recipe
+    from model_factory.recipe.prompt import is_prompt_recipe, parse_prompt_recipe, read_recipe_data
 
     mode = sandbox_mode(require_sandbox, no_sandbox)
 
@@ -91,6 +103,14 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
         from model_factory.signing import SignerConfig
 
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
+    data = read_recipe_data(recipe, recipe_overrides(repository))
+    if is_prompt_recipe(data):  # a prompt template: packaged (and signed), no stage to run
+        from model_factory.build.prompt import build_prompt
+
+        packaged = build_prompt(parse_prompt_recipe(data, Path(recipe).resolve().parent, Path(recipe).resolve()),
+                                signer)
+        click.echo(f"built {packaged.version_dir} (prompt template{', signed' if signer else ''})")
+        return
     res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
                     min_accuracy=min_accuracy, engines=engines, isolate=True,
                     sandbox=mode)
@@ -253,15 +273,19 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
     if openai_port is not None:
         from model_factory.serving.encoder_models import encoder_models
         from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+        from model_factory.serving.openai_prompts import prompt_models
 
         try:
             frontend = OpenAIFrontend(server.http_url, generative_models(Path(repository), report.served), host,
                                       openai_port, metrics_url=server.metrics_url,
-                                      encoders=encoder_models(Path(repository), report.served)).start()
+                                      encoders=encoder_models(Path(repository), report.served),
+                                      prompts=prompt_models(Path(repository), report.served)).start()
         except BaseException:
             server.stop()
             raise
-        listed = [*frontend.models, *(f"{n} ({m.task})" for n, m in frontend.encoders.items())]
+        listed = [*frontend.models, *(f"{n} ({m.task})" for n, m in frontend.encoders.items()),
+                  *(f"{n} (prompt on {p.base}{': ' + p.pinned if p.pinned else ''})"
+                    for n, p in frontend.prompts.items())]
         click.echo(f"  OpenAI  {frontend.url}/v1 ({', '.join(listed) or 'no text-generation or encoder model'})")
     from model_factory.serving.rollout import RolloutControl
 

@@ -171,15 +171,17 @@ def write_continuations(vdir: Path, hf_dir: Path, prompts: Sequence[Sequence[int
 
 @contextmanager
 def served_with_openai(repository: Path, **frontend_options: Any) -> Iterator[tuple[Any, Any]]:
-    """(server, frontend): a real Triton on ``repository`` and the OpenAI frontend over its text-generation models;
+    """(server, frontend): a real Triton on ``repository`` and the OpenAI frontend over its text-generation models
+    and prompt templates;
     both stopped after, the server's exit checked."""
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.openai_prompts import prompt_models
     from model_factory.serving.server import ServerOptions, TritonServer
 
     server = TritonServer(repository, options=ServerOptions(0, 0, 0)).start()
     assert not server.load_errors, server.load_errors
     frontend = OpenAIFrontend(server.http_url, generative_models(repository, server.ready_models),
-                              **frontend_options).start()
+                              prompts=prompt_models(repository, server.ready_models), **frontend_options).start()
     yield server, frontend
     frontend.stop()
     assert server.stop() == 0, server.log_tail(30)

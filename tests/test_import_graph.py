@@ -143,7 +143,7 @@ BACKEND = "model_factory.backend"
 BACKEND_ROOMS = ("memory", "requests", "batching", "engines", "operations", "generation")
 # At the top, beside the rooms: what every room may use (one definition each), and Triton's entry points.
 BACKEND_SHARED = ("contract", "settings", "integrity")
-BACKEND_ENTRY_POINTS = ("model", "generate_model")
+BACKEND_ENTRY_POINTS = ("model", "generate_model", "prompt_model")
 # Modules over this many lines are split (tests and benchmarks aside).
 MAX_MODULE_LINES = 650
 

@@ -100,6 +100,9 @@ class Files:
     # The quantize stage's gate report (build_engines/accuracy.py): each reduced precision's score and verdict.
     # A version that degrades carries it: the backend reads it and never degrades to a precision that failed.
     ACCURACY = "accuracy.json"
+    # A prompt template (task "prompt", PROMPT below): its definition, signed with the version. The backend answers
+    # it as it was verified; the OpenAI front renders it (model_factory/serving/openai_prompts.py).
+    PROMPT = "prompt.json"
 
 
 def onnx_file(precision: str) -> str:
@@ -300,6 +303,12 @@ class ModelParameters:
 # --------------------------------------------------------------------------- generative engines
 
 TEXT_GENERATION = "text-generation"
+# A prompt template on a served text-generation model (docs/generation.md, "Prompt templates"): its version folder
+# holds Files.PROMPT; the model answers one request with it (prompt_model.py), the OpenAI front fills it in.
+PROMPT = "prompt"
+PROMPT_INPUT = "request_id"  # BYTES [1], optional: the caller's request id (logged), nothing else
+PROMPT_OUTPUT = "prompt"  # BYTES [1]: the served version's prompt.json, as verified
+PROMPT_BASE_PARAMETER = "base"  # config.pbtxt parameter: the text-generation model the prompt runs on
 # The engine I/O of a text-generation ONNX graph (one graph for prefill and decode):
 #   inputs  input_ids [batch, new_tokens] int64
 #           attention_mask [batch, total_tokens] int64  -- row r: ones for its (cached + new) tokens, then zeros

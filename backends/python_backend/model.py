@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .contract import TEXT_GENERATION
+from .contract import PROMPT, TEXT_GENERATION
 from .batching.executor import GroupedExecutor
 from .batching.grouping import profile_for_length
 from .engines.loading import load_for_serving, text_inputs
@@ -39,7 +39,7 @@ from .settings import parse_settings
 class TritonPythonModel:
     """One model instance."""
 
-    generator = None  # a text-generation model's decoupled generator (generate_model), else None
+    generator = None  # a text-generation model's decoupled generator (generate_model), a prompt's definition (prompt_model)
     shadow = None  # the rollout's shadow mirror (shadow.py), set at load
 
     def initialize(self, args: dict) -> None:
@@ -66,6 +66,11 @@ class TritonPythonModel:
             from .generate_model import GenerativeModel
 
             self.generator = GenerativeModel(pb_utils, args, s, quiet=quiet)
+            return
+        if s.task == PROMPT:  # a prompt template: its signed definition answered (prompt_model)
+            from .prompt_model import PromptDefinition
+
+            self.generator = PromptDefinition(pb_utils, args, s)
             return
         version_dir = Path(args["model_repository"]) / args["model_version"]
 

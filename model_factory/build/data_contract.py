@@ -5,7 +5,8 @@ whether optional, what they mean: text, token ids, mask, image, tensor), the lim
 what a longer text gets, the values an index input accepts), the tokenizer's digest and the ids it gives a
 fixed set of golden texts. :func:`diff_contracts` names what changed between two versions and which changes
 break a client: an input or output gone or retyped, a new required input, a limit lowered, a bound narrowed,
-a golden text tokenized to other ids (a retrained tokenizer, seed 000's example of a broken contract). A
+a golden text tokenized to other ids (a retrained tokenizer, seed 000's example of a broken contract); for a
+prompt template, its system text, template fields, output-schema fields and defaults (``build/prompt_contract.py``). A
 rebuild of the same model changes nothing; a new tokenizer file that encodes every golden text the same is
 reported, not breaking. ``model-factory contract diff OLD NEW`` exits 1 on a breaking change, for CI.
 """
@@ -98,7 +99,16 @@ def contract_for(config: Any, version_dir: Path) -> dict[str, Any]:
         "limits": {"max_batch": int(config.max_batch_size), "max_sequence_length": params.max_sequence_length,
                    "long_inputs": params.long_inputs, "input_bounds": {k: list(v) for k, v in sorted(bounds.items())}},
         "tokenizer": _tokenizer(Path(version_dir)),
+        **_prompt(Path(version_dir)),
     }
+
+
+def _prompt(version_dir: Path) -> dict[str, Any]:
+    """A prompt template's section (``build/prompt.py``): absent from every other model's contract."""
+    from model_factory.build.prompt_contract import prompt_contract
+
+    section = prompt_contract(version_dir)
+    return {"prompt": section} if section is not None else {}
 
 
 def write_contract(config_text: str, version_dir: Path) -> Path:
@@ -190,4 +200,8 @@ def diff_contracts(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chang
                                       "retrained or changed", True))
         if to.get("sha256") != tn.get("sha256") and not any(c.what.startswith("golden") for c in changes):
             changes.append(Change("tokenizer.json changed, every golden text tokenized the same", False))
+    from model_factory.build.prompt_contract import diff_prompts
+
+    changes += [Change(f"prompt: {what}", breaking) for what, breaking in diff_prompts(old.get("prompt"),
+                                                                                        new.get("prompt"))]
     return changes

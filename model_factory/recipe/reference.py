@@ -21,18 +21,23 @@ BEGIN = "<!-- BEGIN recipe keys: generated from the schema by `python -m model_f
 END = "<!-- END recipe keys -->"
 
 
-def schema_text() -> str:
-    """The recipe's JSON Schema as the text ``model-factory schema`` prints (stable key order, one newline)."""
+def schema_text(prompt: bool = False) -> str:
+    """The recipe's JSON Schema as the text ``model-factory schema`` prints (stable key order, one newline);
+    ``prompt``: a prompt template's recipe's (``recipe/prompt.py``)."""
+    if prompt:
+        from model_factory.recipe.prompt import prompt_recipe_json_schema
+
+        return json.dumps(prompt_recipe_json_schema(), indent=2, ensure_ascii=False) + "\n"
     return json.dumps(recipe_json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
-def write_schema(path: Path) -> Path:
+def write_schema(path: Path, prompt: bool = False) -> Path:
     """Write the JSON Schema to ``path`` atomically (a temporary sibling renamed into place)."""
     path = Path(path)
     if path.is_dir():
         raise FactoryError(f"{path} is a folder. Fix: give a file name, e.g. {path / 'recipe.schema.json'}")
     with atomic_file(path) as f:
-        f.write(schema_text())
+        f.write(schema_text(prompt))
     return path
 
 

@@ -186,9 +186,13 @@ def accept_model(model_dir: Path, *, digests: Mapping[str, str] | None = None, i
     name = model_dir.name
     config = read_config(model_dir)
     version = served_version(model_dir, config)
-    from model_factory.backend.contract import TEXT_GENERATION
+    from model_factory.backend.contract import PROMPT, TEXT_GENERATION
 
     task = config.parameters["task"].string_value if "task" in config.parameters else None
+    if task == PROMPT:  # a prompt template: its signed definition fills in (prompt_acceptance)
+        from model_factory.serving.prompt_acceptance import accept_prompt
+
+        return AcceptanceResult(name, version, **accept_prompt(model_dir, version, digests))
     if task == TEXT_GENERATION:  # golden continuations replayed instead of golden outputs
         from model_factory.serving.generative_acceptance import accept_generative
 

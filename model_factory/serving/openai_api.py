@@ -10,7 +10,9 @@ For text-generation models:
 served by aiohttp beside Triton (``serve --openai-port``). Each request is checked and translated
 (``openai_protocol``) into one call of Triton's generate extension on loopback: ``generate_stream`` when the
 client streams (each Triton event becomes one OpenAI chunk, ``data: [DONE]`` last), ``generate`` otherwise
-(the backend then sends exactly one response). A client that disconnects cancels its handler (aiohttp's
+(the backend then sends exactly one response). A request naming a prompt template is first filled in from the
+definition the prompt's served version answers (``openai_prompts``: one ``infer`` call) and sent to its base model,
+answered under the prompt's name. A client that disconnects cancels its handler (aiohttp's
 handler cancellation), which closes the upstream stream, and the backend frees the sequence at its next step.
 Errors are OpenAI-shaped JSON with the status they deserve: 400 naming the bad value, 404 for an unknown
 model, 503 with ``Retry-After`` when the model's waiting queue is full. An error the backend reports before
@@ -29,7 +31,7 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -146,11 +148,12 @@ class OpenAIFrontend:
 
     def __init__(self, triton_http: str, models: Mapping[str, ServedModel], host: str = "127.0.0.1",
                  port: int = 0, metrics_url: str | None = None,
-                 encoders: Mapping[str, Any] | None = None) -> None:
+                 encoders: Mapping[str, Any] | None = None, prompts: Mapping[str, Any] | None = None) -> None:
         self.triton = f"http://{triton_http}" if "://" not in triton_http else triton_http
         self.metrics_url = metrics_url  # Triton's metrics port: /metrics answers from it (pool_metrics)
         self.models = dict(models)
         self.encoders = dict(encoders or {})  # embedding, reranker, classification: encoder_api's routes
+        self.prompts = dict(prompts or {})  # prompt templates on a base model (openai_prompts.ServedPrompt)
         self.host, self.port = host, int(port)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -249,6 +252,8 @@ class OpenAIFrontend:
                    **({"max_model_len": m.max_context} if m.max_context else {})} for name, m in self.models.items()]
         listed += [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": m.task,
                     **({"dimensions": m.dimensions} if m.dimensions else {})} for name, m in self.encoders.items()]
+        listed += [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": "prompt",
+                    "root": p.base} for name, p in self.prompts.items()]
         return web.json_response({"object": "list", "data": sorted(listed, key=lambda m: m["id"])})
 
     async def _completions(self, request: Any) -> Any:
@@ -265,7 +270,12 @@ class OpenAIFrontend:
                 req = await request.json()
             except (ValueError, UnicodeDecodeError):
                 raise OpenAIError(400, "the body is not JSON") from None
+            prompt = req.get("model") if isinstance(req, dict) and req.get("model") in self.prompts else None
+            if prompt is not None:  # a prompt template: the request its base model gets (openai_prompts)
+                req = await self._prompted(req, prompt, chat, rid)
             call = (chat_request if chat else completion_request)(req, self.models)
+            if prompt is not None:
+                call = replace(call, shown=prompt)
             if call.stream:
                 return await self._stream(request, call, chat, rid)
             return await self._once(call, chat, rid)
@@ -274,6 +284,19 @@ class OpenAIFrontend:
             if err.retry_after_s:
                 headers["Retry-After"] = str(int(max(1, err.retry_after_s)))
             return web.json_response(err.body(), status=err.status, headers=headers)
+
+    async def _prompted(self, req: dict, prompt: str, chat: bool, rid: str) -> dict:
+        """The prompt's definition as the version Triton serves now answers it, filled with ``req``'s fields."""
+        from model_factory.serving.openai_prompts import base_request, definition_request, read_definition
+
+        url = f"{self.triton}/v2/models/{prompt}/infer"
+        async with self._session.post(url, json=definition_request(rid), headers={REQUEST_ID_HEADER: rid}) as resp:
+            definition = read_definition(resp.status, await resp.text(), prompt)
+        out = base_request(req, definition, chat)
+        if out["model"] not in self.models:
+            raise OpenAIError(503, f"prompt {prompt!r} runs on {out['model']!r}, which is not served here",
+                              retry_after_s=1.0)
+        return out
 
     async def _once(self, call: Any, chat: bool, rid: str) -> Any:
         _, web = _aiohttp()
@@ -307,7 +330,7 @@ class OpenAIFrontend:
         if call.best_of > call.n:
             choices = best_choices(choices, call.n)
         make = chat_response if chat else completion_response
-        return web.json_response(make(call.model, choices, _count(data.get("num_input_tokens")),
+        return web.json_response(make(call.shown or call.model, choices, _count(data.get("num_input_tokens")),
                                       sum(_count(c) for c in counts)),
                                  headers={REQUEST_ID_HEADER: rid})
 
@@ -315,6 +338,7 @@ class OpenAIFrontend:
         _, web = _aiohttp()
         url = f"{self.triton}/v2/models/{call.model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        shown = call.shown or call.model  # the name answered: a prompt's, else the model's
         out = None
         n_in = 0
         n_out: dict[int, int] = {}
@@ -342,7 +366,7 @@ class OpenAIFrontend:
                     await out.prepare(request)
                     if chat:
                         for i in range(call.n):
-                            first = chat_chunk(rid, call.model, created, {"role": "assistant", "content": ""}, None, i)
+                            first = chat_chunk(rid, shown, created, {"role": "assistant", "content": ""}, None, i)
                             await out.write(f"data: {json.dumps(first)}\n\n".encode())
                 index = int(_first(event.get("index")) or 0)
                 finish = openai_finish(_first(event.get("finish_reason")))
@@ -357,19 +381,19 @@ class OpenAIFrontend:
                         logprobs, offsets[index] = completion_logprobs(entries, offsets.get(index, len(call.echo)))
                 if tools is not None:
                     for delta, done in tools.feed(index, text, finish):
-                        chunk = chat_chunk(rid, call.model, created, delta, done, index, logprobs)
+                        chunk = chat_chunk(rid, shown, created, delta, done, index, logprobs)
                         logprobs = None
                         await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 elif text or finish or logprobs:
-                    chunk = (chat_chunk(rid, call.model, created, {"content": text} if text else {}, finish, index,
+                    chunk = (chat_chunk(rid, shown, created, {"content": text} if text else {}, finish, index,
                                         logprobs) if chat
-                             else completion_chunk(rid, call.model, created, text, finish, index, logprobs))
+                             else completion_chunk(rid, shown, created, text, finish, index, logprobs))
                     await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if out is None:
                 raise _upstream_error(call, resp.status, "the inference server closed the stream without an answer")
         if call.include_usage:
             tail = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": call.model, "choices": [], "usage": usage(n_in, sum(n_out.values()))}
+                    "model": shown, "choices": [], "usage": usage(n_in, sum(n_out.values()))}
             await out.write(f"data: {json.dumps(tail)}\n\n".encode())
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

@@ -66,6 +66,7 @@ class GenerateCall:
     echo: str = ""
     tools: ToolPlan | None = None  # chat's tool calls (openai_tools): how the output is answered
     guided_param: str | None = None  # the field that asked for a grammar: a 400 from compiling it names it
+    shown: str = ""  # the model name answered when it is not ``model`` (a prompt template's: openai_prompts)
 
 
 def _whole(req: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:

@@ -16,7 +16,7 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    (``backend/shadow.py``) turns mirroring on: a share of live requests is sent again to the candidate in the
    background, its answers scored against the served ones and never returned (a text-generation model's
    finished greedy or seeded requests, generated again by the candidate, loaded non-decoupled for it: token
-   agreement).
+   agreement; a prompt template, which generates nothing itself, is not mirrored: its acceptance is its gate).
 5. **Gate**: once ``min_requests`` were mirrored, agreement (their mean score) at or above ``gate`` switches;
    below it, or a candidate error, or not enough traffic before ``timeout_s``, rolls back (the candidate
    unloaded, the served version untouched) and reports the worst cases by input hash.
@@ -355,7 +355,9 @@ class RolloutControl:
 
                 raise FactoryError(f"the candidate did not load: {load_error_line(error)}")
             self._set(status, "shadowing")
-            passed = self._shadow(req, status)
+            # A prompt template answers nothing to compare (its base generates): its acceptance is the gate.
+            passed = (_config_json(Path(self.server.repository) / req.model).get("parameters", {}).get("task", {})
+                      .get("string_value") == "prompt" or self._shadow(req, status))
             if not passed:
                 return
             self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch

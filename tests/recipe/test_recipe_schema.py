@@ -173,7 +173,9 @@ def _shipped_and_built_recipes() -> dict[str, dict[str, Any]]:
     recipes = {"examples/minilm.toml": tomllib.loads((ROOT / "model_factory/examples/minilm.toml").read_text())}
     readme_blocks = [b for doc in (ROOT / "README.md", ROOT / "docs" / "models.md")
                      for b in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)]
-    for i, block in enumerate(b for b in readme_blocks if re.search(r"^\[model\]", b, re.M)):  # whole recipes
+    # Whole recipes; a prompt template's (a [prompt] table) has its own schema: tests/build/test_prompt.py.
+    for i, block in enumerate(b for b in readme_blocks if re.search(r"^\[model\]", b, re.M)
+                              and not re.search(r"^\[prompt\]", b, re.M)):
         recipes[f"README/docs recipe {i}"] = tomllib.loads(block)
     for task in ("embedding", "classification", "token-classification", "reranker"):
         data = tomllib.loads(readme_recipe(task) + RECIPE_TAIL)
