@@ -120,21 +120,30 @@ def main() -> None:
         return d / "model.onnx"
 
     fp32 = built("fp32", lambda d: C.run_builder(args.source, d, "fp32"))
-    say("scoring FP32")
-    scorer = Scorer(fp32, 256, heldout, reference)
-    say(f"FP32 perplexity {scorer.ppl_fp32:.3f}")
     scores_path = work / "scores.json"
     scores = json.loads(scores_path.read_text()) if scores_path.exists() else {}
+    ppl_fp32 = scores.pop("fp32", {}).get("perplexity")
     wanted = set(args.only)
+    scorers: list[Scorer] = []
+
+    def fp32_scorer() -> Scorer:  # made when something is to be scored (a run that only writes the table needs none)
+        nonlocal ppl_fp32
+        if not scorers:
+            say("scoring FP32")
+            scorers.append(Scorer(fp32, 256, heldout, reference))
+            ppl_fp32 = scorers[0].ppl_fp32
+            say(f"FP32 perplexity {ppl_fp32:.3f}")
+        return scorers[0]
 
     def score(name: str, graph: Path, **row) -> dict:
         if name in scores and name not in args.fresh:
             return scores[name]
+        scorer = fp32_scorer()
         t = time.time()
         agree, ppl, err, compared = scorer.score(graph)
         scores[name] = {"agreement": agree, "perplexity": ppl, "ratio": ppl / scorer.ppl_fp32, "max_abs_error": err,
                         "weights_mib": weights_bytes(graph) / 2**20, **row}
-        scores_path.write_text(json.dumps(scores, indent=1))
+        scores_path.write_text(json.dumps({"fp32": {"perplexity": ppl_fp32}, **scores}, indent=1))
         say(f"{name}: agreement {agree:.4f}, perplexity ratio {ppl / scorer.ppl_fp32:.4f} ({time.time() - t:.0f} s)")
         return scores[name]
 
@@ -151,6 +160,24 @@ def main() -> None:
             write_scaled_model(args.source, out, "gemma3_text", batches, 32, say)
         return out
 
+    if args.fp16 and run("fp16"):
+        score("fp16", built("fp16", lambda d: C.run_builder(args.source, d, "fp16")), note="the builder's (GPU) graph")
+    # INT8 dynamic: the stage's ladder (down_proj, then o_proj too, in float; then weight-only) until the gate passes
+    if run("int8-dynamic"):
+        for method, keep in _ladder("int8", "dynamic", True, True):
+            name = "int8-dynamic" + "".join(f"-{k}" for k in keep) if method == "dynamic" else "int8-weight-only"
+            graph = built(name, lambda d: dynamic_int8(fp32, d, keep)) if method == "dynamic" else \
+                graph_dir(name) / "model.onnx"
+            row = score(name, graph, note="the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8"),
+                        wider=list(keep))
+            if row["agreement"] >= 0.8 and row["ratio"] <= 1.1:
+                break
+    for name, (precision, method, wider, block, note) in BUILDER.items():
+        if not run(name):
+            continue
+        src = awq_model() if "awq" in name else args.source
+        opts = _builder_options(precision, method, block, wider, tied=True)
+        score(name, built(name, lambda d: C.run_builder(src, d, precision, opts)), note=note, wider=list(wider))
     from model_factory.build_engines.lm_blockwise import BlockwiseInput
 
     inputs: dict[tuple[bool, str], BlockwiseInput] = {}
@@ -171,50 +198,71 @@ def main() -> None:
             blockwise_graph(bi.fp32, d, block, lambda names, head: wide_nodes(names, wider, head), symmetric,
                             bi.importance, say=say)
         score(name, built(name, make), note=note, wider=list(wider))
-    if args.fp16 and run("fp16"):
-        score("fp16", built("fp16", lambda d: C.run_builder(args.source, d, "fp16")), note="the builder's (GPU) graph")
-    for name, (precision, method, wider, block, note) in BUILDER.items():
-        if not run(name):
-            continue
-        src = awq_model() if "awq" in name else args.source
-        opts = _builder_options(precision, method, block, wider, tied=True)
-        score(name, built(name, lambda d: C.run_builder(src, d, precision, opts)), note=note, wider=list(wider))
-    # INT8 dynamic: the stage's ladder (down_proj, then o_proj too, in float; then weight-only) until the gate passes
-    if run("int8-dynamic"):
-        for method, keep in _ladder("int8", "dynamic", True, True):
-            name = "int8-dynamic" + "".join(f"-{k}" for k in keep) if method == "dynamic" else "int8-weight-only"
-            graph = built(name, lambda d: dynamic_int8(fp32, d, keep)) if method == "dynamic" else \
-                graph_dir(name) / "model.onnx"
-            row = score(name, graph, note="the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8"),
-                        wider=list(keep))
-            if row["agreement"] >= 0.8 and row["ratio"] <= 1.1:
-                break
     if args.gguf_graph is not None:
         score("gguf-as-is", args.gguf_graph / "model.onnx", note="the GGUF's own quantization carried into the graph")
     llama = llama_cpp_perplexity(args, heldout, work, say)
-    rows = section_rows(scores, scorer.ppl_fp32, llama)
+    ppl_fp32 = ppl_fp32 or fp32_scorer().ppl_fp32
+    rows = section_rows(scores, ppl_fp32, llama)
     load = load.finish()
     lines = [START, "## Gemma 3 270M: accuracy of each precision and method", "",
              run_header("benchmarks/bench_gemma_accuracy.py", load), "",
              f"Held-out: {len(heldout)} paragraphs of Apache-2.0 ({PPL_TOKENS} tokens each); golden prompts: the first "
              f"{len(reference)}, {len(reference[0].tokens)} greedy tokens of transformers; calibration (AWQ, "
-             f"importance): {len(batches)} paragraphs of GPL-3. FP32 perplexity {scorer.ppl_fp32:.3f}. The gate: "
+             f"importance): {len(batches)} paragraphs of GPL-3. FP32 perplexity {ppl_fp32:.3f}. The gate: "
              "agreement >= 0.8 and perplexity ratio <= 1.10.", "",
              "| variant | precision | agreement | perplexity | ratio vs FP32 | weights MiB | gate | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+             "The gate's ladders (a step below the gate is rebuilt wider; the first that passes is what the build "
+             "keeps):", "", *ladder_lines(scores), "",
              "GGUF carried as is: " + ("the `gguf-as-is` row" if "gguf-as-is" in scores else
                                        "not built in this run (`--gguf-graph`, `[source] kind = \"gguf\"`)") + ".",
              "llama.cpp on the original GGUF: " + (f"perplexity {llama:.3f} over the same token ids "
-                                                   f"(ratio {llama / scorer.ppl_fp32:.4f} to our FP32 graph's)"
+                                                   f"(ratio {llama / ppl_fp32:.4f} to our FP32 graph's)"
                                                    if llama else "not measured (no llama_cpp in this run)") + ".",
              END]
     publish("\n".join(lines), ROOT / "benchmarks" / "RESULTS.md", START, END, args.write)
 
 
+LADDERS = {  # the stage's own climbs, as the default recipe builds them on Gemma
+    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-down_proj", "int8-dynamic-down_proj-o_proj",
+                                                "int8-weight-only"),
+    "INT4 (the default: awq, int4_symmetric = false)": ("int4-awq-zp-gptq-head8", "int4-awq-zp-gptq-mixed"),
+    "INT4 before (awq, the builder's symmetric rounding)": ("int4-awq-head8", "int4-awq-mixed"),
+}
+
+
+def passes(s: dict) -> bool:
+    return s["agreement"] >= 0.8 and s["ratio"] <= 1.1
+
+
+def ladder_lines(scores: dict) -> list[str]:
+    """Each ladder's steps in order, up to the first that passes the gate."""
+    lines = []
+    for title, steps in LADDERS.items():
+        seen = []
+        for i, name in enumerate(steps, 1):
+            if name not in scores:
+                break
+            s = scores[name]
+            seen.append(f"{i}. `{name}` ratio {s['ratio']:.4f}, agreement {s['agreement']:.4f}: "
+                        + ("**pass**" if passes(s) else "below the gate"))
+            if passes(s):
+                break
+        if seen:
+            lines.append(f"- {title}: " + "; ".join(seen) + ("" if passes(scores[steps[len(seen) - 1]]) else
+                                                             " (every step measured missed it)"))
+    return lines
+
+
+def _order(name: str) -> int:
+    names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
+    return names.index(name) if name in names else len(names)
+
+
 def section_rows(scores: dict, ppl_fp32: float, llama: float | None) -> list[str]:
     rows = [f"| fp32 | fp32 | 1.0000 | {ppl_fp32:.3f} | 1.0000 | | reference | the builder's FP32 graph |"]
-    for name, s in scores.items():
-        ok = s["agreement"] >= 0.8 and s["ratio"] <= 1.1
+    for name, s in sorted(scores.items(), key=lambda kv: _order(kv[0])):
+        ok = passes(s)
         precision = "int8" if name.startswith("int8") else name.split("-")[0]
         rows.append(f"| {name} | {precision} | {s['agreement']:.4f} | {s['perplexity']:.3f} | {s['ratio']:.4f} | "
                     f"{s['weights_mib']:.0f} | {'pass' if ok else 'FAIL'} | {s.get('note', '')} |")
