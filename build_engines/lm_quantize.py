@@ -15,16 +15,19 @@ tensor as each step runs, products in the integer kernels (VNNI where the CPU ha
 but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
 with: measured on a trained Llama, 15 and 16 of 16 greedy continuations batched differed from the same prompts
 alone in two runs (FP32, FP16, weight-only INT8 and INT4: none). It is opt-in for that reason
-(benchmarks/RESULTS.md: bench_generative_quant, bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
-activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
-nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
-:mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
+(benchmarks/RESULTS.md: bench_generative_quant, bench_generate_graphs). INT4 is ``MatMulNBits``, block-wise; its
+kernel quantizes the activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's.
+Its weights are the Hugging Face ones (``rtn``) or scaled first (``awq``, :mod:`build_engines.awq`), then written by
+the factory (:mod:`build_engines.lm_blockwise`: zero points, scales searched on the calibration activations, GPTQ,
+the embedding at 8 bits; ``int4_symmetric = false``, the default) or rounded to nearest symmetrically by the builder
+(``int4_symmetric = true``); or ONNX Runtime's ``k_quant`` through the builder.
 
 The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
 FP32's (at most ``max_perplexity_ratio``) and the teacher-forced greedy agreement with the FP32 reference
 continuations up to their first near-tie (at least ``min_token_agreement``). A precision that misses it is
 built again with its most sensitive MatMuls wider, as the encoders keep their most harmful nodes in float: INT4's
-at INT8 (the builder's ``matmul_mixed_precision``: the LM head, then llama.cpp's mixed layers); dynamic INT8's in
+at INT8 (the LM head, then llama.cpp's Q4_K_M layers: the builder's ``matmul_mixed_precision`` selectors, which
+:func:`lm_blockwise.wide_nodes` reads the same way; with the factory's writer a step refits the blocks only); dynamic INT8's in
 float (``DYNAMIC_STEPS``), then weight-only INT8. One that still misses fails the build, and ``accuracy.json``
 says by how much.
 """
