@@ -142,7 +142,8 @@ def main() -> None:
         t = time.time()
         agree, ppl, err, compared = scorer.score(graph)
         scores[name] = {"agreement": agree, "perplexity": ppl, "ratio": ppl / scorer.ppl_fp32, "max_abs_error": err,
-                        "weights_mib": weights_bytes(graph) / 2**20, **row}
+                        "weights_mib": weights_bytes(graph) / 2**20, "scored": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                             time.gmtime()), **row}
         scores_path.write_text(json.dumps({"fp32": {"perplexity": ppl_fp32}, **scores}, indent=1))
         say(f"{name}: agreement {agree:.4f}, perplexity ratio {ppl / scorer.ppl_fp32:.4f} ({time.time() - t:.0f} s)")
         return scores[name]
@@ -209,7 +210,7 @@ def main() -> None:
              f"Held-out: {len(heldout)} paragraphs of Apache-2.0 ({PPL_TOKENS} tokens each); golden prompts: the first "
              f"{len(reference)}, {len(reference[0].tokens)} greedy tokens of transformers; calibration (AWQ, "
              f"importance): {len(batches)} paragraphs of GPL-3. FP32 perplexity {ppl_fp32:.3f}. The gate: "
-             "agreement >= 0.8 and perplexity ratio <= 1.10.", "",
+             "agreement >= 0.8 and perplexity ratio <= 1.10. " + scored_when(scores), "",
              "| variant | precision | agreement | perplexity | ratio vs FP32 | weights MiB | gate | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
              "The gate's ladders (a step below the gate is rebuilt wider; the first that passes is what the build "
@@ -257,6 +258,14 @@ def ladder_lines(scores: dict) -> list[str]:
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
     return names.index(name) if name in names else len(names)
+
+
+def scored_when(scores: dict) -> str:
+    """Which runs scored the rows (a row is scored once and kept in --work; the figures do not depend on the load)."""
+    when = sorted(s["scored"] for s in scores.values() if "scored" in s)
+    span = f" (stamped ones from {when[0]} to {when[-1]})" if when else ""
+    return (f"Each row was scored once by a run of this script on the same `--work`{span} and kept there; graphs "
+            "built with the factory's options (block 32 unless said).")
 
 
 def section_rows(scores: dict, ppl_fp32: float, llama: float | None) -> list[str]:
