@@ -15,16 +15,19 @@ tensor as each step runs, products in the integer kernels (VNNI where the CPU ha
 but one activation scale covers all the rows of a step, so a sequence's output depends on what it is batched
 with: measured on a trained Llama, 15 and 16 of 16 greedy continuations batched differed from the same prompts
 alone in two runs (FP32, FP16, weight-only INT8 and INT4: none). It is opt-in for that reason
-(benchmarks/RESULTS.md: bench_generative_quant, bench_generate_graphs). INT4 is the builder's ``MatMulNBits``, block-wise, symmetric; its kernel quantizes the
-activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's. INT4 is rounded to
-nearest (``rtn``), after activation-aware scaling of the Hugging Face weights (``awq``,
-:mod:`build_engines.awq`), or with ONNX Runtime's ``k_quant``.
+(benchmarks/RESULTS.md: bench_generative_quant, bench_generate_graphs). INT4 is ``MatMulNBits``, block-wise; its
+kernel quantizes the activations to int8 per block of each row (``ACCURACY_LEVEL``), so no row touches another's.
+Its weights are the Hugging Face ones (``rtn``) or scaled first (``awq``, :mod:`build_engines.awq`), then written by
+the factory (:mod:`build_engines.lm_blockwise`: zero points, scales searched on the calibration activations, GPTQ,
+the embedding at 8 bits; ``int4_symmetric = false``, the default) or rounded to nearest symmetrically by the builder
+(``int4_symmetric = true``); or ONNX Runtime's ``k_quant`` through the builder.
 
 The gate, on the held-out text (never the calibration text): the perplexity under the precision divided by
 FP32's (at most ``max_perplexity_ratio``) and the teacher-forced greedy agreement with the FP32 reference
 continuations up to their first near-tie (at least ``min_token_agreement``). A precision that misses it is
 built again with its most sensitive MatMuls wider, as the encoders keep their most harmful nodes in float: INT4's
-at INT8 (the builder's ``matmul_mixed_precision``: the LM head, then llama.cpp's mixed layers); dynamic INT8's in
+at INT8 (the LM head, then llama.cpp's Q4_K_M layers: the builder's ``matmul_mixed_precision`` selectors, which
+:func:`lm_blockwise.wide_nodes` reads the same way; with the factory's writer a step refits the blocks only); dynamic INT8's in
 float (``DYNAMIC_STEPS``), then weight-only INT8. One that still misses fails the build, and ``accuracy.json``
 says by how much.
 """
@@ -41,6 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from model_factory.backend.contract import Files, onnx_file
 from model_factory.build_engines.causal_lm import Continuation, prompt_ids, read_reference, run_builder
+from model_factory.build_engines.lm_blockwise import BlockwiseInput
 from model_factory.build_engines.lm_graph import DecoderRunner, head_dim_of, teacher_forced_agreement
 from model_factory.fileio import atomic_dir, atomic_file
 from model_factory.recipe import Recipe, read_hf_config
@@ -83,6 +87,7 @@ class GenerativeResult:
     # decoded Gemma 3 270M 20x slower than FP32 and nothing said so).
     tokens_per_s: float = 0.0
     tokens_per_s_fp32: float = 0.0
+    weights: str = ""  # INT4 written by lm_blockwise: how its blocks were fitted (zero points, the search)
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -338,6 +343,13 @@ def _ladder(precision: str, method: str, mixed: bool, tied: bool,
     return [(method, step) for step in steps]
 
 
+def uses_blockwise(precision: str, method: str, symmetric: bool, family: str) -> bool:
+    """Whether ``precision`` is written by :mod:`build_engines.lm_blockwise` (zero points, searched scales): INT4
+    rounded or AWQ-scaled, not asked symmetric, of a family whose builder graph has plain MatMuls (GPT-2's
+    Conv1D are Gemms)."""
+    return precision == "int4" and method in ("rtn", "awq") and not symmetric and family not in AWQ_UNSUPPORTED
+
+
 def _builder_options(precision: str, method: str, block: int, mixed: Sequence[str],
                      tied: bool = False) -> dict[str, Any]:
     if precision == "fp16":
@@ -403,22 +415,29 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                     "nearest (rtn)")
                 method = "rtn"
             source = src
+            batches = [prompt_ids(tok, t, CALIBRATION_TOKENS) for t in calib_texts]
             if method == "awq":
                 from model_factory.build_engines.awq import write_scaled_model
 
-                batches = [prompt_ids(tok, t, CALIBRATION_TOKENS) for t in calib_texts]
                 source, scales = write_scaled_model(src, tmp / ".awq-model", gen.family, batches,
                                                     q.int4_block_size, say)
                 search.append({"step": "awq", "groups": [asdict(s) for s in scales]})
             work = tmp / f".{precision}"
             kv = "int8" if kv_scales is not None and precision in KV_INT8_PRECISIONS else "float"
+            blocks = None
+            if uses_blockwise(precision, method, q.int4_symmetric, gen.family):
+                blocks = BlockwiseInput.prepare(source, src, Path(export.onnx_path), tmp / ".int4-fp32", batches,
+                                                head_dim, say)
             head8 = wide_head(precision, hf_config)
             if head8:
                 say(f"[quantize] {precision}: LM head at 8 bits (a vocabulary of {hf_config['vocab_size']:,})")
-            for method, wider in _ladder(precision, method, q.mixed_precision, tied, head8):
+            layout = None
+            for method, wider in _ladder(precision, method, q.mixed_precision, tied and blocks is None, head8):
                 shutil.rmtree(work, ignore_errors=True)
                 if method == "dynamic":
                     graph = dynamic_int8(Path(export.onnx_path), work, wider)
+                elif blocks is not None:
+                    graph, layout = blocks.write(work, q.int4_block_size, wider, say)
                 else:
                     graph = run_builder(source, work, precision,
                                         _builder_options(precision, method, q.int4_block_size, wider, tied), say)
@@ -431,7 +450,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 ok = agree >= agreement_gate and ratio <= q.max_perplexity_ratio
                 kept = "float" if method == "dynamic" else "int8"
                 search.append({"step": "gate", "precision": precision, "method": method, kept: list(wider),
-                               "kv_cache": kv, "agreement": agree, "perplexity_ratio": ratio, "passed": ok})
+                               "kv_cache": kv, "agreement": agree, "perplexity_ratio": ratio, "passed": ok,
+                               **({"blocks": layout} if layout else {})})
                 say(f"[quantize] {precision} ({method}{f', {kept}: ' + ','.join(wider) if wider else ''}"
                     f"{', kv int8' if kv == 'int8' else ''}): agreement "
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
@@ -445,12 +465,13 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             shutil.move(str(work / data_name(graph)), tmp / data_name(tmp / name))
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(tmp / ".awq-model", ignore_errors=True)
+            shutil.rmtree(tmp / ".int4-fp32", ignore_errors=True)
             _point_at_data(tmp / name)
             results.append(GenerativeResult(
                 precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
                 tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
                 float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv, tokens_per_s=speed,
-                tokens_per_s_fp32=speed_fp32))
+                tokens_per_s_fp32=speed_fp32, weights=layout["method"] if layout else ""))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),

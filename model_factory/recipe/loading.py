@@ -282,6 +282,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         max_calibration_samples=q.max_calibration_samples, max_heldout_samples=q.max_heldout_samples,
         min_accuracy=None if q.min_accuracy is None else float(q.min_accuracy), mixed_precision=q.mixed_precision,
         int8_method=q.int8_method, int4_method=q.int4_method, int4_block_size=q.int4_block_size,
+        int4_symmetric=q.int4_symmetric,
         max_perplexity_ratio=1.1 if q.max_perplexity_ratio is None else float(q.max_perplexity_ratio),
         min_token_agreement=0.8 if q.min_token_agreement is None else float(q.min_token_agreement),
         kv_cache=q.kv_cache)

@@ -226,6 +226,11 @@ class QuantizationTable(_Table):
         "awq", description="text-generation INT4 (block-wise weight-only, MatMulNBits): rtn (round to nearest), awq "
         "(per-input-channel scales searched per layer on the calibration text and folded into the preceding norm "
         "or projection before rounding; without calibration_data, rtn) or k_quant (ONNX Runtime's k-quant).")
+    int4_symmetric: Flag = Field(
+        False, description="text-generation INT4 with rtn or awq: false (default) gives each block a zero point and "
+        "a scale searched to minimise the output's error on the calibration text's activations (llama.cpp's K-quant "
+        "fit; the factory writes the MatMulNBits itself, the embedding an 8-bit table); true is the model builder's "
+        "symmetric round to nearest (no zero points), the build before this option.")
     int4_block_size: _choice(INT4_BLOCK_SIZES) = Field(32, description="text-generation INT4: weights per "
                                                        "quantization block (one scale each).")
     kv_cache: _choice(KV_CACHE_TYPES) = Field(

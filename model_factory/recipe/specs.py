@@ -75,6 +75,7 @@ class QuantizationSpec:
     int8_method: str = "weight_only"
     int4_method: str = "awq"
     int4_block_size: int = 32
+    int4_symmetric: bool = False  # True: the builder's symmetric round to nearest; False: zero points, searched scales
     max_perplexity_ratio: float = 1.1
     min_token_agreement: float = 0.8
     kv_cache: str = "float"  # text-generation: "int8" keeps the INT8 / INT4 graphs' KV cache in INT8

@@ -296,9 +296,12 @@ def test_push_and_pull_through_an_oci_layout(llama_quantized, generative_keys, t
     assert "generation.json" in got and "acceptance/continuations.json" in got
 
 
-def test_a_tied_model_falls_back_without_an_int8_lm_head(generative_recipe, tmp_path):
-    """A model whose LM head shares the embedding table (tie_word_embeddings): the gate's fallback keeps the shared
-    4-bit table (the builder cannot make the head alone INT8) and steps to the mixed layers instead."""
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_tied_model_falls_back_without_an_int8_lm_head(generative_recipe, tmp_path, symmetric):
+    """A model whose LM head shares the embedding table (tie_word_embeddings). The builder's symmetric INT4 keeps the
+    shared 4-bit table (it cannot make the head alone INT8) and steps to the mixed layers instead; the factory's
+    blockwise INT4 (the default) gives the embedding an 8-bit table of its own, so its head alone goes to 8 bits
+    first, and each step is recorded with its blocks' layout."""
     from generative_models import make_causal_lm
 
     from model_factory.build.pipeline import build
@@ -306,12 +309,20 @@ def test_a_tied_model_falls_back_without_an_int8_lm_head(generative_recipe, tmp_
     from model_factory.recipe import load_recipe
 
     folder = make_causal_lm("llama", tmp_path / "tied", tie=True)
-    path = generative_recipe(tmp_path, folder, "tied", ("fp32", "int4"), "int4", extra='int4_method = "rtn"')
+    path = generative_recipe(tmp_path, folder, "tied", ("fp32", "int4"), "int4",
+                             extra=f'int4_method = "rtn"\nint4_symmetric = {str(symmetric).lower()}')
     path.write_text(path.read_text().replace("min_token_agreement = 0.4", "min_token_agreement = 1.0"))
     with pytest.raises(AccuracyGateError) as err:  # nothing passes a gate of 1.0: every fallback step is tried
         build(load_recipe(path))
-    steps = [s["int8"] for s in err.value.report.search if s.get("step") == "gate"]
-    assert steps == [[], ["mixed_layers:int8"]], steps
+    gates = [s for s in err.value.report.search if s.get("step") == "gate"]
+    steps = [s["int8"] for s in gates]
+    if symmetric:
+        assert steps == [[], ["mixed_layers:int8"]], steps
+        assert not any("blocks" in s for s in gates)
+    else:
+        assert steps == [[], ["last_matmul:int8"], ["last_matmul:int8", "mixed_layers:int8"]], steps
+        assert gates[1]["blocks"]["int8_matmuls"] == ["/lm_head/MatMul"]
+        assert gates[0]["blocks"]["embedding"] == "8 bits" and "zero points" in gates[0]["blocks"]["method"]
 
 
 def test_gpt2_is_quantized_and_accepted_like_the_other_families(causal_lm_folders, generative_recipe, tmp_path):

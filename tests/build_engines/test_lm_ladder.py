@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model_factory.build_engines.lm_quantize import ACCURACY_LEVEL, _builder_options, _ladder, wide_head
+from model_factory.build_engines.lm_quantize import ACCURACY_LEVEL, _builder_options, _ladder, uses_blockwise, wide_head
 
 
 def test_int8_weight_only_quantizes_activations_per_block_in_the_kernel():
@@ -21,6 +21,26 @@ def test_a_large_vocabulary_keeps_the_int4_lm_head_at_8_bits_from_the_first_buil
     # the head at 8 bits cannot share the embedding's 4-bit table: the embedding gets one of its own
     assert tied["shared_embeddings"] == "false" and tied["op_types_to_quantize"] == "MatMul/Gather"
     assert "shared_embeddings" not in _builder_options("int4", "awq", 32, ("last_matmul:int8",), tied=False)
+
+
+def test_int4_is_written_by_the_factory_unless_asked_symmetric():
+    """rtn and awq go through lm_blockwise (zero points, searched scales); int4_symmetric, k_quant and GPT-2 (its
+    Conv1D are Gemms) keep the builder's quantizer."""
+    assert uses_blockwise("int4", "awq", False, "gemma3_text") and uses_blockwise("int4", "rtn", False, "llama")
+    assert not uses_blockwise("int4", "awq", True, "llama")
+    assert not uses_blockwise("int4", "k_quant", False, "llama")
+    assert not uses_blockwise("int4", "rtn", False, "gpt2")
+    assert not uses_blockwise("int8", "weight_only", False, "llama")
+    # its embedding gets an 8-bit table of its own, so a tied model's head alone can go to 8 bits (the stage passes
+    # tied=False to the ladder for it)
+    assert _ladder("int4", "awq", True, False) == [
+        ("awq", ()), ("awq", ("last_matmul:int8",)), ("awq", ("last_matmul:int8", "mixed_layers:int8"))]
+
+
+def test_dynamic_int8_keeps_down_then_o_in_float_then_falls_back_to_weight_only():
+    """On Gemma 3 270M all-INT8 dynamic missed the gate (perplexity ratio 1.29) and down_proj in float passed it."""
+    assert _ladder("int8", "dynamic", True, True) == [
+        ("dynamic", ()), ("dynamic", ("down_proj",)), ("dynamic", ("down_proj", "o_proj")), ("weight_only", ())]
 
 
 def test_a_small_tied_vocabulary_keeps_the_shared_4_bit_table():
