@@ -100,11 +100,14 @@ ACROSS_KEYS = {"precisions", "shapes.sequence_buckets", "batching.preferred_batc
                "classification.probabilities",
                "shapes.long_inputs", "shapes.chunk_overlap",
                # text-generation: only for a Hugging Face causal-LM folder; its keys refused on other tasks
-               "source.kind", "inputs", "shapes.max_context", "generation", "quantization.kv_cache"}
+               "source.kind", "inputs", "shapes.max_context", "generation", "quantization.kv_cache",
+               # an embedding model's sizes on another task
+               "embedding.matryoshka_dimensions"}
 # Keys whose recipe value is not the Recipe's attribute as is (paths resolved, "auto", derived defaults).
 _NOT_AS_IS = {"path", "calibration_data", "heldout_data", "timing_cache", "max_queue_size", "text_input",
               "default_priority", "pad_sequences", "preferred_batch_sizes", "sequence_buckets",
-              "max_perplexity_ratio", "min_token_agreement"}
+              "max_perplexity_ratio", "min_token_agreement",
+              "matryoshka_dimensions"}  # kept sorted and unique, as a tuple
 _WHERE = {"model": lambda r: r, "embedding": lambda r: r, "shapes": lambda r: r.shapes, "export": lambda r: r.export,
           "quantization": lambda r: r.quantization, "tensorrt": lambda r: r.tensorrt,
           "batching": lambda r: r.batching, "repository": lambda r: r.repository}
