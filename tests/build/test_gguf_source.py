@@ -66,7 +66,7 @@ def test_the_recipe_reads_the_gguf_header(tiny_gguf, tmp_path):
     from model_factory.recipe import load_recipe
 
     recipe = load_recipe(_gguf_recipe(tmp_path, tiny_gguf, "hdr"))
-    assert recipe.source.kind == "gguf" and recipe.source.path == tiny_gguf
+    assert recipe.source.kind == "gguf" and recipe.source.path.resolve() == tiny_gguf.resolve()
     assert recipe.generation.family == "llama" and recipe.generation.max_positions == 512
     assert recipe.generation.eos_token_ids == (2,)  # <|im_end|>, tokenizer.ggml.eos_token_id
 
@@ -93,7 +93,7 @@ def test_the_gguf_sha256_is_the_source_digest_of_provenance_and_metadata(gguf_bu
     meta = json.loads((result.version_dir / "metadata.json").read_text())
     assert sha in json.dumps(meta)
     facts = provenance_for(recipe, {"source_digest": sha}, None)
-    assert facts["source_model"] == str(tiny_gguf) and facts["source_model_digest"] == sha
+    assert Path(facts["source_model"]).resolve() == tiny_gguf.resolve() and facts["source_model_digest"] == sha
     bundle = "".join(p.read_text(errors="ignore") for p in result.model_dir.glob("*.sig"))
     bom = "".join(p.read_text() for p in result.version_dir.glob("*bom*.json"))
     assert sha in bom or sha in bundle or not bom  # the BOM (with the distribution extra) names it
@@ -200,7 +200,6 @@ def test_gguf_precision_logits_agree_with_fp32_at_float_activations(gguf_build, 
 
 
 def test_the_signed_gguf_version_verifies_and_serves_gguf(gguf_build, generative_keys, tmp_path):
-    from model_factory.backend.contract import parse_parameters
     from model_factory.signing import load_policy, verify_model_version
 
     recipe, result = gguf_build
@@ -210,6 +209,11 @@ def test_the_signed_gguf_version_verifies_and_serves_gguf(gguf_build, generative
     verdict = verify_model_version(result.model_dir, recipe.version, load_policy(policy))
     assert verdict.ok, verdict
     assert "model.gguf.onnx" in result.files
+    from model_factory.serving.acceptance import accept_model
+
+    accepted = accept_model(result.version_dir.parent)  # the backend's engine and scheduler on the gguf graph
+    assert accepted.passed, accepted.reason
+    assert accepted.file == "model.gguf.onnx", accepted.file
 
 
 def test_a_file_that_is_not_a_gguf_is_refused_with_the_fix(tmp_path):
