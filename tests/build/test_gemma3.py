@@ -157,7 +157,10 @@ def test_gemma3_gguf_blocks_carry_exactly_into_its_graph(gemma3_build, tmp_path,
     assert forms == {"Q5_0": "8-bit block 32 uint8 zero points", "Q8_0": "8-bit block 32 uint8 zero points",
                      "Q4_K": "4-bit block 32 float zero points", "Q6_K": "8-bit block 16 uint8 zero points"}, forms
     record_property("gguf_carry", json.dumps(report.by_type))
-    ids = list(range(2, 40))
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(recipe.source.path))
+    ids = tok(gemma3_model.license_paragraphs("Apache-2.0", 1)[0])["input_ids"][:40]
     fp32 = DecoderRunner(result.version_dir / "model.onnx", 64, 256).logits(ids)
     carried = DecoderRunner(graph, 64, 256).logits(ids)
     record_property("gguf_max_abs_logits_error", float(np.abs(fp32 - carried).max()))
