@@ -105,10 +105,11 @@ def main() -> None:
     head_dim = head_dim_of(read_hf_config(work / "source"))
     graphs = {"fp32": work / "export" / "model.onnx", "int8": work / "quantize" / "model.int8.onnx",
               "gguf": work / "quantize" / "model.gguf.onnx"}
+    graphs = {p: g for p, g in graphs.items() if g.is_file()}  # int8 where the recipe built it
     say("scoring FP32 (the gate's Scorer)")
     scorer = Scorer(graphs["fp32"], head_dim, windows, reference)
     scores = {"fp32": (1.0, scorer.ppl_fp32, 0.0)}
-    for p in ("int8", "gguf"):
+    for p in [p for p in graphs if p != "fp32"]:
         say(f"scoring {p}")
         agree, ppl, err, _n = scorer.score(graphs[p])
         scores[p] = (agree, ppl, err)
@@ -125,7 +126,7 @@ def main() -> None:
         llama = llama_cpp_perplexity(args.llama_python, args.gguf, windows)
     load = load.finish()
     carried = json.loads((work / "quantize" / "gguf_carry.json").read_text())
-    lines = [START, "## gguf_carry: the GGUF's own blocks as the graph's weights (Gemma 3 270M)", "",
+    lines = [START, f"## gguf_carry: the GGUF's own blocks as the graph's weights ({record['file']})", "",
              run_header("bench_gguf_carry.py", load), "",
              f"Source: `{record['file']}` (sha256 `{record['sha256'][:16]}...`; "
              + ", ".join(f"{n} {t}" for t, n in record["tensor_types"].items()) + f"). Held-out: {len(windows)} "
@@ -139,7 +140,7 @@ def main() -> None:
     for p in graphs:
         agree, ppl, err = scores[p]
         wall = ", ".join(f"{s[0]:.1f}" for s in speeds[p])
-        cpu = ", ".join(f"{s[1]:.0f}" for s in speeds[p])
+        cpu = ", ".join(f"{s[1]:.1f}" for s in speeds[p])
         lines.append(f"| {p} | {agree:.4f} | {ppl:.3f} | {ppl / scorer.ppl_fp32:.4f} | {err:.3g} | {wall} | {cpu} |")
     if llama is not None:
         lines += ["", f"llama.cpp (`llama-cpp-python`, the same {int(llama['tokens'])} token ids, the GGUF itself): "
