@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--heldout", type=Path, required=True)
     ap.add_argument("--gguf", type=Path, help="the GGUF the build read (llama.cpp evaluates it)")
     ap.add_argument("--llama-python", default="/work/peers/llamacpp/bin/python")
+    ap.add_argument("--graph", action="append", default=[], metavar="NAME=PATH",
+                    help="another graph to score and time beside them (a carried variant)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
@@ -106,6 +108,7 @@ def main() -> None:
     graphs = {"fp32": work / "export" / "model.onnx", "int8": work / "quantize" / "model.int8.onnx",
               "gguf": work / "quantize" / "model.gguf.onnx"}
     graphs = {p: g for p, g in graphs.items() if g.is_file()}  # int8 where the recipe built it
+    graphs.update({k: Path(v) for k, v in (g.split("=", 1) for g in args.graph)})
     say("scoring FP32 (the gate's Scorer)")
     scorer = Scorer(graphs["fp32"], head_dim, windows, reference)
     scores = {"fp32": (1.0, scorer.ppl_fp32, 0.0)}

@@ -6,8 +6,9 @@ where the builder packs them (``qkv_proj`` = attn_q | attn_k | attn_v, ``gate_up
 embedding's table. Each such MatMul becomes a ``com.microsoft.MatMulNBits`` whose codes, scales and zero points are
 the GGUF blocks' own (:mod:`build_engines.gguf_blocks`):
 
-* 4 bits, block 32, when every part is a 4-bit type: Q4_0 with its integer zero point 8; Q4_1 / Q4_K with a float
-  zero point (ONNX Runtime's CPU kernel takes one at 4 bits): exact;
+* 4 bits, block 32, when every part is Q4_0 (its integer zero point 8): exact; with ``float_zero_points`` also
+  Q4_1 / Q4_K with a float zero point (ONNX Runtime's CPU kernel takes one at 4 bits): exact, but slow
+  (:data:`FLOAT_ZERO_POINTS`);
 * else 8 bits (the widest form), block 16 where a Q6_K part needs it, else 32: Q8_0 / Q5_0 / Q6_K / Q4_0 exact with
   integer zero points (128 / 16 / 32 / 8); a min type there (Q4_K, Q5_K, Q4_1, Q5_1) with its zero point rounded
   (the CPU kernel refuses float zero points at 8 bits), its error measured and reported.
@@ -37,6 +38,12 @@ PARTS = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "q_proj": ("attn_q",), "k_p
          "down_proj": ("ffn_down",), "gate_up_proj": ("ffn_gate", "ffn_up")}
 # MatMulNBits' activations quantized per block inside the kernel (the int8/int4 precisions' level: lm_quantize).
 ACCURACY_LEVEL = 4
+# The exact 4-bit form of a min type (Q4_K, Q4_1: a float zero point) is off by default: ONNX Runtime 1.32's CPU
+# kernel takes float zero points at 4 bits but then dequantizes the weight on every call (a 2048 x 640 MatMulNBits,
+# one row, 2 threads: 5.3 ms of CPU against 0.085 ms with uint8 zero points and 0.11 ms at 8 bits), which made
+# Gemma 3 270M's gguf graph decode slower than FP32. Such a part takes the 8-bit form with its zero point rounded
+# (gguf_blocks.to_uint8: within 1/32 of the type's step), the integer kernel's.
+FLOAT_ZERO_POINTS = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ def packed_values(b: np.ndarray, scales: np.ndarray, zps: np.ndarray, bits: int,
 
 
 def carry_gguf(fp32_graph: Path, gguf_path: Path, out_dir: Path, hf_config: Mapping[str, Any],
-               accuracy_level: int = ACCURACY_LEVEL, float_zero_points: bool = True,
+               accuracy_level: int = ACCURACY_LEVEL, float_zero_points: bool = FLOAT_ZERO_POINTS,
                progress: Callable[[str], None] | None = None) -> tuple[Path, CarryReport]:
     """Write ``out_dir/model.onnx`` (+ ``model.onnx.data``): ``fp32_graph`` with each MatMul whose weight is a
     quantized GGUF tensor as a MatMulNBits of that tensor's blocks."""

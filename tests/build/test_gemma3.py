@@ -134,8 +134,9 @@ def test_gemma3_int8_runs_on_the_integer_kernel_and_its_speed_is_recorded(gemma3
 def test_gemma3_gguf_blocks_carry_exactly_into_its_graph(gemma3_build, tmp_path, record_property):
     """Precision ``gguf``'s rewrite on the real file (build_engines/gguf_carry.py): every MatMul of the session's
     exported graph (its folder is this GGUF dequantized by transformers) becomes a MatMulNBits of the GGUF's own
-    blocks, each exact: the Q8_0 tied LM head, the packed QKV of Q5_0 and Q8_0 parts (8 bits), Q5_0 gate/up, Q4_K
-    o_proj/down (4 bits, float zero points), Q6_K down (8 bits, block 16). The whole ``kind = "gguf"`` build of this
+    blocks: exact for the Q8_0 tied LM head, the packed QKV of Q5_0 and Q8_0 parts (8 bits), Q5_0 gate/up and Q6_K down
+    (8 bits, block 16); Q4_K o_proj/down at 8 bits with their zero points rounded (the exact 4-bit form with float zero
+    points is ONNX Runtime's slow path), within 1 % of the weights' RMS. The whole ``kind = "gguf"`` build of this
     file and its gate figures: benchmarks/bench_gguf_carry.py (docs/generation.md); not here: CI time."""
     import importlib
 
@@ -151,11 +152,12 @@ def test_gemma3_gguf_blocks_carry_exactly_into_its_graph(gemma3_build, tmp_path,
     gguf_file = pkg.assemble(tmp_path / "gguf" / pkg.MODEL_NAME)
     graph, report = carry_gguf(recipe.work_dir / "export" / "model.onnx", gguf_file, tmp_path / "carried",
                                read_hf_config(recipe.source.path))
-    assert len(report.matmuls) == 18 * 5 + 1 and all(m.bits and m.exact for m in report.matmuls), [
-        m for m in report.matmuls if not (m.bits and m.exact)]
+    assert len(report.matmuls) == 18 * 5 + 1 and all(m.bits for m in report.matmuls)
+    assert all(m.exact for m in report.matmuls if "Q4_K" not in m.types), [m for m in report.matmuls if not m.exact]
+    assert all(m.relative_rms_error < 0.01 for m in report.matmuls)
     forms = {t: v["form"] for t, v in report.by_type.items()}
     assert forms == {"Q5_0": "8-bit block 32 uint8 zero points", "Q8_0": "8-bit block 32 uint8 zero points",
-                     "Q4_K": "4-bit block 32 float zero points", "Q6_K": "8-bit block 16 uint8 zero points"}, forms
+                     "Q4_K": "8-bit block 32 uint8 zero points", "Q6_K": "8-bit block 16 uint8 zero points"}, forms
     record_property("gguf_carry", json.dumps(report.by_type))
     import transformers
 
