@@ -166,7 +166,7 @@ def carry_gguf(fp32_graph: Path, gguf_path: Path, out_dir: Path, hf_config: Mapp
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     heads = [int(hf_config.get("num_attention_heads") or 0), int(hf_config.get("num_key_value_heads") or 0)]
-    model = onnx.load(str(fp32_graph), load_external_data=True)
+    model = _load_with_data(Path(fp32_graph))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     rows: list[CarriedMatMul] = []
@@ -243,6 +243,27 @@ def carry_gguf(fp32_graph: Path, gguf_path: Path, out_dir: Path, hf_config: Mapp
         + "; ".join(f"{t}: {v['form']}, " + ("exact" if v["exact"] else f"max abs error {v['max_abs_error']:.3g}")
                     for t, v in report.by_type.items()))
     return out, report
+
+
+def _load_with_data(path: Path) -> Any:
+    """The graph with its external data read in. onnx's own loader refuses a data file with several hard links,
+    which the export's is once packaging has linked it into a version folder (a ``quantize`` after ``package``)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        ext = {e.key: e.value for e in t.external_data}
+        location = (path.parent / ext["location"]).resolve()
+        if path.parent.resolve() not in location.parents:
+            raise ValueError(f"{path}: {t.name}'s data lies outside its folder ({ext['location']})")
+        with open(location, "rb") as f:
+            f.seek(int(ext.get("offset", 0)))
+            t.raw_data = f.read(int(ext["length"]))
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    return model
 
 
 def _by_type(rows: Sequence[CarriedMatMul]) -> dict[str, Any]:
