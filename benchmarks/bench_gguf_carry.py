@@ -56,11 +56,14 @@ print(json.dumps({"nll": total, "tokens": count, "perplexity": math.exp(total / 
 
 
 def llama_cpp_perplexity(python: str, gguf: Path, windows: list[list[int]], threads: int = 2) -> dict:
+    """llama.cpp's perplexity of ``windows`` on ``gguf``, or {"error": why} (not installed, failed)."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "w.json").write_text(json.dumps(windows))
         (Path(tmp) / "s.py").write_text(LLAMA_SCRIPT)
         out = subprocess.run([python, str(Path(tmp) / "s.py"), str(gguf), str(Path(tmp) / "w.json"), str(threads)],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -145,7 +148,9 @@ def main() -> None:
         wall = ", ".join(f"{s[0]:.1f}" for s in speeds[p])
         cpu = ", ".join(f"{s[1]:.1f}" for s in speeds[p])
         lines.append(f"| {p} | {agree:.4f} | {ppl:.3f} | {ppl / scorer.ppl_fp32:.4f} | {err:.3g} | {wall} | {cpu} |")
-    if llama is not None:
+    if llama is not None and "error" in llama:
+        lines += ["", f"llama.cpp: not measured ({args.llama_python}: {llama['error']})."]
+    elif llama is not None:
         lines += ["", f"llama.cpp (`llama-cpp-python`, the same {int(llama['tokens'])} token ids, the GGUF itself): "
                   f"perplexity {llama['perplexity']:.3f}; the gguf graph's is {scores['gguf'][1] / llama['perplexity']:.4f}x "
                   f"it, FP32's (the GGUF dequantized) {scorer.ppl_fp32 / llama['perplexity']:.4f}x."]
