@@ -293,7 +293,10 @@ def export_causal_lm(recipe: Recipe, out_dir: Path | None = None,
     """The export stage for ``task = "text-generation"``: ``export/model.onnx`` (+ data), tokenizer, checks."""
     from model_factory.build_engines.export_result import ExportResult
 
+    from model_factory.recipe.gguf import converted
+
     say = progress or (lambda _m: None)
+    recipe = converted(recipe)
     out_dir = Path(out_dir or recipe.work_dir / "export")
     src = recipe.source.path
     gen = recipe.generation
@@ -328,7 +331,8 @@ def export_causal_lm(recipe: Recipe, out_dir: Path | None = None,
             raise FactoryError(f"the exported graph's greedy tokens differ from transformers at step "
                                f"{bad['first_difference']} (before any near-tie). Fix: report the family "
                                f"({gen.family}) to the factory's maintainers; it cannot be served as is")
-        digest = source_digest(src)
+        # A gguf source's digest is the GGUF file's sha256 (the folder is only its reading).
+        digest = digest_path(recipe.source.gguf) if recipe.source.gguf is not None else source_digest(src)
         names = _io_names(tmp / Files.ONNX)
         (tmp / REFERENCE_FILE).write_text(json.dumps({"source": "transformers generate(do_sample=False)",
                                                       "max_tokens": GOLDEN_TOKENS,

@@ -55,6 +55,12 @@ def export_model(recipe: Recipe, out_dir: Path | None = None, progress: Callable
                            "export.torchscript = false, or build from the huggingface folder or torch factory")
     from model_factory.build_engines.source_scan import scan_source, scan_summary
 
+    if recipe.source.kind == "gguf":  # the source stage first (model-factory export alone): GGUF -> HF folder
+        from model_factory.build_engines.gguf_source import convert_gguf
+        from model_factory.recipe.gguf import converted
+
+        convert_gguf(recipe, progress=progress)
+        recipe = converted(recipe)
     # Before any library opens a source file: classified, its pickles scanned; a refused one stops here.
     scan = scan_source(recipe).to_dict()
     say(f"[scan] {scan_summary(scan)}")

@@ -50,6 +50,7 @@ from model_factory.fileio import atomic_dir, atomic_file
 from model_factory.recipe import Recipe, read_hf_config
 
 REPORT_NAME = "accuracy.json"
+CARRY_REPORT = "gguf_carry.json"  # precision gguf: each MatMul's GGUF parts, form and error (gguf_carry.py)
 PPL_TOKENS = 128  # tokens per held-out sample scored for perplexity
 CALIBRATION_TOKENS = 128
 # Families whose INT4 is rounded to nearest even when awq is asked: the scaling folds into modules they lay out
@@ -59,7 +60,7 @@ AWQ_UNSUPPORTED = frozenset({"gpt2"})
 MIXED_STEPS = ((), ("last_matmul:int8",), ("last_matmul:int8", "mixed_layers:int8"))
 # The precisions whose graphs keep their KV cache in INT8 when the recipe asks (quantization.kv_cache = "int8"):
 # FP32 stays the reference, FP16 the GPU's graph.
-KV_INT8_PRECISIONS = ("int8", "int4")
+KV_INT8_PRECISIONS = ("int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,8 @@ def _ladder(precision: str, method: str, mixed: bool, tied: bool,
         return [(method, w) for w in dict.fromkeys(tuple(dict.fromkeys((WIDE_HEAD,) + s)) for s in steps)]
     if precision == "fp16":
         return [("fp16", ())]
+    if precision == "gguf":  # the GGUF's own blocks: nothing to widen (it is what the user chose)
+        return [("gguf", ())]
     if precision == "int8" and method == "dynamic":
         steps = [("dynamic", keep) for keep in (DYNAMIC_STEPS if mixed else DYNAMIC_STEPS[:1])]
         return (steps + [("weight_only", ())]) if mixed else steps
@@ -378,7 +381,10 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
     from model_factory.build_engines.accuracy import AccuracyGateError
     from model_factory.build_engines.calibration import split_data
 
+    from model_factory.recipe.gguf import converted
+
     say = progress or (lambda _m: None)
+    recipe = converted(recipe)  # a gguf source: the folder its source stage wrote (source.gguf the file)
     out_dir = Path(out_dir or recipe.work_dir / "quantize")
     q, gen, src = recipe.quantization, recipe.generation, recipe.source.path
     assert gen is not None and src is not None
@@ -405,8 +411,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
             f"{len(calib_texts)} calibration samples")
     results, search, models = [], [], {"fp32": Path(export.onnx_path)}
     with atomic_dir(out_dir) as tmp:
-        for precision in [p for p in ("fp16", "int8", "int4") if p in recipe.precisions]:
-            method = {"int4": q.int4_method, "int8": q.int8_method}.get(precision, "fp16")
+        for precision in [p for p in ("fp16", "int8", "int4", "gguf") if p in recipe.precisions]:
+            method = {"int4": q.int4_method, "int8": q.int8_method, "gguf": "gguf"}.get(precision, "fp16")
             if method == "awq" and not calib_texts:
                 say("[quantize] awq needs calibration_data: int4 rounded to nearest (rtn)")
                 method = "rtn"
@@ -436,6 +442,14 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 shutil.rmtree(work, ignore_errors=True)
                 if method == "dynamic":
                     graph = dynamic_int8(Path(export.onnx_path), work, wider)
+                elif method == "gguf":  # the GGUF's own blocks in MatMulNBits (build_engines/gguf_carry.py)
+                    from model_factory.build_engines.gguf_carry import carry_gguf
+
+                    assert recipe.source.gguf is not None
+                    graph, carry = carry_gguf(Path(export.onnx_path), recipe.source.gguf, work, hf_config,
+                                              progress=say)
+                    (tmp / CARRY_REPORT).write_text(json.dumps(carry.to_dict(), indent=2) + "\n")
+                    search.append({"step": "gguf", "by_type": dict(carry.by_type)})
                 elif blocks is not None:
                     graph, layout = blocks.write(work, q.int4_block_size, wider, say)
                 else:

@@ -292,6 +292,9 @@ def build_lm_engines(recipe: Recipe, export_dir: Path, out_dir: Path | None = No
 
     say = progress or (lambda _m: None)
     _trt()  # no TensorRT: fail before the (slow) export
+    from model_factory.recipe.gguf import converted
+
+    recipe = converted(recipe)
     src, gen = recipe.source.path, recipe.generation
     assert src is not None and gen is not None
     out_dir = Path(out_dir or recipe.work_dir / "engines")

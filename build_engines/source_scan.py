@@ -225,7 +225,7 @@ def source_files(recipe: Any) -> tuple[Path, list[Path]]:
     if src.kind == "huggingface" and src.path is not None:
         root = Path(src.path)
         files = [p for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts]
-    elif src.kind == "onnx" and src.path is not None:
+    elif src.kind in ("onnx", "gguf") and src.path is not None:  # one file (a GGUF holds no code: classified)
         root = Path(src.path).parent
         files = [Path(src.path)]
     else:  # torch: the factory's own code runs inside the build sandbox; its data files are scanned below

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, generative models only
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")  # int4: weight-only, generative models only; gguf: a GGUF's blocks
 ENGINES = ("auto", "onnxruntime", "tensorrt", "torch")
 GROUPINGS = ("cost_model", "pad_to_longest", "none")
 WARMUPS = ("short", "sweep")

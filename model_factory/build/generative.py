@@ -189,7 +189,9 @@ def layout_generative_version(recipe: Recipe, artifacts: Mapping[str, Path], *, 
     is swapped in with one rename, signed while staged when ``sign`` is given.
     """
     from model_factory.build_engines.lm_quantize import weights_bytes
+    from model_factory.recipe.gguf import converted
 
+    recipe = converted(recipe)  # a gguf source: the folder its source stage wrote
     serve = recipe.repository.serve
     if onnx_file(serve) not in artifacts:
         raise FactoryError(f"repository.serve = \"{serve}\" but {onnx_file(serve)} was not built. Fix: add "

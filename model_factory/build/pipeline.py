@@ -270,6 +270,16 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
     from model_factory.build.generative import layout_generative_version
     from model_factory.build_engines.causal_lm import export_causal_lm
 
+    original = recipe
+    gguf_info: dict[str, Any] | None = None
+    if recipe.source.kind == "gguf":
+        # The source stage: the GGUF read (behind the walls, scanned first) into the Hugging Face folder every later
+        # stage reads; the GGUF's sha256 stays the build's source digest (provenance, BOM).
+        from model_factory.build_engines.gguf_source import convert_gguf
+        from model_factory.recipe.gguf import converted
+
+        gguf_info = _timed(seconds, "source", say, lambda: stage("source", convert_gguf, recipe))
+        recipe = converted(recipe)
     exported = _timed(seconds, "export", say, lambda: stage("export", export_causal_lm, recipe))
     export_dir = exported.onnx_path.parent
     artifacts: dict[str, Path] = {Files.ONNX: exported.onnx_path}
@@ -277,6 +287,9 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
     build_info: dict[str, Any] = {"export": {"max_abs_error": exported.max_abs_error, "opset": exported.opset,
                                              "exporter": "onnxruntime-genai model builder"},
                                   "source_digest": exported.source_digest}
+    if gguf_info is not None:
+        build_info["source_scan"] = gguf_info.pop("source_scan", None)
+        build_info["gguf"] = gguf_info
     accuracy = None
     if set(recipe.precisions) - {"fp32"}:
         from model_factory.build_engines.lm_quantize import quantize_causal_lm
@@ -287,6 +300,9 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
             if precision != "fp32":
                 artifacts[onnx_file(precision)] = path
         extra.append(q.report_path)
+        carried = q.report_path.parent / "gguf_carry.json"  # precision gguf: what each MatMul carries
+        if carried.is_file():
+            extra.append(carried)
         say(q.report.render())
         accuracy = q.report.to_dict()
         build_info["quantization"] = {"float_nodes": list(q.float_nodes), "calibration_digest": q.calibration_digest}
@@ -313,7 +329,7 @@ def _build_generative(recipe: Recipe, stage: Callable[..., Any], say: Progress, 
 
         skipped += [f"[build-engine] skipped: the {p} TensorRT plan (its weight-only graph missed the token-agreement "
                     "gate: the line above)" for p in plan_precisions(recipe.precisions)[0] if p not in built_engines]
-    sign = _signer_for(recipe, signer, build_info, accuracy, started_on, seconds, say)
+    sign = _signer_for(original, signer, build_info, accuracy, started_on, seconds, say)
     packaged = _timed(seconds, "package", say, lambda: layout_generative_version(
         recipe, artifacts, export_dir=export_dir, extra_files=tuple(extra), build_info=build_info, sign=sign,
         parameters=parameters))
@@ -339,7 +355,7 @@ def provenance_for(recipe: Recipe, build_info: dict[str, Any], accuracy: dict[st
 
     facts: dict[str, Any] = {
         "source_model_digest": build_info["source_digest"],
-        "source_model": str(recipe.source.path) if recipe.source.path else recipe.source.factory,
+        "source_model": str(recipe.source.gguf or recipe.source.path) if recipe.source.path else recipe.source.factory,
         "recipe": dict(recipe.raw),
         "tool_versions": tool_versions(),
         "precisions": list(recipe.precisions),
@@ -370,7 +386,9 @@ def package_existing(recipe: Recipe, progress: Progress | None = None) -> Any:
     export_dir = recipe.work_dir / "export"
     if recipe.is_generative:
         from model_factory.build.generative import layout_generative_version
+        from model_factory.recipe.gguf import converted
 
+        recipe = converted(recipe)
         artifacts = {onnx_file(p): path for p, path in quantized_models(recipe).items()}
         reports = [p for p in (export_dir / Files.EXPORT_REPORT, recipe.work_dir / "quantize" / "accuracy.json")
                    if p.is_file()]

@@ -22,6 +22,8 @@ def stage_walls(recipe: Recipe, stage: str) -> Walls:
     if src.path is not None:
         p = Path(src.path).resolve()
         read.add(str(p if p.is_dir() else p.parent))  # an ONNX file's external data lies beside it
+    if src.gguf is not None:  # a gguf source's folder (under the work folder) and the file it came from
+        read.add(str(Path(src.gguf).resolve().parent))
     if src.base_dir is not None:
         read.add(str(Path(src.base_dir).resolve()))  # a torch factory's module, the recipe's own folder
     q = recipe.quantization

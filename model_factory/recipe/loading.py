@@ -49,6 +49,13 @@ def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
         if not path.is_dir():
             raise _err("source.path", f"{path} is not a folder", "point it at a folder saved with save_pretrained()")
         return path, None
+    if src.kind == "gguf":
+        if src.path is None:
+            raise _err("source.path", "missing", "set path to a .gguf file")
+        path = _path(src.path, base_dir)
+        if not path.is_file():
+            raise _err("source.path", f"{path} does not exist", "point it at an existing .gguf file")
+        return path, None
     if src.kind == "onnx":
         if src.path is None:
             raise _err("source.path", "missing", "set path to an .onnx file")
@@ -167,8 +174,8 @@ def _repository(r: RepositoryTable, precisions: tuple[str, ...], export: ExportS
 
 
 def _check_generative_precisions(precisions: tuple[str, ...], calib: Path | None, heldout: Path | None) -> None:
-    if set(precisions) & {"fp16", "int8", "int4"} and calib is None and heldout is None:
-        wanted = [p for p in ("fp16", "int8", "int4") if p in precisions]
+    if set(precisions) & {"fp16", "int8", "int4", "gguf"} and calib is None and heldout is None:
+        wanted = [p for p in ("fp16", "int8", "int4", "gguf") if p in precisions]
         raise _err("quantization.heldout_data", f"{'/'.join(wanted)} {'is' if len(wanted) == 1 else 'are'} gated on "
                    "held-out text and none is set",
                    "point heldout_data (or calibration_data) at a local .txt of your text, one sample per line")
@@ -187,10 +194,17 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                    "remove it, or set model.task = \"classification\" or \"token-classification\"")
 
     generation, max_context = None, None
+    if kind == "gguf" and task != "text-generation":
+        raise _err("model.task", f"a gguf source is a language model, not a {task!r} model",
+                   "set task = \"text-generation\"")
+    if "gguf" in doc.precisions and kind != "gguf":
+        raise _err("precisions", f"gguf carries a GGUF's own quantized blocks, and this source is {kind}",
+                   "remove \"gguf\" from precisions, or build from the .gguf file (kind = \"gguf\")")
     if task == "text-generation":
-        if kind != "huggingface" or path is None:
+        if kind not in ("huggingface", "gguf") or path is None:
             raise _err("source.kind", f"text-generation builds Hugging Face causal-LM folders, not a {kind} source",
-                       "set kind = \"huggingface\" and path to a folder saved with save_pretrained()")
+                       "set kind = \"huggingface\" and path to a folder saved with save_pretrained() (or kind = "
+                       "\"gguf\" and path to a .gguf file)")
         if doc.inputs is not None or doc.outputs is not None:
             raise _err("inputs", "a text-generation model's inputs and outputs are the generate API's (text_input, "
                        "max_tokens, ... -> text_output), not declared", "remove [[inputs]] and [[outputs]]")
@@ -202,7 +216,12 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
                        f"Runtime's CUDA attention computes in float16 only), not {doc.repository.serve}",
                        "set serve = \"fp16\" (with fp16 among precisions), or instance_kind = \"cpu\"")
         defaults = {k: v for k, v in doc.generation.model_dump().items() if v is not None}
-        generation, max_context = check_causal_lm(path, read_hf_config(path), doc.shapes.max_context, defaults)
+        if kind == "gguf":
+            from model_factory.recipe.gguf import check_gguf
+
+            generation, max_context, _header = check_gguf(path, doc.shapes.max_context, defaults)
+        else:
+            generation, max_context = check_causal_lm(path, read_hf_config(path), doc.shapes.max_context, defaults)
         inputs, outputs = generate_tensor_specs()
     elif doc.inputs is not None or doc.outputs is not None:
         inputs = _tensor_specs(doc.inputs, "inputs")

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema
 
-SOURCE_KINDS = ("huggingface", "torch", "onnx")
+SOURCE_KINDS = ("huggingface", "torch", "onnx", "gguf")
 TASKS = ("embedding", "classification", "token-classification", "reranker", "generic", "text-generation")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, text-generation only
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")  # int4: weight-only, text-generation only; gguf: a GGUF's own blocks
 INT4_METHODS = ("rtn", "awq", "k_quant")
 INT8_METHODS = ("dynamic", "weight_only")
 KV_CACHE_TYPES = ("float", "int8")
@@ -92,9 +92,11 @@ class SourceTable(_Table):
     """[source]: where the model comes from."""
 
     kind: _choice(SOURCE_KINDS) = Field(description="huggingface: a folder saved with save_pretrained(); torch: a "
-                                        "factory function; onnx: an ONNX file.")
-    path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file. "
-                                     "Relative to the recipe's folder. Not used by a torch source.")
+                                        "factory function; onnx: an ONNX file; gguf: a llama.cpp GGUF file "
+                                        "(text-generation; read into a Hugging Face folder by the build's source "
+                                        "stage, needs the gguf extra).")
+    path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file; gguf: the .gguf "
+                                     "file. Relative to the recipe's folder. Not used by a torch source.")
     factory: Annotated[Optional[str], Field(pattern=FACTORY_PATTERN),
                        Fix('write it as "module:function", e.g. factory = "tiny_cnn:build" for build() in '
                            "tiny_cnn.py beside the recipe")] = Field(
@@ -392,10 +394,11 @@ class RecipeFile(_Table):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, title="model-factory recipe")
 
     precisions: Annotated[list[Literal[PRECISIONS]], Field(min_length=1),  # type: ignore[valid-type]
-                          Fix('use one of: fp32, fp16, int8, int4, in a list, e.g. precisions = ["fp32", "int8"]')
+                          Fix('use one of: fp32, fp16, int8, int4, gguf, in a list, e.g. precisions = ["fp32", "int8"]')
                           ] = Field(["fp32"], description="The precisions built; fp32 is required (the reference "
                                     "FP16/INT8/INT4 are scored against). int4 (weight-only) is for text-generation "
-                                    "only.")
+                                    "only. gguf (a gguf source only): the GGUF's own quantized blocks carried into "
+                                    "MatMulNBits, not re-quantized, gated like the others.")
     model: Annotated[ModelTable, Fix("add a [model] table with name and version")] = Field(
         description="What the served model is called and what it does.")
     source: Annotated[SourceTable, Fix("add a [source] table with kind and path (or factory)")] = Field(

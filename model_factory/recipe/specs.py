@@ -33,6 +33,9 @@ class SourceSpec:
     package: str | None = None  # a Python package that ships the model folder
     base_dir: Path | None = None
     allow_pickle: bool = False  # clean pickle-based weights admitted (build_engines/source_scan.py)
+    # A gguf source after its source stage (recipe.gguf.converted): kind "huggingface", path the folder written from
+    # the GGUF, this the .gguf file itself (its digest is the build's source digest; precision "gguf" reads it).
+    gguf: Path | None = None
 
 
 @dataclass(frozen=True)
