@@ -85,6 +85,14 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def _decoding(sched: Scheduler, tokens: int = 400) -> Generation:
+    """A stream decoding (with none, there is nothing to keep level and prompts are prefilled whole)."""
+    stream = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=tokens, min_tokens=tokens),
+                                     lambda g, e: None))
+    sched.step()
+    return stream
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_llm):
     from tests.generative_repository import generation_spec
@@ -138,9 +146,40 @@ def test_a_chunk_of_any_size_gives_the_same_tokens(engine):
     whole = _alone(model, spec, prompt, SEEDED)
     for chunk in (MIN_CHUNK, 17, 100, 149, 150, 1000):
         sched = Scheduler(model, KVSlots(spec, 2, 1 << 30), None, spec.eos_token_ids, chunk_tokens=chunk)
+        stream = _decoding(sched, tokens=160)
         g = sched.submit(Generation(list(prompt), SEEDED, lambda g, e: None))
+        sched.step()
+        assert g.cached == min(chunk, len(prompt))
         _run(sched)
         assert g.generated == whole, chunk
+        assert stream.generated == _alone(model, spec, stream.prompt, stream.params)
+
+
+def test_with_no_stream_decoding_prompts_are_prefilled_whole(engine):
+    """Nothing decodes: no stream to keep level, so new prompts (and one left mid-prefill when the streams ended)
+    are prefilled whole, as with chunking off: fresh prompts arriving together lose nothing to chunking."""
+    spec, model = engine
+    rng = random.Random(9)
+    recording = _Recording(model)
+    sched = Scheduler(recording, KVSlots(spec, 8, 1 << 30), None, spec.eos_token_ids, chunk_tokens=32)
+    fresh = [sched.submit(Generation(_prompt(rng, spec.vocab_size, 100), GREEDY, lambda g, e: None))
+             for _ in range(4)]
+    sched.step()
+    assert recording.launches == [("prefill", [100] * 4, [0] * 4)] and all(len(g.generated) == 1 for g in fresh)
+    _run(sched)
+    stream = _decoding(sched, tokens=3)
+    long = sched.submit(Generation(_prompt(rng, spec.vocab_size, 200), GREEDY, lambda g, e: None))
+    sched.step()
+    assert long.prefilling and long.cached == 32
+    while len(stream.generated) < 3:
+        sched.step()
+    before = long.cached
+    sched.step()  # the stream ended: the rest of the long prompt in one launch
+    assert 0 < before < 200 - 32 and not long.prefilling and long.generated
+    assert recording.launches[-1] == ("prefill", [200 - before], [before])
+    _run(sched)
+    for g in fresh + [long]:
+        assert g.generated == _alone(model, spec, g.prompt, g.params)
 
 
 def test_short_prompts_take_what_the_budget_leaves_and_wait_for_the_rest(engine):
@@ -150,15 +189,17 @@ def test_short_prompts_take_what_the_budget_leaves_and_wait_for_the_rest(engine)
     rng = random.Random(2)
     recording = _Recording(model)
     sched = Scheduler(recording, KVSlots(spec, 8, 1 << 30), None, spec.eos_token_ids, chunk_tokens=48)
+    stream = _decoding(sched)
+    recording.launches.clear()
     long = sched.submit(Generation(_prompt(rng, spec.vocab_size, 200), GREEDY, lambda g, e: None))
     shorts = [sched.submit(Generation(_prompt(rng, spec.vocab_size, 20), GREEDY, lambda g, e: None))
               for _ in range(4)]
     sched.step()
     assert long.prefilling and long.cached == 48 and all(s.slot is None for s in shorts)
-    assert sched.slots.active == 1  # the waiting hold no reservation
+    assert sched.slots.active == 2  # the stream and the long one: the waiting hold no reservation
     _run(sched)
     assert all(sum(rows) <= 48 for kind, rows, _ in recording.launches if kind == "prefill")
-    for g in [long] + shorts:
+    for g in [long, stream] + shorts:
         assert g.generated == _alone(model, spec, g.prompt, g.params)
 
 
@@ -169,6 +210,8 @@ def test_n_choices_wait_for_their_leaders_last_chunk_and_share_it(engine):
     params = dataclasses.replace(SEEDED, logprobs=None)
     recording = _Recording(model)
     sched = Scheduler(recording, KVSlots(spec, 8, 1 << 30), None, spec.eos_token_ids, chunk_tokens=32)
+    _decoding(sched)
+    recording.launches.clear()
     gens = []
     for i in range(3):
         gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)),
@@ -210,6 +253,7 @@ def test_a_leader_cancelled_mid_prefill_leaves_its_siblings_to_prefill_themselve
     gone = {"now": False}
     sched = Scheduler(model, KVSlots(spec, 4, 1 << 30), None, spec.eos_token_ids, chunk_tokens=32,
                       cancel_check_s=0.0)
+    _decoding(sched)
     leader = Generation(list(prompt), GREEDY, lambda g, e: None, is_cancelled=lambda: gone["now"])
     sibling = Generation(list(prompt), SEEDED, lambda g, e: None, index=1, leader=leader)
     sched.submit_all([leader, sibling])
@@ -231,6 +275,7 @@ def test_prefix_cache_hits_continue_in_chunks_with_the_same_tokens(engine):
     _run(sched)
     # The same document with a long new part: the hit, then its rest in chunks of at most 48 tokens.
     tail = _prompt(rng, spec.vocab_size, 130)
+    _decoding(sched)
     recording.launches.clear()
     later = sched.submit(Generation(document + tail, SEEDED, lambda g, e: None))
     _run(sched)
@@ -241,6 +286,7 @@ def test_prefix_cache_hits_continue_in_chunks_with_the_same_tokens(engine):
     assert first.generated == _alone(model, spec, first.prompt, GREEDY)
     assert later.generated == _alone(model, spec, later.prompt, SEEDED)
     # A third finds the second's prefix, cached as its chunks went: its document and tail.
+    _decoding(sched, tokens=20)
     third = sched.submit(Generation(document + tail + [9], GREEDY, lambda g, e: None))
     _run(sched)
     assert third.prefix_hit >= len(document) + len(tail) - BLOCK_TOKENS

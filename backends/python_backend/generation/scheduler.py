@@ -447,23 +447,28 @@ class Scheduler:
 
     def _plan_chunks(self) -> tuple[list[tuple[Generation, int]], int | None]:
         """The sequences mid-prefill that continue this step (oldest first) and their chunks' tokens, and the prompt
-        tokens left for new prompts (None: chunked prefill off). A sibling whose leader stopped before its last
+        tokens left for new prompts (None: no bound, when chunked prefill is off or no sequence decodes: there is no
+        stream to keep level, and whole prompts waste no launch). A sibling whose leader stopped before its last
         chunk (cancelled, preempted) prefills its prompt itself."""
-        if not self.chunk_tokens:
+        prefilling = [g for g in self.running if g.prefilling]
+        if not self.chunk_tokens and not prefilling:
             return [], None
-        left, plan = self.chunk_tokens, []
-        for gen in sorted((g for g in self.running if g.prefilling), key=lambda g: g.id):
+        decoding = len(prefilling) < len(self.running)
+        left = self.chunk_tokens if decoding and self.chunk_tokens else None
+        plan: list[tuple[Generation, int]] = []
+        for gen in sorted(prefilling, key=lambda g: g.id):
             leader = gen.prefill_from
             if leader is not None and (leader.slot is None or leader.finish_reason is not None):
                 gen.prefill_from = None
             if gen.prefill_from is not None:
                 continue  # its leader's last chunk fills its slot
             rest = len(gen.context()) - gen.cached
-            take = min(rest, left)
+            take = rest if left is None else min(rest, left)
             if take < min(rest, MIN_CHUNK):
                 break
             plan.append((gen, take))
-            left -= take
+            if left is not None:
+                left -= take
         return plan, left
 
     def _waiting_on(self, leader: Generation) -> list[Generation]:
