@@ -13,6 +13,9 @@ then at most ``C`` prompt tokens of prefill:
   tokens, else it waits in the queue, holding no memory). The siblings of a request with ``n`` choices are admitted
   with their leader and wait for its last chunk (its keys and values are then copied into their slots).
 
+While no sequence decodes there is no stream to keep level: new prompts, and one left mid-prefill when the streams
+ended, are prefilled whole, as with the budget off.
+
 Admission is unchanged: by memory for the whole prompt and ``max_tokens``, at admission, so a chunk is never launched
 that the cache cannot hold. A sequence mid-prefill holds its slot among the running ones; the batched decode launch,
 which binds the running slots as one contiguous slice, runs its row as a placeholder (the next prompt token at its
