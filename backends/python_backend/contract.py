@@ -38,6 +38,7 @@ INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 # where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
 PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
+PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
 LONG_INPUTS = ("refuse", "truncate", "chunk")
@@ -214,7 +215,8 @@ class ModelParameters:
 
     ``None`` means "not given" (the parameter is not written, and the reader applies the documented
     default). Kinds: ``int``, ``int?`` (None when empty), ``bool``, ``bool?``, ``str``, ``str?``,
-    ``choice`` (one of ``choices``), ``ints`` (comma-separated lengths), ``floats3?`` (``a,b,c``).
+    ``choice`` (one of ``choices``), ``ints`` (comma-separated lengths), ``floats3?`` (``a,b,c``), ``auto-int``
+    (``auto``, or a whole number >= 0: ``off`` is read as 0).
     """
 
     max_sequence_length: int = _param("int", 128, minimum=1)
@@ -289,6 +291,8 @@ class ModelParameters:
     prefix_caching: str = _param("choice", "auto", choices=PREFIX_CACHING)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
+    # Chunked prefill (generation/chunked_prefill.py): prompt tokens a step prefills; auto (cost model), 0/off: whole.
+    prefill_chunk_tokens: int | str = _param("auto-int", PREFILL_CHUNK_AUTO)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other
     # instances on the device); the cache gets what cudaMemGetInfo reports free at load less this (kv_device).
     device_reserve_mib: int = _param("int", 1024, minimum=0)
@@ -592,6 +596,11 @@ def _parse(name: str, raw: str, meta: Mapping[str, Any], default: Any) -> Any:
         return value
     if kind in ("str", "str?"):
         return raw if raw != "" else default
+    if kind == "auto-int":
+        value = {PREFILL_CHUNK_OFF: "0"}.get(text.lower(), text.lower() or str(default))
+        if value != PREFILL_CHUNK_AUTO and not value.isdigit():
+            raise ParameterError(f"parameter {name}={raw!r}: use auto, off, or a whole number of tokens (0: off)")
+        return value if value == PREFILL_CHUNK_AUTO else int(value)
     if kind == "ints":
         if text == "":
             return default

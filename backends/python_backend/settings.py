@@ -88,6 +88,8 @@ class Settings:
     int8_attention: str = "auto"
     prefix_caching: str = "auto"
     max_prefill_tokens: int = 2048
+    # Chunked prefill: "auto" or prompt tokens per engine step (0: off; generation/chunked_prefill.py).
+    prefill_chunk_tokens: int | str = "auto"
     device_reserve_mib: int = 1024
     # Degrade before shedding (degrade.py): the cheaper precision a backlogged window runs on (None: never) and
     # the window size (requests) from which it does (0: half of max_batch_size).
@@ -177,6 +179,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         int8_attention=p.int8_attention,
         prefix_caching=p.prefix_caching,
         max_prefill_tokens=p.max_prefill_tokens,
+        prefill_chunk_tokens=p.prefill_chunk_tokens,
         device_reserve_mib=p.device_reserve_mib,
         degrade_to=p.degrade_to or None,
         degrade_backlog=p.degrade_backlog,

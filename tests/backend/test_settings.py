@@ -124,6 +124,17 @@ def test_max_tokens_grouping_parameter() -> None:
         _settings(max_tokens_grouping_ms="-1")
 
 
+def test_prefill_chunk_tokens_parameter() -> None:
+    assert _settings().prefill_chunk_tokens == "auto"  # from the prefill cost model
+    assert _settings(prefill_chunk_tokens="256").prefill_chunk_tokens == 256
+    assert _settings(prefill_chunk_tokens="off").prefill_chunk_tokens == 0
+    assert _settings(prefill_chunk_tokens="0").prefill_chunk_tokens == 0
+    assert _settings(prefill_chunk_tokens="AUTO").prefill_chunk_tokens == "auto"
+    for bad in ("-1", "many", "1.5"):
+        with pytest.raises(SettingsError, match="prefill_chunk_tokens"):
+            _settings(prefill_chunk_tokens=bad)
+
+
 def test_prefix_caching_parameter() -> None:
     assert _settings().prefix_caching == "auto"  # on where reuse is exact
     assert _settings(prefix_caching="off").prefix_caching == "off"

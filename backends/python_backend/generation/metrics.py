@@ -35,6 +35,9 @@ COUNTERS: dict[str, str] = {
     "prefix_cache_queried_tokens_total": "Context tokens of admitted sequences looked up in the prefix cache.",
     "prefix_cache_hit_tokens_total": "Of those, tokens found cached (not prefilled again): hits / queried is the "
                                      "hit rate.",
+    "prefill_chunks_total": "Prefill launches that ran part of a prompt split by the chunk budget "
+                            "(prefill_chunk_tokens: chunked prefill), its last chunk included.",
+    "chunked_prefill_steps_total": "Engine steps that ran at least one such chunk.",
 }
 GAUGES: dict[str, str] = {
     "running_sequences": "Sequences holding a KV slot and decoding.",
@@ -154,6 +157,11 @@ class GenerationMetrics:
             self._add("prefix_cache_queried_tokens_total", float(queried))
             if hit:
                 self._add("prefix_cache_hit_tokens_total", float(hit))
+
+    def prefill_chunks(self, chunks: int) -> None:
+        with self._lock:
+            self._add("prefill_chunks_total", float(chunks))
+            self._add("chunked_prefill_steps_total", 1.0)
 
     def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None:
         with self._lock:

@@ -29,6 +29,10 @@ request that waited longer than that for memory preempts the running sequence wi
 (each at most once; its slot freed, its tokens kept: it resumes behind the request it made room for by
 prefilling its prompt and what it had generated, with its own sampler, so its output does not change).
 
+With ``chunk_tokens`` (``chunked_prefill``: chunked prefill), a step prefills at most that many prompt tokens beside
+the decode launch: sequences mid-prefill continue first, a prompt longer than what is left is split over steps, and a
+sequence mid-prefill sits in the decode launch as a placeholder row until its last chunk gives its first token.
+
 With a ``prefix_cache`` (``prefix_cache.PrefixCache``), a waiting sequence whose context starts with whole blocks a
 running sequence's slot or a kept slot holds gets its slot at once, those tokens' keys and values copied in (or, a
 kept slot at the end of the active prefix, taken over in place), and prefills only the rest, alone in its launch
@@ -52,6 +56,7 @@ import numpy as np
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
+from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
 from .sampling import Sampler, SamplingError, SamplingParams, TokenLogprobs
 from .structured.grammar import StepMasks
@@ -106,6 +111,7 @@ class Generation:
     grammar: Any = None  # a compiled grammar (structured outputs): the sequence's matcher is made from it at submit
     matcher: Any = None
     prefix_hit: int = 0  # tokens of its context found in the prefix cache at its (last) admission
+    prefilling: bool = False  # admitted, its prefill split over steps and not yet done (chunked prefill)
 
     @property
     def reserved_tokens(self) -> int:
@@ -128,6 +134,7 @@ class NullMetrics:
     def refused(self) -> None: ...
     def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None: ...
     def prefix_lookup(self, queried: int, hit: int) -> None: ...
+    def prefill_chunks(self, chunks: int) -> None: ...
 
 
 class Scheduler:
@@ -141,7 +148,7 @@ class Scheduler:
                  retry_after_s: float = 1.0,
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
                  log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -157,6 +164,8 @@ class Scheduler:
         # is_cancelled() is a round trip to the Triton process per sequence: asked at most this often.
         self.cancel_check_s = float(cancel_check_s)
         self.prefix_cache = prefix_cache
+        self.chunk_tokens = max(0, int(chunk_tokens))  # prompt tokens a step prefills (0: whole prompts)
+        self._chunks = 0  # chunk launches this step (counted on /metrics)
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
@@ -215,19 +224,26 @@ class Scheduler:
             self.waiting.extend(self._arrivals)
             self._arrivals.clear()
         self._drop_cancelled()
-        admitted = self._admit()  # may preempt: count the sequences already running after it
+        continuing, left = self._plan_chunks()
+        admitted = self._admit(left)  # may preempt: count the sequences already running after it
         old = len(self.running) - sum(len(group) for group in admitted)
+        self._chunks = 0
         try:
             if old:
                 self._decode(old)
+            for gen, take in continuing:
+                if gen.slot is not None and gen.finish_reason is None:  # not preempted nor cancelled meanwhile
+                    self._prefill([[gen] + self._waiting_on(gen)], take)
             if admitted:
-                self._prefill(admitted)
+                self._prefill(admitted, left)
         except Exception as exc:  # noqa: BLE001 - an engine failure ends the sequences it ran, not the server
             self.log_error(f"model-factory backend: a generation step failed: {type(exc).__name__}: {exc}")
             self.masks.clear()
             for gen in list(self.running):
                 self._finish(gen, FINISH_ERROR, error=f"the engine failed: {exc}")
         self._release_finished()
+        if self._chunks:
+            self.metrics.prefill_chunks(self._chunks)
         cache = self.prefix_cache
         self.metrics.state(len(self.running), len(self.waiting), self.slots.usage(),
                            cached_blocks=cache.blocks() if cache is not None else 0)
@@ -260,55 +276,98 @@ class Scheduler:
             return (1, int(gen.params.max_tokens).bit_length(), gen.arrival)
         return key
 
-    def _admit(self) -> list[Generation]:
+    def _admit(self, left: int | None = None) -> list[list[Generation]]:
         """Waiting sequences that fit now, in arrival order (or grouped by ``max_tokens``), slots assigned by
-        prefill group."""
+        prefill group. ``left``: the prompt tokens this step may still prefill (chunked prefill; None: no bound):
+        whole prompts while they fit, then one split (its group last, with the siblings that share its prefill)."""
         if self.max_tokens_grouping_s > 0 and len(self.waiting) > 1:
             self.waiting = collections.deque(sorted(self.waiting, key=self._admission_key(self.clock())))
         chosen: list[Generation] = []
         hits: list[list[Generation]] = []  # admitted at once, each its own launch
+        split: Generation | None = None  # the one whose prompt does not fit what is left: its first chunk now
+        split_hit: list[list[Generation]] = []  # the same, for one admitted with a prefix-cache hit
         pending = 0  # bytes the chosen (not yet in the slots) will reserve
-        while self.waiting and len(chosen) + len(hits) < self.max_prefill_batch:
+        while self.waiting and len(chosen) + len(hits) + len(split_hit) < self.max_prefill_batch:
             if self.slots.slots - self.slots.active - len(chosen) < 1:
                 break  # no slot, even with every kept prefix dropped
             head = self.waiting[0]
-            hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None else None
+            sharing = split is not None and head.leader is split and not head.generated and not head.preemptions
+            hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None and not sharing else None
+            rest = len(head.context()) - (hit.tokens if hit is not None else 0)
+            if left is not None and not sharing and (left <= 0 or (rest > left and left < MIN_CHUNK)):
+                break  # this step's prefill budget is spent: it waits, holding no memory
             need = self.slots.bytes_for(head.reserved_tokens)
             fits, hit = self._make_room(need + pending, len(chosen) + 1, hit)
             if not fits:
                 # A sequence admitted with a hit already holds a slot: no preemption may move it this step.
-                if not hits and self._preempt_for(head):
+                if not hits and not split_hit and self._preempt_for(head):
                     continue
                 break
             self.waiting.popleft()
             if self.prefix_cache is not None:
                 self.metrics.prefix_lookup(len(head.context()), hit.tokens if hit is not None else 0)
-            if hit is not None and self._admit_hit(head, hit):
-                hits.append([head])
+            if sharing:
+                chosen.append(head)
+                pending += need
+            elif hit is not None and self._admit_hit(head, hit):
+                rest = len(head.context()) - head.cached
+                if left is not None and rest > left:
+                    split_hit.append([head])  # its first chunk after the whole prompts' launches
+                else:
+                    hits.append([head])
+                if left is not None:
+                    left -= min(left, rest)
             else:
                 chosen.append(head)
                 pending += need
+                if left is not None:
+                    rest = len(head.context())
+                    if rest > left:
+                        split = head
+                    left -= min(left, rest)
         if not chosen:
-            return hits
-        lengths = [len(g.context()) for g in chosen]
-        groups = plan_groups(lengths, self.cost, max_batch=len(chosen),
+            return hits + split_hit
+        whole = chosen[:chosen.index(split)] if split is not None else chosen
+        ordered = self._place(whole, chosen)
+        if split is not None and sum(map(len, ordered)) == len(whole):
+            # The split prompt (and the siblings sharing its prefill): a group of its own, after the whole ones.
+            ordered += self._place_group(chosen[len(whole):], ordered, chosen)
+        return hits + ordered + split_hit
+
+    def _place(self, whole: list[Generation], chosen: list[Generation]) -> list[list[Generation]]:
+        """Slots for the ``whole`` prompts (of ``chosen``), by prefill group (the cost model's), each group
+        contiguous; stops short (the rest of ``chosen`` back in the queue) when the slots refuse one."""
+        if not whole:
+            return []
+        lengths = [len(g.context()) for g in whole]
+        groups = plan_groups(lengths, self.cost, max_batch=len(whole),
                              max_tokens=max(self.max_prefill_tokens, max(lengths)))
         ordered: list[list[Generation]] = []
         for group in groups:
-            members: list[Generation] = []
-            for gen in self._sharing_last([chosen[i] for i in group]):
-                try:
-                    gen.slot = self.slots.admit(gen.reserved_tokens)
-                except AdmissionError as exc:  # not expected (the choice above kept within the budget): lose nothing
-                    self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
-                                   "admitted wait again at the head of the queue")
-                    placed = {id(g) for g in members} | {id(g) for grp in ordered for g in grp}
-                    self.waiting.extendleft(reversed([g for g in chosen if id(g) not in placed]))
-                    return hits + ordered + ([members] if members else [])
-                self.running.append(gen)
-                members.append(gen)
-            ordered.append(members)
-        return hits + ordered
+            got = self._place_group([whole[i] for i in group], ordered, chosen)
+            ordered += got
+            if sum(map(len, got)) < len(group):
+                break
+        return ordered
+
+    def _place_group(self, group: list[Generation], ordered: list[list[Generation]],
+                     chosen: list[Generation]) -> list[list[Generation]]:
+        """Slots for one prefill group (the siblings sharing a prefill last); when the slots refuse one (not
+        expected: the choice kept within the budget) what was placed, and every sequence of ``chosen`` not placed
+        back at the head of the queue: nothing is lost."""
+        members: list[Generation] = []
+        for gen in self._sharing_last(group):
+            try:
+                gen.slot = self.slots.admit(gen.reserved_tokens)
+            except AdmissionError as exc:
+                self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
+                               "admitted wait again at the head of the queue")
+                placed = {id(g) for g in members} | {id(g) for grp in ordered for g in grp}
+                self.waiting.extendleft(reversed([g for g in chosen if id(g) not in placed]))
+                return [members] if members else []
+            self.running.append(gen)
+            members.append(gen)
+        return [members]
 
     # ------------------------------------------------------------------ the prefix cache
 
@@ -380,25 +439,76 @@ class Scheduler:
             return False
         victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
         self._release(victim, keep=False)
-        victim.cached, victim.slot = 0, None
+        victim.cached, victim.slot, victim.prefilling = 0, None, False
         victim.preemptions += 1
         self.metrics.preempted()
         self.waiting.insert(1, victim)  # right behind the request it made room for
         return True
 
-    def _prefill(self, groups: list[list[Generation]]) -> None:
+    def _plan_chunks(self) -> tuple[list[tuple[Generation, int]], int | None]:
+        """The sequences mid-prefill that continue this step (oldest first) and their chunks' tokens, and the prompt
+        tokens left for new prompts (None: no bound, when chunked prefill is off or no sequence decodes: there is no
+        stream to keep level, and whole prompts waste no launch). A sibling whose leader stopped before its last
+        chunk (cancelled, preempted) prefills its prompt itself."""
+        prefilling = [g for g in self.running if g.prefilling]
+        if not self.chunk_tokens and not prefilling:
+            return [], None
+        decoding = len(prefilling) < len(self.running)
+        left = self.chunk_tokens if decoding and self.chunk_tokens else None
+        plan: list[tuple[Generation, int]] = []
+        for gen in sorted(prefilling, key=lambda g: g.id):
+            leader = gen.prefill_from
+            if leader is not None and (leader.slot is None or leader.finish_reason is not None):
+                gen.prefill_from = None
+            if gen.prefill_from is not None:
+                continue  # its leader's last chunk fills its slot
+            rest = len(gen.context()) - gen.cached
+            take = rest if left is None else min(rest, left)
+            if take < min(rest, MIN_CHUNK):
+                break
+            plan.append((gen, take))
+            if left is not None:
+                left -= take
+        return plan, left
+
+    def _waiting_on(self, leader: Generation) -> list[Generation]:
+        """The siblings mid-prefill that share ``leader``'s prefill."""
+        return [g for g in self.running if g.prefilling and g.prefill_from is leader]
+
+    def _prefill(self, groups: list[list[Generation]], left: int | None = None) -> None:
+        """Launch each group's prefill; ``left``: the prompt tokens this step may prefill (None: every prompt
+        whole). A group with one launched row and a cached prefix, or a prompt over what is left, is that row's
+        next chunk: alone in its launch, from its cached tokens."""
         for members in groups:
             start = members[0].slot
             launched = [g for g in members if g.prefill_from is None]
             contexts = [g.context() for g in launched]
-            if launched[0].cached:  # a cached prefix (alone in its launch): the rest of its context from there
-                past = launched[0].cached
-                logits = self.model.prefill([contexts[0][past:]], self.slots.views(start, 1), past=[past])
+            gen = launched[0]
+            rest = len(contexts[0]) - gen.cached
+            if gen.cached or (left is not None and rest > left):  # one row, continued or split (chunked prefill)
+                take = rest if left is None else min(rest, left)
+                past = gen.cached
+                piece = contexts[0][past:past + take]
+                logits = self.model.prefill([piece], self.slots.views(gen.slot, 1), past=[past] if past else None)
+                chunk = gen.prefilling or take < rest
+                self._chunks += chunk
+                if left is not None:
+                    left -= take
+                gen.cached = past + take
+                if take < rest:  # more chunks to come: its siblings wait for its last one
+                    for g in members:
+                        g.prefilling = True
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.running(gen)
+                    continue
             else:
                 logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
+                if left is not None:
+                    left -= sum(len(c) for c in contexts)
             rows = {}
             for gen, ctx, row in zip(launched, contexts, logits):
                 gen.cached = len(ctx)
+                gen.prefilling = False
                 rows[id(gen)] = row
                 if not gen.preemptions:
                     self.metrics.tokens(len(gen.prompt), 0)
@@ -410,18 +520,27 @@ class Scheduler:
                 leader = gen.prefill_from
                 self.slots.copy(gen.slot, leader.slot, leader.cached)
                 gen.cached = leader.cached
+                gen.prefilling = False
                 rows[id(gen)] = rows[id(leader)]
             for gen in members:
                 self._accept(gen, rows[id(gen)])
 
     def _decode(self, count: int) -> None:
+        """One token for each of the first ``count`` running sequences, in one launch. A sequence mid-prefill
+        among them is a placeholder row (its next prompt token at its cached length, written again by its next
+        chunk; nothing sampled); rows after the last decoding one are left out."""
         active = self.running[:count]
-        self.masks.start(active)  # the grammar rows' masks, on a worker thread while the launch runs
-        logits = self.model.decode([g.generated[-1] for g in active], [g.cached for g in active],
-                                   self.slots.views(0, count))
+        while active and active[-1].prefilling:
+            active.pop()
+        if not active:
+            return
+        self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while the launch runs
+        logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
+                                   self.slots.views(0, len(active)))
         for gen, row in zip(active, logits):
-            gen.cached += 1
-            self._accept(gen, row)
+            if not gen.prefilling:
+                gen.cached += 1
+                self._accept(gen, row)
 
     # ------------------------------------------------------------------ tokens out
 

@@ -1,0 +1,290 @@
+"""Chunked prefill on and off: 8 streams decoding while long prompts arrive (issue 51's token jitter), served.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_chunked_prefill.py [--work DIR] [--built VERSION_DIR] [--rounds 2]
+        [--write]
+
+The 110M Llama of bench_generate (SmolLM-135M's shape, random weights, 2,048 positions; made here or reused from
+``--work``), or with ``--shape 15m`` a narrower one of the same family and context, the factory's FP32 build,
+laid out twice in one repository: ``prefill_chunk_tokens = "auto"`` (the chunk
+chosen from the cost model measured at load) and ``0`` (every prompt whole), served by the real Triton server and
+driven through our OpenAI frontend (streamed ``/v1/completions``, token-id prompts, greedy, ``min_tokens`` +
+``ignore_eos``). Per run: 8 streams of 128-token prompts start together and decode ``STREAM_TOKENS`` tokens each;
+from ``FIRST_S`` on, a ``LONG``-token prompt (the longest the 2,048 positions hold with its ``LONG_TOKENS`` tokens)
+arrives every ``GAP_S`` seconds, ``LONGS`` of them. The running streams' inter-token latency (the time between two
+streamed token events of one stream) p50 / p99 and their token jitter p99 (the standard deviation of 10 consecutive
+intervals, as ``model_factory_token_jitter_seconds``) over the window from the first long prompt's arrival to the
+last one's first token; the long prompts' TTFT p50; whether every request's text equals the same request's with
+chunking off. Then a short check on fresh prompts alone: 8 streams of 128-token prompts, 64 tokens each, all at
+once (tokens/s and TTFT p50), on and off. The settings alternate within a round (the order flips each round). The
+section between ``<!-- chunked-prefill:start -->`` and ``<!-- chunked-prefill:end -->`` is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from results_file import publish, say  # noqa: E402
+from benchmarks.harness.scheduler_run import SHAPE, pct  # noqa: E402
+
+START, END = "<!-- chunked-prefill:start -->", "<!-- chunked-prefill:end -->"
+STREAMS, PROMPT, STREAM_TOKENS = 8, 128, 560
+LONG, LONG_TOKENS, LONGS, FIRST_S, GAP_S = 2000, 16, 3, 1.0, 2.5
+FRESH_TOKENS = 64
+JITTER_WINDOW = 10
+MODELS = {"on": "llm_chunked", "off": "llm_whole"}
+# The 110M Llama of bench_generate, and a 15M one of the same family and context (--shape 15m: its factory build takes
+# minutes where the 110M's takes a quarter of an hour or more on a loaded 2-core machine).
+SHAPES = {"110m": SHAPE, "15m": dict(SHAPE, hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024)}
+MODEL_TEXT = {"110m": "The 110M Llama of bench_generate",
+              "15m": "A 15M Llama (`--shape 15m`: bench_generate's 110M shape narrowed to hidden 384, 8 layers, 6 "
+                     "heads, 2 KV heads, intermediate 1536 -> 1024; 2,048 positions)"}
+
+
+def llama_folder(work: Path | None, shape: str) -> Path:
+    """The HF folder of the ``shape`` Llama under ``work`` (a new temporary folder when None), made when absent."""
+    import tempfile
+
+    from tests.generative_models import make_causal_lm
+
+    work = work or Path(tempfile.mkdtemp(prefix="bench-chunked-prefill-"))
+    hf = work / ("hf" if shape == "110m" else f"hf-{shape}")
+    if not (hf / "config.json").is_file():
+        say(f"making the {shape} Llama (random weights)")
+        make_causal_lm("llama", hf, **SHAPES[shape])
+    return hf
+
+
+async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: the arrival time of each token event, and its text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    times, text = [], []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[5:]).get("choices") or []:
+                times.append(time.perf_counter())
+                text.append(choice.get("text") or "")
+    return {"sent": sent, "times": times, "text": "".join(text)}
+
+
+async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[list[int]]) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        running = [asyncio.create_task(_stream(session, url, model, p, STREAM_TOKENS)) for p in streams]
+
+        async def late(i: int, prompt: list[int]) -> dict:
+            await asyncio.sleep(FIRST_S + i * GAP_S)
+            return await _stream(session, url, model, prompt, LONG_TOKENS)
+
+        arriving = [asyncio.create_task(late(i, p)) for i, p in enumerate(longs)]
+        got_streams = await asyncio.gather(*running)
+        got_longs = await asyncio.gather(*arriving)
+    begin = min(g["sent"] for g in got_longs)
+    end = max(g["times"][0] for g in got_longs)
+    intervals, jitters = [], []
+    for g in got_streams:
+        t = np.asarray(g["times"])
+        gaps = np.diff(t)
+        intervals += gaps[(t[1:] >= begin) & (t[1:] <= end)].tolist()  # intervals ending inside the window
+        for i in range(0, len(gaps) - JITTER_WINDOW + 1, JITTER_WINDOW):  # 10 intervals whose span meets it
+            if t[i + JITTER_WINDOW] >= begin and t[i] <= end:
+                jitters.append(float(np.std(gaps[i:i + JITTER_WINDOW])))
+    counts = [len(g["times"]) for g in got_streams]
+    # An event may carry more than one token (the frontend sends what has arrived): events, not tokens, are timed.
+    assert len(intervals) >= 2 * STREAMS and all(c > STREAM_TOKENS // 2 for c in counts), (len(intervals), counts)
+    assert all(g["times"][-1] > end for g in got_streams), "a stream ended before the last long prompt's first token"
+    return {"intervals": len(intervals), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
+            "itl_p99_ms": 1e3 * pct(intervals, 0.99),
+            "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99),
+            "p99_over_p50": pct(intervals, 0.99) / pct(intervals, 0.5),
+            "long_ttft_p50_s": statistics.median(g["times"][0] - g["sent"] for g in got_longs),
+            "texts": [g["text"] for g in got_streams + got_longs]}
+
+
+async def _fresh(url: str, model: str, prompts: list[list[int]]) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.perf_counter()
+        got = await asyncio.gather(*(_stream(session, url, model, p, FRESH_TOKENS) for p in prompts))
+        wall = time.perf_counter() - start
+    return {"tokens_per_s": sum(len(g["times"]) for g in got) / wall,
+            "ttft_p50_s": statistics.median(g["times"][0] - g["sent"] for g in got),
+            "texts": [g["text"] for g in got]}
+
+
+def _prompts(vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    draw = lambda n: rng.integers(10, vocab - 10, n).tolist()  # noqa: E731
+    return ([draw(PROMPT) for _ in range(STREAMS)], [draw(LONG) for _ in range(LONGS)],
+            [draw(PROMPT) for _ in range(STREAMS)])
+
+
+CHUNKS = (16, 32, 64, 128, 256, 512)
+
+
+def interleave(vdir: Path, repeats: int = 7) -> dict:
+    """In-process, on the served graph (2 threads): what a step's launches cost. The decode launch of the 8 streams
+    (256 cached tokens each), a continued chunk of each size (from 1,000 cached tokens: a chunk runs alone), and the
+    prefill cost model the load fits (``generate_model._measure_cost``) with what ``auto`` takes from it."""
+    from model_factory.backend.contract import Files, GenerationSpec
+    from model_factory.backend.generate_model import _measure_cost
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.backend.generation.chunked_prefill import chunk_tokens
+    from model_factory.backend.generation.kv_slots import KVSlots
+
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
+    lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
+    slots = KVSlots(spec, STREAMS + 1, 1 << 34)
+    cost = _measure_cost(lm, slots, 2048)
+    for _ in range(STREAMS + 1):
+        slots.admit(2048)
+    lm.prefill([[11] * 256] * STREAMS, slots.views(0, STREAMS))
+    lm.prefill([[12] * 1000], slots.views(STREAMS, 1))
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
+
+    out = {"decode": timed(lambda: lm.decode([5] * STREAMS, [256] * STREAMS, slots.views(0, STREAMS)))}
+    for c in CHUNKS:
+        out[c] = timed(lambda: lm.prefill([[13] * c], slots.views(STREAMS, 1), past=[1000]))
+    out["cost"] = cost
+    out["auto"] = chunk_tokens("auto", cost, 2048)
+    return out
+
+
+def _load_line(server, model: str) -> str:
+    """The instance's load line's chunked-prefill part (what ``auto`` chose)."""
+    for line in server.log_tail(400).splitlines():
+        if f"{model} generates" in line and "chunked prefill" in line:
+            return line.split("chunked prefill", 1)[1].split(";")[0].strip().strip('"')
+    return "?"
+
+
+def main() -> int:
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.server import ServerOptions, TritonServer
+    from tests.generative_repository import layout_generative_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="110m")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--built", type=Path, default=None,
+                    help="the version folder of the factory's FP32 build of --work's Llama (the build takes a quarter "
+                         "of an hour on a shared 2-core machine)")
+    ap.add_argument("--interleave-only", action="store_true", help="only the in-process launch timings (printed)")
+    args = ap.parse_args()
+    hf = llama_folder(args.work, args.shape)
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    repo = hf.parent / "repo-chunked"
+    if args.built:
+        from tests import generative_repository
+
+        generative_repository._BUILDS[(str(hf.resolve()), "fp32", "")] = args.built.resolve()
+    say(f"laying out the two models (the factory's FP32 build of the {args.shape} Llama)")
+    for setting, model in MODELS.items():
+        vdir = layout_generative_model(hf, None, repo, model, memory_budget_mib=4096, max_active_sequences=16,
+                                       prefill_chunk_tokens="auto" if setting == "on" else 0)
+    say("a step's launches, in-process")
+    steps = interleave(vdir)
+    say(", ".join(f"{k} {v}" for k, v in steps.items()))
+    if args.interleave_only:
+        return 0
+    server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=900)).start()
+    runs: dict[tuple[str, str], list[dict]] = {}
+    try:
+        assert not server.load_errors, server.load_errors
+        chunk = _load_line(server, MODELS["on"])
+        say(f"chunked prefill: {chunk}")
+        with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
+            warm_streams, warm_longs, _ = _prompts(vocab, 99)
+            for model in MODELS.values():  # untimed: the first requests' sessions and bindings
+                asyncio.run(_fresh(fe.url, model, warm_streams[:2] + [warm_longs[0][:600]]))
+            load = LoadReading.begin()
+            for r in range(args.rounds):
+                streams, longs, fresh = _prompts(vocab, r)
+                for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    got = asyncio.run(_mixed(fe.url, MODELS[setting], streams, longs))
+                    runs.setdefault(("mixed", setting), []).append(got)
+                    say(f"round {r + 1} mixed, chunked prefill {setting}: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in got.items() if k != "texts"))
+                for setting in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                    got = asyncio.run(_fresh(fe.url, MODELS[setting], fresh))
+                    runs.setdefault(("fresh", setting), []).append(got)
+                    say(f"round {r + 1} fresh, chunked prefill {setting}: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in got.items() if k != "texts"))
+            load = load.finish()
+    finally:
+        server.stop()
+
+    def cell(values: list[float], digits: int) -> str:
+        if len(values) == 1:
+            return f"{values[0]:.{digits}f}"
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+    def table(kind: str) -> list[str]:
+        keys = [k for k in runs[(kind, "on")][0] if k != "texts"]
+        rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[(kind, s)]], 2 if "over" in k else 1)
+                                          for s in ("off", "on")) + " |" for k in keys]
+        same = all(a["texts"] == b["texts"] for a, b in zip(runs[(kind, "on")], runs[(kind, "off")]))
+        rows.append(f"| every request's text = chunking off's | – | {'yes' if same else 'no'} |")
+        return ["| per run | chunked prefill off | on |", "| --- | ---: | ---: |", *rows]
+
+    section = "\n".join([
+        START, "## Chunked prefill: 8 streams while 2,000-token prompts arrive (benchmarks/bench_chunked_prefill.py)",
+        "", run_header("benchmarks/bench_chunked_prefill.py", load), "",
+        f"{MODEL_TEXT[args.shape]} (random weights, FP32, the factory's build), served twice by one Triton "
+        f"server (`prefill_chunk_tokens` auto, which took {chunk}; and 0: whole prompts), through our OpenAI frontend "
+        f"(streamed `/v1/completions`, greedy). {STREAMS} streams of {PROMPT}-token prompts decode {STREAM_TOKENS} "
+        f"tokens each; from {FIRST_S:g} s on a {LONG}-token prompt ({LONG_TOKENS} tokens out) arrives every "
+        f"{GAP_S:g} s, {LONGS} of them. ITL: the time between two token events of one running stream (an event may "
+        "carry two tokens when they "
+        "arrive together), over the window "
+        "from the first long prompt's arrival to the last one's first token; jitter: the standard deviation of 10 "
+        "consecutive intervals (those whose span meets the window). Long TTFT: the long prompts' time to first token. "
+        f"{args.rounds} round(s), medians and ranges; the settings alternate within a round (the order flips each "
+        "round), on a machine shared with other work.", "",
+        *table("mixed"), "",
+        "A step's launches, in-process on the same graph (2 threads, medians of 7; milliseconds): the decode launch "
+        f"of the {STREAMS} streams (256 cached tokens each) and one continued chunk (1,000 cached tokens) of each "
+        f"size; the load's prefill cost model a = {1e3 * steps['cost'].a:.1f} ms, b = {1e3 * steps['cost'].b:.3f} "
+        f"ms/token, c = {1e3 * steps['cost'].c:.2e} ms/token², from which `auto` takes {steps['auto']} tokens.", "",
+        "| decode, 8 rows | " + " | ".join(f"chunk {c}" for c in CHUNKS) + " |",
+        "| ---: | " + " | ".join("---:" for _ in CHUNKS) + " |",
+        f"| {steps['decode']:.1f} | " + " | ".join(f"{steps[c]:.1f}" for c in CHUNKS) + " |", "",
+        f"Fresh prompts alone ({STREAMS} streams of {PROMPT}-token prompts, {FRESH_TOKENS} tokens each, all at once):",
+        "", *table("fresh"), "", END])
+    publish(section, HERE / "RESULTS.md", START, END, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
