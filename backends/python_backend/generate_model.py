@@ -46,7 +46,7 @@ import numpy as np
 
 from .generation.cancel_watch import CancelWatch
 from .generation.causal_lm import CausalLM, CudaPlacement, attention_kernel
-from .generation.chunked_prefill import chunk_tokens
+from .generation.chunked_prefill import chunk_tokens, whole_below
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .batching.deferred_responses import ResponseDispatcher
 from .generation.requests import GenerateRequest, read_generate_request, request_inputs
@@ -155,7 +155,8 @@ class GenerativeModel:
                                    max_tokens_grouping_s=s.max_tokens_grouping_ms / 1000.0, metrics=self.metrics,
                                    log_error=pb_utils.Logger.log_error,
                                    cancel_check_s=0.0,  # reads the watcher's flags: no round trip
-                                   prefix_cache=self.prefix_cache, chunk_tokens=chunk)
+                                   prefix_cache=self.prefix_cache, chunk_tokens=chunk,
+                                   whole_below=whole_below(s.prefill_chunk_tokens, chunk))
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
@@ -176,7 +177,8 @@ class GenerativeModel:
             f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
             f"{self.placement_note}, prefix caching {'on' if self.prefix_cache is not None else 'off'}"
             f", chunked prefill {f'{chunk} tokens a step' if chunk else 'off'}"
-            + (" (auto)" if chunk and s.prefill_chunk_tokens == "auto" else "")
+            + (f" (auto: prompts over {whole_below(s.prefill_chunk_tokens, chunk)} tokens)"
+               if chunk and s.prefill_chunk_tokens == "auto" else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))

@@ -13,7 +13,8 @@ import pytest
 from model_factory.backend.batching.grouping import CostModel
 from model_factory.backend.contract import GenerationSpec
 from model_factory.backend.generation.causal_lm import CausalLM
-from model_factory.backend.generation.chunked_prefill import AUTO_MAX, AUTO_MIN, MIN_CHUNK, chunk_tokens
+from model_factory.backend.generation.chunked_prefill import (AUTO_MAX, AUTO_MIN, AUTO_WHOLE_CHUNKS, MIN_CHUNK,
+                                                                chunk_tokens, whole_below)
 from model_factory.backend.generation.kv_slots import KVSlots
 from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, identity
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
@@ -351,3 +352,30 @@ def test_every_family_gives_the_same_tokens_chunked(variant, tmp_path_factory):
         assert spec.sliding_window == changes["sliding_window"]
     model = CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
     _check_chunked_equals_whole(model, spec, chunk=24, long=min(60, spec.max_context // 2 - 20))
+
+
+def test_under_auto_short_prompts_arriving_behind_a_stream_are_prefilled_whole_and_grouped(engine):
+    """``auto`` splits only prompts of more than AUTO_WHOLE_CHUNKS chunks: a burst of short prompts arriving behind a
+    stream that already decodes is one grouped launch (as with the budget off), a long one behind them is chunked."""
+    spec, model = engine
+    rng = random.Random(11)
+    recording = _Recording(model)
+    chunk = 32
+    sched = Scheduler(recording, KVSlots(spec, 8, 1 << 30), None, spec.eos_token_ids, chunk_tokens=chunk,
+                      whole_below=whole_below("auto", chunk))
+    assert sched.whole_below == AUTO_WHOLE_CHUNKS * chunk and whole_below(48, 48) == 0 and whole_below("auto", 0) == 0
+    stream = _decoding(sched)
+    recording.launches.clear()
+    shorts = [sched.submit(Generation(_prompt(rng, spec.vocab_size, 100), GREEDY, lambda g, e: None))
+              for _ in range(3)]
+    long = sched.submit(Generation(_prompt(rng, spec.vocab_size, AUTO_WHOLE_CHUNKS * chunk + 40), GREEDY,
+                                   lambda g, e: None))
+    sched.step()
+    prefills = [rows for kind, rows, _ in recording.launches if kind == "prefill"]
+    assert [100, 100, 100] in prefills, recording.launches
+    assert all(len(s.generated) == 1 for s in shorts)
+    assert long.cached == 0 or long.prefilling  # the long one: chunked, never whole in that step
+    _run(sched)
+    assert all(sum(rows) <= chunk for rows in prefills[1:] if rows != [100, 100, 100])
+    for g in [stream, long] + shorts:
+        assert g.generated == _alone(model, spec, g.prompt, g.params)

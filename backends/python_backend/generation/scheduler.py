@@ -148,7 +148,8 @@ class Scheduler:
                  retry_after_s: float = 1.0,
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
                  log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05,
-                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0) -> None:
+                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0,
+                 whole_below: int = 0) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -165,6 +166,7 @@ class Scheduler:
         self.cancel_check_s = float(cancel_check_s)
         self.prefix_cache = prefix_cache
         self.chunk_tokens = max(0, int(chunk_tokens))  # prompt tokens a step prefills (0: whole prompts)
+        self.whole_below = max(0, int(whole_below))  # prompts this short are prefilled whole, outside the budget
         self._chunks = 0  # chunk launches this step (counted on /metrics)
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
@@ -294,7 +296,10 @@ class Scheduler:
             sharing = split is not None and head.leader is split and not head.generated and not head.preemptions
             hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None and not sharing else None
             rest = len(head.context()) - (hit.tokens if hit is not None else 0)
-            if left is not None and not sharing and (left <= 0 or (rest > left and left < MIN_CHUNK)):
+            budget = left if rest > self.whole_below else None  # a short prompt: whole, outside the budget
+            if split is not None and not sharing:
+                break  # the split prompt's group is the step's last
+            if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
                 break  # this step's prefill budget is spent: it waits, holding no memory
             need = self.slots.bytes_for(head.reserved_tokens)
             fits, hit = self._make_room(need + pending, len(chosen) + 1, hit)
@@ -311,17 +316,17 @@ class Scheduler:
                 pending += need
             elif hit is not None and self._admit_hit(head, hit):
                 rest = len(head.context()) - head.cached
-                if left is not None and rest > left:
+                if budget is not None and rest > budget:
                     split_hit.append([head])  # its first chunk after the whole prompts' launches
                 else:
                     hits.append([head])
-                if left is not None:
-                    left -= min(left, rest)
+                if budget is not None:
+                    left = budget - min(budget, rest)
             else:
                 chosen.append(head)
                 pending += need
-                if left is not None:
-                    rest = len(head.context())
+                rest = len(head.context())
+                if left is not None and rest > self.whole_below:
                     if rest > left:
                         split = head
                     left -= min(left, rest)
@@ -485,14 +490,15 @@ class Scheduler:
             contexts = [g.context() for g in launched]
             gen = launched[0]
             rest = len(contexts[0]) - gen.cached
-            if gen.cached or (left is not None and rest > left):  # one row, continued or split (chunked prefill)
-                take = rest if left is None else min(rest, left)
+            bounded = left is not None and rest > self.whole_below  # a short prompt: whole, outside the budget
+            if gen.cached or (bounded and rest > left):  # one row, continued or split (chunked prefill)
+                take = min(rest, left) if bounded else rest
                 past = gen.cached
                 piece = contexts[0][past:past + take]
                 logits = self.model.prefill([piece], self.slots.views(gen.slot, 1), past=[past] if past else None)
                 chunk = gen.prefilling or take < rest
                 self._chunks += chunk
-                if left is not None:
+                if bounded:
                     left -= take
                 gen.cached = past + take
                 if take < rest:  # more chunks to come: its siblings wait for its last one
@@ -504,7 +510,7 @@ class Scheduler:
             else:
                 logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
                 if left is not None:
-                    left -= sum(len(c) for c in contexts)
+                    left -= sum(len(c) for c in contexts if len(c) > self.whole_below)
             rows = {}
             for gen, ctx, row in zip(launched, contexts, logits):
                 gen.cached = len(ctx)
