@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema
 
-SOURCE_KINDS = ("huggingface", "torch", "onnx")
+SOURCE_KINDS = ("huggingface", "torch", "onnx", "lora")
 TASKS = ("embedding", "classification", "token-classification", "reranker", "generic", "text-generation")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # int4: weight-only, text-generation only
 INT4_METHODS = ("rtn", "awq", "k_quant")
@@ -92,9 +92,10 @@ class SourceTable(_Table):
     """[source]: where the model comes from."""
 
     kind: _choice(SOURCE_KINDS) = Field(description="huggingface: a folder saved with save_pretrained(); torch: a "
-                                        "factory function; onnx: an ONNX file.")
-    path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file. "
-                                     "Relative to the recipe's folder. Not used by a torch source.")
+                                        "factory function; onnx: an ONNX file; lora: a PEFT LoRA adapter folder "
+                                        "(adapter_config.json, adapter_model.safetensors) on the base [adapter] names.")
+    path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file; lora: the "
+                                     "adapter folder. Relative to the recipe's folder. Not used by a torch source.")
     factory: Annotated[Optional[str], Field(pattern=FACTORY_PATTERN),
                        Fix('write it as "module:function", e.g. factory = "tiny_cnn:build" for build() in '
                            "tiny_cnn.py beside the recipe")] = Field(
@@ -377,6 +378,18 @@ class RepositoryTable(_Table):
         "window at a preferred size).")
 
 
+class AdapterTable(_Table):
+    """[adapter]: the base a LoRA adapter (source.kind = "lora") applies to."""
+
+    base: Annotated[Optional[str], Fix('give the base\'s model folder in a repository, e.g. base = "repo/llm"')] = Field(
+        None, description="The base's packaged model folder (<repository>/<model>): the adapter is checked on its graph and "
+                    "tied to that version's digests. Relative to the recipe's folder.")
+    base_version: Optional[Positive] = Field(None, description="The base's version. Default: its newest.")
+    base_source: Annotated[Optional[str], Fix("give the base's Hugging Face folder")] = Field(
+        None, description="The base's Hugging Face folder (the one its build exported): transformers + peft's reference and "
+                    "the adapter merged in FP32 for the gate. Relative to the recipe's folder.")
+
+
 def _table(description: str) -> Fix:
     return Fix(f"write {description} as a table")
 
@@ -413,6 +426,8 @@ class RecipeFile(_Table):
         QuantizationTable(), description="FP16/INT8 data, method and accuracy gate.")
     generation: Annotated[GenerationTable, _table("[generation]")] = Field(
         GenerationTable(), description="text-generation defaults (sampling, max_tokens).")
+    adapter: Annotated[Optional[AdapterTable], _table("[adapter]")] = Field(
+        None, description="A LoRA adapter's base (source.kind = \"lora\" only).")
     tensorrt: Annotated[TensorRTTable, _table("[tensorrt]")] = Field(
         TensorRTTable(), description="TensorRT engine builds.")
     batching: Annotated[BatchingTable, _table("[batching]")] = Field(

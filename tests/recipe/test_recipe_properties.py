@@ -104,7 +104,7 @@ ACROSS_KEYS = {"precisions", "shapes.sequence_buckets", "batching.preferred_batc
 # Keys whose recipe value is not the Recipe's attribute as is (paths resolved, "auto", derived defaults).
 _NOT_AS_IS = {"path", "calibration_data", "heldout_data", "timing_cache", "max_queue_size", "text_input",
               "default_priority", "pad_sequences", "preferred_batch_sizes", "sequence_buckets",
-              "max_perplexity_ratio", "min_token_agreement"}
+              "max_perplexity_ratio", "min_token_agreement", "matryoshka_dimensions"}
 _WHERE = {"model": lambda r: r, "embedding": lambda r: r, "shapes": lambda r: r.shapes, "export": lambda r: r.export,
           "quantization": lambda r: r.quantization, "tensorrt": lambda r: r.tensorrt,
           "batching": lambda r: r.batching, "repository": lambda r: r.repository}

@@ -106,6 +106,8 @@ class Generation:
     grammar: Any = None  # a compiled grammar (structured outputs): the sequence's matcher is made from it at submit
     matcher: Any = None
     prefix_hit: int = 0  # tokens of its context found in the prefix cache at its (last) admission
+    adapter: int = 0  # its LoRA adapter's slot (lora.AdapterTable; 0: the base alone)
+    adapter_name: str = ""
 
     @property
     def reserved_tokens(self) -> int:
@@ -114,6 +116,19 @@ class Generation:
     def context(self) -> list[int]:
         """The tokens a prefill runs: the prompt, and what was generated before a preemption."""
         return self.prompt + self.generated
+
+
+def _adapters(gens: Sequence[Generation]) -> dict[str, list[int]]:
+    """The launch's ``adapters`` argument: each row's adapter slot, when any row has one."""
+    return {"adapters": [g.adapter for g in gens]} if any(g.adapter for g in gens) else {}
+
+
+def _count(gens: Sequence[Generation]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in gens:
+        if g.adapter_name:
+            out[g.adapter_name] = out.get(g.adapter_name, 0) + 1
+    return out
 
 
 class NullMetrics:
@@ -128,6 +143,7 @@ class NullMetrics:
     def refused(self) -> None: ...
     def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None: ...
     def prefix_lookup(self, queried: int, hit: int) -> None: ...
+    def adapters(self, running: Any, waiting: Any, max_adapters: int, loaded: int = 0) -> None: ...
 
 
 class Scheduler:
@@ -157,6 +173,7 @@ class Scheduler:
         # is_cancelled() is a round trip to the Triton process per sequence: asked at most this often.
         self.cancel_check_s = float(cancel_check_s)
         self.prefix_cache = prefix_cache
+        self.loras: Any = None  # lora.AdapterTable where the model serves adapters (their metrics reported)
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
@@ -231,6 +248,9 @@ class Scheduler:
         cache = self.prefix_cache
         self.metrics.state(len(self.running), len(self.waiting), self.slots.usage(),
                            cached_blocks=cache.blocks() if cache is not None else 0)
+        if self.loras is not None:  # vLLM's lora_requests_info: the adapters of the running and waiting sequences
+            self.metrics.adapters(_count(self.running), _count(self.waiting), self.loras.max_loras,
+                                  loaded=len(self.loras.loaded()))
 
     def _drop_cancelled(self) -> None:
         now = self.clock()
@@ -393,9 +413,11 @@ class Scheduler:
             contexts = [g.context() for g in launched]
             if launched[0].cached:  # a cached prefix (alone in its launch): the rest of its context from there
                 past = launched[0].cached
-                logits = self.model.prefill([contexts[0][past:]], self.slots.views(start, 1), past=[past])
+                logits = self.model.prefill([contexts[0][past:]], self.slots.views(start, 1), past=[past],
+                                            **_adapters(launched[:1]))
             else:
-                logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
+                logits = self.model.prefill(contexts, self.slots.views(start, len(launched)),
+                                            **_adapters(launched))
             rows = {}
             for gen, ctx, row in zip(launched, contexts, logits):
                 gen.cached = len(ctx)
@@ -418,7 +440,7 @@ class Scheduler:
         active = self.running[:count]
         self.masks.start(active)  # the grammar rows' masks, on a worker thread while the launch runs
         logits = self.model.decode([g.generated[-1] for g in active], [g.cached for g in active],
-                                   self.slots.views(0, count))
+                                   self.slots.views(0, count), **_adapters(active))
         for gen, row in zip(active, logits):
             gen.cached += 1
             self._accept(gen, row)
