@@ -104,7 +104,7 @@ def graph_pairs(config: dict, tensors: dict[str, np.ndarray], hf_config: dict,
                                "embed_tokens or lm_head are not served). Fix: target the attention and MLP projections")
         layer, block, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         parts.setdefault((layer, "attn" if block == "self_attn" else "mlp", proj), {})[ab] = value
-    r_default, alpha_default = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    alpha_default = float(config.get("lora_alpha", 8))
     alpha_pattern = config.get("alpha_pattern") or {}  # ranks come from the tensors themselves
 
     def scaling(proj: str, r: int) -> float:

@@ -72,6 +72,9 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
           min_accuracy: float | None, engines: bool | None, require_sandbox: bool, no_sandbox: bool) -> None:
     """Run export → quantize → build-engine → package (→ sign) for RECIPE.
 
+    A LoRA adapter's recipe (source.kind = "lora", [adapter] naming its packaged base) is checked against
+    transformers + peft on the base's graph, gated on the held-out text and packaged as its own signed entry.
+
     Every source file is scanned before it is read (pickles refused unless [source] allow_pickle), and
     export, quantize and engine build run in child processes walled in by Landlock and seccomp: they read
     the source, the Python environment and the data, write only the work folder, and open no network
@@ -91,9 +94,15 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
         from model_factory.signing import SignerConfig
 
         signer = SignerConfig(private_key=Path(key), password=None, certificate_chain=tuple(Path(c) for c in cert_chain))
-    res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
-                    min_accuracy=min_accuracy, engines=engines, isolate=True,
-                    sandbox=mode)
+    loaded = load_recipe(recipe, recipe_overrides(repository))
+    if loaded.is_adapter:  # a LoRA adapter onto its packaged base (source.kind = "lora"): its own signed entry
+        from model_factory.build.adapter import build_adapter
+
+        built = build_adapter(loaded, signer=signer, progress=progress_printer(), isolate=True, sandbox=mode)
+        click.echo(f"built {built.version_dir}" + (f"\nsigned: {built.signature}" if built.signature else ""))
+        return
+    res = run_build(loaded, progress=progress_printer(), signer=signer, min_accuracy=min_accuracy, engines=engines,
+                    isolate=True, sandbox=mode)
     click.echo(f"built {res.version_dir}")
     for name in res.files:  # what the version folder holds, not what the stages made
         click.echo(f"  {name}")

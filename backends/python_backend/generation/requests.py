@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..lora_contract import LORA_NAME
 from .sampling import JSON_NAMES, SamplingError, SamplingParams, parse_sampling
 from .structured.grammar import parse_guided
 
