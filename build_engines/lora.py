@@ -115,7 +115,8 @@ def graph_pairs(config: dict, tensors: dict[str, np.ndarray], hf_config: dict,
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     sizes = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
-             "gate_proj": int(hf_config.get("intermediate_size", 0)), "up_proj": int(hf_config.get("intermediate_size", 0))}
+             "gate_proj": int(hf_config.get("intermediate_size", 0)),
+             "up_proj": int(hf_config.get("intermediate_size", 0))}
     grouped: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
     for (layer, block, proj), ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
@@ -233,9 +234,9 @@ def check_adapter(recipe: Any, out_dir: Path, progress: Callable[[str], None] = 
     greedy_ok = all(r["identical_up_to_near_tie"] for r in rows)
     if not greedy_ok:
         bad = next(r for r in rows if not r["identical_up_to_near_tie"])
-        raise FactoryError(f"the base graph with adapter {recipe.name} differs from transformers + peft's greedy tokens "
-                           f"at step {bad['first_difference']} (before any near-tie): the conversion is wrong for this "
-                           "adapter. Fix: report it with the adapter_config.json")
+        raise FactoryError(f"the base graph with adapter {recipe.name} differs from transformers + peft's greedy "
+                           f"tokens at step {bad['first_difference']} (before any near-tie): the conversion is wrong "
+                           "for this adapter. Fix: report it with the adapter_config.json")
     merged = reference_model.merge_and_unload()
     merged.eval()
     gate = _gate(runner, merged, tok, _heldout(recipe, texts), recipe.quantization)
@@ -310,4 +311,5 @@ def _base_differs(graph: Path, reference: Sequence[Any], recipe: Any, hf_config:
     from model_factory.build_engines.lm_graph import DecoderRunner, head_dim_of
 
     runner = DecoderRunner(graph, recipe.shapes.max_context, head_dim_of(hf_config))
-    return sum(int(x != y) for c in reference for x, y in zip(runner.greedy(c.prompt_ids, len(c.tokens), eos), c.tokens))
+    return sum(int(x != y) for c in reference
+               for x, y in zip(runner.greedy(c.prompt_ids, len(c.tokens), eos), c.tokens))

@@ -296,10 +296,10 @@ class GenerativeModel:
 
     def _mirrored(self, emit, req: GenerateRequest):
         """``emit``, and while a rollout mirrors this model, its continuation offered to the shadow once it ended
-        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed; the
-        mirror drops it if that rollout has stopped by then)."""
+        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed, nor one
+        of a LoRA adapter, which the candidate does not load; the mirror drops it if that rollout has stopped)."""
         control = self.shadow.active()
-        if control is None or req.params.n > 1 or not (req.params.greedy or req.params.seed is not None):
+        if control is None or req.params.n > 1 or req.adapter or not (req.params.greedy or req.params.seed is not None):
             return emit
 
         def emit_and_offer(gen: Generation, event: TokenEvent) -> None:
