@@ -159,9 +159,13 @@ def discover(version_dir: Path, base_digests: dict[str, str] | None,
         except (IntegrityError, ValueError, KeyError) as exc:
             refused[name] = f"adapter {name} is not served: {exc}"
             continue
-        wrong = [rel for rel, sha in sorted(spec.base_digests.items())
-                 if (base_digests.get(f"{version}/{rel}") if base_digests is not None
-                     else (_sha256(version_dir / rel) if (version_dir / rel).is_file() else None)) != sha]
+        # Verified: the table holds every file of the base version. Unverified: the files of this view (serve copies
+        # the served precision's weights only), at least one of them compared.
+        ours = ({rel: base_digests.get(f"{version}/{rel}") for rel in spec.base_digests} if base_digests is not None
+                else {rel: _sha256(version_dir / rel) for rel in spec.base_digests if (version_dir / rel).is_file()})
+        wrong = [rel for rel, sha in sorted(spec.base_digests.items()) if rel in ours and ours[rel] != sha]
+        if not ours:
+            wrong = sorted(spec.base_digests) or ["its files"]
         if spec.base_version != version or wrong:
             refused[name] = (f"adapter {name} was built for {spec.base} version {spec.base_version} whose "
                              f"{', '.join(wrong) or 'version'} differ{'s' if len(wrong) == 1 else ''} from the served "
