@@ -57,10 +57,15 @@ def head_dim_of(hf_config: dict) -> int:
 class DecoderRunner:
     """One sequence at a time through a shared-slot decoder graph (CPU, ONNX Runtime)."""
 
-    def __init__(self, onnx_path: Path, max_context: int, head_dim: int, threads: int | None = None) -> None:
+    def __init__(self, onnx_path: Path | bytes, max_context: int, head_dim: int, threads: int | None = None,
+                 feeds: dict[str, np.ndarray] | None = None) -> None:
+        """``onnx_path``: the graph's file, or its bytes (a graph rewritten in memory: ``lora``); ``feeds``: more
+        inputs bound at every step (a LoRA graph's adapter stacks and row)."""
         from model_factory.build_engines.ort_session import onnxruntime_session
 
-        self.session = onnxruntime_session(Path(onnx_path), threads=threads)
+        self.session = onnxruntime_session(onnx_path if isinstance(onnx_path, bytes) else Path(onnx_path),
+                                           threads=threads)
+        self.feeds = dict(feeds or {})
         self.shape = graph_shape(self.session, head_dim)
         self.max_context = int(max_context)
         self.selects_positions = any(i.name == LOGITS_POSITIONS for i in self.session.get_inputs())
@@ -84,6 +89,8 @@ class DecoderRunner:
         io.bind_cpu_input(ATTENTION_MASK, np.ones((1, cached + len(ids)), np.int64))
         if self.selects_positions:
             io.bind_cpu_input(LOGITS_POSITIONS, positions)
+        for name, value in self.feeds.items():
+            io.bind_cpu_input(name, value)
         io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         for (layer, kind), buf in self._cache.items():
             shape = list(buf.shape)

@@ -82,6 +82,8 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
 
     A prompt template's recipe (a [prompt] table on a [base] model of the repository) is packaged as its own
     version instead (prompt.json, signed with --key): docs/models.md, "A prompt template".
+    A LoRA adapter's recipe (source.kind = "lora", [adapter] naming its packaged base) is checked against
+    transformers + peft on the base's graph, gated on the held-out text and packaged as its own signed entry.
 
     Every source file is scanned before it is read (pickles refused unless [source] allow_pickle), and
     export, quantize and engine build run in child processes walled in by Landlock and seccomp: they read
@@ -111,9 +113,15 @@ def build(recipe: str, repository: str | None, key: str | None, cert_chain: tupl
                                 signer)
         click.echo(f"built {packaged.version_dir} (prompt template{', signed' if signer else ''})")
         return
-    res = run_build(load_recipe(recipe, recipe_overrides(repository)), progress=progress_printer(), signer=signer,
-                    min_accuracy=min_accuracy, engines=engines, isolate=True,
-                    sandbox=mode)
+    loaded = load_recipe(recipe, recipe_overrides(repository))
+    if loaded.is_adapter:  # a LoRA adapter onto its packaged base (source.kind = "lora"): its own signed entry
+        from model_factory.build.adapter import build_adapter
+
+        built = build_adapter(loaded, signer=signer, progress=progress_printer(), isolate=True, sandbox=mode)
+        click.echo(f"built {built.version_dir}" + (f"\nsigned: {built.signature}" if built.signature else ""))
+        return
+    res = run_build(loaded, progress=progress_printer(), signer=signer, min_accuracy=min_accuracy, engines=engines,
+                    isolate=True, sandbox=mode)
     click.echo(f"built {res.version_dir}")
     for name in res.files:  # what the version folder holds, not what the stages made
         click.echo(f"  {name}")

@@ -279,6 +279,8 @@ class ModelParameters:
     max_active_sequences: int = _param("int", 32, minimum=1)
     # Requests that may wait for memory; past it a request is refused at once (503 + Retry-After).
     max_waiting_sequences: int = _param("int", 64, minimum=0)
+    # LoRA adapters held in memory at once (slots of the adapter stacks; the least recently used idle one evicted).
+    max_loras: int = _param("int", 4, minimum=1)
     # A request that waited this long for memory preempts the youngest running sequence (0: never).
     preemption_wait_ms: int = _param("int", 0, minimum=0)
     # Admission grouped by max_tokens (power-of-two buckets, the smallest first) until a request has waited this

@@ -52,7 +52,9 @@ from .batching.deferred_responses import ResponseDispatcher
 from .generation.requests import GenerateRequest, read_generate_request, request_inputs
 from .batching.grouping import CostModel, measure_cost_model
 from .integrity import read_checked, verified_digests
+from .lora_contract import ADAPTER_WEIGHTS
 from .generation.kv_slots import KVSlots
+from .generation.lora import AdapterError, AdapterTable, discover, prepare
 from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
 from .generation.sampling import SamplingError, choice_seed
@@ -143,10 +145,12 @@ class GenerativeModel:
         self.shadow = ShadowMirror(pb_utils, shadow_dir, s.model_name, str(args.get("model_instance_name", "")),
                                    hash_inputs=input_hash, log=pb_utils.Logger.log_warn, generation=True)
         digests_file = os.environ.get(DIGESTS_ENV)
+        adapter_files = tuple(str(f.folder / ADAPTER_WEIGHTS) for f in self.adapters.found.values())
         self.sandbox = wall_in_stub(version_dir, writable=(str(shadow_dir),) if shadow_dir else (),
-                                    readable_files=(digests_file,) if digests_file else ())
+                                    readable_files=((digests_file,) if digests_file else ()) + adapter_files)
         self.metrics = _make_metrics(pb_utils, s.model_name, {"instance": str(args.get("model_instance_name", ""))})
-        self.prefix_cache = _prefix_cache(s, spec, version_dir, self.model)
+        # A cached prefix's keys and values are the base's: with adapters served, prefix caching is off.
+        self.prefix_cache = None if self.adapters.found else _prefix_cache(s, spec, version_dir, self.model)
         chunk = chunk_tokens(s.prefill_chunk_tokens, cost, s.max_prefill_tokens)
         self.scheduler = Scheduler(self.model, self.slots, self.tokenizer, spec.eos_token_ids,
                                    max_waiting=s.max_waiting_sequences, cost=cost,
@@ -157,6 +161,7 @@ class GenerativeModel:
                                    cancel_check_s=0.0,  # reads the watcher's flags: no round trip
                                    prefix_cache=self.prefix_cache, chunk_tokens=chunk,
                                    whole_below=whole_below(s.prefill_chunk_tokens, chunk))
+        self.scheduler.loras = self.adapters if self.adapters.found else None
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
@@ -198,6 +203,7 @@ class GenerativeModel:
             s.precision)
         if spec.kv_dtype == "int8":
             _require_int8_kv_runtime(s.precision)
+        found, refused, modules = discover(version_dir, digests, on_cpu=self._gpu is None)  # adapters of this base
         loaded = self._load_on_gpu(version_dir, digests, spec) if self._gpu is not None else None
         if loaded is not None:
             model, slots = loaded
@@ -206,8 +212,12 @@ class GenerativeModel:
                 version_dir, s.onnx_file, digests,
                 lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
                                      pad_token_id=spec.pad_token_id or 0,
-                                     int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype)))
+                                     int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
+                                     lora=prepare(src, modules) if modules else None))
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
+        self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
+                                     self.pb.Logger.log_info)
+        model.lora_table = self.adapters if modules else None
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
@@ -243,21 +253,24 @@ class GenerativeModel:
                                             self.slots.max_context)
                 # A grammar compiled here, off the engine loop (once per schema: the cache), or refused naming it.
                 grammar = self.grammars.get().compile(req.params.guided) if req.params.guided is not None else None
-            except SamplingError as exc:
-                self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
+                slot = self.adapters.acquire(req.adapter) if req.adapter else 0  # its adapter loaded (verified)
+            except (SamplingError, AdapterError) as exc:
+                busy, e = getattr(exc, "busy", False), self.pb.TritonError
+                self._send_error(sender, str(exc), getattr(e, "UNAVAILABLE", e.INTERNAL) if busy else e.INVALID_ARG)
                 continue
             cancelled = self.cancels.watch(request.is_cancelled)
+            done = (lambda: (cancelled.close(), self.adapters.release(slot))) if slot else cancelled.close
             try:
-                self.scheduler.submit_all(self._choices(req, sender, cancelled, grammar))
+                self.scheduler.submit_all(self._choices(req, sender, done, cancelled, grammar, slot))
             except SamplingError as exc:
-                cancelled.close()
+                done()
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
             except QueueFull as exc:
-                cancelled.close()
+                done()
                 code = getattr(self.pb.TritonError, "UNAVAILABLE", self.pb.TritonError.INTERNAL)
                 self._send_error(sender, str(exc), code)
             except BaseException:  # Triton answers (and frees) the request: it must not be asked after that
-                cancelled.close()
+                done()
                 raise
         return None
 
@@ -270,27 +283,29 @@ class GenerativeModel:
             raise SamplingError("guided: structured outputs need the model's tokenizer, and this model has none")
         return load_engine(self.tokenizer.to_str(), self.spec.vocab_size, self.spec.eos_token_ids)
 
-    def _choices(self, req: GenerateRequest, sender: Any, cancelled: Any, grammar: Any = None) -> list[Generation]:
+    def _choices(self, req: GenerateRequest, sender: Any, done: Any, cancelled: Any, grammar: Any = None,
+                 slot: int = 0) -> list[Generation]:
         """The request's sequences: one, or its ``n`` choices (choice 0 the leader; each its own seed and, with a
-        grammar, its own matcher)."""
+        grammar, its own matcher); ``slot``: its adapter's, held until ``done`` is called once it is answered."""
         closed = threading.Event()  # set once the request is answered: its other choices stop at the next step
-        emit = self._emitter(sender, req, lambda: (closed.set(), cancelled.close()))
+        emit = self._emitter(sender, req, lambda: (closed.set(), done()))
+        lora = {"adapter": slot, "adapter_name": req.adapter or ""}
         if req.params.n == 1:
             return [Generation(list(req.prompt_ids), req.params, self._mirrored(emit, req), is_cancelled=cancelled,
-                               grammar=grammar)]
+                               grammar=grammar, **lora)]
         gens: list[Generation] = []
         for index in range(req.params.n):
             params = dataclasses.replace(req.params, seed=choice_seed(req.params.seed, index))
             gens.append(Generation(list(req.prompt_ids), params, emit, index=index, leader=gens[0] if gens else None,
-                                   is_cancelled=lambda: closed.is_set() or cancelled(), grammar=grammar))
+                                   is_cancelled=lambda: closed.is_set() or cancelled(), grammar=grammar, **lora))
         return gens
 
     def _mirrored(self, emit, req: GenerateRequest):
         """``emit``, and while a rollout mirrors this model, its continuation offered to the shadow once it ended
-        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed; the
-        mirror drops it if that rollout has stopped by then)."""
+        (only when its tokens are reproducible: greedy, or sampled with a seed; not one cancelled or failed, nor one
+        of a LoRA adapter, which the candidate does not load; the mirror drops it if that rollout has stopped)."""
         control = self.shadow.active()
-        if control is None or req.params.n > 1 or not (req.params.greedy or req.params.seed is not None):
+        if control is None or req.params.n > 1 or req.adapter or not (req.params.greedy or req.params.seed is not None):
             return emit
 
         def emit_and_offer(gen: Generation, event: TokenEvent) -> None:

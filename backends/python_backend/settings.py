@@ -83,6 +83,7 @@ class Settings:
     memory_budget_mib: int = 0
     max_active_sequences: int = 32
     max_waiting_sequences: int = 64
+    max_loras: int = 4
     preemption_wait_ms: int = 0
     max_tokens_grouping_ms: int = 0
     int8_attention: str = "auto"
@@ -174,6 +175,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         memory_budget_mib=p.memory_budget_mib,
         max_active_sequences=p.max_active_sequences,
         max_waiting_sequences=p.max_waiting_sequences,
+        max_loras=p.max_loras,
         preemption_wait_ms=p.preemption_wait_ms,
         max_tokens_grouping_ms=p.max_tokens_grouping_ms,
         int8_attention=p.int8_attention,

@@ -26,6 +26,9 @@ def stage_walls(recipe: Recipe, stage: str) -> Walls:
         read.add(str(Path(src.gguf).resolve().parent))
     if src.base_dir is not None:
         read.add(str(Path(src.base_dir).resolve()))  # a torch factory's module, the recipe's own folder
+    adapter = getattr(recipe, "adapter", None)
+    if adapter is not None:  # a LoRA adapter's check reads its base's packaged graph and Hugging Face folder
+        read.update((str(Path(adapter.version_dir).resolve()), str(Path(adapter.source).resolve())))
     q = recipe.quantization
     read_files = set(SYSTEM_FILES)
     for data in (q.calibration_data, q.heldout_data, recipe.recipe_path):

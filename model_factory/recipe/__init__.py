@@ -20,12 +20,13 @@ from model_factory.recipe.loading import load_recipe, parse_recipe, validate_rec
 from model_factory.recipe.onnx_io import graph_tensor_specs, onnx_tensor_specs
 from model_factory.recipe.schema import (CALIBRATION_METHODS, DTYPES, ENGINES, GROUPING_MODES, INSTANCE_KINDS,
                                          ONNX_DTYPES, PRECISIONS, SOURCE_KINDS, TASKS, recipe_json_schema)
-from model_factory.recipe.specs import (BatchingSpec, ExportSpec, QuantizationSpec, Recipe, RepositorySpec, ShapeSpec,
-                                        SourceSpec, TensorRTSpec, TensorSpec)
+from model_factory.recipe.specs import (AdapterBase, BatchingSpec, ExportSpec, QuantizationSpec, Recipe,
+                                        RepositorySpec, ShapeSpec, SourceSpec, TensorRTSpec, TensorSpec)
 
 __all__ = [
-    "BatchingSpec", "CALIBRATION_METHODS", "DTYPES", "ENGINES", "ExportSpec", "GROUPING_MODES", "INSTANCE_KINDS",
-    "ONNX_DTYPES", "PRECISIONS", "QuantizationSpec", "Recipe", "RepositorySpec", "SOURCE_KINDS", "ShapeSpec",
+    "AdapterBase", "BatchingSpec", "CALIBRATION_METHODS", "DTYPES", "ENGINES", "ExportSpec", "GROUPING_MODES",
+    "INSTANCE_KINDS", "ONNX_DTYPES", "PRECISIONS", "QuantizationSpec", "Recipe", "RepositorySpec", "SOURCE_KINDS",
+    "ShapeSpec",
     "SourceSpec", "TASKS", "TASK_HEADS", "TensorRTSpec", "TensorSpec", "check_hf_task", "field_error",
     "graph_tensor_specs", "hf_labels", "hf_tensor_specs", "load_recipe", "onnx_tensor_specs", "parse_recipe",
     "read_hf_config", "recipe_json_schema", "resolve_package_model", "validate_recipe_data",

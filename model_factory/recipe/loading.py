@@ -20,7 +20,7 @@ from model_factory.recipe.causal_lm import check_causal_lm, generate_tensor_spec
 from model_factory.recipe.huggingface import _hf_io_from_folder, read_hf_config, resolve_package_model
 from model_factory.recipe.onnx_io import onnx_tensor_specs
 from model_factory.recipe.schema import (BatchingTable, RecipeFile, RepositoryTable, SourceTable, TensorTable)
-from model_factory.recipe.specs import (BatchingSpec, ExportSpec, QuantizationSpec, Recipe, RepositorySpec,
+from model_factory.recipe.specs import (AdapterBase, BatchingSpec, ExportSpec, QuantizationSpec, Recipe, RepositorySpec,
                                         ShapeSpec, SourceSpec, TensorRTSpec, TensorSpec)
 
 
@@ -55,6 +55,13 @@ def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
         path = _path(src.path, base_dir)
         if not path.is_file():
             raise _err("source.path", f"{path} does not exist", "point it at an existing .gguf file")
+        return path, None
+    if src.kind == "lora":
+        path = _path(src.path, base_dir) if src.path is not None else None
+        if path is None or not (path / "adapter_config.json").is_file():
+            raise _err("source.path", f"{path} holds no adapter_config.json" if path else "missing",
+                       "point it at a PEFT LoRA folder saved with save_pretrained() (adapter_config.json and "
+                       "adapter_model.safetensors)")
         return path, None
     if src.kind == "onnx":
         if src.path is None:
@@ -181,6 +188,24 @@ def _check_generative_precisions(precisions: tuple[str, ...], calib: Path | None
                    "point heldout_data (or calibration_data) at a local .txt of your text, one sample per line")
 
 
+def _adapter_base(table: Any, base_dir: Path) -> AdapterBase:
+    """[adapter]: the base's model folder (its newest version unless named) and Hugging Face folder, checked."""
+    for key in ("base", "base_source"):
+        if getattr(table, key) is None:
+            raise _err(f"adapter.{key}", "missing", "set base to <repository>/<model> of the packaged base and "
+                       "base_source to its Hugging Face folder")
+    model_dir, source = _path(table.base, base_dir), _path(table.base_source, base_dir)
+    versions = sorted(int(p.name) for p in model_dir.iterdir() if p.name.isdigit()) if model_dir.is_dir() else []
+    version = table.base_version or (versions[-1] if versions else None)
+    if version is None or version not in versions:
+        raise _err("adapter.base", f"{model_dir} has no version {version or ''} folder".replace("  ", " "),
+                   "build the base first (model-factory build its recipe) and point base at <repository>/<model>")
+    if not (source / "config.json").is_file():
+        raise _err("adapter.base_source", f"{source} holds no config.json",
+                   "point it at the base's Hugging Face folder (the one its recipe's source.path names)")
+    return AdapterBase(model_dir, int(version), source)
+
+
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     doc = validate_recipe_data(data)
@@ -193,14 +218,25 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         raise _err("classification.probabilities", f"task {task!r} has no class logits to turn into probabilities",
                    "remove it, or set model.task = \"classification\" or \"token-classification\"")
 
-    generation, max_context = None, None
+    generation, max_context, adapter = None, None, None
     if kind == "gguf" and task != "text-generation":
         raise _err("model.task", f"a gguf source is a language model, not a {task!r} model",
                    "set task = \"text-generation\"")
     if "gguf" in doc.precisions and kind != "gguf":
         raise _err("precisions", f"gguf carries a GGUF's own quantized blocks, and this source is {kind}",
                    "remove \"gguf\" from precisions, or build from the .gguf file (kind = \"gguf\")")
-    if task == "text-generation":
+    if (kind == "lora") != (doc.adapter is not None):
+        raise _err("adapter", "[adapter] names a LoRA adapter's base and goes with source.kind = \"lora\"",
+                   "set both (kind = \"lora\" and [adapter] base, base_source), or neither")
+    if kind == "lora":
+        if task != "text-generation":
+            raise _err("model.task", f"a LoRA adapter applies to a text-generation base, not task {task!r}",
+                       "set task = \"text-generation\"")
+        adapter = _adapter_base(doc.adapter, base_dir)
+        generation, max_context = check_causal_lm(adapter.source, read_hf_config(adapter.source),
+                                                  doc.shapes.max_context, {})
+        inputs, outputs = generate_tensor_specs()
+    elif task == "text-generation":
         if kind not in ("huggingface", "gguf") or path is None:
             raise _err("source.kind", f"text-generation builds Hugging Face causal-LM folders, not a {kind} source",
                        "set kind = \"huggingface\" and path to a folder saved with save_pretrained() (or kind = "
@@ -323,6 +359,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,
         matryoshka_dimensions=tuple(sorted(set(doc.embedding.matryoshka_dimensions or ()))),
         text_input=text_input, probabilities=probabilities, recipe_path=recipe_path, generation=generation,
+        adapter=adapter,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,
         raw=data,

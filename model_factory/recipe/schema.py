@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema
 
-SOURCE_KINDS = ("huggingface", "torch", "onnx", "gguf")
+SOURCE_KINDS = ("huggingface", "torch", "onnx", "gguf", "lora")
 TASKS = ("embedding", "classification", "token-classification", "reranker", "generic", "text-generation")
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")  # int4: weight-only, text-generation only; gguf: a GGUF's own blocks
 INT4_METHODS = ("rtn", "awq", "k_quant")
@@ -94,9 +94,11 @@ class SourceTable(_Table):
     kind: _choice(SOURCE_KINDS) = Field(description="huggingface: a folder saved with save_pretrained(); torch: a "
                                         "factory function; onnx: an ONNX file; gguf: a llama.cpp GGUF file "
                                         "(text-generation; read into a Hugging Face folder by the build's source "
-                                        "stage, needs the gguf extra).")
+                                        "stage, needs the gguf extra); lora: a PEFT LoRA adapter folder "
+                                        "(adapter_config.json, adapter_model.safetensors) on the base [adapter] names.")
     path: MaybePath = Field(None, description="huggingface: the model folder; onnx: the .onnx file; gguf: the .gguf "
-                                     "file. Relative to the recipe's folder. Not used by a torch source.")
+                                     "file; lora: the adapter folder. Relative to the recipe's folder. Not used by a "
+                                     "torch source.")
     factory: Annotated[Optional[str], Field(pattern=FACTORY_PATTERN),
                        Fix('write it as "module:function", e.g. factory = "tiny_cnn:build" for build() in '
                            "tiny_cnn.py beside the recipe")] = Field(
@@ -384,6 +386,18 @@ class RepositoryTable(_Table):
         "window at a preferred size).")
 
 
+class AdapterTable(_Table):
+    """[adapter]: the base a LoRA adapter (source.kind = "lora") applies to."""
+
+    base: Annotated[Optional[str], Fix('give the base\'s model folder in a repository, e.g. base = "repo/llm"')] = Field(
+        None, description="The base's packaged model folder (<repository>/<model>): the adapter is checked on its graph and "
+                    "tied to that version's digests. Relative to the recipe's folder.")
+    base_version: Optional[Positive] = Field(None, description="The base's version. Default: its newest.")
+    base_source: Annotated[Optional[str], Fix("give the base's Hugging Face folder")] = Field(
+        None, description="The base's Hugging Face folder (the one its build exported): transformers + peft's reference and "
+                    "the adapter merged in FP32 for the gate. Relative to the recipe's folder.")
+
+
 def _table(description: str) -> Fix:
     return Fix(f"write {description} as a table")
 
@@ -421,6 +435,8 @@ class RecipeFile(_Table):
         QuantizationTable(), description="FP16/INT8 data, method and accuracy gate.")
     generation: Annotated[GenerationTable, _table("[generation]")] = Field(
         GenerationTable(), description="text-generation defaults (sampling, max_tokens).")
+    adapter: Annotated[Optional[AdapterTable], _table("[adapter]")] = Field(
+        None, description="A LoRA adapter's base (source.kind = \"lora\" only).")
     tensorrt: Annotated[TensorRTTable, _table("[tensorrt]")] = Field(
         TensorRTTable(), description="TensorRT engine builds.")
     batching: Annotated[BatchingTable, _table("[batching]")] = Field(

@@ -173,6 +173,23 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class AdapterBase:
+    """A LoRA adapter's base: its packaged version folder and its Hugging Face folder (``[adapter]``)."""
+
+    model_dir: Path  # <repository>/<base model>
+    version: int
+    source: Path  # the base's Hugging Face folder
+
+    @property
+    def name(self) -> str:
+        return self.model_dir.name
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / str(self.version)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """One model build, end to end."""
 
@@ -196,6 +213,7 @@ class Recipe:
     probabilities: bool = False  # classification heads: also return softmax probabilities
     recipe_path: Path | None = None
     generation: GenerationSettings | None = None  # text-generation only
+    adapter: AdapterBase | None = None  # a LoRA adapter's base (source.kind = "lora")
     work_dir: Path = field(default_factory=lambda: Path("build"))
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -203,6 +221,11 @@ class Recipe:
     def is_generative(self) -> bool:
         """True for a text-generation model (a decoder with its KV cache; packaged by build/generative.py)."""
         return self.task == "text-generation"
+
+    @property
+    def is_adapter(self) -> bool:
+        """True for a LoRA adapter on a packaged base (built by build/adapter.py)."""
+        return self.source.kind == "lora"
 
     @property
     def is_text_model(self) -> bool:

@@ -70,12 +70,16 @@ class ServedModel:
     name: str
     chat_template: str | None = None
     max_context: int | None = None
+    base: str | None = None  # a LoRA adapter's: the model that serves it (its requests carry lora_name)
+    adapter: str | None = None
 
 
 def generative_models(repository: Path, names: list[str]) -> dict[str, ServedModel]:
     """The text-generation models among ``names`` in ``repository`` (``task`` parameter), with their chat
-    templates from the highest version's ``generation.json``."""
+    templates from the highest version's ``generation.json``, and the LoRA adapters beside each (their entries name
+    it as their base: ``lora_contract.adapter_entries``), served under their own names by that model."""
     from model_factory.backend.contract import TEXT_GENERATION, Files, GenerationSpec
+    from model_factory.backend.lora_contract import adapter_entries
     from model_factory.build.repository import config_parameters, read_config
 
     out = {}
@@ -88,6 +92,9 @@ def generative_models(repository: Path, names: list[str]) -> dict[str, ServedMod
         if versions and (versions[-1] / Files.GENERATION).is_file():
             spec = GenerationSpec.from_json((versions[-1] / Files.GENERATION).read_text())
         out[name] = ServedModel(name, spec.chat_template if spec else None, spec.max_context if spec else None)
+        for adapter, _ in adapter_entries(Path(repository), name):
+            if adapter not in names:
+                out[adapter] = replace(out[name], name=adapter, base=name, adapter=adapter)
     return out
 
 
@@ -208,7 +215,8 @@ class OpenAIFrontend:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                               connector=aiohttp.TCPConnector(limit=0))
         # The model-server protocol's metrics, for an InferencePool's endpoint picker.
-        app.router.add_get("/metrics", ProtocolMetrics(self._session, self.metrics_url, sorted(self.models)).response)
+        app.router.add_get("/metrics", ProtocolMetrics(self._session, self.metrics_url,
+                                                         sorted(n for n, m in self.models.items() if not m.base)).response)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -249,7 +257,8 @@ class OpenAIFrontend:
     async def _list_models(self, request: Any) -> Any:
         _, web = _aiohttp()
         listed = [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": "text-generation",
-                   **({"max_model_len": m.max_context} if m.max_context else {})} for name, m in self.models.items()]
+                   **({"max_model_len": m.max_context} if m.max_context else {}),
+                   **({"parent": m.base} if m.base else {})} for name, m in self.models.items()]  # vLLM's LoRA field
         listed += [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": m.task,
                     **({"dimensions": m.dimensions} if m.dimensions else {})} for name, m in self.encoders.items()]
         listed += [{"id": name, "object": "model", "created": 0, "owned_by": "model-factory", "task": "prompt",
@@ -300,7 +309,7 @@ class OpenAIFrontend:
 
     async def _once(self, call: Any, chat: bool, rid: str) -> Any:
         _, web = _aiohttp()
-        url = f"{self.triton}/v2/models/{call.model}/generate"
+        url = f"{self.triton}/v2/models/{call.triton_model}/generate"
         async with self._session.post(url, json=call.body, headers={REQUEST_ID_HEADER: rid}) as resp:
             text = await resp.text()
         try:
@@ -336,7 +345,7 @@ class OpenAIFrontend:
 
     async def _stream(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
         _, web = _aiohttp()
-        url = f"{self.triton}/v2/models/{call.model}/generate_stream"
+        url = f"{self.triton}/v2/models/{call.triton_model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         shown = call.shown or call.model  # the name answered: a prompt's, else the model's
         out = None

@@ -29,7 +29,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from model_factory.serving.openai_errors import OpenAIError
@@ -67,6 +67,11 @@ class GenerateCall:
     tools: ToolPlan | None = None  # chat's tool calls (openai_tools): how the output is answered
     guided_param: str | None = None  # the field that asked for a grammar: a 400 from compiling it names it
     shown: str = ""  # the model name answered when it is not ``model`` (a prompt template's: openai_prompts)
+    target: str = ""  # the Triton model called, where ``model`` names a LoRA adapter of it (else ``model``)
+
+    @property
+    def triton_model(self) -> str:
+        return self.target or self.model
 
 
 def _whole(req: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
@@ -188,6 +193,18 @@ def _with_extras(body: dict[str, Any], req: Mapping[str, Any], generated: int, l
         body["sampling_parameters"] = json.dumps(extra)
 
 
+def routed(call: GenerateCall, models: Mapping[str, Any]) -> GenerateCall:
+    """``call`` sent to its model's base with ``lora_name`` in ``sampling_parameters`` where the OpenAI ``model``
+    names a LoRA adapter (``ServedModel.base``), as vLLM's Triton backend takes it."""
+    served = models.get(call.model)
+    base, adapter = getattr(served, "base", None), getattr(served, "adapter", None)
+    if not base or not adapter:
+        return call
+    extra = json.loads(call.body.get("sampling_parameters") or "{}")
+    extra["lora_name"] = adapter
+    return replace(call, body={**call.body, "sampling_parameters": json.dumps(extra)}, target=base)
+
+
 def completion_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> GenerateCall:
     """``/v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
     model, body, stream, usage = _check_common(req, models)
@@ -230,8 +247,8 @@ def completion_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> Gen
             body["exclude_input_in_output"] = False  # the backend prepends the prompt's text
     # best_of > n: the backend's sequences carry their log-probabilities (the choice is made by them).
     _with_extras(body, req, best_of, logprobs if logprobs is not None or best_of == n else 0, guided)
-    return GenerateCall(model, body, stream, usage, n=n, best_of=best_of, logprobs=logprobs, echo=echo_text,
-                        guided_param=guided_param)
+    return routed(GenerateCall(model, body, stream, usage, n=n, best_of=best_of, logprobs=logprobs, echo=echo_text,
+                               guided_param=guided_param), models)
 
 
 def render_chat(template: str | None, messages: Any, tools: list | None = None) -> str:
@@ -297,8 +314,8 @@ def chat_request(req: Mapping[str, Any], models: Mapping[str, Any]) -> GenerateC
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (top or 0) if asked else None
     _with_extras(body, req, n, logprobs, guided)
-    return GenerateCall(model, body, stream, usage, n=n, best_of=n, logprobs=logprobs, tools=plan,
-                        guided_param=guided_param)
+    return routed(GenerateCall(model, body, stream, usage, n=n, best_of=n, logprobs=logprobs, tools=plan,
+                               guided_param=guided_param), models)
 
 
 # --------------------------------------------------------------------------- responses

@@ -449,8 +449,14 @@ class TritonServer:
         if name in self.models or (self.repository / name).is_dir():  # not a candidate (their own repository)
             from model_factory.serving.served_view import sync_model
 
+            from model_factory.backend.lora_contract import adapter_entries
+
             try:
                 sync_model(self.repository, self.served_repository, name, policy, precisions)
+                # Its LoRA adapters' entries beside it (the stub finds and verifies them there; Triton never loads them).
+                for adapter, folder in adapter_entries(self.repository, name):
+                    sync_model(self.repository, self.served_repository, adapter,
+                               {"specific": {"versions": [int(folder.name)]}})
             except FactoryError as exc:
                 return str(exc)
         return self._repository_control("load", name, config, timeout_s)

@@ -137,3 +137,19 @@ def test_logprobs_in_the_completions_and_chat_shapes_the_openai_client_reads():
     ranked = best_choices([{"index": 0, "cumulative_logprob": -3.0}, {"index": 1, "cumulative_logprob": -1.0},
                            {"index": 2, "cumulative_logprob": -2.0}], 2)
     assert [(c["index"], c["cumulative_logprob"]) for c in ranked] == [(0, -1.0), (1, -2.0)]
+
+
+def test_an_adapters_name_goes_to_its_base_with_lora_name():
+    import json
+
+    models = {**MODELS, "support": ServedModel("support", CHAT_TEMPLATE, 2048, base="m", adapter="support")}
+    call = completion_request({"model": "support", "prompt": "hi", "presence_penalty": 0.5}, models)
+    assert call.model == "support" and call.triton_model == "m"  # answered under its name, sent to its base
+    assert json.loads(call.body["sampling_parameters"]) == {"presence_penalty": 0.5, "lora_name": "support"}
+    chat = chat_request({"model": "support", "messages": [{"role": "user", "content": "hi"}]}, models)
+    assert chat.triton_model == "m" and json.loads(chat.body["sampling_parameters"]) == {"lora_name": "support"}
+    base = completion_request({"model": "m", "prompt": "hi"}, models)
+    assert base.triton_model == "m" and "sampling_parameters" not in base.body
+    with pytest.raises(OpenAIError) as err:
+        completion_request({"model": "nobody", "prompt": "hi"}, models)
+    assert err.value.status == 404

@@ -78,13 +78,19 @@ class CausalLM:
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
                  pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this",
-                 int8_attention: str = "onnxruntime") -> None:
+                 int8_attention: str = "onnxruntime", lora: Any = None) -> None:
         """``int8_attention`` (contract.INT8_ATTENTION), for a graph whose KV cache is INT8 on the CPU: ``auto`` runs
         its attention on the factory's kernel where it builds (``int8_attention.py``; else as packaged, the reason
-        in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged."""
+        in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged. ``lora``: a
+        ``lora.LoraGraph`` (this graph with its adapters' inputs) run instead; the loader sets :attr:`lora_table` and
+        each launch adds its rows' adapters (``adapters``: a slot per row, 0 the base)."""
         from ..engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
+        self.lora_table: Any = None  # lora.AdapterTable, set by the loader when ``lora`` rewrote the graph
+        self.lora_shapes = dict(lora.shapes) if lora is not None else {}
+        if lora is not None:
+            source = lora.model
         # Which kernel computes attention, and why (logged at load).
         self.attention = "onnxruntime GroupQueryAttention"
         if cuda is not None:
@@ -107,6 +113,9 @@ class CausalLM:
                     opts.intra_op_num_threads = int(threads)
                 if not spinning:
                     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                if lora is not None and lora.weights_folder is not None:
+                    opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                                  str(lora.weights_folder))
                 return opts
 
             def session(graph: Path | bytes, opts: Any) -> Any:
@@ -161,21 +170,26 @@ class CausalLM:
         return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
-             positions: np.ndarray) -> np.ndarray:
-        """Logits ``[n, k, vocab]`` (float32) at ``positions [n, k]`` (indices into each row's new tokens)."""
-        logits = self._logits(ids, mask, views, positions)
+             positions: np.ndarray, adapters: Sequence[int] | None = None) -> np.ndarray:
+        """Logits ``[n, k, vocab]`` (float32) at ``positions [n, k]`` (indices into each row's new tokens);
+        ``adapters``: each row's adapter slot (0 or None: the base)."""
+        logits = self._logits(ids, mask, views, positions, adapters)
         # An FP16 graph's logits are sampled in float32 (softmax, penalties and top-p over a 16-bit vocabulary lose
         # what the sampler compares).
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
     def _logits(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
-                positions: np.ndarray) -> np.ndarray:
+                positions: np.ndarray, adapters: Sequence[int] | None = None) -> np.ndarray:
         kept = self._kept_binding(views) if positions.shape[1] == 1 and self._vocab is not None else None
         io = kept if kept is not None else self._new_binding(views)
         io.bind_cpu_input(INPUT_IDS, ids)
         io.bind_cpu_input(ATTENTION_MASK, mask)
         if self.selects_positions:
             io.bind_cpu_input(LOGITS_POSITIONS, np.ascontiguousarray(positions, dtype=np.int64))
+        if self.lora_table is not None:
+            self.lora_table.bind(io, np.zeros(ids.shape[0], np.int64) if adapters is None else np.asarray(adapters))
+        elif adapters is not None and any(adapters):
+            raise ValueError("a row names an adapter but this graph was loaded without adapters")
         if kept is not None:  # a new array each step (rebinding a name replaces it): callers may keep logits
             logits = np.empty((ids.shape[0], 1, self._vocab), dtype=self._logits_dtype)
             io.bind_output(LOGITS, "cpu", 0, logits.dtype.type, list(logits.shape), logits.ctypes.data)
@@ -224,7 +238,7 @@ class CausalLM:
         return io
 
     def prefill(self, prompts: Sequence[Sequence[int]], views: dict[str, Any],
-                past: Sequence[int] | None = None) -> np.ndarray:
+                past: Sequence[int] | None = None, adapters: Sequence[int] | None = None) -> np.ndarray:
         """Run new prompts (one per slot of ``views``, from an empty cache), right-padded to the longest;
         returns each row's last real position's logits ``[n, vocab]``. ``past``: the tokens already in each row's
         slot (a cached prefix): the prompt continues from there, its positions after them. ONNX Runtime's attention
@@ -234,7 +248,7 @@ class CausalLM:
                 raise ValueError(f"a continued prompt runs alone, not in a launch of {len(prompts)}")
             row = np.asarray([list(prompts[0])], dtype=np.int64)
             mask = np.ones((1, int(past[0]) + row.shape[1]), dtype=np.int64)
-            return self._run(row, mask, views, np.asarray([[row.shape[1] - 1]], dtype=np.int64))[:, 0]
+            return self._run(row, mask, views, np.asarray([[row.shape[1] - 1]], dtype=np.int64), adapters)[:, 0]
         n = len(prompts)
         longest = max(len(p) for p in prompts)
         ids = np.full((n, longest), self.pad, dtype=np.int64)
@@ -243,20 +257,22 @@ class CausalLM:
             ids[r, :len(prompt)] = prompt
             mask[r, :len(prompt)] = 1
         last = np.asarray([[len(p) - 1] for p in prompts], dtype=np.int64)
-        return self._run(ids, mask, views, last)[:, 0]
+        return self._run(ids, mask, views, last, adapters)[:, 0]
 
-    def position_logits(self, ids: Sequence[int], views: dict[str, Any]) -> np.ndarray:
+    def position_logits(self, ids: Sequence[int], views: dict[str, Any], adapter: int = 0) -> np.ndarray:
         """One sequence from an empty cache (one slot of ``views``): the logits of every position ``[len, vocab]``."""
         row = np.asarray([list(ids)], dtype=np.int64)
-        return self._run(row, np.ones_like(row), views, np.arange(row.shape[1], dtype=np.int64)[None, :])[0]
+        return self._run(row, np.ones_like(row), views, np.arange(row.shape[1], dtype=np.int64)[None, :],
+                         [adapter])[0]
 
-    def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, Any]) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], lengths: Sequence[int], views: dict[str, Any],
+               adapters: Sequence[int] | None = None) -> np.ndarray:
         """One new token per row, each row holding ``lengths[r]`` cached tokens; returns ``[n, vocab]``."""
         n = len(tokens)
         lengths = np.asarray(lengths, dtype=np.int64)
         ids = np.asarray(tokens, dtype=np.int64).reshape(n, 1)
         mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
-        return self._run(ids, mask, views, np.zeros((n, 1), dtype=np.int64))[:, 0]
+        return self._run(ids, mask, views, np.zeros((n, 1), dtype=np.int64), adapters)[:, 0]
 
     def close(self) -> None:
         self._bindings.clear()

@@ -54,6 +54,7 @@ GAUGES: dict[str, str] = {
 ADAPTER_GAUGES: dict[str, str] = {
     "lora_max_adapters": "LoRA adapters one batch may hold (0: this instance serves none).",
     "lora_adapter_sequences": "Sequences of one LoRA adapter, by state (running, waiting).",
+    "lora_loaded_adapters": "LoRA adapters loaded in this instance's adapter slots (at most max_loras).",
 }
 
 
@@ -172,7 +173,8 @@ class GenerationMetrics:
                                 prefix_cache_blocks=float(cached_blocks),
                                 prefix_cache_bytes=float(getattr(usage, "cached_bytes", 0)))
 
-    def adapters(self, running: Mapping[str, int], waiting: Mapping[str, int], max_adapters: int) -> None:
+    def adapters(self, running: Mapping[str, int], waiting: Mapping[str, int], max_adapters: int,
+                 loaded: int = 0) -> None:
         """The LoRA adapters of the running and waiting sequences (adapter -> sequences), and how many one batch may
         hold. An adapter no longer reported goes to 0 (its series stays: Triton cannot drop one)."""
         with self._lock:
@@ -180,6 +182,7 @@ class GenerationMetrics:
             now.update({(a, "waiting"): float(n) for a, n in waiting.items()})
             self._adapters = {**{k: 0.0 for k in self._sent_adapters}, **now}
             self._gauges["lora_max_adapters"] = float(max_adapters)
+            self._gauges["lora_loaded_adapters"] = float(loaded)
 
     # ------------------------------------------------------------------ sending
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..lora_contract import LORA_NAME
 from .sampling import JSON_NAMES, SamplingError, SamplingParams, parse_sampling
 from .structured.grammar import parse_guided
 
@@ -33,6 +34,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     exclude_input: bool
+    adapter: str | None = None  # sampling_parameters' lora_name: the LoRA adapter it runs with (None: the base)
 
 
 def _text(name: str, value: np.ndarray) -> str:
@@ -60,7 +62,7 @@ def _json_parameters(raw: np.ndarray | None) -> dict[str, Any]:
         raise SamplingError(f"sampling_parameters is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise SamplingError("sampling_parameters must be a JSON object")
-    unknown = sorted(set(data) - set(JSON_NAMES) - {"stream"})
+    unknown = sorted(set(data) - set(JSON_NAMES) - {"stream", LORA_NAME})
     if unknown:
         raise SamplingError(f"sampling_parameters has unknown names {unknown}: use {', '.join(JSON_NAMES)}")
     return data
@@ -70,6 +72,9 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
                           max_context: int) -> GenerateRequest:
     """Read one request; ``get(name)`` returns an input as numpy or None when absent."""
     given = _json_parameters(get("sampling_parameters"))
+    adapter = given.pop(LORA_NAME, None)
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise SamplingError(f"{LORA_NAME} must be an adapter's name (a non-empty string)")
     for name in _SCALARS:
         value = get(name)
         if value is not None:
@@ -104,7 +109,7 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
     stream = _flag_input(get("stream"), given.get("stream"), "stream")
     exclude = _flag_input(get("exclude_input_in_output"), given.get("exclude_input_in_output"),
                           "exclude_input_in_output")
-    return GenerateRequest(prompt, text, params, stream, exclude)
+    return GenerateRequest(prompt, text, params, stream, exclude, adapter)
 
 
 def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
@@ -130,7 +135,7 @@ def request_inputs(req: GenerateRequest) -> dict[str, np.ndarray]:
     extra = {name: value for name, value in (
         ("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty),
         ("logit_bias", {str(t): b for t, b in p.logit_bias}), ("stop_token_ids", list(p.stop_token_ids)),
-        ("guided", p.guided.as_json() if p.guided is not None else None)) if value}
+        ("guided", p.guided.as_json() if p.guided is not None else None), (LORA_NAME, req.adapter)) if value}
     if extra:
         inputs["sampling_parameters"] = np.array([json.dumps(extra).encode("utf-8")], dtype=np.object_)
     return inputs

@@ -112,6 +112,8 @@ class Generation:
     matcher: Any = None
     prefix_hit: int = 0  # tokens of its context found in the prefix cache at its (last) admission
     prefilling: bool = False  # admitted, its prefill split over steps and not yet done (chunked prefill)
+    adapter: int = 0  # its LoRA adapter's slot (lora.AdapterTable; 0: the base alone)
+    adapter_name: str = ""
 
     @property
     def reserved_tokens(self) -> int:
@@ -120,6 +122,19 @@ class Generation:
     def context(self) -> list[int]:
         """The tokens a prefill runs: the prompt, and what was generated before a preemption."""
         return self.prompt + self.generated
+
+
+def _adapters(gens: Sequence[Generation]) -> dict[str, list[int]]:
+    """The launch's ``adapters`` argument: each row's adapter slot, when any row has one."""
+    return {"adapters": [g.adapter for g in gens]} if any(g.adapter for g in gens) else {}
+
+
+def _count(gens: Sequence[Generation]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in gens:
+        if g.adapter_name:
+            out[g.adapter_name] = out.get(g.adapter_name, 0) + 1
+    return out
 
 
 class NullMetrics:
@@ -135,6 +150,7 @@ class NullMetrics:
     def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None: ...
     def prefix_lookup(self, queried: int, hit: int) -> None: ...
     def prefill_chunks(self, chunks: int) -> None: ...
+    def adapters(self, running: Any, waiting: Any, max_adapters: int, loaded: int = 0) -> None: ...
 
 
 class Scheduler:
@@ -168,6 +184,7 @@ class Scheduler:
         self.chunk_tokens = max(0, int(chunk_tokens))  # prompt tokens a step prefills (0: whole prompts)
         self.whole_below = max(0, int(whole_below))  # prompts this short are prefilled whole, outside the budget
         self._chunks = 0  # chunk launches this step (counted on /metrics)
+        self.loras: Any = None  # lora.AdapterTable where the model serves adapters (their metrics reported)
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
@@ -249,6 +266,9 @@ class Scheduler:
         cache = self.prefix_cache
         self.metrics.state(len(self.running), len(self.waiting), self.slots.usage(),
                            cached_blocks=cache.blocks() if cache is not None else 0)
+        if self.loras is not None:  # vLLM's lora_requests_info: the adapters of the running and waiting sequences
+            self.metrics.adapters(_count(self.running), _count(self.waiting), self.loras.max_loras,
+                                  loaded=len(self.loras.loaded()))
 
     def _drop_cancelled(self) -> None:
         now = self.clock()
@@ -495,7 +515,8 @@ class Scheduler:
                 take = min(rest, left) if bounded else rest
                 past = gen.cached
                 piece = contexts[0][past:past + take]
-                logits = self.model.prefill([piece], self.slots.views(gen.slot, 1), past=[past] if past else None)
+                logits = self.model.prefill([piece], self.slots.views(gen.slot, 1), past=[past] if past else None,
+                                            **_adapters([gen]))
                 chunk = gen.prefilling or take < rest
                 self._chunks += chunk
                 if bounded:
@@ -508,7 +529,7 @@ class Scheduler:
                         self.prefix_cache.running(gen)
                     continue
             else:
-                logits = self.model.prefill(contexts, self.slots.views(start, len(launched)))
+                logits = self.model.prefill(contexts, self.slots.views(start, len(launched)), **_adapters(launched))
                 if left is not None:
                     left -= sum(len(c) for c in contexts if len(c) > self.whole_below)
             rows = {}
@@ -542,7 +563,7 @@ class Scheduler:
             return
         self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while the launch runs
         logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
-                                   self.slots.views(0, len(active)))
+                                   self.slots.views(0, len(active)), **_adapters(active))
         for gen, row in zip(active, logits):
             if not gen.prefilling:
                 gen.cached += 1

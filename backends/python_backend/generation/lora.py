@@ -1,0 +1,265 @@
+"""LoRA adapters served per request on one base: each row of a launch adds its own adapter's low-rank product.
+
+The base graph is rewritten in memory at load (as ``int8_attention`` rewrites attention): for each projection
+``MatMul`` some adapter targets (``lora_contract.graph_module``), ``Y = X·W`` becomes
+``Y = X·W + (X·A[rows])·B[rows]`` where ``A`` [slots, in, rank] and ``B`` [slots, rank, out] are inputs holding
+every loaded adapter's pair (slot 0: zeros, the base alone) and ``lora_rows`` [batch] says which slot each row uses.
+So a prefill or decode launch mixes rows of the base and of several adapters: one continuous batch, one launch per
+step, the per-row product a batched MatMul after a Gather. A rank below the table's is zero-padded (exact).
+
+Why not ONNX Runtime's ``LoraAdapter`` / ``RunOptions.add_active_adapter``: one active adapter set per run, so a
+step with rows of three adapters would be three launches (rows grouped per adapter), and onnxruntime-genai's builder
+exports the LoRA inputs only when it builds the graph from the adapter, not onto a packaged, signed base.
+
+:class:`AdapterTable` keeps up to ``max_loras`` adapters in the stacks (a slot each), loading one from its verified
+files when a request names it and evicting the least recently used that no running sequence holds; a request for
+an adapter when every slot is held waits for none: it is refused (UNAVAILABLE) as a full queue is. The stacks are
+bound by pointer, written in place only in slots no running row reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io as _io
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..integrity import IntegrityError, read_checked, verified_digests
+from ..lora_contract import (ADAPTER_SPEC, ADAPTER_WEIGHTS, LORA_ROWS, AdapterSpec, adapter_entries, graph_module,
+                             lora_inputs)
+
+
+class AdapterError(Exception):
+    """A request's adapter cannot be served: unknown, refused at load, or every slot held (``busy``)."""
+
+    def __init__(self, message: str, busy: bool = False, unknown: bool = False) -> None:
+        super().__init__(message)
+        self.busy, self.unknown = busy, unknown
+
+
+@dataclass(frozen=True)
+class LoraGraph:
+    """The base graph rewritten: its bytes, the folder of its external weights (or None), each module's (in, out)."""
+
+    model: bytes
+    weights_folder: Path | None
+    shapes: dict[str, tuple[int, int]]
+
+
+def _weight_shape(node: Any, inits: dict[str, Any]) -> tuple[int, int]:
+    if node.op_type == "MatMulNBits":
+        attrs = {a.name: a.i for a in node.attribute}
+        return int(attrs["K"]), int(attrs["N"])
+    w = inits[node.input[1]]
+    return int(w.dims[0]), int(w.dims[1])
+
+
+def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Add each of ``modules``' low-rank product to its MatMul in ``model`` (an onnx ModelProto, changed in place);
+    returns each module's (in, out). ValueError naming a module the graph does not have."""
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    wanted, shapes = set(modules), {}
+    added = [helper.make_tensor_value_info(LORA_ROWS, TensorProto.INT64, ["batch_size"])]
+    new_nodes = []
+    for node in g.node:
+        module = graph_module(node.name)
+        new_nodes.append(node)
+        if module not in wanted:
+            continue
+        fan_in, fan_out = _weight_shape(node, inits)
+        shapes[module] = (fan_in, fan_out)
+        a_name, b_name = lora_inputs(module)
+        added += [helper.make_tensor_value_info(a_name, TensorProto.FLOAT, ["lora_slots", fan_in, "lora_rank"]),
+                  helper.make_tensor_value_info(b_name, TensorProto.FLOAT, ["lora_slots", "lora_rank", fan_out])]
+        out, base_out, p = node.output[0], node.output[0] + "/lora_base", f"/lora/{module}"
+        node.output[0] = base_out
+        new_nodes += [helper.make_node("Gather", [a_name, LORA_ROWS], [p + "/A"], name=p + "/GatherA", axis=0),
+                      helper.make_node("Gather", [b_name, LORA_ROWS], [p + "/B"], name=p + "/GatherB", axis=0),
+                      helper.make_node("MatMul", [node.input[0], p + "/A"], [p + "/XA"], name=p + "/MatMulA"),
+                      helper.make_node("MatMul", [p + "/XA", p + "/B"], [p + "/XAB"], name=p + "/MatMulB"),
+                      helper.make_node("Add", [base_out, p + "/XAB"], [out], name=p + "/Add")]
+    missing = sorted(wanted - set(shapes))
+    if missing:
+        raise ValueError(f"the base graph has no projection {', '.join(missing)} (its MatMul nodes are named "
+                         "/model/layers.N/attn|mlp/<proj>/MatMul)")
+    del g.node[:]
+    g.node.extend(new_nodes)
+    g.input.extend(added)
+    return shapes
+
+
+def prepare(source: Path | bytes, modules: Sequence[str]) -> LoraGraph:
+    """``source`` (the graph's bytes, or its path when its weights are external) with ``modules`` rewritten."""
+    import onnx
+
+    if isinstance(source, (bytes, bytearray)):
+        model, folder = onnx.load_from_string(bytes(source)), None
+    else:
+        model, folder = onnx.load(str(source), load_external_data=False), Path(source).resolve().parent
+    shapes = rewrite(model, modules)
+    return LoraGraph(model.SerializeToString(), folder, shapes)
+
+
+def stacked(pairs: dict[str, tuple[np.ndarray, np.ndarray]], shapes: dict[str, tuple[int, int]],
+            rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One adapter's pairs zero-padded to ``rank`` for every module of the table (zeros where it adds nothing)."""
+    out = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        a, b = np.zeros((fan_in, rank), np.float32), np.zeros((rank, fan_out), np.float32)
+        if module in pairs:
+            pa, pb = pairs[module]
+            a[:, :pa.shape[1]], b[:pb.shape[0], :] = pa, pb
+        out[module] = (a, b)
+    return out
+
+
+def read_pairs(data: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``adapter.npz``'s bytes as module -> (A, B), float32 (no pickles: ``allow_pickle`` stays off)."""
+    with np.load(_io.BytesIO(data), allow_pickle=False) as npz:
+        names = {k.rsplit(".", 1)[0] for k in npz.files}
+        return {m: (np.asarray(npz[m + ".A"], np.float32), np.asarray(npz[m + ".B"], np.float32)) for m in names}
+
+
+@dataclass(frozen=True)
+class Found:
+    """An adapter entry this base serves: its spec and version folder, its verified digests (or None)."""
+
+    spec: AdapterSpec
+    folder: Path
+    digests: dict[str, str] | None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def discover(version_dir: Path, base_digests: dict[str, str] | None,
+             on_cpu: bool = True) -> tuple[list[Found], dict[str, str], list[str]]:
+    """The adapters beside this base version (``<repository>/<adapter>/<v>``) that name it: ``(found, refused,
+    the graph modules they add to)``, refused: adapter name -> why (not verified, changed after verification, built
+    for another base, or on a GPU instance: adapters are served on CPU instances)."""
+    model, version = version_dir.parent.name, int(version_dir.name)
+    found, refused = [], {}
+    for name, folder in adapter_entries(version_dir.parent.parent, model):
+        try:
+            digests = verified_digests(name, folder.name)
+            spec = AdapterSpec.from_json(read_checked(folder.parent, f"{folder.name}/{ADAPTER_SPEC}", digests).decode())
+        except (IntegrityError, ValueError, KeyError) as exc:
+            refused[name] = f"adapter {name} is not served: {exc}"
+            continue
+        # Verified: the table holds every file of the base version. Unverified: the files of this view (serve copies
+        # the served precision's weights only), at least one of them compared.
+        ours = ({rel: base_digests.get(f"{version}/{rel}") for rel in spec.base_digests} if base_digests is not None
+                else {rel: _sha256(version_dir / rel) for rel in spec.base_digests if (version_dir / rel).is_file()})
+        wrong = [rel for rel, sha in sorted(spec.base_digests.items()) if rel in ours and ours[rel] != sha]
+        if not ours:
+            wrong = sorted(spec.base_digests) or ["its files"]
+        if spec.base_version != version or wrong:
+            refused[name] = (f"adapter {name} was built for {spec.base} version {spec.base_version} whose "
+                             f"{', '.join(wrong) or 'version'} differ{'s' if len(wrong) == 1 else ''} from the served "
+                             f"{model} version {version}: it is another base. Fix: rebuild the adapter against this "
+                             "base (its recipe's adapter.base)")
+            continue
+        found.append(Found(spec, folder, digests))
+    if not on_cpu:
+        refused.update({f.spec.name: f"adapter {f.spec.name}: adapters are served on CPU instances" for f in found})
+        found = []
+    return found, refused, sorted({m for f in found for m in f.spec.modules})
+
+
+class AdapterTable:
+    """The loaded adapters' stacks (slot 0 the base), their slots and users; the lock guards slots and counts."""
+
+    def __init__(self, found: Sequence[Found], refused: dict[str, str], shapes: dict[str, tuple[int, int]],
+                 max_loras: int, log: Callable[[str], None] = lambda m: None) -> None:
+        self.found = {f.spec.name: f for f in found}
+        self.refused = dict(refused)
+        self.max_loras = max(1, int(max_loras))
+        self.rank = max((f.spec.rank for f in found), default=1)
+        slots = min(self.max_loras, len(found)) + 1
+        self.stacks = {m: (np.zeros((slots, i, self.rank), np.float32), np.zeros((slots, self.rank, o), np.float32))
+                       for m, (i, o) in shapes.items()}
+        self.shapes = dict(shapes)
+        self.bytes = sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
+        self._slots: OrderedDict[str, int] = OrderedDict()  # loaded adapter -> slot, least recently used first
+        self._users = [0] * slots
+        self._lock = threading.Lock()
+        self._log = log
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.found))
+
+    def loaded(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._slots)
+
+    def running(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(n for n, s in self._slots.items() if self._users[s])
+
+    def acquire(self, name: str) -> int:
+        """``name``'s slot, its weights loaded (verified) into a free or least recently used idle slot first."""
+        if name not in self.found:
+            if name in self.refused:
+                raise AdapterError(self.refused[name])
+            raise AdapterError(f"no adapter {name!r} on this model (served: {', '.join(self.names) or 'none'})",
+                               unknown=True)
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None:
+                slot = self._free_slot()
+                try:
+                    self._load(self.found[name], slot)
+                except (IntegrityError, OSError, ValueError, KeyError) as exc:
+                    self.refused[name] = f"adapter {name} is not served: {exc}"
+                    del self.found[name]
+                    raise AdapterError(self.refused[name]) from None
+                self._slots[name] = slot
+            self._slots.move_to_end(name)
+            self._users[slot] += 1
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._users[slot] -= 1
+
+    def _free_slot(self) -> int:
+        used = set(self._slots.values())
+        for s in range(1, len(self._users)):
+            if s not in used:
+                return s
+        for name, s in self._slots.items():  # least recently used first
+            if not self._users[s]:
+                del self._slots[name]
+                self._log(f"adapter {name} evicted (max_loras {self.max_loras})")
+                return s
+        raise AdapterError(f"all {self.max_loras} adapter slots (max_loras) are held by running requests: retry "
+                           "later", busy=True)
+
+    def _load(self, f: Found, slot: int) -> None:
+        data = read_checked(f.folder.parent, f"{f.folder.name}/{ADAPTER_WEIGHTS}", f.digests)
+        pairs = read_pairs(data)
+        for module, (a, b) in stacked(pairs, self.shapes, self.rank).items():
+            sa, sb = self.stacks[module]
+            sa[slot], sb[slot] = a, b
+        self._log(f"adapter {f.spec.name} version {f.spec.version} loaded into slot {slot} (rank {f.spec.rank})")
+
+    def bind(self, io: Any, rows: np.ndarray) -> None:
+        """Bind ``lora_rows`` and the stacks (by pointer) on an I/O binding."""
+        io.bind_cpu_input(LORA_ROWS, np.ascontiguousarray(rows, dtype=np.int64))
+        for module, pair in self.stacks.items():
+            for name, arr in zip(lora_inputs(module), pair):
+                io.bind_input(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)

@@ -1,0 +1,138 @@
+"""The backend's LoRA room (generation/lora.py): the base graph rewritten with per-row adapter inputs, the adapter
+table's slots under max_loras, and the refusal of an adapter built on another base.
+
+The rewritten graph runs the session's tiny Llama (tests/conftest.py ``tiny_llm``) with random adapter pairs: a launch
+of rows on the base and on two adapters gives each row what that row gives alone (one continuous batch, each row its
+own product), slot 0 gives the packaged graph's logits exactly, and an adapter's row differs from the base's. That the
+product is PEFT's is the build's check (tests/build/test_adapter_build.py) and the serving test's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from model_factory.backend.generation.causal_lm import CausalLM
+from model_factory.backend.generation.kv_slots import KVSlots
+from model_factory.backend.generation.lora import AdapterError, AdapterTable, Found, discover, prepare
+from model_factory.backend.lora_contract import ADAPTER_SPEC, ADAPTER_WEIGHTS, AdapterSpec
+from tests.generative_repository import generation_spec
+
+MODULES = ["layers.0.attn.qkv_proj", "layers.1.mlp.down_proj"]
+
+
+def _adapter(folder, name: str, shapes: dict, rank: int, seed: int, base_digests=None) -> Found:
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        arrays[module + ".A"] = rng.normal(0, 0.5, (fan_in, rank)).astype(np.float32)
+        arrays[module + ".B"] = rng.normal(0, 0.5, (rank, fan_out)).astype(np.float32)
+    vdir = folder / name / "1"
+    vdir.mkdir(parents=True)
+    np.savez(vdir / ADAPTER_WEIGHTS, **arrays)
+    spec = AdapterSpec(name, 1, "tiny_llm", 1, base_digests or {}, rank, tuple(sorted(shapes)),
+                       (vdir / ADAPTER_WEIGHTS).stat().st_size)
+    (vdir / ADAPTER_SPEC).write_text(spec.to_json())
+    return Found(spec, vdir, None)
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_llm, tmp_path_factory):
+    hf, onnx_dir = tiny_llm
+    spec = generation_spec(hf, {})
+    graph = prepare(onnx_dir / "model.onnx", MODULES)  # its weights external: read from its folder
+    model = CausalLM(onnx_dir / "model.onnx", threads=1, lora=graph)
+    folder = tmp_path_factory.mktemp("adapters")
+    found = [_adapter(folder, "a", graph.shapes, 4, 1), _adapter(folder, "b", {MODULES[1]: graph.shapes[MODULES[1]]}, 2, 2)]
+    table = AdapterTable(found, {}, model.lora_shapes, max_loras=4)
+    model.lora_table = table
+    plain = CausalLM(onnx_dir / "model.onnx", threads=1)
+    return spec, model, plain, table
+
+
+def test_rows_of_the_base_and_two_adapters_in_one_launch_each_as_alone(lora_model) -> None:
+    spec, model, plain, table = lora_model
+    a, b = table.acquire("a"), table.acquire("b")
+    prompts = [[5, 9, 200, 31], [5, 9, 200, 31], [5, 9, 200, 31, 17, 3]]
+    rows = [0, a, b]
+    slots = KVSlots(spec, 3, 1 << 28)
+    together = model.prefill(prompts, slots.views(0, 3), adapters=rows)
+    for r, (prompt, slot) in enumerate(zip(prompts, rows)):
+        alone = KVSlots(spec, 1, 1 << 28)
+        np.testing.assert_allclose(together[r], model.prefill([prompt], alone.views(0, 1), adapters=[slot])[0],
+                                   rtol=1e-4, atol=1e-4)
+    # Slot 0 is the packaged graph exactly; an adapter's row is not the base's.
+    base = plain.prefill([prompts[0]], KVSlots(spec, 1, 1 << 28).views(0, 1))[0]
+    np.testing.assert_allclose(together[0], base, rtol=1e-5, atol=1e-5)
+    assert np.abs(together[1] - together[0]).max() > 1e-2
+    # A decode step mixes them too: each row continues with its own adapter.
+    step = model.decode([1, 2, 3], [len(p) for p in prompts], slots.views(0, 3), adapters=rows)
+    assert step.shape == (3, together.shape[1]) and np.abs(step[1] - step[0]).max() > 1e-2
+    table.release(a)
+    table.release(b)
+
+
+def test_slots_are_loaded_and_evicted_under_max_loras(lora_model, tmp_path) -> None:
+    _, model, _, _ = lora_model
+    found = [_adapter(tmp_path, n, model.lora_shapes, 2, i) for i, n in enumerate(("x", "y"))]
+    table = AdapterTable(found, {"z": "adapter z is not served: refused"}, model.lora_shapes, max_loras=1)
+    x = table.acquire("x")
+    with pytest.raises(AdapterError) as busy:
+        table.acquire("y")  # the only slot is held by a running request
+    assert busy.value.busy and "max_loras" in str(busy.value)
+    table.release(x)
+    y = table.acquire("y")  # x is idle: evicted, its slot reused
+    assert y == x and table.loaded() == ("y",) and table.running() == ("y",)
+    np.testing.assert_array_equal(table.stacks[MODULES[0]][0][y], np.load(found[1].folder / ADAPTER_WEIGHTS)[MODULES[0] + ".A"])
+    with pytest.raises(AdapterError) as unknown:
+        table.acquire("nobody")
+    assert unknown.value.unknown and "nobody" in str(unknown.value)
+    with pytest.raises(AdapterError, match="adapter z is not served"):
+        table.acquire("z")
+
+
+def test_an_adapter_of_another_base_is_refused_by_name(tmp_path) -> None:
+    repo = tmp_path / "repo"
+    vdir = repo / "tiny_llm" / "1"
+    vdir.mkdir(parents=True)
+    (vdir / "model.onnx").write_bytes(b"this base")
+    good = _adapter(repo, "ours", {MODULES[0]: (4, 4)}, 1, 0)
+    spec = json.loads((good.folder / ADAPTER_SPEC).read_text())
+    import hashlib
+
+    # model.int4.onnx is not in this view (serve copies the served precision's weights): compared where present.
+    spec["base_digests"] = {"model.onnx": hashlib.sha256(b"this base").hexdigest(), "model.int4.onnx": "0" * 64}
+    (good.folder / ADAPTER_SPEC).write_text(json.dumps(spec))
+    _adapter(repo, "theirs", {MODULES[0]: (4, 4)}, 1, 1,
+             base_digests={"model.onnx": hashlib.sha256(b"another base").hexdigest()})
+    _adapter(repo, "elsewhere", {MODULES[0]: (4, 4)}, 1, 2)
+    other = json.loads((repo / "elsewhere" / "1" / ADAPTER_SPEC).read_text())
+    (repo / "elsewhere" / "1" / ADAPTER_SPEC).write_text(json.dumps({**other, "base": "another_model"}))
+    found, refused, modules = discover(vdir, None)
+    assert [f.spec.name for f in found] == ["ours"] and modules == [MODULES[0]]
+    assert set(refused) == {"theirs"}  # an adapter of another model is not this base's at all
+    assert "adapter theirs was built for tiny_llm version 1 whose model.onnx differs" in refused["theirs"]
+    assert "another base" in refused["theirs"]
+
+
+def test_a_request_names_its_adapter_in_sampling_parameters() -> None:
+    from model_factory.backend.contract import GenerationSpec
+    from model_factory.backend.generation.requests import read_generate_request, request_inputs
+    from model_factory.backend.generation.sampling import SamplingError
+
+    spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
+                          hidden_size=4, vocab_size=100, max_context=64, eos_token_ids=(2,))
+
+    def sent(parameters: dict) -> dict:
+        return {"prompt_ids": np.array([3, 4], dtype=np.int32),
+                "sampling_parameters": np.array([json.dumps(parameters).encode()], dtype=np.object_)}
+
+    req = read_generate_request(sent({"lora_name": "support", "max_tokens": 3}).get, None, spec, 64)
+    assert req.adapter == "support" and req.params.max_tokens == 3
+    # A rollout's shadow asks the candidate the same request, adapter included.
+    assert read_generate_request(request_inputs(req).get, None, spec, 64).adapter == "support"
+    assert read_generate_request(sent({}).get, None, spec, 64).adapter is None
+    with pytest.raises(SamplingError, match="lora_name"):
+        read_generate_request(sent({"lora_name": 7}).get, None, spec, 64)
