@@ -129,7 +129,8 @@ def test_build_code_never_imports_serving_or_the_backend_runtime(side: str) -> N
     package's ``__init__`` to find it. One module is the exception, on purpose: ``build.loadcheck`` runs the
     packaged model through the backend's own load path (what builds must also serve, issue 20).
     """
-    allowed = {"model_factory.backend", "model_factory.backend.contract", "model_factory.backend.lora_contract"}
+    allowed = {"model_factory.backend", "model_factory.backend.contract", "model_factory.backend.lora_contract",
+               "model_factory.backend.accuracy_gate"}
     # The LoRA check runs the base graph rewritten as the backend serves it (generation/lora.py).
     on_purpose = {"model_factory.build.loadcheck": {"model_factory.backend.engines.loading", "model_factory.backend.settings"},
                   "model_factory.build_engines.lora": {"model_factory.backend.generation.lora"}}
@@ -144,7 +145,7 @@ def test_build_code_never_imports_serving_or_the_backend_runtime(side: str) -> N
 BACKEND = "model_factory.backend"
 BACKEND_ROOMS = ("memory", "requests", "batching", "engines", "operations", "generation")
 # At the top, beside the rooms: what every room may use (one definition each), and Triton's entry points.
-BACKEND_SHARED = ("contract", "settings", "integrity", "lora_contract")
+BACKEND_SHARED = ("contract", "accuracy_gate", "settings", "integrity", "lora_contract")
 BACKEND_ENTRY_POINTS = ("model", "generate_model", "prompt_model")
 # Modules over this many lines are split (tests and benchmarks aside).
 MAX_MODULE_LINES = 650

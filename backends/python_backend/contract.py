@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -131,70 +130,6 @@ def file_precision(name: str) -> str | None:
     if len(parts) >= 3 and parts[0] == "model" and parts[1] in PRECISIONS and parts[2] in ("onnx", "plan"):
         return parts[1]
     return None
-
-
-# --------------------------------------------------------------------------- the gate a degrade precision passed
-
-
-class DegradeRefused(ValueError):
-    """The degrade precision cannot be used (not packaged, failed its gate, no gate): one line saying why."""
-
-
-@dataclass(frozen=True)
-class Gate:
-    """One precision's verdict in the version's gate report."""
-
-    precision: str
-    metric: str
-    score: float  # the gate score: the worst of the precision's metrics
-    min_accuracy: float
-
-    @property
-    def passed(self) -> bool:
-        return math.isfinite(self.score) and self.score >= self.min_accuracy
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)  # "nan" / "inf" as accuracy.json writes non-finite numbers
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def read_gate(report_text: str | bytes | None, precision: str) -> Gate:
-    """``precision``'s gate verdict from ``accuracy.json``'s text; :class:`DegradeRefused` when it did not pass.
-
-    Refused: no report, a report that does not parse, no gate (``min_accuracy`` unset), no row for the
-    precision, or a score below the gate (a row's own ``passed: false`` too, as a text-generation report says).
-    """
-    where = f"{Files.ACCURACY} of the version"
-    if report_text is None:
-        raise DegradeRefused(f"cannot degrade to {precision}: the version has no {Files.ACCURACY} (no gate result "
-                             "to check). Fix: rebuild with the quantize stage's gate, or remove degrade_to")
-    try:
-        report = json.loads(report_text)
-        rows = [r for r in report.get("results", ()) if isinstance(r, dict) and r.get("precision") == precision]
-    except (ValueError, AttributeError, TypeError) as exc:
-        raise DegradeRefused(f"cannot degrade to {precision}: {where} does not parse ({exc})") from None
-    gate = report.get("min_accuracy")
-    if gate is None:
-        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no gate (quantization.min_accuracy unset), "
-                             "so nothing says it is good enough. Fix: set min_accuracy and rebuild, or remove "
-                             "degrade_to")
-    if not rows:
-        raise DegradeRefused(f"cannot degrade to {precision}: {where} has no result for it. Fix: add {precision!r} "
-                             "to precisions and rebuild")
-    row = rows[0]
-    values = [_number(row.get("score"))] + [_number(v) for v in dict(row.get("extra") or {}).values()]
-    score = float("nan") if any(v != v for v in values) else min(values)
-    result = Gate(precision, str(row.get("metric", "score")), score, _number(gate))
-    if not result.passed or row.get("passed") is False:
-        raise DegradeRefused(f"cannot degrade to {precision}: it failed its accuracy gate ({result.metric} "
-                             f"{result.score:.6g} < min_accuracy {result.min_accuracy:g}); a precision that "
-                             "failed its gate never answers. Fix: remove degrade_to, or fix the quantization "
-                             "and rebuild")
-    return result
-
 
 
 # --------------------------------------------------------------------------- parameters

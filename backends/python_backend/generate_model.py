@@ -50,7 +50,8 @@ from .generation.chunked_prefill import chunk_tokens, whole_below
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .batching.deferred_responses import ResponseDispatcher
 from .generation.requests import GenerateRequest, read_generate_request, request_inputs
-from .batching.grouping import CostModel, measure_cost_model
+from .batching.grouping import CostModel
+from .generation.prefill_cost import cached_cost, cost_cache_file, measure_cost, save_cost
 from .integrity import read_checked, verified_digests
 from .lora_contract import ADAPTER_WEIGHTS
 from .generation.kv_slots import KVSlots
@@ -221,13 +222,13 @@ class GenerativeModel:
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
-        cache_file = _cost_cache_file(version_dir, s, digests, model.device, model.attention)
-        cached = _cached_cost(cache_file)
+        cache_file = cost_cache_file(version_dir, s, digests, model.device, model.attention)
+        cached = cached_cost(cache_file)
         if cached is not None:
             return spec, model, tokenizer, slots, cached, f"measured at an earlier load, {cache_file.name}"
-        cost = _measure_cost(model, slots, s.max_prefill_tokens)
+        cost = measure_cost(model, slots, s.max_prefill_tokens)
         if cache_file is not None:
-            _save_cost(cache_file, cost, s.model_name)
+            save_cost(cache_file, cost, s.model_name)
         return spec, model, tokenizer, slots, cost, "measured"
 
     def _load_on_gpu(self, version_dir: Path, digests: Any, spec: GenerationSpec) -> tuple | None:
@@ -452,24 +453,6 @@ def _require_int8_kv_runtime(precision: str) -> None:
                             "build with quantization.kv_cache = \"float\"")
 
 
-def _measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> CostModel:
-    """The prefill cost model, timed on dummy prompts in the slots (cleared after)."""
-    bucket = max(1, min(128, slots.max_context - 1))
-    batch = min(8, slots.slots)
-
-    def run(n: int, length: int) -> None:
-        model.prefill([[1] * length] * n, slots.views(0, n))
-
-    try:
-        cost = measure_cost_model(run, (bucket,), batch, repeats=1, max_tokens=max(bucket, max_prefill_tokens))
-    finally:
-        slots.clear()
-    return cost if hasattr(cost, "a") else cost.models[0]
-
-
-_COST_FLAVOUR = "onnxruntime-causal-lm-prefill"
-
-
 def _prefix_cache(s: Settings, spec: GenerationSpec, version_dir: Path, model: Any) -> Any:
     """The instance's prefix cache (``prefix_caching``: ``auto`` where reuse is exact), its hashes seeded with what
     changes the keys and values: the graph's digest, the version, precision, KV element type and attention kernel."""
@@ -481,54 +464,6 @@ def _prefix_cache(s: Settings, spec: GenerationSpec, version_dir: Path, model: A
     return PrefixCache(identity(graph=digests.get(f"{version_dir.name}/{s.onnx_file}", s.onnx_file),
                                 version=version_dir.name, precision=s.precision, kv_dtype=spec.kv_dtype,
                                 attention=getattr(model, "attention", ""), device=getattr(model, "device", "")))
-
-
-def _cost_cache_file(version_dir: Path, s: Settings, digests: Any, device: str = "cpu",
-                     attention: str = "") -> Path | None:
-    """Where this graph's prefill cost model is kept on this machine (``cost_cache``: keyed by the graph's sha256,
-    the CPU and its cores, and the attention kernel when it is the factory's: ``CausalLM.attention``), or None
-    without a cache folder (``MODEL_FACTORY_COST_CACHE``). A rollout's candidate
-    measures it; the same version, loaded again at the switch, reads it instead of running the warm-up beside
-    live traffic."""
-    from .batching import cost_cache
-    from .operations.shadow import CANDIDATE_SUFFIX
-
-    folder = cost_cache.cache_dir_from_env()
-    if folder is None:
-        return None
-    relpath = f"{version_dir.name}/{s.onnx_file}"
-    sha = (digests or {}).get(relpath)
-    if not sha:
-        return None  # unverified: no key that names these bytes without hashing them again
-    where = cost_cache.device_description({"device": device}, "GPU" if device.startswith("cuda") else "CPU",
-                                          int(device.partition(":")[2] or 0))
-    flavour = _COST_FLAVOUR + ("+int8-kv-attention" if attention.startswith("model-factory") else "")
-    key = cost_cache.cache_key(sha, flavour, where, (128,), False)
-    return cost_cache.cache_path(folder, s.model_name.removesuffix(CANDIDATE_SUFFIX), key)
-
-
-def _cached_cost(path: Path | None) -> CostModel | None:
-    from .batching import cost_cache
-
-    if path is None:
-        return None
-    state, _why = cost_cache.load_state(path, required="prefill")
-    if state is None:
-        return None  # none yet, or unreadable: the load measures
-    try:
-        a, b, c = (float(state["prefill"][k]) for k in ("a", "b", "c"))
-    except (KeyError, TypeError, ValueError):
-        return None
-    return CostModel(a, b, c) if a > 0 and b >= 0 and c >= 0 else None
-
-
-def _save_cost(path: Path, cost: CostModel, model_name: str) -> None:
-    from .batching import cost_cache
-
-    try:
-        cost_cache.save_state(path, {"prefill": {"a": cost.a, "b": cost.b, "c": cost.c}, "model": model_name})
-    except OSError:
-        pass  # a cache folder that cannot be written: the next load measures again
 
 
 class GpuUnavailable(RuntimeError):

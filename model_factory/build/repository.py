@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from model_factory import __version__
+from model_factory.backend.accuracy_gate import DegradeRefused, read_gate
 from model_factory.backend.contract import (DEGRADE_QUEUE_FACTOR, PRECISION_OUTPUT, SHED_AGE_BOUND_FACTOR,
-                                            TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, DegradeRefused, Files,
-                                            GenerationSpec, ModelParameters, ParameterError, file_precision,
-                                            format_bounds, format_parameters, onnx_file, parameter_names,
-                                            parse_parameters, plan_file, read_gate)
+                                            TEXT_INPUT_NAMES, TRUNCATED_TOKENS_OUTPUT, Files, GenerationSpec,
+                                            ModelParameters, ParameterError, file_precision, format_bounds,
+                                            format_parameters, onnx_file, parameter_names, parse_parameters,
+                                            plan_file)
 from model_factory.build.bounds import input_bounds
 from model_factory.build.data_contract import write_contract
 from model_factory.errors import FactoryError, require

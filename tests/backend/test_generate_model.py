@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from model_factory.backend.generate_model import _cached_cost, _cost_cache_file, _save_cost
+from model_factory.backend.generation.prefill_cost import cached_cost as _cached_cost
+from model_factory.backend.generation.prefill_cost import cost_cache_file as _cost_cache_file
+from model_factory.backend.generation.prefill_cost import save_cost as _save_cost
 from model_factory.backend.batching.grouping import CostModel
 from model_factory.backend.memory.pool import cuda_device_count
 

@@ -130,11 +130,8 @@ def _adapters(gens: Sequence[Generation]) -> dict[str, list[int]]:
 
 
 def _count(gens: Sequence[Generation]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for g in gens:
-        if g.adapter_name:
-            out[g.adapter_name] = out.get(g.adapter_name, 0) + 1
-    return out
+    """The sequences of each adapter (by name) among ``gens``."""
+    return dict(collections.Counter(g.adapter_name for g in gens if g.adapter_name))
 
 
 class NullMetrics:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # The gate check is the contract's: packaging (build side) makes the same check before it writes the package.
-from ..contract import PRECISIONS, DegradeRefused, Files, Gate, onnx_file, plan_file, read_gate  # noqa: F401
+from ..accuracy_gate import DegradeRefused, Gate, read_gate  # noqa: F401
+from ..contract import PRECISIONS, Files, onnx_file, plan_file
 
 
 @dataclass(frozen=True)
