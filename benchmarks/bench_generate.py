@@ -946,9 +946,9 @@ def main() -> None:
             "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
                                          "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
                                          else "") + "in the order: " + ", ".join(
-                name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
-                                       ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
-                if any(key[0] == who for key in results)) + ". "
+                {"ours": "ours", "genai": "ORT GenAI", "vllm": "vLLM", "llamacpp": "llama.cpp",
+                 "openvino": "OpenVINO GenAI", "transformers": "transformers"}[who]
+                for who in dict.fromkeys(key[0] for key in results)) + ". "
             + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
                "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
                "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
@@ -986,8 +986,7 @@ def main() -> None:
         publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
 
     # The runtimes in order, the section written after each (a run cut short leaves what it measured)
-    steps = [("ours", run_ours)] + [(p, runners[p]) for p in ("genai", "vllm", "llamacpp", "openvino", "transformers")
-                                    if p in peers]
+    steps = [("ours", run_ours)] + [(p, runners[p]) for p in dict.fromkeys(peers) if p in runners]  # --peers' order
     for n, (name, step) in enumerate(steps):
         step()
         emit(None if n == len(steps) - 1 else name)
