@@ -71,8 +71,10 @@ install_llamacpp() {
     tar -xzf "$dl"/llama_cpp_python-0.3.36.tar.gz -C "$PEERS_DIR/src"
     rm -rf "$dl"
   fi
-  # The converter's own dependencies (numpy, its gguf-py from the sdist, sentencepiece, transformers).
+  # The converter's own dependencies (numpy, its gguf-py from the sdist, sentencepiece, transformers); gguf-py
+  # installed too, so the check above (which imports gguf) passes on the next run instead of building again.
   "$v/bin/python" -c "import transformers, numpy" 2>/dev/null || pip_in "$v" 'transformers<5' numpy
+  "$v/bin/python" -c "import gguf" 2>/dev/null || pip_in "$v" "$src/vendor/llama.cpp/gguf-py"
 }
 
 install_openvino() {
