@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _gguf_recipe(folder: Path, gguf_file: Path, name: str, precisions=("fp32", "gguf"), serve="gguf") -> Path:
-    from conftest import write_generative_recipe
+    from build.conftest import write_generative_recipe
 
     path = write_generative_recipe(folder, gguf_file, name, precisions, serve)
     path.write_text(path.read_text().replace('kind = "huggingface"', 'kind = "gguf"'))
@@ -247,7 +247,7 @@ def test_an_architecture_the_factory_does_not_build_is_refused(tmp_path):
 
 
 def test_gguf_precision_needs_a_gguf_source(tmp_path, causal_lm_folders):
-    from conftest import write_generative_recipe
+    from build.conftest import write_generative_recipe
 
     from model_factory.recipe import load_recipe
 
