@@ -49,13 +49,6 @@ def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
         if not path.is_dir():
             raise _err("source.path", f"{path} is not a folder", "point it at a folder saved with save_pretrained()")
         return path, None
-    if src.kind == "gguf":
-        if src.path is None:
-            raise _err("source.path", "missing", "set path to a .gguf file")
-        path = _path(src.path, base_dir)
-        if not path.is_file():
-            raise _err("source.path", f"{path} does not exist", "point it at an existing .gguf file")
-        return path, None
     if src.kind == "lora":
         path = _path(src.path, base_dir) if src.path is not None else None
         if path is None or not (path / "adapter_config.json").is_file():
@@ -63,12 +56,13 @@ def _source(src: SourceTable, base_dir: Path) -> tuple[Path | None, str | None]:
                        "point it at a PEFT LoRA folder saved with save_pretrained() (adapter_config.json and "
                        "adapter_model.safetensors)")
         return path, None
-    if src.kind == "onnx":
+    if src.kind in ("gguf", "onnx"):  # one file
+        what = {"gguf": "a .gguf file", "onnx": "an .onnx file"}[src.kind]
         if src.path is None:
-            raise _err("source.path", "missing", "set path to an .onnx file")
+            raise _err("source.path", "missing", f"set path to {what}")
         path = _path(src.path, base_dir)
         if not path.is_file():
-            raise _err("source.path", f"{path} does not exist", "point it at an existing .onnx file")
+            raise _err("source.path", f"{path} does not exist", f"point it at an existing {what.split(' ', 1)[1]}")
         return path, None
     if src.factory is None:
         raise _err("source.factory", "missing" + (" (a torch source takes factory, not path)" if src.path else ""),
