@@ -10,6 +10,7 @@ too: greedy tokens of ``transformers`` and the first near-tie.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -57,6 +58,7 @@ def _built(hf_dir: Path, precision: str, quantization: str = "") -> Path:
 
     examples = Path(__file__).resolve().parents[1] / "model_factory" / "examples"
     root = Path(tempfile.mkdtemp(prefix=f"mf-gen-build-{precision}-"))
+    atexit.register(shutil.rmtree, root, True)  # the session's builds are gone with it
     for f in ("calibration.txt", "heldout.txt"):
         shutil.copyfile(examples / f, root / f)
     from model_factory.recipe import read_hf_config
@@ -185,3 +187,73 @@ def served_with_openai(repository: Path, **frontend_options: Any) -> Iterator[tu
     yield server, frontend
     frontend.stop()
     assert server.stop() == 0, server.log_tail(30)
+
+
+@contextmanager
+def served_variants(hf_dir: Path, onnx_dir: Path | None, repository: Path,
+                    variants: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """A real Triton serving one model under several names, each with its own serving parameters
+    (``layout_generative_model``'s keywords): the settings a test compares side by side; its exit checked after."""
+    from model_factory.serving.server import ServerOptions, TritonServer
+
+    for name, parameters in variants.items():
+        layout_generative_model(hf_dir, onnx_dir, repository, name, **parameters)
+    server = TritonServer(repository, options=ServerOptions(0, 0, 0)).start()
+    assert not server.load_errors, server.load_errors
+    yield server
+    assert server.stop() == 0, server.log_tail(30)
+
+
+def generate_ids(server: Any, model: str, body: dict) -> list[int]:
+    """The output token ids of one request to Triton's generate endpoint (``prompt_ids`` in the body)."""
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    ids = out["output_ids"]
+    return ids if isinstance(ids, list) else [ids]
+
+
+def metric_sum(server: Any, name: str, model: str) -> float:
+    """A ``model_factory_<name>`` metric of ``model`` on the server's /metrics, summed over its other labels."""
+    import urllib.request
+
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"model_factory_{name}{{") and f'model="{model}"' in line)
+
+
+# The zoo's families for the scheduler's equality tests (chunked, prefix hits, ...): each family's tiny model,
+# and Mistral with a 16-token sliding window that chunks and prefixes reach past.
+ZOO_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    f: (f, {}) for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")}
+ZOO_VARIANTS["mistral-window-16"] = ("mistral", {"sliding_window": 16})
+_ZOO_FOLDERS: dict[str, Path] = {}
+
+
+def zoo_engine(variant: str, tmp_path_factory: Any) -> tuple[Any, Any]:
+    """(GenerationSpec, CausalLM) of ``variant``'s FP32 build (``ZOO_VARIANTS``): the model written and built once
+    per session, whichever test asks first; a CausalLM of its own for each caller (one thread)."""
+    import pytest
+
+    from model_factory.backend.contract import Files, GenerationSpec
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from tests.generative_models import make_causal_lm
+
+    pytest.importorskip("onnxruntime_genai")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    family, changes = ZOO_VARIANTS[variant]
+    if variant not in _ZOO_FOLDERS:
+        hf = make_causal_lm(family, tmp_path_factory.mktemp(f"zoo-{variant}") / "hf")
+        if changes:
+            cfg = json.loads((hf / "config.json").read_text())
+            cfg.update(changes)
+            (hf / "config.json").write_text(json.dumps(cfg))
+        _ZOO_FOLDERS[variant] = hf
+    vdir = _built(_ZOO_FOLDERS[variant], "fp32")
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
+    if changes.get("sliding_window"):
+        assert spec.sliding_window == changes["sliding_window"]
+    return spec, CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)

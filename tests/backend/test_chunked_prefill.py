@@ -11,7 +11,6 @@ import random
 import pytest
 
 from model_factory.backend.batching.grouping import CostModel
-from model_factory.backend.contract import GenerationSpec
 from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.generation.chunked_prefill import (AUTO_MAX, AUTO_MIN, AUTO_WHOLE_CHUNKS, MIN_CHUNK,
                                                                 chunk_tokens, whole_below)
@@ -19,6 +18,8 @@ from model_factory.backend.generation.kv_slots import KVSlots
 from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, identity
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
+
+from tests.generative_repository import ZOO_VARIANTS, zoo_engine
 
 GREEDY = SamplingParams(max_tokens=10, min_tokens=10)
 SEEDED = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.9, top_k=40, seed=5)
@@ -324,33 +325,10 @@ def test_preemption_with_chunks_keeps_the_tokens_and_the_budget(engine):
 
 # --------------------------------------------------------------------------- every family of the zoo
 
-ZOO = {f: (f, {}) for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")}
-ZOO["mistral-window-16"] = ("mistral", {"sliding_window": 16})  # chunks of 24 cross the 16-token window
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(ZOO))
+@pytest.mark.parametrize("variant", sorted(ZOO_VARIANTS))
 def test_every_family_gives_the_same_tokens_chunked(variant, tmp_path_factory):
-    import json
-    import os
-
-    from model_factory.backend.contract import Files
-    from tests.generative_models import make_causal_lm
-    from tests.generative_repository import _built
-
-    pytest.importorskip("onnxruntime_genai")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    family, changes = ZOO[variant]
-    hf = make_causal_lm(family, tmp_path_factory.mktemp(f"chunked-{variant}") / "hf")
-    if changes:
-        cfg = json.loads((hf / "config.json").read_text())
-        cfg.update(changes)
-        (hf / "config.json").write_text(json.dumps(cfg))
-    vdir = _built(hf, "fp32")
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
-    if changes.get("sliding_window"):
-        assert spec.sliding_window == changes["sliding_window"]
-    model = CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
+    spec, model = zoo_engine(variant, tmp_path_factory)
     _check_chunked_equals_whole(model, spec, chunk=24, long=min(60, spec.max_context // 2 - 20))
 
 

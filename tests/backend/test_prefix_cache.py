@@ -16,6 +16,8 @@ from model_factory.backend.generation.prefix_cache import (BLOCK_TOKENS, CachedP
 from model_factory.backend.generation.sampling import SamplingParams
 from model_factory.backend.generation.scheduler import Generation, Scheduler
 
+from tests.generative_repository import ZOO_VARIANTS, zoo_engine
+
 SEED = identity(graph="test")
 
 
@@ -213,33 +215,10 @@ def test_off_by_default_in_the_scheduler_and_preemption_keeps_nothing(engine):
 
 # --------------------------------------------------------------------------- every family of the zoo
 
-ZOO = {f: (f, {}) for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")}
-ZOO["mistral-window-16"] = ("mistral", {"sliding_window": 16})  # the prefix reaches far past the window
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(ZOO))
+@pytest.mark.parametrize("variant", sorted(ZOO_VARIANTS))
 def test_every_family_gives_the_same_tokens_with_a_hit(variant, tmp_path_factory):
-    import json
-    import os
-
-    from model_factory.backend.contract import Files
-    from tests.generative_models import make_causal_lm
-    from tests.generative_repository import _built
-
-    pytest.importorskip("onnxruntime_genai")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    family, changes = ZOO[variant]
-    hf = make_causal_lm(family, tmp_path_factory.mktemp(f"prefix-{variant}") / "hf")
-    if changes:
-        cfg = json.loads((hf / "config.json").read_text())
-        cfg.update(changes)
-        (hf / "config.json").write_text(json.dumps(cfg))
-    vdir = _built(hf, "fp32")
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
-    if changes.get("sliding_window"):
-        assert spec.sliding_window == changes["sliding_window"]
-    model = CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
+    spec, model = zoo_engine(variant, tmp_path_factory)
     _check_hits_equal_misses(model, spec)
 
 

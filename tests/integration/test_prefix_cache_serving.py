@@ -5,14 +5,12 @@ the same tokens on both, and the cached model's metrics count the hits."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import random
 import time
-import urllib.request
 
 import pytest
 
-from tests.generative_repository import layout_generative_model
+from tests.generative_repository import generate_ids, metric_sum, served_variants
 
 pytestmark = pytest.mark.integration
 
@@ -21,32 +19,11 @@ CACHED, PLAIN = "tiny_llm_cached", "tiny_llm_plain"
 
 @pytest.fixture(scope="module")
 def server(tiny_llm, tmp_path_factory):
-    from model_factory.serving.server import ServerOptions, TritonServer
-
     hf, onnx_dir = tiny_llm
-    repo = tmp_path_factory.mktemp("prefix-repo")
-    layout_generative_model(hf, onnx_dir, repo, CACHED, memory_budget_mib=256, max_active_sequences=8)
-    layout_generative_model(hf, onnx_dir, repo, PLAIN, memory_budget_mib=256, max_active_sequences=8,
-                            prefix_caching="off")
-    srv = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
-    assert not srv.load_errors, srv.load_errors
-    yield srv
-    assert srv.stop() == 0, srv.log_tail(30)
-
-
-def _generate(srv, model: str, body: dict) -> list[int]:
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.loads(r.read())
-    ids = out["output_ids"]
-    return ids if isinstance(ids, list) else [ids]
-
-
-def _metric(srv, name: str, model: str) -> float:
-    text = urllib.request.urlopen(srv.metrics_url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"model_factory_{name}{{") and f'model="{model}"' in line)
+    with served_variants(hf, onnx_dir, tmp_path_factory.mktemp("prefix-repo"),
+                         {CACHED: dict(memory_budget_mib=256, max_active_sequences=8),
+                          PLAIN: dict(memory_budget_mib=256, max_active_sequences=8, prefix_caching="off")}) as srv:
+        yield srv
 
 
 def test_questions_on_one_document_give_the_same_tokens_with_the_cache_and_count_its_hits(server):
@@ -56,18 +33,18 @@ def test_questions_on_one_document_give_the_same_tokens_with_the_cache_and_count
     bodies = [{"prompt_ids": document + q, "max_tokens": 16, "min_tokens": 16, **extra}
               for q in questions for extra in ({}, {"temperature": 0.8, "seed": 21})]
     # One after another (each finds the one before it kept), then all at once (copies from kept or running slots).
-    one_by_one = {m: [_generate(server, m, b) for b in bodies] for m in (CACHED, PLAIN)}
+    one_by_one = {m: [generate_ids(server, m, b) for b in bodies] for m in (CACHED, PLAIN)}
     assert one_by_one[CACHED] == one_by_one[PLAIN]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        together = list(pool.map(lambda b: _generate(server, CACHED, b), bodies))
+        together = list(pool.map(lambda b: generate_ids(server, CACHED, b), bodies))
     assert together == one_by_one[PLAIN]
     deadline = time.monotonic() + 15  # the instance sends its metrics about once a second
-    while (time.monotonic() < deadline and _metric(server, "prefix_cache_queried_tokens_total", CACHED)
+    while (time.monotonic() < deadline and metric_sum(server, "prefix_cache_queried_tokens_total", CACHED)
            < 2 * len(bodies) * len(document)):
         time.sleep(0.5)
     time.sleep(1.5)
-    hits = _metric(server, "prefix_cache_hit_tokens_total", CACHED)
-    queried = _metric(server, "prefix_cache_queried_tokens_total", CACHED)
+    hits = metric_sum(server, "prefix_cache_hit_tokens_total", CACHED)
+    queried = metric_sum(server, "prefix_cache_queried_tokens_total", CACHED)
     assert hits >= (len(bodies) - 1) * 80 and queried >= 2 * len(bodies) * len(document)
-    assert _metric(server, "prefix_cache_hit_tokens_total", PLAIN) == 0
-    assert _metric(server, "prefix_cache_blocks", CACHED) >= 1
+    assert metric_sum(server, "prefix_cache_hit_tokens_total", PLAIN) == 0
+    assert metric_sum(server, "prefix_cache_blocks", CACHED) >= 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.prompt_recipes import write_prompt_recipe
+from tests.request_load import RequestLoad
 from tests.generative_repository import layout_generative_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -187,38 +187,18 @@ def test_unknown_prompt_is_404_and_an_unfilled_field_is_400_naming_it(client) ->
     assert err.value.body["param"] == "response_format"
 
 
-class PromptLoad:
-    """Clients calling the prompt back to back through the openai client: (sent, outcome, parsed answer)."""
+class PromptLoad(RequestLoad):
+    """Clients calling the prompt back to back through the openai client: (sent, answered, outcome, parsed answer)."""
 
     def __init__(self, url: str, clients: int = 3) -> None:
-        self.url, self.results, self.stop = url, [], threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+        super().__init__(url, clients, join_s=180)
 
-    def _loop(self, i: int) -> None:
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-        n = 0
-        while not self.stop.is_set():
-            sent = time.monotonic()
-            try:
-                r = client.chat.completions.create(model="triage", messages=[{"role": "user",
-                                                                              "content": TICKETS[(i + n) % 4]}])
-                self.results.append((sent, "ok", json.loads(r.choices[0].message.content)))
-            except Exception as exc:  # noqa: BLE001 - counted as failed
-                self.results.append((sent, f"{type(exc).__name__}: {exc}", None))
-            n += 1
+    def connect(self, i: int) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=180)
 
-    def __enter__(self) -> "PromptLoad":
-        for t in self.threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(self.results) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
+    def request(self, client: openai.OpenAI, i: int, n: int) -> tuple[str, dict]:
+        r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[(i + n) % 4]}])
+        return "ok", json.loads(r.choices[0].message.content)
 
 
 def test_a_prompt_v1_to_v2_rollout_under_load_fails_no_request_and_contract_diff_names_the_change(env) -> None:
@@ -241,12 +221,12 @@ def test_a_prompt_v1_to_v2_rollout_under_load_fails_no_request_and_contract_diff
         time.sleep(3.0)
     assert result.exit_code == 0, result.output
     assert env.control.status("triage").state == "switched", env.control.status("triage")
-    failed = [r for r in load.results if r[1] != "ok"]
+    failed = load.failed()
     assert failed == [], failed[:3]
     assert before > 0
-    for sent, _, answer in load.results[:before]:
+    for sent, _, _, answer in load.results[:before]:
         jsonschema.validate(answer, V1)
-    after = [answer for sent, _, answer in load.results if sent > switched_at]
+    after = [answer for sent, _, _, answer in load.results if sent > switched_at]
     assert after, "no request was sent after the switch"
     for answer in after:
         jsonschema.validate(answer, V2)  # summary is required in v2: v1 never wrote it

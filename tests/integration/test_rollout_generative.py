@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.generative_repository import layout_generative_model
+from tests.request_load import RequestLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
@@ -86,47 +85,22 @@ def env(tiny_llm, tmp_path_factory):
         assert server.stop() == 0
 
 
-class GenerateLoad:
-    """Clients sending greedy generate requests back to back: (sent, answered, outcome, model_version, ids)."""
+class GenerateLoad(RequestLoad):
+    """Clients sending greedy generate requests back to back: (sent, answered, outcome, model_version)."""
 
-    def __init__(self, url: str, clients: int = 3) -> None:
-        self.url, self.results, self.stop = url, [], threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+    def connect(self, i: int) -> random.Random:
+        return random.Random(i)
 
-    def _loop(self, i: int) -> None:
-        rng = random.Random(i)
-        while not self.stop.is_set():
-            prompt = [rng.randrange(3, 2000) for _ in range(rng.randrange(2, 24))]
-            body = {"prompt_ids": prompt, "max_tokens": 12, "min_tokens": 12, "temperature": 0.0}
-            req = urllib.request.Request(f"http://{self.url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            sent = time.monotonic()
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    answer = json.loads(r.read())
-                if "error" in answer or len(answer.get("output_ids") or []) != 12:
-                    outcome, version = f"bad answer {answer}", None
-                else:
-                    outcome, version = "ok", str(answer.get("model_version"))
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                outcome, version = f"{type(exc).__name__}: {exc}", None
-            self.results.append((sent, time.monotonic(), outcome, version))
-
-    def __enter__(self) -> "GenerateLoad":
-        for t in self.threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(self.results) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
-
-    def failed(self) -> list:
-        return [r for r in self.results if r[2] != "ok"]
+    def request(self, rng: random.Random, i: int, n: int) -> tuple[str, str | None]:
+        prompt = [rng.randrange(3, 2000) for _ in range(rng.randrange(2, 24))]
+        body = {"prompt_ids": prompt, "max_tokens": 12, "min_tokens": 12, "temperature": 0.0}
+        req = urllib.request.Request(f"http://{self.url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        if "error" in answer or len(answer.get("output_ids") or []) != 12:
+            return f"bad answer {answer}", None
+        return "ok", str(answer.get("model_version"))
 
 
 def _rollout(env: Env, *args: str):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.request_load import RequestLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
@@ -91,50 +92,28 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
         assert rc == 0 or (rc == 1 and env_healed), rc
 
 
-class Load:
+class Load(RequestLoad):
     """Clients that send requests back to back until stopped: (sent, answered, outcome, model_version)."""
 
     def __init__(self, url: str, clients: int = 3) -> None:
+        super().__init__(url, clients)
         texts = Path(__file__).resolve().parents[2] / "model_factory" / "examples" / "heldout.txt"
         self.texts = [t for t in texts.read_text().splitlines() if t.strip()][:64]
-        self.url, self.results, self.stop = url, [], threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
 
-    def _loop(self, i: int) -> None:
+    def connect(self, i: int):
         import tritonclient.http as httpclient
 
-        client = httpclient.InferenceServerClient(self.url, network_timeout=120)
-        n = i
-        try:
-            while not self.stop.is_set():
-                inp = httpclient.InferInput("text", [1, 1], "BYTES")
-                inp.set_data_from_numpy(np.array([[self.texts[n % len(self.texts)].encode()]], dtype=np.object_))
-                n += 7
-                sent = time.monotonic()
-                try:
-                    res = client.infer(MODEL, [inp])
-                    outcome, version = "ok", res.get_response().get("model_version")
-                except Exception as exc:  # noqa: BLE001 - every failure is counted
-                    outcome, version = f"{type(exc).__name__}: {exc}", None
-                self.results.append((sent, time.monotonic(), outcome, version))
-        finally:
-            client.close()
+        return httpclient.InferenceServerClient(self.url, network_timeout=120)
 
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(self.results) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self
+    def disconnect(self, client) -> None:
+        client.close()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
+    def request(self, client, i: int, n: int) -> tuple[str, str | None]:
+        import tritonclient.http as httpclient
 
-    def failed(self) -> list:
-        return [r for r in self.results if r[2] != "ok"]
+        inp = httpclient.InferInput("text", [1, 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[self.texts[(i + 7 * n) % len(self.texts)].encode()]], dtype=np.object_))
+        return "ok", client.infer(MODEL, [inp]).get_response().get("model_version")
 
 
 def _rollout(env: Env, *args: str):

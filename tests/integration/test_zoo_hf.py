@@ -123,9 +123,11 @@ def _client(protocol: str, zoo: Zoo):
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
-    module = th if protocol == "http" else tg
-    url = zoo.server.http_url if protocol == "http" else zoo.server.grpc_url
-    return module, module.InferenceServerClient(url)
+    if protocol == "grpc":
+        return tg, tg.InferenceServerClient(zoo.server.grpc_url)
+    # tritonclient.http's 60 s defaults: on a loaded 2-core CI runner a request queued behind the other
+    # instances' work once outlasted them (geventhttpclient's get_socket failed); the gRPC client has no such bound.
+    return th, th.InferenceServerClient(zoo.server.http_url, connection_timeout=600.0, network_timeout=600.0)
 
 
 def _bytes_input(module, name: str, values) -> object:

@@ -57,7 +57,7 @@ from ..batching.grouping import CostModel, plan_groups
 from .kv_slots import AdmissionError, KVSlots
 from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
-from .sampling import Sampler, SamplingError, SamplingParams
+from .sampling import Sampler, SamplingError
 from .structured.grammar import StepMasks
 from .sequence import Generation, NullMetrics, QueueFull, TokenEvent, _adapters, _count
 

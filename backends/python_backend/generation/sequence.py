@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .sampling import TokenLogprobs
+from .sampling import SamplingParams, TokenLogprobs
 
 
 class QueueFull(RuntimeError):
