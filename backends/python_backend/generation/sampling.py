@@ -11,7 +11,8 @@ blocked until ``min_tokens``, then greedy (``temperature == 0``) or temperature,
 from the sequence's own random generator, seeded per request: the same seed gives the same tokens whatever
 else the batch holds, and a sequence preempted and resumed keeps its generator. A choice ``i > 0`` of a
 request with ``n`` choices samples from :func:`choice_seed` (the request's seed and ``i``), so a seeded
-request with ``n`` choices is reproducible too.
+request with ``n`` choices is reproducible too. A greedy sequence with nothing that changes its logits takes its row's
+argmax in place, without the copy the adjustments make (a 262k vocabulary's row is 1 MiB).
 
 Log-probabilities (``logprobs``: None, or how many alternatives beside the chosen token) are the model's own
 distribution: the log-softmax of the raw logits, before penalties, bias and temperature (what vLLM reports by
