@@ -132,3 +132,30 @@ def test_a_token_text_is_itself_or_its_bytes_when_it_splits_a_character():
     assert texts(ord("a")) == ("a", [97]) and texts(300) == ("<s>", list(b"<s>"))
     assert texts(0xE2) == ("bytes:\\xe2", [0xE2])
     assert TokenTexts(None)(5) == ("<5>", [])
+
+
+def test_plain_greedy_reads_the_row_in_place_and_picks_as_the_full_path_does():
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(40, 4096)).astype(np.float32)
+    rows[:10, 7] = 50.0  # eos the argmax: blocked before min_tokens, the next best taken
+    rows[10:20, [5, 9]] = 60.0  # a tie: the first index, on both paths
+    rows[20:25, [7, 11]] = 70.0  # eos tied with another token
+    params = SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=(3,))
+    fast = Sampler(params, (7,), ())
+    assert fast._plain
+    for i, row in enumerate(rows):
+        for generated in (0, 4):
+            want = int(np.argmax(fast.adjusted(row, generated)))
+            assert fast.choose(row, generated) == want
+    assert fast.choose(rows[0], 0) != 7 and fast.choose(rows[0], 4) == 7
+    # In place: the row is never copied for an argmax that stands (adjusted() is the copying path).
+    calls = []
+    fast.adjusted = lambda *a, **k: calls.append(a) or Sampler.adjusted(fast, *a, **k)
+    fast.choose(rows[30], 0)
+    assert calls == []
+    fast.choose(rows[0], 0)  # eos on top before min_tokens: the full path
+    assert len(calls) == 1
+    # Anything that changes the logits takes the full path.
+    for changed in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(logit_bias=((1, 2.0),)),
+                    dict(temperature=0.7)):
+        assert not Sampler(SamplingParams(max_tokens=4, **changed), (7,), (1, 2))._plain

@@ -11,7 +11,8 @@ blocked until ``min_tokens``, then greedy (``temperature == 0``) or temperature,
 from the sequence's own random generator, seeded per request: the same seed gives the same tokens whatever
 else the batch holds, and a sequence preempted and resumed keeps its generator. A choice ``i > 0`` of a
 request with ``n`` choices samples from :func:`choice_seed` (the request's seed and ``i``), so a seeded
-request with ``n`` choices is reproducible too.
+request with ``n`` choices is reproducible too. A greedy sequence with nothing that changes its logits takes its row's
+argmax in place, without the copy the adjustments make (a 262k vocabulary's row is 1 MiB).
 
 Log-probabilities (``logprobs``: None, or how many alternatives beside the chosen token) are the model's own
 distribution: the log-softmax of the raw logits, before penalties, bias and temperature (what vLLM reports by
@@ -318,6 +319,9 @@ class Sampler:
         self._bias_ids = np.asarray([t for t, _ in params.logit_bias], dtype=np.int64)
         self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
         self.last: TokenLogprobs | None = None  # the last chosen token's log-probabilities, when asked
+        # Greedy with nothing that changes the logits but min_tokens' block: chosen by _plain_greedy, in place.
+        self._plain = (params.greedy and self._seen is None and self._counts is None and not self._bias_ids.size)
+        self._blocked = frozenset(int(e) for e in self.eos)
 
     def adjusted(self, logits: np.ndarray, generated: int, allowed: np.ndarray | None = None) -> np.ndarray:
         """The logits the choice is made from: repetition, presence and frequency penalties, logit_bias, the
@@ -355,13 +359,26 @@ class Sampler:
         a grammar's mask (None: every token). With ``logprobs`` asked, :attr:`last` holds its log-probabilities
         (from ``logits`` as the model gave them)."""
         p = self.params
-        x = self.adjusted(logits, generated, allowed)
-        token = int(np.argmax(x)) if p.greedy else self._sample(x)
+        plain = self._plain and allowed is None and isinstance(logits, np.ndarray) and logits.dtype == np.float32
+        token = self._plain_greedy(logits, generated) if plain else None
+        if token is None:
+            x = self.adjusted(logits, generated, allowed)
+            token = int(np.argmax(x)) if p.greedy else self._sample(x)
         if self._seen is not None:
             self._seen.add(token)
         if self._counts is not None:
             self._counts[token] = self._counts.get(token, 0) + 1
         self.last = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
+        return token
+
+    def _plain_greedy(self, logits: np.ndarray, generated: int) -> int | None:
+        """Greedy without penalties or bias: the row's argmax, read in place (no copy of the row: 1 MiB a row at a
+        262k vocabulary, 32 MiB a step at 32 rows). Before ``min_tokens`` the argmax stands unless it is a blocked
+        stopping token (blocking only lowers those: no other token's rank changes, ties included); None then, and
+        the caller takes the full path."""
+        token = int(np.argmax(logits))
+        if generated < self.params.min_tokens and self.eos.size and token in self._blocked:
+            return None
         return token
 
     def _sample(self, x: np.ndarray) -> int:
