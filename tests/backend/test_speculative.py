@@ -293,8 +293,7 @@ def test_a_sequence_whose_drafts_are_rejected_pauses_then_drafts_again():
     def accept(g, row):
         g.generated.append(int(np.argmax(row)))
 
-    drafted = 0
-    while drafted < WINDOW:
+    for _ in range(WINDOW):
         plan = speculator.plan([gen])
         assert id(gen) in plan
         drafts = plan[id(gen)][1]
@@ -302,9 +301,8 @@ def test_a_sequence_whose_drafts_are_rejected_pauses_then_drafts_again():
         assert gen.generated == [0] and gen.cached == len(gen.prompt)  # the model's own token; the cache set back
         gen.generated.clear()  # the context stays repetitive: drafts keep coming
         gen.cached = len(gen.prompt) - 1
-        drafted += len(drafts)
     gen.generated.clear()
-    assert all(not speculator.plan([gen]) for _ in range(PAUSE_STEPS))  # acceptance 0 < 0.2: paused
+    assert all(not speculator.plan([gen]) for _ in range(PAUSE_STEPS))  # 0 accepted a verification: paused
     assert id(gen) in speculator.plan([gen])
 
 
