@@ -188,7 +188,8 @@ class GenerativeModel:
                if chunk and s.prefill_chunk_tokens == "auto" else "")
             + (f", speculative decoding by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
                f"{s.prompt_lookup_min}-{s.prompt_lookup_max}, while at most {s.speculative_max_sequences} "
-               "sequences decode)" if self.scheduler.speculator is not None else "")
+               "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
+                                     spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))

@@ -348,3 +348,29 @@ def test_every_family_gives_the_tokens_of_plain_decoding(variant, tmp_path_facto
     for params in (GREEDY, SEEDED):
         counts, _ = _check_same(model, spec, params, prompts)
         assert counts.drafts > 0
+
+
+@pytest.mark.slow
+def test_an_int8_cache_on_the_factorys_kernel_gives_the_tokens_of_plain_decoding(tiny_llm):
+    """INT4 weights (batch-independent) and the INT8 KV cache, its attention on the factory's kernel: a verification is
+    a continued prompt over the cached INT8 keys, as the kernel computes one."""
+    import os
+    import shutil
+
+    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+    from model_factory.backend.generation import int8_attention as ia
+    from tests.generative_repository import _built
+
+    if not (os.environ.get("CXX") or shutil.which("g++")) or "avx2" not in ia._cpu_flags().split():
+        pytest.skip("no C++ compiler or no AVX2: the kernel is not used here")
+    hf, _ = tiny_llm
+    vdir = _built(hf, "int4", 'kv_cache = "int8"')
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int4")
+    assert spec.kv_dtype == "int8"
+    model = CausalLM(vdir / onnx_file("int4"), threads=1, int8_attention="kernel")
+    assert model.attention.startswith("model-factory Int8KVAttention")
+    rng = random.Random(3)
+    prompts = [_repetitive(rng, spec.vocab_size) for _ in range(2)]
+    for params in (GREEDY, SEEDED):
+        counts, _ = _check_same(model, spec, params, prompts)
+        assert counts.accepted > 0

@@ -39,6 +39,9 @@ kept slot at the end of the active prefix, taken over in place), and prefills on
 (ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its prefix; kept slots are
 dropped least recently used first when a waiting sequence needs their memory or their slot, before any preemption.
 
+With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
+decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
+
 Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
 """
 
