@@ -160,9 +160,10 @@ def main() -> int:
         run_header("benchmarks/bench_speculative.py", load), "",
         f"Gemma 3 270M, the FP32 graph of `{vdir}` (the factory's build of the FP32 folder from the GGUF; float KV "
         f"cache, 512 positions), on the backend's scheduler in-process (2 threads; no Triton, no HTTP). {TOKENS} greedy "
-        f"tokens a request. Extractive: {STREAMS} prompts of about 300 tokens, five definitions of the Apache License "
-        "2.0 and a question asking to quote one of them; at 1 stream sent one after another, at "
-        f"{STREAMS} streams all at once. Free text: 4 prompts asking for a story. Speculation: `speculative = "
+        f"tokens a request. Extractive: {STREAMS} prompts of 240-410 tokens, five definitions of the Apache License "
+        f"2.0 and a question asking to quote one of them; at 1 stream the first {ONE_STREAM} sent one after another, "
+        f"at {STREAMS} streams all {STREAMS} at once. Free text: {FREE} prompts asking for a story, one after another "
+        "(the base model's stories repeat their own phrases: prompt lookup drafts those too). Speculation: `speculative = "
         f"\"prompt_lookup\"`, `num_speculative_tokens` {args.k}, `prompt_lookup_max` 4, `_min` 2, "
         "`speculative_max_sequences` 1 (drafting only while one sequence decodes). "
         f"{args.rounds} round(s), the settings in alternating order{', medians and ranges' if args.rounds > 1 else ''}"

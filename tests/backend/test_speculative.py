@@ -16,6 +16,7 @@ from model_factory.backend.generation.sampling import SamplingParams
 from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
 from model_factory.backend.generation.speculative import (PAUSE_STEPS, WINDOW, SpeculativeConfig, Speculator,
                                                             propose)
+from tests.generative_repository import ZOO_VARIANTS, zoo_engine
 
 # --------------------------------------------------------------------------- the drafts
 
@@ -316,33 +317,10 @@ def test_grammar_rows_and_rows_near_max_tokens_draft_nothing():
 
 # --------------------------------------------------------------------------- every family of the zoo
 
-ZOO = {f: (f, {}) for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2")}
-ZOO["mistral-window-16"] = ("mistral", {"sliding_window": 16})  # 40-token prompts, 48 tokens: past the window
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(ZOO))
+@pytest.mark.parametrize("variant", sorted(ZOO_VARIANTS))
 def test_every_family_gives_the_tokens_of_plain_decoding(variant, tmp_path_factory):
-    import json
-    import os
-
-    from model_factory.backend.contract import Files, GenerationSpec
-    from tests.generative_models import make_causal_lm
-    from tests.generative_repository import _built
-
-    pytest.importorskip("onnxruntime_genai")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    family, changes = ZOO[variant]
-    hf = make_causal_lm(family, tmp_path_factory.mktemp(f"speculative-{variant}") / "hf")
-    if changes:
-        cfg = json.loads((hf / "config.json").read_text())
-        cfg.update(changes)
-        (hf / "config.json").write_text(json.dumps(cfg))
-    vdir = _built(hf, "fp32")
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
-    if changes.get("sliding_window"):
-        assert spec.sliding_window == changes["sliding_window"]
-    model = CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
+    spec, model = zoo_engine(variant, tmp_path_factory)  # 40-token prompts, 48 tokens: past Mistral's 16-token window
     rng = random.Random(7)
     prompts = [_repetitive(rng, spec.vocab_size) for _ in range(2)]
     for params in (GREEDY, SEEDED):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import random
 import time
-import urllib.request
 
 import pytest
 
-from tests.generative_repository import layout_generative_model
+from tests.generative_repository import generate_ids, metric_sum, served_variants
 
 pytestmark = pytest.mark.integration
 
@@ -20,32 +19,12 @@ SPECULATING, PLAIN = "tiny_llm_speculating", "tiny_llm_plain"
 
 @pytest.fixture(scope="module")
 def server(tiny_llm, tmp_path_factory):
-    from model_factory.serving.server import ServerOptions, TritonServer
-
     hf, onnx_dir = tiny_llm
-    repo = tmp_path_factory.mktemp("speculative-repo")
-    layout_generative_model(hf, onnx_dir, repo, SPECULATING, memory_budget_mib=256, max_active_sequences=4,
-                            speculative="prompt_lookup", num_speculative_tokens=5)
-    layout_generative_model(hf, onnx_dir, repo, PLAIN, memory_budget_mib=256, max_active_sequences=4)
-    srv = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
-    assert not srv.load_errors, srv.load_errors
-    yield srv
-    assert srv.stop() == 0, srv.log_tail(30)
-
-
-def _generate(srv, model: str, body: dict) -> list[int]:
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.loads(r.read())
-    ids = out["output_ids"]
-    return ids if isinstance(ids, list) else [ids]
-
-
-def _metric(srv, name: str, model: str) -> float:
-    text = urllib.request.urlopen(srv.metrics_url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"model_factory_{name}{{") and f'model="{model}"' in line)
+    with served_variants(hf, onnx_dir, tmp_path_factory.mktemp("speculative-repo"),
+                         {SPECULATING: dict(memory_budget_mib=256, max_active_sequences=4,
+                                            speculative="prompt_lookup", num_speculative_tokens=5),
+                          PLAIN: dict(memory_budget_mib=256, max_active_sequences=4)}) as srv:
+        yield srv
 
 
 def test_requests_give_the_same_tokens_speculating_and_count_the_drafts(server):
@@ -59,13 +38,13 @@ def test_requests_give_the_same_tokens_speculating_and_count_the_drafts(server):
                                                                "seed": 3}
         bodies.append({"prompt_ids": prompt, "max_tokens": 40, "min_tokens": 40,
                        "sampling_parameters": json.dumps(sampling)})
-    got = {model: [_generate(server, model, b) for b in bodies] for model in (SPECULATING, PLAIN)}
+    got = {model: [generate_ids(server, model, b) for b in bodies] for model in (SPECULATING, PLAIN)}
     assert got[SPECULATING] == got[PLAIN]
     assert all(len(ids) == 40 for ids in got[SPECULATING])
     deadline = time.monotonic() + 15  # the instance sends its metrics about once a second
-    while time.monotonic() < deadline and _metric(server, "spec_decode_num_accepted_tokens_total", SPECULATING) < 1:
+    while time.monotonic() < deadline and metric_sum(server, "spec_decode_num_accepted_tokens_total", SPECULATING) < 1:
         time.sleep(0.5)
-    drafted = _metric(server, "spec_decode_num_draft_tokens_total", SPECULATING)
-    accepted = _metric(server, "spec_decode_num_accepted_tokens_total", SPECULATING)
-    assert 0 < accepted <= drafted and _metric(server, "spec_decode_num_drafts_total", SPECULATING) >= 1
-    assert _metric(server, "spec_decode_num_draft_tokens_total", PLAIN) == 0
+    drafted = metric_sum(server, "spec_decode_num_draft_tokens_total", SPECULATING)
+    accepted = metric_sum(server, "spec_decode_num_accepted_tokens_total", SPECULATING)
+    assert 0 < accepted <= drafted and metric_sum(server, "spec_decode_num_drafts_total", SPECULATING) >= 1
+    assert metric_sum(server, "spec_decode_num_draft_tokens_total", PLAIN) == 0

@@ -103,7 +103,7 @@ class Speculator:
 
     config: SpeculativeConfig
     metrics: Any = None
-    _tracks: dict[int, _Track] = field(default_factory=dict)
+    _tracks: dict[int, tuple[Any, _Track]] = field(default_factory=dict)  # id(gen) -> (gen, its track)
 
     def plan(self, active: Sequence[Any]) -> dict[int, tuple[Any, list[int]]]:
         """``{id(gen): (gen, drafted tokens)}`` for the rows of this decode step that draft."""
@@ -116,7 +116,7 @@ class Speculator:
         c = self.config
         out: dict[int, tuple[Any, list[int]]] = {}
         for gen in decoding:
-            track = self._tracks.setdefault(id(gen), _Track())
+            track = self._track(gen)
             if track.paused:
                 track.paused -= 1
                 continue
@@ -147,10 +147,17 @@ class Speculator:
     def _judge(self, gen: Any, drafted: int, accepted: int) -> None:
         if self.metrics is not None:
             self.metrics.speculated(drafted, accepted)
-        track = self._tracks.setdefault(id(gen), _Track())
+        track = self._track(gen)
         track.verified += 1
         track.accepted += accepted
         if track.verified >= WINDOW:
             if track.accepted < self.config.min_accepted * track.verified:
                 track.paused = PAUSE_STEPS
             track.verified = track.accepted = 0
+
+    def _track(self, gen: Any) -> _Track:
+        """``gen``'s track (a new one where its id was another sequence's: ids are reused once an object is gone)."""
+        entry = self._tracks.get(id(gen))
+        if entry is None or entry[0] is not gen:
+            entry = self._tracks[id(gen)] = (gen, _Track())
+        return entry[1]
