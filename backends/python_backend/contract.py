@@ -38,6 +38,7 @@ INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
 PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
 PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
+SPECULATIVE = ("off", "prompt_lookup")  # generation/speculative.py: drafting by prompt lookup (vLLM's "ngram")
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
 LONG_INPUTS = ("refuse", "truncate", "chunk")
@@ -230,6 +231,14 @@ class ModelParameters:
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # Chunked prefill (generation/chunked_prefill.py): prompt tokens a step prefills; auto (cost model), 0/off: whole.
     prefill_chunk_tokens: int | str = _param("auto-int", PREFILL_CHUNK_AUTO)
+    # Speculative decoding (generation/speculative.py): off, or prompt_lookup (the next num_speculative_tokens drafted
+    # from the sequence's context where its last prompt_lookup_max..prompt_lookup_min tokens occurred before, verified
+    # in one launch), while at most speculative_max_sequences sequences decode. vLLM's names.
+    speculative: str = _param("choice", "off", choices=SPECULATIVE)
+    num_speculative_tokens: int = _param("int", 4, minimum=1)
+    prompt_lookup_max: int = _param("int", 4, minimum=1)
+    prompt_lookup_min: int = _param("int", 2, minimum=1)
+    speculative_max_sequences: int = _param("int", 1, minimum=1)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other
     # instances on the device); the cache gets what cudaMemGetInfo reports free at load less this (kv_device).
     device_reserve_mib: int = _param("int", 1024, minimum=0)

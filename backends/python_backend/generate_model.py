@@ -163,6 +163,7 @@ class GenerativeModel:
                                    prefix_cache=self.prefix_cache, chunk_tokens=chunk,
                                    whole_below=whole_below(s.prefill_chunk_tokens, chunk))
         self.scheduler.loras = self.adapters if self.adapters.found else None
+        self.scheduler.speculator = _speculator(s, self.metrics)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
@@ -185,6 +186,10 @@ class GenerativeModel:
             f", chunked prefill {f'{chunk} tokens a step' if chunk else 'off'}"
             + (f" (auto: prompts over {whole_below(s.prefill_chunk_tokens, chunk)} tokens)"
                if chunk and s.prefill_chunk_tokens == "auto" else "")
+            + (f", speculative decoding by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
+               f"{s.prompt_lookup_min}-{s.prompt_lookup_max}, while at most {s.speculative_max_sequences} "
+               "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
+                                     spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
@@ -464,6 +469,17 @@ def _prefix_cache(s: Settings, spec: GenerationSpec, version_dir: Path, model: A
     return PrefixCache(identity(graph=digests.get(f"{version_dir.name}/{s.onnx_file}", s.onnx_file),
                                 version=version_dir.name, precision=s.precision, kv_dtype=spec.kv_dtype,
                                 attention=getattr(model, "attention", ""), device=getattr(model, "device", "")))
+
+
+def _speculator(s: Settings, metrics: Any) -> Any:
+    """The scheduler's speculative decoding (``speculative``: off, or ``prompt_lookup``), else None."""
+    if s.speculative == "off":
+        return None
+    from .generation.speculative import SpeculativeConfig, Speculator
+
+    return Speculator(SpeculativeConfig(num_speculative_tokens=s.num_speculative_tokens,
+                                        prompt_lookup_max=s.prompt_lookup_max, prompt_lookup_min=s.prompt_lookup_min,
+                                        max_sequences=s.speculative_max_sequences), metrics=metrics)
 
 
 class GpuUnavailable(RuntimeError):

@@ -91,6 +91,12 @@ class Settings:
     max_prefill_tokens: int = 2048
     # Chunked prefill: "auto" or prompt tokens per engine step (0: off; generation/chunked_prefill.py).
     prefill_chunk_tokens: int | str = "auto"
+    # Speculative decoding by prompt lookup (generation/speculative.py; "off" or "prompt_lookup").
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    speculative_max_sequences: int = 1
     device_reserve_mib: int = 1024
     # Degrade before shedding (degrade.py): the cheaper precision a backlogged window runs on (None: never) and
     # the window size (requests) from which it does (0: half of max_batch_size).
@@ -132,6 +138,9 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if p.max_group_tokens and p.max_group_tokens < max_len:  # the longest request allowed could not be placed
         raise SettingsError(f"parameter max_group_tokens={p.max_group_tokens} is below max_sequence_length={max_len}: "
                             "use 0 (no budget) or at least max_sequence_length")
+    if p.prompt_lookup_min > p.prompt_lookup_max:
+        raise SettingsError(f"parameter prompt_lookup_min={p.prompt_lookup_min} is above prompt_lookup_max="
+                            f"{p.prompt_lookup_max}: the shortest n-gram looked up must be at most the longest")
     inputs = _io(cfg.get("input"))
     # Older repositories do not say: an attention mask is what makes padding harmless.
     pad_sequences = p.pad_sequences if p.pad_sequences is not None else any(i.name == "attention_mask" for i in inputs)
@@ -182,6 +191,11 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         prefix_caching=p.prefix_caching,
         max_prefill_tokens=p.max_prefill_tokens,
         prefill_chunk_tokens=p.prefill_chunk_tokens,
+        speculative=p.speculative,
+        num_speculative_tokens=p.num_speculative_tokens,
+        prompt_lookup_max=p.prompt_lookup_max,
+        prompt_lookup_min=p.prompt_lookup_min,
+        speculative_max_sequences=p.speculative_max_sequences,
         device_reserve_mib=p.device_reserve_mib,
         degrade_to=p.degrade_to or None,
         degrade_backlog=p.degrade_backlog,

@@ -25,6 +25,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.state(2, 5, KVUsage(2, 8, 100, 4096, 8192))
     m.prefill_chunks(2)
     m.prefill_chunks(1)
+    m.speculated(4, 3)
+    m.speculated(4, 0)
     before = FakeMetric.calls
     m.flush()
     v = _values(m)
@@ -40,6 +42,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     assert v[("running_sequences", ())] == 2 and v[("waiting_sequences", ())] == 5
     assert v[("kv_cache_usage_ratio", ())] == 0.5
     assert v[("prefill_chunks_total", ())] == 3 and v[("chunked_prefill_steps_total", ())] == 2
+    assert v[("spec_decode_num_drafts_total", ())] == 2 and v[("spec_decode_num_draft_tokens_total", ())] == 8
+    assert v[("spec_decode_num_accepted_tokens_total", ())] == 3
     sent = FakeMetric.calls - before
     m.flush()
     assert FakeMetric.calls - before == sent  # nothing new: nothing sent

@@ -135,6 +135,22 @@ def test_prefill_chunk_tokens_parameter() -> None:
             _settings(prefill_chunk_tokens=bad)
 
 
+def test_speculative_decoding_parameters() -> None:
+    s = _settings()
+    assert (s.speculative, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min,
+            s.speculative_max_sequences) == ("off", 4, 4, 2, 1)
+    s = _settings(speculative="prompt_lookup", num_speculative_tokens="6", prompt_lookup_max="3",
+                  prompt_lookup_min="3", speculative_max_sequences="2")
+    assert (s.speculative, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min,
+            s.speculative_max_sequences) == ("prompt_lookup", 6, 3, 3, 2)
+    with pytest.raises(SettingsError, match="speculative"):
+        _settings(speculative="draft_model")
+    with pytest.raises(SettingsError, match="num_speculative_tokens"):
+        _settings(num_speculative_tokens="0")
+    with pytest.raises(SettingsError, match="prompt_lookup_min=3 is above prompt_lookup_max=2"):
+        _settings(prompt_lookup_max="2", prompt_lookup_min="3")
+
+
 def test_prefix_caching_parameter() -> None:
     assert _settings().prefix_caching == "auto"  # on where reuse is exact
     assert _settings(prefix_caching="off").prefix_caching == "off"

@@ -259,6 +259,15 @@ class CausalLM:
         last = np.asarray([[len(p) - 1] for p in prompts], dtype=np.int64)
         return self._run(ids, mask, views, last, adapters)[:, 0]
 
+    def continued_logits(self, tokens: Sequence[int], past: int, views: dict[str, Any],
+                         adapters: Sequence[int] | None = None) -> np.ndarray:
+        """One sequence's ``tokens`` continued after the ``past`` tokens its slot (one slot of ``views``) holds, as a
+        continued prompt: the logits of every one of those positions ``[len(tokens), vocab]`` (speculative decoding
+        verifies its drafted tokens with them). One row a launch, as ONNX Runtime's attention takes a continued prompt."""
+        row = np.asarray([list(tokens)], dtype=np.int64)
+        mask = np.ones((1, int(past) + row.shape[1]), dtype=np.int64)
+        return self._run(row, mask, views, np.arange(row.shape[1], dtype=np.int64)[None, :], adapters)[0]
+
     def position_logits(self, ids: Sequence[int], views: dict[str, Any], adapter: int = 0) -> np.ndarray:
         """One sequence from an empty cache (one slot of ``views``): the logits of every position ``[len, vocab]``."""
         row = np.asarray([list(ids)], dtype=np.int64)

@@ -38,6 +38,11 @@ COUNTERS: dict[str, str] = {
     "prefill_chunks_total": "Prefill launches that ran part of a prompt split by the chunk budget "
                             "(prefill_chunk_tokens: chunked prefill), its last chunk included.",
     "chunked_prefill_steps_total": "Engine steps that ran at least one such chunk.",
+    "spec_decode_num_drafts_total": "Verification launches of speculative decoding (prompt lookup): one per "
+                                    "drafting sequence and step.",
+    "spec_decode_num_draft_tokens_total": "Tokens drafted by prompt lookup and verified.",
+    "spec_decode_num_accepted_tokens_total": "Of those, tokens the model agreed with (accepted / drafted is the "
+                                             "acceptance rate; each verification also gives the model's own token).",
 }
 GAUGES: dict[str, str] = {
     "running_sequences": "Sequences holding a KV slot and decoding.",
@@ -163,6 +168,13 @@ class GenerationMetrics:
         with self._lock:
             self._add("prefill_chunks_total", float(chunks))
             self._add("chunked_prefill_steps_total", 1.0)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self._add("spec_decode_num_drafts_total", 1.0)
+            self._add("spec_decode_num_draft_tokens_total", float(drafted))
+            if accepted:
+                self._add("spec_decode_num_accepted_tokens_total", float(accepted))
 
     def state(self, running: int, waiting: int, usage: Any, cached_blocks: int = 0) -> None:
         with self._lock:

@@ -39,6 +39,9 @@ kept slot at the end of the active prefix, taken over in place), and prefills on
 (ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its prefix; kept slots are
 dropped least recently used first when a waiting sequence needs their memory or their slot, before any preemption.
 
+With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
+decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
+
 Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
 """
 
@@ -97,6 +100,7 @@ class Scheduler:
         self.whole_below = max(0, int(whole_below))  # prompts this short are prefilled whole, outside the budget
         self._chunks = 0  # chunk launches this step (counted on /metrics)
         self.loras: Any = None  # lora.AdapterTable where the model serves adapters (their metrics reported)
+        self.speculator: Any = None  # speculative.Speculator where prompt-lookup drafting is on
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
@@ -467,19 +471,24 @@ class Scheduler:
     def _decode(self, count: int) -> None:
         """One token for each of the first ``count`` running sequences, in one launch. A sequence mid-prefill
         among them is a placeholder row (its next prompt token at its cached length, written again by its next
-        chunk; nothing sampled); rows after the last decoding one are left out."""
+        chunk; nothing sampled); rows after the last decoding one are left out. Rows drafting tokens (``speculator``:
+        speculative decoding) are placeholders too, each verified after it in a launch of its own."""
         active = self.running[:count]
-        while active and active[-1].prefilling:
+        # Rows drafting tokens (speculative.py) are verified in launches of their own: placeholders here.
+        drafting = self.speculator.plan(active) if self.speculator is not None else {}
+        while active and (active[-1].prefilling or id(active[-1]) in drafting):
             active.pop()
-        if not active:
-            return
-        self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while the launch runs
-        logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
-                                   self.slots.views(0, len(active)), **_adapters(active))
-        for gen, row in zip(active, logits):
-            if not gen.prefilling:
-                gen.cached += 1
-                self._accept(gen, row)
+        if active:
+            self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while it runs
+            logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
+                                       self.slots.views(0, len(active)), **_adapters(active))
+            for gen, row in zip(active, logits):
+                if not gen.prefilling and id(gen) not in drafting:
+                    gen.cached += 1
+                    self._accept(gen, row)
+        for gen, drafts in drafting.values():
+            self.speculator.verify(gen, drafts, self.model, self.slots.views(gen.slot, 1), self._accept,
+                                   _adapters([gen]))
 
     # ------------------------------------------------------------------ tokens out
 

@@ -1,0 +1,180 @@
+"""Speculative decoding by prompt lookup on and off: an extractive task (answers quoting a document in the prompt).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py [--version-dir DIR] [--rounds 2] [--write]
+
+The real Gemma 3 270M (random weights quote nothing): the FP32 graph (``model.onnx``, float KV cache) of a packaged
+version folder of the factory's build (``--version-dir``; default the gemma-bench build's, which keeps every
+precision), on the backend's own scheduler in-process (``Scheduler`` over ``CausalLM`` and ``KVSlots``, 2 threads; no
+Triton, no HTTP: what differs between the settings is the speculator alone). The documents are paragraphs of the
+held-out text (``--data``: definitions of the Apache License 2.0), each followed by a question whose answer quotes
+one definition; ``TOKENS`` greedy tokens each. Workloads, each on and off in alternating order round by round:
+
+* **extractive, 1 stream**: ``ONE_STREAM`` of the requests one after another, each alone (the case issue 51's target names: >= 1.5x);
+* **extractive, 8 streams**: the 8 requests at once (speculation drafts only while at most
+  ``speculative_max_sequences`` sequences decode: does it turn itself off, and not regress?);
+* **free text, 1 stream**: ``FREE`` prompts asking for a story (nothing to quote: what drafting costs where it does
+  not pay).
+
+Per workload and setting: output tokens/s (all tokens over the wall time), the tokens drafted, accepted and the
+acceptance rate, and whether every request's tokens equal the same request's with speculation off. The section
+between ``<!-- speculative:start -->`` and ``<!-- speculative:end -->`` is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from results_file import publish, say  # noqa: E402
+
+START, END = "<!-- speculative:start -->", "<!-- speculative:end -->"
+VERSION_DIR = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gemma3/1")
+DATA = Path("/work/gemma-cache/data/heldout.txt")
+TOKENS, STREAMS = 64, 8
+ONE_STREAM, FREE = 4, 2  # requests of the 1-stream workloads (extractive, free text)
+
+
+def definitions(data: Path) -> list[str]:
+    """The held-out text's definitions, one a line (``"Term" shall mean ...``)."""
+    return [line.strip() for line in data.read_text().splitlines() if " shall mean " in line]
+
+
+def workloads(tok, data: Path) -> dict[str, list[list[int]]]:
+    """Prompt ids: ``extractive`` (a document of five definitions, a question quoting one of them) and ``free``."""
+    defs = definitions(data)
+    extractive = []
+    for i in range(STREAMS):
+        doc = [defs[(i + j) % len(defs)] for j in range(5)]
+        term = doc[2].split('"')[1]
+        text = ("Read the document and answer the question by quoting it.\n\nDocument:\n" + "\n".join(doc)
+                + f"\n\nQuestion: How does the document define \"{term}\"? Quote its definition.\nAnswer: ")
+        extractive.append([2] + tok.encode(text, add_special_tokens=False).ids)
+    free = []
+    for i in range(4):
+        words = " ".join(defs[(3 * i + 1) % len(defs)].split()[:12])
+        free.append([2] + tok.encode("Write a short story about a lawyer who loves the sea. " + words,
+                                     add_special_tokens=False).ids)
+    return {"extractive": extractive, "free": free}
+
+
+class Counts:
+    """The scheduler's metrics calls this benchmark reads: speculative drafts."""
+
+    def __init__(self) -> None:
+        self.drafts = self.drafted = self.accepted = 0
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def __getattr__(self, name):  # every other call of NullMetrics: dropped
+        return lambda *a, **k: None
+
+
+def run(lm, spec, prompts: list[list[int]], at_once: bool, speculate: bool, k: int) -> dict:
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
+    from model_factory.backend.generation.speculative import SpeculativeConfig, Speculator
+
+    counts = Counts()
+    sched = Scheduler(lm, KVSlots(spec, STREAMS, 1 << 34), None, spec.eos_token_ids, metrics=counts)
+    if speculate:
+        sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=k), metrics=counts)
+    params = SamplingParams(max_tokens=TOKENS)
+    gens = []
+    start = time.perf_counter()
+    batches = [prompts] if at_once else [[p] for p in prompts]
+    for batch in batches:
+        gens += [sched.submit(Generation(list(p), params, lambda g, e: None)) for p in batch]
+        while sched.has_work():
+            sched.step()
+    wall = time.perf_counter() - start
+    out = sum(len(g.generated) for g in gens)
+    return {"tokens/s": out / wall, "output tokens": out, "drafted": counts.drafted, "accepted": counts.accepted,
+            "verifications": counts.drafts, "tokens": [g.generated for g in gens]}
+
+
+def main() -> int:
+    from tokenizers import Tokenizer
+
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from model_factory.backend.contract import Files, GenerationSpec
+    from model_factory.backend.generation.causal_lm import CausalLM
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version-dir", type=Path, default=VERSION_DIR)
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    vdir = args.version_dir
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
+    lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
+    tok = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
+    loads = workloads(tok, args.data)
+    cases = {"extractive, 1 stream": (loads["extractive"][:ONE_STREAM], False),
+             f"extractive, {STREAMS} streams": (loads["extractive"], True),
+             "free text, 1 stream": (loads["free"][:FREE], False)}
+    say("warm-up")
+    run(lm, spec, loads["free"][:1], False, True, args.k)
+    load = LoadReading.begin()
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for name, (prompts, at_once) in cases.items():
+            for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                got = run(lm, spec, prompts, at_once, setting == "on", args.k)
+                runs.setdefault((name, setting), []).append(got)
+                say(f"round {r + 1} {name} {setting}: {got['tokens/s']:.2f} tokens/s, drafted {got['drafted']}, "
+                    f"accepted {got['accepted']}")
+    load = load.finish()
+    example = tok.decode(runs[("extractive, 1 stream", "off")][0]["tokens"][0])
+
+    def cell(values: list[float], digits: int = 2) -> str:
+        if len(values) == 1:
+            return f"{values[0]:.{digits}f}"
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+    rows = []
+    for name in cases:
+        off, on = runs[(name, "off")], runs[(name, "on")]
+        ratio = [a["tokens/s"] / b["tokens/s"] for a, b in zip(on, off)]
+        same = all(a["tokens"] == b["tokens"] for a, b in zip(on, off))
+        drafted, accepted = sum(x["drafted"] for x in on), sum(x["accepted"] for x in on)
+        rate = f"{accepted / drafted:.2f}" if drafted else "–"
+        rows.append(f"| {name} | {cell([x['tokens/s'] for x in off])} | {cell([x['tokens/s'] for x in on])} | "
+                    f"**{cell(ratio)}x** | {on[0]['verifications']} | {on[0]['drafted']} / {on[0]['accepted']} | "
+                    f"{rate} | {'yes' if same else '**no**'} |")
+    section = "\n".join([
+        START, "## Speculative decoding by prompt lookup (benchmarks/bench_speculative.py)", "",
+        run_header("benchmarks/bench_speculative.py", load), "",
+        f"Gemma 3 270M, the FP32 graph of `{vdir}` (the factory's build of the FP32 folder from the GGUF; float KV "
+        f"cache, 512 positions), on the backend's scheduler in-process (2 threads; no Triton, no HTTP). {TOKENS} greedy "
+        f"tokens a request. Extractive: {STREAMS} prompts of 240-410 tokens, five definitions of the Apache License "
+        f"2.0 and a question asking to quote one of them; at 1 stream the first {ONE_STREAM} sent one after another, "
+        f"at {STREAMS} streams all {STREAMS} at once. Free text: {FREE} prompts asking for a story, one after another "
+        "(the base model's stories repeat their own phrases: prompt lookup drafts those too). Speculation: `speculative = "
+        f"\"prompt_lookup\"`, `num_speculative_tokens` {args.k}, `prompt_lookup_max` 4, `_min` 2, "
+        "`speculative_max_sequences` 1 (drafting only while one sequence decodes). "
+        f"{args.rounds} round(s), the settings in alternating order{', medians and ranges' if args.rounds > 1 else ''}"
+        "; a machine shared with other work.", "",
+        "| workload | off tokens/s | on tokens/s | on / off | verifications (round 1) | drafted / accepted "
+        "(round 1) | acceptance rate (all rounds) | tokens = off's |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows, "",
+        f"The first extractive answer (off): `{example[:300]!r}`", "", END])
+    publish(section, HERE / "RESULTS.md", START, END, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
