@@ -6,13 +6,14 @@ adapters against the base alone (issue 52's target: at least 0.8x at 4 adapters)
 The 110M Llama of bench_generate (SmolLM-135M's shape, random weights; made here or reused from ``--work``), built by
 the factory in FP32, runs on the backend's own scheduler in-process (``Scheduler`` over ``CausalLM`` and ``KVSlots``,
 2 threads; no Triton, no HTTP). The base alone is the packaged graph as served without adapters; with adapters, the
-same graph rewritten as the stub rewrites it (``generation/lora.py``) with rank-16 adapters on all seven projections of
+same graph rewritten as the stub rewrites it (``generation/lora.py``: each row's product kept by a mask over the
+columns of the adapters bound) with rank-16 adapters on all seven projections of
 every layer (random pairs: the speed does not depend on their values), every adapter loaded in a slot
 (``max_loras`` = 16), request ``j`` of a stream on adapter ``j mod A``: so each step's batch mixes rows of up to ``A``
 adapters. ``N`` streams each send ``R`` requests one after another (closed loop, 64-token prompts, greedy, exactly
 ``TOKENS`` tokens each). Output tokens/s = the tokens over the wall time; each configuration run twice, base and
 adapters alternating, the ratio of each pair. The section between ``<!-- lora:start -->`` and ``<!-- lora:end -->`` is
-replaced. Not run: vLLM-CPU's multi-LoRA on the same adapters (vLLM is not installed on these machines).
+replaced. Not run: vLLM-CPU's multi-LoRA on the same adapters (the section says why).
 """
 
 from __future__ import annotations
@@ -110,14 +111,19 @@ def main() -> int:
     from tests.generative_repository import layout_generative_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=None, help="folder to make (or reuse) the 110M Llama in")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="folder to make (or reuse) the 110M Llama and its FP32 build in")
     ap.add_argument("--write", action="store_true", help="replace the lora section of benchmarks/RESULTS.md")
     args = ap.parse_args()
     load = LoadReading.begin()
     hf = llama_folder(args.work, "mf-bench-lora-")
-    say("building the FP32 graph with the factory")
-    repo = Path(tempfile.mkdtemp(prefix="mf-bench-lora-repo-"))
-    vdir = layout_generative_model(hf, None, repo, "llm")
+    built = args.work / "repo" / "llm" / "1" if args.work else None
+    if built is not None and (built / Files.ONNX).is_file():
+        vdir = built  # the factory's build made by an earlier run with this --work
+    else:
+        say("building the FP32 graph with the factory")
+        repo = args.work / "repo" if args.work else Path(tempfile.mkdtemp(prefix="mf-bench-lora-repo-"))
+        vdir = layout_generative_model(hf, None, repo, "llm")
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
     graph = vdir / Files.ONNX
     import onnx
@@ -155,7 +161,15 @@ def main() -> int:
         lines.append(f"| {streams} | {count} | {' / '.join(f'{b:.1f}' for b, _ in pairs)} | "
                      f"{' / '.join(f'{a:.1f}' for _, a in pairs)} | "
                      f"{', '.join(f'{a / b:.2f}x' for b, a in pairs)} |")
-    lines += ["", "Not run: vLLM-CPU's multi-LoRA on the same adapters (vLLM is not installed here).", END]
+    lines += ["", "The rewrite measured: each row's adapter columns kept by a mask over the pairs of the adapters a launch "
+              "binds (generation/lora.py). The form before it, each row's pairs gathered (`Gather` on a row index, paid "
+              "by base rows too), ran 0.70-0.79x the base at 8 streams in this script's run of 2026-12-06 09:45 UTC "
+              "(this section in git before commit 'LoRA rewrite: ...masked').", "",
+              "Not run: vLLM-CPU's multi-LoRA on the same adapters. vLLM-CPU 0.32 is installed on the machine of this "
+              "run (benchmarks/install_peers.sh vllm), but this script does not drive it yet: it needs the adapters "
+              "written as PEFT folders (the packed qkv pair split back into q, k and v modules) and a server started "
+              "with --enable-lora --max-loras 16 --max-lora-rank 16 --lora-modules, whose first start compiles for "
+              "6-22 minutes on these 2 cores (ENVIRONMENT.md).", END]
     publish("\n".join(lines), HERE / "RESULTS.md", START, END, args.write)
     return 0
 

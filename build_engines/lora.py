@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from model_factory.backend.lora_contract import ADAPTER_WEIGHTS, LORA_ROWS, AdapterSpec, graph_module, lora_inputs
+from model_factory.backend.lora_contract import ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, graph_module, lora_inputs
 from model_factory.errors import FactoryError
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -164,7 +164,7 @@ def write_weights(pairs: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -
 
 
 def lora_runner(graph: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], max_context: int, head_dim: int) -> Any:
-    """The build's decoder runner on the base graph rewritten as served, the adapter in slot 1 (slot 0 the base)."""
+    """The build's decoder runner on the base graph rewritten as served, the adapter bound alone (every row its)."""
     from model_factory.backend.generation.lora import prepare, stacked
     from model_factory.build_engines.lm_graph import DecoderRunner
 
@@ -174,11 +174,11 @@ def lora_runner(graph: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], ma
     prepared = prepare(model.SerializeToString(), sorted(pairs))
     rank = max(a.shape[1] for a, _ in pairs.values())
     one = stacked(pairs, prepared.shapes, rank)
-    feeds: dict[str, np.ndarray] = {LORA_ROWS: np.ones(1, np.int64)}
+    feeds: dict[str, np.ndarray] = {LORA_MASK: np.ones((1, 1, rank), np.float32)}  # broadcast over the rows
     for module, (a, b) in one.items():
         name_a, name_b = lora_inputs(module)
-        feeds[name_a] = np.stack([np.zeros_like(a), a])
-        feeds[name_b] = np.stack([np.zeros_like(b), b])
+        feeds[name_a] = np.ascontiguousarray(a.T)
+        feeds[name_b] = b
     return DecoderRunner(prepared.model, max_context, head_dim, feeds=feeds)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 ADAPTER_SPEC = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.npz"
 LORA_NAME = "lora_name"  # the sampling_parameters key that names a request's adapter
-LORA_ROWS = "lora_rows"  # the rewritten graph's input: each row's adapter slot (0: the base alone)
+LORA_MASK = "lora_mask"  # the rewritten graph's input [batch, 1, k]: ones over each row's adapter's columns
 _MODULE = re.compile(r"^/model/(layers\.\d+)/(attn|mlp)/(\w+)/(MatMul|MatMulNBits)$")
 
 
@@ -39,7 +39,8 @@ def graph_module(node_name: str) -> str | None:
 
 
 def lora_inputs(module: str) -> tuple[str, str]:
-    """The rewritten graph's inputs of one module: its stacked ``A`` [slots, in, rank] and ``B`` [slots, rank, out]."""
+    """The rewritten graph's inputs of one module: the bound adapters' ``A`` transposed, side by side ``[k, in]``,
+    and their ``B`` ``[k, out]`` (``k`` = adapters x rank)."""
     return f"lora.{module}.A", f"lora.{module}.B"
 
 

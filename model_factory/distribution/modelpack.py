@@ -93,10 +93,13 @@ def collect_version(repo: Path, model: str, version: int | None) -> VersionConte
     from model_factory.signing.digests import file_tasks, hash_tasks
     from model_factory.signing.verify import signed_digests
 
+    from model_factory.distribution.adapters import is_adapter_entry
+
     model_dir = Path(repo) / model
-    if not (model_dir / "config.pbtxt").is_file():
-        raise FactoryError(f"{model_dir} is not a packaged model (no config.pbtxt). Fix: pass the repository and a "
-                           "model name in it (model-factory build packages one)")
+    if not (model_dir / "config.pbtxt").is_file() and not is_adapter_entry(model_dir):
+        raise FactoryError(f"{model_dir} is not a packaged model (no config.pbtxt) nor a LoRA adapter entry (no "
+                           "<version>/adapter.json). Fix: pass the repository and a model name in it (model-factory "
+                           "build packages one)")
     versions = layout.model_entries(model_dir).versions
     if version is None:
         if not versions:

@@ -13,7 +13,8 @@ provenance, BOM and release files (the repository's ``.release/``, when it has o
 3. each blob is hashed while it streams into a staging folder beside DEST (a digest mismatch stops the pull);
 4. the staged model folder is verified as ``model-factory verify`` would (signer, files, provenance);
 5. the signed version must match a numeric tag, must not be older than the version already in DEST
-   (a tag re-pointed to an older signed version), and the BOM referrer must be the signed BOM;
+   (a tag re-pointed to an older signed version), and the BOM referrer must be the signed BOM; a LoRA adapter
+   entry must name a base version DEST holds with the bytes it was built on (``adapters.py``);
 6. only then is ``DEST/<model>`` replaced, in one rename.
 Any failure leaves DEST as it was; downloaded blobs stay in ``.<DEST>.oci-blobs`` so a retry resumes.
 """
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Sequence
 
+from model_factory.backend.lora_contract import ADAPTER_SPEC
 from model_factory.distribution import modelpack as mp
+from model_factory.distribution.adapters import check_base
 from model_factory.distribution.oci_layout import (ANNOTATION_TITLE, ANNOTATION_VERSION, OCI_INDEX, OCI_MANIFEST,
                                                    Progress, Target, canonical_json, descriptor, fallback_tag,
                                                    open_layout, remove_tree, sha256_bytes, sha256_file)
@@ -404,6 +407,8 @@ def pull(ref: str, dest: Path, policy: Path, *, options: RegistryOptions = Regis
         if not result.ok:
             raise FactoryError(f"{model} version {version} from {ref} failed verification: " + "; ".join(result.reasons))
         _check_version(version, reference, expect_version, dest / model, allow_downgrade)
+        if (staged / str(version) / ADAPTER_SPEC).is_file():  # a LoRA adapter: only onto the base it was built on
+            check_base(staged / str(version), dest)
         if "bom" in fetched:
             signed_bom = staged / str(version) / "bom.cdx.json"
             if not signed_bom.is_file() or sha256_file(signed_bom) != sha256_file(fetched["bom"][0]):

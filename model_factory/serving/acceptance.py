@@ -382,7 +382,11 @@ def accept_repository(repository: Path, model: str | None = None, **kwargs: Any)
     repository = Path(repository)
     if not repository.is_dir():
         raise FactoryError(f"model repository {repository} does not exist. Fix: run model-factory build first")
-    models = discover_models(repository)
+    from model_factory.distribution.adapters import is_adapter_entry
+
+    adapters = sorted(p.name for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")
+                      and is_adapter_entry(p))
+    models = sorted(discover_models(repository) + adapters)
     if model is not None:
         if model not in models:
             raise FactoryError(f"{repository} has no model {model!r} (it has {', '.join(models) or 'none'}). Fix: "
@@ -390,7 +394,14 @@ def accept_repository(repository: Path, model: str | None = None, **kwargs: Any)
         models = [model]
     if not models:
         raise FactoryError(f"{repository} holds no model folders with a config.pbtxt. Fix: run model-factory build")
-    return [accept_model(repository / m, **kwargs) for m in models]
+    return [accept_model(repository / m, **kwargs) if m not in adapters else _adapter(repository / m, kwargs)
+            for m in models]
+
+
+def _adapter(model_dir: Path, kwargs: Mapping[str, Any]) -> AcceptanceResult:
+    from model_factory.serving.adapter_acceptance import accept_adapter
+
+    return AcceptanceResult(model_dir.name, **accept_adapter(model_dir, kwargs.get("digests")))
 
 
 def render(results: Sequence[AcceptanceResult], width: int = 120) -> str:

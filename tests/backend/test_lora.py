@@ -74,6 +74,45 @@ def test_rows_of_the_base_and_two_adapters_in_one_launch_each_as_alone(lora_mode
     table.release(b)
 
 
+def test_a_launch_binds_only_the_slots_its_rows_use_and_masks_each_rows_others(lora_model, tmp_path) -> None:
+    spec, model, plain, _ = lora_model
+    found = [_adapter(tmp_path, n, model.lora_shapes, 2 + i, 10 + i) for i, n in enumerate(("p", "q", "r", "t"))]
+    table = AdapterTable(found, {}, model.lora_shapes, max_loras=3)
+    model.lora_table, kept = table, model.lora_table
+    prompts = [[5, 9, 200, 31, 8]] * 3
+
+    def each_as_alone(rows: list[int]) -> None:
+        together = model.prefill(prompts, KVSlots(spec, 3, 1 << 28).views(0, 3), adapters=rows)
+        for row, slot in enumerate(rows):
+            alone = model.prefill([prompts[0]], KVSlots(spec, 1, 1 << 28).views(0, 1), adapters=[slot])[0]
+            np.testing.assert_allclose(together[row], alone, rtol=1e-4, atol=1e-4)
+
+    try:
+        p, q, r = (table.acquire(n) for n in ("p", "q", "r"))
+        mask, used = table.mask([r, 0, p, r])
+        assert used == [p, r] and mask.shape == (4, 1, 2 * table.rank)  # q's slot between them is not bound
+        assert mask[1].sum() == 0 and mask[0, 0, table.rank:].all() and not mask[0, 0, :table.rank].any()
+        each_as_alone([r, 0, p])  # p and r are not neighbours: their pairs bound from a compact copy
+        each_as_alone([q, r, 0])  # neighbours: a view of the stacks
+        for slot in (p, q, r):
+            table.release(slot)
+        t = table.acquire("t")  # p, the least recently used, evicted: t written into its slot
+        assert t == p
+        r = table.acquire("r")
+        each_as_alone([t, 0, r])  # the compact copy made again: its slot's contents changed
+        np.testing.assert_array_equal(table._compact[MODULES[0]][0][:table.rank],
+                                      table.stacks[MODULES[0]][0][(t - 1) * table.rank:t * table.rank])
+        # A launch of base rows only binds no adapter columns: the packaged graph's logits.
+        assert table.mask([0, 0])[0].shape == (2, 1, 0)
+        base = model.prefill(prompts[:2], KVSlots(spec, 2, 1 << 28).views(0, 2), adapters=[0, 0])
+        np.testing.assert_allclose(base, plain.prefill(prompts[:2], KVSlots(spec, 2, 1 << 28).views(0, 2)), rtol=1e-5,
+                                   atol=1e-5)
+        table.release(t)
+        table.release(r)
+    finally:
+        model.lora_table = kept
+
+
 def test_slots_are_loaded_and_evicted_under_max_loras(lora_model, tmp_path) -> None:
     _, model, _, _ = lora_model
     found = [_adapter(tmp_path, n, model.lora_shapes, 2, i) for i, n in enumerate(("x", "y"))]
@@ -85,7 +124,7 @@ def test_slots_are_loaded_and_evicted_under_max_loras(lora_model, tmp_path) -> N
     table.release(x)
     y = table.acquire("y")  # x is idle: evicted, its slot reused
     assert y == x and table.loaded() == ("y",) and table.running() == ("y",)
-    np.testing.assert_array_equal(table.stacks[MODULES[0]][0][y], np.load(found[1].folder / ADAPTER_WEIGHTS)[MODULES[0] + ".A"])
+    np.testing.assert_array_equal(table.pair(MODULES[0], y)[0], np.load(found[1].folder / ADAPTER_WEIGHTS)[MODULES[0] + ".A"])
     with pytest.raises(AdapterError) as unknown:
         table.acquire("nobody")
     assert unknown.value.unknown and "nobody" in str(unknown.value)

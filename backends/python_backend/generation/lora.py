@@ -2,10 +2,18 @@
 
 The base graph is rewritten in memory at load (as ``int8_attention`` rewrites attention): for each projection
 ``MatMul`` some adapter targets (``lora_contract.graph_module``), ``Y = X·W`` becomes
-``Y = X·W + (X·A[rows])·B[rows]`` where ``A`` [slots, in, rank] and ``B`` [slots, rank, out] are inputs holding
-every loaded adapter's pair (slot 0: zeros, the base alone) and ``lora_rows`` [batch] says which slot each row uses.
-So a prefill or decode launch mixes rows of the base and of several adapters: one continuous batch, one launch per
-step, the per-row product a batched MatMul after a Gather. A rank below the table's is zero-padded (exact).
+``Y = X·W + ((X·Aᵀ) ⊙ mask)·B``: ``A`` [k, in] and ``B`` [k, out] are inputs holding the pairs of the adapters a
+launch uses side by side (``A`` transposed, ``k`` = adapters x rank), ``lora_mask`` [batch, 1, k] has ones over each
+row's own adapter's ``rank`` columns (none for a row of the base). So a prefill or decode launch mixes rows of the base
+and of several adapters: one continuous batch, one launch per step; each row's own product survives the mask, the
+others' are multiplied by zero (exact). A rank below the table's is zero-padded (exact).
+
+Measured against the first form, a ``Gather`` of each row's ``A`` and ``B`` and two batched MatMuls: that copied
+every row's pairs, base rows too, at every step (a decode step of 8 rows on the 110M Llama copied about 140 MB), where
+this reads each adapter in use once (``benchmarks/bench_lora.py``). Its cost is the columns of the adapters bound: a
+launch binds its adapters' slots as a view of the stacks where they are contiguous, else a compact copy of them (made
+again only when the set of slots or a slot's contents changes, so a decode of the same sequences reuses it); a
+launch of base rows only binds ``k`` = 0 and adds nothing but empty products.
 
 Why not ONNX Runtime's ``LoraAdapter`` / ``RunOptions.add_active_adapter``: one active adapter set per run, so a
 step with rows of three adapters would be three launches (rows grouped per adapter), and onnxruntime-genai's builder
@@ -30,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..integrity import IntegrityError, read_checked, verified_digests
-from ..lora_contract import (ADAPTER_SPEC, ADAPTER_WEIGHTS, LORA_ROWS, AdapterSpec, adapter_entries, graph_module,
+from ..lora_contract import (ADAPTER_SPEC, ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, adapter_entries, graph_module,
                              lora_inputs)
 
 
@@ -67,7 +75,7 @@ def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     wanted, shapes = set(modules), {}
-    added = [helper.make_tensor_value_info(LORA_ROWS, TensorProto.INT64, ["batch_size"])]
+    added = [helper.make_tensor_value_info(LORA_MASK, TensorProto.FLOAT, ["lora_batch", 1, "lora_k"])]
     new_nodes = []
     for node in g.node:
         module = graph_module(node.name)
@@ -77,14 +85,15 @@ def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
         fan_in, fan_out = _weight_shape(node, inits)
         shapes[module] = (fan_in, fan_out)
         a_name, b_name = lora_inputs(module)
-        added += [helper.make_tensor_value_info(a_name, TensorProto.FLOAT, ["lora_slots", fan_in, "lora_rank"]),
-                  helper.make_tensor_value_info(b_name, TensorProto.FLOAT, ["lora_slots", "lora_rank", fan_out])]
+        added += [helper.make_tensor_value_info(a_name, TensorProto.FLOAT, ["lora_k", fan_in]),
+                  helper.make_tensor_value_info(b_name, TensorProto.FLOAT, ["lora_k", fan_out])]
         out, base_out, p = node.output[0], node.output[0] + "/lora_base", f"/lora/{module}"
         node.output[0] = base_out
-        new_nodes += [helper.make_node("Gather", [a_name, LORA_ROWS], [p + "/A"], name=p + "/GatherA", axis=0),
-                      helper.make_node("Gather", [b_name, LORA_ROWS], [p + "/B"], name=p + "/GatherB", axis=0),
-                      helper.make_node("MatMul", [node.input[0], p + "/A"], [p + "/XA"], name=p + "/MatMulA"),
-                      helper.make_node("MatMul", [p + "/XA", p + "/B"], [p + "/XAB"], name=p + "/MatMulB"),
+        # X·Aᵀ without a transposed copy: FusedMatMul (ONNX Runtime's contrib op) reads A [k, in] as transposed.
+        new_nodes += [helper.make_node("FusedMatMul", [node.input[0], a_name], [p + "/XA"], name=p + "/MatMulA",
+                                       domain="com.microsoft", transB=1, alpha=1.0),
+                      helper.make_node("Mul", [p + "/XA", LORA_MASK], [p + "/XAm"], name=p + "/Mask"),
+                      helper.make_node("MatMul", [p + "/XAm", b_name], [p + "/XAB"], name=p + "/MatMulB"),
                       helper.make_node("Add", [base_out, p + "/XAB"], [out], name=p + "/Add")]
     missing = sorted(wanted - set(shapes))
     if missing:
@@ -93,6 +102,8 @@ def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
     del g.node[:]
     g.node.extend(new_nodes)
     g.input.extend(added)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return shapes
 
 
@@ -180,7 +191,9 @@ def discover(version_dir: Path, base_digests: dict[str, str] | None,
 
 
 class AdapterTable:
-    """The loaded adapters' stacks (slot 0 the base), their slots and users; the lock guards slots and counts."""
+    """The loaded adapters' stacks, their slots (1.. ``max_loras``; 0 is the base) and users; the lock guards slots
+    and counts. A module's stacks: ``A`` transposed [slots x rank, in] and ``B`` [slots x rank, out], slot ``s`` in
+    rows ``(s - 1) x rank`` to ``s x rank``, so the slots a launch uses are one contiguous view of each."""
 
     def __init__(self, found: Sequence[Found], refused: dict[str, str], shapes: dict[str, tuple[int, int]],
                  max_loras: int, log: Callable[[str], None] = lambda m: None) -> None:
@@ -189,12 +202,15 @@ class AdapterTable:
         self.max_loras = max(1, int(max_loras))
         self.rank = max((f.spec.rank for f in found), default=1)
         slots = min(self.max_loras, len(found)) + 1
-        self.stacks = {m: (np.zeros((slots, i, self.rank), np.float32), np.zeros((slots, self.rank, o), np.float32))
-                       for m, (i, o) in shapes.items()}
+        k = (slots - 1) * self.rank
+        self.stacks = {m: (np.zeros((k, i), np.float32), np.zeros((k, o), np.float32)) for m, (i, o) in shapes.items()}
         self.shapes = dict(shapes)
         self.bytes = sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
         self._slots: OrderedDict[str, int] = OrderedDict()  # loaded adapter -> slot, least recently used first
         self._users = [0] * slots
+        self._loads = [0] * slots  # times each slot was written: a compact copy of older contents is remade
+        self._compact: dict[str, tuple[np.ndarray, np.ndarray]] | None = None  # made at the first scattered launch
+        self._compact_key: tuple = ()
         self._lock = threading.Lock()
         self._log = log
 
@@ -209,6 +225,12 @@ class AdapterTable:
     def running(self) -> tuple[str, ...]:
         with self._lock:
             return tuple(n for n, s in self._slots.items() if self._users[s])
+
+    def pair(self, module: str, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """``slot``'s pair of ``module`` as the adapter file holds it: ``A`` [in, rank], ``B`` [rank, out] (views)."""
+        a, b = self.stacks[module]
+        rows = slice((slot - 1) * self.rank, slot * self.rank)
+        return a[rows].T, b[rows]
 
     def acquire(self, name: str) -> int:
         """``name``'s slot, its weights loaded (verified) into a free or least recently used idle slot first."""
@@ -253,13 +275,45 @@ class AdapterTable:
         data = read_checked(f.folder.parent, f"{f.folder.name}/{ADAPTER_WEIGHTS}", f.digests)
         pairs = read_pairs(data)
         for module, (a, b) in stacked(pairs, self.shapes, self.rank).items():
-            sa, sb = self.stacks[module]
-            sa[slot], sb[slot] = a, b
+            sa, sb = self.pair(module, slot)
+            sa[...], sb[...] = a, b
+        self._loads[slot] += 1
         self._log(f"adapter {f.spec.name} version {f.spec.version} loaded into slot {slot} (rank {f.spec.rank})")
 
-    def bind(self, io: Any, rows: np.ndarray) -> None:
-        """Bind ``lora_rows`` and the stacks (by pointer) on an I/O binding."""
-        io.bind_cpu_input(LORA_ROWS, np.ascontiguousarray(rows, dtype=np.int64))
-        for module, pair in self.stacks.items():
+    def mask(self, rows: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        """``(lora_mask [len(rows), 1, k], the slots bound in column order)`` for a launch whose rows use ``rows``
+        (0: the base): each row's ones over its own slot's ``rank`` columns."""
+        used = sorted({int(r) for r in rows if r})
+        at = {slot: i for i, slot in enumerate(used)}
+        mask = np.zeros((len(rows), 1, len(used) * self.rank), np.float32)
+        for i, r in enumerate(rows):
+            if r:
+                mask[i, 0, at[int(r)] * self.rank:(at[int(r)] + 1) * self.rank] = 1.0
+        return mask, used
+
+    def _bound(self, used: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each module's pairs of the ``used`` slots side by side: a view of the stacks where the slots are
+        contiguous, else the compact copy (remade only when the slots or their contents changed)."""
+        r = self.rank
+        if not used or used[-1] - used[0] + 1 == len(used):
+            rows = slice((used[0] - 1) * r if used else 0, used[-1] * r if used else 0)
+            return {m: (a[rows], b[rows]) for m, (a, b) in self.stacks.items()}
+        key = tuple((s, self._loads[s]) for s in used)
+        if self._compact_key != key:
+            if self._compact is None:
+                self._compact = {m: (np.empty_like(a), np.empty_like(b)) for m, (a, b) in self.stacks.items()}
+            for m, (a, b) in self.stacks.items():
+                ca, cb = self._compact[m]
+                for i, s in enumerate(used):
+                    ca[i * r:(i + 1) * r], cb[i * r:(i + 1) * r] = a[(s - 1) * r:s * r], b[(s - 1) * r:s * r]
+            self._compact_key = key
+        k = len(used) * r
+        return {m: (a[:k], b[:k]) for m, (a, b) in self._compact.items()}
+
+    def bind(self, io: Any, rows: Sequence[int]) -> None:
+        """Bind ``lora_mask`` and the used slots' pairs (by pointer) on an I/O binding."""
+        mask, used = self.mask(rows)
+        io.bind_cpu_input(LORA_MASK, mask)
+        for module, pair in self._bound(used).items():
             for name, arr in zip(lora_inputs(module), pair):
                 io.bind_input(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
