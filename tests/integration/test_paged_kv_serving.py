@@ -27,10 +27,11 @@ def server(tiny_llm, tmp_path_factory):
 
     hf, onnx_dir = tiny_llm
     repo = tmp_path_factory.mktemp("paged-repo")
-    # 2 MiB less the tiny model's 1.3 MiB of weights: about twenty 64-token pages of its 8 head rows.
+    # 2 MiB less the tiny model's 1.3 MiB of weights: about twenty 64-token pages of its 8 head rows. No prefix cache:
+    # its kept prefixes would hold blocks once the requests are done (counted in kv_cache_blocks_used).
     for name, admission in ((PAGED, "paged"), (RESERVE, "reserve")):
         layout_generative_model(hf, onnx_dir, repo, name, memory_budget_mib=2, max_active_sequences=8,
-                                prefill_chunk_tokens=0, kv_admission=admission)
+                                prefill_chunk_tokens=0, prefix_caching="off", kv_admission=admission)
     srv = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
     assert not srv.load_errors, srv.load_errors
     yield srv
