@@ -257,3 +257,28 @@ def zoo_engine(variant: str, tmp_path_factory: Any) -> tuple[Any, Any]:
     if changes.get("sliding_window"):
         assert spec.sliding_window == changes["sliding_window"]
     return spec, CausalLM(vdir / Files.ONNX, threads=1, pad_token_id=spec.pad_token_id or 0)
+
+
+class EndsAt:
+    """A generative runtime (``CausalLM``'s prefill and decode), its logits made to choose end-of-sequence as the
+    ``n``-th generated token of a ``prompt``-token prompt (a text that ends before the ``max_tokens`` its client asked
+    for), in a decode or a resumed prefill (tests/backend/test_kv_blocks.py, benchmarks/bench_paged_kv.py)."""
+
+    def __init__(self, model, eos: int, prompt: int, n: int) -> None:
+        self.model, self.eos, self.end = model, eos, prompt + n - 1  # the tokens held when that row is computed
+
+    def _ending(self, logits, totals):
+        import numpy as np
+
+        out = np.array(logits, copy=True)
+        for row, total in enumerate(totals):
+            if total == self.end:
+                out[row][..., self.eos] = 1e9
+        return out
+
+    def prefill(self, prompts, views, past=None, **kw):
+        logits = self.model.prefill(prompts, views, past=past, **kw)
+        return self._ending(logits, [len(p) + (past[i] if past else 0) for i, p in enumerate(prompts)])
+
+    def decode(self, tokens, lengths, views, **kw):
+        return self._ending(self.model.decode(tokens, lengths, views, **kw), [n + 1 for n in lengths])

@@ -37,6 +37,8 @@ INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
 # where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
 PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
+KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE = "paged", "reserve"  # generation/kv_blocks.py: what admission reserves
+KV_ADMISSION = (KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE)
 PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
 SPECULATIVE = ("off", "prompt_lookup")  # generation/speculative.py: drafting by prompt lookup (vLLM's "ngram")
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
@@ -227,6 +229,9 @@ class ModelParameters:
     # Prefix caching (generation/prefix_cache.py): auto (on where reuse is exact: not a batch-dependent precision),
     # on, off.
     prefix_caching: str = _param("choice", "auto", choices=PREFIX_CACHING)
+    # What admission reserves (generation/kv_blocks.py): paged (the blocks a sequence holds and its next step writes,
+    # growing a block at a time; the budget preempts when none is left), reserve (prompt + max_tokens up front).
+    kv_admission: str = _param("choice", KV_ADMISSION_PAGED, choices=KV_ADMISSION)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # Chunked prefill (generation/chunked_prefill.py): prompt tokens a step prefills; auto (cost model), 0/off: whole.

@@ -54,6 +54,7 @@ from .batching.grouping import CostModel
 from .generation.prefill_cost import cached_cost, cost_cache_file, measure_cost, save_cost
 from .integrity import read_checked, verified_digests
 from .lora_contract import ADAPTER_WEIGHTS
+from .generation.kv_blocks import block_tokens
 from .generation.kv_slots import KVSlots
 from .generation.lora import AdapterError, AdapterTable, discover, prepare
 from .engines.loading import available_cpus, load_verified_onnx
@@ -184,6 +185,9 @@ class GenerativeModel:
             f"prefill cost a={cost.a:.2e} b={cost.b:.2e} c={cost.c:.2e} ({cost_note}), sandbox {self.sandbox}{start_note}"
             f"{self.placement_note}, prefix caching {'on' if self.prefix_cache is not None else 'off'}"
             f", chunked prefill {f'{chunk} tokens a step' if chunk else 'off'}"
+            + (f", KV admission paged (blocks of {self.slots.block_tokens} tokens)" if self.slots.block_tokens
+               else ", KV admission reserves prompt + max_tokens"
+               + (" (a GPU instance's slots are committed whole)" if self.model.device != "cpu" else ""))
             + (f" (auto: prompts over {whole_below(s.prefill_chunk_tokens, chunk)} tokens)"
                if chunk and s.prefill_chunk_tokens == "auto" else "")
             + (f", speculative decoding by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
@@ -220,7 +224,8 @@ class GenerativeModel:
                                      pad_token_id=spec.pad_token_id or 0,
                                      int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
                                      lora=prepare(src, modules) if modules else None))
-            slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()))
+            slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),
+                            block_tokens=block_tokens(s.kv_admission))
         self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
                                      self.pb.Logger.log_info)
         model.lora_table = self.adapters if modules else None

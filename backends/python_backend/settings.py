@@ -88,6 +88,7 @@ class Settings:
     max_tokens_grouping_ms: int = 0
     int8_attention: str = "auto"
     prefix_caching: str = "auto"
+    kv_admission: str = "paged"  # generation/kv_blocks.py: paged | reserve
     max_prefill_tokens: int = 2048
     # Chunked prefill: "auto" or prompt tokens per engine step (0: off; generation/chunked_prefill.py).
     prefill_chunk_tokens: int | str = "auto"
@@ -189,6 +190,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         max_tokens_grouping_ms=p.max_tokens_grouping_ms,
         int8_attention=p.int8_attention,
         prefix_caching=p.prefix_caching,
+        kv_admission=p.kv_admission,
         max_prefill_tokens=p.max_prefill_tokens,
         prefill_chunk_tokens=p.prefill_chunk_tokens,
         speculative=p.speculative,

@@ -22,7 +22,7 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.tokens(0, 3)
     m.finished("length")
     m.finished("cancelled")
-    m.state(2, 5, KVUsage(2, 8, 100, 4096, 8192))
+    m.state(2, 5, KVUsage(2, 8, 96, 4096, 8192, written_tokens=72, block_tokens=16, block_bytes=512))
     m.prefill_chunks(2)
     m.prefill_chunks(1)
     m.speculated(4, 3)
@@ -41,6 +41,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     assert v[("generate_requests_total", (("finish_reason", "cancelled"),))] == 1
     assert v[("running_sequences", ())] == 2 and v[("waiting_sequences", ())] == 5
     assert v[("kv_cache_usage_ratio", ())] == 0.5
+    assert v[("kv_cache_blocks_used", ())] == 6 and v[("kv_cache_blocks_free", ())] == 8
+    assert v[("kv_cache_fragmentation_ratio", ())] == 0.25
     assert v[("prefill_chunks_total", ())] == 3 and v[("chunked_prefill_steps_total", ())] == 2
     assert v[("spec_decode_num_drafts_total", ())] == 2 and v[("spec_decode_num_draft_tokens_total", ())] == 8
     assert v[("spec_decode_num_accepted_tokens_total", ())] == 3

@@ -151,6 +151,13 @@ def test_speculative_decoding_parameters() -> None:
         _settings(prompt_lookup_max="2", prompt_lookup_min="3")
 
 
+def test_kv_admission_parameter() -> None:
+    assert _settings().kv_admission == "paged"  # blocks as sequences grow (generation/kv_blocks.py)
+    assert _settings(kv_admission="reserve").kv_admission == "reserve"
+    with pytest.raises(SettingsError, match="kv_admission"):
+        _settings(kv_admission="slots")
+
+
 def test_prefix_caching_parameter() -> None:
     assert _settings().prefix_caching == "auto"  # on where reuse is exact
     assert _settings(prefix_caching="off").prefix_caching == "off"

@@ -13,6 +13,13 @@ are zero pages until written (``numpy.zeros`` maps them lazily): memory is commi
 and a freed slot's pages are given back to the system (``madvise(MADV_DONTNEED)``) so what is resident stays
 within the reservations. A token's bytes are counted in whole pages per head row, as they are committed.
 
+Paged admission (``block_tokens`` > 0; ``kv_admission = "paged"``, contract; the account's policy in ``kv_blocks``): a
+sequence reserves whole blocks of ``block_tokens`` tokens (the prefix cache's block) for what it holds now and what its
+next step writes (its context and one token at admission), and takes one more block each time its next token
+crosses into one (:meth:`KVSlots.grow`); the budget stays the guard (``kv_blocks.take_next_blocks`` preempts when a
+block cannot be had). The slot layout stays (ONNX Runtime's attention reads a contiguous ``max_context`` row): only the
+account is paged, and on the CPU the memory committed follows it, the pages of a slot being committed as written.
+
 A finished sequence's slot may be kept instead of freed (:class:`KeptKV`, prefix caching: ``prefix_cache``): its first
 tokens' keys and values stay valid, in a slot outside the active prefix that no sequence holds, counted in the budget
 (``KVUsage.cached_bytes``) until the scheduler drops it (least recently used first) for the memory or the slot.
@@ -55,10 +62,30 @@ class KVUsage:
     cached_slots: int = 0  # slots kept for their prefix (no sequence holds them)
     cached_tokens: int = 0
     cached_bytes: int = 0
+    written_tokens: int = 0  # of the reserved tokens, those the running sequences' keys and values fill
+    block_tokens: int = 0  # paged admission's block (0: whole reservations)
+    block_bytes: int = 0  # one block's keys and values, every layer (0: whole reservations)
 
     @property
     def ratio(self) -> float:
         return self.reserved_bytes / self.budget_bytes if self.budget_bytes else 0.0
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks the running sequences and the kept prefixes hold (paged admission; 0 otherwise)."""
+        return (self.reserved_tokens + self.cached_tokens) // self.block_tokens if self.block_tokens else 0
+
+    @property
+    def blocks_free(self) -> int:
+        """Blocks the budget has left (paged admission; 0 otherwise): its bytes not committed, in blocks."""
+        left = self.budget_bytes - self.reserved_bytes - self.cached_bytes
+        return max(0, left // self.block_bytes) if self.block_bytes else 0
+
+    @property
+    def fragmentation(self) -> float:
+        """The share of the running sequences' reservation no key or value fills: the unwritten tail of each last
+        block when paged, each sequence's ``max_tokens`` not generated yet when reserved whole."""
+        return 1.0 - self.written_tokens / self.reserved_tokens if self.reserved_tokens else 0.0
 
 
 def _libc_madvise() -> Any:
@@ -132,10 +159,11 @@ class KVSlots:
     """Per-layer KV buffers, slot allocation with compaction, and admission by memory."""
 
     def __init__(self, spec: Any, slots: int, budget_bytes: int, max_context: int | None = None,
-                 storage: Any = None) -> None:
+                 storage: Any = None, block_tokens: int = 0) -> None:
         """``spec``: the model's ``contract.GenerationSpec``; ``budget_bytes``: what the cache may hold
         (the configured budget less the weights); ``storage``: where the buffers live (default: host memory,
-        :class:`HostKVBuffers`; on a GPU ``kv_device.DeviceKVBuffers`` of the same slots and context)."""
+        :class:`HostKVBuffers`; on a GPU ``kv_device.DeviceKVBuffers`` of the same slots and context);
+        ``block_tokens``: paged admission's block (0: a sequence reserves ``prompt + max_tokens`` at admission)."""
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         self.spec = spec
@@ -151,7 +179,9 @@ class KVSlots:
         self.names = storage.names
         self.buffers = storage.buffers  # name -> numpy array (host) or device pointer
         self._granule = int(storage.granule_bytes)
+        self.block_tokens = max(0, int(block_tokens))
         self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
+        self._written: list[int] = []  # tokens whose keys and values it holds (after its next step)
         self._kept: dict[int, KeptKV] = {}  # slot -> the prefix kept there (outside the active prefix)
         if self.bytes_for(1) > self.budget_bytes:
             raise AdmissionError(f"the KV budget of {self.budget_bytes} bytes cannot hold one token "
@@ -166,15 +196,38 @@ class KVSlots:
         granules = -(-int(tokens) * per_token // self._granule)
         return len(self.names) * self.spec.num_kv_heads * granules * self._granule
 
+    def held(self, tokens: int) -> int:
+        """The tokens a reservation covering ``tokens`` holds: whole blocks when paged, ``tokens`` otherwise."""
+        block = self.block_tokens
+        return -(-int(tokens) // block) * block if block else int(tokens)
+
+    def admission_tokens(self, reserved: int, context: int) -> int:
+        """What a sequence reserves at admission: paged, its ``context`` and the token its first decode writes (in
+        whole blocks, at most ``reserved``'s); otherwise ``reserved`` (``prompt + max_tokens``)."""
+        return min(self.held(int(context) + 1), self.held(reserved)) if self.block_tokens else int(reserved)
+
+    def headroom_bytes(self, sequences: int) -> int:
+        """Paged: one block for each of ``sequences`` (the running ones and those a step admits, the new one
+        included), kept free at admission so the next blocks they take seldom need a preemption; 0 for a sequence
+        alone (it always finishes: its ``prompt + max_tokens`` fits the budget) and when reserving whole."""
+        return int(sequences) * self._block_bytes() if sequences > 1 else 0
+
+    def _block_bytes(self) -> int:
+        """One block's keys and values, every layer and head, as written (the pages they commit are counted apart)."""
+        return (len(self.names) * self.spec.num_kv_heads * self.block_tokens * self.spec.head_dim
+                * KV_DTYPES[self.spec.kv_dtype])
+
     @property
     def active(self) -> int:
         return len(self._reserved)
 
     def usage(self) -> KVUsage:
-        kept = [k.tokens for k in self._kept.values()]
+        kept = [self.held(k.tokens) for k in self._kept.values()]
+        block = self.block_tokens
         return KVUsage(self.active, self.slots, sum(self._reserved),
                        sum(self.bytes_for(t) for t in self._reserved), self.budget_bytes,
-                       len(kept), sum(kept), sum(self.bytes_for(t) for t in kept))
+                       len(kept), sum(kept), sum(self.bytes_for(t) for t in kept),
+                       written_tokens=sum(self._written), block_tokens=block, block_bytes=self._block_bytes())
 
     @property
     def kept(self) -> list[KeptKV]:
@@ -188,7 +241,7 @@ class KVSlots:
 
     def fits_ever(self, tokens: int) -> bool:
         """Whether a sequence of ``tokens`` could be admitted into an empty cache."""
-        return tokens <= self.max_context and self.bytes_for(tokens) <= self.budget_bytes
+        return tokens <= self.max_context and self.bytes_for(self.held(tokens)) <= self.budget_bytes
 
     def can_admit(self, tokens: int) -> bool:
         """Whether a sequence reserving ``tokens`` fits now: a free slot and the budget (kept prefixes included:
@@ -196,7 +249,27 @@ class KVSlots:
         if self.free < 1 or tokens > self.max_context:
             return False
         usage = self.usage()
-        return usage.reserved_bytes + usage.cached_bytes + self.bytes_for(tokens) <= self.budget_bytes
+        return usage.reserved_bytes + usage.cached_bytes + self.bytes_for(self.held(tokens)) <= self.budget_bytes
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Make active ``slot``'s reservation cover ``tokens`` (what it holds after its next step), a block at a time
+        when paged; False (nothing changed) when the budget cannot give the blocks. Reserved whole, the reservation
+        already covers every token the sequence may write: only what it holds is recorded."""
+        if not 0 <= slot < self.active:
+            raise IndexError(f"slot {slot} is not active (active: {self.active})")
+        tokens = int(tokens)
+        want = self.held(tokens)
+        have = self._reserved[slot]
+        if want > have:
+            if not self.block_tokens or tokens > self.max_context:
+                return False
+            usage = self.usage()
+            more = self.bytes_for(want) - self.bytes_for(have)
+            if usage.reserved_bytes + usage.cached_bytes + more > self.budget_bytes:
+                return False
+            self._reserved[slot] = want
+        self._written[slot] = min(tokens, self._reserved[slot])
+        return True
 
     # ------------------------------------------------------------------ slots
 
@@ -219,7 +292,8 @@ class KVSlots:
             self.storage.move(dst, slot, there.tokens)
             there.slot = dst
             self._kept[dst] = there
-        self._reserved.append(int(tokens))
+        self._reserved.append(self.held(tokens))
+        self._written.append(0)
         return slot
 
     def _highest_free(self, exclude: int | None = None) -> int:
@@ -246,8 +320,10 @@ class KVSlots:
         if slot != last:
             self.storage.move(slot, last, self._reserved[last])
             self._reserved[slot] = self._reserved[last]
+            self._written[slot] = self._written[last]
             moved = last
         self._reserved.pop()
+        self._written.pop()
         if kept_at is not None:
             keep.slot = kept_at
             self._kept[kept_at] = keep

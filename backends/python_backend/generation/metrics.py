@@ -31,7 +31,8 @@ COUNTERS: dict[str, str] = {
     "generation_tokens_total": "Tokens generated.",
     "generate_requests_total": "Generate requests finished, by finish_reason (stop, length, cancelled, error).",
     "generate_refused_total": "Generate requests refused because the waiting queue was full (503).",
-    "preemptions_total": "Running sequences preempted for a request that waited past preemption_wait_ms.",
+    "preemptions_total": "Running sequences preempted: for a request that waited past preemption_wait_ms, or (paged "
+                         "KV admission) for the block a running sequence's next token needs.",
     "prefix_cache_queried_tokens_total": "Context tokens of admitted sequences looked up in the prefix cache.",
     "prefix_cache_hit_tokens_total": "Of those, tokens found cached (not prefilled again): hits / queried is the "
                                      "hit rate.",
@@ -48,7 +49,13 @@ GAUGES: dict[str, str] = {
     "running_sequences": "Sequences holding a KV slot and decoding.",
     "waiting_sequences": "Sequences waiting for KV cache memory.",
     "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
-    "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (prompt + max_tokens each).",
+    "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (kv_admission paged: the blocks each "
+                               "holds; reserve: prompt + max_tokens each).",
+    "kv_cache_blocks_used": "Blocks of 16 tokens the running sequences and kept prefixes hold (kv_admission paged; "
+                            "0 when reserving prompt + max_tokens).",
+    "kv_cache_blocks_free": "Blocks of 16 tokens the KV budget has left (kv_admission paged; 0 otherwise).",
+    "kv_cache_fragmentation_ratio": "Share of the running sequences' reservation no key or value fills yet (paged: "
+                                    "each last block's unwritten tail; reserve: the max_tokens not generated yet).",
     "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",
     "prefix_cache_blocks": "Blocks of 16 tokens the prefix cache keeps in slots no sequence holds.",
     "prefix_cache_bytes": "KV cache bytes those kept prefixes hold (within the budget; dropped first when needed).",
@@ -183,7 +190,10 @@ class GenerationMetrics:
                                 kv_cache_reserved_bytes=float(usage.reserved_bytes),
                                 kv_cache_budget_bytes=float(usage.budget_bytes),
                                 prefix_cache_blocks=float(cached_blocks),
-                                prefix_cache_bytes=float(getattr(usage, "cached_bytes", 0)))
+                                prefix_cache_bytes=float(getattr(usage, "cached_bytes", 0)),
+                                kv_cache_blocks_used=float(getattr(usage, "blocks_used", 0)),
+                                kv_cache_blocks_free=float(getattr(usage, "blocks_free", 0)),
+                                kv_cache_fragmentation_ratio=float(getattr(usage, "fragmentation", 0.0)))
 
     def adapters(self, running: Mapping[str, int], waiting: Mapping[str, int], max_adapters: int,
                  loaded: int = 0) -> None:

@@ -4,9 +4,12 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
 
 1. sequences whose client went away (``is_cancelled()``, asked at most every ``cancel_check_s``: each call is
    a round trip to the Triton process) are dropped and their slots freed;
-2. waiting sequences are admitted in arrival order while their KV reservation fits
-   (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes of (prompt + max_tokens)`` of every
-   running sequence and the new one); the first that does not fit waits, and nothing overtakes it. With
+2. each decoding sequence takes the block its next token falls into, a sequence being preempted when the budget has
+   none (``kv_blocks.take_next_blocks``: paged admission; reserving whole, nothing to take);
+   waiting sequences are admitted in arrival order while their KV reservation fits
+   (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes`` of every running sequence's reservation and the
+   new one's: paged, the blocks of its context and next token and a block of room per sequence; otherwise
+   ``prompt + max_tokens``); the first that does not fit waits, and nothing overtakes it. With
    ``max_tokens_grouping_s`` set, the waiting are taken grouped by ``max_tokens`` instead (power-of-two
    buckets, the smallest first, arrival order within one) until one has waited that long: those go first;
 3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
@@ -57,6 +60,7 @@ import numpy as np
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
+from .kv_blocks import take_next_blocks
 from .kv_slots import AdmissionError, KVSlots
 from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
@@ -159,6 +163,7 @@ class Scheduler:
             self.waiting.extend(self._arrivals)
             self._arrivals.clear()
         self._drop_cancelled()
+        take_next_blocks(self)  # paged admission: each decoding sequence's next block, or a preemption (kv_blocks)
         continuing, left = self._plan_chunks()
         admitted = self._admit(left)  # may preempt: count the sequences already running after it
         old = len(self.running) - sum(len(group) for group in admitted)
@@ -237,8 +242,9 @@ class Scheduler:
                 break  # the split prompt's group is the step's last
             if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
                 break  # this step's prefill budget is spent: it waits, holding no memory
-            need = self.slots.bytes_for(head.reserved_tokens)
-            fits, hit = self._make_room(need + pending, len(chosen) + 1, hit)
+            need = self.slots.bytes_for(self._held(head))
+            room = self.slots.headroom_bytes(len(self.running) + len(chosen) + 1)  # paged: the next blocks' room
+            fits, hit = self._make_room(need + pending + room, len(chosen) + 1, hit)
             if not fits:
                 # A sequence admitted with a hit already holds a slot: no preemption may move it this step.
                 if not hits and not split_hit and self._preempt_for(head):
@@ -299,7 +305,7 @@ class Scheduler:
         members: list[Generation] = []
         for gen in self._sharing_last(group):
             try:
-                gen.slot = self.slots.admit(gen.reserved_tokens)
+                gen.slot = self.slots.admit(self._held(gen))
             except AdmissionError as exc:
                 self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
                                "admitted wait again at the head of the queue")
@@ -335,6 +341,10 @@ class Scheduler:
     def budget(self) -> int:
         return self.slots.budget_bytes
 
+    def _held(self, gen: Generation) -> int:
+        """The tokens ``gen`` reserves at admission (``KVSlots.admission_tokens``: paged or whole)."""
+        return self.slots.admission_tokens(gen.reserved_tokens, len(gen.context()))
+
     def _drop_kept(self, entry: Any) -> None:
         self.prefix_cache.forget(entry)
         self.slots.drop(entry)
@@ -346,7 +356,7 @@ class Scheduler:
         holder, n = hit.holder, hit.tokens
         take = holder if hit.kept and holder.slot == self.slots.active and 2 * n >= holder.tokens else None
         try:
-            gen.slot = self.slots.admit(gen.reserved_tokens, take=take)
+            gen.slot = self.slots.admit(self._held(gen), take=take)
         except AdmissionError:
             return False
         if take is not None:
@@ -379,12 +389,16 @@ class Scheduler:
         if not candidates:
             return False
         victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
+        self.preempt(victim, at=1)  # right behind the request it made room for
+        return True
+
+    def preempt(self, victim: Generation, at: int = 0) -> None:
+        """Free ``victim``'s slot and memory; it waits at ``at`` in the queue and resumes by prefilling its context."""
         self._release(victim, keep=False)
         victim.cached, victim.slot, victim.prefilling = 0, None, False
         victim.preemptions += 1
         self.metrics.preempted()
-        self.waiting.insert(1, victim)  # right behind the request it made room for
-        return True
+        self.waiting.insert(at, victim)
 
     def _plan_chunks(self) -> tuple[list[tuple[Generation, int]], int | None]:
         """The sequences mid-prefill that continue this step (oldest first) and their chunks' tokens, and the prompt
