@@ -352,3 +352,32 @@ def test_an_int8_cache_on_the_factorys_kernel_gives_the_tokens_of_plain_decoding
     for params in (GREEDY, SEEDED):
         counts, _ = _check_same(model, spec, params, prompts)
         assert counts.accepted > 0
+
+
+def test_paged_admission_reserves_the_blocks_a_draft_writes_or_the_row_does_not_draft(engine):
+    """With ``kv_admission = "paged"`` each decoding row holds blocks up to its next token; a verification writes its
+    drafts beyond that: they run only where the budget gives their blocks too, so every slot's reservation covers what
+    it holds after each step (the drafts cross blocks), and the tokens are plain decoding's."""
+    from model_factory.backend.generation.kv_blocks import block_tokens
+    from model_factory.backend.generation.kv_slots import HostKVBuffers
+
+    spec, model = engine
+    prompt = _repetitive(random.Random(3), spec.vocab_size)
+    plain = _generate(model, spec, [prompt], GREEDY, None)[0]
+    storage = HostKVBuffers(spec, 2, spec.max_context)
+    storage.granule_bytes = 1  # tokens counted exactly (a page of the tiny model holds 64 tokens)
+    slots = KVSlots(spec, 2, 1 << 30, storage=storage, block_tokens=block_tokens("paged"))
+    budget = slots.bytes_for(slots.held(len(prompt) + GREEDY.max_tokens))  # the blocks it holds at its end
+    slots = KVSlots(spec, 2, budget, storage=storage, block_tokens=block_tokens("paged"))
+    counts = _Counts()
+    sched = Scheduler(model, slots, None, spec.eos_token_ids, metrics=counts)
+    sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=6), metrics=counts)
+    gen = sched.submit(Generation(list(prompt), GREEDY, lambda g, e: None))
+    for _ in range(20_000):
+        if not sched.has_work():
+            break
+        sched.step()
+        if gen.slot is not None:
+            assert slots.usage().reserved_bytes <= budget
+            assert slots.held(gen.cached) <= slots._reserved[gen.slot], (gen.cached, slots._reserved[gen.slot])
+    assert gen.generated == plain.generated and counts.accepted > 0

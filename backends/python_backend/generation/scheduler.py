@@ -490,6 +490,9 @@ class Scheduler:
         active = self.running[:count]
         # Rows drafting tokens (speculative.py) are verified in launches of their own: placeholders here.
         drafting = self.speculator.plan(active) if self.speculator is not None else {}
+        # Paged admission took each row's next block (kv_blocks); a draft writes up to its length more: it runs only
+        # where the budget gives those blocks too, else the row decodes one token as planned.
+        drafting = {k: (g, d) for k, (g, d) in drafting.items() if self.slots.grow(g.slot, g.cached + 1 + len(d))}
         while active and (active[-1].prefilling or id(active[-1]) in drafting):
             active.pop()
         if active:
