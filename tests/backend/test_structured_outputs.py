@@ -242,3 +242,23 @@ def test_vllm_triton_backends_guided_decoding_and_structured_outputs_are_read_as
                       ({"guided_decoding": ["json"]}, "guided_decoding must be an object")):
         with pytest.raises(SamplingError, match=says):
             read(bad)
+
+
+def test_objects_that_do_not_say_additional_properties_are_generated_closed(grammars, tok):
+    """An open object (pydantic's schemas say nothing of additionalProperties) is generated with the keys it names
+    only: every walk's keys are the schema's, and each answer is valid against the schema as sent."""
+    from model_factory.backend.generation.structured.grammar import closed_objects
+
+    open_schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/B"}},
+                   "required": ["a", "b"],
+                   "$defs": {"B": {"type": "object", "properties": {"c": {"enum": [1, 2]}}, "required": ["c"]}}}
+    closed = closed_objects(open_schema)
+    assert closed["additionalProperties"] is False and closed["$defs"]["B"]["additionalProperties"] is False
+    assert "additionalProperties" not in open_schema  # the schema as sent is not changed
+    kept = {"type": "object", "additionalProperties": {"type": "integer"}, "allOf": [{"properties": {"x": {}}}]}
+    assert closed_objects(kept) == kept
+    rng = random.Random(1)
+    for _ in range(20):
+        out = json.loads(_walk(grammars, tok, parse_guided({"json": open_schema}), rng))
+        jsonschema.validate(out, open_schema)
+        assert set(out) == {"a", "b"} and set(out["b"]) == {"c"}

@@ -67,6 +67,43 @@ class GuidedSpec:
         return {self.kind: self.source}
 
 
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "contains", "propertyNames", "then", "else", "if")
+
+
+def closed_objects(schema: Any, _inside_all_of: bool = False) -> Any:
+    """``schema`` with every object schema that does not say ``additionalProperties`` closed (``false``), as the
+    output is generated: JSON Schema leaves such an object open, and a model under an open object may write keys
+    without end (Gemma 3 270M, given a pydantic model's schema, added ``population_per_household_income_per...``
+    until ``max_tokens``). Each answer stays valid against the schema as sent; only keys it does not name are not
+    generated. ``additionalProperties: true`` (or a schema), ``patternProperties`` and ``unevaluatedProperties`` keep an
+    object open; the branches of an ``allOf`` are left as they are (closing each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(v, _inside_all_of=True) for v in out["allOf"]]
+    if isinstance(out.get("additionalProperties"), Mapping):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    is_object = out.get("type") == "object" or "properties" in out
+    if (is_object and not _inside_all_of and "allOf" not in out
+            and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
