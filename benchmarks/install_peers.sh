@@ -6,7 +6,8 @@
 #   openvino  openvino / openvino-genai / openvino-tokenizers 2026.4 (one release) + optimum-intel  ~1.5 min
 #   aiperf    NVIDIA's aiperf 0.13 (drives OpenAI-API servers: bench_generate.py --driver aiperf)  2-15 min
 #   optimum   optimum-onnx[onnxruntime] (ORTModelForCausalLM: bench_generate_graphs.py)   ~1 min
-# Usage: benchmarks/install_peers.sh [vllm] [llamacpp] [openvino] [aiperf] [optimum]   (none named: all)
+#   infinity  infinity-emb[server,torch] 0.0.78 (its OpenAI /embeddings: bench_openai_embeddings.py --infinity)  ~5 min
+# Usage: benchmarks/install_peers.sh [vllm] [llamacpp] [openvino] [aiperf] [optimum] [infinity]   (none named: all)
 #   PYTHON=python3.11  the interpreter each venv is made from (default: the one .venv was made from, else python3)
 #   WHEELHOUSE=DIR     install offline from a wheelhouse (pip --no-index --find-links DIR)
 # Idempotent: a peer whose check passes is left as it is. Times above: the 2-core machines of docs/environment.md.
@@ -22,7 +23,7 @@ if [ -z "${PYTHON:-}" ]; then
   fi
 fi
 peers=("$@")
-[ ${#peers[@]} -eq 0 ] && peers=(vllm llamacpp openvino aiperf optimum)
+[ ${#peers[@]} -eq 0 ] && peers=(vllm llamacpp openvino aiperf optimum infinity)
 mkdir -p "$PEERS_DIR"
 
 pip_in() {  # pip_in VENV ARGS...: pip install into VENV (offline with WHEELHOUSE)
@@ -108,10 +109,19 @@ install_optimum() {
   "$v/bin/python" -c "import optimum.onnxruntime"
 }
 
+install_infinity() {
+  local v; v=$(venv infinity)
+  done_if infinity "$v/bin/python" -c "import infinity_emb, sentence_transformers" && return
+  echo "infinity: installing infinity-emb[server,torch] 0.0.78 (torch 2.13.0+cpu first, numpy < 2)"
+  pip_in "$v" "torch==2.13.0"
+  pip_in "$v" "infinity-emb[server,torch]==0.0.78" "numpy<2"
+  "$v/bin/python" -c "import infinity_emb, sentence_transformers"
+}
+
 for peer in "${peers[@]}"; do
   case "$peer" in
-    vllm|llamacpp|openvino|aiperf|optimum) "install_$peer" ;;
-    *) echo "unknown peer '$peer': name any of vllm llamacpp openvino aiperf optimum" >&2; exit 2 ;;
+    vllm|llamacpp|openvino|aiperf|optimum|infinity) "install_$peer" ;;
+    *) echo "unknown peer '$peer': name any of vllm llamacpp openvino aiperf optimum infinity" >&2; exit 2 ;;
   esac
 done
 echo "peers in $PEERS_DIR: ${peers[*]}"

@@ -163,3 +163,46 @@ def tiny_llm(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-llm")
     hf = make_causal_lm("llama", root / "hf", max_positions=2048)
     return hf, build_onnx(hf, root / "onnx-fp32", "fp32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_build(request, tmp_path_factory):
+    """(recipe, BuildResult) of Gemma 3 270M at FP32 and INT8 (served: INT8), in one session's repository: the suite's
+    one build of the real LLM (about 5 minutes on 2 cores), scored by tests/build/test_gemma3.py and served by
+    tests/integration/test_gemma3_structured_serving.py. Skips when its packages are not installed."""
+    from tests import gemma3_model
+
+    missing = gemma3_model.available()
+    if missing:
+        pytest.skip(missing)
+    pytest.importorskip("onnxruntime_genai")
+    from model_factory.build.pipeline import build
+    from model_factory.recipe import load_recipe
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: this session's tmp then
+    folder = gemma3_model.fp32_folder(Path(cache.mkdir("gemma3-270m")) if cache is not None
+                                      else tmp_path_factory.mktemp("gemma3-270m-cache"))
+    root = tmp_path_factory.mktemp("gemma3")
+    (root / "heldout.txt").write_text("\n".join(gemma3_model.license_paragraphs("Apache-2.0", 26)) + "\n")
+    (root / "calibration.txt").write_text("\n".join(gemma3_model.license_paragraphs("GPL-3", 32)) + "\n")
+    recipe = root / "gemma3.toml"
+    recipe.write_text(f"""precisions = ["fp32", "int8"]
+[model]
+name = "gemma3-270m"
+task = "text-generation"
+[source]
+kind = "huggingface"
+path = "{folder}"
+[shapes]
+max_context = 256
+[quantization]
+calibration_data = "calibration.txt"
+heldout_data = "heldout.txt"
+[repository]
+path = "repo"
+serve = "int8"
+keep_all_precisions = true
+""")
+    loaded = load_recipe(recipe)
+    return loaded, build(loaded)

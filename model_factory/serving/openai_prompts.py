@@ -35,33 +35,49 @@ _OTHER_FORMATS = ("response_format", "guided_json", "guided_regex", "guided_choi
 
 @dataclass(frozen=True)
 class ServedPrompt:
-    """A prompt template the frontend serves: its name, the base model its config names, and whether the base
-    version served here is the one its served version was written for (``prompt.json``'s pinned digests)."""
+    """A prompt template the frontend serves: its name and the base model its config names (``serve`` starts only
+    a prompt whose pinned base files are the ones the base serves: :func:`pin_problem`)."""
 
     name: str
     base: str
-    pinned: str = ""  # "written for <base> v<n>, serving v<m>" when the base's files differ from the pins, else ""
+    pinned: str = ""  # what differs between its pins and the base served ("": nothing; serve refuses otherwise)
 
 
-def _pin_note(repository: Path, model_dir: Path, config: Any) -> str:
-    """What differs between the served prompt version's pins and the base version served (nothing: "")."""
+def pin_problem(repository: Path, name: str) -> str:
+    """Why prompt ``name`` of ``repository`` cannot run on the base served there ("": it can, or it is no prompt):
+    its served version's ``prompt.json`` pins the base by name, version and the sha256 of the base version's
+    ``generation.json`` (its chat template) and tokenizer, and the base's served version must hold those files with
+    those digests (any version number: a base rebuilt with its template and tokenizer unchanged still fits)."""
     import hashlib
 
-    from model_factory.backend.contract import Files
-    from model_factory.build.repository import read_config
+    from model_factory.backend.contract import PROMPT, Files
+    from model_factory.build.repository import config_parameters, read_config
     from model_factory.serving.acceptance import served_version
 
+    model_dir = Path(repository) / name
     try:
-        definition = json.loads((model_dir / served_version(model_dir, config) / Files.PROMPT).read_text())
+        config = read_config(model_dir)
+        if config_parameters(config).get("task") != PROMPT:
+            return ""
+        version = served_version(model_dir, config)
+        definition = json.loads((model_dir / version / Files.PROMPT).read_text())
         base = definition["base"]
         base_dir = Path(repository) / base["model"]
+        if not base_dir.is_dir():
+            return (f"prompt {name} v{version} runs on {base['model']}, which this repository does not hold. Fix: "
+                    f"serve {base['model']} v{base['version']} beside it")
         served = served_version(base_dir, read_config(base_dir))
-        same = all((base_dir / served / rel).is_file()
-                   and hashlib.sha256((base_dir / served / rel).read_bytes()).hexdigest() == digest
-                   for rel, digest in base["digests"].items())
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"its base cannot be read: {exc}"
-    return "" if same else f"written for {base['model']} v{base['version']}, which serves v{served} with other files"
+        differ = [rel for rel, digest in sorted(base["digests"].items())
+                  if not (base_dir / served / rel).is_file()
+                  or hashlib.sha256((base_dir / served / rel).read_bytes()).hexdigest() != digest]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"prompt {name}: its base cannot be read ({type(exc).__name__}: {exc})"
+    if not differ:
+        return ""
+    return (f"prompt {name} v{version} was written for {base['model']} v{base['version']}, and the {base['model']} "
+            f"served here (v{served}) has another {' and '.join(differ)} (sha256 differs from the prompt's pins). "
+            f"Fix: build the prompt on {base['model']} v{served} (its recipe's base.version) as a new version, or "
+            f"serve {base['model']} v{base['version']}")
 
 
 def prompt_models(repository: Path, names: list[str] | tuple[str, ...]) -> dict[str, ServedPrompt]:
@@ -74,8 +90,7 @@ def prompt_models(repository: Path, names: list[str] | tuple[str, ...]) -> dict[
         config = read_config(Path(repository) / name)
         params = config_parameters(config)
         if params.get("task") == PROMPT:
-            out[name] = ServedPrompt(name, params.get(PROMPT_BASE_PARAMETER, ""),
-                                     _pin_note(Path(repository), Path(repository) / name, config))
+            out[name] = ServedPrompt(name, params.get(PROMPT_BASE_PARAMETER, ""), pin_problem(Path(repository), name))
     return out
 
 

@@ -10,7 +10,7 @@ the Triton process (:mod:`.triton_process`), and one scrape of what the backends
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -225,6 +225,11 @@ def start_verified_server(repository: Path, options: ServerOptions, policy: Path
                                    gpu_product=options.gpu_product, int8_kernels=options.int8_kernels,
                                    cost_cache=cost_cache)
     refused = {**checked.refused, **checks.refused}
+    # A prompt template runs only on the base files it was written for (its pinned digests): refused by name here.
+    from model_factory.serving.openai_prompts import pin_problem
+
+    refused.update({m: why for m in checks.passed if (why := pin_problem(repository, m))})
+    checks = replace(checks, passed=tuple(m for m in checks.passed if m not in refused))
     if not checks.passed:
         raise FactoryError("no model passed verification and acceptance:\n"
                            + "\n".join(f"  {m}: {why}" for m, why in refused.items()))

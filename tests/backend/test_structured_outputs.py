@@ -215,3 +215,50 @@ def test_guided_is_read_from_sampling_parameters_and_mirrored_for_a_rollouts_sha
     sent["sampling_parameters"] = np.array([b'{"guided": {"regex": ""}}'], dtype=np.object_)
     with pytest.raises(SamplingError, match="guided.regex"):
         read_generate_request(sent.get, None, spec, 64)
+
+
+def test_vllm_triton_backends_guided_decoding_and_structured_outputs_are_read_as_guided():
+    """vLLM's Triton backend takes the grammar as ``guided_decoding`` (an object or its JSON text, with a ``backend``)
+    or ``structured_outputs``: the same grammar as ``guided``, one name a request, errors named under the name sent."""
+    from model_factory.backend.generation.requests import read_generate_request
+
+    spec = GenerationSpec(family="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=4,
+                          hidden_size=4, vocab_size=100, max_context=64, eos_token_ids=(2,))
+
+    def read(parameters):
+        sent = {"prompt_ids": np.array([3, 4], dtype=np.int32),
+                "sampling_parameters": np.array([json.dumps(parameters).encode()], dtype=np.object_)}
+        return read_generate_request(sent.get, None, spec, 64).params.guided
+
+    want = parse_guided({"json": SCHEMA})
+    assert read({"guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}}) == want
+    assert read({"guided_decoding": json.dumps({"json": json.dumps(SCHEMA), "json_object": False})}) == want
+    assert read({"structured_outputs": json.dumps({"choice": ["a", "b"]})}) == parse_guided({"choice": ["a", "b"]})
+    assert read({"guided_decoding": {"regex": "[0-9]+", "choice": None}}) == parse_guided({"regex": "[0-9]+"})
+    for bad, says in (({"guided": {"regex": "x"}, "guided_decoding": {"regex": "y"}}, "guided and guided_decoding"),
+                      ({"guided_decoding": "{not json"}, "guided_decoding is not JSON"),
+                      ({"structured_outputs": {"whitespace_pattern": " "}}, r"structured_outputs has unknown names"),
+                      ({"guided_decoding": {"regex": ""}}, r"guided_decoding\.regex"),
+                      ({"guided_decoding": ["json"]}, "guided_decoding must be an object")):
+        with pytest.raises(SamplingError, match=says):
+            read(bad)
+
+
+def test_objects_that_do_not_say_additional_properties_are_generated_closed(grammars, tok):
+    """An open object (pydantic's schemas say nothing of additionalProperties) is generated with the keys it names
+    only: every walk's keys are the schema's, and each answer is valid against the schema as sent."""
+    from model_factory.backend.generation.structured.grammar import closed_objects
+
+    open_schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/B"}},
+                   "required": ["a", "b"],
+                   "$defs": {"B": {"type": "object", "properties": {"c": {"enum": [1, 2]}}, "required": ["c"]}}}
+    closed = closed_objects(open_schema)
+    assert closed["additionalProperties"] is False and closed["$defs"]["B"]["additionalProperties"] is False
+    assert "additionalProperties" not in open_schema  # the schema as sent is not changed
+    kept = {"type": "object", "additionalProperties": {"type": "integer"}, "allOf": [{"properties": {"x": {}}}]}
+    assert closed_objects(kept) == kept
+    rng = random.Random(1)
+    for _ in range(20):
+        out = json.loads(_walk(grammars, tok, parse_guided({"json": open_schema}), rng))
+        jsonschema.validate(out, open_schema)
+        assert set(out) == {"a", "b"} and set(out["b"]) == {"c"}

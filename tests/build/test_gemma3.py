@@ -5,12 +5,13 @@ GPL-3's: the export's check (greedy tokens identical to transformers up to the f
 relative to their scale), each precision's gate figures recorded, and INT8 decoding no slower than FP32 (it ran 20x
 slower with float activations). About 5 minutes on 2 cores; the FP32 folder is cached across sessions (pytest's
 cache, ``gemma3-270m``; this session's tmp under ``-p no:cacheprovider``). INT4 is measured in docs/generation.md, not here: CI time.
+The build is the session's ``gemma3_build`` (tests/conftest.py), which tests/integration/test_gemma3_structured_serving.py
+serves too: one Gemma build a session.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,47 +21,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def gemma3_build(request, tmp_path_factory):
-    """(recipe, BuildResult) of Gemma 3 270M at FP32 and INT8, in one session's repository."""
-    import gemma3_model
-
-    missing = gemma3_model.available()
-    if missing:
-        pytest.skip(missing)
-    pytest.importorskip("onnxruntime_genai")
-    from model_factory.build.pipeline import build
-    from model_factory.recipe import load_recipe
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: this session's tmp then
-    folder = gemma3_model.fp32_folder(Path(cache.mkdir("gemma3-270m")) if cache is not None
-                                      else tmp_path_factory.mktemp("gemma3-270m-cache"))
-    root = tmp_path_factory.mktemp("gemma3")
-    (root / "heldout.txt").write_text("\n".join(gemma3_model.license_paragraphs("Apache-2.0", 26)) + "\n")
-    (root / "calibration.txt").write_text("\n".join(gemma3_model.license_paragraphs("GPL-3", 32)) + "\n")
-    recipe = root / "gemma3.toml"
-    recipe.write_text(f"""precisions = ["fp32", "int8"]
-[model]
-name = "gemma3-270m"
-task = "text-generation"
-[source]
-kind = "huggingface"
-path = "{folder}"
-[shapes]
-max_context = 256
-[quantization]
-calibration_data = "calibration.txt"
-heldout_data = "heldout.txt"
-[repository]
-path = "repo"
-serve = "int8"
-keep_all_precisions = true
-""")
-    loaded = load_recipe(recipe)
-    return loaded, build(loaded)
 
 
 def test_gemma3_exports_token_identical_to_transformers(gemma3_build, record_property):

@@ -171,3 +171,53 @@ def test_langchain_with_structured_output(served):
     for method in ("function_calling", "json_schema"):
         person = llm.with_structured_output(Person, method=method).invoke("Describe a person")
         assert isinstance(person, Person)
+
+
+def test_vllm_triton_backends_guided_decoding_through_grpc_streaming_and_generate(served):
+    """Triton's own clients, as vLLM's Triton backend is called: ``sampling_parameters`` ``guided_decoding`` (a JSON
+    schema, with vLLM's ``backend`` key) through tritonclient's gRPC stream, ``structured_outputs`` (its JSON text)
+    through the generate endpoint; both answers follow their grammar."""
+    import threading
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    server = served[0]
+    results: list = []
+    done = threading.Event()
+
+    def on_response(result, error):
+        results.append((result, error))
+        if error is not None or result.as_numpy("finish_reason")[0].decode():
+            done.set()
+
+    DTYPES = {"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, [len(value)], dtype)
+        t.set_data_from_numpy(np.asarray(value, dtype=DTYPES[dtype]))
+        return t
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=on_response)
+    try:
+        params = {"guided_decoding": {"json": PERSON, "backend": "xgrammar"}, "temperature": 1.0, "seed": 5}
+        client.async_stream_infer(MODEL, [
+            tensor("text_input", [b"Describe a person."], "BYTES"), tensor("max_tokens", [200], "INT32"),
+            tensor("stream", [True], "BOOL"), tensor("exclude_input_in_output", [True], "BOOL"),
+            tensor("sampling_parameters", [json.dumps(params).encode()], "BYTES")])
+        assert done.wait(180)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert all(error is None for _, error in results), results
+    text = "".join(r.as_numpy("text_output")[0].decode() for r, _ in results)
+    assert results[-1][0].as_numpy("finish_reason")[0].decode() == "stop", text
+    jsonschema.validate(json.loads(text), PERSON)
+
+    body = {"text_input": "Pick one.", "max_tokens": 16, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({"structured_outputs": json.dumps({"regex": "[a-c]{2}-[0-9]{2}"})})}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    assert re.fullmatch("[a-c]{2}-[0-9]{2}", out["text_output"]), out

@@ -86,17 +86,40 @@ def test_acceptance_renders_the_template_and_compiles_the_schema(tmp_path) -> No
     assert not verdict["passed"] and "does not compile" in verdict["reason"], verdict
 
 
-def test_the_frontend_says_when_the_base_served_is_not_the_one_a_prompt_was_written_for(tmp_path) -> None:
+def test_a_prompt_on_a_base_whose_pinned_files_differ_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    """The pins are enforced where a prompt would start: ``pin_problem`` names the prompt, the base, the files that
+    differ and the fix; ``serve``'s verified start refuses such a prompt (and serves the rest); a base version whose
+    pinned files are the same (weights rebuilt, template and tokenizer kept) fits."""
     from model_factory.build.prompt import package_prompt
     from model_factory.recipe.prompt import load_prompt_recipe
-    from model_factory.serving.openai_prompts import ServedPrompt, prompt_models
+    from model_factory.serving import verified_start
+    from model_factory.serving.openai_prompts import ServedPrompt, pin_problem, prompt_models
     from prompt_recipes import fake_base, write_prompt_recipe
 
     base = fake_base(tmp_path / "repo")
     package_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path)))
     assert prompt_models(tmp_path / "repo", ["triage", "base_lm"]) == {"triage": ServedPrompt("triage", "base_lm", "")}
-    (base / "2" / "tokenizer").mkdir(parents=True)  # the base moved on: another chat template
-    (base / "2" / "generation.json").write_text('{"chat_template": "y"}')
+    assert pin_problem(tmp_path / "repo", "base_lm") == ""  # not a prompt
+    (base / "2" / "tokenizer").mkdir(parents=True)  # the base rebuilt, its template and tokenizer the same: it fits
+    (base / "2" / "generation.json").write_text('{"chat_template": "x"}')
     (base / "2" / "tokenizer" / "tokenizer.json").write_text("{}")
-    served = prompt_models(tmp_path / "repo", ["triage"])["triage"]
-    assert served.pinned == "written for base_lm v1, which serves v2 with other files", served
+    assert pin_problem(tmp_path / "repo", "triage") == ""
+    (base / "2" / "generation.json").write_text('{"chat_template": "y"}')  # another chat template
+    why = pin_problem(tmp_path / "repo", "triage")
+    assert why.startswith("prompt triage v1 was written for base_lm v1, and the base_lm served here (v2) has another "
+                          "generation.json (sha256 differs"), why
+    assert "Fix: build the prompt on base_lm v2" in why
+    assert prompt_models(tmp_path / "repo", ["triage"])["triage"].pinned == why
+
+    class Stop(Exception):
+        pass
+
+    def server(repository, models, *args, **kwargs):  # where serve would start Triton: what it was asked to load
+        raise Stop(models)
+
+    checks = verified_start.MachineChecks(("base_lm", "triage"), {}, {}, {})
+    monkeypatch.setattr(verified_start, "check_on_this_machine", lambda *a, **k: checks)
+    monkeypatch.setattr(verified_start, "TritonServer", server)
+    with pytest.raises(Stop) as stopped:
+        verified_start.start_verified_server(tmp_path / "repo", verified_start.ServerOptions(0, 0, 0), None, True)
+    assert stopped.value.args[0] == ("base_lm",)

@@ -4,7 +4,8 @@ The names are those of Triton's vLLM and TensorRT-LLM backends: ``text_input`` (
 ``stream``, ``max_tokens``, the sampling parameters, ``exclude_input_in_output``, and vLLM's
 ``sampling_parameters`` JSON object (an explicit input wins over the same name in it; ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, ``stop_token_ids``, ``logprobs`` and ``n`` are read from it only, as
-vLLM's backend reads them; so is ``guided``, the grammar the output follows: ``structured.grammar``). Every bad value is a
+vLLM's backend reads them; so is ``guided``, the grammar the output follows, or vLLM's Triton backend's
+``guided_decoding`` / ``structured_outputs`` for it: ``structured.grammar``). Every bad value is a
 :class:`~.sampling.SamplingError` naming it; no exception of another kind leaves :func:`read_generate_request`
 for what a client sent.
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..lora_contract import LORA_NAME
 from .sampling import JSON_NAMES, SamplingError, SamplingParams, parse_sampling
-from .structured.grammar import parse_guided
+from .structured.grammar import GUIDED_NAMES, guided_parameters
 
 _SCALARS = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
 
@@ -62,7 +63,7 @@ def _json_parameters(raw: np.ndarray | None) -> dict[str, Any]:
         raise SamplingError(f"sampling_parameters is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise SamplingError("sampling_parameters must be a JSON object")
-    unknown = sorted(set(data) - set(JSON_NAMES) - {"stream", LORA_NAME})
+    unknown = sorted(set(data) - set(JSON_NAMES) - set(GUIDED_NAMES) - {"stream", LORA_NAME})
     if unknown:
         raise SamplingError(f"sampling_parameters has unknown names {unknown}: use {', '.join(JSON_NAMES)}")
     return data
@@ -103,7 +104,7 @@ def read_generate_request(get: Callable[[str], np.ndarray | None], tokenizer: An
         raise SamplingError("the request has neither text_input nor prompt_ids")
     params = parse_sampling(given, spec.defaults, prompt_tokens=len(prompt), max_context=max_context,
                             vocab_size=spec.vocab_size)
-    guided = parse_guided(given.get("guided"))
+    guided = guided_parameters(given)
     if guided is not None:
         params = dataclasses.replace(params, guided=guided)
     stream = _flag_input(get("stream"), given.get("stream"), "stream")

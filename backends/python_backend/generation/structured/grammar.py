@@ -9,6 +9,9 @@ A request asks for a grammar in ``sampling_parameters`` (the generate, gRPC and 
     "guided": {"choice": ["yes", "no"]}      exactly one of the strings
     "guided": {"grammar": "start: ..."}      a Lark grammar (llguidance's dialect; GBNF is converted)
 
+or under vLLM's Triton backend's names, ``guided_decoding`` / ``structured_outputs`` (the same object, or its JSON
+text, with vLLM's ``backend`` taken and not used): :func:`guided_parameters`.
+
 :func:`parse_guided` checks the object (a :class:`~..sampling.SamplingError` naming the bad part) and makes its
 canonical source (a schema's JSON with sorted keys), the key the compiled grammars are cached by. JSON is generated
 compact (no whitespace between tokens): flexible whitespace lets a model pad without end.
@@ -35,6 +38,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE = 1 << 20  # a grammar's text, at most 1 MiB
 MAX_CHOICES = 1024
 CACHE_SIZE = 256  # compiled grammars kept per model instance
+# The sampling_parameters names that carry a grammar: ours, then vLLM's Triton backend's (older and newer).
+GUIDED_NAMES = ("guided", "guided_decoding", "structured_outputs")
 
 
 class GrammarError(SamplingError):
@@ -62,8 +67,72 @@ class GuidedSpec:
         return {self.kind: self.source}
 
 
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "contains", "propertyNames", "then", "else", "if")
+
+
+def closed_objects(schema: Any, _inside_all_of: bool = False) -> Any:
+    """``schema`` with every object schema that does not say ``additionalProperties`` closed (``false``), as the
+    output is generated: JSON Schema leaves such an object open, and a model under an open object may write keys
+    without end (Gemma 3 270M, given a pydantic model's schema, added ``population_per_household_income_per...``
+    until ``max_tokens``). Each answer stays valid against the schema as sent; only keys it does not name are not
+    generated. ``additionalProperties: true`` (or a schema), ``patternProperties`` and ``unevaluatedProperties`` keep an
+    object open; the branches of an ``allOf`` are left as they are (closing each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(v, _inside_all_of=True) for v in out["allOf"]]
+    if isinstance(out.get("additionalProperties"), Mapping):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    is_object = out.get("type") == "object" or "properties" in out
+    if (is_object and not _inside_all_of and "allOf" not in out
+            and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def guided_parameters(given: Mapping[str, Any]) -> GuidedSpec | None:
+    """The grammar a ``sampling_parameters`` object asks for, under any of the names its clients send: ours,
+    ``guided``; vLLM's Triton backend's, ``guided_decoding`` (an object or its JSON text; its ``backend`` taken and
+    not used: llguidance serves every request) and ``structured_outputs`` (the same, vLLM's newer name). One of
+    them a request; the object inside is :func:`parse_guided`'s, its errors named under the name sent."""
+    sent = [name for name in GUIDED_NAMES if given.get(name) is not None]
+    if len(sent) > 1:
+        raise SamplingError(f"sampling_parameters names {' and '.join(sent)}: give one grammar")
+    if not sent:
+        return None
+    name, value = sent[0], given[sent[0]]
+    if name == "guided":
+        return parse_guided(value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise SamplingError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise SamplingError(f"{name} must be an object with one of " + ", ".join(KINDS))
+    value = {k: v for k, v in value.items() if k != "backend" and v not in (None, False)}
+    try:
+        return parse_guided(value)
+    except SamplingError as exc:
+        raise SamplingError(str(exc).replace("guided", name, 1)) from None
 
 
 def parse_guided(value: Any) -> GuidedSpec | None:

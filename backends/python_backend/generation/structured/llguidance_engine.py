@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..sampling import SamplingError
-from .grammar import GrammarError, GuidedSpec
+from .grammar import GrammarError, GuidedSpec, closed_objects
 
 _JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad between tokens without end
 
@@ -70,7 +70,8 @@ class LLGuidanceEngine:
         llg, M = self._llg, self._llg.LLMatcher
         try:
             if spec.kind == "json":
-                return M.grammar_from_json_schema(spec.source, defaults=_JSON_OPTIONS)
+                schema = json.dumps(closed_objects(json.loads(spec.source)))
+                return M.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
             if spec.kind == "json_object":
                 return M.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
             if spec.kind == "regex":
