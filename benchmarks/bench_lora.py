@@ -169,7 +169,7 @@ def main() -> int:
               "run (benchmarks/install_peers.sh vllm), but this script does not drive it yet: it needs the adapters "
               "written as PEFT folders (the packed qkv pair split back into q, k and v modules) and a server started "
               "with --enable-lora --max-loras 16 --max-lora-rank 16 --lora-modules, whose first start compiles for "
-              "6-22 minutes on these 2 cores (ENVIRONMENT.md).", END]
+              "6-22 minutes on these 2 cores (docs/environment.md).", END]
     publish("\n".join(lines), HERE / "RESULTS.md", START, END, args.write)
     return 0
 
