@@ -23,6 +23,11 @@ the scrapes of 0.25 s), sums them over a model's instances and writes, per serve
                                 the adapters of running / waiting requests); value: when it was written (Unix s)
 ==============================  =====================================================================================
 
+and, for vLLM's dashboards (not the protocol's), the counters of prefix caching and speculative decoding under vLLM
+v1's names (:data:`VLLM_COUNTERS`: ``vllm:prefix_cache_queries_total`` / ``_hits_total`` in tokens,
+``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` / ``_num_accepted_tokens_total``), summed over
+the instances as the backend counts them.
+
 A picker takes the first series of a name, so a pool should hold pods serving one base model (the extension's
 definition of a pool); with several text-generation models in one pod each has its own series.
 """
@@ -44,6 +49,21 @@ BACKEND_WAITING, BACKEND_RUNNING = "model_factory_waiting_sequences", "model_fac
 BACKEND_RESERVED, BACKEND_BUDGET = "model_factory_kv_cache_reserved_bytes", "model_factory_kv_cache_budget_bytes"
 BACKEND_LORA_MAX, BACKEND_LORA_SEQUENCES = "model_factory_lora_max_adapters", "model_factory_lora_adapter_sequences"
 
+# vLLM v1's counter (its sample name) -> the backend's counter it is read from, and its help.
+VLLM_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm:prefix_cache_queries_total": ("model_factory_prefix_cache_queried_tokens_total",
+                                        "Prefix cache queries: context tokens looked up."),
+    "vllm:prefix_cache_hits_total": ("model_factory_prefix_cache_hit_tokens_total",
+                                     "Prefix cache hits: context tokens found cached."),
+    "vllm:spec_decode_num_drafts_total": ("model_factory_spec_decode_num_drafts_total",
+                                          "Speculative decoding: drafts verified."),
+    "vllm:spec_decode_num_draft_tokens_total": ("model_factory_spec_decode_num_draft_tokens_total",
+                                                "Speculative decoding: tokens drafted."),
+    "vllm:spec_decode_num_accepted_tokens_total": ("model_factory_spec_decode_num_accepted_tokens_total",
+                                                   "Speculative decoding: drafted tokens accepted."),
+}
+_COUNTED = {backend: vllm for vllm, (backend, _) in VLLM_COUNTERS.items()}
+
 _HELP = {
     WAITING: "Number of requests waiting to be processed (queued for KV cache memory).",
     RUNNING: "Number of requests in the running batch.",
@@ -64,6 +84,7 @@ class ModelLoad:
     max_lora: int = 0
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    counters: tuple[tuple[str, float], ...] = ()  # (vLLM counter name, value) of the counters reported
 
     @property
     def kv_usage(self) -> float:
@@ -86,7 +107,8 @@ def model_loads(samples: Iterable, models: Sequence[str]) -> dict[str, ModelLoad
             if state in ("running", "waiting") and adapter:
                 held = adapters[model][state]
                 held[adapter] = held.get(adapter, 0.0) + s.value
-        elif s.name in (BACKEND_WAITING, BACKEND_RUNNING, BACKEND_RESERVED, BACKEND_BUDGET, BACKEND_LORA_MAX):
+        elif s.name in _COUNTED or s.name in (BACKEND_WAITING, BACKEND_RUNNING, BACKEND_RESERVED, BACKEND_BUDGET,
+                                              BACKEND_LORA_MAX):
             sums[model][s.name] = sums[model].get(s.name, 0.0) + s.value
 
     def names(held: Mapping[str, float]) -> tuple[str, ...]:
@@ -95,7 +117,8 @@ def model_loads(samples: Iterable, models: Sequence[str]) -> dict[str, ModelLoad
     return {m: ModelLoad(waiting=v.get(BACKEND_WAITING, 0.0), running=v.get(BACKEND_RUNNING, 0.0),
                          reserved_bytes=v.get(BACKEND_RESERVED, 0.0), budget_bytes=v.get(BACKEND_BUDGET, 0.0),
                          max_lora=int(v.get(BACKEND_LORA_MAX, 0.0)),
-                         running_adapters=names(adapters[m]["running"]), waiting_adapters=names(adapters[m]["waiting"]))
+                         running_adapters=names(adapters[m]["running"]), waiting_adapters=names(adapters[m]["waiting"]),
+                         counters=tuple((name, v[backend]) for name, (backend, _) in VLLM_COUNTERS.items() if backend in v))
             for m, v in sums.items()}
 
 
@@ -127,6 +150,11 @@ def exposition(loads: Mapping[str, ModelLoad], now: float | None = None) -> str:
                            f',waiting_lora_adapters="{_label(",".join(load.waiting_adapters))}"')
                 value = now
             lines.append(f"{name}{{{labels}}} {_number(value)}")
+    for name, (_, help_text) in VLLM_COUNTERS.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        for model, load in sorted(loads.items()):
+            value = dict(load.counters).get(name, 0.0)
+            lines.append(f'{name}{{model_name="{_label(model)}"}} {_number(value)}')
     return "\n".join(lines) + "\n"
 
 

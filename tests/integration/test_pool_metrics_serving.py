@@ -22,6 +22,7 @@ import urllib.request
 import pytest
 
 from model_factory.measure.bench import parse_prometheus
+from model_factory.serving.pool_metrics import VLLM_COUNTERS
 from tests.generative_repository import layout_generative_model
 
 pytestmark = pytest.mark.integration
@@ -89,10 +90,11 @@ def test_an_idle_server_reports_no_queue_no_batch_an_empty_cache_and_no_adapters
     _, frontend = served
     values, labels, ctype = scrape(frontend)
     assert ctype.startswith("text/plain") and "version=0.0.4" in ctype  # Prometheus' text format
-    assert set(values) == {WAITING, RUNNING, KV, KV_OLD, LORA}
+    assert set(values) == {WAITING, RUNNING, KV, KV_OLD, LORA, *VLLM_COUNTERS}  # the protocol's, and vLLM's counters
     assert _idle(wait_idle(frontend))
     values, labels, _ = scrape(frontend)
     assert values[KV_OLD] == values[KV] == 0
+    assert values["vllm:spec_decode_num_drafts_total"] == 0  # speculation is off on this model
     assert labels[LORA] == {"model_name": MODEL, "max_lora": "0", "running_lora_adapters": "",
                             "waiting_lora_adapters": ""}
     assert abs(values[LORA] - time.time()) < 60  # the protocol's value: when it was written

@@ -139,3 +139,26 @@ def test_one_read_of_tritons_port_serves_the_scrapes_within_max_age_and_a_failur
 
     asyncio.run(run())
     assert session.urls == ["http://127.0.0.1:8002/metrics"] * 3
+
+
+def test_prefix_cache_and_speculation_counters_under_vllms_names_summed_over_instances() -> None:
+    from model_factory.serving.pool_metrics import VLLM_COUNTERS
+
+    samples = []
+    for instance, (queried, hit, drafts, drafted, accepted) in (("0", (100, 60, 5, 20, 12)), ("1", (50, 10, 1, 4, 1))):
+        labels = {"model": "llm", "version": "1", "instance": instance}
+        samples += _backend("llm", instance, 0, 1, 1, 2) + [
+            Sample("model_factory_prefix_cache_queried_tokens_total", labels, float(queried)),
+            Sample("model_factory_prefix_cache_hit_tokens_total", labels, float(hit)),
+            Sample("model_factory_spec_decode_num_drafts_total", labels, float(drafts)),
+            Sample("model_factory_spec_decode_num_draft_tokens_total", labels, float(drafted)),
+            Sample("model_factory_spec_decode_num_accepted_tokens_total", labels, float(accepted))]
+    text = exposition(model_loads(samples, ["llm", "idle"]), now=0.0)
+    for name in VLLM_COUNTERS:
+        assert f"# TYPE {name} counter" in text
+    got = {(s.name, s.labels["model_name"]): s.value for s in parse_prometheus(text)}
+    assert got[("vllm:prefix_cache_queries_total", "llm")] == 150 and got[("vllm:prefix_cache_hits_total", "llm")] == 70
+    assert got[("vllm:spec_decode_num_drafts_total", "llm")] == 6
+    assert got[("vllm:spec_decode_num_draft_tokens_total", "llm")] == 24
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", "llm")] == 13
+    assert all(got[(name, "idle")] == 0 for name in VLLM_COUNTERS)  # a model not reported yet: zero, not absent
