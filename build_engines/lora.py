@@ -19,7 +19,6 @@ not a layer's projection (embeddings, the LM head), GPT-2's ``fan_in_fan_out`` C
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -29,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from model_factory.backend.lora_contract import ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, graph_module, lora_inputs
+from model_factory.backend.lora_contract import (ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, file_sha256, graph_module,
+                                                  lora_inputs)
 from model_factory.errors import FactoryError
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -47,19 +47,11 @@ class AdapterCheck:
     report: dict
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def base_digests(version_dir: Path) -> dict[str, str]:
     """The sha256 of the base version's graphs, their weights and generation.json (what an adapter is tied to)."""
     files = sorted(p for p in Path(version_dir).iterdir() if p.is_file() and (
         p.name.endswith(".onnx") or p.name.endswith(".onnx.data") or p.name == "generation.json"))
-    return {p.name: _sha256(p) for p in files}
+    return {p.name: file_sha256(p) for p in files}
 
 
 def read_peft(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:

@@ -19,6 +19,7 @@ frontend sends it for the adapter's model name. Standard library only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -29,6 +30,15 @@ ADAPTER_WEIGHTS = "adapter.npz"
 LORA_NAME = "lora_name"  # the sampling_parameters key that names a request's adapter
 LORA_MASK = "lora_mask"  # the rewritten graph's input [batch, 1, k]: ones over each row's adapter's columns
 _MODULE = re.compile(r"^/model/(layers\.\d+)/(attn|mlp)/(\w+)/(MatMul|MatMulNBits)$")
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of a file, read in blocks: how ``base_digests`` name the base version's files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def graph_module(node_name: str) -> str | None:

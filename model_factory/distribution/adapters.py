@@ -9,10 +9,9 @@ serving stub checks the same digests again at load (``generation/lora.py``).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
-from model_factory.backend.lora_contract import ADAPTER_SPEC, AdapterSpec
+from model_factory.backend.lora_contract import ADAPTER_SPEC, AdapterSpec, file_sha256
 from model_factory.errors import FactoryError
 
 
@@ -20,14 +19,6 @@ def is_adapter_entry(model_dir: Path) -> bool:
     """Whether ``model_dir`` is a LoRA adapter entry (a version folder holding ``adapter.json``, no ``config.pbtxt``)."""
     model_dir = Path(model_dir)
     return not (model_dir / "config.pbtxt").is_file() and any(model_dir.glob(f"*/{ADAPTER_SPEC}"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def base_problem(version_dir: Path, repository: Path) -> str | None:
@@ -39,7 +30,7 @@ def base_problem(version_dir: Path, repository: Path) -> str | None:
         return (f"adapter {spec.name} version {spec.version} was built for {spec.base} version {spec.base_version}, "
                 f"which {repository} does not hold. Fix: pull that base version first, then the adapter")
     wrong = sorted(rel for rel, sha in spec.base_digests.items()
-                   if not (base_dir / rel).is_file() or _sha256(base_dir / rel) != sha)
+                   if not (base_dir / rel).is_file() or file_sha256(base_dir / rel) != sha)
     if not wrong and spec.base_digests:
         return None
     return (f"adapter {spec.name} version {spec.version} was built for {spec.base} version {spec.base_version} whose "

@@ -27,7 +27,6 @@ bound by pointer, written in place only in slots no running row reads.
 
 from __future__ import annotations
 
-import hashlib
 import io as _io
 import threading
 from collections import OrderedDict
@@ -38,8 +37,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..integrity import IntegrityError, read_checked, verified_digests
-from ..lora_contract import (ADAPTER_SPEC, ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, adapter_entries, graph_module,
-                             lora_inputs)
+from ..lora_contract import (ADAPTER_SPEC, ADAPTER_WEIGHTS, LORA_MASK, AdapterSpec, adapter_entries, file_sha256,
+                             graph_module, lora_inputs)
 
 
 class AdapterError(Exception):
@@ -148,14 +147,6 @@ class Found:
     digests: dict[str, str] | None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def discover(version_dir: Path, base_digests: dict[str, str] | None,
              on_cpu: bool = True) -> tuple[list[Found], dict[str, str], list[str]]:
     """The adapters beside this base version (``<repository>/<adapter>/<v>``) that name it: ``(found, refused,
@@ -173,7 +164,8 @@ def discover(version_dir: Path, base_digests: dict[str, str] | None,
         # Verified: the table holds every file of the base version. Unverified: the files of this view (serve copies
         # the served precision's weights only), at least one of them compared.
         ours = ({rel: base_digests.get(f"{version}/{rel}") for rel in spec.base_digests} if base_digests is not None
-                else {rel: _sha256(version_dir / rel) for rel in spec.base_digests if (version_dir / rel).is_file()})
+                else {rel: file_sha256(version_dir / rel) for rel in spec.base_digests
+                      if (version_dir / rel).is_file()})
         wrong = [rel for rel, sha in sorted(spec.base_digests.items()) if rel in ours and ours[rel] != sha]
         if not ours:
             wrong = sorted(spec.base_digests) or ["its files"]
