@@ -282,3 +282,35 @@ class EndsAt:
 
     def decode(self, tokens, lengths, views, **kw):
         return self._ending(self.model.decode(tokens, lengths, views, **kw), [n + 1 for n in lengths])
+
+
+def run_to_end(sched: Any, check: Any = lambda: None, limit: int = 20_000) -> int:
+    """Step an in-process scheduler until it has no work, ``check()`` after each step; returns the most sequences
+    that ran at once. Fails the test if it has not finished after ``limit`` steps."""
+    peak = 0
+    for _ in range(limit):
+        if not sched.has_work():
+            return peak
+        sched.step()
+        peak = max(peak, len(sched.running))
+        check()
+    raise AssertionError("the scheduler did not finish")
+
+
+def int8_kernel_engine(hf_dir: Path) -> tuple[Any, Any]:
+    """(GenerationSpec, CausalLM) of ``hf_dir``'s INT4 build with the INT8 KV cache, its attention on the factory's
+    kernel (one thread); the test is skipped where the kernel is not used (no C++ compiler, no AVX2)."""
+    import shutil
+
+    import pytest
+
+    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+    from model_factory.backend.generation import int8_attention as ia
+    from model_factory.backend.generation.causal_lm import CausalLM
+
+    if not (os.environ.get("CXX") or shutil.which("g++")) or "avx2" not in ia._cpu_flags().split():
+        pytest.skip("no C++ compiler or no AVX2: the kernel is not used here")
+    vdir = _built(hf_dir, "int4", 'kv_cache = "int8"')
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int4")
+    assert spec.kv_dtype == "int8"
+    return spec, CausalLM(vdir / onnx_file("int4"), threads=1, int8_attention="kernel")

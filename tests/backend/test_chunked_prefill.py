@@ -19,7 +19,7 @@ from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCa
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
 
-from tests.generative_repository import ZOO_VARIANTS, zoo_engine
+from tests.generative_repository import ZOO_VARIANTS, run_to_end, zoo_engine
 
 GREEDY = SamplingParams(max_tokens=10, min_tokens=10)
 SEEDED = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.9, top_k=40, seed=5)
@@ -67,19 +67,11 @@ class _Chunks(NullMetrics):
         self.steps += 1
 
 
-def _run(sched: Scheduler, limit: int = 20_000) -> None:
-    for _ in range(limit):
-        if not sched.has_work():
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
-
-
 def _alone(model, spec, prompt, params) -> list[int]:
     """The tokens of ``prompt`` prefilled whole (chunked prefill off), alone."""
     sched = Scheduler(model, KVSlots(spec, 2, 1 << 30), None, spec.eos_token_ids)
     g = sched.submit(Generation(list(prompt), params, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     return g.generated
 
 
@@ -125,7 +117,7 @@ def _check_chunked_equals_whole(model, spec, chunk: int, long: int = 300) -> _Re
         # Every stream got its token in this step: the long prompts' prefill holds no one still.
         assert all(len(s.generated) == before[id(s)] + steps for s in streams)
     assert steps >= 2 * long // chunk  # the long prompts took several steps
-    _run(sched)
+    run_to_end(sched)
     prefills = [(rows, past) for kind, rows, past in recording.launches if kind == "prefill"]
     assert all(sum(rows) <= chunk for rows, _ in prefills[1:])  # the first: the streams' three prompts, whole
     assert any(past[0] for _, past in prefills)  # chunks continued from their cached tokens
@@ -152,7 +144,7 @@ def test_a_chunk_of_any_size_gives_the_same_tokens(engine):
         g = sched.submit(Generation(list(prompt), SEEDED, lambda g, e: None))
         sched.step()
         assert g.cached == min(chunk, len(prompt))
-        _run(sched)
+        run_to_end(sched)
         assert g.generated == whole, chunk
         assert stream.generated == _alone(model, spec, stream.prompt, stream.params)
 
@@ -168,7 +160,7 @@ def test_with_no_stream_decoding_prompts_are_prefilled_whole(engine):
              for _ in range(4)]
     sched.step()
     assert recording.launches == [("prefill", [100] * 4, [0] * 4)] and all(len(g.generated) == 1 for g in fresh)
-    _run(sched)
+    run_to_end(sched)
     stream = _decoding(sched, tokens=3)
     long = sched.submit(Generation(_prompt(rng, spec.vocab_size, 200), GREEDY, lambda g, e: None))
     sched.step()
@@ -179,7 +171,7 @@ def test_with_no_stream_decoding_prompts_are_prefilled_whole(engine):
     sched.step()  # the stream ended: the rest of the long prompt in one launch
     assert 0 < before < 200 - 32 and not long.prefilling and long.generated
     assert recording.launches[-1] == ("prefill", [200 - before], [before])
-    _run(sched)
+    run_to_end(sched)
     for g in fresh + [long]:
         assert g.generated == _alone(model, spec, g.prompt, g.params)
 
@@ -199,7 +191,7 @@ def test_short_prompts_take_what_the_budget_leaves_and_wait_for_the_rest(engine)
     sched.step()
     assert long.prefilling and long.cached == 48 and all(s.slot is None for s in shorts)
     assert sched.slots.active == 2  # the stream and the long one: the waiting hold no reservation
-    _run(sched)
+    run_to_end(sched)
     assert all(sum(rows) <= 48 for kind, rows, _ in recording.launches if kind == "prefill")
     for g in [long, stream] + shorts:
         assert g.generated == _alone(model, spec, g.prompt, g.params)
@@ -219,7 +211,7 @@ def test_n_choices_wait_for_their_leaders_last_chunk_and_share_it(engine):
         gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                                lambda g, e: None, index=i, leader=gens[0] if gens else None))
     sched.submit_all(gens)
-    _run(sched)
+    run_to_end(sched)
     # One prompt prefilled, in chunks: the siblings copied the leader's keys and values.
     assert sum(rows[0] for kind, rows, _ in recording.launches if kind == "prefill") == len(prompt)
     assert [g.generated for g in gens] == [_alone(model, spec, prompt, g.params) for g in gens]
@@ -243,7 +235,7 @@ def test_a_prompt_cancelled_mid_prefill_frees_its_memory_and_the_others_go_on(en
     sched.step()
     assert long.finish_reason == "cancelled" and long.slot is None and not long.generated
     assert sched.slots.active == 1 and sched.slots.usage().reserved_bytes < reserved
-    _run(sched)
+    run_to_end(sched)
     assert stream.generated == _alone(model, spec, stream.prompt, GREEDY)
     assert sched.slots.usage().reserved_bytes == 0
 
@@ -262,7 +254,7 @@ def test_a_leader_cancelled_mid_prefill_leaves_its_siblings_to_prefill_themselve
     sched.step()
     assert sibling.prefilling and sibling.prefill_from is leader
     gone["now"] = True
-    _run(sched)
+    run_to_end(sched)
     assert leader.finish_reason == "cancelled" and sibling.generated == _alone(model, spec, prompt, SEEDED)
 
 
@@ -274,13 +266,13 @@ def test_prefix_cache_hits_continue_in_chunks_with_the_same_tokens(engine):
     sched = Scheduler(recording, KVSlots(spec, 4, 1 << 30), None, spec.eos_token_ids, chunk_tokens=48,
                       prefix_cache=PrefixCache(identity(graph="chunked")))
     first = sched.submit(Generation(document + [7, 8], GREEDY, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     # The same document with a long new part: the hit, then its rest in chunks of at most 48 tokens.
     tail = _prompt(rng, spec.vocab_size, 130)
     _decoding(sched)
     recording.launches.clear()
     later = sched.submit(Generation(document + tail, SEEDED, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     assert later.prefix_hit == (len(document) + 1) // BLOCK_TOKENS * BLOCK_TOKENS
     prefills = [(rows, past) for kind, rows, past in recording.launches if kind == "prefill"]
     assert len(prefills) >= 3 and all(sum(rows) <= 48 for rows, _ in prefills)
@@ -290,7 +282,7 @@ def test_prefix_cache_hits_continue_in_chunks_with_the_same_tokens(engine):
     # A third finds the second's prefix, cached as its chunks went: its document and tail.
     _decoding(sched, tokens=20)
     third = sched.submit(Generation(document + tail + [9], GREEDY, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     assert third.prefix_hit >= len(document) + len(tail) - BLOCK_TOKENS
     assert third.generated == _alone(model, spec, third.prompt, GREEDY)
 
@@ -353,7 +345,7 @@ def test_under_auto_short_prompts_arriving_behind_a_stream_are_prefilled_whole_a
     assert [100, 100, 100] in prefills, recording.launches
     assert all(len(s.generated) == 1 for s in shorts)
     assert long.cached == 0 or long.prefilling  # the long one: chunked, never whole in that step
-    _run(sched)
+    run_to_end(sched)
     assert all(sum(rows) <= chunk for rows in prefills[1:] if rows != [100, 100, 100])
     for g in [stream, long] + shorts:
         assert g.generated == _alone(model, spec, g.prompt, g.params)

@@ -16,7 +16,7 @@ from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCa
 from model_factory.backend.generation.sampling import SamplingParams
 from model_factory.backend.generation.scheduler import Generation, QueueFull, Scheduler
 from tests.backend.test_generation_parts import SPEC
-from tests.generative_repository import EndsAt, agree_until_tie, generation_spec, reference_greedy
+from tests.generative_repository import EndsAt, agree_until_tie, generation_spec, reference_greedy, run_to_end
 
 BLOCK = BLOCK_TOKENS
 
@@ -35,18 +35,6 @@ def _slots(spec: GenerationSpec, count: int, budget_tokens: int, paged: bool = T
     storage.granule_bytes = 1
     return KVSlots(spec, count, budget_tokens * spec.kv_bytes_per_token, storage=storage,
                    block_tokens=block_tokens("paged" if paged else "reserve"))
-
-
-def _run(sched: Scheduler, check=lambda: None, limit: int = 20_000) -> int:
-    """Step until done, ``check`` after each step; returns the most sequences running at once."""
-    peak = 0
-    for _ in range(limit):
-        if not sched.has_work():
-            return peak
-        sched.step()
-        peak = max(peak, len(sched.running))
-        check()
-    raise AssertionError("the scheduler did not finish")
 
 
 def test_the_account_in_blocks():
@@ -93,7 +81,7 @@ def _workload(spec, model, *, paged: bool, prompt: int, n: int, max_tokens: int,
         usage = kv.usage()
         assert usage.reserved_bytes + usage.cached_bytes <= usage.budget_bytes
 
-    peak = _run(sched, within_budget)
+    peak = run_to_end(sched, within_budget)
     assert kv.active == 0 and kv.usage().reserved_tokens == 0
     return prompts, gens, peak
 
@@ -149,7 +137,7 @@ def test_cancellation_returns_a_sequences_blocks(engine):
     assert first.finish_reason == "cancelled" and first.slot is None
     after = kv.usage()
     assert after.blocks_used == 1 and after.blocks_free == held.blocks_free + 2
-    _run(sched)
+    run_to_end(sched)
     assert len(other.generated) == 60 and kv.usage().blocks_used == 0
 
 
@@ -171,7 +159,7 @@ def test_a_prefix_cache_hit_taken_over_counts_its_blocks_once(engine):
     document = [random.Random(5).randrange(3, spec.vocab_size) for _ in range(40)]
     params = SamplingParams(max_tokens=4, min_tokens=4)
     sched.submit(Generation(document + [7], params, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     kept = kv.usage()
     assert kept.cached_slots == 1 and kept.blocks_used == kept.cached_tokens // BLOCK == 3  # 44 tokens kept
     second = sched.submit(Generation(document + [9, 10], params, lambda g, e: None))
@@ -188,5 +176,5 @@ def test_a_sequence_alone_fills_the_whole_budget(engine):
     kv = _slots(spec, 2, 2 * BLOCK)
     sched = Scheduler(model, kv, None, spec.eos_token_ids)
     gen = sched.submit(Generation(list(range(3, 23)), SamplingParams(max_tokens=12, min_tokens=12), lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     assert gen.finish_reason == "length" and len(gen.generated) == 12 and gen.preemptions == 0

@@ -16,7 +16,7 @@ from model_factory.backend.generation.prefix_cache import (BLOCK_TOKENS, CachedP
 from model_factory.backend.generation.sampling import SamplingParams
 from model_factory.backend.generation.scheduler import Generation, Scheduler
 
-from tests.generative_repository import ZOO_VARIANTS, zoo_engine
+from tests.generative_repository import ZOO_VARIANTS, int8_kernel_engine, run_to_end, zoo_engine
 
 SEED = identity(graph="test")
 
@@ -106,18 +106,10 @@ class _Recording:
         return self.model.decode(*args)
 
 
-def _run(sched: Scheduler) -> None:
-    for _ in range(20_000):
-        if not sched.has_work():
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
-
-
 def _alone(model, spec, prompt, params) -> list[int]:
     sched = Scheduler(model, KVSlots(spec, 2, 1 << 28), None, spec.eos_token_ids)
     g = sched.submit(Generation(list(prompt), params, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     return g.generated
 
 
@@ -139,7 +131,7 @@ def _check_hits_equal_misses(model, spec, *, doc: int = 70) -> Scheduler:
     for params in (GREEDY, SEEDED):
         for q in questions:  # one at a time: each after the first finds the one before it kept
             g = sched.submit(Generation(document + q, params, lambda g, e: None))
-            _run(sched)
+            run_to_end(sched)
             assert g.generated == _alone(model, spec, document + q, params), (q, params)
             if params is GREEDY and q is questions[0]:
                 assert g.prefix_hit == 0  # the first: nothing cached yet
@@ -148,17 +140,17 @@ def _check_hits_equal_misses(model, spec, *, doc: int = 70) -> Scheduler:
             assert recording.prefilled[-1] == ([len(document) + len(q) - g.prefix_hit], [g.prefix_hit])
     # The same document continued by what an earlier answer generated (a conversation's next turn): more blocks hit.
     first = sched.submit(Generation(document + questions[0], GREEDY, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     turn = document + questions[0] + first.generated + [5, 6, 7]
     nxt = sched.submit(Generation(turn, GREEDY, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     assert nxt.prefix_hit == ((len(turn) - 4) // BLOCK_TOKENS) * BLOCK_TOKENS > first.prefix_hit
     assert nxt.generated == _alone(model, spec, turn, GREEDY)
     # Several at once while one holder runs: each copies the prefix from its slot and prefills its question alone.
     holder = sched.submit(Generation(document + [9], SamplingParams(max_tokens=30, min_tokens=30), lambda g, e: None))
     sched.step()
     gens = [sched.submit(Generation(document + q, SEEDED, lambda g, e: None)) for q in questions]
-    _run(sched)
+    run_to_end(sched)
     assert all(g.prefix_hit for g in gens) and len(holder.generated) == 30
     assert [g.generated for g in gens] == [_alone(model, spec, document + q, SEEDED) for q in questions]
     return sched
@@ -198,7 +190,7 @@ def test_kept_prefixes_are_dropped_least_recently_used_first_within_the_budget(e
             usage = slots.usage()
             assert usage.reserved_bytes + usage.cached_bytes <= slots.budget_bytes
             assert slots.active + usage.cached_slots <= slots.slots
-    _run(sched)
+    run_to_end(sched)
     assert all(len(g.generated) == 8 for g in gens)
     assert sum(1 for g in gens if g.prefix_hit) >= 20
     for g in gens[::7]:
@@ -209,7 +201,7 @@ def test_off_by_default_in_the_scheduler_and_preemption_keeps_nothing(engine):
     spec, model = engine
     sched = Scheduler(model, KVSlots(spec, 2, 1 << 26), None, spec.eos_token_ids)
     g = sched.submit(Generation(list(range(3, 60)), GREEDY, lambda g, e: None))
-    _run(sched)
+    run_to_end(sched)
     assert g.prefix_hit == 0 and sched.slots.usage().cached_slots == 0
 
 
@@ -226,18 +218,5 @@ def test_every_family_gives_the_same_tokens_with_a_hit(variant, tmp_path_factory
 def test_an_int8_cache_on_the_factorys_kernel_gives_the_same_tokens_with_a_hit(tiny_llm):
     """INT4 weights (batch-independent) and the INT8 KV cache, its attention on the factory's kernel: the continued
     prompt reads the cached INT8 keys as a whole prefill would."""
-    import os
-    import shutil
-
-    from model_factory.backend.contract import Files, onnx_file
-    from model_factory.backend.generation import int8_attention as ia
-    from tests.generative_repository import _built
-
-    if not (os.environ.get("CXX") or shutil.which("g++")) or "avx2" not in ia._cpu_flags().split():
-        pytest.skip("no C++ compiler or no AVX2: the kernel is not used here")
-    hf, _ = tiny_llm
-    vdir = _built(hf, "int4", 'kv_cache = "int8"')
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int4")
-    assert spec.kv_dtype == "int8"
-    model = CausalLM(vdir / onnx_file("int4"), threads=1, int8_attention="kernel")
+    spec, model = int8_kernel_engine(tiny_llm[0])
     _check_hits_equal_misses(model, spec)

@@ -16,7 +16,7 @@ from model_factory.backend.generation.sampling import SamplingParams
 from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
 from model_factory.backend.generation.speculative import (PAUSE_STEPS, WINDOW, SpeculativeConfig, Speculator,
                                                             propose)
-from tests.generative_repository import ZOO_VARIANTS, zoo_engine
+from tests.generative_repository import ZOO_VARIANTS, int8_kernel_engine, run_to_end, zoo_engine
 
 # --------------------------------------------------------------------------- the drafts
 
@@ -78,20 +78,12 @@ class _Recording:
         return self.model.continued_logits(tokens, past, views, **kw)
 
 
-def _run(sched: Scheduler, limit: int = 20_000) -> None:
-    for _ in range(limit):
-        if not sched.has_work():
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
-
-
 def _generate(model, spec, prompts, params, speculate: SpeculativeConfig | None, metrics=None) -> list[Generation]:
     sched = Scheduler(model, KVSlots(spec, 4, 1 << 30), None, spec.eos_token_ids, metrics=metrics)
     if speculate is not None:
         sched.speculator = Speculator(speculate, metrics=metrics)
     gens = [sched.submit(Generation(list(p), params, lambda g, e: None)) for p in prompts]
-    _run(sched)
+    run_to_end(sched)
     assert sched.slots.active == 0
     return gens
 
@@ -172,7 +164,7 @@ def _with_text(model, spec, prompt, params, speculator=None) -> tuple[Generation
     sched.speculator = speculator
     text: list[str] = []
     gen = sched.submit(Generation(list(prompt), params, lambda g, e: text.append(e.text)))
-    _run(sched)
+    run_to_end(sched)
     return gen, "".join(text)
 
 
@@ -238,7 +230,7 @@ def test_log_probabilities_of_accepted_tokens_are_plain_decodings(engine):
         sched.speculator = Speculator(SpeculativeConfig(), metrics=counts) if on else None
         out: list = []
         sched.submit(Generation(list(prompt), params, lambda g, e: out.append(e)))
-        _run(sched)
+        run_to_end(sched)
         events[on] = out
         if on:
             assert counts.accepted > 0
@@ -332,20 +324,7 @@ def test_every_family_gives_the_tokens_of_plain_decoding(variant, tmp_path_facto
 def test_an_int8_cache_on_the_factorys_kernel_gives_the_tokens_of_plain_decoding(tiny_llm):
     """INT4 weights (batch-independent) and the INT8 KV cache, its attention on the factory's kernel: a verification is
     a continued prompt over the cached INT8 keys, as the kernel computes one."""
-    import os
-    import shutil
-
-    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
-    from model_factory.backend.generation import int8_attention as ia
-    from tests.generative_repository import _built
-
-    if not (os.environ.get("CXX") or shutil.which("g++")) or "avx2" not in ia._cpu_flags().split():
-        pytest.skip("no C++ compiler or no AVX2: the kernel is not used here")
-    hf, _ = tiny_llm
-    vdir = _built(hf, "int4", 'kv_cache = "int8"')
-    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int4")
-    assert spec.kv_dtype == "int8"
-    model = CausalLM(vdir / onnx_file("int4"), threads=1, int8_attention="kernel")
+    spec, model = int8_kernel_engine(tiny_llm[0])
     assert model.attention.startswith("model-factory Int8KVAttention")
     rng = random.Random(3)
     prompts = [_repetitive(rng, spec.vocab_size) for _ in range(2)]
@@ -373,11 +352,11 @@ def test_paged_admission_reserves_the_blocks_a_draft_writes_or_the_row_does_not_
     sched = Scheduler(model, slots, None, spec.eos_token_ids, metrics=counts)
     sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=6), metrics=counts)
     gen = sched.submit(Generation(list(prompt), GREEDY, lambda g, e: None))
-    for _ in range(20_000):
-        if not sched.has_work():
-            break
-        sched.step()
+
+    def covered() -> None:
         if gen.slot is not None:
             assert slots.usage().reserved_bytes <= budget
             assert slots.held(gen.cached) <= slots._reserved[gen.slot], (gen.cached, slots._reserved[gen.slot])
+
+    run_to_end(sched, covered)
     assert gen.generated == plain.generated and counts.accepted > 0
