@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
-from benchmarks.harness.scheduler_run import int8_kv8_engine, pct, step_while_arriving  # noqa: E402
+from benchmarks.harness.scheduler_run import TokenTimes, int8_kv8_engine, pct, step_while_arriving  # noqa: E402
 
 START, END = "<!-- max_tokens_grouping:start -->", "<!-- max_tokens_grouping:end -->"
 PROMPT, SHORT, LONG = 64, 32, 384
@@ -56,14 +56,7 @@ def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     kinds = rng.random(REQUESTS) < 0.5  # True: long
     prompts = [rng.integers(10, spec.vocab_size - 10, PROMPT).tolist() for _ in range(REQUESTS)]
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-
-    def emit(gen, event) -> None:
-        now = time.perf_counter()
-        first.setdefault(gen.id, now)
-        if event.finish_reason is not None:
-            last[gen.id] = now
+    times = TokenTimes()
 
     gens: list = []
 
@@ -71,7 +64,7 @@ def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
         for i in range(REQUESTS):
             n = LONG if kinds[i] else SHORT
             gens.append(sched.submit(Generation(prompts[i], SamplingParams(max_tokens=n, min_tokens=n,
-                                                                           ignore_eos=True), emit)))
+                                                                           ignore_eos=True), times.emit)))
             time.sleep(GAP)
 
     wall = step_while_arriving(sched, arrivals)
@@ -79,11 +72,11 @@ def one_run(lm, spec, grouping_s: float, seed: int) -> dict[str, float]:
     for name, want in (("short", SHORT), ("long", LONG)):
         mine = [g for g in gens if g.params.max_tokens == want]
         assert all(len(g.generated) == want for g in mine), "a request ended short"
-        ttft = [first[g.id] - g.arrival for g in mine]
-        done = [last[g.id] - g.arrival for g in mine]
+        ttft = times.ttft(mine)
+        done = times.done(mine)
         out.update({f"{name} TTFT p50 (s)": pct(ttft, 0.5), f"{name} TTFT p99 (s)": pct(ttft, 0.99),
                     f"{name} done p50 (s)": pct(done, 0.5), f"{name} done p99 (s)": pct(done, 0.99)})
-    out["mean done, all (s)"] = statistics.mean(last[g.id] - g.arrival for g in gens)
+    out["mean done, all (s)"] = statistics.mean(times.done(gens))
     out["output tokens/s"] = sum(len(g.generated) for g in gens) / wall
     return out
 

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
-from benchmarks.harness.scheduler_run import int8_kv8_engine, pct  # noqa: E402
+from benchmarks.harness.scheduler_run import TokenTimes, int8_kv8_engine, pct  # noqa: E402
 
 START, END = "<!-- paged-kv:start -->", "<!-- paged-kv:end -->"
 PROMPT, TEXT, BOUND = 128, 128, 1024
@@ -74,18 +74,11 @@ def one_run(lm, spec, admission: str, max_tokens: int, seed: int) -> dict[str, f
     sched = Scheduler(Counting(), slots, None, spec.eos_token_ids, max_waiting=REQUESTS, metrics=Metrics(),
                       cancel_check_s=0.0)
     rng = np.random.default_rng(seed)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-
-    def emit(gen, event) -> None:
-        now = time.perf_counter()
-        first.setdefault(gen.id, now)
-        if event.finish_reason is not None:
-            last[gen.id] = now
+    times = TokenTimes()
 
     params = SamplingParams(max_tokens=max_tokens, min_tokens=TEXT - 1)
     start = time.perf_counter()
-    gens = [sched.submit(Generation(rng.integers(10, spec.vocab_size - 10, PROMPT).tolist(), params, emit))
+    gens = [sched.submit(Generation(rng.integers(10, spec.vocab_size - 10, PROMPT).tolist(), params, times.emit))
             for _ in range(REQUESTS)]
     running: list[int] = []
     while sched.has_work():
@@ -97,8 +90,8 @@ def one_run(lm, spec, admission: str, max_tokens: int, seed: int) -> dict[str, f
     assert all(len(g.generated) == TEXT and g.finish_reason == "stop" for g in gens)
     tokens = sum(len(g.generated) for g in gens)
     return {"most running at once": float(max(running)), "mean running per step": statistics.fmean(running),
-            "output tokens/s": tokens / wall, "TTFT p50 (s)": pct([first[g.id] - g.arrival for g in gens], 0.5),
-            "last request done (s)": max(last.values()) - start, "preemptions": float(counted["preempted"]),
+            "output tokens/s": tokens / wall, "TTFT p50 (s)": pct(times.ttft(gens), 0.5),
+            "last request done (s)": max(times.last.values()) - start, "preemptions": float(counted["preempted"]),
             "tokens prefilled again": float(counted["prefilled"] - REQUESTS * PROMPT)}
 
 

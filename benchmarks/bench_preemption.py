@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from results_file import publish, say  # noqa: E402
-from benchmarks.harness.scheduler_run import int8_kv8_engine, pct, step_while_arriving  # noqa: E402
+from benchmarks.harness.scheduler_run import TokenTimes, int8_kv8_engine, pct, step_while_arriving  # noqa: E402
 
 START, END = "<!-- preemption:start -->", "<!-- preemption:end -->"
 LONG, LONG_PROMPT, LONG_TOKENS = 8, 128, 384
@@ -74,19 +74,12 @@ def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
                       cost=CostModel(1e-3, 1e-5, 0.0), preemption_wait_s=preemption_wait_s, metrics=Metrics(),
                       cancel_check_s=0.0)
     rng = np.random.default_rng(seed)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-
-    def emit(gen, event) -> None:
-        now = time.perf_counter()
-        first.setdefault(gen.id, now)
-        if event.finish_reason is not None:
-            last[gen.id] = now
+    times = TokenTimes()
 
     def submit(prompt_len: int, tokens: int):
         prompt = rng.integers(10, spec.vocab_size - 10, prompt_len).tolist()
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-        return sched.submit(Generation(prompt, params, emit))  # its arrival: the scheduler's clock at submit
+        return sched.submit(Generation(prompt, params, times.emit))  # its arrival: the scheduler's clock at submit
 
     longs = [submit(LONG_PROMPT, LONG_TOKENS) for _ in range(LONG)]
     shorts: list = []
@@ -99,9 +92,9 @@ def one_run(lm, spec, preemption_wait_s: float, seed: int) -> dict[str, float]:
     wall = step_while_arriving(sched, arrivals)
     tokens = sum(len(g.generated) for g in longs + shorts)
     again = prefilled["tokens"] - LONG * LONG_PROMPT - SHORT * SHORT_PROMPT
-    ttft = sorted(first[g.id] - g.arrival for g in shorts)
-    done = sorted(last[g.id] - g.arrival for g in shorts)
-    long_done = sorted(last[g.id] - g.arrival for g in longs)
+    ttft = sorted(times.ttft(shorts))
+    done = sorted(times.done(shorts))
+    long_done = sorted(times.done(longs))
     return {"short TTFT p50 (s)": pct(ttft, 0.5), "short TTFT p99 (s)": pct(ttft, 0.99),
             "short done p50 (s)": pct(done, 0.5), "short done p99 (s)": pct(done, 0.99),
             "long done p50 (s)": pct(long_done, 0.5), "long done max (s)": long_done[-1],

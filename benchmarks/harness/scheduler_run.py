@@ -1,6 +1,7 @@
 """What the in-process text-generation benchmarks share (bench_kv_int8, bench_preemption,
-bench_max_tokens_grouping): the 110M Llama they run, its factory build at INT8 dynamic with the INT8 cache on the
-backend's engine, and requests arriving from another thread while the backend's scheduler steps."""
+bench_max_tokens_grouping, bench_paged_kv): the 110M Llama they run, its factory build at INT8 dynamic with the INT8
+cache on the backend's engine, requests arriving from another thread while the backend's scheduler steps, and when
+each request's first and last token came."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def step_while_arriving(sched: Any, arrivals: Callable[[], None]) -> float:
             sched.wake.clear()
     feeder.join()
     return time.perf_counter() - start
+
+
+class TokenTimes:
+    """When each generation's first and last token came: ``emit`` is the generations' token callback."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def emit(self, gen: Any, event: Any) -> None:
+        now = time.perf_counter()
+        self.first.setdefault(gen.id, now)
+        if event.finish_reason is not None:
+            self.last[gen.id] = now
+
+    def ttft(self, gens: list) -> list[float]:
+        """Each generation's time from its arrival (the scheduler's clock at submit) to its first token."""
+        return [self.first[g.id] - g.arrival for g in gens]
+
+    def done(self, gens: list) -> list[float]:
+        """Each generation's time from its arrival to its last token."""
+        return [self.last[g.id] - g.arrival for g in gens]
 
 
 def pct(values: list[float], q: float) -> float:
