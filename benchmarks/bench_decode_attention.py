@@ -209,7 +209,8 @@ def grouped_call(shape: Shape, rows: int, cached: int, slot_layout: bool, rng: n
                   helper.make_node("Slice", ["v_slots", "start", "end", "axis"], ["v"])]
     else:
         dims = [rows, KV_HEADS, total, HEAD]
-        inputs += [helper.make_tensor_value_info("k", TP.FLOAT, dims), helper.make_tensor_value_info("v", TP.FLOAT, dims)]
+        inputs += [helper.make_tensor_value_info("k", TP.FLOAT, dims),
+                   helper.make_tensor_value_info("v", TP.FLOAT, dims)]
     nodes += [helper.make_node("FusedMatMul", ["q", "k"], ["scores"], domain="com.microsoft", transB=1,
                                alpha=HEAD ** -0.5),
               helper.make_node("Add", ["scores", "bias"], ["masked"]),
@@ -327,12 +328,12 @@ def main() -> int:
         f"One decode step's attention in one layer of {shape.description}: {heads} query heads, {kv_heads} KV "
         f"heads, head size {head}; B rows over T cached tokens, KV buffers of the backend's slot layout "
         f"(max_context {shape.max_context}), ONNX Runtime on {THREADS} thread{'s' if THREADS > 1 else ''} "
-        f"({'spinning, as served' if THREADS > 1 else 'no spinning to count'}); each variant cycles through {shape.layers} sets "
-        "of buffers, one per layer of the model, so its keys and values come from memory as in a served step. GQA: "
-        "the packaged graphs' node (rotary and the in-place cache write included), with the float and with the INT8 "
-        "cache. Kernel int8: the INT8-cache node rewritten to the factory's operator (`Int8KVAttention`, compiled on "
-        "this host), as the backend serves it; `AVX2`: the same compiled without AVX-512 (the path of an AVX2-only "
-        "CPU); `baseline`: compiled from the source named by --baseline-source. "
+        f"({'spinning, as served' if THREADS > 1 else 'no spinning to count'}); each variant cycles through "
+        f"{shape.layers} sets of buffers, one per layer of the model, so its keys and values come from memory as in "
+        "a served step. GQA: the packaged graphs' node (rotary and the in-place cache write included), with the float "
+        "and with the INT8 cache. Kernel int8: the INT8-cache node rewritten to the factory's operator "
+        "(`Int8KVAttention`, compiled on this host), as the backend serves it; `AVX2`: the same compiled without "
+        "AVX-512 (the path of an AVX2-only CPU); `baseline`: compiled from the source named by --baseline-source. "
         f"Grouped: the {group} query heads of a KV head as the rows of one batched FusedMatMul / Softmax / MatMul, "
         "over keys and values already `[B, kv_heads, T, head_size]` (token-major: a cache layout the backend does "
         "not have; no rotary, no cache write) or sliced out of the slot layout's buffers every step. Per cell: "
