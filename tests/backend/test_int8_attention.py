@@ -106,7 +106,7 @@ def test_the_kernel_matches_onnxruntimes_attention_over_an_int8_cache(heads, kv_
     (9, 3, 64, {}),                           # the specialized head size 64 path
     (8, 2, 128, {"window": 4}),               # head size 128
     (4, 1, 256, {"separate": True, "window": 6}),  # Gemma 3's (the wide-head path)
-    (4, 2, 16, {}),                           # the general path
+    (4, 2, 16, {}),                           # head size 16: the wide-head path at AVX2's 8 floats a vector
 ])
 def test_the_kernels_avx2_path_matches_too(heads, kv_heads, head_dim, options) -> None:
     """The library compiled without AVX-512 (the path an AVX2-only CPU such as AMD's EPYC compiles) against ONNX
