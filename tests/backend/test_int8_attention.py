@@ -20,7 +20,8 @@ POSITIONS = 128
 
 
 def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_context: int, *, kernel: bool,
-                window: int = -1, softcap: float = 0.0, interleaved: int = 0, separate: bool = False):
+                window: int = -1, softcap: float = 0.0, interleaved: int = 0, separate: bool = False,
+                isa: str = "native"):
     """A session of one attention node as the factory's graphs have it (packed QKV, or separate query, key and value
     as Qwen3's; rotary inside, INT8 cache)."""
     import onnxruntime as ort
@@ -55,7 +56,7 @@ def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_c
     opts.intra_op_num_threads = 2
     if kernel:
         assert ia.rewrite(model) == 1
-        opts.register_custom_ops_library(str(ia.library()))
+        opts.register_custom_ops_library(str(ia.library(isa=isa)))
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -89,6 +90,9 @@ def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs, heads=None, kv_h
     (8, 2, 128, 128, {}),                     # head size 128, 4 query heads a KV head (Llama-3-8B's)
     (4, 2, 16, 16, {"window": 3}),            # any other head size: the general path
     (8, 4, 64, 64, {"separate": True}),       # separate query, key and value inputs (Qwen3's graphs)
+    (4, 1, 256, 256, {"separate": True}),     # Gemma 3's attention: head size 256, 4 query heads a KV head (wide)
+    (4, 1, 256, 256, {"separate": True, "window": 6}),  # ... its sliding-window layers
+    (6, 2, 192, 128, {"softcap": 5.0}),       # the wide-head path at 3 query heads a KV head, partial rotary
 ])
 def test_the_kernel_matches_onnxruntimes_attention_over_an_int8_cache(heads, kv_heads, head_dim, rotary_dim,
                                                                       options) -> None:
@@ -98,13 +102,27 @@ def test_the_kernel_matches_onnxruntimes_attention_over_an_int8_cache(heads, kv_
 
 
 @needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, head_dim, options", [
+    (9, 3, 64, {}),                           # the specialized head size 64 path
+    (8, 2, 128, {"window": 4}),               # head size 128
+    (4, 1, 256, {"separate": True, "window": 6}),  # Gemma 3's (the wide-head path)
+    (4, 2, 16, {}),                           # head size 16: the wide-head path at AVX2's 8 floats a vector
+])
+def test_the_kernels_avx2_path_matches_too(heads, kv_heads, head_dim, options) -> None:
+    """The library compiled without AVX-512 (the path an AVX2-only CPU such as AMD's EPYC compiles) against ONNX
+    Runtime's kernel, run here even where the host has AVX-512."""
+    _compare(heads, kv_heads, head_dim, head_dim, options, lengths=np.array([5, 17, 9, 1]), continuation=0,
+             isa="avx2")
+
+
+@needs_compiler
 def test_a_continued_prompt_matches_too() -> None:
     """One row: a first prompt, a 3-token continuation (its positions follow the cached ones; ONNX Runtime takes
     these one row at a time), then decode steps."""
     _compare(9, 3, 64, 64, {}, lengths=np.array([6]), continuation=3)
 
 
-def _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths, continuation) -> None:
+def _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths, continuation, isa="native") -> None:
     rng = np.random.default_rng(7)
     max_context, batch = 48, len(lengths)
     angles = np.outer(np.arange(POSITIONS), 1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
@@ -123,7 +141,7 @@ def _compare(heads, kv_heads, head_dim, rotary_dim, options, lengths, continuati
         steps.append((rng.standard_normal((batch, 1, width)).astype(np.float32), seen - 1, int(seen.max())))
     results = []
     for kernel in (False, True):
-        session = _node_graph(heads, kv_heads, head_dim, rotary_dim, max_context, kernel=kernel, **options)
+        session = _node_graph(heads, kv_heads, head_dim, rotary_dim, max_context, kernel=kernel, isa=isa, **options)
         cache = (np.zeros((batch, kv_heads, max_context, head_dim), np.int8),
                  np.zeros((batch, kv_heads, max_context, head_dim), np.int8))
         split = (heads, kv_heads) if options.get("separate") else (None, None)
@@ -194,6 +212,9 @@ def test_the_library_is_compiled_once_per_source_and_host(monkeypatch, tmp_path)
     changed = tmp_path / "kernels" / ia.SOURCE.name
     changed.write_text(ia.SOURCE.read_text() + "\n// another source\n")
     assert ia.library(changed).parent != first.parent
+    assert ia.library(isa="avx2").parent != first.parent  # the AVX2 path: other flags, another library
+    with pytest.raises(ValueError, match="isa must be one of"):
+        ia.library(isa="sse2")
     assert [p.name for p in first.parent.iterdir()] == [ia.LIBRARY_NAME]  # no partial build left behind
     first.parent.chmod(0o777)  # a folder others may write to: its library is not loaded
     with pytest.raises(ia.KernelUnavailable, match="is writable by group or others .*Fix: chmod go-w"):

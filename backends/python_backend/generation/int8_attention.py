@@ -35,6 +35,10 @@ LIBRARY_NAME = "libmf_int8_kv_attention.so"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared",
          "-fvisibility=hidden", "-Wno-psabi")
 COMPILE_TIMEOUT_S = 120
+# The instruction sets a library may be compiled for: the host's own (what serving uses), or AVX2 without AVX-512 (the
+# kernel's path on an AVX2-only CPU such as AMD's EPYC up to Zen 3, which a test and bench_decode_attention force on an
+# AVX-512 host to run and time it there too).
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 GQA = "GroupQueryAttention"
 # The standard node's inputs the operator takes, in its order (the query, or query, key and value packed; the key
 # and value when separate; past key and value; seqlens_k; total_sequence_length; cos and sin caches; k_scale and
@@ -94,9 +98,13 @@ def compiler() -> str:
     return found
 
 
-def library(source: Path = SOURCE) -> Path:
-    """The compiled operator library for this host, compiled on first use (a few seconds) and cached."""
+def library(source: Path = SOURCE, isa: str = "native") -> Path:
+    """The compiled operator library for this host, compiled on first use (a few seconds) and cached. ``isa``
+    "avx2" compiles the AVX2 path on a host that has AVX-512 too (:data:`ISA_FLAGS`)."""
     source = Path(source)
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, not {isa!r}")
+    flags = (*FLAGS, *ISA_FLAGS[isa])
     if "avx2" not in _cpu_flags().split():
         raise KernelUnavailable("this CPU has no AVX2: the kernel's plain C path runs slower than ONNX Runtime's "
                                 "attention, so ONNX Runtime's is kept")
@@ -108,7 +116,7 @@ def library(source: Path = SOURCE) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C++ compiler {cxx} does not run: {e}") from e
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # ort_abi.h, included beside it
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), cxx, version,
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), cxx, version,
                                      _cpu_flags()]).encode())
     folder = cache_dir() / key.hexdigest()[:24]
     built = folder / LIBRARY_NAME
@@ -124,7 +132,7 @@ def library(source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+        done = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise KernelUnavailable(f"{cxx} failed to compile {source.name} (exit {done.returncode}): "

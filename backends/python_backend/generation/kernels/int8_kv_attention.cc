@@ -121,6 +121,8 @@ struct Step {
   int64_t batch, seq, max_context, head_dim, rotary_dim, positions, blocks;
   bool first_prompt;
   TokenKernel kernel = nullptr;  // specialized for (head_dim, group), else null
+  void (*wide)(const float*, const int8_t*, const int8_t*, const float*, int64_t, int64_t, float, float*, float*) =
+      nullptr;  // for a wide head (any head_dim in whole column blocks) where kernel is null
   std::atomic<int> bad_position{0};  // set when a token's position is outside the cache
 
   // Row b's token s: its position, or -1 for right padding.
@@ -317,7 +319,105 @@ TokenKernel token_kernel_for_group(int64_t G) {
   }
 }
 
-// The specialized kernel for head_dim H and group size G (query heads per KV head), or null: the general one then.
+// Accumulator registers a wide-head loop keeps: 16 of AVX-512's 32 vector registers, 8 of AVX2's 16 (the rest hold
+// the converted cache vectors, a query vector or a broadcast probability).
+constexpr int kAccumulators = W == 16 ? 16 : 8;
+
+// The largest power of two <= kAccumulators / G (at least 1): cached rows per step of the score loop, and vectors
+// per column block of the value loop.
+constexpr int per_group(int G) {
+  int r = 1;
+  while (2 * r * G <= kAccumulators) r *= 2;
+  return r;
+}
+
+// One token's G query heads over n cached rows for a wide head (Gemma 3's 256: G * H / W vectors of queries do not
+// fit the registers): scores take R cached key rows a step, each query vector loaded (from L1) once for the R rows and
+// each key vector converted once for the G heads; values are read in column blocks of CB vectors (with AVX-512 one
+// 64-byte cache line of each row a pass), the G heads' accumulators of the block in registers, so no accumulator goes
+// through memory per row. Every cached byte still crosses from memory once: a row's later column blocks are read
+// again from L1/L2 in the next pass. The caller guarantees H % (W * CB) == 0.
+template <int G>
+void attend_token_wide(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t H,
+                       int64_t n, float softcap, float* scores, float* out) {
+  constexpr int R = per_group(G), CB = per_group(G);
+  const int64_t HV = H / W;
+  const vecf zero{};
+  int64_t j = 0;
+  for (; j + R <= n; j += R) {
+    vecf a[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) a[r][g] = zero;
+    const int8_t* row = keys + j * H;
+    for (int64_t line = 0; line < R * H; line += 64) __builtin_prefetch(row + kPrefetchRows * H + line);
+    for (int64_t v = 0; v < HV; ++v) {
+      vecf k[R];
+      for (int r = 0; r < R; ++r) k[r] = load_b(row + r * H + W * v);
+      for (int g = 0; g < G; ++g) {
+        const vecf q = load_f(query + g * H + W * v);
+        for (int r = 0; r < R; ++r) a[r][g] += q * k[r];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const v4f s = reduce4(a[r][g0], g0 + 1 < G ? a[r][g0 + 1] : zero, g0 + 2 < G ? a[r][g0 + 2] : zero,
+                              g0 + 3 < G ? a[r][g0 + 3] : zero);
+        for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j + r] = s[t];
+      }
+  }
+  for (; j < n; ++j) {
+    vecf a[G];
+    for (int g = 0; g < G; ++g) a[g] = zero;
+    for (int64_t v = 0; v < HV; ++v) {
+      const vecf k = load_b(keys + j * H + W * v);
+      for (int g = 0; g < G; ++g) a[g] += load_f(query + g * H + W * v) * k;
+    }
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      const v4f s = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
+                            g0 + 3 < G ? a[g0 + 3] : zero);
+      for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j] = s[t];
+    }
+  }
+  softmax_rows(scores, G, n, softcap);
+  for (int64_t c0 = 0; c0 < HV; c0 += CB) {
+    vecf acc[G][CB];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CB; ++c) acc[g][c] = zero;
+    const int8_t* column = values + W * c0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (c0 == 0)  // the first pass asks for a row's every line: the later passes find them in L1 / L2
+        for (int64_t line = 0; line < H; line += 64) __builtin_prefetch(values + (i + kPrefetchRows) * H + line);
+      vecf x[CB];
+      for (int c = 0; c < CB; ++c) x[c] = load_b(column + i * H + W * c);
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * n + i];
+        for (int c = 0; c < CB; ++c) acc[g][c] += p * x[c];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CB; ++c) {
+        const vecf o = acc[g][c] * load_f(v_scale + W * (c0 + c));
+        std::memcpy(out + g * H + W * (c0 + c), &o, sizeof o);
+      }
+  }
+}
+
+using WideKernel = void (*)(const float*, const int8_t*, const int8_t*, const float*, int64_t, int64_t, float, float*,
+                            float*);
+
+// The wide-head kernel for group size G at head_dim H, or null (H not a whole number of its column blocks).
+WideKernel wide_kernel(int64_t H, int64_t G) {
+  switch (G) {
+#define MF_WIDE(g) \
+  case g: return H % (W * per_group(g)) == 0 ? attend_token_wide<g> : nullptr;
+    MF_WIDE(1) MF_WIDE(2) MF_WIDE(3) MF_WIDE(4) MF_WIDE(5) MF_WIDE(6) MF_WIDE(7) MF_WIDE(8)
+#undef MF_WIDE
+    default: return nullptr;
+  }
+}
+
+// The specialized kernel for head_dim H and group size G (query heads per KV head), or null: the wide-head one, else
+// the general one then.
 TokenKernel token_kernel(int64_t H, int64_t G) {
   if (H == 64) return token_kernel_for_group<64 / W>(G);
   if (H == 128) return token_kernel_for_group<128 / W>(G);
@@ -370,6 +470,8 @@ void attend(void* user, size_t index) {
     const int8_t* values = st.cache(st.value, b, h, lo);
     if (st.kernel)
       st.kernel(query.data(), keys, values, vs, n_keys, op.softcap, scores.data(), out);
+    else if (st.wide)
+      st.wide(query.data(), keys, values, vs, H, n_keys, op.softcap, scores.data(), out);
     else
       attend_token_any(query.data(), keys, values, vs, G, H, n_keys, op.softcap, scores.data(), acc.data(), out);
   }
@@ -502,6 +604,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   st.blocks = (S + kQueryBlock - 1) / kQueryBlock;
   st.first_prompt = static_cast<const int32_t*>(total.data)[0] == S;
   st.kernel = token_kernel(H, N / K);
+  if (!st.kernel) st.wide = wide_kernel(H, N / K);
   auto parallel = fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(kKernelContextParallelFor);
   if (OrtStatus* s = parallel(context, place_token, static_cast<size_t>(B * S), 0, &st)) return s;
   if (st.bad_position.load())
