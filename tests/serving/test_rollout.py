@@ -8,8 +8,9 @@ import json
 import pytest
 
 from model_factory.errors import FactoryError
-from model_factory.serving.rollout import (RolloutRequest, candidate_config, summed_tallies, switch_plan,
-                                          version_config)
+from model_factory.serving.rollout_candidate import candidate_config
+from model_factory.serving.rollout_mirror import summed_tallies
+from model_factory.serving.rollout_plan import RolloutRequest, switch_plan, version_config
 
 
 def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
@@ -72,7 +73,8 @@ def test_a_rollout_whose_outcome_is_final_is_waited_for_not_refused_while_it_cle
     import threading
     import time
 
-    from model_factory.serving.rollout import RolloutControl, RolloutStatus
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import RolloutStatus
 
     control = object.__new__(RolloutControl)  # only the fields the wait reads; no server
     status = RolloutStatus("r1", "m", 2, 1, state="rolled_back")
@@ -116,7 +118,8 @@ def test_the_rollout_check_hashes_at_the_lowest_priority_and_its_refusal_reaches
     import os
     import threading
 
-    from model_factory.serving.rollout import RolloutControl, RolloutRequest
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import RolloutRequest
 
     def priority() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -156,7 +159,8 @@ def test_the_previous_version_stays_loaded_for_the_grace_period_then_is_unloaded
     period the previous one is dropped from the policy (unloaded); an undo before then names it alone."""
     import time
 
-    from model_factory.serving.rollout import RolloutControl, Switched
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import Switched
 
     server = _Server(tmp_path)
     control = RolloutControl(server, None, ["m"])
