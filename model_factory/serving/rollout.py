@@ -54,6 +54,8 @@ from typing import Any, Callable, Sequence
 from model_factory.backend.batching.idle_cores import yield_cores
 from model_factory.backend.engines.quiet_start import run_quietly
 from model_factory.errors import FactoryError
+from model_factory.serving.adapter_rollout import (ServedAdapter, accept_adapter_version, check_adapter,
+                                                   served_adapters, switch_adapter)
 from model_factory.serving.rollout_candidate import (accept_candidate, candidate_name, drop_candidate, quiet_start,
                                                      stage_candidate)
 from model_factory.serving.rollout_mirror import mirror_and_judge, shadow_dir, stop_mirroring
@@ -100,6 +102,12 @@ class RolloutControl:
         # taken before _lock where both are.
         self._switch_lock = threading.RLock()
         self._timers: dict[str, threading.Timer] = {}  # model -> the end of its grace period
+        # LoRA adapters the served bases' stubs found, rolled out by reloading their base (adapter_rollout.py): from
+        # now on a base's loads serve the adapter versions set here (a heal, a base's own rollout).
+        self.adapters: dict[str, ServedAdapter] = served_adapters(server, self.serving)
+        for a in self.adapters.values():
+            server.adapter_versions[a.name] = a.version
+        self._reloads = 0  # the bases' reloads for their adapters (their instances named apart)
 
     @property
     def shadow_dir(self) -> Path:
@@ -114,9 +122,11 @@ class RolloutControl:
         from model_factory.signing.release_check import verify_release_files
 
         m, v = req.model, req.version
-        if m not in self.serving:
-            raise FactoryError(f"refused: {m} is not served here (serving: {', '.join(sorted(self.serving)) or 'none'})."
-                               " Fix: roll out a model this serve loaded")
+        adapter = self.adapters.get(m)
+        if m not in self.serving and adapter is None:
+            served = sorted([*self.serving, *self.adapters])
+            raise FactoryError(f"refused: {m} is not served here (serving: {', '.join(served) or 'none'}). Fix: roll "
+                               "out a model or LoRA adapter this serve loaded")
         if self.digests is None or self.digests.policy is None:
             raise FactoryError("refused: this serve runs without a trust policy (--allow-unsigned), so nothing "
                                "can be verified. Fix: restart serve with --policy")
@@ -124,6 +134,8 @@ class RolloutControl:
         if policy.release is None:
             raise FactoryError("refused: not released: the trust policy has no [release] section, so no version "
                                "can be shown to be released and newer. Fix: add [release] (docs/releases.md)")
+        if adapter is not None:
+            return check_adapter(self.server, self.digests, adapter, v, self.serving[adapter.base])
         if v <= self.serving[m]:
             raise FactoryError(f"refused: {m} version {v} is not newer than the serving version {self.serving[m]} "
                                "(rollback protection). Fix: within the grace period use rollout --undo; else "
@@ -139,7 +151,19 @@ class RolloutControl:
         verdict = verify_release_files(release_dir(Path(self.server.repository)), model_dir, v, policy)
         if not verdict.ok:
             raise FactoryError(f"refused: not released: {' '.join(' '.join(verdict.all_problems()).split())}")
+        if self._is_prompt(m):  # a prompt template runs only on the base bytes it pins, as at serve's start
+            from model_factory.serving.openai_prompts import pin_problem
+
+            problem = pin_problem(Path(self.server.repository), m, v, self.serving)
+            if problem:
+                raise FactoryError(f"refused: {problem}")
         return digests
+
+    def _is_prompt(self, model: str) -> bool:
+        from model_factory.backend.contract import PROMPT
+
+        return (signed_config(Path(self.server.repository) / model).get("parameters", {}).get("task", {})
+                .get("string_value") == PROMPT)
 
     # ------------------------------------------------------------------ the rollout
 
@@ -153,11 +177,16 @@ class RolloutControl:
                                    f"{busy.state if busy else ''}). Fix: wait for it (rollout --status)")
             # Hashing the whole version beside live traffic: on a nice-19 thread (this one keeps its priority).
             digests, _ = run_quietly(lambda: self.check(req))
-            status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version, self.serving[req.model],
-                                   gate=req.gate, min_requests=req.min_requests)
+            adapter = self.adapters.get(req.model)
+            # A prompt template answers nothing to compare (its base generates), an adapter runs in its base's
+            # stubs: neither is mirrored, their acceptance is the gate.
+            judged_by = "acceptance" if adapter is not None or self._is_prompt(req.model) else "mirror"
+            status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version,
+                                   adapter.version if adapter is not None else self.serving[req.model],
+                                   gate=req.gate, min_requests=req.min_requests, judged_by=judged_by)
             self.statuses[req.model] = status
-            self._running = threading.Thread(target=self._run, args=(req, status, digests), name="mf-rollout",
-                                             daemon=True)
+            self._running = threading.Thread(target=self._run_adapter if adapter is not None else self._run,
+                                             args=(req, status, digests), name="mf-rollout", daemon=True)
             self._running.start()
         return status
 
@@ -187,6 +216,9 @@ class RolloutControl:
                 self._set(status, "accepting")
                 accept_candidate(cand_dir, req.version, digests, gpu_product=self.gpu_product,
                                  int8_kernels=self.int8_kernels)
+                if status.judged_by == "acceptance":
+                    status.accepted = ("passed on this machine: its template filled with every field it reads, its "
+                                       "schema compiled; its base pins match the base serving here")
             self._set(status, "loading")
             error = self.server.load_model(cand, timeout_s=QUIET_LOAD_TIMEOUT_S)
             loaded = True
@@ -194,15 +226,12 @@ class RolloutControl:
                 from model_factory.serving.refusals import load_error_line
 
                 raise FactoryError(f"the candidate did not load: {load_error_line(error)}")
-            self._set(status, "shadowing")
-            # A prompt template answers nothing to compare (its base generates): its acceptance is the gate.
-            passed = (signed_config(Path(self.server.repository) / req.model).get("parameters", {}).get("task", {})
-                      .get("string_value") == "prompt"
-                      or mirror_and_judge(self.shadow_dir, req, status, stop=self._stop, poll_s=self.poll_s,
-                                          set_state=self._set))
-            if not passed:
-                return
-            stop_mirroring(self.shadow_dir, req.model)  # judged: more would only load the cores during the switch
+            if status.judged_by == "mirror":
+                self._set(status, "shadowing")
+                if not mirror_and_judge(self.shadow_dir, req, status, stop=self._stop, poll_s=self.poll_s,
+                                        set_state=self._set):
+                    return
+                stop_mirroring(self.shadow_dir, req.model)  # judged: more would only load the cores during the switch
             self._set(status, "switching")
             with self._switch_lock, quiet_start(self.shadow_dir, req.model):  # the new stubs load at nice 19
                 serving_config = self.server.load_configs[req.model]
@@ -241,6 +270,41 @@ class RolloutControl:
             if loaded:
                 self.server.unload_model(cand)
             drop_candidate(self.server, self.digests, req.model)
+
+    def _run_adapter(self, req: RolloutRequest, status: RolloutStatus, digests: dict[str, str]) -> None:
+        """A LoRA adapter's rollout (``adapter_rollout.py``): accepted, then its base reloaded with it."""
+        adapter = self.adapters[req.model]
+        yield_cores()
+        try:
+            if req.accept:
+                self._set(status, "accepting")
+                status.accepted = accept_adapter_version(self.server, req.model, req.version, digests)
+            self._set(status, "switching")
+            with self._switch_lock, quiet_start(self.shadow_dir, adapter.base):
+                self._reload_adapter(adapter, req.version, digests)
+                status.seconds_to_switch = time.time() - status.started
+                until = time.time() + req.grace_s
+                self.switched.pop(req.model, None)
+                if req.grace_s > 0:
+                    self.switched[req.model] = Switched(req.model, adapter.version, req.version, until, kept=False)
+            serves = f"adapter {req.model} version {req.version} serves on {adapter.base}"
+            if req.grace_s <= 0:
+                self._set(status, "switched", f"{serves} (no grace period: no undo)")
+                return
+            status.undo_until = until
+            self._set(status, "switched", f"{serves}; rollout --undo serves version {adapter.version} again (until "
+                      f"{time.strftime('%H:%M:%S', time.localtime(until))})")
+        except FactoryError as exc:
+            self._set(status, "failed" if status.state in ("verifying", "accepting") else "rolled_back", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the operator; the base serves on as it was
+            self._set(status, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _reload_adapter(self, adapter: ServedAdapter, version: int, digests: dict[str, str] | None) -> None:
+        """The adapter's base loaded again serving ``version`` of it (the caller holds the switch lock)."""
+        self._reloads += 1
+        switch_adapter(self.server, self.digests, adapter, version, self.serving[adapter.base], digests,
+                       f"r{self._reloads}", QUIET_LOAD_TIMEOUT_S)
+        self.adapters[adapter.name] = replace(adapter, version=version)
 
     def _derived_config(self, model: str, version: int | None = None) -> dict[str, Any]:
         """The configuration a load of ``model`` at ``version`` would carry, derived from that version's own signed
@@ -326,7 +390,10 @@ class RolloutControl:
                                    "ended. Fix: release the older model again under a higher version and roll it out")
             status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
             start = time.time()
-            if done.kept:
+            if model in self.adapters:  # its base loaded again with the previous version (its files still there)
+                with quiet_start(self.shadow_dir, self.adapters[model].base):
+                    self._reload_adapter(self.adapters[model], done.previous, None)
+            elif done.kept:
                 self._switch(model, [done.previous])  # still loaded: Triton only unloads the newer version
             else:  # unloaded at the switch (another configuration): loaded again with its own
                 self._switch(model, [done.previous], base=json.loads(done.previous_config))

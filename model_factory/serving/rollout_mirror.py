@@ -1,6 +1,6 @@
 """A rollout's traffic mirror and its agreement: the backend's shadow (``backend/operations/shadow.py``) turned on
 for a candidate through its control file, its tallies summed over the model's instances, and the gate judged on
-their mean score (a prompt template is not mirrored: its acceptance is its gate)."""
+their mean score (a prompt template or a LoRA adapter is not mirrored: its acceptance is its gate)."""
 
 from __future__ import annotations
 

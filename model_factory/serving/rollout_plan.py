@@ -88,6 +88,10 @@ class RolloutStatus:
     started: float = field(default_factory=time.time)
     seconds_to_switch: float | None = None  # from the command to the served version changed
     undo_until: float | None = None
+    # What judges the new version: "mirror" (its agreement with the serving one over live requests), or
+    # "acceptance" (a prompt template, a LoRA adapter: not mirrored, its acceptance on this machine is the gate).
+    judged_by: str = "mirror"
+    accepted: str = ""  # the acceptance's verdict, for one judged by it
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))

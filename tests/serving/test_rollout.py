@@ -204,3 +204,19 @@ def test_the_previous_version_is_kept_only_when_the_new_configuration_differs_in
     assert switch_plan(serving, int8, 1, 2, 600.0) == ([2], False)
     more = dict(same, instance_group=[{"count": 4, "kind": "KIND_CPU"}])  # other instances: v1's would change
     assert switch_plan(serving, more, 1, 2, 600.0) == ([2], False)
+
+
+def test_a_rollout_judged_by_its_acceptance_says_so_in_place_of_a_mirror_count() -> None:
+    """A prompt template or a LoRA adapter is not mirrored: ``model-factory rollout`` prints what judged it, not
+    ``mirrored 0/50, agreement -``; a model's line keeps its mirror count and agreement."""
+    from model_factory.cli.rollout import _line
+    from model_factory.serving.rollout_plan import RolloutStatus
+
+    judged = RolloutStatus("r1", "support", 2, 1, state="switched", judged_by="acceptance",
+                           accepted="passed: its build's gate", gate=0.99, min_requests=50).to_dict()
+    assert _line(judged) == ("support 1 -> 2: switched, not mirrored (its acceptance is its gate: passed: its build's "
+                             "gate)")
+    waiting = RolloutStatus("r1", "triage", 2, 1, state="accepting", judged_by="acceptance").to_dict()
+    assert _line(waiting) == "triage 1 -> 2: accepting, not mirrored (its acceptance is its gate)"
+    mirrored = RolloutStatus("r2", "m", 2, 1, state="shadowing", mirrored=3, gate=0.99, min_requests=50).to_dict()
+    assert _line(mirrored) == "m 1 -> 2: shadowing, mirrored 3/50, agreement - (lowest -, gate 0.99)"
