@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_factory.build_engines.golden import write_acceptance_data
     from benchmarks.harness.rollout import (LoadInOwnSession, kept_sentence, release_and_policy, stubs_by_version,
                                             wait_stubs_ended, watch_rollout)
-    from model_factory.serving.rollout import RolloutControl, RolloutRequest
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import RolloutRequest
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
     from model_factory.signing.release import add_release

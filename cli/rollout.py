@@ -11,6 +11,9 @@ from model_factory.cli.common import user_errors
 
 
 def _line(s: dict) -> str:
+    if s.get("judged_by", "mirror") != "mirror":  # a prompt template, a LoRA adapter: no mirror, no agreement
+        return (f"{s['model']} {s['serving']} -> {s['version']}: {s['state']}, not mirrored (its acceptance is its "
+                f"gate{': ' + s['accepted'] if s.get('accepted') else ''})")
     agreement = f"{s['agreement']:.6f}" if s.get("agreement") is not None else "-"
     lowest = f"{s['min_score']:.6f}" if s.get("min_score") is not None else "-"
     return (f"{s['model']} {s['serving']} -> {s['version']}: {s['state']}, mirrored {s['mirrored']}/"
@@ -46,7 +49,9 @@ def rollout(model: str, version: int | None, serve_url: str, admin_key_file: str
     switched when it agrees with the serving version; rolled back otherwise (worst cases by input hash).
 
     Clients keep the same model name; requests in flight on the old version finish there. Exit 0 when switched;
-    1 when refused (one line) or rolled back.
+    1 when refused (one line) or rolled back. A prompt template or a LoRA adapter (MODEL is the adapter's name: its
+    base is loaded again with the new adapter version while the loaded one answers) is not mirrored: its acceptance
+    is its gate, and --gate, --min-requests, --share and --timeout do not apply.
 
     \b
     Examples:

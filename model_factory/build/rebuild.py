@@ -16,6 +16,11 @@ What it proves: the signed ONNX files, config.pbtxt, tokenizer, acceptance data 
 are what this recipe and these inputs give, so nobody swapped a file and re-signed it with an
 honest-looking provenance. It needs the same tool versions (they are in the provenance and
 are compared too) and the inputs at the recorded places.
+
+A prompt template's version (``build/prompt.py``) is packaged again from its prompt recipe on the
+files of its base version that the repository holds now: its source is the digest of the base
+pins its ``prompt.json`` records, so a base whose chat template or tokenizer changed is an input
+change.
 """
 
 from __future__ import annotations
@@ -165,18 +170,21 @@ def rebuild_check(version_dir: Path, *, recipe_path: Path | None = None, progres
     recorded = _read_provenance(model_dir, version, recipe_path)
     input_changes = [f"tool {name}: {was} at the build, {now} here" for name, was, now in
                      ((n, v, tool_versions().get(n)) for n, v in sorted(recorded.tool_versions.items())) if was != now]
+    from model_factory.recipe.prompt import is_prompt_recipe
+
     with tempfile.TemporaryDirectory(prefix="mf-rebuild-") as tmp:
         data = copy.deepcopy(recorded.recipe)
         data.setdefault("repository", {})["path"] = str(Path(tmp) / "model_repository")
-        recipe = parse_recipe(data, recorded.recipe_path.parent, recorded.recipe_path)
-        if recipe.name != model_dir.name or recipe.version != version:
-            raise FactoryError(f"the provenance's recipe builds {recipe.name} version {recipe.version}, not "
-                               f"{model_dir.name} version {version}")
-        result = build(recipe, progress=progress, isolate=isolate)
-        rebuilt = _unit_digests(result.model_dir, version)
-        facts = _rebuilt_inputs(result)
+        if is_prompt_recipe(data):  # a prompt template: packaged again on its base's files as they are now
+            rebuilt_dir, facts = _rebuild_prompt(data, recorded, model_dir, version)
+        else:
+            recipe = parse_recipe(data, recorded.recipe_path.parent, recorded.recipe_path)
+            _same_unit(recipe.name, recipe.version, model_dir, version)
+            result = build(recipe, progress=progress, isolate=isolate)
+            rebuilt_dir, facts = result.model_dir, _rebuilt_inputs(result)
+        rebuilt = _unit_digests(rebuilt_dir, version)
         if keep is not None:
-            shutil.copytree(result.model_dir, Path(keep) / model_dir.name, dirs_exist_ok=True)
+            shutil.copytree(rebuilt_dir, Path(keep) / model_dir.name, dirs_exist_ok=True)
     for what, was, now in (("source model", recorded.source_digest, facts.get("source")),
                            ("calibration data", recorded.calibration_digest, facts.get("calibration"))):
         if was != now:
@@ -184,6 +192,38 @@ def rebuild_check(version_dir: Path, *, recipe_path: Path | None = None, progres
     identical, differences, not_compared = _compare(recorded.outputs, rebuilt)
     return RebuildReport(model_dir.name, version, tuple(identical), tuple(differences), tuple(not_compared),
                          tuple(input_changes))
+
+
+def _same_unit(name: str, built_version: int, model_dir: Path, version: int) -> None:
+    if name != model_dir.name or built_version != version:
+        raise FactoryError(f"the provenance's recipe builds {name} version {built_version}, not "
+                           f"{model_dir.name} version {version}")
+
+
+def _rebuild_prompt(data: dict[str, Any], recorded: _Recorded, model_dir: Path,
+                    version: int) -> tuple[Path, dict[str, str | None]]:
+    """A prompt version packaged again (``build/prompt.py``) into the recipe's temporary repository, on the files of
+    its base version that ``model_dir``'s repository holds now (their digests are its source: a base whose chat
+    template or tokenizer changed since is an input change)."""
+    import hashlib
+    import json
+
+    from model_factory.backend.contract import Files
+    from model_factory.build.prompt import BASE_FILES, package_prompt
+    from model_factory.recipe.prompt import parse_prompt_recipe
+
+    recipe = parse_prompt_recipe(data, recorded.recipe_path.parent, recorded.recipe_path)
+    _same_unit(recipe.name, recipe.version, model_dir, version)
+    base_src = model_dir.parent / recipe.base_model
+    base_dst = recipe.repository / recipe.base_model
+    for rel in (Files.CONFIG, *(f"{recipe.base_version}/{f}" for f in BASE_FILES)):
+        if (base_src / rel).is_file():
+            (base_dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(base_src / rel, base_dst / rel)
+    result = package_prompt(recipe)
+    base = json.loads((result.version_dir / Files.PROMPT).read_text(encoding="utf-8"))["base"]
+    return result.model_dir, {"source": hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest(),
+                              "calibration": recorded.calibration_digest}
 
 
 def _rebuilt_inputs(result: Any) -> dict[str, str | None]:

@@ -19,8 +19,10 @@ from model_factory.backend.lora_contract import ADAPTER_SPEC, ADAPTER_WEIGHTS, A
 ACCURACY = "accuracy.json"
 
 
-def accept_adapter(model_dir: Path, digests: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``AcceptanceResult`` fields (but model) of the newest version of the adapter entry ``model_dir``."""
+def accept_adapter(model_dir: Path, digests: Mapping[str, str] | None = None,
+                   version: int | None = None) -> dict[str, Any]:
+    """The ``AcceptanceResult`` fields (but model) of ``version`` (default: the newest) of the adapter entry
+    ``model_dir``."""
     from model_factory.distribution.adapters import base_problem
     from model_factory.signing import layout
 
@@ -28,7 +30,7 @@ def accept_adapter(model_dir: Path, digests: Mapping[str, str] | None = None) ->
     versions = layout.model_entries(model_dir).versions
     if not versions:
         return {"version": None, "passed": False, "reason": f"{model_dir.name} has no version folder"}
-    version = str(max(versions))
+    version = str(max(versions) if version is None else int(version))
     d = dict(digests) if digests is not None else None
     try:
         spec = AdapterSpec.from_json(read_checked(model_dir, f"{version}/{ADAPTER_SPEC}", d).decode())

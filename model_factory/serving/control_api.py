@@ -22,7 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from model_factory.errors import FactoryError
-from model_factory.serving.rollout import RolloutControl, RolloutRequest
+from model_factory.serving.rollout import RolloutControl
+from model_factory.serving.rollout_plan import RolloutRequest
 from model_factory.serving.triton_process import ADMIN_HEADER
 
 

@@ -43,11 +43,15 @@ class ServedPrompt:
     pinned: str = ""  # what differs between its pins and the base served ("": nothing; serve refuses otherwise)
 
 
-def pin_problem(repository: Path, name: str) -> str:
+def pin_problem(repository: Path, name: str, version: int | str | None = None,
+                served: Mapping[str, int] | None = None) -> str:
     """Why prompt ``name`` of ``repository`` cannot run on the base served there ("": it can, or it is no prompt):
     its served version's ``prompt.json`` pins the base by name, version and the sha256 of the base version's
     ``generation.json`` (its chat template) and tokenizer, and the base's served version must hold those files with
-    those digests (any version number: a base rebuilt with its template and tokenizer unchanged still fits)."""
+    those digests (any version number: a base rebuilt with its template and tokenizer unchanged still fits).
+    ``version``: the prompt's version to check (a rollout's new one), by default the one ``config.pbtxt`` serves;
+    ``served``: model -> the version a running ``serve`` serves (a base missing there is refused), by default the
+    base's ``config.pbtxt``'s."""
     import hashlib
 
     from model_factory.backend.contract import PROMPT, Files
@@ -59,14 +63,18 @@ def pin_problem(repository: Path, name: str) -> str:
         config = read_config(model_dir)
         if config_parameters(config).get("task") != PROMPT:
             return ""
-        version = served_version(model_dir, config)
+        version = str(version) if version is not None else served_version(model_dir, config)
         definition = json.loads((model_dir / version / Files.PROMPT).read_text())
         base = definition["base"]
         base_dir = Path(repository) / base["model"]
         if not base_dir.is_dir():
             return (f"prompt {name} v{version} runs on {base['model']}, which this repository does not hold. Fix: "
                     f"serve {base['model']} v{base['version']} beside it")
-        served = served_version(base_dir, read_config(base_dir))
+        if served is not None and base["model"] not in served:
+            return (f"prompt {name} v{version} runs on {base['model']}, which this serve does not serve. Fix: serve "
+                    f"{base['model']} v{base['version']} beside it")
+        served = (str(served[base["model"]]) if served is not None
+                  else served_version(base_dir, read_config(base_dir)))
         differ = [rel for rel, digest in sorted(base["digests"].items())
                   if not (base_dir / served / rel).is_file()
                   or hashlib.sha256((base_dir / served / rel).read_bytes()).hexdigest() != digest]

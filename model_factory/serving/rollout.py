@@ -36,189 +36,31 @@ The steps of :meth:`RolloutControl.start` (docs/operations.md has the runbook):
    grace period ends the previous version is unloaded the same way (``grace_s`` 0: it is not kept at all, and
    there is no undo).
 
-A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing.
+A rollout runs in a thread of ``serve``: a client (``model-factory rollout``) that goes away changes nothing. The
+pieces it composes: ``rollout_plan`` (the request, its status, the switch's configurations), ``rollout_candidate``
+(staging, acceptance, the candidate dropped) and ``rollout_mirror`` (the shadow and its agreement).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from model_factory.backend.batching.idle_cores import yield_cores
 from model_factory.backend.engines.quiet_start import run_quietly
 from model_factory.errors import FactoryError
-
-# States a rollout goes through; the last four are final.
-STATES = ("verifying", "accepting", "loading", "shadowing", "switching", "switched", "rolled_back", "failed", "undone")
-FINAL = ("switched", "rolled_back", "failed", "undone")
-CLEANUP_WAIT_S = 60.0  # how long a new rollout (or undo) waits for the last one's cleanup (a candidate's unload)
-# How long a load at the lowest priority (the candidate's, the switch's) may take: on cores that live traffic keeps
-# busy it gets what traffic leaves (MiniLM's two stubs: 28-40 s on 2 saturated cores, 1 s idle), and the serving
-# version answers meanwhile.
-QUIET_LOAD_TIMEOUT_S = 1800.0
-
-
-@dataclass(frozen=True)
-class RolloutRequest:
-    """What to roll out, and the gate it must pass."""
-
-    model: str
-    version: int
-    # The least mean agreement over the mirrored requests: cosine; 1 or 0 for top-1; a text-generation model's
-    # token agreement (backend/shadow.py: the same tokens from the first on, over the longer continuation).
-    gate: float = 0.99
-    min_requests: int = 50  # requests mirrored before the gate is judged
-    share: float = 1.0  # the share of live requests mirrored
-    timeout_s: float = 300.0  # without min_requests mirrored by then: rolled back
-    grace_s: float = 600.0  # how long `rollout --undo` may switch back
-    accept: bool = True  # acceptance of the candidate on this machine first
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
-        try:
-            req = cls(model=str(data["model"]), version=int(data["version"]),
-                      **{k: type(getattr(cls, k))(data[k]) for k in ("gate", "min_requests", "share", "timeout_s",
-                                                                        "grace_s", "accept") if k in data})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FactoryError(f"a rollout needs model and version (and numbers for its gate): {exc}. "
-                               "Fix: model-factory rollout MODEL VERSION") from None
-        if not (0 < req.share <= 1) or req.min_requests < 1 or not (-1 <= req.gate <= 1):
-            raise FactoryError("share must be in (0, 1], min_requests at least 1 and gate in [-1, 1]. "
-                               "Fix: pass --share, --min-requests and --gate in those ranges")
-        return req
-
-
-@dataclass(frozen=True)
-class Switched:
-    """A switch that may be undone until ``until`` (time.time()): with the previous version still loaded
-    (``kept``), or, where the new version's configuration differs, by loading it again with ``previous_config``."""
-
-    model: str
-    previous: int
-    current: int
-    until: float
-    kept: bool = True
-    previous_config: str = ""  # the load configuration (Triton JSON) the previous version served with
-
-
-@dataclass
-class RolloutStatus:
-    """A rollout's progress, as the control endpoint reports it (JSON)."""
-
-    id: str
-    model: str
-    version: int
-    serving: int
-    state: str = "verifying"
-    mirrored: int = 0
-    agreement: float | None = None
-    min_score: float | None = None
-    candidate_errors: int = 0
-    skipped: int = 0
-    worst: list = field(default_factory=list)  # [{"score", "input_hash"}], lowest first
-    reason: str = ""
-    gate: float = 0.0
-    min_requests: int = 0
-    started: float = field(default_factory=time.time)
-    seconds_to_switch: float | None = None  # from the command to the served version changed
-    undo_until: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-
-def candidate_name(model: str) -> str:
-    from model_factory.backend.operations.shadow import CANDIDATE_SUFFIX
-
-    return model + CANDIDATE_SUFFIX
-
-
-def version_config(base: dict[str, Any], versions: int | Sequence[int], name: str | None = None) -> dict[str, Any]:
-    """A model's Triton configuration (JSON form) set to load exactly ``versions`` (and renamed). Requests that
-    name no version go to the highest."""
-    wanted = sorted({int(v) for v in ([versions] if isinstance(versions, int) else versions)})
-    version = wanted[-1]
-    out = dict(base)
-    out["version_policy"] = {"specific": {"versions": wanted}}
-    if name:
-        out["name"] = name
-    # Instance names of their own per version. Seen on Triton 2.51 (bundled) under load: a reload whose new
-    # instances were named like the running ones (``<model>_0_0``) ended with the old stubs aborting at unload
-    # (glibc "corrupted double-linked list" / "unaligned tcache chunk") and the requests they held hanging; with
-    # ``<model>_v<version>_<group>`` the same reload lost nothing. The cause, as far as measured: the backend's
-    # custom metrics carry the instance name as a label, so old and new stubs held pb_utils Metrics with identical
-    # labels; with the same names but the stub's pid added to that label, the reload was clean (2 of 2 runs, 4 of
-    # 4 aborts without). A version kept loaded beside a newer one keeps the instances (and names) of its own load:
-    # Triton compares instance groups without their names.
-    out["instance_group"] = [dict(g, name=f"{out.get('name', 'model')}_v{int(version)}_{i}")
-                             for i, g in enumerate(out.get("instance_group") or [{}])]
-    return out
-
-
-def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in config.items() if k != "version_policy"}
-    out["instance_group"] = [{k: v for k, v in g.items() if k != "name"} for g in config.get("instance_group") or [{}]]
-    return out
-
-
-def switch_plan(serving_config: dict[str, Any], new_config: dict[str, Any], previous: int, version: int,
-                grace_s: float) -> tuple[list[int], bool]:
-    """The versions the switch loads, and whether the previous one stays loaded for the grace period. One Triton
-    model has one configuration for all its loaded versions, and Triton loads a kept version again when the
-    configuration changes in more than its version policy and instance names. So the previous version is kept
-    only when the new version's configuration is the serving one but for those; else the switch loads the new
-    version alone (with its own configuration) and an undo loads the previous one again with its own."""
-    kept = grace_s > 0 and _comparable(serving_config) == _comparable(new_config)
-    return ([previous, version] if kept else [version]), kept
-
-
-def candidate_config(base: dict[str, Any], version: int, name: str) -> dict[str, Any]:
-    """The candidate's configuration: ``version`` alone under ``name``, and never decoupled. A text-generation
-    candidate answers only the mirror's non-streamed requests, one response each, so it loads non-decoupled and
-    the mirror calls it with a plain BLS ``exec()``. With ``exec(decoupled=True)`` on Triton 2.51, the serving
-    version's unload after the switch crashed tritonserver in 2 of 3 runs of bench_rollout_generative under
-    streamed load (SIGSEGV in the Python backend's ModelInstanceFinalize, in the log kept), and a serving stub
-    died once in the shadow (a segfault in libpython's allocator)."""
-    out = version_config(base, version, name)
-    policy = out.get("model_transaction_policy") or {}
-    if policy.get("decoupled"):
-        out["model_transaction_policy"] = dict(policy, decoupled=False)
-    return out
-
-
-def _config_json(model_dir: Path, version: int | None = None) -> dict[str, Any]:
-    """The configuration (Triton JSON) of ``version`` as signed with it, else the model's ``config.pbtxt``."""
-    from google.protobuf import json_format
-
-    from model_factory.build.repository import read_version_config
-
-    return json_format.MessageToDict(read_version_config(model_dir, version), preserving_proto_field_name=True)
-
-
-def summed_tallies(folder: Path, model: str, rollout_id: str) -> dict[str, Any]:
-    """The mirrors' tallies of one rollout, summed over the model's instances."""
-    total = {"mirrored": 0, "score_sum": 0.0, "min_score": None, "errors": 0, "skipped": 0, "worst": []}
-    for path in sorted(Path(folder).glob(f"{model}.*.tally.json")):
-        try:
-            t = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if t.get("id") != rollout_id:
-            continue
-        for k in ("mirrored", "score_sum", "errors", "skipped"):
-            total[k] += t.get(k) or 0
-        if t.get("min_score") is not None:
-            total["min_score"] = t["min_score"] if total["min_score"] is None else min(total["min_score"],
-                                                                                       t["min_score"])
-        total["worst"] = sorted(total["worst"] + list(t.get("worst") or []), key=lambda w: w["score"])[:5]
-    return total
+from model_factory.serving.adapter_rollout import (ServedAdapter, accept_adapter_version, check_adapter,
+                                                   served_adapters, switch_adapter)
+from model_factory.serving.rollout_candidate import (accept_candidate, candidate_name, drop_candidate, quiet_start,
+                                                     stage_candidate)
+from model_factory.serving.rollout_mirror import mirror_and_judge, shadow_dir, stop_mirroring
+from model_factory.serving.rollout_plan import (CLEANUP_WAIT_S, FINAL, QUIET_LOAD_TIMEOUT_S, RolloutRequest,
+                                                RolloutStatus, Switched, signed_config, switch_plan, version_config)
 
 
 class RolloutControl:
@@ -247,7 +89,7 @@ class RolloutControl:
             self.serving[m] = int(max(int(v) for v in wanted)) if wanted else int(
                 served_version(repo / m, read_config(repo / m)))
             if cfg is None:  # from now on its loads carry the configuration it serves with (a heal, an undo)
-                server.load_configs[m] = json.dumps(version_config(_config_json(repo / m, self.serving[m]),
+                server.load_configs[m] = json.dumps(version_config(signed_config(repo / m, self.serving[m]),
                                                                    self.serving[m]))
         self.statuses: dict[str, RolloutStatus] = {}
         self.switched: dict[str, Switched] = {}
@@ -260,12 +102,16 @@ class RolloutControl:
         # taken before _lock where both are.
         self._switch_lock = threading.RLock()
         self._timers: dict[str, threading.Timer] = {}  # model -> the end of its grace period
+        # LoRA adapters the served bases' stubs found, rolled out by reloading their base (adapter_rollout.py): from
+        # now on a base's loads serve the adapter versions set here (a heal, a base's own rollout).
+        self.adapters: dict[str, ServedAdapter] = served_adapters(server, self.serving)
+        for a in self.adapters.values():
+            server.adapter_versions[a.name] = a.version
+        self._reloads = 0  # the bases' reloads for their adapters (their instances named apart)
 
     @property
     def shadow_dir(self) -> Path:
-        from model_factory.backend.operations.shadow import SHADOW_DIR
-
-        return Path(self.server.work_dir) / SHADOW_DIR
+        return shadow_dir(self.server)
 
     # ------------------------------------------------------------------ refusals (before anything loads)
 
@@ -276,9 +122,11 @@ class RolloutControl:
         from model_factory.signing.release_check import verify_release_files
 
         m, v = req.model, req.version
-        if m not in self.serving:
-            raise FactoryError(f"refused: {m} is not served here (serving: {', '.join(sorted(self.serving)) or 'none'})."
-                               " Fix: roll out a model this serve loaded")
+        adapter = self.adapters.get(m)
+        if m not in self.serving and adapter is None:
+            served = sorted([*self.serving, *self.adapters])
+            raise FactoryError(f"refused: {m} is not served here (serving: {', '.join(served) or 'none'}). Fix: roll "
+                               "out a model or LoRA adapter this serve loaded")
         if self.digests is None or self.digests.policy is None:
             raise FactoryError("refused: this serve runs without a trust policy (--allow-unsigned), so nothing "
                                "can be verified. Fix: restart serve with --policy")
@@ -286,6 +134,8 @@ class RolloutControl:
         if policy.release is None:
             raise FactoryError("refused: not released: the trust policy has no [release] section, so no version "
                                "can be shown to be released and newer. Fix: add [release] (docs/releases.md)")
+        if adapter is not None:
+            return check_adapter(self.server, self.digests, adapter, v, self.serving[adapter.base])
         if v <= self.serving[m]:
             raise FactoryError(f"refused: {m} version {v} is not newer than the serving version {self.serving[m]} "
                                "(rollback protection). Fix: within the grace period use rollout --undo; else "
@@ -301,7 +151,19 @@ class RolloutControl:
         verdict = verify_release_files(release_dir(Path(self.server.repository)), model_dir, v, policy)
         if not verdict.ok:
             raise FactoryError(f"refused: not released: {' '.join(' '.join(verdict.all_problems()).split())}")
+        if self._is_prompt(m):  # a prompt template runs only on the base bytes it pins, as at serve's start
+            from model_factory.serving.openai_prompts import pin_problem
+
+            problem = pin_problem(Path(self.server.repository), m, v, self.serving)
+            if problem:
+                raise FactoryError(f"refused: {problem}")
         return digests
+
+    def _is_prompt(self, model: str) -> bool:
+        from model_factory.backend.contract import PROMPT
+
+        return (signed_config(Path(self.server.repository) / model).get("parameters", {}).get("task", {})
+                .get("string_value") == PROMPT)
 
     # ------------------------------------------------------------------ the rollout
 
@@ -315,11 +177,16 @@ class RolloutControl:
                                    f"{busy.state if busy else ''}). Fix: wait for it (rollout --status)")
             # Hashing the whole version beside live traffic: on a nice-19 thread (this one keeps its priority).
             digests, _ = run_quietly(lambda: self.check(req))
-            status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version, self.serving[req.model],
-                                   gate=req.gate, min_requests=req.min_requests)
+            adapter = self.adapters.get(req.model)
+            # A prompt template answers nothing to compare (its base generates), an adapter runs in its base's
+            # stubs: neither is mirrored, their acceptance is the gate.
+            judged_by = "acceptance" if adapter is not None or self._is_prompt(req.model) else "mirror"
+            status = RolloutStatus(uuid.uuid4().hex[:12], req.model, req.version,
+                                   adapter.version if adapter is not None else self.serving[req.model],
+                                   gate=req.gate, min_requests=req.min_requests, judged_by=judged_by)
             self.statuses[req.model] = status
-            self._running = threading.Thread(target=self._run, args=(req, status, digests), name="mf-rollout",
-                                             daemon=True)
+            self._running = threading.Thread(target=self._run_adapter if adapter is not None else self._run,
+                                             args=(req, status, digests), name="mf-rollout", daemon=True)
             self._running.start()
         return status
 
@@ -343,10 +210,15 @@ class RolloutControl:
         loaded = False
         yield_cores()  # this thread only: staging and hashing the candidate beside live traffic
         try:
-            cand_dir = self._stage_candidate(req, digests)
+            cand_dir = stage_candidate(self.server, self.digests, req.model, req.version,
+                                       self.serving[req.model], digests)
             if req.accept:
                 self._set(status, "accepting")
-                self._accept(cand_dir, req.version, digests)
+                accept_candidate(cand_dir, req.version, digests, gpu_product=self.gpu_product,
+                                 int8_kernels=self.int8_kernels)
+                if status.judged_by == "acceptance":
+                    status.accepted = ("passed on this machine: its template filled with every field it reads, its "
+                                       "schema compiled; its base pins match the base serving here")
             self._set(status, "loading")
             error = self.server.load_model(cand, timeout_s=QUIET_LOAD_TIMEOUT_S)
             loaded = True
@@ -354,15 +226,14 @@ class RolloutControl:
                 from model_factory.serving.refusals import load_error_line
 
                 raise FactoryError(f"the candidate did not load: {load_error_line(error)}")
-            self._set(status, "shadowing")
-            # A prompt template answers nothing to compare (its base generates): its acceptance is the gate.
-            passed = (_config_json(Path(self.server.repository) / req.model).get("parameters", {}).get("task", {})
-                      .get("string_value") == "prompt" or self._shadow(req, status))
-            if not passed:
-                return
-            self._stop_mirroring(req.model)  # judged: mirroring more would only load the cores during the switch
+            if status.judged_by == "mirror":
+                self._set(status, "shadowing")
+                if not mirror_and_judge(self.shadow_dir, req, status, stop=self._stop, poll_s=self.poll_s,
+                                        set_state=self._set):
+                    return
+                stop_mirroring(self.shadow_dir, req.model)  # judged: more would only load the cores during the switch
             self._set(status, "switching")
-            with self._switch_lock, self._quiet_start(req.model):  # the new stubs load at the lowest priority
+            with self._switch_lock, quiet_start(self.shadow_dir, req.model):  # the new stubs load at nice 19
                 serving_config = self.server.load_configs[req.model]
                 new_config = self._derived_config(req.model, req.version)
                 versions, kept = switch_plan(json.loads(serving_config), new_config, status.serving, req.version,
@@ -395,114 +266,45 @@ class RolloutControl:
         except Exception as exc:  # noqa: BLE001 - reported to the operator; the served version is untouched
             self._set(status, "failed", f"{type(exc).__name__}: {exc}")
         finally:
-            self._stop_mirroring(req.model)
+            stop_mirroring(self.shadow_dir, req.model)
             if loaded:
                 self.server.unload_model(cand)
-            self._drop_candidate(req.model)
+            drop_candidate(self.server, self.digests, req.model)
 
-    def _stage_candidate(self, req: RolloutRequest, digests: dict[str, str]) -> Path:
-        """``<candidates>/<model>__candidate``: the version's verified files and a derived config.pbtxt."""
-        from model_factory.build.repository import config_to_pbtxt
-        from model_factory.build_engines.onnx_files import hardlink_or_copy
-        from model_factory.serving.digests import read_table, write_table
-        from model_factory.signing import signed_digests
-
-        m, v = req.model, req.version
-        src = Path(self.server.repository) / m
-        cand = candidate_name(m)
-        dst = Path(self.server.candidates_dir) / cand
-        shutil.rmtree(dst, ignore_errors=True)
-        for rel in digests:
-            if rel.split("/", 1)[0] == str(v):
-                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-                hardlink_or_copy(src / rel, dst / rel)
-        config = candidate_config(_config_json(src, v), v, cand)  # its own signed configuration
-        (dst / "config.pbtxt").write_text(config_to_pbtxt(config))
-        table = read_table(self.digests.path)
-        table.setdefault(m, {})[str(v)] = digests
-        table[cand] = {str(v): digests}
-        try:  # the serving version again (one packaged before carrying its own config.pbtxt is re-signed with it)
-            serving = str(self.serving[m])
-            table[m][serving] = signed_digests(src, int(serving), self.digests.policy)
-        except FactoryError:
-            pass  # keep what was verified when it started serving
-        write_table(self.digests.path, table)
-        return dst
-
-    def _accept(self, cand_dir: Path, version: int, digests: dict[str, str]) -> None:
-        from model_factory.serving.verified_start import check_on_this_machine
-
-        checks = check_on_this_machine(cand_dir.parent, (cand_dir.name,), {cand_dir.name: {str(version): digests}},
-                                       accept=True, gpu_product=self.gpu_product, int8_kernels=self.int8_kernels,
-                                       yield_cores=True)
-        if cand_dir.name not in checks.passed:
-            raise FactoryError(checks.refused.get(cand_dir.name, "acceptance failed on this machine"))
-
-    def _shadow(self, req: RolloutRequest, status: RolloutStatus) -> bool:
-        """Mirror until ``min_requests`` were scored; True when the gate passed (False: rolled back)."""
-        from model_factory.backend.operations.shadow import control_path
-        from model_factory.fileio import atomic_file
-
-        for old in self.shadow_dir.glob(f"{req.model}.*.tally.json"):  # earlier rollouts' (their ids differ anyway)
-            old.unlink(missing_ok=True)
-        with atomic_file(control_path(self.shadow_dir, req.model)) as f:
-            f.write(json.dumps({"id": status.id, "target": candidate_name(req.model), "share": req.share}))
-        deadline = time.monotonic() + req.timeout_s
-        while True:
-            t = summed_tallies(self.shadow_dir, req.model, status.id)
-            status.mirrored, status.candidate_errors, status.skipped = t["mirrored"], t["errors"], t["skipped"]
-            status.min_score, status.worst = t["min_score"], t["worst"]
-            status.agreement = t["score_sum"] / t["mirrored"] if t["mirrored"] else None
-            if t["errors"]:
-                self._set(status, "rolled_back", f"the candidate failed {t['errors']} of {t['mirrored']} mirrored "
-                          "requests the serving version answered")
-                return False
-            if t["mirrored"] >= req.min_requests:
-                break
-            if self._stop.is_set():
-                self._set(status, "rolled_back", "serve is stopping")
-                return False
-            if time.monotonic() > deadline:
-                self._set(status, "rolled_back", f"only {t['mirrored']} of {req.min_requests} requests mirrored "
-                          f"within {req.timeout_s:g} s: not enough traffic to judge. Fix: retry under load, or "
-                          "lower --min-requests")
-                return False
-            time.sleep(self.poll_s)
-        self._stop_mirroring(req.model)
-        if status.agreement is None or status.agreement < req.gate:
-            self._set(status, "rolled_back", f"agreement {status.agreement:.6f} over {status.mirrored} mirrored "
-                      f"requests is below the gate {req.gate:g} (lowest {status.min_score:.6f}); worst by input "
-                      "hash: " + ", ".join(f"{w['input_hash']} {w['score']:.4f}" for w in status.worst))
-            return False
-        return True
-
-    def _stop_mirroring(self, model: str) -> None:
-        from model_factory.backend.operations.shadow import control_path
-
-        control_path(self.shadow_dir, model).unlink(missing_ok=True)
-
-    def _drop_candidate(self, model: str) -> None:
-        from model_factory.serving.digests import read_table, write_table
-
-        cand = candidate_name(model)
-        shutil.rmtree(Path(self.server.candidates_dir) / cand, ignore_errors=True)
-        if self.digests is not None:
-            table = read_table(self.digests.path)
-            if table.pop(cand, None) is not None:
-                write_table(self.digests.path, table)
-
-    @contextmanager
-    def _quiet_start(self, model: str) -> Iterator[None]:
-        """Ask the instances ``model`` loads in the block to start quietly (``backend/quiet_start.py``)."""
-        from model_factory.backend.engines.quiet_start import request_path
-
-        path = request_path(self.shadow_dir, model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("")
+    def _run_adapter(self, req: RolloutRequest, status: RolloutStatus, digests: dict[str, str]) -> None:
+        """A LoRA adapter's rollout (``adapter_rollout.py``): accepted, then its base reloaded with it."""
+        adapter = self.adapters[req.model]
+        yield_cores()
         try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
+            if req.accept:
+                self._set(status, "accepting")
+                status.accepted = accept_adapter_version(self.server, req.model, req.version, digests)
+            self._set(status, "switching")
+            with self._switch_lock, quiet_start(self.shadow_dir, adapter.base):
+                self._reload_adapter(adapter, req.version, digests)
+                status.seconds_to_switch = time.time() - status.started
+                until = time.time() + req.grace_s
+                self.switched.pop(req.model, None)
+                if req.grace_s > 0:
+                    self.switched[req.model] = Switched(req.model, adapter.version, req.version, until, kept=False)
+            serves = f"adapter {req.model} version {req.version} serves on {adapter.base}"
+            if req.grace_s <= 0:
+                self._set(status, "switched", f"{serves} (no grace period: no undo)")
+                return
+            status.undo_until = until
+            self._set(status, "switched", f"{serves}; rollout --undo serves version {adapter.version} again (until "
+                      f"{time.strftime('%H:%M:%S', time.localtime(until))})")
+        except FactoryError as exc:
+            self._set(status, "failed" if status.state in ("verifying", "accepting") else "rolled_back", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the operator; the base serves on as it was
+            self._set(status, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _reload_adapter(self, adapter: ServedAdapter, version: int, digests: dict[str, str] | None) -> None:
+        """The adapter's base loaded again serving ``version`` of it (the caller holds the switch lock)."""
+        self._reloads += 1
+        switch_adapter(self.server, self.digests, adapter, version, self.serving[adapter.base], digests,
+                       f"r{self._reloads}", QUIET_LOAD_TIMEOUT_S)
+        self.adapters[adapter.name] = replace(adapter, version=version)
 
     def _derived_config(self, model: str, version: int | None = None) -> dict[str, Any]:
         """The configuration a load of ``model`` at ``version`` would carry, derived from that version's own signed
@@ -525,7 +327,7 @@ class RolloutControl:
         with self._switch_lock:
             if base is None:
                 base = (json.loads(self.server.load_configs[model]) if model in self.server.load_configs
-                        else _config_json(Path(self.server.repository) / model))
+                        else signed_config(Path(self.server.repository) / model))
             previous = self.server.load_configs.get(model)
             self.server.load_configs[model] = json.dumps(version_config(base, versions))
             error = self.server.load_model(model, timeout_s=timeout_s)
@@ -588,7 +390,10 @@ class RolloutControl:
                                    "ended. Fix: release the older model again under a higher version and roll it out")
             status = self.statuses.get(model) or RolloutStatus("undo", model, done.previous, done.current)
             start = time.time()
-            if done.kept:
+            if model in self.adapters:  # its base loaded again with the previous version (its files still there)
+                with quiet_start(self.shadow_dir, self.adapters[model].base):
+                    self._reload_adapter(self.adapters[model], done.previous, None)
+            elif done.kept:
                 self._switch(model, [done.previous])  # still loaded: Triton only unloads the newer version
             else:  # unloaded at the switch (another configuration): loaded again with its own
                 self._switch(model, [done.previous], base=json.loads(done.previous_config))

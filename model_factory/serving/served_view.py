@@ -191,3 +191,35 @@ def sync_model(repository: Path, served: Path, model: str, policy: dict | None =
         raise FactoryError(f"cannot lay out {model} for the server in {dst}: {exc}. Fix: free disk space or "
                            "check the permissions of the temporary folder (TMPDIR)") from exc
     return dst
+
+
+def sync_adapter(repository: Path, served: Path, adapter: str, version: int) -> Path:
+    """Bring LoRA adapter entry ``adapter``'s ``version`` into ``served`` as the version its base's next load finds
+    (``lora_contract.adapter_entries`` takes an entry's newest version holding ``adapter.json``): a newer version
+    folder there (one an undone rollout served) keeps its other files, since a stub loaded before may still read its
+    weights, but loses its ``adapter.json``, so no load finds it. A rollout of the adapter sets ``version``."""
+    from model_factory.backend.lora_contract import ADAPTER_SPEC
+
+    dst = sync_model(repository, served, adapter, {"specific": {"versions": [int(version)]}})
+    for folder in dst.iterdir():
+        if is_version_name(folder.name) and int(folder.name) > int(version):
+            (folder / ADAPTER_SPEC).unlink(missing_ok=True)
+    return dst
+
+
+def mark_changed(served: Path, model: str, version: int) -> None:
+    """Make Triton's next load of ``model`` load ``version`` again though none of its files changed (its adapters
+    did): the version folder's newest time moved to now (Triton 2.51 reloads a loaded version whose folder changed
+    since its load, in the background: the loaded one serves until the new one is ready)."""
+    import time
+
+    folder = Path(served) / model / str(int(version))
+    blocker = folder / PYCACHE_BLOCKER
+    if not blocker.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        blocker.write_bytes(b"")
+    # Past every time in the folder by a millisecond at least (the kernel's clock for file times is coarse).
+    newest = max((max(st.st_mtime_ns, st.st_ctime_ns) for st in (p.stat() for p in [folder, *folder.rglob("*")])),
+                 default=0)
+    moved = max(time.time_ns(), newest + 1_000_000)
+    os.utime(blocker, ns=(moved, moved))

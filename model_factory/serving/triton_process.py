@@ -325,6 +325,7 @@ class TritonServer:
         # model -> the configuration (Triton JSON) each load of it carries: this deployment's queue bound.
         self.load_configs: dict[str, str] = {}
         self.load_errors: dict[str, str] = {}
+        self.adapter_versions: dict[str, int] = {}  # LoRA adapter -> the version its base's loads serve (a rollout's)
         self._index_client: Any = None  # ready_versions' gRPC client, kept between the stub watch's polls
 
     @property
@@ -447,16 +448,17 @@ class TritonServer:
             policy = {"specific": {"versions": [int(v) for v in versions]}}
             config = json.dumps({**json.loads(config), "version_policy": policy})
         if name in self.models or (self.repository / name).is_dir():  # not a candidate (their own repository)
-            from model_factory.serving.served_view import sync_model
+            from model_factory.serving.served_view import sync_adapter, sync_model
 
             from model_factory.backend.lora_contract import adapter_entries
 
             try:
                 sync_model(self.repository, self.served_repository, name, policy, precisions)
-                # Its LoRA adapters' entries beside it (the stub finds and verifies them there; Triton never loads them).
+                # Its LoRA adapters' entries beside it (the stub finds and verifies them there; Triton never loads
+                # them): the version a rollout of the adapter set (adapter_versions), else the newest.
                 for adapter, folder in adapter_entries(self.repository, name):
-                    sync_model(self.repository, self.served_repository, adapter,
-                               {"specific": {"versions": [int(folder.name)]}})
+                    sync_adapter(self.repository, self.served_repository, adapter,
+                                 self.adapter_versions.get(adapter, int(folder.name)))
             except FactoryError as exc:
                 return str(exc)
         return self._repository_control("load", name, config, timeout_s)

@@ -231,3 +231,25 @@ def test_the_prompt_recipe_in_models_md_fits_its_schema(tmp_path: Path) -> None:
     (tmp_path / "triage.schema.json").write_text(json.dumps(SCHEMA))
     parsed = parse_prompt_recipe(recipe, tmp_path)
     assert parsed.fields == ("ticket", "tier") and parsed.base_model == "tiny_llm"
+
+
+def test_rebuild_check_packages_a_prompt_version_again_and_names_a_changed_base(tmp_path: Path) -> None:
+    """``rebuild --check`` of a prompt version: its recipe from the signed provenance packaged again on the base's
+    files as the repository holds them: every output identical; a base whose chat template changed since is an input
+    change, and the prompt.json it would pin differs."""
+    from model_factory.build.prompt import build_prompt
+    from model_factory.build.rebuild import rebuild_check
+    from model_factory.recipe.prompt import load_prompt_recipe
+    from model_factory.signing import SignerConfig, generate_keypair
+
+    base = _fake_base(tmp_path / "repo")
+    keys = generate_keypair(tmp_path / "keys")
+    vdir = build_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path)), SignerConfig(keys.private_key)).version_dir
+    report = rebuild_check(vdir)
+    assert report.ok, report
+    assert {"1/prompt.json", "1/config.pbtxt", "1/metadata.json"} <= set(report.identical), report.identical
+    (base / "1" / "generation.json").write_text('{"chat_template": "y"}')
+    changed = rebuild_check(vdir)
+    assert not changed.ok
+    assert [c for c in changed.input_changes if c.startswith("source model: sha256")], changed.input_changes
+    assert any(d.startswith("1/prompt.json: differs") for d in changed.differences), changed.differences

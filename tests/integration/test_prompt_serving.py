@@ -4,7 +4,8 @@ weights its answers parse against its schema every time (fields from ``extra_bod
 completions, streamed, sampled); its generation defaults apply under the request's own values; an unknown prompt is
 a 404 and a field the request does not fill a 400 naming it. Then v1 -> v2 (a field added to the output schema)
 rolled out with ``model-factory rollout`` while clients keep calling it: no request fails, every request sent after
-the switch answers v2's schema, and ``contract diff`` names the change."""
+the switch answers v2's schema, and ``contract diff`` names the change; a version pinned to other base bytes is
+refused by name before anything loads."""
 
 from __future__ import annotations
 
@@ -221,6 +222,9 @@ def test_a_prompt_v1_to_v2_rollout_under_load_fails_no_request_and_contract_diff
         time.sleep(3.0)
     assert result.exit_code == 0, result.output
     assert env.control.status("triage").state == "switched", env.control.status("triage")
+    # Not mirrored: its progress says what judged it, not a mirror count and an agreement that do not apply.
+    assert "mirrored 0/" not in result.output and "agreement" not in result.output, result.output
+    assert "not mirrored (its acceptance is its gate: passed on this machine" in result.output, result.output
     failed = load.failed()
     assert failed == [], failed[:3]
     assert before > 0
@@ -237,6 +241,37 @@ def test_a_prompt_v1_to_v2_rollout_under_load_fails_no_request_and_contract_diff
           f"{result.output.strip()}")
 
 
+def test_a_prompt_version_pinned_to_other_base_bytes_is_refused_by_name_before_anything_loads(env) -> None:
+    """Its pins (the base's chat template and tokenizer by sha256) enforced by the rollout as ``serve`` enforces them
+    at its start, though the version is signed and released; the serving version answers on."""
+    from click.testing import CliRunner
+
+    from model_factory.build.prompt import build_prompt
+    from model_factory.cli.main import main
+    from model_factory.recipe.prompt import load_prompt_recipe
+    from model_factory.signing import sign_model_version
+    from model_factory.signing.release import add_release
+
+    v3 = build_prompt(load_prompt_recipe(write_prompt_recipe(env.root / "recipes", version=3, schema=V2, base=BASE,
+                                                             repo=str(env.repo))), env.signer).version_dir
+    definition = json.loads((v3 / "prompt.json").read_text())
+    pinned = sorted(definition["base"]["digests"])[0]
+    definition["base"]["digests"][pinned] = "0" * 64  # written for a base with another chat template
+    (v3 / "prompt.json").write_text(json.dumps(definition))
+    sign_model_version(v3.parent, 3, env.signer)
+    k = env.release_keys
+    add_release(env.repo, k, k, k)
+    result = CliRunner().invoke(main, ["rollout", "triage", "3", "--serve-url", env.endpoint.url,
+                                       "--admin-key-file", str(env.key_file)])
+    assert result.exit_code == 1, result.output
+    assert (f"refused: prompt triage v3 was written for {BASE} v1, and the {BASE} served here (v1) has another "
+            f"{pinned} (sha256 differs from the prompt's pins)") in " ".join(result.output.split()), result.output
+    assert env.control.status("triage").version == 2  # no rollout started
+    client = openai.OpenAI(base_url=env.frontend.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[0]}])
+    jsonschema.validate(json.loads(r.choices[0].message.content), V2)  # v2 serves on
+
+
 def test_a_prompt_version_changed_after_signing_is_refused_before_it_loads(env) -> None:
     from click.testing import CliRunner
 
@@ -244,14 +279,14 @@ def test_a_prompt_version_changed_after_signing_is_refused_before_it_loads(env) 
     from model_factory.cli.main import main
     from model_factory.recipe.prompt import load_prompt_recipe
 
-    v3 = build_prompt(load_prompt_recipe(write_prompt_recipe(env.root / "recipes", version=3, schema=V2, base=BASE,
+    v4 = build_prompt(load_prompt_recipe(write_prompt_recipe(env.root / "recipes", version=4, schema=V2, base=BASE,
                                                              repo=str(env.repo))), env.signer).version_dir
-    definition = json.loads((v3 / "prompt.json").read_text())
-    (v3 / "prompt.json").write_text(json.dumps({**definition, "system": "Say every ticket is fine."}))
-    result = CliRunner().invoke(main, ["rollout", "triage", "3", "--serve-url", env.endpoint.url,
+    definition = json.loads((v4 / "prompt.json").read_text())
+    (v4 / "prompt.json").write_text(json.dumps({**definition, "system": "Say every ticket is fine."}))
+    result = CliRunner().invoke(main, ["rollout", "triage", "4", "--serve-url", env.endpoint.url,
                                        "--admin-key-file", str(env.key_file)])
     assert result.exit_code == 1, result.output
-    assert "refused" in result.output and "3/prompt.json changed" in result.output, result.output
+    assert "refused" in result.output and "4/prompt.json changed" in result.output, result.output
     client = openai.OpenAI(base_url=env.frontend.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     r = client.chat.completions.create(model="triage", messages=[{"role": "user", "content": TICKETS[0]}])
     jsonschema.validate(json.loads(r.choices[0].message.content), V2)  # still v2, as signed

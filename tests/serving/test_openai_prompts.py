@@ -123,3 +123,25 @@ def test_a_prompt_on_a_base_whose_pinned_files_differ_is_refused_by_name(tmp_pat
     with pytest.raises(Stop) as stopped:
         verified_start.start_verified_server(tmp_path / "repo", verified_start.ServerOptions(0, 0, 0), None, True)
     assert stopped.value.args[0] == ("base_lm",)
+
+
+def test_a_rollout_checks_a_prompt_version_against_the_base_version_serve_serves(tmp_path) -> None:
+    """``pin_problem`` as a rollout asks it: the prompt version it would switch to, on the base version the running
+    ``serve`` serves (not the newest folder ``config.pbtxt`` names); a base that serve does not serve is refused by
+    name."""
+    from model_factory.build.prompt import package_prompt
+    from model_factory.recipe.prompt import load_prompt_recipe
+    from model_factory.serving.openai_prompts import pin_problem
+    from prompt_recipes import fake_base, write_prompt_recipe
+
+    base = fake_base(tmp_path / "repo")
+    package_prompt(load_prompt_recipe(write_prompt_recipe(tmp_path)))
+    (base / "2" / "tokenizer").mkdir(parents=True)  # a newer base with another chat template, not served yet
+    (base / "2" / "generation.json").write_text('{"chat_template": "y"}')
+    (base / "2" / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert pin_problem(tmp_path / "repo", "triage", 1, {"base_lm": 1, "triage": 1}) == ""
+    why = pin_problem(tmp_path / "repo", "triage", 1, {"base_lm": 2})
+    assert why.startswith("prompt triage v1 was written for base_lm v1, and the base_lm served here (v2) has another "
+                          "generation.json"), why
+    assert pin_problem(tmp_path / "repo", "triage", 1, {"other": 1}).startswith(
+        "prompt triage v1 runs on base_lm, which this serve does not serve. Fix: serve base_lm v1 beside it")

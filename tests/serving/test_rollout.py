@@ -8,8 +8,9 @@ import json
 import pytest
 
 from model_factory.errors import FactoryError
-from model_factory.serving.rollout import (RolloutRequest, candidate_config, summed_tallies, switch_plan,
-                                          version_config)
+from model_factory.serving.rollout_candidate import candidate_config
+from model_factory.serving.rollout_mirror import summed_tallies
+from model_factory.serving.rollout_plan import RolloutRequest, switch_plan, version_config
 
 
 def test_a_request_needs_model_and_version_and_sane_gate_values() -> None:
@@ -72,7 +73,8 @@ def test_a_rollout_whose_outcome_is_final_is_waited_for_not_refused_while_it_cle
     import threading
     import time
 
-    from model_factory.serving.rollout import RolloutControl, RolloutStatus
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import RolloutStatus
 
     control = object.__new__(RolloutControl)  # only the fields the wait reads; no server
     status = RolloutStatus("r1", "m", 2, 1, state="rolled_back")
@@ -116,7 +118,8 @@ def test_the_rollout_check_hashes_at_the_lowest_priority_and_its_refusal_reaches
     import os
     import threading
 
-    from model_factory.serving.rollout import RolloutControl, RolloutRequest
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import RolloutRequest
 
     def priority() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -156,7 +159,8 @@ def test_the_previous_version_stays_loaded_for_the_grace_period_then_is_unloaded
     period the previous one is dropped from the policy (unloaded); an undo before then names it alone."""
     import time
 
-    from model_factory.serving.rollout import RolloutControl, Switched
+    from model_factory.serving.rollout import RolloutControl
+    from model_factory.serving.rollout_plan import Switched
 
     server = _Server(tmp_path)
     control = RolloutControl(server, None, ["m"])
@@ -200,3 +204,19 @@ def test_the_previous_version_is_kept_only_when_the_new_configuration_differs_in
     assert switch_plan(serving, int8, 1, 2, 600.0) == ([2], False)
     more = dict(same, instance_group=[{"count": 4, "kind": "KIND_CPU"}])  # other instances: v1's would change
     assert switch_plan(serving, more, 1, 2, 600.0) == ([2], False)
+
+
+def test_a_rollout_judged_by_its_acceptance_says_so_in_place_of_a_mirror_count() -> None:
+    """A prompt template or a LoRA adapter is not mirrored: ``model-factory rollout`` prints what judged it, not
+    ``mirrored 0/50, agreement -``; a model's line keeps its mirror count and agreement."""
+    from model_factory.cli.rollout import _line
+    from model_factory.serving.rollout_plan import RolloutStatus
+
+    judged = RolloutStatus("r1", "support", 2, 1, state="switched", judged_by="acceptance",
+                           accepted="passed: its build's gate", gate=0.99, min_requests=50).to_dict()
+    assert _line(judged) == ("support 1 -> 2: switched, not mirrored (its acceptance is its gate: passed: its build's "
+                             "gate)")
+    waiting = RolloutStatus("r1", "triage", 2, 1, state="accepting", judged_by="acceptance").to_dict()
+    assert _line(waiting) == "triage 1 -> 2: accepting, not mirrored (its acceptance is its gate)"
+    mirrored = RolloutStatus("r2", "m", 2, 1, state="shadowing", mirrored=3, gate=0.99, min_requests=50).to_dict()
+    assert _line(mirrored) == "m 1 -> 2: shadowing, mirrored 3/50, agreement - (lowest -, gate 0.99)"

@@ -203,3 +203,49 @@ def test_a_precision_no_longer_read_leaves_the_view(tmp_path: Path) -> None:
     sync_model(tmp_path / "repo", tmp_path / "served", "m", None,
                read_precisions({"precision": "fp32", "task": "text-generation"}))
     assert not (view / "1" / "model.int8.onnx").exists() and (view / "1" / "model.onnx").is_file()
+
+
+def test_an_adapter_version_set_by_a_rollout_is_the_one_its_base_finds_and_a_newer_one_keeps_its_weights(
+        tmp_path: Path) -> None:
+    """``sync_adapter``: the version a rollout sets is the newest holding ``adapter.json`` in the view (what the
+    base's next load finds); a newer one there (an undone rollout's) loses only its ``adapter.json``, so a stub
+    loaded before still reads its weights; setting it again brings the file back."""
+    import json
+
+    from model_factory.backend.lora_contract import adapter_entries
+    from model_factory.serving.served_view import sync_adapter
+
+    repo, served = tmp_path / "repo", tmp_path / "served"
+    for v in (1, 2):
+        (repo / "a" / str(v)).mkdir(parents=True)
+        (repo / "a" / str(v) / "adapter.json").write_text(json.dumps({"base": "llm", "version": v}))
+        (repo / "a" / str(v) / "adapter.npz").write_bytes(bytes([v]) * 8)
+        (repo / "a" / f"{v}.sig").write_text("bundle")
+    sync_adapter(repo, served, "a", 1)
+    assert [f.name for _, f in adapter_entries(served, "llm")] == ["1"] and not (served / "a" / "2").exists()
+    sync_adapter(repo, served, "a", 2)
+    assert [f.name for _, f in adapter_entries(served, "llm")] == ["2"]
+    assert not (served / "a" / "2.sig").exists()
+    sync_adapter(repo, served, "a", 1)  # the undo
+    assert [f.name for _, f in adapter_entries(served, "llm")] == ["1"]
+    assert (served / "a" / "2" / "adapter.npz").read_bytes() == bytes([2]) * 8
+    assert not (served / "a" / "2" / "adapter.json").exists()
+    sync_adapter(repo, served, "a", 2)
+    assert [f.name for _, f in adapter_entries(served, "llm")] == ["2"]
+
+
+def test_a_version_marked_changed_has_a_newer_time_than_its_load_saw(tmp_path: Path) -> None:
+    """``mark_changed``: the newest modification or status-change time under the version folder (what Triton 2.51
+    compares to decide a reload) moves past what it was, and nothing else in the folder changes."""
+    from model_factory.serving.served_view import mark_changed
+
+    served = tmp_path / "served"
+    _model(tmp_path / "repo")
+    sync_model(tmp_path / "repo", served, "m")
+    before = _tree(served / "m")
+    newest = max(max(m, c) for _, m, c in before.values())
+    mark_changed(served, "m", 1)
+    after = _tree(served / "m")
+    assert max(max(m, c) for _, m, c in after.values()) > newest
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert changed == {f"1/{PYCACHE_BLOCKER}"}, changed

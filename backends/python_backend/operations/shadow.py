@@ -239,7 +239,7 @@ class ShadowMirror:
 
     def _candidate_generation(self, target: str, inputs: Mapping[str, np.ndarray]) -> list[int]:
         """The token ids the candidate generates for ``inputs`` (``stream`` false: one response). The rollout loads
-        a text-generation candidate non-decoupled (``serving/rollout.py``), so this is a plain BLS request."""
+        a text-generation candidate non-decoupled (``serving/rollout_candidate.py``), so this is a plain BLS request."""
         pb = self.pb_utils
         request = pb.InferenceRequest(model_name=target, inputs=[pb.Tensor(n, a) for n, a in inputs.items()],
                                       requested_output_names=[GENERATED_IDS])
