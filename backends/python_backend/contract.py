@@ -33,6 +33,8 @@ QUEUE_SHEDDING = ("count", "age")
 # integer: ONNX Runtime's integer kernels (8-bit weights where the CPU has integer dot products, the 7-bit
 # form elsewhere); integer-7bit: the 7-bit form on any CPU; simulated: Q/DQ as float arithmetic (cpu_features).
 INT8_KERNELS = ("auto", "integer", "integer-7bit", "simulated")
+# ONNX Runtime's intra-op spinning on the CPU (settings.cpu_spinning).
+CPU_SPINNING = ("auto", "on", "off")
 # Attention over an INT8 KV cache on the CPU (int8_attention.py): auto (the factory's kernel, compiled on the host,
 # where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
@@ -171,6 +173,10 @@ class ModelParameters:
     pool_initial_mib: int = _param("int", 0, minimum=0)
     # ONNX Runtime threads per CPU instance (0: split the cores; spinning off when the threads outnumber them).
     cpu_threads: int = _param("int", 0, minimum=0, why="0 (split the cores) or positive")
+    # Whether ONNX Runtime's idle intra-op threads spin: auto (a text-generation model: off, its cores shared with
+    # Triton, the frontend and the clients of every token; others: only while the instances' threads fit the
+    # cores), on, off (idle threads sleep at once).
+    cpu_spinning: str = _param("choice", "auto", choices=CPU_SPINNING)
     # With the cores split: a run takes every core while no other CPU instance computes (idle_cores.py).
     lend_idle_cores: bool = _param("bool", True)
     # INT8 on the ONNX Runtime CPU engine: auto (integer kernels where the CPU has VNNI/AMX/dot products),

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .contract import (ENGINES, PRECISIONS, Files, ParameterError, parse_parameters, plan_file,  # noqa: F401
-                       bounds_from_parameters, string_parameters)
+from .contract import (ENGINES, PRECISIONS, TEXT_GENERATION, Files, ParameterError, parse_parameters,  # noqa: F401
+                       plan_file, bounds_from_parameters, string_parameters)
 
 
 class SettingsError(ValueError):
@@ -61,6 +61,8 @@ class Settings:
     # ONNX Runtime CPU threads per instance: the ``cpu_threads`` parameter, else None (every core, see
     # cpu_threads_per_instance).
     cpu_threads: int | None = None
+    # The ``cpu_spinning`` parameter: auto | on | off (:func:`cpu_spinning`).
+    cpu_spinning: str = "auto"
     # With the cores split, runs borrow every core while no other CPU instance computes (idle_cores).
     lend_idle_cores: bool = True
     # Instances of this model on the CPU (``instance_group`` count of KIND_CPU groups; 0 when none).
@@ -173,6 +175,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         plan_file=p.plan_file or (None if "precision" in params else plan_file(p.precision)),
         pad_sequences=pad_sequences,
         cpu_threads=p.cpu_threads or None,
+        cpu_spinning=p.cpu_spinning,
         lend_idle_cores=p.lend_idle_cores,
         cpu_instances=cpu_instances,
         respond_after_return=p.respond_after_return == "true"
@@ -242,5 +245,16 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
 
 
 def cpu_spinning(settings: Settings, cpus: int, threads: int) -> bool:
-    """Whether ONNX Runtime's intra-op threads may spin: only when the instances' threads fit the cores."""
+    """Whether ONNX Runtime's intra-op threads may spin: as the ``cpu_spinning`` parameter says; under "auto" never
+    for a text-generation model, else only when the instances' threads fit the cores.
+
+    A text-generation model sends a response a token: the stub's response thread, Triton, the OpenAI frontend and the
+    clients all run between and during its launches, on the same cores. Served Gemma 3 270M (INT8 dynamic + INT8 KV, 2
+    cores) made 1.3-2x the tokens/s with spinning off at 8 and 32 streams, at 25-35 % less stub CPU a token, the
+    machine shared at load average 8-14 (benchmarks/RESULTS.md, "served_overhead"; a calm machine not measured).
+    """
+    if settings.cpu_spinning != "auto":
+        return settings.cpu_spinning == "on"
+    if settings.task == TEXT_GENERATION:
+        return False
     return max(1, settings.cpu_instances) * max(1, threads) <= max(1, int(cpus))
