@@ -166,11 +166,13 @@ def main() -> None:
 
     if args.fp16 and run("fp16"):
         score("fp16", built("fp16", lambda d: C.run_builder(args.source, d, "fp16")), note="the builder's (GPU) graph")
-    def smoothed(d: Path, alphas, keep=()) -> None:  # down_proj's input smoothed (build_engines/smooth.py), then INT8
+    def smoothed(d: Path, alphas, keep=(), rows=False) -> None:  # down_proj's input smoothed (build_engines/smooth.py)
         from model_factory.build_engines.smooth import smoothed_fp32
 
         base, chosen = smoothed_fp32(args.source, fp32, work / "fp32-smoothed", batches, 256, alphas, say)
         dynamic_int8(base, d, keep)
+        if rows:
+            per_row_matmuls(d / "model.onnx", ("down_proj",))
         (d / "smoothing.json").write_text(json.dumps([vars(c) for c in chosen], indent=1))
         import shutil
 
@@ -193,6 +195,17 @@ def main() -> None:
             row = score(name, graph, note=note, wider=list(keep))
             if row["agreement"] >= 0.8 and row["ratio"] <= 1.1:
                 break
+    from model_factory.build_engines.row_int8 import per_row_matmuls
+
+    name = "int8-dynamic-down_proj-rows"  # down_proj in integers with a scale per row (build_engines/row_int8.py)
+    if run(name):
+        score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
+                                           per_row_matmuls(d / "model.onnx", ("down_proj",)))),
+              note="all INT8, down_proj's activations scaled per row (per token)")
+    name = "int8-dynamic-smoothed-down_proj-rows"
+    if run(name):
+        score(name, built(name, lambda d: smoothed(d, ALPHAS, ("down_proj",), rows=True)),
+              note="all INT8, down_proj's input smoothed and scaled per row")
     for alpha in args.smooth_alpha:  # one a for every layer (no search)
         name = f"int8-dynamic-smoothed-a{alpha:g}"
         if run(name):
@@ -282,7 +295,7 @@ def ladder_lines(scores: dict) -> list[str]:
 
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
-    if name.startswith("int8-dynamic-smoothed-a"):  # the fixed-a rows beside the searched one
+    if name.startswith(("int8-dynamic-smoothed-", "int8-dynamic-down_proj-rows")):  # beside the searched one
         return names.index("int8-dynamic-smoothed")
     return names.index(name) if name in names else len(names)
 

@@ -91,20 +91,20 @@ def down_folds(graph: Any) -> tuple[dict[int, DownFold], str]:
     return folds, ""
 
 
-def _int8_error(x: Any, w: Any, rows: int) -> float:
-    """Relative output error of ``x @ w`` (torch, ``w`` ``[in, out]``) computed as ONNX Runtime's dynamic INT8 does:
-    ``w`` symmetric 7-bit per output column, ``x`` uint8 with a zero point per tensor of ``rows`` rows."""
+def _int8_error(x: Any, w: Any, rows: int, refs: Sequence[Any]) -> float:
+    """Relative output error of ``x @ w`` (torch, ``w`` ``[in, out]``; ``refs``: the float products of each tensor,
+    which no fold changes) computed as ONNX Runtime's dynamic INT8 does: ``w`` symmetric 7-bit per output column,
+    ``x`` uint8 with a zero point per tensor of ``rows`` rows."""
     import torch
 
     ws = w.abs().amax(dim=0, keepdim=True).clamp(min=1e-12) / 64
     wq = torch.clamp(torch.round(w / ws), -64, 64) * ws
     num = den = 0.0
-    for chunk in torch.split(x, rows):
+    for chunk, ref in zip(torch.split(x, rows), refs):
         lo, hi = min(float(chunk.min()), 0.0), max(float(chunk.max()), 0.0)
         scale = (hi - lo) / 255 or 1.0
         zp = round(-lo / scale)
         xq = (torch.clamp(torch.round(chunk / scale) + zp, 0, 255) - zp) * scale
-        ref = chunk @ w
         num += float(torch.sum((xq @ wq - ref) ** 2))
         den += float(torch.sum(ref ** 2))
     return num / max(den, 1e-30)
@@ -146,11 +146,12 @@ def search_smoothing(source: Path, fp32_graph: Any, token_batches: Sequence[Sequ
             w = torch.from_numpy(numpy_helper.to_array(inits[fold.down_weight]).astype(np.float32))
             x_max, w_max = x.abs().amax(dim=0), w.abs().amax(dim=1)
             xs = x[:SEARCH_ROWS]
-            before = _int8_error(xs, w, rows_per_tensor)
+            refs = [chunk @ w for chunk in torch.split(xs, rows_per_tensor)]
+            before = _int8_error(xs, w, rows_per_tensor, refs)
             best: tuple[float, float | None, Any] = (before, None, None)
             for alpha in alphas:
                 s = scale_of(x_max, w_max, alpha)
-                err = _int8_error(xs / s, w * s[:, None], rows_per_tensor)
+                err = _int8_error(xs / s, w * s[:, None], rows_per_tensor, refs)
                 if err < best[0] or len(alphas) == 1:
                     best = (err, alpha, s)
             if best[2] is not None:
