@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="variants to run (default: all)")
     ap.add_argument("--fresh", action="append", default=[], help="variants whose scores are redone")
     ap.add_argument("--fp16", action="store_true", help="also build and score the FP16 graph")
+    ap.add_argument("--rows-float-layers", action="append", default=[], metavar="I,J",
+                    help="also down_proj per row with these layers' in float (int8-dynamic-down_proj-rows-floatI,J)")
     ap.add_argument("--smooth-alpha", type=float, action="append", default=[],
                     help="also INT8 dynamic smoothed with this one a in every layer (int8-dynamic-smoothed-aA)")
     ap.add_argument("--write", action="store_true", help="write the section into benchmarks/RESULTS.md")
@@ -178,14 +180,17 @@ def main() -> None:
 
         shutil.rmtree(work / "fp32-smoothed")
 
-    # INT8 dynamic: the stage's ladder (all INT8 with down_proj's input smoothed; down_proj, then o_proj too, in
-    # float; then weight-only) until the gate passes
+    from model_factory.build_engines.row_int8 import ROW_DOWN, per_row_matmuls
+
+    # INT8 dynamic: the stage's ladder (all INT8 with down_proj's input smoothed and scaled per row; down_proj, then
+    # o_proj too, in float; then weight-only) until the gate passes
     if run("int8-dynamic"):
         for method, step in _ladder("int8", "dynamic", True, True):
-            keep = tuple(k for k in step if k != SMOOTH_DOWN)
+            keep = tuple(k for k in step if k not in (SMOOTH_DOWN, ROW_DOWN))
             if SMOOTH_DOWN in step:
-                name, note = "int8-dynamic-smoothed", "the ladder: all INT8, down_proj's input smoothed (a searched)"
-                graph = built(name, lambda d: smoothed(d, ALPHAS))
+                name = "int8-dynamic-smoothed-down_proj-rows"
+                note = "the ladder: all INT8, down_proj's input smoothed (a searched per layer) and scaled per row"
+                graph = built(name, lambda d: smoothed(d, ALPHAS, ("down_proj",), rows=True))
             elif method == "dynamic":
                 name = "int8-dynamic" + "".join(f"-{k}" for k in keep)
                 note = "the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8")
@@ -195,17 +200,22 @@ def main() -> None:
             row = score(name, graph, note=note, wider=list(keep))
             if row["agreement"] >= 0.8 and row["ratio"] <= 1.1:
                 break
-    from model_factory.build_engines.row_int8 import per_row_matmuls
-
+    name = "int8-dynamic-smoothed"  # smoothing alone
+    if run(name):
+        score(name, built(name, lambda d: smoothed(d, ALPHAS)), note="all INT8, down_proj's input smoothed (a searched)")
     name = "int8-dynamic-down_proj-rows"  # down_proj in integers with a scale per row (build_engines/row_int8.py)
     if run(name):
         score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
                                            per_row_matmuls(d / "model.onnx", ("down_proj",)))),
               note="all INT8, down_proj's activations scaled per row (per token)")
-    name = "int8-dynamic-smoothed-down_proj-rows"
-    if run(name):
-        score(name, built(name, lambda d: smoothed(d, ALPHAS, ("down_proj",), rows=True)),
-              note="all INT8, down_proj's input smoothed and scaled per row")
+    for layers in args.rows_float_layers:  # per row but these layers' down_proj in float (the ladder by layer)
+        name = f"int8-dynamic-down_proj-rows-float{layers}"
+        kept = {int(x) for x in layers.split(",")}
+        rows = [f"layers.{i}/mlp/down_proj" for i in range(256) if i not in kept]
+        if run(name):
+            score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
+                                               per_row_matmuls(d / "model.onnx", rows))),
+                  note=f"down_proj per row, layers {layers}'s in float")
     for alpha in args.smooth_alpha:  # one a for every layer (no search)
         name = f"int8-dynamic-smoothed-a{alpha:g}"
         if run(name):
@@ -263,7 +273,7 @@ def main() -> None:
 
 
 LADDERS = {  # the stage's own climbs, as the default recipe builds them on Gemma
-    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-smoothed", "int8-dynamic-down_proj",
+    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-smoothed-down_proj-rows", "int8-dynamic-down_proj",
                                                 "int8-dynamic-down_proj-o_proj", "int8-weight-only"),
     "INT4 (the default: awq, int4_symmetric = false)": ("int4-awq-zp-gptq-head8", "int4-awq-zp-gptq-mixed"),
     "INT4 before (awq, the builder's symmetric rounding)": ("int4-awq-head8", "int4-awq-mixed"),
@@ -295,8 +305,8 @@ def ladder_lines(scores: dict) -> list[str]:
 
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
-    if name.startswith(("int8-dynamic-smoothed-", "int8-dynamic-down_proj-rows")):  # beside the searched one
-        return names.index("int8-dynamic-smoothed")
+    if name.startswith(("int8-dynamic-smoothed", "int8-dynamic-down_proj-rows")):  # beside the ladder's step
+        return names.index("int8-dynamic-smoothed-down_proj-rows")
     return names.index(name) if name in names else len(names)
 
 

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+# The ladder's marker for the step (in DYNAMIC_STEPS beside the parts kept in float; never a node name).
+ROW_DOWN = "rows:down_proj"
 QMAX = 127  # the activations' symmetric range per row, stored around ZERO in uint8
 ZERO = 128
 WEIGHT_MAX = 64  # 7-bit weights (dynamic_int8's reduce_range)

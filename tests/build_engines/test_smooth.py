@@ -68,8 +68,10 @@ def test_an_mlp_that_is_not_gated_has_no_smoothed_step(tmp_path, family):
 def test_a_smoothed_result_is_recorded_apart_from_the_float_matmuls():
     from model_factory.build_engines.lm_quantize import GenerativeAccuracy, GenerativeResult
 
-    row = GenerativeResult("int8", "dynamic", 0.95, 27.0, 25.0, 1.08, 0.5, 26, 256, True, smoothed=("down_proj",))
+    row = GenerativeResult("int8", "dynamic", 0.95, 27.0, 25.0, 1.08, 0.5, 26, 256, True, smoothed=("down_proj",),
+                           per_row=("down_proj",))
     d = json.loads(json.dumps(row.row()))  # as accuracy.json holds it
-    assert d["smoothed"] == ["down_proj"] and d["float_matmuls"] == [] and d["float_nodes"] == []
+    assert d["smoothed"] == ["down_proj"] and d["per_row"] == ["down_proj"]
+    assert d["float_matmuls"] == [] and d["float_nodes"] == []  # down_proj is in integers
     table = GenerativeAccuracy("m", "h", 26, "", "c", 32, 0.8, 1.1, (row,)).render(width=200)
-    assert "smoothed: down_proj" in table
+    assert "smoothed: down_proj, per row: down_proj" in table
