@@ -19,6 +19,11 @@ Then one ONNX Runtime profile per row count (8 and 32 rows, ``--profile-steps`` 
 prefill): each operator type's share of the steps' kernel time and the LM head node's (the session made through
 the backend's ``_cpu_session`` with ``enable_profiling`` set: a benchmark's patch, not a backend option).
 The section between ``<!-- decode_profile:start -->`` and ``<!-- decode_profile:end -->`` is replaced.
+
+``--against VERSION_DIR`` compares two builds instead (``decode_compare``): both loaded in the one process, each
+round runs every stream count on both, their order alternating round by round, greedy rows in place; per build the
+step's wall and CPU time (medians over a run's decode steps, then median and range over the rounds) and tokens/s,
+and the second's CPU per step over the first's, round by round (no operator profile).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.results_file import publish, say  # noqa: E402
 
 START, END = "<!-- decode_profile:start -->", "<!-- decode_profile:end -->"
+CSTART, CEND = "<!-- decode_compare:start -->", "<!-- decode_compare:end -->"
 PROMPT = 128
 
 
@@ -175,12 +181,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile-rows", default="8,32")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--against", help="a second built version: the two compared round by round (decode_compare)")
+    ap.add_argument("--labels", default="A,B", help="the two versions' names in the compare table")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     vdir = Path(args.version)
     load = LoadReading.begin()
     tokenizer = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
     tokenizer.no_padding()
+    if args.against:
+        return compare(args, vdir, Path(args.against), tokenizer, load)
     spec, lm = _engine(vdir, args.precision)
     say(f"{vdir}: {args.precision}, attention {lm.attention}")
     one_run(lm, spec, tokenizer, 2, 4, True, 99)  # warm
@@ -236,6 +246,51 @@ def main() -> int:
         lines.append(f"| {op} | " + " | ".join(f"{100 * profiles[r]['ops'].get(op, 0.0):.1f} %" for r in rows) + " |")
     lines.append(END)
     publish("\n".join(lines), HERE / "RESULTS.md", START, END, args.write)
+    return 0
+
+
+def compare(args, a: Path, b: Path, tokenizer, load) -> int:
+    """Two versions' decode steps round by round, their order alternating (``--against``)."""
+    from benchmarks.harness.run_header import run_header
+
+    labels = args.labels.split(",")
+    engines = [_engine(a, args.precision), _engine(b, args.precision)]
+    for spec, lm in engines:
+        one_run(lm, spec, tokenizer, 2, 4, True, 99)  # warm
+    results: dict = collections.defaultdict(list)
+    for r in range(args.rounds):
+        for streams in (int(x) for x in args.streams.split(",")):
+            for v in ((0, 1) if r % 2 == 0 else (1, 0)):
+                spec, lm = engines[v]
+                got = one_run(lm, spec, tokenizer, streams, args.tokens, True, seed=r * 100 + streams)
+                results[(streams, v)].append(got)
+                say(f"round {r + 1} streams {streams} {labels[v]}: {got}")
+    for _spec, lm in engines:
+        lm.close()
+
+    def cell(values: list[float], fmt: str = "{:.1f}") -> str:
+        mid = fmt.format(statistics.median(values))
+        return mid if len(values) == 1 else f"{mid} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    lines = [CSTART, "## Two builds' decode steps, in-process (`decode_compare`)", "",
+             run_header("benchmarks/bench_decode_profile.py --against", load.finish()), "",
+             f"{labels[0]}: `{a}`; {labels[1]}: `{b}`; both at `{args.precision}`, loaded in one process, on the "
+             f"backend's scheduler (CausalLM, 2 threads, attention {engines[0][1].attention}); {PROMPT}-token prompts "
+             f"submitted at once, {args.tokens} greedy tokens each; {args.rounds} rounds, each running every stream "
+             "count on both builds, their order alternating round by round; per run the medians over its decode-only "
+             "steps, then the median (range) over the rounds; CPU = every thread of the process. Ratio: "
+             f"{labels[1]}'s step CPU over {labels[0]}'s in the same round.", "",
+             "| streams | build | step ms | step CPU ms | launch CPU ms | tokens/s | step CPU ratio |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for streams in sorted({k[0] for k in results}):
+        ratios = [y["step_cpu"] / x["step_cpu"] for x, y in zip(results[(streams, 0)], results[(streams, 1)])]
+        for v in (0, 1):
+            runs = results[(streams, v)]
+            lines.append(f"| {streams} | {labels[v]} | {cell([x['step'] for x in runs])} | "
+                         f"{cell([x['step_cpu'] for x in runs])} | {cell([x['launch_cpu'] for x in runs])} | "
+                         f"{cell([x['tps'] for x in runs])} | {cell(ratios, '{:.3f}') if v else ''} |")
+    lines.append(CEND)
+    publish("\n".join(lines), HERE / "RESULTS.md", CSTART, CEND, args.write)
     return 0
 
 

@@ -77,6 +77,10 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="variants to run (default: all)")
     ap.add_argument("--fresh", action="append", default=[], help="variants whose scores are redone")
     ap.add_argument("--fp16", action="store_true", help="also build and score the FP16 graph")
+    ap.add_argument("--rows-float-layers", action="append", default=[], metavar="I,J",
+                    help="also down_proj per row with these layers' in float (int8-dynamic-down_proj-rows-floatI,J)")
+    ap.add_argument("--smooth-alpha", type=float, action="append", default=[],
+                    help="also INT8 dynamic smoothed with this one a in every layer (int8-dynamic-smoothed-aA)")
     ap.add_argument("--write", action="store_true", help="write the section into benchmarks/RESULTS.md")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,6 +89,7 @@ def main() -> None:
     from model_factory.build_engines import causal_lm as C
     from model_factory.build_engines.lm_quantize import (CALIBRATION_TOKENS, PPL_TOKENS, Scorer, _builder_options,
                                                          _ladder, dynamic_int8, weights_bytes)
+    from model_factory.build_engines.smooth import ALPHAS, SMOOTH_DOWN
 
     load = LoadReading.begin()
     work = args.work.resolve()
@@ -163,16 +168,59 @@ def main() -> None:
 
     if args.fp16 and run("fp16"):
         score("fp16", built("fp16", lambda d: C.run_builder(args.source, d, "fp16")), note="the builder's (GPU) graph")
-    # INT8 dynamic: the stage's ladder (down_proj, then o_proj too, in float; then weight-only) until the gate passes
+    def smoothed(d: Path, alphas, keep=(), rows=False) -> None:  # down_proj's input smoothed (build_engines/smooth.py)
+        from model_factory.build_engines.smooth import smoothed_fp32
+
+        base, chosen = smoothed_fp32(args.source, fp32, work / "fp32-smoothed", batches, 256, alphas, say)
+        dynamic_int8(base, d, keep)
+        if rows:
+            per_row_matmuls(d / "model.onnx", ("down_proj",))
+        (d / "smoothing.json").write_text(json.dumps([vars(c) for c in chosen], indent=1))
+        import shutil
+
+        shutil.rmtree(work / "fp32-smoothed")
+
+    from model_factory.build_engines.row_int8 import ROW_DOWN, per_row_matmuls
+
+    # INT8 dynamic: the stage's ladder (all INT8 with down_proj's input smoothed and scaled per row; down_proj, then
+    # o_proj too, in float; then weight-only) until the gate passes
     if run("int8-dynamic"):
-        for method, keep in _ladder("int8", "dynamic", True, True):
-            name = "int8-dynamic" + "".join(f"-{k}" for k in keep) if method == "dynamic" else "int8-weight-only"
-            graph = built(name, lambda d: dynamic_int8(fp32, d, keep)) if method == "dynamic" else \
-                graph_dir(name) / "model.onnx"
-            row = score(name, graph, note="the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8"),
-                        wider=list(keep))
+        for method, step in _ladder("int8", "dynamic", True, True):
+            keep = tuple(k for k in step if k not in (SMOOTH_DOWN, ROW_DOWN))
+            if SMOOTH_DOWN in step:
+                name = "int8-dynamic-smoothed-down_proj-rows"
+                note = "the ladder: all INT8, down_proj's input smoothed (a searched per layer) and scaled per row"
+                graph = built(name, lambda d: smoothed(d, ALPHAS, ("down_proj",), rows=True))
+            elif method == "dynamic":
+                name = "int8-dynamic" + "".join(f"-{k}" for k in keep)
+                note = "the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8")
+                graph = built(name, lambda d: dynamic_int8(fp32, d, keep))
+            else:
+                name, note, graph = "int8-weight-only", "the default INT8", graph_dir("int8-weight-only") / "model.onnx"
+            row = score(name, graph, note=note, wider=list(keep))
             if row["agreement"] >= 0.8 and row["ratio"] <= 1.1:
                 break
+    name = "int8-dynamic-smoothed"  # smoothing alone
+    if run(name):
+        score(name, built(name, lambda d: smoothed(d, ALPHAS)), note="all INT8, down_proj's input smoothed (a searched)")
+    name = "int8-dynamic-down_proj-rows"  # down_proj in integers with a scale per row (build_engines/row_int8.py)
+    if run(name):
+        score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
+                                           per_row_matmuls(d / "model.onnx", ("down_proj",)))),
+              note="all INT8, down_proj's activations scaled per row (per token)")
+    for layers in args.rows_float_layers:  # per row but these layers' down_proj in float (the ladder by layer)
+        name = f"int8-dynamic-down_proj-rows-float{layers}"
+        kept = {int(x) for x in layers.split(",")}
+        rows = [f"layers.{i}/mlp/down_proj" for i in range(256) if i not in kept]
+        if run(name):
+            score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
+                                               per_row_matmuls(d / "model.onnx", rows))),
+                  note=f"down_proj per row, layers {layers}'s in float")
+    for alpha in args.smooth_alpha:  # one a for every layer (no search)
+        name = f"int8-dynamic-smoothed-a{alpha:g}"
+        if run(name):
+            score(name, built(name, lambda d: smoothed(d, (alpha,))),
+                  note=f"all INT8, down_proj's input smoothed, a = {alpha:g} in every layer")
     for name, (precision, method, wider, block, note) in BUILDER.items():
         if not run(name):
             continue
@@ -225,8 +273,8 @@ def main() -> None:
 
 
 LADDERS = {  # the stage's own climbs, as the default recipe builds them on Gemma
-    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-down_proj", "int8-dynamic-down_proj-o_proj",
-                                                "int8-weight-only"),
+    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-smoothed-down_proj-rows", "int8-dynamic-down_proj",
+                                                "int8-dynamic-down_proj-o_proj", "int8-weight-only"),
     "INT4 (the default: awq, int4_symmetric = false)": ("int4-awq-zp-gptq-head8", "int4-awq-zp-gptq-mixed"),
     "INT4 before (awq, the builder's symmetric rounding)": ("int4-awq-head8", "int4-awq-mixed"),
 }
@@ -257,6 +305,8 @@ def ladder_lines(scores: dict) -> list[str]:
 
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
+    if name.startswith(("int8-dynamic-smoothed", "int8-dynamic-down_proj-rows")):  # beside the ladder's step
+        return names.index("int8-dynamic-smoothed-down_proj-rows")
     return names.index(name) if name in names else len(names)
 
 

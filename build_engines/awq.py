@@ -180,14 +180,15 @@ def _error(x: Any, refs: Sequence[Any], weights: Sequence[Any]) -> float:
     return num / max(den, 1e-30)
 
 
-def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]], block: int,
-                  progress: Callable[[str], None] = lambda _m: None) -> list[GroupScale]:
-    """Search and fold the scales of every layer's groups into ``model`` (in place); returns what was chosen.
+def capture_inputs(model: Any, token_batches: Sequence[Sequence[int]], max_rows: int | None = MAX_ROWS,
+                   keep: Callable[[Group], bool] = lambda _g: True) -> tuple[dict[int, list[Group]],
+                                                                            dict[tuple[int, str], list[Any]], Any]:
+    """Each layer's groups (:func:`find_groups`) and the inputs their linears read on the calibration text.
 
-    ``family`` is kept for the callers; the groups come from each layer's module graph (:func:`find_groups`)."""
+    Returns (layer -> groups, (layer, group name) -> the input rows of each batch ``[tokens, in]`` up to
+    ``max_rows`` in all (None: every row), the logits of the first batch before anything is folded: the check that a
+    fold is exact). ``keep`` picks the groups whose inputs are kept (the others are found, not captured)."""
     import torch
-
-    from model_factory.errors import FactoryError
 
     layers = model.model.layers
     samples: dict[int, tuple[tuple, dict]] = {}
@@ -211,9 +212,12 @@ def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]
     hooks = []
     for i, found in groups.items():
         for g in found:
+            if not keep(g):
+                continue
+
             def hook(_m: Any, args: tuple, key: tuple[int, str] = (i, g.name)) -> None:
                 kept = captured.setdefault(key, [])
-                if sum(len(x) for x in kept) < MAX_ROWS:  # never more than the search reads
+                if max_rows is None or sum(len(x) for x in kept) < max_rows:  # never more than the caller reads
                     kept.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
             hooks.append(g.linears[0].register_forward_pre_hook(hook))
     try:
@@ -223,6 +227,20 @@ def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]
     finally:
         for h in hooks:
             h.remove()
+    return groups, captured, before
+
+
+def search_scales(model: Any, family: str, token_batches: Sequence[Sequence[int]], block: int,
+                  progress: Callable[[str], None] = lambda _m: None) -> list[GroupScale]:
+    """Search and fold the scales of every layer's groups into ``model`` (in place); returns what was chosen.
+
+    ``family`` is kept for the callers; the groups come from each layer's module graph (:func:`find_groups`)."""
+    import torch
+
+    from model_factory.errors import FactoryError
+
+    groups, captured, before = capture_inputs(model, token_batches)
+    first = torch.tensor([list(token_batches[0])]) if token_batches else None
     chosen: list[GroupScale] = []
     with torch.no_grad():
         for i, found in groups.items():

@@ -400,3 +400,29 @@ def test_sliding_windows_and_scaled_rope_attend_as_transformers_does(generative_
     accepted = accept_model(result.version_dir.parent)
     assert accepted.passed and accepted.free_running is not None and accepted.free_running >= accepted.threshold, \
         accepted.reason
+
+
+def test_dynamic_int8_climbs_through_the_smoothed_per_row_step(causal_lm_folders, generative_recipe, tmp_path):
+    """A gate the dynamic steps miss (agreement 1.0 and perplexity no higher than FP32's): the ladder records each
+    step, the smoothed + per row one (down_proj's scales searched per layer, its activations per row) before
+    down_proj goes to float."""
+    from model_factory.build.pipeline import build
+    from model_factory.build_engines.accuracy import AccuracyGateError
+    from model_factory.recipe import load_recipe
+
+    path = generative_recipe(tmp_path, causal_lm_folders["llama"], "climb", ("fp32", "int8"), "int8",
+                             extra='int8_method = "dynamic"\nmax_perplexity_ratio = 1.0')
+    path.write_text(path.read_text().replace("min_token_agreement = 0.4", "min_token_agreement = 1.0"))
+    try:
+        result = build(load_recipe(path))
+        search = json.loads((result.version_dir / "accuracy.json").read_text())["search"]
+    except AccuracyGateError as err:  # weight-only missed it too
+        search = [dict(s) for s in err.report.search]
+    gates = [s for s in search if s["step"] == "gate"]
+    assert [(g["method"], g.get("float"), g.get("smoothed"), g.get("per_row")) for g in gates[:4]] == [
+        ("dynamic", [], None, None), ("dynamic", [], ["down_proj"], ["down_proj"]),
+        ("dynamic", ["down_proj"], None, None), ("dynamic", ["down_proj", "o_proj"], None, None)]
+    assert not any(g["passed"] for g in gates[:4])
+    smooth = next(s for s in search if s["step"] == "smooth")
+    assert [layer["layer"] for layer in smooth["layers"]] == [0, 1]  # the tiny model's two layers
+    assert all(layer["error_after"] <= layer["error_before"] for layer in smooth["layers"])
