@@ -125,7 +125,7 @@ def _window(got_streams: list[dict], got_longs: list[dict]) -> dict:
     assert len(intervals) >= 2 * STREAMS and all(c > STREAM_TOKENS // 2 for c in counts), (len(intervals), counts)
     assert all(g["times"][-1] > end for g in got_streams), "a stream ended before the last long prompt's first token"
     return {"intervals": len(intervals), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
-            "itl_p99_ms": 1e3 * pct(intervals, 0.99),
+            "itl_p90_ms": 1e3 * pct(intervals, 0.9), "itl_p99_ms": 1e3 * pct(intervals, 0.99),
             "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99),
             "p99_over_p50": pct(intervals, 0.99) / pct(intervals, 0.5),
             "long_ttft_p50_s": statistics.median(g["times"][0] - g["sent"] for g in got_longs),
@@ -157,9 +157,9 @@ CHUNKS = (16, 32, 64, 128, 256, 512)
 def interleave(vdir: Path, repeats: int = 7) -> dict:
     """In-process, on the served graph (2 threads): what a step's launches cost. The decode launch of the 8 streams
     (256 cached tokens each), a continued chunk of each size (from 1,000 cached tokens: a chunk runs alone), and the
-    prefill cost model the load fits (``generate_model._measure_cost``) with what ``auto`` takes from it."""
+    prefill cost model the load fits (``prefill_cost.measure_cost``) with what ``auto`` takes from it."""
     from model_factory.backend.contract import Files, GenerationSpec
-    from model_factory.backend.generate_model import _measure_cost
+    from model_factory.backend.generation.prefill_cost import measure_cost
     from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.generation.chunked_prefill import chunk_tokens
     from model_factory.backend.generation.kv_slots import KVSlots
@@ -167,7 +167,7 @@ def interleave(vdir: Path, repeats: int = 7) -> dict:
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
     slots = KVSlots(spec, STREAMS + 1, 1 << 34)
-    cost = _measure_cost(lm, slots, 2048)
+    cost = measure_cost(lm, slots, 2048)
     for _ in range(STREAMS + 1):
         slots.admit(2048)
     lm.prefill([[11] * 256] * STREAMS, slots.views(0, STREAMS))
@@ -194,7 +194,8 @@ GEMMA_VERSION = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gem
 GEMMA_START, GEMMA_END = "<!-- chunked-prefill-gemma:start -->", "<!-- chunked-prefill-gemma:end -->"
 
 
-def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], longs: list[list[int]]) -> dict:
+def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], longs: list[list[int]],
+                     stream_tokens: int = STREAM_TOKENS) -> dict:
     """The mixed workload on the backend's scheduler in-process (no Triton, no HTTP): the scheduler a load of
     ``setting`` makes (``chunk_tokens``, ``whole_below``, ``itl_budget`` from the same functions), the long prompts
     submitted from another thread at their times, each token's time taken when the scheduler emits it."""
@@ -227,7 +228,7 @@ def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], lon
     def arrivals() -> None:
         start = time.perf_counter()
         for p in streams:
-            submit(p, STREAM_TOKENS)
+            submit(p, stream_tokens)
         for i, p in enumerate(longs):
             time.sleep(max(0.0, start + FIRST_S + i * GAP_S - time.perf_counter()))
             submit(p, LONG_TOKENS)
@@ -243,7 +244,7 @@ def gemma(args, load_reading, header) -> None:
     import dataclasses
 
     from model_factory.backend.contract import Files, GenerationSpec
-    from model_factory.backend.generate_model import _measure_cost
+    from model_factory.backend.generation.prefill_cost import measure_cost
     from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.generation.chunked_prefill import chunk_tokens
     from model_factory.backend.generation.kv_slots import KVSlots
@@ -252,7 +253,7 @@ def gemma(args, load_reading, header) -> None:
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
     spec = dataclasses.replace(spec, max_context=max(spec.max_context, 2048))
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
-    cost = _measure_cost(lm, KVSlots(spec, STREAMS + LONGS, 1 << 34), 2048)
+    cost = measure_cost(lm, KVSlots(spec, STREAMS + LONGS, 1 << 34), 2048)
     say(f"Gemma 3 270M FP32 in-process: cost {cost}, auto takes {chunk_tokens('auto', cost, 2048)}")
     warm_streams, warm_longs, _ = _prompts(spec.vocab_size, 99)
     _inprocess_mixed(lm, spec, cost, "off", warm_streams[:2], [warm_longs[0][:600]])
@@ -261,7 +262,7 @@ def gemma(args, load_reading, header) -> None:
     for r in range(args.rounds):
         streams, longs, _ = _prompts(spec.vocab_size, r)
         for setting in SETTINGS[r % 3:] + SETTINGS[:r % 3]:
-            got = _inprocess_mixed(lm, spec, cost, setting, streams, longs)
+            got = _inprocess_mixed(lm, spec, cost, setting, streams, longs, args.stream_tokens)
             runs.setdefault(setting, []).append(got)
             say(f"round {r + 1} Gemma mixed, {setting}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in got.items() if k != "texts"))
@@ -277,8 +278,8 @@ def gemma(args, load_reading, header) -> None:
         header("benchmarks/bench_chunked_prefill.py --gemma", load), "",
         f"Gemma 3 270M (the real weights: the FP32 graph of the factory's build, float KV cache, its slots sized to "
         f"2,048 tokens) on the backend's scheduler in-process (2 threads; no Triton, no HTTP), the workload above: "
-        f"{STREAMS} streams of {PROMPT}-token prompts decode {STREAM_TOKENS} tokens each (greedy, eos ignored); from "
-        f"{FIRST_S:g} s on a {LONG}-token prompt ({LONG_TOKENS} tokens out) arrives every {GAP_S:g} s, {LONGS} of "
+        f"{STREAMS} streams of {PROMPT}-token prompts decode {args.stream_tokens} tokens each (greedy, eos ignored); "
+        f"from {FIRST_S:g} s on a {LONG}-token prompt ({LONG_TOKENS} tokens out) arrives every {GAP_S:g} s, {LONGS} of "
         f"them. The scheduler of each setting as a load makes it; the load's prefill cost model a = "
         f"{1e3 * cost.a:.1f} ms, b = {1e3 * cost.b:.3f} ms/token, c = {1e3 * cost.c:.2e} ms/token², `auto` "
         f"{chunk_tokens('auto', cost, 2048)} tokens. ITL: the time between two tokens of one stream as the scheduler "
@@ -320,6 +321,8 @@ def main() -> int:
     ap.add_argument("--gemma", type=Path, nargs="?", const=GEMMA_VERSION, default=None,
                     help="instead: the workload on Gemma 3 270M in-process (a version folder of its build, with the "
                          f"FP32 graph; default {GEMMA_VERSION})")
+    ap.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS,
+                    help="with --gemma: the tokens each running stream decodes (it must outlast the long prompts)")
     args = ap.parse_args()
     if args.gemma is not None:
         gemma(args, LoadReading, run_header)
@@ -331,7 +334,7 @@ def main() -> int:
         from tests import generative_repository
 
         generative_repository._BUILDS[(str(hf.resolve()), "fp32", "")] = args.built.resolve()
-    say(f"laying out the two models (the factory's FP32 build of the {args.shape} Llama)")
+    say(f"laying out the three models (the factory's FP32 build of the {args.shape} Llama)")
     for setting, model in MODELS.items():
         vdir = layout_generative_model(hf, None, repo, model, memory_budget_mib=4096, max_active_sequences=16,
                                        **LAYOUT[setting])

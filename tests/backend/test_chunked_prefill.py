@@ -412,7 +412,8 @@ def test_the_itl_budget_keeps_each_step_within_the_ratio_of_the_decode_step_with
         want = min(MIN_CHUNK, len(head.prompt) - head.cached)
         sched.step()
         steps += 1
-        assert clocked.now - began <= 2 * decode_s + 1e-9, clocked.launches[launches:]  # the decode launch and the chunk within 2x the decode
+        # The decode launch and the chunk: within 2x the decode launch.
+        assert clocked.now - began <= 2 * decode_s + 1e-9, clocked.launches[launches:]
         chunks = [rows for kind, rows, _ in clocked.launches[launches:] if kind == "prefill"]
         assert chunks and all(sum(rows) <= 32 for rows in chunks)  # 20 ms + 0.5 ms x 32 <= 40 ms
         assert sum(g.cached for g in longs) - cached >= want  # at least the floor, or what that prompt had left

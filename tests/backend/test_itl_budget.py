@@ -1,6 +1,6 @@
-"""The ITL-aware chunk budget (generation/itl_budget.py): a step's chunk fitted to ``(ratio - 1)`` times the timed decode
-launch of the running batch by the prefill cost model, corrected by what the chunks measured; whole blocks, a floor
-for the first launch, a ceiling; on only under ``auto`` with a ratio."""
+"""The ITL-aware chunk budget (generation/itl_budget.py): a step's chunk fitted to ``(ratio - 1)`` times the timed
+decode launch of the running batch by the prefill cost model, corrected by what the chunks measured; whole blocks, a
+floor for the first launch, a ceiling; on only under ``auto`` with a ratio."""
 
 from __future__ import annotations
 
