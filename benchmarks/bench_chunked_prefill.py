@@ -107,7 +107,7 @@ async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[lis
     return _window(got_streams, got_longs)
 
 
-def _window(got_streams: list[dict], got_longs: list[dict]) -> dict:
+def _window(got_streams: list[dict], got_longs: list[dict], stream_tokens: int = STREAM_TOKENS) -> dict:
     """The running streams' ITL and jitter over the window from the first long prompt's arrival to the last one's first
     token, and the long prompts' TTFT (each request: ``sent``, its token ``times``, its ``text``)."""
     begin = min(g["sent"] for g in got_longs)
@@ -122,7 +122,7 @@ def _window(got_streams: list[dict], got_longs: list[dict]) -> dict:
                 jitters.append(float(np.std(gaps[i:i + JITTER_WINDOW])))
     counts = [len(g["times"]) for g in got_streams]
     # An event may carry more than one token (the frontend sends what has arrived): events, not tokens, are timed.
-    assert len(intervals) >= 2 * STREAMS and all(c > STREAM_TOKENS // 2 for c in counts), (len(intervals), counts)
+    assert len(intervals) >= 2 * STREAMS and all(c > stream_tokens // 2 for c in counts), (len(intervals), counts)
     assert all(g["times"][-1] > end for g in got_streams), "a stream ended before the last long prompt's first token"
     return {"intervals": len(intervals), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
             "itl_p90_ms": 1e3 * pct(intervals, 0.9), "itl_p99_ms": 1e3 * pct(intervals, 0.99),
@@ -195,7 +195,7 @@ GEMMA_START, GEMMA_END = "<!-- chunked-prefill-gemma:start -->", "<!-- chunked-p
 
 
 def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], longs: list[list[int]],
-                     stream_tokens: int = STREAM_TOKENS) -> dict:
+                     stream_tokens: int = STREAM_TOKENS) -> dict | None:
     """The mixed workload on the backend's scheduler in-process (no Triton, no HTTP): the scheduler a load of
     ``setting`` makes (``chunk_tokens``, ``whole_below``, ``itl_budget`` from the same functions), the long prompts
     submitted from another thread at their times, each token's time taken when the scheduler emits it."""
@@ -235,7 +235,9 @@ def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], lon
 
     step_while_arriving(sched, arrivals)
     got = [records[i] for i in range(len(records))]
-    return _window(got[:len(streams)], got[len(streams):])
+    if len(streams) < STREAMS:
+        return None  # a warm-up
+    return _window(got[:len(streams)], got[len(streams):], stream_tokens)
 
 
 def gemma(args, load_reading, header) -> None:
@@ -256,7 +258,7 @@ def gemma(args, load_reading, header) -> None:
     cost = measure_cost(lm, KVSlots(spec, STREAMS + LONGS, 1 << 34), 2048)
     say(f"Gemma 3 270M FP32 in-process: cost {cost}, auto takes {chunk_tokens('auto', cost, 2048)}")
     warm_streams, warm_longs, _ = _prompts(spec.vocab_size, 99)
-    _inprocess_mixed(lm, spec, cost, "off", warm_streams[:2], [warm_longs[0][:600]])
+    _inprocess_mixed(lm, spec, cost, "itl", warm_streams[:2], [warm_longs[0][:600]], 64)
     load = load_reading.begin()
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):

@@ -457,7 +457,9 @@ class Scheduler:
             contexts = [g.context() for g in launched]
             gen = launched[0]
             rest = len(contexts[0]) - gen.cached
-            bounded = left is not None and rest > self.whole_below  # a short prompt: whole, outside the budget
+            # A short prompt: whole, outside the budget; the rest of one already split stays in it (its tail whole
+            # would be a launch of up to whole_below tokens beside the streams).
+            bounded = left is not None and (rest > self.whole_below or gen.prefilling)
             if gen.cached or (bounded and rest > left):  # one row, continued or split (chunked prefill)
                 take = min(rest, left) if bounded else rest
                 past = gen.cached
