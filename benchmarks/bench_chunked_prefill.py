@@ -124,9 +124,9 @@ def _window(got_streams: list[dict], got_longs: list[dict], stream_tokens: int =
     # An event may carry more than one token (the frontend sends what has arrived): events, not tokens, are timed.
     assert len(intervals) >= 2 * STREAMS and all(c > stream_tokens // 2 for c in counts), (len(intervals), counts)
     assert all(g["times"][-1] > end for g in got_streams), "a stream ended before the last long prompt's first token"
-    return {"intervals": len(intervals), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
+    return {"intervals": len(intervals), "stream_tokens_min": min(counts), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
             "itl_p90_ms": 1e3 * pct(intervals, 0.9), "itl_p99_ms": 1e3 * pct(intervals, 0.99),
-            "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99),
+            "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99) if jitters else float("nan"),
             "p99_over_p50": pct(intervals, 0.99) / pct(intervals, 0.5),
             "long_ttft_p50_s": statistics.median(g["times"][0] - g["sent"] for g in got_longs),
             "texts": [g["text"] for g in got_streams + got_longs]}
