@@ -1,12 +1,15 @@
-"""Chunked prefill on and off: 8 streams decoding while long prompts arrive (issue 51's token jitter), served.
+"""Chunked prefill off, with a fixed chunk and with the ITL budget: 8 streams decoding while long prompts arrive (issue
+51's token jitter), served.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_chunked_prefill.py [--work DIR] [--built VERSION_DIR] [--rounds 2]
         [--write]
 
 The 110M Llama of bench_generate (SmolLM-135M's shape, random weights, 2,048 positions; made here or reused from
 ``--work``), or with ``--shape 15m`` a narrower one of the same family and context, the factory's FP32 build,
-laid out twice in one repository: ``prefill_chunk_tokens = "auto"`` (the chunk
-chosen from the cost model measured at load) and ``0`` (every prompt whole), served by the real Triton server and
+laid out three times in one repository: ``prefill_chunk_tokens = "auto"`` with ``max_itl_ratio = 2`` (``itl``: the
+chunk sized each step to keep the step within twice the decode-only step, generation/itl_budget.py), ``auto`` with
+``max_itl_ratio = 0`` (the chunk chosen once from the cost model measured at load) and ``0`` (``off``: every prompt
+whole), served by the real Triton server and
 driven through our OpenAI frontend (streamed ``/v1/completions``, token-id prompts, greedy, ``min_tokens`` +
 ``ignore_eos``). Per run: 8 streams of 128-token prompts start together and decode ``STREAM_TOKENS`` tokens each;
 from ``FIRST_S`` on, a ``LONG``-token prompt (the longest the 2,048 positions hold with its ``LONG_TOKENS`` tokens)
@@ -15,7 +18,7 @@ streamed token events of one stream) p50 / p99 and their token jitter p99 (the s
 intervals, as ``model_factory_token_jitter_seconds``) over the window from the first long prompt's arrival to the
 last one's first token; the long prompts' TTFT p50; whether every request's text equals the same request's with
 chunking off. Then a short check on fresh prompts alone: 8 streams of 128-token prompts, 64 tokens each, all at
-once (tokens/s and TTFT p50), on and off. The settings alternate within a round (the order flips each round). The
+once (tokens/s and TTFT p50), each setting. The settings alternate within a round (the order rotates each round). The
 section between ``<!-- chunked-prefill:start -->`` and ``<!-- chunked-prefill:end -->`` is replaced.
 """
 
@@ -44,7 +47,10 @@ STREAMS, PROMPT, STREAM_TOKENS = 8, 128, 560
 LONG, LONG_TOKENS, LONGS, FIRST_S, GAP_S = 2000, 16, 3, 1.0, 2.5
 FRESH_TOKENS = 64
 JITTER_WINDOW = 10
-MODELS = {"on": "llm_chunked", "off": "llm_whole"}
+MODELS = {"itl": "llm_itl", "auto": "llm_chunked", "off": "llm_whole"}
+LAYOUT = {"itl": dict(prefill_chunk_tokens="auto", max_itl_ratio=2.0),
+          "auto": dict(prefill_chunk_tokens="auto", max_itl_ratio=0.0), "off": dict(prefill_chunk_tokens=0)}
+SETTINGS = tuple(MODELS)
 # The 110M Llama of bench_generate, and a 15M one of the same family and context (--shape 15m: its factory build takes
 # minutes where the 110M's takes a quarter of an hour or more on a loaded 2-core machine).
 SHAPES = {"110m": SHAPE, "15m": dict(SHAPE, hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024)}
@@ -98,6 +104,12 @@ async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[lis
         arriving = [asyncio.create_task(late(i, p)) for i, p in enumerate(longs)]
         got_streams = await asyncio.gather(*running)
         got_longs = await asyncio.gather(*arriving)
+    return _window(got_streams, got_longs)
+
+
+def _window(got_streams: list[dict], got_longs: list[dict], stream_tokens: int = STREAM_TOKENS) -> dict:
+    """The running streams' ITL and jitter over the window from the first long prompt's arrival to the last one's first
+    token, and the long prompts' TTFT (each request: ``sent``, its token ``times``, its ``text``)."""
     begin = min(g["sent"] for g in got_longs)
     end = max(g["times"][0] for g in got_longs)
     intervals, jitters = [], []
@@ -110,11 +122,11 @@ async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[lis
                 jitters.append(float(np.std(gaps[i:i + JITTER_WINDOW])))
     counts = [len(g["times"]) for g in got_streams]
     # An event may carry more than one token (the frontend sends what has arrived): events, not tokens, are timed.
-    assert len(intervals) >= 2 * STREAMS and all(c > STREAM_TOKENS // 2 for c in counts), (len(intervals), counts)
+    assert len(intervals) >= 2 * STREAMS and all(c > stream_tokens // 2 for c in counts), (len(intervals), counts)
     assert all(g["times"][-1] > end for g in got_streams), "a stream ended before the last long prompt's first token"
-    return {"intervals": len(intervals), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
-            "itl_p99_ms": 1e3 * pct(intervals, 0.99),
-            "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99),
+    return {"intervals": len(intervals), "stream_tokens_min": min(counts), "itl_p50_ms": 1e3 * pct(intervals, 0.5),
+            "itl_p90_ms": 1e3 * pct(intervals, 0.9), "itl_p99_ms": 1e3 * pct(intervals, 0.99),
+            "itl_max_ms": 1e3 * max(intervals), "jitter_p99_ms": 1e3 * pct(jitters, 0.99) if jitters else float("nan"),
             "p99_over_p50": pct(intervals, 0.99) / pct(intervals, 0.5),
             "long_ttft_p50_s": statistics.median(g["times"][0] - g["sent"] for g in got_longs),
             "texts": [g["text"] for g in got_streams + got_longs]}
@@ -145,9 +157,9 @@ CHUNKS = (16, 32, 64, 128, 256, 512)
 def interleave(vdir: Path, repeats: int = 7) -> dict:
     """In-process, on the served graph (2 threads): what a step's launches cost. The decode launch of the 8 streams
     (256 cached tokens each), a continued chunk of each size (from 1,000 cached tokens: a chunk runs alone), and the
-    prefill cost model the load fits (``generate_model._measure_cost``) with what ``auto`` takes from it."""
+    prefill cost model the load fits (``prefill_cost.measure_cost``) with what ``auto`` takes from it."""
     from model_factory.backend.contract import Files, GenerationSpec
-    from model_factory.backend.generate_model import _measure_cost
+    from model_factory.backend.generation.prefill_cost import measure_cost
     from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.backend.generation.chunked_prefill import chunk_tokens
     from model_factory.backend.generation.kv_slots import KVSlots
@@ -155,7 +167,7 @@ def interleave(vdir: Path, repeats: int = 7) -> dict:
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
     slots = KVSlots(spec, STREAMS + 1, 1 << 34)
-    cost = _measure_cost(lm, slots, 2048)
+    cost = measure_cost(lm, slots, 2048)
     for _ in range(STREAMS + 1):
         slots.admit(2048)
     lm.prefill([[11] * 256] * STREAMS, slots.views(0, STREAMS))
@@ -176,6 +188,125 @@ def interleave(vdir: Path, repeats: int = 7) -> dict:
     out["cost"] = cost
     out["auto"] = chunk_tokens("auto", cost, 2048)
     return out
+
+
+GEMMA_VERSION = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gemma3/1")
+GEMMA_START, GEMMA_END = "<!-- chunked-prefill-gemma:start -->", "<!-- chunked-prefill-gemma:end -->"
+
+
+def _inprocess_mixed(lm, spec, cost, setting: str, streams: list[list[int]], longs: list[list[int]],
+                     stream_tokens: int = STREAM_TOKENS) -> dict | None:
+    """The mixed workload on the backend's scheduler in-process (no Triton, no HTTP): the scheduler a load of
+    ``setting`` makes (``chunk_tokens``, ``whole_below``, ``itl_budget`` from the same functions), the long prompts
+    submitted from another thread at their times, each token's time taken when the scheduler emits it. The streams
+    are cancelled a few tokens after the last long prompt's first token (what follows is outside the window)."""
+    from benchmarks.harness.scheduler_run import step_while_arriving
+    from model_factory.backend.generation.chunked_prefill import chunk_tokens, whole_below
+    from model_factory.backend.generation.itl_budget import itl_budget
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
+
+    lay = LAYOUT[setting]
+    pct, ratio = lay["prefill_chunk_tokens"], lay.get("max_itl_ratio", 0.0)
+    chunk = chunk_tokens(pct, cost, 2048)
+    sched = Scheduler(lm, KVSlots(spec, STREAMS + LONGS, 1 << 34), None, spec.eos_token_ids, cost=cost,
+                      chunk_tokens=chunk, whole_below=whole_below(pct, chunk),
+                      itl_budget=itl_budget(pct, ratio, chunk, cost, 2048))
+    records: dict[int, dict] = {}
+    tail = {"tokens": None}  # the streams' tokens still to come once every long prompt has its first token
+
+    def submit(prompt: list[int], tokens: int) -> None:
+        record = {"sent": time.perf_counter(), "times": [], "text": []}
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+        long = len(records) >= len(streams)
+
+        def emit(_g, event) -> None:
+            if event.token is not None:
+                record["times"].append(time.perf_counter())
+                record["text"].append(event.token)
+                firsts = [r for i, r in records.items() if i >= len(streams) and r["times"]]
+                if long and len(firsts) == len(longs) and tail["tokens"] is None:
+                    tail["tokens"] = 3 * len(streams)
+                elif not long and tail["tokens"]:
+                    tail["tokens"] -= 1
+        records[len(records)] = record
+        sched.submit(Generation(list(prompt), params, emit,
+                                is_cancelled=(lambda: tail["tokens"] == 0) if not long else (lambda: False)))
+
+    def arrivals() -> None:
+        start = time.perf_counter()
+        for p in streams:
+            submit(p, stream_tokens)
+        for i, p in enumerate(longs):
+            time.sleep(max(0.0, start + FIRST_S + i * GAP_S - time.perf_counter()))
+            submit(p, LONG_TOKENS)
+
+    step_while_arriving(sched, arrivals)
+    got = [records[i] for i in range(len(records))]
+    if len(streams) < STREAMS:
+        return None  # a warm-up
+    return _window(got[:len(streams)], got[len(streams):], 0)
+
+
+def gemma(args, load_reading, header) -> None:
+    """The mixed workload on Gemma 3 270M in-process: the FP32 graph of ``--gemma``'s version folder (its float KV
+    cache), its slots sized to 2,048 tokens; the three settings interleaved, ``--rounds`` rounds."""
+    import dataclasses
+
+    from model_factory.backend.contract import Files, GenerationSpec
+    from model_factory.backend.generation.prefill_cost import measure_cost
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.backend.generation.chunked_prefill import chunk_tokens
+    from model_factory.backend.generation.kv_slots import KVSlots
+
+    vdir = args.gemma
+    spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
+    spec = dataclasses.replace(spec, max_context=max(spec.max_context, 2048))
+    lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
+    cost = measure_cost(lm, KVSlots(spec, STREAMS + LONGS, 1 << 34), 2048)
+    say(f"Gemma 3 270M FP32 in-process: cost {cost}, auto takes {chunk_tokens('auto', cost, 2048)}")
+    warm_streams, warm_longs, _ = _prompts(spec.vocab_size, 99)
+    _inprocess_mixed(lm, spec, cost, "itl", warm_streams[:2], [warm_longs[0][:600]], 64)
+    load = load_reading.begin()
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        streams, longs, _ = _prompts(spec.vocab_size, r)
+        for setting in SETTINGS[r % 3:] + SETTINGS[:r % 3]:
+            got = _inprocess_mixed(lm, spec, cost, setting, streams, longs, args.stream_tokens)
+            runs.setdefault(setting, []).append(got)
+            say(f"round {r + 1} Gemma mixed, {setting}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in got.items() if k != "texts"))
+    load = load.finish()
+    keys = [k for k in runs["auto"][0] if k != "texts"]
+    rows = [f"| {k} | " + " | ".join(_cell([run[k] for run in runs[s]], 2 if "over" in k else 1)
+                                      for s in ("off", "auto", "itl")) + " |" for k in keys]
+    # The streams were cancelled at different tokens in each setting: their common tokens compared.
+    same = ["yes" if all(x[:min(len(x), len(y))] == y[:min(len(x), len(y))]
+                         for a, b in zip(runs[s], runs["off"]) for x, y in zip(a["texts"], b["texts"])) else "no"
+            for s in ("auto", "itl")]
+    rows.append(f"| every request's tokens = chunking off's (the tokens both have) | – | {same[0]} | {same[1]} |")
+    section = "\n".join([
+        GEMMA_START, "## Chunked prefill on Gemma 3 270M, in-process (benchmarks/bench_chunked_prefill.py --gemma)", "",
+        header("benchmarks/bench_chunked_prefill.py --gemma", load), "",
+        f"Gemma 3 270M (the real weights: the FP32 graph of the factory's build, float KV cache, its slots sized to "
+        f"2,048 tokens) on the backend's scheduler in-process (2 threads; no Triton, no HTTP), the workload above: "
+        f"{STREAMS} streams of {PROMPT}-token prompts decode up to {args.stream_tokens} tokens each (greedy, eos "
+        "ignored; cancelled 3 tokens each after the last long prompt's first token, past the window); "
+        f"from {FIRST_S:g} s on a {LONG}-token prompt ({LONG_TOKENS} tokens out) arrives every {GAP_S:g} s, {LONGS} of "
+        f"them. The scheduler of each setting as a load makes it; the load's prefill cost model a = "
+        f"{1e3 * cost.a:.1f} ms, b = {1e3 * cost.b:.3f} ms/token, c = {1e3 * cost.c:.2e} ms/token², `auto` "
+        f"{chunk_tokens('auto', cost, 2048)} tokens. ITL: the time between two tokens of one stream as the scheduler "
+        f"emits them. {args.rounds} round(s), medians and ranges, the settings' order rotated each round.", "",
+        "| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |", "| --- | ---: | ---: | ---: |",
+        *rows, "", GEMMA_END])
+    publish(section, HERE / "RESULTS.md", GEMMA_START, GEMMA_END, args.write)
+
+
+def _cell(values: list[float], digits: int) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def _load_line(server, model: str) -> str:
@@ -201,7 +332,15 @@ def main() -> int:
                     help="the version folder of the factory's FP32 build of --work's Llama (the build takes a quarter "
                          "of an hour on a shared 2-core machine)")
     ap.add_argument("--interleave-only", action="store_true", help="only the in-process launch timings (printed)")
+    ap.add_argument("--gemma", type=Path, nargs="?", const=GEMMA_VERSION, default=None,
+                    help="instead: the workload on Gemma 3 270M in-process (a version folder of its build, with the "
+                         f"FP32 graph; default {GEMMA_VERSION})")
+    ap.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS,
+                    help="with --gemma: the tokens each running stream decodes (it must outlast the long prompts)")
     args = ap.parse_args()
+    if args.gemma is not None:
+        gemma(args, LoadReading, run_header)
+        return 0
     hf = llama_folder(args.work, args.shape)
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     repo = hf.parent / "repo-chunked"
@@ -209,10 +348,10 @@ def main() -> int:
         from tests import generative_repository
 
         generative_repository._BUILDS[(str(hf.resolve()), "fp32", "")] = args.built.resolve()
-    say(f"laying out the two models (the factory's FP32 build of the {args.shape} Llama)")
+    say(f"laying out the three models (the factory's FP32 build of the {args.shape} Llama)")
     for setting, model in MODELS.items():
         vdir = layout_generative_model(hf, None, repo, model, memory_budget_mib=4096, max_active_sequences=16,
-                                       prefill_chunk_tokens="auto" if setting == "on" else 0)
+                                       **LAYOUT[setting])
     say("a step's launches, in-process")
     steps = interleave(vdir)
     say(", ".join(f"{k} {v}" for k, v in steps.items()))
@@ -222,8 +361,8 @@ def main() -> int:
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         assert not server.load_errors, server.load_errors
-        chunk = _load_line(server, MODELS["on"])
-        say(f"chunked prefill: {chunk}")
+        chunk = _load_line(server, MODELS["auto"])
+        say(f"chunked prefill: {chunk}; itl: {_load_line(server, MODELS['itl'])}")
         with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
             warm_streams, warm_longs, _ = _prompts(vocab, 99)
             for model in MODELS.values():  # untimed: the first requests' sessions and bindings
@@ -231,12 +370,13 @@ def main() -> int:
             load = LoadReading.begin()
             for r in range(args.rounds):
                 streams, longs, fresh = _prompts(vocab, r)
-                for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                order = SETTINGS[r % 3:] + SETTINGS[:r % 3]  # rotated each round
+                for setting in order:
                     got = asyncio.run(_mixed(fe.url, MODELS[setting], streams, longs))
                     runs.setdefault(("mixed", setting), []).append(got)
                     say(f"round {r + 1} mixed, chunked prefill {setting}: " + ", ".join(
                         f"{k} {v:.3f}" for k, v in got.items() if k != "texts"))
-                for setting in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                for setting in reversed(order):
                     got = asyncio.run(_fresh(fe.url, MODELS[setting], fresh))
                     runs.setdefault(("fresh", setting), []).append(got)
                     say(f"round {r + 1} fresh, chunked prefill {setting}: " + ", ".join(
@@ -245,24 +385,25 @@ def main() -> int:
     finally:
         server.stop()
 
-    def cell(values: list[float], digits: int) -> str:
-        if len(values) == 1:
-            return f"{values[0]:.{digits}f}"
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    cell = _cell
 
     def table(kind: str) -> list[str]:
-        keys = [k for k in runs[(kind, "on")][0] if k != "texts"]
+        keys = [k for k in runs[(kind, "auto")][0] if k != "texts"]
         rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[(kind, s)]], 2 if "over" in k else 1)
-                                          for s in ("off", "on")) + " |" for k in keys]
-        same = all(a["texts"] == b["texts"] for a, b in zip(runs[(kind, "on")], runs[(kind, "off")]))
-        rows.append(f"| every request's text = chunking off's | – | {'yes' if same else 'no'} |")
-        return ["| per run | chunked prefill off | on |", "| --- | ---: | ---: |", *rows]
+                                          for s in ("off", "auto", "itl")) + " |" for k in keys]
+        same = ["yes" if all(a["texts"] == b["texts"] for a, b in zip(runs[(kind, s)], runs[(kind, "off")]))
+                else "no" for s in ("auto", "itl")]
+        rows.append(f"| every request's text = chunking off's | – | {same[0]} | {same[1]} |")
+        return ["| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |",
+                "| --- | ---: | ---: | ---: |", *rows]
 
     section = "\n".join([
         START, "## Chunked prefill: 8 streams while 2,000-token prompts arrive (benchmarks/bench_chunked_prefill.py)",
         "", run_header("benchmarks/bench_chunked_prefill.py", load), "",
-        f"{MODEL_TEXT[args.shape]} (random weights, FP32, the factory's build), served twice by one Triton "
-        f"server (`prefill_chunk_tokens` auto, which took {chunk}; and 0: whole prompts), through our OpenAI frontend "
+        f"{MODEL_TEXT[args.shape]} (random weights, FP32, the factory's build), served three times by one Triton "
+        f"server (`prefill_chunk_tokens` auto with `max_itl_ratio` 2: each step's chunk sized to keep the step within "
+        f"twice the decode-only step; auto with `max_itl_ratio` 0: the cost model's fixed chunk, which took {chunk}; "
+        "and 0: whole prompts), through our OpenAI frontend "
         f"(streamed `/v1/completions`, greedy). {STREAMS} streams of {PROMPT}-token prompts decode {STREAM_TOKENS} "
         f"tokens each; from {FIRST_S:g} s on a {LONG}-token prompt ({LONG_TOKENS} tokens out) arrives every "
         f"{GAP_S:g} s, {LONGS} of them. ITL: the time between two token events of one running stream (an event may "
@@ -270,7 +411,7 @@ def main() -> int:
         "arrive together), over the window "
         "from the first long prompt's arrival to the last one's first token; jitter: the standard deviation of 10 "
         "consecutive intervals (those whose span meets the window). Long TTFT: the long prompts' time to first token. "
-        f"{args.rounds} round(s), medians and ranges; the settings alternate within a round (the order flips each "
+        f"{args.rounds} round(s), medians and ranges; the settings alternate within a round (the order rotates each "
         "round), on a machine shared with other work.", "",
         *table("mixed"), "",
         "A step's launches, in-process on the same graph (2 threads, medians of 7; milliseconds): the decode launch "

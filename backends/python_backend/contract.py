@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -156,7 +157,7 @@ class ModelParameters:
     ``None`` means "not given" (the parameter is not written, and the reader applies the documented
     default). Kinds: ``int``, ``int?`` (None when empty), ``bool``, ``bool?``, ``str``, ``str?``,
     ``choice`` (one of ``choices``), ``ints`` (comma-separated lengths), ``floats3?`` (``a,b,c``), ``auto-int``
-    (``auto``, or a whole number >= 0: ``off`` is read as 0).
+    (``auto``, or a whole number >= 0: ``off`` is read as 0), ``ratio`` (a number: 0, or above 1).
     """
 
     max_sequence_length: int = _param("int", 128, minimum=1)
@@ -242,6 +243,10 @@ class ModelParameters:
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # Chunked prefill (generation/chunked_prefill.py): prompt tokens a step prefills; auto (cost model), 0/off: whole.
     prefill_chunk_tokens: int | str = _param("auto-int", PREFILL_CHUNK_AUTO)
+    # Under prefill_chunk_tokens = auto, while sequences decode a step's chunk is sized so the step is predicted within
+    # this multiple of the decode-only step (generation/itl_budget.py); 0 (the default): the cost model's fixed chunk
+    # (the budget's small chunks cost the long prompts 3-5x their time to first token: docs/generation.md).
+    max_itl_ratio: float = _param("ratio", 0.0, why="0 (off: the fixed auto chunk) or above 1")
     # Speculative decoding (generation/speculative.py): off, or prompt_lookup (the next num_speculative_tokens drafted
     # from the sequence's context where its last prompt_lookup_max..prompt_lookup_min tokens occurred before, verified
     # in one launch), while at most speculative_max_sequences sequences decode. vLLM's names.
@@ -558,6 +563,16 @@ def _parse(name: str, raw: str, meta: Mapping[str, Any], default: Any) -> Any:
         if value != PREFILL_CHUNK_AUTO and not value.isdigit():
             raise ParameterError(f"parameter {name}={raw!r}: use auto, off, or a whole number of tokens (0: off)")
         return value if value == PREFILL_CHUNK_AUTO else int(value)
+    if kind == "ratio":
+        if text == "":
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            raise ParameterError(f"parameter {name}={raw!r} is not a number: use {meta['why']}") from None
+        if not math.isfinite(value) or value < 0 or 0 < value <= 1:
+            raise ParameterError(f"parameter {name}={value:g} must be {meta['why']}")
+        return value
     if kind == "ints":
         if text == "":
             return default

@@ -47,6 +47,7 @@ import numpy as np
 from .generation.cancel_watch import CancelWatch
 from .generation.causal_lm import CausalLM, CudaPlacement, attention_kernel
 from .generation.chunked_prefill import chunk_tokens, whole_below
+from .generation.itl_budget import itl_budget
 from .contract import INT8_KV_ONNXRUNTIME, Files, GenerationSpec, runs_int8_kv
 from .batching.deferred_responses import ResponseDispatcher
 from .generation.requests import GenerateRequest, read_generate_request, request_inputs
@@ -162,7 +163,9 @@ class GenerativeModel:
                                    log_error=pb_utils.Logger.log_error,
                                    cancel_check_s=0.0,  # reads the watcher's flags: no round trip
                                    prefix_cache=self.prefix_cache, chunk_tokens=chunk,
-                                   whole_below=whole_below(s.prefill_chunk_tokens, chunk))
+                                   whole_below=whole_below(s.prefill_chunk_tokens, chunk),
+                                   itl_budget=itl_budget(s.prefill_chunk_tokens, s.max_itl_ratio, chunk, cost,
+                                                         s.max_prefill_tokens))
         self.scheduler.loras = self.adapters if self.adapters.found else None
         self.scheduler.speculator = _speculator(s, self.metrics)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -188,7 +191,9 @@ class GenerativeModel:
             + (f", KV admission paged (blocks of {self.slots.block_tokens} tokens)" if self.slots.block_tokens
                else ", KV admission reserves prompt + max_tokens"
                + (" (a GPU instance's slots are committed whole)" if self.model.device != "cpu" else ""))
-            + (f" (auto: prompts over {whole_below(s.prefill_chunk_tokens, chunk)} tokens)"
+            + (f" (auto: prompts over {whole_below(s.prefill_chunk_tokens, chunk)} tokens"
+               + (f", each step within {s.max_itl_ratio:g}x a decode-only one while sequences decode"
+                  if self.scheduler.itl is not None else "") + ")"
                if chunk and s.prefill_chunk_tokens == "auto" else "")
             + (f", speculative decoding by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
                f"{s.prompt_lookup_min}-{s.prompt_lookup_max}, while at most {s.speculative_max_sequences} "

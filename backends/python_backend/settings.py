@@ -94,6 +94,9 @@ class Settings:
     max_prefill_tokens: int = 2048
     # Chunked prefill: "auto" or prompt tokens per engine step (0: off; generation/chunked_prefill.py).
     prefill_chunk_tokens: int | str = "auto"
+    # Under auto: a step's chunk keeps the step within this multiple of the decode-only step (0, the default: the
+    # fixed chunk; generation/itl_budget.py).
+    max_itl_ratio: float = 0.0
     # Speculative decoding by prompt lookup (generation/speculative.py; "off" or "prompt_lookup").
     speculative: str = "off"
     num_speculative_tokens: int = 4
@@ -196,6 +199,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         kv_admission=p.kv_admission,
         max_prefill_tokens=p.max_prefill_tokens,
         prefill_chunk_tokens=p.prefill_chunk_tokens,
+        max_itl_ratio=p.max_itl_ratio,
         speculative=p.speculative,
         num_speculative_tokens=p.num_speculative_tokens,
         prompt_lookup_max=p.prompt_lookup_max,

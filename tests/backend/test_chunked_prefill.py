@@ -326,7 +326,8 @@ def test_every_family_gives_the_same_tokens_chunked(variant, tmp_path_factory):
 
 def test_under_auto_short_prompts_arriving_behind_a_stream_are_prefilled_whole_and_grouped(engine):
     """``auto`` splits only prompts of more than AUTO_WHOLE_CHUNKS chunks: a burst of short prompts arriving behind a
-    stream that already decodes is one grouped launch (as with the budget off), a long one behind them is chunked."""
+    stream that already decodes is one grouped launch (as with the budget off), a long one behind them is chunked to
+    its end."""
     spec, model = engine
     rng = random.Random(11)
     recording = _Recording(model)
@@ -346,6 +347,81 @@ def test_under_auto_short_prompts_arriving_behind_a_stream_are_prefilled_whole_a
     assert all(len(s.generated) == 1 for s in shorts)
     assert long.cached == 0 or long.prefilling  # the long one: chunked, never whole in that step
     run_to_end(sched)
-    assert all(sum(rows) <= chunk for rows in prefills[1:] if rows != [100, 100, 100])
+    # Its tail too, once shorter than AUTO_WHOLE_CHUNKS chunks: in chunks, never a launch of that many tokens.
+    prefills = [rows for kind, rows, _ in recording.launches if kind == "prefill"]
+    assert all(sum(rows) <= chunk for rows in prefills if rows != [100, 100, 100]), prefills
     for g in [stream, long] + shorts:
+        assert g.generated == _alone(model, spec, g.prompt, g.params)
+
+
+# --------------------------------------------------------------------------- the ITL budget (itl_budget.py)
+
+
+class _Clocked(_Recording):
+    """The launches on a virtual clock: a decode launch costs ``decode_s``, a prefill ``cost`` of its new tokens (one
+    row: a chunk), so what the ITL budget predicts and what a step takes are known exactly."""
+
+    def __init__(self, model, cost, decode_s):
+        super().__init__(model)
+        self.cost, self.decode_s, self.now = cost, decode_s, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def prefill(self, contexts, views, past=None):
+        self.now += sum(self.cost.cost(1, len(c)) for c in contexts)
+        return super().prefill(contexts, views, past=past)
+
+    def decode(self, tokens, lengths, views):
+        self.now += self.decode_s
+        return super().decode(tokens, lengths, views)
+
+
+class _Steps(_Chunks):
+    def __init__(self):
+        super().__init__()
+        self.chunk_tokens, self.predicted, self.measured = 0, 0.0, 0.0
+
+    def chunked_step(self, tokens: int, predicted_s: float, measured_s: float) -> None:
+        self.chunk_tokens += tokens
+        self.predicted += predicted_s
+        self.measured += measured_s
+
+
+def test_the_itl_budget_keeps_each_step_within_the_ratio_of_the_decode_step_with_the_same_tokens(engine):
+    """Streams decoding while long prompts arrive, the chunk sized by the ITL budget: every step takes at most twice the
+    decode launch (the chunk fitted to the other half by the cost model), the long prompts advance every step (at
+    least the floor), and every request's tokens are its tokens alone and whole; the predicted step time is the
+    measured one when the model is exact."""
+    from model_factory.backend.generation.itl_budget import ItlBudget
+
+    spec, model = engine
+    rng = random.Random(21)
+    cost, decode_s = CostModel(0.02, 0.0005, 0.0), 0.04
+    clocked, metrics, errors = _Clocked(model, cost, decode_s), _Steps(), []
+    sched = Scheduler(clocked, KVSlots(spec, 8, 1 << 30), None, spec.eos_token_ids, chunk_tokens=64,
+                      clock=clocked.clock, metrics=metrics, itl_budget=ItlBudget(cost, 2.0, ceiling=512),
+                      log_error=errors.append)
+    streams = [sched.submit(Generation(_prompt(rng, spec.vocab_size, 5 + i), SamplingParams(
+        max_tokens=60, min_tokens=60), lambda g, e: None)) for i in range(3)]
+    sched.step()
+    sched.step()  # one decode launch timed
+    longs = [sched.submit(Generation(_prompt(rng, spec.vocab_size, 200 + 9 * i), params, lambda g, e: None))
+             for i, params in enumerate((GREEDY, SEEDED))]
+    steps = 0
+    while any(g.cached == 0 or g.prefilling for g in longs):
+        cached, began, launches = sum(g.cached for g in longs), clocked.now, len(clocked.launches)
+        head = next(g for g in longs if g.cached == 0 or g.prefilling)  # the oldest prompt still to prefill
+        want = min(MIN_CHUNK, len(head.prompt) - head.cached)
+        sched.step()
+        steps += 1
+        # The decode launch and the chunk: within 2x the decode launch.
+        assert clocked.now - began <= 2 * decode_s + 1e-9, clocked.launches[launches:]
+        chunks = [rows for kind, rows, _ in clocked.launches[launches:] if kind == "prefill"]
+        assert chunks and all(sum(rows) <= 32 for rows in chunks)  # 20 ms + 0.5 ms x 32 <= 40 ms
+        assert sum(g.cached for g in longs) - cached >= want  # at least the floor, or what that prompt had left
+    assert steps >= (200 + 209) // 32
+    run_to_end(sched)
+    assert not errors and metrics.chunk_tokens == 200 + 209 and metrics.predicted == pytest.approx(metrics.measured)
+    for g in streams + longs:
         assert g.generated == _alone(model, spec, g.prompt, g.params)

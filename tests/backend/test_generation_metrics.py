@@ -25,6 +25,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.state(2, 5, KVUsage(2, 8, 96, 4096, 8192, written_tokens=72, block_tokens=16, block_bytes=512))
     m.prefill_chunks(2)
     m.prefill_chunks(1)
+    m.chunked_step(32, 0.07, 0.08)
+    m.chunked_step(16, 0.0, 0.05)  # no ITL budget: nothing predicted
     m.speculated(4, 3)
     m.speculated(4, 0)
     before = FakeMetric.calls
@@ -44,6 +46,9 @@ def test_observations_are_summed_and_sent_once_per_flush():
     assert v[("kv_cache_blocks_used", ())] == 6 and v[("kv_cache_blocks_free", ())] == 8
     assert v[("kv_cache_fragmentation_ratio", ())] == 0.25
     assert v[("prefill_chunks_total", ())] == 3 and v[("chunked_prefill_steps_total", ())] == 2
+    assert v[("prefill_chunk_tokens_total", ())] == 48
+    assert abs(v[("chunked_step_seconds_total", ())] - 0.13) < 1e-9
+    assert abs(v[("chunked_step_predicted_seconds_total", ())] - 0.07) < 1e-9
     assert v[("spec_decode_num_drafts_total", ())] == 2 and v[("spec_decode_num_draft_tokens_total", ())] == 8
     assert v[("spec_decode_num_accepted_tokens_total", ())] == 3
     sent = FakeMetric.calls - before

@@ -178,3 +178,13 @@ def test_prefix_caching_parameter() -> None:
     assert _settings(prefix_caching="off").prefix_caching == "off"
     with pytest.raises(SettingsError, match="prefix_caching"):
         _settings(prefix_caching="yes")
+
+
+def test_max_itl_ratio_parameter() -> None:
+    assert _settings().max_itl_ratio == 0.0  # off by default: the fixed auto chunk (the budget costs long prompts' TTFT)
+    assert _settings(max_itl_ratio="2").max_itl_ratio == 2.0  # the running streams' step within 2x a decode-only one
+    assert _settings(max_itl_ratio="1.5").max_itl_ratio == 1.5
+    assert _settings(max_itl_ratio="0").max_itl_ratio == 0.0  # off: the cost model's fixed chunk
+    for bad in ("1", "0.5", "-2", "fast", "inf"):
+        with pytest.raises(SettingsError, match="max_itl_ratio"):
+            _settings(max_itl_ratio=bad)

@@ -31,8 +31,9 @@ twice the fixed cost ``a`` of a launch, i.e. one chunk adds about what a small d
 blocks of :data:`MIN_CHUNK`, between :data:`AUTO_MIN` and ``max_prefill_tokens``; and under ``auto`` only a prompt
 longer than :data:`AUTO_WHOLE_CHUNKS` chunks is split: shorter ones are prefilled whole and grouped as with the budget
 off (a burst of 128-token prompts arriving behind one that already decodes ran 0.79x as fast chunked, each chunk a
-launch of its own, while one such prompt holds the streams for about what a few chunks do). A number given for
-``prefill_chunk_tokens`` bounds every prompt.
+launch of its own, while one such prompt holds the streams for about what a few chunks do); a prompt once split
+continues in chunks to its end. A number given for ``prefill_chunk_tokens`` bounds every prompt. Under ``auto`` the
+chunk of each step is sized by ``itl_budget`` (``max_itl_ratio``) while sequences decode.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ COUNTERS: dict[str, str] = {
     "prefill_chunks_total": "Prefill launches that ran part of a prompt split by the chunk budget "
                             "(prefill_chunk_tokens: chunked prefill), its last chunk included.",
     "chunked_prefill_steps_total": "Engine steps that ran at least one such chunk.",
+    "prefill_chunk_tokens_total": "Prompt tokens those chunk launches prefilled.",
+    "chunked_step_seconds_total": "Time of the engine steps that ran a chunk, their decode and prefill launches.",
+    "chunked_step_predicted_seconds_total": "What the ITL budget (max_itl_ratio) predicted for those steps' decode "
+                                            "and chunk launches (0 without it): over the measured, how well it "
+                                            "predicts.",
     "spec_decode_num_drafts_total": "Verification launches of speculative decoding (prompt lookup): one per "
                                     "drafting sequence and step.",
     "spec_decode_num_draft_tokens_total": "Tokens drafted by prompt lookup and verified.",
@@ -175,6 +180,13 @@ class GenerationMetrics:
         with self._lock:
             self._add("prefill_chunks_total", float(chunks))
             self._add("chunked_prefill_steps_total", 1.0)
+
+    def chunked_step(self, tokens: int, predicted_s: float, measured_s: float) -> None:
+        with self._lock:
+            self._add("prefill_chunk_tokens_total", float(tokens))
+            self._add("chunked_step_seconds_total", max(0.0, float(measured_s)))
+            if predicted_s:
+                self._add("chunked_step_predicted_seconds_total", float(predicted_s))
 
     def speculated(self, drafted: int, accepted: int) -> None:
         with self._lock:

@@ -35,6 +35,8 @@ prefilling its prompt and what it had generated, with its own sampler, so its ou
 With ``chunk_tokens`` (``chunked_prefill``: chunked prefill), a step prefills at most that many prompt tokens beside
 the decode launch: sequences mid-prefill continue first, a prompt longer than what is left is split over steps, and a
 sequence mid-prefill sits in the decode launch as a placeholder row until its last chunk gives its first token.
+With an ``itl_budget`` (``itl_budget.ItlBudget``: ``auto`` with ``max_itl_ratio``), that budget is sized each step
+from the timed decode launches and the cost model, so the step stays within the ratio of a decode-only step.
 
 With a ``prefix_cache`` (``prefix_cache.PrefixCache``), a waiting sequence whose context starts with whole blocks a
 running sequence's slot or a kept slot holds gets its slot at once, those tokens' keys and values copied in (or, a
@@ -84,7 +86,7 @@ class Scheduler:
                  metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
                  log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05,
                  prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0,
-                 whole_below: int = 0) -> None:
+                 whole_below: int = 0, itl_budget: Any = None) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -103,6 +105,9 @@ class Scheduler:
         self.chunk_tokens = max(0, int(chunk_tokens))  # prompt tokens a step prefills (0: whole prompts)
         self.whole_below = max(0, int(whole_below))  # prompts this short are prefilled whole, outside the budget
         self._chunks = 0  # chunk launches this step (counted on /metrics)
+        self.itl = itl_budget  # itl_budget.ItlBudget: the chunk sized to the ITL target (None: chunk_tokens fixed)
+        self._seconds: float | None = None  # what the step's chunks may still take (the ITL budget)
+        self._chunk_tokens, self._predicted = 0, 0.0  # this step's chunked prompt tokens, its predicted seconds
         self.loras: Any = None  # lora.AdapterTable where the model serves adapters (their metrics reported)
         self.speculator: Any = None  # speculative.Speculator where prompt-lookup drafting is on
         self._last_cancel_check = float("-inf")
@@ -167,7 +172,8 @@ class Scheduler:
         continuing, left = self._plan_chunks()
         admitted = self._admit(left)  # may preempt: count the sequences already running after it
         old = len(self.running) - sum(len(group) for group in admitted)
-        self._chunks = 0
+        self._chunks, self._chunk_tokens, self._predicted = 0, 0, 0.0
+        began = self.clock()
         try:
             if old:
                 self._decode(old)
@@ -181,9 +187,11 @@ class Scheduler:
             self.masks.clear()
             for gen in list(self.running):
                 self._finish(gen, FINISH_ERROR, error=f"the engine failed: {exc}")
+        took = self.clock() - began
         self._release_finished()
         if self._chunks:
             self.metrics.prefill_chunks(self._chunks)
+            self.metrics.chunked_step(self._chunk_tokens, self._predicted if self.itl is not None else 0.0, took)
         cache = self.prefix_cache
         self.metrics.state(len(self.running), len(self.waiting), self.slots.usage(),
                            cached_blocks=cache.blocks() if cache is not None else 0)
@@ -410,6 +418,9 @@ class Scheduler:
             return [], None
         decoding = len(prefilling) < len(self.running)
         left = self.chunk_tokens if decoding and self.chunk_tokens else None
+        # The ITL budget: seconds beside the decode launch (its rows: up to the last decoding one), each chunk fitted.
+        rows = max((i + 1 for i, g in enumerate(self.running) if not g.prefilling), default=0)
+        self._seconds = self.itl.allowance(rows) if self.itl is not None and left is not None else None
         plan: list[tuple[Generation, int]] = []
         for gen in sorted(prefilling, key=lambda g: g.id):
             leader = gen.prefill_from
@@ -418,12 +429,18 @@ class Scheduler:
             if gen.prefill_from is not None:
                 continue  # its leader's last chunk fills its slot
             rest = len(gen.context()) - gen.cached
+            if self._seconds is not None:
+                left = self.itl.fit(self._seconds, gen.cached, first=not plan)
             take = rest if left is None else min(rest, left)
             if take < min(rest, MIN_CHUNK):
                 break
             plan.append((gen, take))
-            if left is not None:
+            if self._seconds is not None:
+                self._seconds -= self.itl.chunk_seconds(take, gen.cached)
+            elif left is not None:
                 left -= take
+        if self._seconds is not None:  # what a new prompt's first chunk may take (the floor when none continued)
+            left = self.itl.fit(self._seconds, 0, first=not plan)
         return plan, left
 
     def _waiting_on(self, leader: Generation) -> list[Generation]:
@@ -440,15 +457,23 @@ class Scheduler:
             contexts = [g.context() for g in launched]
             gen = launched[0]
             rest = len(contexts[0]) - gen.cached
-            bounded = left is not None and rest > self.whole_below  # a short prompt: whole, outside the budget
+            # A short prompt: whole, outside the budget; the rest of one already split stays in it (its tail whole
+            # would be a launch of up to whole_below tokens beside the streams).
+            bounded = left is not None and (rest > self.whole_below or gen.prefilling)
             if gen.cached or (bounded and rest > left):  # one row, continued or split (chunked prefill)
                 take = min(rest, left) if bounded else rest
                 past = gen.cached
                 piece = contexts[0][past:past + take]
+                began = self.clock()
                 logits = self.model.prefill([piece], self.slots.views(gen.slot, 1), past=[past] if past else None,
                                             **_adapters([gen]))
                 chunk = gen.prefilling or take < rest
                 self._chunks += chunk
+                if chunk:
+                    self._chunk_tokens += take
+                    if self.itl is not None:
+                        self._predicted += self.itl.chunk_seconds(take, past)
+                        self.itl.observe_chunk(take, past, self.clock() - began)
                 if bounded:
                     left -= take
                 gen.cached = past + take
@@ -497,8 +522,12 @@ class Scheduler:
             active.pop()
         if active:
             self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while it runs
+            began = self.clock()
             logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
                                        self.slots.views(0, len(active)), **_adapters(active))
+            if self.itl is not None:  # the decode launch the ITL budget measures chunks against
+                self._predicted += self.itl.decode_seconds(len(active)) or 0.0
+                self.itl.observe_decode(len(active), self.clock() - began)
             for gen, row in zip(active, logits):
                 if not gen.prefilling and id(gen) not in drafting:
                     gen.cached += 1
