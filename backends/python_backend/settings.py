@@ -249,16 +249,16 @@ def cpu_threads_per_instance(settings: Settings, cpus: int) -> int:
 
 
 def cpu_spinning(settings: Settings, cpus: int, threads: int) -> bool:
-    """Whether ONNX Runtime's intra-op threads may spin: as the ``cpu_spinning`` parameter says; under "auto" never
-    for a text-generation model, else only when the instances' threads fit the cores.
+    """Whether ONNX Runtime's intra-op threads may spin: as the ``cpu_spinning`` parameter says; under "auto" only
+    when the instances' threads fit the cores.
 
     A text-generation model sends a response a token: the stub's response thread, Triton, the OpenAI frontend and the
-    clients all run between and during its launches, on the same cores. Served Gemma 3 270M (INT8 dynamic + INT8 KV, 2
-    cores) made 1.3-2x the tokens/s with spinning off at 8 and 32 streams, at 25-35 % less stub CPU a token, the
-    machine shared at load average 8-14 (benchmarks/RESULTS.md, "served_overhead"; a calm machine not measured).
+    clients run between and during its launches, on the same cores. Served Gemma 3 270M (INT8 dynamic + INT8 KV, 2
+    cores): on a machine other work shared (load average 7-14) spinning off made 1.2-2x the tokens/s at 8 and 32
+    streams; on a calm one (load 1-2) spinning on made more in 5 of 6 rounds (benchmarks/RESULTS.md,
+    "served_overhead"). A server's cores are its own, so "auto" keeps the rule of every model; ``off`` is for a host
+    whose cores other work shares.
     """
     if settings.cpu_spinning != "auto":
         return settings.cpu_spinning == "on"
-    if settings.task == TEXT_GENERATION:
-        return False
     return max(1, settings.cpu_instances) * max(1, threads) <= max(1, int(cpus))

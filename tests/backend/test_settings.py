@@ -71,7 +71,7 @@ def test_cpu_instances_split_the_cores_and_spin_only_when_they_fit() -> None:
         _settings(cpu_threads="-1")
 
 
-def test_a_text_generation_model_does_not_spin_unless_told_and_the_parameter_overrides_auto() -> None:
+def test_a_text_generation_model_spins_as_every_model_unless_told_and_the_parameter_overrides_auto() -> None:
     from model_factory.backend.settings import cpu_spinning
 
     cfg = {"name": "m", "max_batch_size": 0, "instance_group": [{"kind": "KIND_CPU", "count": 1}]}
@@ -80,7 +80,8 @@ def test_a_text_generation_model_does_not_spin_unless_told_and_the_parameter_ove
         return cpu_spinning(parse_settings({**cfg, "parameters": {k: {"string_value": v} for k, v in params.items()}}),
                             2, 2)
 
-    assert spins() and not spins(task="text-generation")  # its cores go to the hops of every token
+    assert spins() and spins(task="text-generation")  # a calm server's cores: spinning made more tokens/s
+    assert not cpu_spinning(parse_settings({**cfg, "parameters": {"task": {"string_value": "text-generation"}}}), 2, 4)
     assert spins(task="text-generation", cpu_spinning="on") and not spins(cpu_spinning="off")
     with pytest.raises(SettingsError, match="cpu_spinning"):
         spins(cpu_spinning="sometimes")
