@@ -30,7 +30,8 @@ from typing import Any, Mapping
 
 from model_factory.serving.openai_errors import OpenAIError
 
-_OTHER_FORMATS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools")
+_OTHER_FORMATS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "tools")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 session's random-weight tiny Llama (``tiny_llm``): whatever the weights, a ``response_format`` json_schema answer
 passes the schema's validator every time (greedy and sampled, several prompts, streamed, ``n`` choices), a named
 ``tool_choice`` comes back as ``tool_calls`` the client parses with arguments valid against the function's schema,
-``guided_choice`` / ``guided_regex`` hold, the generate endpoint takes ``guided`` in ``sampling_parameters``, and a
+``guided_choice`` / ``guided_regex`` and vLLM's ``structured_outputs`` hold, the generate endpoint takes ``guided`` in ``sampling_parameters``, and a
 schema the engine cannot compile is a 400 naming the construct."""
 
 from __future__ import annotations
@@ -132,6 +132,35 @@ def test_guided_choice_and_regex(client):
     r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=30,
                                   extra_body={"guided_regex": r"[A-Z]{3}-[0-9]{2,4}"})
     assert re.fullmatch(r"[A-Z]{3}-[0-9]{2,4}", r.choices[0].text)
+
+
+def test_vllms_structured_outputs_through_extra_body(client):
+    """vLLM >= 0.10's clients: ``extra_body={"structured_outputs": {...}}`` on both endpoints, the same grammars as
+    ``guided_*``; beside ``response_format`` it is a 400 naming both, and an unknown key a 400 naming the key."""
+    import openai
+
+    choices = ["alpha", "beta", "gamma delta"]
+    for seed in range(2):
+        r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                          max_tokens=200, temperature=1.0, seed=4,
+                                          extra_body={"structured_outputs": {"json": PERSON,
+                                                                             "disable_any_whitespace": True}})
+    assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=30,
+                                  extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-[0-9]{2,4}"}})
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2,4}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="response_format and structured_outputs") as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"structured_outputs": {"choice": choices}})
+    assert info.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError, match="unknown key 'jsn'"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                  extra_body={"structured_outputs": {"jsn": PERSON}})
 
 
 def test_the_generate_endpoint_takes_guided_in_sampling_parameters(served):

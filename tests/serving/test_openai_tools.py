@@ -45,6 +45,56 @@ def test_response_format_and_guided_fields_become_the_backends_guided_object():
     assert _extra(call)["guided"] == {"choice": ["a"]}
 
 
+def test_vllm_structured_outputs_maps_onto_the_same_guided_object_as_guided_fields():
+    assert guided_request({"structured_outputs": {"json": SCHEMA}}) == ({"json": SCHEMA}, "structured_outputs")
+    assert guided_request({"structured_outputs": {"json": json.dumps(SCHEMA)}})[0] == {"json": SCHEMA}
+    assert guided_request({"structured_outputs": {"regex": "[0-9]+"}})[0] == {"regex": "[0-9]+"}
+    assert guided_request({"structured_outputs": {"choice": ["a", "b"]}})[0] == {"choice": ["a", "b"]}
+    assert guided_request({"structured_outputs": {"grammar": "start: \"a\""}})[0] == {"grammar": "start: \"a\""}
+    assert guided_request({"structured_outputs": {"json_object": True}})[0] == {"json_object": True}
+    # vLLM's options are taken (nothing to change: one engine, compact JSON, closed objects); None / false unasked
+    both = {"choice": ["a"], "json_object": False, "regex": None, "disable_fallback": True,
+            "disable_any_whitespace": False, "disable_additional_properties": True}
+    assert guided_request({"structured_outputs": both})[0] == {"choice": ["a"]}
+    for given in ({"guided_choice": ["a"]}, {"structured_outputs": {"choice": ["a"]}}):
+        for call in (chat_request({"model": "m", "messages": MSG, **given}, MODELS),
+                     completion_request({"model": "m", "prompt": "p", **given}, MODELS)):
+            assert _extra(call)["guided"] == {"choice": ["a"]} and call.guided_param == next(iter(given))
+
+
+@pytest.mark.parametrize("so, message", [
+    ({"jsn": SCHEMA}, "unknown key 'jsn'"),
+    ({"choice": ["a"], "backend": "xgrammar"}, "unknown key 'backend'"),
+    ({"regex": "a", "whitespace_pattern": " *"}, "whitespace_pattern is not supported"),
+    ({"structural_tag": "{}"}, "structural_tag is not supported"),
+    ({}, "exactly one of json, regex, choice, grammar, json_object, got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
+    ({"json": "{nope"}, "structured_outputs.json is not JSON"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be true"),
+    ({"regex": "a", "disable_fallback": "no"}, "disable_fallback must be true or false"),
+    ("json", "must be an object"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_key(so, message):
+    for call in (lambda: chat_request({"model": "m", "messages": MSG, "structured_outputs": so}, MODELS),
+                 lambda: completion_request({"model": "m", "prompt": "p", "structured_outputs": so}, MODELS)):
+        with pytest.raises(OpenAIError, match=message) as info:
+            call()
+        assert info.value.status == 400 and info.value.param == "structured_outputs"
+
+
+def test_structured_outputs_beside_another_format_is_a_400_naming_both():
+    rf = {"type": "json_object"}
+    for other in ({"response_format": rf}, {"guided_regex": "a"}):
+        with pytest.raises(OpenAIError, match=f"{next(iter(other))} and structured_outputs|"
+                                              f"structured_outputs and {next(iter(other))}") as info:
+            chat_request({"model": "m", "messages": MSG, "structured_outputs": {"choice": ["a"]}, **other}, MODELS)
+        assert info.value.status == 400
+    with pytest.raises(OpenAIError, match="tool_choice='required' and structured_outputs"):
+        chat_request({"model": "m", "messages": MSG, "tools": TOOLS, "tool_choice": "required",
+                      "structured_outputs": {"regex": "a"}}, MODELS)
+
+
 @pytest.mark.parametrize("req, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
