@@ -189,6 +189,12 @@ class _Interrupted(Exception):
                    "/v1/completions and /v1/chat/completions for text-generation models, /v1/embeddings and "
                    "TEI's /embed for embedding models, TEI's /rerank and Cohere's /v1/rerank for rerankers, "
                    "TEI's /predict for classifiers, /v1/models.")
+@click.option("--chat-template", "chat_templates", metavar="[MODEL=]FILE", multiple=True,
+              help="With --openai-port: render /v1/chat/completions with this Jinja2 chat template instead of the "
+                   "model's own (vLLM's --chat-template; for a base model without one, or to override it), in the same "
+                   "sandbox. MODEL=FILE: that model (and its adapters); FILE alone: every text-generation model. "
+                   "Its sha256 is printed at start; a prompt template on such a base is refused (it pins the base's "
+                   "own template). Repeatable, one a model.")
 @click.option("--control-port", type=click.IntRange(min=0), default=None,
               help="Also listen on 127.0.0.1:PORT for model-factory rollout (new versions verified, accepted, "
                    "mirrored in shadow and switched without a restart); needs --admin-key-file. 0 picks a port.")
@@ -201,8 +207,8 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
           metrics_port: int, log_verbose: int, gpu_product: str | None, int8_kernels: str | None,
           admin_key_file: str | None, watch_interval: float, accept: bool, cost_cache: str | None, no_cost_cache: bool,
           events_file: str | None, events_rate: float | None, trace_endpoint: str | None, trace_rate: int,
-          trace_source: str, allow_empty: bool, openai_port: int | None, control_port: int | None,
-          watch_s: float) -> None:
+          trace_source: str, allow_empty: bool, openai_port: int | None, chat_templates: tuple[str, ...],
+          control_port: int | None, watch_s: float) -> None:
     """Verify REPOSITORY, then serve its verified models on a real Triton server until Ctrl-C/SIGTERM.
 
     Only this process (and operators holding --admin-key-file) may load, unload or list models:
@@ -218,6 +224,7 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
       model-factory serve --events /var/log/model-factory/events.jsonl --policy policy.toml model_repository
       model-factory serve --trace-endpoint 127.0.0.1:4318/v1/traces --trace-rate 100 model_repository
       model-factory serve --policy policy.toml --openai-port 9000 model_repository
+      model-factory serve --openai-port 9000 --chat-template gemma3-270m=gemma_turns.jinja model_repository
       model-factory serve --policy policy.toml --admin-key-file key --control-port 8003 model_repository
       model-factory serve --policy policy.toml --watch 60 model_repository
     """
@@ -234,6 +241,15 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
                          trace_source=trace_source,
                          admin_key=admin_key_from(Path(admin_key_file) if admin_key_file else None))
     cache = None if no_cost_cache else Path(cost_cache) if cost_cache else default_cost_cache()
+    if chat_templates and openai_port is None:
+        from model_factory.errors import FactoryError
+
+        raise FactoryError("--chat-template is used by the OpenAI frontend only. Fix: add --openai-port")
+    templates = {}
+    if chat_templates:  # read and parsed before the server starts: a bad file is refused at once
+        from model_factory.serving.openai_chat_template import parse_chat_template_options
+
+        templates = parse_chat_template_options(chat_templates)
     if control_port is not None and opts.admin_key is None:
         from model_factory.errors import FactoryError
 
@@ -283,11 +299,19 @@ def serve(repository: str, policy: str | None, allow_unsigned: bool, host: str, 
         from model_factory.serving.openai_api import OpenAIFrontend, generative_models
         from model_factory.serving.openai_prompts import prompt_models
 
+        from model_factory.serving.openai_chat_template import apply_chat_templates
+
         try:
-            frontend = OpenAIFrontend(server.http_url, generative_models(Path(repository), report.served), host,
-                                      openai_port, metrics_url=server.metrics_url,
+            models, prompts, refused_prompts, overridden = apply_chat_templates(
+                generative_models(Path(repository), report.served), prompt_models(Path(repository), report.served),
+                templates)
+            for name, line in overridden.items():
+                click.echo(f"  {name}: {line}")
+            for name, why in refused_prompts.items():
+                click.echo(f"refused {name}: {why}", err=True)
+            frontend = OpenAIFrontend(server.http_url, models, host, openai_port, metrics_url=server.metrics_url,
                                       encoders=encoder_models(Path(repository), report.served),
-                                      prompts=prompt_models(Path(repository), report.served)).start()
+                                      prompts=prompts).start()
         except BaseException:
             server.stop()
             raise

@@ -163,6 +163,36 @@ def test_vllms_structured_outputs_through_extra_body(client):
                                   extra_body={"structured_outputs": {"jsn": PERSON}})
 
 
+def test_a_chat_template_given_at_serve_time_renders_the_chat(served, tmp_path):
+    """``serve --chat-template MODEL=FILE``'s path: a second frontend on the same server with the file's template
+    (``openai_chat_template``) answers a greedy chat exactly as completions answer the prompt that template renders,
+    the prompt's token count the same; the model's own template renders another prompt."""
+    import openai
+
+    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.openai_chat_template import apply_chat_templates, parse_chat_template_options
+    from model_factory.serving.openai_protocol import render_chat
+
+    server, _ = served
+    path = tmp_path / "qa.jinja"
+    path.write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    own = generative_models(server.repository, server.ready_models)
+    models, _, _, logged = apply_chat_templates(own, {}, parse_chat_template_options([f"{MODEL}={path}"]))
+    assert str(path) in logged[MODEL]
+    messages = [{"role": "user", "content": "Tell me about the license"}]
+    assert render_chat(own[MODEL].chat_template, messages) != render_chat(models[MODEL].chat_template, messages)
+    frontend = OpenAIFrontend(server.http_url, models).start()
+    try:
+        client = openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        done = client.completions.create(model=MODEL, prompt="Q: Tell me about the license\nA:", max_tokens=12,
+                                         temperature=0)
+    finally:
+        frontend.stop()
+    assert chat.choices[0].message.content == done.choices[0].text
+    assert chat.usage.prompt_tokens == done.usage.prompt_tokens
+
+
 def test_the_generate_endpoint_takes_guided_in_sampling_parameters(served):
     server, _ = served
     body = {"text_input": "Pick one", "max_tokens": 20, "exclude_input_in_output": True,
