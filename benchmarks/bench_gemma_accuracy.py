@@ -303,8 +303,8 @@ def main() -> None:
 
 
 LADDERS = {  # the stage's own climbs, as the default recipe builds them on Gemma
-    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-down_proj-rows-g128",
-                                                "int8-dynamic-down_proj-rows-smoothed-g128", "int8-dynamic-down_proj",
+    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-down_proj-rows-g256",
+                                                "int8-dynamic-down_proj-rows-smoothed-g256", "int8-dynamic-down_proj",
                                                 "int8-dynamic-down_proj-o_proj", "int8-weight-only"),
     "INT4 (the default: awq, int4_symmetric = false)": ("int4-awq-zp-gptq-head8", "int4-awq-zp-gptq-mixed"),
     "INT4 before (awq, the builder's symmetric rounding)": ("int4-awq-head8", "int4-awq-mixed"),
@@ -337,7 +337,7 @@ def ladder_lines(scores: dict) -> list[str]:
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
     if name.startswith(("int8-dynamic-smoothed", "int8-dynamic-down_proj-rows")):  # beside the ladder's step
-        return names.index("int8-dynamic-down_proj-rows-g128")
+        return names.index("int8-dynamic-down_proj-rows-g256")
     return names.index(name) if name in names else len(names)
 
 

@@ -269,7 +269,7 @@ def weights_bytes(graph: Path) -> int:
 # (``ROW_DOWN``, :mod:`build_engines.row_int8`), then the same with its input smoothed first (``SMOOTH_DOWN``,
 # :mod:`build_engines.smooth`: SmoothQuant's per-channel scales folded into up_proj and down_proj; where the MLP is
 # gated and calibration text was given, else that step is left out). On Gemma 3 270M (bench_gemma_accuracy): all
-# INT8 ratio 1.288, smoothed 1.215, per row 1.121, smoothed and per row 1.118, per row and per 256 inputs 1.083 (the
+# INT8 ratio 1.288, smoothed 1.215, per row 1.121, smoothed and per row 1.118, per row and per 256 inputs 1.081 (the
 # first of the two steps, which passes; per 128 1.089), down_proj in float 1.0998 (the gate 1.10).
 DYNAMIC_STEPS: tuple[tuple[str, ...], ...] = ((), (ROW_DOWN,), (SMOOTH_DOWN, ROW_DOWN), ("down_proj",),
                                               ("down_proj", "o_proj"))

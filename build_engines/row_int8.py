@@ -12,8 +12,8 @@ CPU without VNNI, as the rest of the 7-bit graph.
 
 With a group (``ROW_GROUP`` in the ladder), each row has a scale per group of inputs too, and the weight a scale per
 group and column: a loud stretch of a row's inputs (Gemma's down_proj has a few) no longer coarsens the rest of
-the row. The groups' products come from one batched ``MatMulInteger`` ([B, K/G, T, G] by [K/G, G, N], the same
-7-bit weights), each scaled by its row's and weight's scales, then summed over the groups.
+the row. Each group's product comes from a ``MatMulInteger`` of its own ([B, T, 1, G] by the group's [G, N] rows of
+the 7-bit weight), the products joined, each scaled by its row's and weight's scales, then summed over the groups.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ ZERO = 128
 WEIGHT_MAX = 64  # 7-bit weights (dynamic_int8's reduce_range)
 # The ladder's inputs per activation scale: on Gemma 3 270M (bench_gemma_accuracy) down_proj per row scored a
 # perplexity ratio of 1.121, per row and per 64 / 128 / 256 of its 2048 inputs 1.097 / 1.089 / 1.083 (down_proj in
-# float: 1.0998): 256, the fewest groups and the lowest ratio (the ratio is not monotonic in the group here).
+# float: 1.0998; 1.081 for 256 in this file's form): 256, the fewest groups and the lowest ratio (the ratio is not
+# monotonic in the group here).
 ROW_GROUP = 256
 
 
@@ -40,7 +41,7 @@ def per_row_matmuls(graph: Path, parts: Sequence[str], group: int = 0, weight_ma
     how many were rewritten.
 
     ``group`` > 0 gives each row a scale per ``group`` inputs, and the weight a scale per group and column: one
-    batched ``MatMulInteger`` of the K / group partial products, each scaled, then summed (a MatMul whose K it does
+    ``MatMulInteger`` per group for the K / group partial products, each scaled, then summed (a MatMul whose K it does
     not divide, or no larger than it, has a scale per row alone).
     ``weight_max`` 127 (8-bit weights) is for measuring what 7 bits cost: wrong on a CPU without VNNI."""
     import onnx
@@ -67,10 +68,10 @@ def per_row_matmuls(graph: Path, parts: Sequence[str], group: int = 0, weight_ma
         p = node.name.rsplit("/", 1)[0] + "/row_int8"
         x, y = node.input[0], node.output[0]
         if size:
-            new_inits += [numpy_helper.from_array(wq, f"{p}.weight_q"),
-                          numpy_helper.from_array(w_scale.astype(np.float32), f"{p}.weight_scale"),
+            new_inits += [*(numpy_helper.from_array(wq[i], f"{p}.weight_q.{i}") for i in range(k // size)),
+                          numpy_helper.from_array(w_scale[:, 0].astype(np.float32), f"{p}.weight_scale"),
                           numpy_helper.from_array(np.asarray([0, 0, k // size, size], np.int64), f"{p}.groups")]
-            new_nodes += _grouped(helper, TensorProto, p, x, y, shared)
+            new_nodes += _grouped(helper, TensorProto, p, x, y, shared, k // size)
             g.initializer.remove(inits[node.input[1]])
             done += 1
             grouped += 1
@@ -97,7 +98,7 @@ def per_row_matmuls(graph: Path, parts: Sequence[str], group: int = 0, weight_ma
         done += 1
     if done:
         if grouped:
-            new_inits.append(numpy_helper.from_array(np.asarray([1], np.int64), "row_int8.group_axis"))
+            new_inits.append(numpy_helper.from_array(np.asarray([2], np.int64), "row_int8.group_axis"))
         new_inits += [numpy_helper.from_array(np.asarray([-1], np.int64), shared[0]),
                       numpy_helper.from_array(np.asarray(QMAX, np.float32), shared[1]),
                       numpy_helper.from_array(np.asarray(ZERO, np.float32), shared[2]),
@@ -114,10 +115,14 @@ def per_row_matmuls(graph: Path, parts: Sequence[str], group: int = 0, weight_ma
     return done
 
 
-def _grouped(helper, TensorProto, p: str, x: str, y: str, shared) -> list:
-    """The nodes of the grouped form: x [B, T, K] seen as [B, T, K/G, G], a scale per (row, group), the groups'
-    integer products [B, K/G, T, N] in one MatMulInteger, each scaled by its row's and its weight's scales, summed."""
+def _grouped(helper, TensorProto, p: str, x: str, y: str, shared, groups: int) -> list:
+    """The nodes of the grouped form: x [B, T, K] seen as [B, T, K/G, G], a scale per (row, group); each group's
+    integer product [B, T, 1, N] in a MatMulInteger of its own (a 2-D constant weight, which ONNX Runtime prepacks: one
+    batched MatMulInteger over a 3-D weight cost more CPU than the float MatMul), joined, each scaled by its row's
+    and its weight's scales, summed."""
     t = lambda name: f"{p}/{name}"  # noqa: E731
+    parts = [t(f"q{i}") for i in range(groups)]
+    accs = [t(f"acc{i}") for i in range(groups)]
     return [
         helper.make_node("Reshape", [x, f"{p}.groups"], [t("xg")], name=t("Reshape")),
         helper.make_node("Abs", [t("xg")], [t("abs")], name=t("Abs")),
@@ -128,11 +133,12 @@ def _grouped(helper, TensorProto, p: str, x: str, y: str, shared) -> list:
         helper.make_node("Round", [t("scaled")], [t("rounded")], name=t("Round")),
         helper.make_node("Add", [t("rounded"), shared[2]], [t("shifted")], name=t("Shift")),
         helper.make_node("Cast", [t("shifted")], [t("q")], name=t("CastU8"), to=TensorProto.UINT8),
-        helper.make_node("Transpose", [t("q")], [t("qt")], name=t("Transpose"), perm=[0, 2, 1, 3]),
-        helper.make_node("MatMulInteger", [t("qt"), f"{p}.weight_q", shared[3]], [t("acc")], name=t("MatMulInteger")),
+        helper.make_node("Split", [t("q")], parts, name=t("Split"), axis=2, num_outputs=groups),
+        *[helper.make_node("MatMulInteger", [parts[i], f"{p}.weight_q.{i}", shared[3]], [accs[i]],
+                           name=t(f"MatMulInteger{i}")) for i in range(groups)],
+        helper.make_node("Concat", accs, [t("acc")], name=t("Concat"), axis=2),
         helper.make_node("Cast", [t("acc")], [t("acc_f")], name=t("CastF"), to=TensorProto.FLOAT),
         helper.make_node("Mul", [t("acc_f"), f"{p}.weight_scale"], [t("cols")], name=t("ColScale")),
-        helper.make_node("Transpose", [t("scale")], [t("scale_t")], name=t("ScaleT"), perm=[0, 2, 1, 3]),
-        helper.make_node("Mul", [t("cols"), t("scale_t")], [t("parts")], name=t("RowScale")),
+        helper.make_node("Mul", [t("cols"), t("scale")], [t("parts")], name=t("RowScale")),
         helper.make_node("ReduceSum", [t("parts"), "row_int8.group_axis"], [y], name=t("Sum"), keepdims=0),
     ]
