@@ -79,6 +79,10 @@ def main() -> None:
     ap.add_argument("--fp16", action="store_true", help="also build and score the FP16 graph")
     ap.add_argument("--rows-float-layers", action="append", default=[], metavar="I,J",
                     help="also down_proj per row with these layers' in float (int8-dynamic-down_proj-rows-floatI,J)")
+    ap.add_argument("--rows-form", action="append", default=[], metavar="SPEC",
+                    help="also down_proj per row in another form (int8-dynamic-down_proj-rows-SPEC): SPEC's parts "
+                         "joined by '-': gN (a scale per N inputs too), w8 (8-bit weights), floatI,J (these layers' "
+                         "in float), smoothed (the input smoothed first)")
     ap.add_argument("--smooth-alpha", type=float, action="append", default=[],
                     help="also INT8 dynamic smoothed with this one a in every layer (int8-dynamic-smoothed-aA)")
     ap.add_argument("--write", action="store_true", help="write the section into benchmarks/RESULTS.md")
@@ -168,29 +172,51 @@ def main() -> None:
 
     if args.fp16 and run("fp16"):
         score("fp16", built("fp16", lambda d: C.run_builder(args.source, d, "fp16")), note="the builder's (GPU) graph")
-    def smoothed(d: Path, alphas, keep=(), rows=False) -> None:  # down_proj's input smoothed (build_engines/smooth.py)
+    def smoothed(d: Path, alphas, keep=(), rows=False, **form) -> None:  # down_proj's input smoothed (smooth.py)
         from model_factory.build_engines.smooth import smoothed_fp32
 
         base, chosen = smoothed_fp32(args.source, fp32, work / "fp32-smoothed", batches, 256, alphas, say)
         dynamic_int8(base, d, keep)
         if rows:
-            per_row_matmuls(d / "model.onnx", ("down_proj",))
+            per_row_matmuls(d / "model.onnx", ("down_proj",) if rows is True else rows, **form)
         (d / "smoothing.json").write_text(json.dumps([vars(c) for c in chosen], indent=1))
         import shutil
 
         shutil.rmtree(work / "fp32-smoothed")
 
-    from model_factory.build_engines.row_int8 import ROW_DOWN, per_row_matmuls
+    from model_factory.build_engines.row_int8 import ROW_DOWN, ROW_GROUP, per_row_matmuls
+
+    def rows_variant(spec: str, note: str = ""):  # down_proj per row (row_int8.py) in the form SPEC names
+        parts = spec.split("-")
+        kept = {int(x) for p in parts if p.startswith("float") for x in p[5:].split(",")}
+        rows = [f"layers.{i}/mlp/down_proj" for i in range(256) if i not in kept]
+        form = {"group": next((int(p[1:]) for p in parts if p.startswith("g")), 0),
+                "weight_max": 127 if "w8" in parts else 64}
+        note = note or ", ".join(filter(None, [
+            "down_proj per row" + (f" and per {form['group']} inputs (its weight per group and column)"
+                                   if form["group"] else ""),
+            "8-bit weights (wrong without VNNI)" if "w8" in parts else "",
+            f"layers {','.join(map(str, sorted(kept)))}'s in float" if kept else "",
+            "its input smoothed (a searched per layer)" if "smoothed" in parts else ""]))
+
+        def make(d: Path) -> None:
+            if "smoothed" in parts:
+                return smoothed(d, ALPHAS, ("down_proj",), rows, **form)
+            dynamic_int8(fp32, d, ("down_proj",))
+            per_row_matmuls(d / "model.onnx", rows, **form)
+        return f"int8-dynamic-down_proj-rows-{spec}", make, note
 
     # INT8 dynamic: the stage's ladder (all INT8 with down_proj's input smoothed and scaled per row; down_proj, then
     # o_proj too, in float; then weight-only) until the gate passes
     if run("int8-dynamic"):
         for method, step in _ladder("int8", "dynamic", True, True):
             keep = tuple(k for k in step if k not in (SMOOTH_DOWN, ROW_DOWN))
-            if SMOOTH_DOWN in step:
-                name = "int8-dynamic-smoothed-down_proj-rows"
-                note = "the ladder: all INT8, down_proj's input smoothed (a searched per layer) and scaled per row"
-                graph = built(name, lambda d: smoothed(d, ALPHAS, ("down_proj",), rows=True))
+            if ROW_DOWN in step:
+                smooth = SMOOTH_DOWN in step
+                name, make, note = rows_variant(("smoothed-" if smooth else "") + f"g{ROW_GROUP}", (
+                    f"the ladder: all INT8, down_proj's activations scaled per row and per {ROW_GROUP} inputs"
+                    + (", its input smoothed (a searched per layer)" if smooth else "")))
+                graph = built(name, make)
             elif method == "dynamic":
                 name = "int8-dynamic" + "".join(f"-{k}" for k in keep)
                 note = "the ladder: " + (", ".join(keep) + " in float" if keep else "all INT8")
@@ -216,6 +242,10 @@ def main() -> None:
             score(name, built(name, lambda d: (dynamic_int8(fp32, d, ("down_proj",)),
                                                per_row_matmuls(d / "model.onnx", rows))),
                   note=f"down_proj per row, layers {layers}'s in float")
+    for spec in args.rows_form:  # per row in another form: finer activation scales, 8-bit weights, layers in float
+        name, make, note = rows_variant(spec)
+        if run(name):
+            score(name, built(name, make), note=note)
     for alpha in args.smooth_alpha:  # one a for every layer (no search)
         name = f"int8-dynamic-smoothed-a{alpha:g}"
         if run(name):
@@ -273,7 +303,8 @@ def main() -> None:
 
 
 LADDERS = {  # the stage's own climbs, as the default recipe builds them on Gemma
-    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-smoothed-down_proj-rows", "int8-dynamic-down_proj",
+    "INT8 dynamic (int8_method = \"dynamic\")": ("int8-dynamic", "int8-dynamic-down_proj-rows-g256",
+                                                "int8-dynamic-down_proj-rows-smoothed-g256", "int8-dynamic-down_proj",
                                                 "int8-dynamic-down_proj-o_proj", "int8-weight-only"),
     "INT4 (the default: awq, int4_symmetric = false)": ("int4-awq-zp-gptq-head8", "int4-awq-zp-gptq-mixed"),
     "INT4 before (awq, the builder's symmetric rounding)": ("int4-awq-head8", "int4-awq-mixed"),
@@ -306,7 +337,7 @@ def ladder_lines(scores: dict) -> list[str]:
 def _order(name: str) -> int:
     names = ["fp16", *LADDERS[next(iter(LADDERS))], *BUILDER, *BLOCKWISE, "gguf-as-is"]
     if name.startswith(("int8-dynamic-smoothed", "int8-dynamic-down_proj-rows")):  # beside the ladder's step
-        return names.index("int8-dynamic-smoothed-down_proj-rows")
+        return names.index("int8-dynamic-down_proj-rows-g256")
     return names.index(name) if name in names else len(names)
 
 

@@ -404,8 +404,8 @@ def test_sliding_windows_and_scaled_rope_attend_as_transformers_does(generative_
 
 def test_dynamic_int8_climbs_through_the_smoothed_per_row_step(causal_lm_folders, generative_recipe, tmp_path):
     """A gate the dynamic steps miss (agreement 1.0 and perplexity no higher than FP32's): the ladder records each
-    step, the smoothed + per row one (down_proj's scales searched per layer, its activations per row) before
-    down_proj goes to float."""
+    step, the per row one (down_proj's activations per row and per 256 inputs) and the smoothed + per row one
+    (down_proj's scales searched per layer too) before down_proj goes to float."""
     from model_factory.build.pipeline import build
     from model_factory.build_engines.accuracy import AccuracyGateError
     from model_factory.recipe import load_recipe
@@ -419,10 +419,12 @@ def test_dynamic_int8_climbs_through_the_smoothed_per_row_step(causal_lm_folders
     except AccuracyGateError as err:  # weight-only missed it too
         search = [dict(s) for s in err.report.search]
     gates = [s for s in search if s["step"] == "gate"]
-    assert [(g["method"], g.get("float"), g.get("smoothed"), g.get("per_row")) for g in gates[:4]] == [
-        ("dynamic", [], None, None), ("dynamic", [], ["down_proj"], ["down_proj"]),
+    assert [(g["method"], g.get("float"), g.get("smoothed"), g.get("per_row")) for g in gates[:5]] == [
+        ("dynamic", [], None, None), ("dynamic", [], None, ["down_proj"]),
+        ("dynamic", [], ["down_proj"], ["down_proj"]),
         ("dynamic", ["down_proj"], None, None), ("dynamic", ["down_proj", "o_proj"], None, None)]
-    assert not any(g["passed"] for g in gates[:4])
+    assert not any(g["passed"] for g in gates[:5])
+    assert [g.get("row_group") for g in gates[1:3]] == [256, 256]  # a scale per row and per 256 inputs
     smooth = next(s for s in search if s["step"] == "smooth")
     assert [layer["layer"] for layer in smooth["layers"]] == [0, 1]  # the tiny model's two layers
     assert all(layer["error_after"] <= layer["error_before"] for layer in smooth["layers"])
