@@ -174,9 +174,8 @@ class ModelParameters:
     pool_initial_mib: int = _param("int", 0, minimum=0)
     # ONNX Runtime threads per CPU instance (0: split the cores; spinning off when the threads outnumber them).
     cpu_threads: int = _param("int", 0, minimum=0, why="0 (split the cores) or positive")
-    # Whether ONNX Runtime's idle intra-op threads spin: auto (a text-generation model: off, its cores shared with
-    # Triton, the frontend and the clients of every token; others: only while the instances' threads fit the
-    # cores), on, off (idle threads sleep at once).
+    # Whether ONNX Runtime's idle intra-op threads spin: auto (every model: only while the instances' threads fit
+    # the cores), on, off (idle threads sleep at once: for a host whose cores other work shares).
     cpu_spinning: str = _param("choice", "auto", choices=CPU_SPINNING)
     # With the cores split: a run takes every core while no other CPU instance computes (idle_cores.py).
     lend_idle_cores: bool = _param("bool", True)
