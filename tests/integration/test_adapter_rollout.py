@@ -22,6 +22,7 @@ import pytest
 
 from tests.generative_repository import layout_generative_model
 from tests.lora_adapters import ADAPTERS, adapter_recipe, peft_greedy, train_adapter
+from tests.release_policy import released_policy
 from tests.request_load import RequestLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -51,14 +52,12 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tiny_llm, tmp_path_factory):
     from model_factory.build.adapter import build_adapter
-    from model_factory.demo import write_key_policy
     from model_factory.recipe import load_recipe
     from model_factory.serving.control_api import ControlServer
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.rollout import RolloutControl
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.signing.release import KeyFile, add_release, init_release
 
     hf, _ = tiny_llm
     root = tmp_path_factory.mktemp("adapter-rollout")
@@ -72,14 +71,7 @@ def env(tiny_llm, tmp_path_factory):
             2: train_adapter(hf, root / "peft-v2", **ADAPTERS["contracts"])}
     build_adapter(load_recipe(adapter_recipe(root / "recipes-v1", ADAPTER, peft[1], repo / BASE, hf, repo)),
                   signer=signer)
-    k = [KeyFile(keys.private_key)]
-    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
-                                          "timestamp": [keys.public_key]})
-    assert add_release(repo, k, k, k) == 1
-    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(release_root, root / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    policy, k = released_policy(repo, keys, root)
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
                                            log_file=root / "tritonserver.log", cost_cache=root / "cost-cache")
     try:

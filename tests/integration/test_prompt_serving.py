@@ -10,7 +10,6 @@ refused by name before anything loads."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.prompt_recipes import write_prompt_recipe
+from tests.release_policy import released_policy
 from tests.request_load import RequestLoad
 from tests.generative_repository import layout_generative_model
 
@@ -54,7 +54,6 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tiny_llm, tmp_path_factory):
     from model_factory.build.prompt import build_prompt
-    from model_factory.demo import write_key_policy
     from model_factory.recipe.prompt import load_prompt_recipe
     from model_factory.serving.control_api import ControlServer
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
@@ -62,7 +61,6 @@ def env(tiny_llm, tmp_path_factory):
     from model_factory.serving.rollout import RolloutControl
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.signing.release import KeyFile, add_release, init_release
 
     hf, onnx_dir = tiny_llm
     root = tmp_path_factory.mktemp("prompt-serving")
@@ -89,14 +87,7 @@ max_tokens = 6
 path = "{repo}"
 """)
     build_prompt(load_prompt_recipe(free / "free.toml"), signer)
-    k = [KeyFile(keys.private_key)]
-    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
-                                          "timestamp": [keys.public_key]})
-    assert add_release(repo, k, k, k) == 1
-    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(release_root, root / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    policy, k = released_policy(repo, keys, root)
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
                                            log_file=root / "tritonserver.log", cost_cache=root / "cost-cache")
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.generative_repository import layout_generative_model
+from tests.release_policy import released_policy
 from tests.request_load import RequestLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,12 +40,11 @@ class Env:
 def env(tiny_llm, tmp_path_factory):
     """Serving v1 of a released tiny Llama; v2 (a copy of v1) and v3 (another Llama, random weights of another
     seed, with its own build's golden continuations) signed and released while it serves."""
-    from model_factory.demo import write_key_policy
     from model_factory.serving.control_api import ControlServer
     from model_factory.serving.rollout import RolloutControl
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import SignerConfig, generate_keypair, sign_model_version
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
     from tests.generative_models import make_causal_lm
 
     hf, onnx_dir = tiny_llm
@@ -54,14 +54,7 @@ def env(tiny_llm, tmp_path_factory):
     v1 = layout_generative_model(hf, onnx_dir, repo, MODEL, **PARAMS)
     model_dir = v1.parent
     sign_model_version(model_dir, int(v1.name), SignerConfig(keys.private_key))
-    k = [KeyFile(keys.private_key)]
-    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
-                                          "timestamp": [keys.public_key]})
-    assert add_release(repo, k, k, k) == 1
-    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(release_root, root / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    policy, k = released_policy(repo, keys, root)
     # v3's weights: the same shape and tokenizer, another seed; built by the factory like v1.
     other_hf = make_causal_lm("llama", root / "other-hf", max_positions=2048, seed=1)
     other = layout_generative_model(other_hf, None, root / "other-repo", MODEL, **PARAMS)
