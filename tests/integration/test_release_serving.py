@@ -8,16 +8,17 @@ from dataclasses import replace
 
 import pytest
 
+from tests.release_policy import released_policy
+
 pytestmark = pytest.mark.integration
 pytest.importorskip("tuf", reason="pip install 'model-factory[sign]' (python-tuf)")
 
 
 def test_serve_refuses_a_rolled_back_repository_at_start(tmp_path, minilm_recipe, package_signed) -> None:
-    from model_factory.demo import write_key_policy
     from model_factory.errors import FactoryError
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import generate_keypair
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
 
     repo = tmp_path / "repo"
     keys = generate_keypair(tmp_path / "keys")
@@ -25,21 +26,13 @@ def test_serve_refuses_a_rolled_back_repository_at_start(tmp_path, minilm_recipe
     model_dir = package_signed(recipe, keys)
     assert (model_dir / "1").is_dir()
     # One key for every role keeps the test short; docs/releases.md keeps root offline and apart.
-    k = [KeyFile(keys.private_key)]
-    root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
-                                  "timestamp": [keys.public_key]})
-    assert add_release(repo, k, k, k) == 1
+    policy, k = released_policy(repo, keys, tmp_path)
     release1 = tmp_path / "release-1"
     shutil.copytree(repo, release1)
 
     package_signed(replace(recipe, version=2), keys)
     assert (model_dir / "2").is_dir()
     assert add_release(repo, k, k, k) == 2
-
-    policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(root, tmp_path / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
 
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0), policy)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.release_policy import released_policy
 from tests.request_load import RequestLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,12 +43,11 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
     """Serving v1 of a released model; v2 (same weights) and v3 (other weights, its own golden data) packaged,
     signed and released while it serves; a control endpoint as ``serve --control-port`` starts it."""
     from model_factory.build_engines.golden import write_acceptance_data
-    from model_factory.demo import write_key_policy
     from model_factory.serving.control_api import ControlServer
     from model_factory.serving.rollout import RolloutControl
     from model_factory.serving.server import ServerOptions, start_verified_server
     from model_factory.signing import generate_keypair
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
     from tests.conftest import _other_weights
 
     root = tmp_path_factory.mktemp("rollout")
@@ -57,14 +57,7 @@ def env(tmp_path_factory, minilm_recipe, minilm_export, package_signed):
     fp32 = minilm_export.onnx_path
     golden = write_acceptance_data(recipe, fp32, minilm_export.tokenizer_dir, root / "golden")
     model_dir = package_signed(recipe, keys, acceptance_dir=golden)
-    k = [KeyFile(keys.private_key)]
-    release_root = init_release(repo, k, {"targets": [keys.public_key], "snapshot": [keys.public_key],
-                                          "timestamp": [keys.public_key]})
-    assert add_release(repo, k, k, k) == 1
-    policy = write_key_policy(root / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(release_root, root / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{root / "state"}"\n')
+    policy, k = released_policy(repo, keys, root)
 
     server, report = start_verified_server(repo, ServerOptions(0, 0, 0, admin_key=KEY), policy,
                                            log_file=root / "tritonserver.log")
@@ -417,10 +410,9 @@ def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm
 
     from model_factory.build_engines.golden import write_acceptance_data
     from model_factory.cli.main import main
-    from model_factory.demo import write_key_policy
     from model_factory.distribution.push_pull import push
     from model_factory.signing import generate_keypair
-    from model_factory.signing.release import KeyFile, add_release, init_release
+    from model_factory.signing.release import add_release
 
     factory = tmp_path / "factory"  # where models are built, signed and released
     served = tmp_path / "served"  # what serve reads: filled only by pull
@@ -428,14 +420,8 @@ def test_the_serve_command_rolls_out_a_pulled_version_on_sighup(tmp_path, minilm
     keys = generate_keypair(tmp_path / "keys")
     recipe = replace(minilm_recipe, name=MODEL, repository=replace(minilm_recipe.repository, path=factory))
     golden = write_acceptance_data(recipe, minilm_export.onnx_path, minilm_export.tokenizer_dir, tmp_path / "golden")
-    model_dir = package_signed(recipe, keys, acceptance_dir=golden)
-    k = [KeyFile(keys.private_key)]
-    root = init_release(factory, k, {r: [keys.public_key] for r in ("targets", "snapshot", "timestamp")})
-    add_release(factory, k, k, k)
-    policy = write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False)
-    shutil.copy(root, tmp_path / "release-root.json")
-    with policy.open("a") as f:
-        f.write(f'[release]\nroot = "release-root.json"\nstate_dir = "{tmp_path / "state"}"\n')
+    package_signed(recipe, keys, acceptance_dir=golden)
+    policy, k = released_policy(factory, keys, tmp_path)
 
     def pull(tag: str) -> str:
         res = CliRunner().invoke(main, ["pull", f"oci-layout:{layout}:{tag}", str(served), "--policy", str(policy)])
