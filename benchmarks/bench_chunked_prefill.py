@@ -75,20 +75,12 @@ def llama_folder(work: Path | None, shape: str) -> Path:
 
 async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: the arrival time of each token event, and its text."""
+    from benchmarks.harness.openai_stream import stream_completion
+
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    sent = time.perf_counter()
-    times, text = [], []
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[5:]).get("choices") or []:
-                times.append(time.perf_counter())
-                text.append(choice.get("text") or "")
-    return {"sent": sent, "times": times, "text": "".join(text)}
+    read = await stream_completion(session, url, body)
+    return {"sent": read.sent, "times": list(read.times), "text": read.text}
 
 
 async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[list[int]]) -> dict:

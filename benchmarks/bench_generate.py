@@ -160,6 +160,8 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
     """
     import aiohttp
 
+    from benchmarks.harness.openai_stream import stream_completion
+
     ttfts: list[float] = []
     streams: list[dict] = []
 
@@ -174,27 +176,12 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
                     "ignore_eos": True, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
         body.update(extra or {})
-        start = time.perf_counter()
-        first = None
-        got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None}
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                for choice in event.get("choices") or []:
-                    if first is None:
-                        first = time.perf_counter() - start
-                    got["chunks"] += 1
-                    got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
-                if event.get("usage"):
-                    got["prompt_tokens"] = event["usage"].get("prompt_tokens")
-                    got["completion_tokens"] = event["usage"].get("completion_tokens")
+        read = await stream_completion(session, url, body)
+        got = {"prompt_tokens": read.usage_of("prompt_tokens"), "completion_tokens": read.usage_of("completion_tokens"),
+               "chunks": read.chunks, "finish_reason": read.finish_reason}
         if style == "llamacpp" and got["finish_reason"] == "length":
             got["completion_tokens"] = OUTPUT
-        ttfts.append(first)
+        ttfts.append(read.ttft)
         streams.append(got)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:

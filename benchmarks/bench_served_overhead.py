@@ -99,26 +99,16 @@ async def _drive(url: str, model: str, prompts: list[list[int]], tokens: int) ->
     """One streamed /v1/completions per prompt, all at once: texts, counts, chunks, TTFTs, wall."""
     import aiohttp
 
+    from benchmarks.harness.openai_stream import stream_completion
+
     out: list[dict] = [{} for _ in prompts]
 
     async def one(session, i, prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        start, first, pieces, chunks, usage = time.perf_counter(), None, [], 0, None
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                for choice in event.get("choices") or []:
-                    first = first if first is not None else time.perf_counter() - start
-                    chunks += 1
-                    pieces.append(choice.get("text") or "")
-                usage = event.get("usage") or usage
-        out[i] = {"text": "".join(pieces), "chunks": chunks, "ttft": first,
-                  "tokens": (usage or {}).get("completion_tokens") or 0}
+        read = await stream_completion(session, url, body)
+        out[i] = {"text": read.text, "chunks": read.chunks, "ttft": read.ttft,
+                  "tokens": read.usage_of("completion_tokens") or 0}
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.perf_counter()
