@@ -412,7 +412,8 @@ class RolloutControl:
 
     def scan(self) -> list[str]:
         """``serve --watch`` and SIGHUP: one look at the repository. The highest version folder of a served model
-        above its serving version is rolled out (one rollout at a time; defaults of :class:`RolloutRequest`),
+        or of an adapter its bases serve above its serving version is rolled out (one rollout at a time; defaults
+        of :class:`RolloutRequest`),
         through every check of :meth:`start`; a refusal is said once per reason (the same version is looked at
         again on each scan: a release added later lets it through), a version whose rollout ended is not tried
         again. Returns the lines said (also echoed)."""
@@ -420,7 +421,8 @@ class RolloutControl:
         if self._running is not None and self._running.is_alive():
             return said
         repo = Path(self.server.repository)
-        for m, serving in sorted(self.serving.items()):
+        serving_now = {**self.serving, **{name: a.version for name, a in self.adapters.items()}}
+        for m, serving in sorted(serving_now.items()):
             try:
                 versions = sorted(int(p.name) for p in (repo / m).iterdir() if p.is_dir() and p.name.isdigit())
             except OSError:

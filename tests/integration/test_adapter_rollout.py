@@ -6,7 +6,8 @@ each other, so their greedy tokens differ) and built by the factory as versions 
 accepts and switches it while clients keep calling the adapter and the base: no request fails, every adapter request
 sent after the switch answers as ``transformers`` + ``peft`` with version 2 does, and the base answers as itself
 throughout; ``--undo`` brings version 1 back the same way. A version 3 whose ``adapter.json`` names other base
-bytes (signed and released all the same) is refused by name before anything changes.
+bytes (signed and released all the same) is refused by name before anything changes; ``serve --watch`` (a scan) says
+that refusal once and, once version 3 is gone, rolls version 2 out by the same path.
 """
 
 from __future__ import annotations
@@ -159,15 +160,8 @@ def check_answers(load: MixedLoad, expected: dict, after: float, version: int) -
 
 
 def test_an_adapter_rolls_out_under_load_while_its_base_serves_and_the_undo_brings_v1_back(env, expected) -> None:
-    from model_factory.build.adapter import build_adapter
-    from model_factory.recipe import load_recipe
-    from model_factory.signing.release import add_release
-
     assert 1 in answered_by(expected, 0, complete(env.frontend.url, ADAPTER, 0))  # version 1 serves
-    build_adapter(load_recipe(adapter_recipe(env.root / "recipes-v2", ADAPTER, env.peft[2], env.repo / BASE, env.hf,
-                                             env.repo, version=2)), signer=env.signer)
-    k = env.release_keys
-    assert add_release(env.repo, k, k, k) == 2
+    _released_version_2(env)
     pids_before = _stub_pids(env)
     with MixedLoad(env.frontend.url) as load:
         result = rollout(env, "2")
@@ -202,18 +196,7 @@ def test_an_adapter_rolls_out_under_load_while_its_base_serves_and_the_undo_brin
 
 def test_an_adapter_version_built_for_other_base_bytes_is_refused_by_name_before_anything_changes(env,
                                                                                                expected) -> None:
-    from model_factory.signing import sign_model_version
-    from model_factory.signing.release import add_release
-
-    v3 = env.repo / ADAPTER / "3"
-    shutil.copytree(env.repo / ADAPTER / "1", v3)
-    spec = json.loads((v3 / "adapter.json").read_text())
-    rel = sorted(spec["base_digests"])[0]
-    spec["version"], spec["base_digests"][rel] = 3, "0" * 64  # trained on a base with other bytes
-    (v3 / "adapter.json").write_text(json.dumps(spec))
-    sign_model_version(env.repo / ADAPTER, 3, env.signer)
-    k = env.release_keys
-    add_release(env.repo, k, k, k)
+    rel = _released_other_base_version(env, 3)
     pids_before = _stub_pids(env)
     result = rollout(env, "3")
     assert result.exit_code == 1, result.output
@@ -223,6 +206,65 @@ def test_an_adapter_version_built_for_other_base_bytes_is_refused_by_name_before
     assert env.server.adapter_versions[ADAPTER] == 1
     for i in range(len(PROMPTS)):
         assert 1 in answered_by(expected, i, complete(env.frontend.url, ADAPTER, i))
+
+
+def test_the_watch_rolls_a_newer_adapter_version_out_and_says_a_refused_one_once(env, expected) -> None:
+    """``serve --watch`` / SIGHUP (``RolloutControl.scan``) looks at the served bases' adapter entries as at models:
+    the newest version (3, built for other base bytes) is refused and said once; once it is gone, version 2 is rolled
+    out by the same path as ``model-factory rollout``, and the adapter answers as version 2."""
+    if not (env.repo / ADAPTER / "3").is_dir():
+        _released_other_base_version(env, 3)
+    _released_version_2(env)
+    serving = env.server.adapter_versions[ADAPTER]
+    assert serving == 1, serving
+    first = env.control.scan()
+    assert len(first) == 1 and first[0].startswith(
+        f"watch: {ADAPTER} version 3 not rolled out: refused: adapter {ADAPTER} version 3 was built for"), first
+    assert env.control.scan() == []  # the same refusal is said once
+    shutil.rmtree(env.repo / ADAPTER / "3")
+    assert env.control.scan() == [f"watch: rolling out {ADAPTER} version 2 (serving 1)"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and env.control.status(ADAPTER).state not in ("switched", "rolled_back",
+                                                                                    "failed"):
+        time.sleep(0.5)
+    status = env.control.status(ADAPTER)
+    assert status.state == "switched" and status.judged_by == "acceptance", status
+    assert env.server.adapter_versions[ADAPTER] == 2
+    for i in range(len(PROMPTS)):
+        assert 2 in answered_by(expected, i, complete(env.frontend.url, ADAPTER, i))
+    assert env.control.scan() == []  # nothing newer; version 2's rollout ended and is not tried again
+
+
+def _released_version_2(env) -> None:
+    """Version 2 of the adapter (the second peft adapter), built, signed and released (once)."""
+    from model_factory.build.adapter import build_adapter
+    from model_factory.recipe import load_recipe
+    from model_factory.signing.release import add_release
+
+    if (env.repo / ADAPTER / "2").is_dir():
+        return
+    build_adapter(load_recipe(adapter_recipe(env.root / "recipes-v2", ADAPTER, env.peft[2], env.repo / BASE, env.hf,
+                                             env.repo, version=2)), signer=env.signer)
+    k = env.release_keys
+    add_release(env.repo, k, k, k)
+
+
+def _released_other_base_version(env, version: int) -> str:
+    """Version ``version``: version 1's files with ``adapter.json`` naming other bytes for one base file (as if
+    trained on another base), signed and released all the same; returns that file's name."""
+    from model_factory.signing import sign_model_version
+    from model_factory.signing.release import add_release
+
+    folder = env.repo / ADAPTER / str(version)
+    shutil.copytree(env.repo / ADAPTER / "1", folder)
+    spec = json.loads((folder / "adapter.json").read_text())
+    rel = sorted(spec["base_digests"])[0]
+    spec["version"], spec["base_digests"][rel] = version, "0" * 64
+    (folder / "adapter.json").write_text(json.dumps(spec))
+    sign_model_version(env.repo / ADAPTER, version, env.signer)
+    k = env.release_keys
+    add_release(env.repo, k, k, k)
+    return rel
 
 
 def _stub_pids(env) -> set[int]:
