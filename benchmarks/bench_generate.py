@@ -668,7 +668,8 @@ def targets(results: dict, levels: list[int]) -> str:
                     fails.append(str(c))
             else:
                 ratios_.append("–")
-        verdict = "met" if not fails else "not met at " + ", ".join(fails) + " streams"
+        verdict = ("not measured" if "–" in ratios_ and not fails else "met" if not fails
+                   else "not met at " + ", ".join(fails) + " streams")
         lines.append(f"- ours {best.upper()} >= {want:.1f}x {name}: " + " / ".join(ratios_) + f": {verdict}")
 
     for who, p in sorted({(w, p) for w, p, _ in results if w != "ours"}):
@@ -679,11 +680,12 @@ def targets(results: dict, levels: list[int]) -> str:
     for p in ours:
         if p == "fp32":
             continue
-        slow = [str(c) for c in levels if (_median(results, ("ours", p, c), 0) or 0)
-                < (_median(results, ("ours", "fp32", c), 0) or 0)]
-        lines.append(f"- ours {p.upper()} >= 1.0x ours FP32: " + ("met" if not slow else
-                                                                 "not met: slower than FP32 at " + ", ".join(slow)
-                                                                 + " streams"))
+        pairs = [(_median(results, ("ours", p, c), 0), _median(results, ("ours", "fp32", c), 0)) for c in levels]
+        slow = [str(c) for c, (mine, fp32) in zip(levels, pairs) if mine and fp32 and mine < fp32]
+        unmeasured = [str(c) for c, (mine, fp32) in zip(levels, pairs) if not (mine and fp32)]
+        lines.append(f"- ours {p.upper()} >= 1.0x ours FP32: " + (
+            "not met: slower than FP32 at " + ", ".join(slow) + " streams" if slow
+            else "not measured at " + ", ".join(unmeasured) + " streams" if unmeasured else "met"))
     return "\n".join(lines)
 
 

@@ -39,3 +39,17 @@ def test_prompts_keep_their_old_draw_and_gemma_style_starts_with_bos(monkeypatch
     monkeypatch.setitem(bg.MODEL, "bos", 2)
     got = bg._prompts(3, bg.VOCAB, 7)
     assert all(len(p) == bg.PROMPT and p[0] == 2 and set(p[1:]) <= {10, 11, 12} for p in got)
+
+
+def test_targets_say_not_measured_where_a_figure_is_missing_and_met_only_on_figures():
+    results = {("ours", "int8kv8", 1): [(60.0, 0.1, 0.2)], ("ours", "int8kv8", 8): [(250.0, 0.5, 0.9)],
+               ("openvino", "int8", 1): [(50.0, 0.1, 0.2)]}
+    text = bg.targets(results, [1, 8])
+    assert "- ours INT8KV8 >= 1.0x OpenVINO GenAI INT8: 1.20x / –: not measured" in text, text
+    assert "- ours INT8KV8 >= 1.0x ours FP32: not measured at 1, 8 streams" in text, text
+    results[("ours", "fp32", 1)] = [(20.0, 0.3, 0.4)]
+    results[("ours", "fp32", 8)] = [(255.0, 0.3, 0.4)]
+    results[("openvino", "int8", 8)] = [(200.0, 0.5, 0.9)]
+    text = bg.targets(results, [1, 8])
+    assert "- ours INT8KV8 >= 1.0x ours FP32: not met: slower than FP32 at 8 streams" in text, text
+    assert "- ours INT8KV8 >= 1.0x OpenVINO GenAI INT8: 1.20x / 1.25x: met" in text, text
