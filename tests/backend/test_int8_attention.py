@@ -319,7 +319,7 @@ def test_auto_keeps_the_packaged_graph_when_onnxruntime_refuses_the_library_or_t
         CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
     monkeypatch.undo()
     real = ia.library()
-    monkeypatch.setattr(ia, "prepare", lambda source: ia.Prepared(b"not a graph", real, 2))
+    monkeypatch.setattr(ia, "prepare", lambda source, block_size=0: ia.Prepared(b"not a graph", real, 2))
     auto = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="auto")
     assert "a session on it failed" in auto.attention
     assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1
