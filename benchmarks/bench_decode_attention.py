@@ -2,7 +2,7 @@
 and the same attention in standard ops (issue 32: is there a faster CPU attention to put in the graph?).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_decode_attention.py [--shape llama|gemma3] [--rounds 5]
-        [--variant NAME ...] [--baseline-source OLD/int8_kv_attention.cc] [--write]
+        [--variant NAME ...] [--baseline-source OLD/int8_kv_attention.cc] [--blocks] [--write]
 
 ``--shape llama`` (the default): bench_generate's Llama (SmolLM-135M's attention: 9 query heads, 3 KV heads, head
 size 64, max_context 2048, 30 layers; 8 x 192, 32 x 192, 32 x 448). ``--shape gemma3``: Gemma 3 270M's (4 query heads
@@ -29,7 +29,14 @@ L3, flatters the grouped variants):
 - ``kernel int8, AVX2``: the factory's operator compiled without AVX-512 (``int8_attention.library(isa="avx2")``:
   the path an AVX2-only CPU runs), only where this host has AVX-512;
 - ``kernel int8, baseline``: with ``--baseline-source``, the operator compiled from another source (an earlier
-  revision's ``kernels/int8_kv_attention.cc``, its ``ort_abi.h`` beside it), to time a change against it.
+  revision's ``kernels/int8_kv_attention.cc``, its ``ort_abi.h`` beside it), to time a change against it;
+- ``kernel int8, blocks`` (and ``kernel int8, blocks, AVX2`` where the host has AVX-512; ``kernel int8, blocks in
+  order``: each row's blocks consecutive in the pool, to tell the scatter's cost from the table's): with ``--blocks``, the
+  operator reading and writing through a block table (``rewrite(model, block_size=16)``): each layer's cache one pool
+  ``[B x max_context / 16 blocks, kv_heads, 16, head_size]``, each row's blocks a shuffled draw from it (a served
+  pool's blocks are in no order), against ``kernel int8`` (and its AVX2 build) on the slot layout. ``--blocks`` runs
+  only the kernel's variants (with ``--baseline-source`` also ``kernel int8, blocks, baseline``: that source through
+  the same tables) and writes its own section (``<!-- decode_attention[_gemma3]_blocks:start -->``).
 
 Gemma 3's layers are 5 sliding-window (512) to 1 global; at max_context 512 a window of 512 reads the same keys as a
 global layer, so every gemma3 layer here is one node with ``local_window_size`` 512.
@@ -76,9 +83,9 @@ class Shape:
     window: int = -1  # local_window_size
     separate: bool = False  # query, key and value as three inputs (else packed in one)
 
-    @property
-    def markers(self) -> tuple[str, str]:
+    def markers(self, blocks: bool = False) -> tuple[str, str]:
         tag = "decode_attention" if self.name == "llama" else f"decode_attention_{self.name}"
+        tag += "_blocks" if blocks else ""
         return f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
 
 
@@ -89,6 +96,7 @@ SHAPES = {
                     512, 18, ((8, 192), (32, 192), (32, 384)), window=512, separate=True),
 }
 CALLS = 300  # ten passes over the Llama's 30 buffer sets
+BLOCK = 16  # --blocks: the block size (the prefix cache's)
 
 
 THREADS = 2  # ONNX Runtime's intra-op threads (--threads)
@@ -112,10 +120,12 @@ def _opsets():
 
 
 def gqa_call(shape: Shape, rows: int, cached: int, int8: bool, rng: np.random.Generator, kernel: bool = False,
-             isa: str = "native", source: str | None = None):
+             isa: str = "native", source: str | None = None, blocks: bool = False, shuffled: bool = True):
     """A GroupQueryAttention decode call over the shared slot buffers, as a no-argument function; ``kernel``: the
     factory's INT8-cache operator instead (the node rewritten as the backend rewrites it), compiled for ``isa`` from
-    ``source`` (the backend's own by default)."""
+    ``source`` (the backend's own by default); ``blocks``: that operator through a block table over a pool of
+    :data:`BLOCK`-token blocks, each row's a shuffled draw from the pool (``shuffled``; else each row's blocks in
+    order, as a fresh pool hands them out)."""
     from onnx import TensorProto as TP
     from onnx import helper, numpy_helper
 
@@ -150,22 +160,33 @@ def gqa_call(shape: Shape, rows: int, cached: int, int8: bool, rng: np.random.Ge
     if kernel:
         from model_factory.backend.generation.int8_attention import SOURCE, library as kernel_library, rewrite
 
-        rewrite(model)
+        rewrite(model, block_size=BLOCK if blocks else 0)
         library = str(kernel_library(Path(source) if source else SOURCE, isa=isa))
     sess = _session(model, library=library)
     angles = rng.standard_normal((context, head // 2))
     feeds = {name: rng.standard_normal((rows, 1, width), dtype=np.float32) for name, width in widths.items()}
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     bindings, buffers = [], []
+    per_row = context // BLOCK
+    if blocks:
+        kv_shape = [rows * per_row, kv_heads, BLOCK, head]
     for _ in range(shape.layers):  # one layer's slot buffers each: zero pages beyond the cached tokens, as served
         pair = []
+        order = rng.permutation(rows * per_row) if shuffled else np.arange(rows * per_row)
+        table = order.reshape(rows, per_row).astype(np.int32)
         for _kind in ("key", "value"):
             buf = np.zeros(kv_shape, kv_np)
-            buf[:, :, :cached + 1] = (rng.integers(-127, 128, (rows, kv_heads, cached + 1, head), dtype=np.int8)
-                                      if int8 else rng.standard_normal((rows, kv_heads, cached + 1, head),
-                                                                       dtype=np.float32))
+            if blocks:  # the blocks holding each row's cached tokens written, the rest zero pages (as slots)
+                used = table[:, :-(-(cached + 1) // BLOCK)].reshape(-1)
+                buf[used] = rng.integers(-127, 128, (len(used), *kv_shape[1:]), dtype=np.int8)
+            else:
+                buf[:, :, :cached + 1] = (rng.integers(-127, 128, (rows, kv_heads, cached + 1, head), dtype=np.int8)
+                                          if int8 else rng.standard_normal((rows, kv_heads, cached + 1, head),
+                                                                           dtype=np.float32))
             pair.append(buf)
         io = sess.io_binding()
+        if blocks:
+            io.bind_cpu_input("block_table", table)
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
         io.bind_cpu_input("cos", cos)
@@ -243,6 +264,13 @@ VARIANTS = {
     "kernel int8, AVX2": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True, isa="avx2"),
     "kernel int8, baseline": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True,
                                                                      source=args.baseline_source),
+    "kernel int8, blocks": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True, blocks=True),
+    "kernel int8, blocks, AVX2": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True,
+                                                                         isa="avx2", blocks=True),
+    "kernel int8, blocks, baseline": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True,
+                                                                             source=args.baseline_source, blocks=True),
+    "kernel int8, blocks in order": lambda shape, b, t, rng, args: gqa_call(shape, b, t, True, rng, kernel=True,
+                                                                            blocks=True, shuffled=False),
     "grouped, token-major": lambda shape, b, t, rng, args: grouped_call(shape, b, t, False, rng),
     "grouped, slot layout": lambda shape, b, t, rng, args: grouped_call(shape, b, t, True, rng),
 }
@@ -266,13 +294,21 @@ def main() -> int:
     ap.add_argument("--variant", action="append", help="a variant to run (repeat it; default: all that apply here)")
     ap.add_argument("--baseline-source", help="another kernel source to time as 'kernel int8, baseline'")
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime's intra-op threads (2: as served)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="the kernel through a block table against the kernel on the slot layout (its own section)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     global THREADS
     THREADS = args.threads
     shape = SHAPES[args.shape]
-    names = [n for n in VARIANTS if (n != "kernel int8, AVX2" or "avx512f" in cpu_flags())
-             and (n != "kernel int8, baseline" or args.baseline_source)]
+    avx512 = "avx512f" in cpu_flags()
+    if args.blocks:
+        names = ["kernel int8", "kernel int8, blocks", "kernel int8, blocks in order"] + (
+            ["kernel int8, AVX2", "kernel int8, blocks, AVX2"] if avx512 else []) + (
+            ["kernel int8, blocks, baseline"] if args.baseline_source else [])
+    else:
+        names = [n for n in VARIANTS if (n != "kernel int8, AVX2" or avx512)
+                 and (n != "kernel int8, baseline" or args.baseline_source) and "blocks" not in n]
     if args.variant:
         wanted = args.variant
         unknown = sorted(set(wanted) - set(VARIANTS))
@@ -315,32 +351,49 @@ def main() -> int:
 
         def one(name: str) -> str:
             wall, used = statistics.median(ms[(name, (b, t))]), statistics.median(cpu[(name, (b, t))])
-            return (f"{cell(ms[(name, (b, t))])}; CPU {cell(cpu[(name, (b, t))])}; {flops / wall / 1e6:.0f} GFLOP/s, "
+            text = (f"{cell(ms[(name, (b, t))])}; CPU {cell(cpu[(name, (b, t))])}; {flops / wall / 1e6:.0f} GFLOP/s, "
                     f"KV {kv_rate(name):.1f} GB/s; {base / wall:.2f}x, CPU {base_cpu / used:.2f}x")
+            if args.blocks and "blocks" in name:  # the CPU per call over the slot layout's, round by round
+                slots = name.replace(", blocks in order", "").replace(", blocks", "").replace(", baseline", "")
+                ratios = [x / y for x, y in zip(cpu[(name, (b, t))], cpu[(slots, (b, t))])]
+                text += f"; CPU / {slots}'s, paired by round: {cell(ratios)}"
+            return text
         rows.append(f"| {b} x {t} | " + " | ".join(one(name) for name in names) + " |")
-    start, end = shape.markers
+    start, end = shape.markers(args.blocks)
     group = heads // kv_heads
     title = ("Decode attention, one layer: GroupQueryAttention against the factory's INT8-cache kernel and standard "
              "ops" + ("" if shape.name == "llama" else f" at {shape.name}'s shape"))
+    if args.blocks:
+        title = ("Decode attention, one layer: the INT8-cache kernel through a block table against the slot layout"
+                 + ("" if shape.name == "llama" else f" at {shape.name}'s shape"))
+    blocks_note = ("" if not args.blocks else
+                   f" Blocks: the same kernel reading and writing through a block table of {BLOCK}-token blocks, "
+                   f"each layer's cache one pool of B x {shape.max_context // BLOCK} blocks, each row's blocks a "
+                   "shuffled draw from it (`in order`: row r's blocks r x n ... r x n + n - 1, as a fresh pool hands "
+                   "them out: the same reads without the scatter); its last figure is its CPU per call over the same ISA's slot-layout "
+                   "variant's in the same round, the median (range) of the rounds' ratios.")
     section = "\n".join([
-        start, f"## {title} (benchmarks/bench_decode_attention.py --shape {shape.name})", "",
+        start, f"## {title} (benchmarks/bench_decode_attention.py --shape {shape.name}"
+               f"{' --blocks' if args.blocks else ''})", "",
         run_header("benchmarks/bench_decode_attention.py", load), "",
         f"One decode step's attention in one layer of {shape.description}: {heads} query heads, {kv_heads} KV "
         f"heads, head size {head}; B rows over T cached tokens, KV buffers of the backend's slot layout "
         f"(max_context {shape.max_context}), ONNX Runtime on {THREADS} thread{'s' if THREADS > 1 else ''} "
         f"({'spinning, as served' if THREADS > 1 else 'no spinning to count'}); each variant cycles through "
         f"{shape.layers} sets of buffers, one per layer of the model, so its keys and values come from memory as in "
-        "a served step. GQA: the packaged graphs' node (rotary and the in-place cache write included), with the float "
-        "and with the INT8 cache. Kernel int8: the INT8-cache node rewritten to the factory's operator "
+        "a served step. " + ("" if args.blocks else "GQA: the packaged graphs' node (rotary and the in-place cache "
+                             "write included), with the float and with the INT8 cache. ") +
+        "Kernel int8: the INT8-cache node rewritten to the factory's operator "
         "(`Int8KVAttention`, compiled on this host), as the backend serves it; `AVX2`: the same compiled without "
-        "AVX-512 (the path of an AVX2-only CPU); `baseline`: compiled from the source named by --baseline-source. "
+        "AVX-512 (the path of an AVX2-only CPU)" + (". " if args.blocks else
+                                                    "; `baseline`: compiled from the source named by --baseline-source. "
         f"Grouped: the {group} query heads of a KV head as the rows of one batched FusedMatMul / Softmax / MatMul, "
         "over keys and values already `[B, kv_heads, T, head_size]` (token-major: a cache layout the backend does "
-        "not have; no rotary, no cache write) or sliced out of the slot layout's buffers every step. Per cell: "
+        "not have; no rotary, no cache write) or sliced out of the slot layout's buffers every step. ") + "Per cell: "
         f"milliseconds per call, median of {args.rounds} rounds of {CALLS} calls (range in brackets); CPU "
         "milliseconds per call (every thread of the process, ONNX Runtime's spinning included), the same way; the "
         "attention's GFLOP/s and the cached keys and values it reads per second at the median wall time; the speed "
-        f"relative to {names[0]}, by wall time and by CPU time.", "",
+        f"relative to {names[0]}, by wall time and by CPU time.{blocks_note}", "",
         "| B x T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *rows, "", end])
     publish(section, HERE / "RESULTS.md", start, end, args.write)
     return 0

@@ -42,6 +42,11 @@ INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
 PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
 KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE = "paged", "reserve"  # generation/kv_blocks.py: what admission reserves
 KV_ADMISSION = (KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE)
+# How the KV cache is laid out (generation/kv_pool.py): slots (a contiguous max_context slot per sequence, what every
+# attention reads), blocks (a pool of blocks and a block table per sequence, shared prefixes held once: only the
+# factory's INT8-cache kernel reads it, so elsewhere slots, the reason logged).
+KV_LAYOUT_SLOTS, KV_LAYOUT_BLOCKS = "slots", "blocks"
+KV_LAYOUT = (KV_LAYOUT_SLOTS, KV_LAYOUT_BLOCKS)
 PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
 SPECULATIVE = ("off", "prompt_lookup")  # generation/speculative.py: drafting by prompt lookup (vLLM's "ngram")
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
@@ -238,6 +243,8 @@ class ModelParameters:
     # What admission reserves (generation/kv_blocks.py): paged (the blocks a sequence holds and its next step writes,
     # growing a block at a time; the budget preempts when none is left), reserve (prompt + max_tokens up front).
     kv_admission: str = _param("choice", KV_ADMISSION_PAGED, choices=KV_ADMISSION)
+    # The KV cache's layout (KV_LAYOUT): slots, or blocks (a CPU instance's INT8 cache on the factory's kernel).
+    kv_layout: str = _param("choice", KV_LAYOUT_SLOTS, choices=KV_LAYOUT)
     # Padded tokens one prefill launch may hold (a longer prompt runs alone).
     max_prefill_tokens: int = _param("int", 2048, minimum=1)
     # Chunked prefill (generation/chunked_prefill.py): prompt tokens a step prefills; auto (cost model), 0/off: whole.

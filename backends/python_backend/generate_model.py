@@ -57,6 +57,7 @@ from .integrity import read_checked, verified_digests
 from .lora_contract import ADAPTER_WEIGHTS
 from .generation.kv_blocks import block_tokens
 from .generation.kv_slots import KVSlots
+from .generation.kv_pool import kv_storage, layout_block_tokens, layout_note
 from .generation.lora import AdapterError, AdapterTable, discover, prepare
 from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
@@ -200,6 +201,7 @@ class GenerativeModel:
                "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
                                      spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
+            + layout_note(s.kv_layout, self.model)
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
@@ -228,8 +230,10 @@ class GenerativeModel:
                 lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
                                      pad_token_id=spec.pad_token_id or 0,
                                      int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
-                                     lora=prepare(src, modules) if modules else None))
+                                     lora=prepare(src, modules) if modules else None,
+                                     kv_block_tokens=layout_block_tokens(s.kv_layout)))
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),
+                            storage=kv_storage(model, spec, s.max_active_sequences),
                             block_tokens=block_tokens(s.kv_admission))
         self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
                                      self.pb.Logger.log_info)

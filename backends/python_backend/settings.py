@@ -91,6 +91,7 @@ class Settings:
     int8_attention: str = "auto"
     prefix_caching: str = "auto"
     kv_admission: str = "paged"  # generation/kv_blocks.py: paged | reserve
+    kv_layout: str = "slots"  # generation/kv_pool.py: slots | blocks
     max_prefill_tokens: int = 2048
     # Chunked prefill: "auto" or prompt tokens per engine step (0: off; generation/chunked_prefill.py).
     prefill_chunk_tokens: int | str = "auto"
@@ -197,6 +198,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         int8_attention=p.int8_attention,
         prefix_caching=p.prefix_caching,
         kv_admission=p.kv_admission,
+        kv_layout=p.kv_layout,
         max_prefill_tokens=p.max_prefill_tokens,
         prefill_chunk_tokens=p.prefill_chunk_tokens,
         max_itl_ratio=p.max_itl_ratio,

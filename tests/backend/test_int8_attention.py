@@ -21,9 +21,9 @@ POSITIONS = 128
 
 def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_context: int, *, kernel: bool,
                 window: int = -1, softcap: float = 0.0, interleaved: int = 0, separate: bool = False,
-                isa: str = "native"):
+                isa: str = "native", block_size: int = 0):
     """A session of one attention node as the factory's graphs have it (packed QKV, or separate query, key and value
-    as Qwen3's; rotary inside, INT8 cache)."""
+    as Qwen3's; rotary inside, INT8 cache); ``block_size``: the kernel's paged layout (a pool and a block table)."""
     import onnxruntime as ort
     from onnx import TensorProto as TP
     from onnx import helper
@@ -55,15 +55,18 @@ def _node_graph(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_c
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     if kernel:
-        assert ia.rewrite(model) == 1
+        assert ia.rewrite(model, block_size=block_size) == 1
         opts.register_custom_ops_library(str(ia.library(isa=isa)))
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs, heads=None, kv_heads=None):
+def _run(session, qkv, cache, seqlens, total, cos, sin, ks, vs, heads=None, kv_heads=None, table=None):
     """One call with the caches bound in place (as the backend binds its KV slots); returns the attention output.
-    With ``heads`` and ``kv_heads`` the packed ``qkv`` is handed over as separate query, key and value."""
+    With ``heads`` and ``kv_heads`` the packed ``qkv`` is handed over as separate query, key and value; with
+    ``table`` the caches are the paged layout's pools and ``table`` its block table."""
     io = session.io_binding()
+    if table is not None:
+        io.bind_cpu_input(ia.BLOCK_TABLE, np.ascontiguousarray(table, dtype=np.int32))
     io.bind_output("out", "cpu")
     if heads is not None:
         head_dim = qkv.shape[2] // (heads + 2 * kv_heads)
@@ -316,7 +319,161 @@ def test_auto_keeps_the_packaged_graph_when_onnxruntime_refuses_the_library_or_t
         CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
     monkeypatch.undo()
     real = ia.library()
-    monkeypatch.setattr(ia, "prepare", lambda source: ia.Prepared(b"not a graph", real, 2))
+    monkeypatch.setattr(ia, "prepare", lambda source, block_size=0: ia.Prepared(b"not a graph", real, 2))
     auto = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="auto")
     assert "a session on it failed" in auto.attention
     assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1
+
+
+# The paged layout: the kernel reading and writing through a block table, against its own contiguous layout (itself
+# checked against ONNX Runtime's kernel above).
+def _rope(rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(np.arange(POSITIONS), 1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _gathered(pool: np.ndarray, table: np.ndarray, row: int, tokens: int) -> np.ndarray:
+    """Row ``row``'s first ``tokens`` cached tokens read out of a pool through its table: ``[kv_heads, tokens,
+    head_dim]``, the contiguous layout's row."""
+    blocks = [pool[int(b)] for b in table[row]]  # each [kv_heads, block_size, head_dim]
+    return np.concatenate(blocks, axis=1)[:, :tokens]
+
+
+def _assert_close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert np.abs(a - b).max() <= 1e-6 * max(1.0, float(np.abs(a).max())), what
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, head_dim, options, block_size, isa", [
+    (9, 3, 64, {}, 16, "native"),                               # head 64, 3 query heads a KV head
+    (9, 3, 64, {"window": 6}, 16, "native"),                     # a sliding window starting mid-block
+    (8, 2, 128, {}, 16, "native"),                               # head 128, 4 a KV head
+    (4, 1, 256, {"separate": True}, 16, "native"),               # Gemma 3's (the wide-head path)
+    (4, 1, 256, {"separate": True, "window": 11}, 16, "native"),  # ... its sliding-window layers
+    (6, 2, 192, {"softcap": 5.0}, 16, "native"),                 # the wide-head path at 3 a KV head
+    (4, 2, 16, {"window": 3}, 4, "native"),                      # the general path, blocks of 4
+    (9, 3, 64, {"window": 6}, 16, "avx2"),                       # the AVX2 build
+    (8, 2, 128, {}, 16, "avx2"),
+    (4, 1, 256, {"separate": True, "window": 11}, 16, "avx2"),
+    (4, 1, 256, {"separate": True}, 4, "avx2"),                   # blocks shorter than the wide path's rows a step
+    (9, 3, 64, {"window": 6, "in_order": True}, 16, "native"),    # each row's blocks in order: read as one run
+    (4, 1, 256, {"separate": True, "in_order": True}, 16, "avx2"),
+])
+def test_the_kernel_through_a_block_table_matches_its_contiguous_layout(heads, kv_heads, head_dim, options,
+                                                                       block_size, isa) -> None:
+    """Each row's blocks scattered over a shuffled pool whose other blocks hold junk (``in_order``: row r's blocks
+    consecutive, which the kernel reads as one run): a right-padded first prompt, a continued prompt of 3 tokens, then
+    5 decode steps give the contiguous layout's outputs, and each row's cache read back through its table holds the
+    contiguous layout's bytes."""
+    options = dict(options)
+    in_order = options.pop("in_order", False)
+    rng = np.random.default_rng(11)
+    max_context, lengths, continuation = 64, np.array([5, 37, 20, 1]), 3
+    batch, max_blocks = len(lengths), 64 // block_size
+    cos, sin = _rope(head_dim)
+    ks = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    vs = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    steps = [(rng.standard_normal((batch, int(lengths.max()), width)).astype(np.float32), lengths - 1,
+              int(lengths.max()))]
+    seen = lengths + continuation
+    steps.append((rng.standard_normal((batch, continuation, width)).astype(np.float32), seen - 1, int(seen.max())))
+    for _ in range(5):
+        seen = seen + 1
+        steps.append((rng.standard_normal((batch, 1, width)).astype(np.float32), seen - 1, int(seen.max())))
+    split = (heads, kv_heads) if options.get("separate") else (None, None)
+    # The contiguous layout.
+    flat = _node_graph(heads, kv_heads, head_dim, head_dim, max_context, kernel=True, isa=isa, **options)
+    cache = (np.zeros((batch, kv_heads, max_context, head_dim), np.int8),
+             np.zeros((batch, kv_heads, max_context, head_dim), np.int8))
+    ref = [_run(flat, qkv, cache, lens.astype(np.int32), total, cos, sin, ks, vs, *split) for qkv, lens, total in steps]
+    # The paged layout: a pool of junk with 5 spare blocks, each row's blocks a shuffled draw from it.
+    paged = _node_graph(heads, kv_heads, head_dim, head_dim, max_context, kernel=True, isa=isa, block_size=block_size,
+                        **options)
+    num_blocks = batch * max_blocks + 5
+    pools = tuple(rng.integers(-128, 128, (num_blocks, kv_heads, block_size, head_dim), dtype=np.int8)
+                  for _ in range(2))
+    order = np.arange(5, num_blocks) if in_order else rng.permutation(num_blocks)[:batch * max_blocks]
+    table = order.reshape(batch, max_blocks).astype(np.int32)
+    got = [_run(paged, qkv, pools, lens.astype(np.int32), total, cos, sin, ks, vs, *split, table=table)
+           for qkv, lens, total in steps]
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if i == 0:  # padding tokens of the first prompt are never read
+            valid = np.arange(a.shape[1])[None, :] < lengths[:, None]
+            a, b = a[valid], b[valid]
+        _assert_close(a, b, f"call {i}")
+    for flat_cache, pool in zip(cache, pools):
+        for row in range(batch):
+            n = int(seen[row])
+            assert np.array_equal(flat_cache[row, :, :n], _gathered(pool, table, row, n)), f"row {row}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, head_dim, options, isa", [
+    (9, 3, 64, {}, "native"),
+    (8, 2, 128, {"window": 20}, "native"),
+    (4, 1, 256, {"separate": True}, "native"),
+    (4, 1, 256, {"separate": True, "window": 20}, "avx2"),
+    (9, 3, 64, {}, "avx2"),
+])
+def test_two_rows_read_one_prefix_from_the_same_blocks(heads, kv_heads, head_dim, options, isa) -> None:
+    """Row 1's prompt starts with row 0's first 32 tokens. Contiguous: both prompts prefilled whole, each row its own
+    copy. Paged: row 0 prefilled, then row 1's table names row 0's two prefix blocks and only its own tokens are
+    prefilled (a continued prompt, as a prefix-cache hit); then both decode. The outputs are the contiguous ones, and
+    the shared blocks are not written after row 0's prompt."""
+    rng = np.random.default_rng(5)
+    block, prefix, max_context = 16, 32, 64
+    lengths = np.array([40, 45])
+    cos, sin = _rope(head_dim)
+    ks = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    vs = (rng.uniform(0.5, 1.5, kv_heads * head_dim) * 3 / 127).astype(np.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    split = (heads, kv_heads) if options.get("separate") else (None, None)
+    prompts = rng.standard_normal((2, int(lengths.max()), width)).astype(np.float32)
+    prompts[1, :prefix] = prompts[0, :prefix]
+    decodes = [rng.standard_normal((2, 1, width)).astype(np.float32) for _ in range(4)]
+
+    flat = _node_graph(heads, kv_heads, head_dim, head_dim, max_context, kernel=True, isa=isa, **options)
+    cache = tuple(np.zeros((2, kv_heads, max_context, head_dim), np.int8) for _ in range(2))
+    ref_prompt = _run(flat, prompts, cache, (lengths - 1).astype(np.int32), int(lengths.max()), cos, sin, ks, vs,
+                      *split)
+    ref_decode = []
+    for i, qkv in enumerate(decodes):
+        seen = lengths + i + 1
+        ref_decode.append(_run(flat, qkv, cache, (seen - 1).astype(np.int32), int(seen.max()), cos, sin, ks, vs,
+                               *split))
+
+    paged = _node_graph(heads, kv_heads, head_dim, head_dim, max_context, kernel=True, isa=isa, block_size=block,
+                        **options)
+    pools = tuple(rng.integers(-128, 128, (12, kv_heads, block, head_dim), dtype=np.int8) for _ in range(2))
+    table = np.array([[7, 2, 9, 0], [7, 2, 4, 11]], np.int32)  # blocks 7 and 2: the shared prefix
+    first = _run(paged, np.ascontiguousarray(prompts[:1, :lengths[0]]), pools, np.array([lengths[0] - 1], np.int32),
+                 int(lengths[0]), cos, sin, ks, vs, *split, table=table[:1])
+    shared = [pool[[7, 2]].copy() for pool in pools]
+    second = _run(paged, np.ascontiguousarray(prompts[1:, prefix:lengths[1]]), pools,
+                  np.array([lengths[1] - 1], np.int32), int(lengths[1]), cos, sin, ks, vs, *split, table=table[1:])
+    _assert_close(ref_prompt[0, :lengths[0]], first[0], "row 0's prompt")
+    _assert_close(ref_prompt[1, prefix:lengths[1]], second[0], "row 1's own tokens after the shared prefix")
+    for i, qkv in enumerate(decodes):
+        seen = lengths + i + 1
+        out = _run(paged, qkv, pools, (seen - 1).astype(np.int32), int(seen.max()), cos, sin, ks, vs, *split,
+                   table=table)
+        _assert_close(ref_decode[i], out, f"decode step {i}")
+    for pool, before, flat_cache in zip(pools, shared, cache):
+        assert np.array_equal(pool[[7, 2]], before)
+        for row in range(2):
+            n = int(lengths[row]) + len(decodes)
+            assert np.array_equal(flat_cache[row, :, :n], _gathered(pool, table, row, n))
+
+
+@needs_compiler
+def test_a_block_table_naming_a_block_outside_the_pool_is_refused() -> None:
+    session = _node_graph(9, 3, 64, 64, 64, kernel=True, block_size=16)
+    cos, sin = _rope(64)
+    pools = tuple(np.zeros((4, 3, 16, 64), np.int8) for _ in range(2))
+    scale = np.full(3 * 64, 0.02, np.float32)
+    qkv = np.zeros((1, 1, 15 * 64), np.float32)
+    with pytest.raises(Exception, match=r"block_table\[0\]\[1\] = 4 is not a block of the pool \(4 blocks\)"):
+        _run(session, qkv, pools, np.array([20], np.int32), 21, cos, sin, scale, scale, table=np.array([[0, 4, 1, 2]]))
+    with pytest.raises(Exception, match="a token's position is past the cache"):  # 2 blocks of 16 hold 32 tokens
+        _run(session, qkv, pools, np.array([40], np.int32), 41, cos, sin, scale, scale, table=np.array([[0, 1]]))

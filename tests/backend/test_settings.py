@@ -174,6 +174,13 @@ def test_kv_admission_parameter() -> None:
         _settings(kv_admission="slots")
 
 
+def test_kv_layout_parameter() -> None:
+    assert _settings().kv_layout == "slots"  # a contiguous slot per sequence (generation/kv_slots.py)
+    assert _settings(kv_layout="blocks").kv_layout == "blocks"  # a block pool and tables (generation/kv_pool.py)
+    with pytest.raises(SettingsError, match="kv_layout"):
+        _settings(kv_layout="paged")
+
+
 def test_prefix_caching_parameter() -> None:
     assert _settings().prefix_caching == "auto"  # on where reuse is exact
     assert _settings(prefix_caching="off").prefix_caching == "off"

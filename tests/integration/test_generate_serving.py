@@ -29,6 +29,7 @@ pytestmark = pytest.mark.integration
 
 MODEL, BUSY, FP16, GPT2 = "tiny_llm", "tiny_llm_busy", "tiny_llm_fp16", "tiny_gpt2"
 KV8 = "tiny_llm_int4kv8"  # INT4 weights, the KV cache in INT8: its attention on the factory's kernel
+KV8_BLOCKS = "tiny_llm_int4kv8_blocks"  # the same with kv_layout = "blocks": a block pool read through block tables
 STREAMS = 16
 
 
@@ -56,6 +57,9 @@ def served(tiny_llm, tiny_gpt2, tmp_path_factory):
                             max_waiting_sequences=64)
     layout_generative_model(hf, onnx_dir, repo, KV8, precision="int4", quantization='kv_cache = "int8"',
                             memory_budget_mib=256, max_active_sequences=8, max_waiting_sequences=64)
+    layout_generative_model(hf, onnx_dir, repo, KV8_BLOCKS, precision="int4", quantization='kv_cache = "int8"',
+                            memory_budget_mib=256, max_active_sequences=8, max_waiting_sequences=64,
+                            kv_layout="blocks")
     server = TritonServer(repo, options=ServerOptions(0, 0, 0)).start()
     assert not server.load_errors, server.load_errors
     frontend = OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)).start()
@@ -155,17 +159,19 @@ def test_fp16_streams_batched_equal_the_fp16_graph_alone_and_transformers_up_to_
     assert f"{FP16} generates with fp16 on onnxruntime" in log, log[-2000:]
 
 
-def test_an_int8_cache_streams_batched_equal_its_graph_alone_on_the_kernel(served, workload):
+@pytest.mark.parametrize("model", [KV8, KV8_BLOCKS])
+def test_an_int8_cache_streams_batched_equal_its_graph_alone_on_the_kernel(served, workload, model):
     """INT4 weights (batch-independent) and an INT8 KV cache, 16 streams batched: the stub runs the cache's
     attention on the factory's kernel (its log says so), and each stream's tokens are the same graph's greedy tokens
-    for its prompt alone, on the kernel in this process, up to the first step whose top-two logits differ by less
-    than 1e-3 there (float rounding of batched and lone matrix products may pick either)."""
+    for its prompt alone, on the kernel in this process with the slot layout, up to the first step whose top-two
+    logits differ by less than 1e-3 there (float rounding of batched and lone matrix products may pick either); with
+    kv_layout = "blocks" the served cache is a block pool read through block tables."""
     from model_factory.backend.generation.causal_lm import CausalLM
 
     server, _, _ = served
     prompts, max_tokens, _ = workload
-    outputs = _stream_concurrently(server, KV8, prompts, max_tokens)
-    vdir = server.repository / KV8 / "1"
+    outputs = _stream_concurrently(server, model, prompts, max_tokens)
+    vdir = server.repository / model / "1"
     spec = json.loads((vdir / "generation.json").read_text())
     alone = CausalLM(vdir / "model.int4.onnx", threads=1, int8_attention="kernel")
     shape = (1, spec["num_kv_heads"], 128, spec["head_dim"])
@@ -187,7 +193,9 @@ def test_an_int8_cache_streams_batched_equal_its_graph_alone_on_the_kernel(serve
         compared += len(want)
     assert compared >= sum(max_tokens) // 2, f"only {compared} of {sum(max_tokens)} tokens before a near-tie"
     log = server.log_file.read_text(errors="replace")
-    assert re.search(rf"{KV8} generates with int4 .*attention: model-factory Int8KVAttention", log), log[-3000:]
+    assert re.search(rf"{model} generates with int4 .*attention: model-factory Int8KVAttention", log), log[-3000:]
+    blocks = re.search(rf"{model} generates with int4 .*KV cache in a pool of 16-token blocks", log)
+    assert bool(blocks) == (model == KV8_BLOCKS), log[-3000:]
 
 
 def test_gpt2_streams_batched_match_transformers(served, workload, tiny_gpt2):

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_POSITIONS
+from .int8_attention import BLOCK_TABLE
 
 BINDINGS_KEPT = 64  # I/O bindings kept (least recently used dropped): decode uses one per batch size
 _LOGITS_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -78,12 +79,14 @@ class CausalLM:
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
                  pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this",
-                 int8_attention: str = "onnxruntime", lora: Any = None) -> None:
+                 int8_attention: str = "onnxruntime", lora: Any = None, kv_block_tokens: int = 0) -> None:
         """``int8_attention`` (contract.INT8_ATTENTION), for a graph whose KV cache is INT8 on the CPU: ``auto`` runs
         its attention on the factory's kernel where it builds (``int8_attention.py``; else as packaged, the reason
         in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged. ``lora``: a
         ``lora.LoraGraph`` (this graph with its adapters' inputs) run instead; the loader sets :attr:`lora_table` and
-        each launch adds its rows' adapters (``adapters``: a slot per row, 0 the base)."""
+        each launch adds its rows' adapters (``adapters``: a slot per row, 0 the base). ``kv_block_tokens`` > 0
+        (``kv_layout = "blocks"``): the kernel's paged layout, its pools and block table bound from ``kv_pool``'s
+        views; :attr:`kv_block_tokens` says whether it is in use (0 where the kernel is not: the slots then)."""
         from ..engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
@@ -93,6 +96,7 @@ class CausalLM:
             source = lora.model
         # Which kernel computes attention, and why (logged at load).
         self.attention = "onnxruntime GroupQueryAttention"
+        self.kv_block_tokens = 0  # the paged layout's block when the graph reads one (kv_pool), else 0
         if cuda is not None:
             self.device, self._device_type, self._device_id = f"cuda:{cuda.device_id}", "cuda", int(cuda.device_id)
             self.session = cuda_session(ort, source, cuda.device_id, cuda.stream)
@@ -126,7 +130,8 @@ class CausalLM:
             opts = options()
             kernel_graph = source
             if int8_attention != "onnxruntime":
-                kernel_graph = self._with_int8_attention(source, opts, required=int8_attention == "kernel")
+                kernel_graph = self._with_int8_attention(source, opts, required=int8_attention == "kernel",
+                                                         block_tokens=kv_block_tokens)
             try:
                 self.session = session(kernel_graph, opts)
             except Exception as e:  # noqa: BLE001 - the kernel's session failed: "auto" keeps the packaged graph
@@ -134,6 +139,7 @@ class CausalLM:
                     raise
                 self.attention = ("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: a session on "
                                   f"it failed: {str(e).splitlines()[0][:300]})")
+                self.kv_block_tokens = 0
                 self.session = session(source, options())
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
@@ -150,13 +156,15 @@ class CausalLM:
                 raise ValueError(f"the graph has no input {needed!r}: it is not a text-generation graph of the "
                                  "shared-slots layout (rebuild the model with this model-factory)")
 
-    def _with_int8_attention(self, source: Path | bytes, opts: Any, required: bool) -> Path | bytes:
+    def _with_int8_attention(self, source: Path | bytes, opts: Any, required: bool,
+                             block_tokens: int = 0) -> Path | bytes:
         """``source`` with its INT8-cache attention on the factory's kernel (library registered in ``opts``), or
-        unchanged with the reason in :attr:`attention`; ``required``: the reason raised instead (EngineError)."""
+        unchanged with the reason in :attr:`attention`; ``required``: the reason raised instead (EngineError);
+        ``block_tokens``: the paged layout (sets :attr:`kv_block_tokens`)."""
         from .int8_attention import KernelUnavailable, prepare, register
 
         try:
-            prepared = prepare(source)
+            prepared = prepare(source, block_size=block_tokens)
             register(prepared, opts)
         except KernelUnavailable as e:
             if required:
@@ -167,6 +175,9 @@ class CausalLM:
             self.attention = f"onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: {e})"
             return source
         self.attention = f"model-factory Int8KVAttention ({prepared.nodes} nodes, {prepared.library.name})"
+        if block_tokens:
+            self.kv_block_tokens = int(block_tokens)
+            self.attention += f", the KV cache in blocks of {block_tokens} tokens"
         return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],
@@ -209,6 +220,11 @@ class CausalLM:
         io.bind_output(LOGITS, "cpu")
         where, device_id = self._device_type, self._device_id
         for name, view in views.items():
+            if name == BLOCK_TABLE:  # the paged layout's table rows (kv_pool): an input only, bound by pointer
+                if not (isinstance(view, np.ndarray) and view.dtype == np.int32 and view.flags.c_contiguous):
+                    raise ValueError(f"{name}: the block table must be contiguous int32 rows")
+                io.bind_input(name, "cpu", 0, np.int32, list(view.shape), view.ctypes.data)
+                continue
             if isinstance(view, np.ndarray):
                 if where != "cpu":
                     raise ValueError(f"{name}: a host KV view given to a graph on {self.device}")

@@ -14,6 +14,11 @@ instructions, AVX2 or AVX-512) from the source shipped, signed, in the version f
 the source, the flags, the compiler and the CPU. Where it cannot be used (a CPU without AVX2, no compiler, no
 ``onnx`` to edit the graph, a node with features it lacks, ``int8_attention = "onnxruntime"``) the graph runs as
 packaged and the reason is logged (``int8_attention = "kernel"``: the load fails with it instead).
+
+The operator also reads and writes its cache through a block table (``rewrite(model, block_size=16)``): each layer's
+past key and value are then one pool of blocks ``[num_blocks, kv_heads, block_size, head_dim]`` shared by the rows,
+and the graph takes :data:`BLOCK_TABLE` (int32 ``[batch, max_blocks]``, one row of block ids per sequence, the same
+ids in every layer's pool), so two sequences holding the same prefix can name the same blocks.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ _ABSENT_INPUTS = (9, 10, 11)
 _KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "rotary_interleaved")
 _REQUIRED = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8, "do_rotary": 1}
 _DEFAULT_ZERO = ("smooth_softmax", "qk_output")
+# The paged layout's graph input (the operator's input 11) and its pools' symbolic dimensions.
+BLOCK_TABLE = "block_table"
+MAX_BLOCKS_DIM = "max_blocks"
+NUM_BLOCKS_DIM = "num_blocks"
 
 
 class KernelUnavailable(RuntimeError):
@@ -193,9 +202,12 @@ def unsupported(node: Any) -> str | None:
     return None
 
 
-def rewrite(model: Any) -> int:
+def rewrite(model: Any, block_size: int = 0) -> int:
     """Replace every ``GroupQueryAttention`` node of ``model`` (an ``onnx.ModelProto``, edited in place) by the
-    factory's operator; returns how many. :class:`KernelUnavailable` (and ``model`` untouched) if any cannot be."""
+    factory's operator; returns how many. :class:`KernelUnavailable` (and ``model`` untouched) if any cannot be.
+    ``block_size`` > 0: the paged layout (module docstring): every node reads :data:`BLOCK_TABLE`, added as a graph
+    input, and the graph's past inputs and present outputs are declared as pools ``[num_blocks, kv_heads,
+    block_size, head_dim]``."""
     from onnx import helper
 
     nodes = [n for n in model.graph.node if n.op_type == GQA and n.domain == "com.microsoft"]
@@ -205,21 +217,60 @@ def rewrite(model: Any) -> int:
         why = unsupported(node)
         if why:
             raise KernelUnavailable(why)
+    block_size = int(block_size)
+    if block_size < 0:
+        raise ValueError(f"block_size must be 0 (slots) or positive, not {block_size}")
     for node in nodes:
         attrs = _attribute_values(node)
         inputs = list(node.input) + [""] * (14 - len(node.input))
-        replacement = helper.make_node(OP_TYPE, [inputs[i] for i in _KEPT_INPUTS], list(node.output[:3]),
-                                       name=node.name, domain=DOMAIN,
-                                       **{k: attrs[k] for k in _KEPT_ATTRIBUTES if k in attrs})
+        kept = {k: attrs[k] for k in _KEPT_ATTRIBUTES if k in attrs}
+        paged = [BLOCK_TABLE] if block_size else []
+        if block_size:
+            kept["block_size"] = block_size
+        replacement = helper.make_node(OP_TYPE, [inputs[i] for i in _KEPT_INPUTS] + paged, list(node.output[:3]),
+                                       name=node.name, domain=DOMAIN, **kept)
         node.CopyFrom(replacement)
+    if block_size:
+        _declare_pools(model, nodes, block_size)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(nodes)
 
 
-def prepare(source: Path | bytes) -> Prepared:
+def _declare_pools(model: Any, nodes: list, block_size: int) -> None:
+    """The paged graph's interface: :data:`BLOCK_TABLE` as an input (its batch dimension the past's), and each
+    node's past inputs and present outputs that the graph exposes as pools ``[num_blocks, kv_heads, block_size,
+    head_dim]`` (kv_heads and head_dim as declared before)."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    inputs = {i.name: i for i in graph.input}
+    outputs = {o.name: o for o in graph.output}
+    batch: Any = "batch_size"
+    for node in nodes:
+        for name, where in ((node.input[3], inputs), (node.input[4], inputs), (node.output[1], outputs),
+                            (node.output[2], outputs)):
+            value = where.get(name)
+            if value is None:
+                continue
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) != 4:
+                raise KernelUnavailable(f"{name} is declared with {len(dims)} dimensions, not [batch, kv_heads, "
+                                        "max_context, head_dim]")
+            if where is inputs and dims[0].dim_param:
+                batch = dims[0].dim_param
+            dims[0].Clear()
+            dims[0].dim_param = NUM_BLOCKS_DIM
+            dims[2].Clear()
+            dims[2].dim_value = block_size
+    if BLOCK_TABLE not in inputs:
+        graph.input.append(helper.make_tensor_value_info(BLOCK_TABLE, TensorProto.INT32, [batch, MAX_BLOCKS_DIM]))
+
+
+def prepare(source: Path | bytes, block_size: int = 0) -> Prepared:
     """``source`` (the graph's bytes, or its path when its weights are external) rewritten to the operator, with the
-    library compiled for this host. :class:`KernelUnavailable` says why not."""
+    library compiled for this host; ``block_size`` > 0: the paged layout (:func:`rewrite`). :class:`KernelUnavailable`
+    says why not."""
     try:
         import onnx
     except ImportError as e:
@@ -231,7 +282,7 @@ def prepare(source: Path | bytes) -> Prepared:
     else:
         model = onnx.load(str(source), load_external_data=False)
         folder = Path(source).resolve().parent
-    count = rewrite(model)
+    count = rewrite(model, block_size)
     return Prepared(model.SerializeToString(), lib, count, folder)
 
 

@@ -25,7 +25,9 @@ tokens' keys and values stay valid, in a slot outside the active prefix that no 
 (``KVUsage.cached_bytes``) until the scheduler drops it (least recently used first) for the memory or the slot.
 
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
-``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool): :class:`KVSlots` keeps the account (slots,
+``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool; ``kv_pool.BlockKVBuffers``, ``kv_layout =
+"blocks"``: a pool of blocks and a block table, whose ``claim`` (a slot's blocks for its reservation) and
+``relocate`` (compaction handing blocks over) the account calls too): :class:`KVSlots` keeps the account (slots,
 reservations, the budget) and asks its storage for views, moves and the return of freed memory.
 """
 
@@ -268,6 +270,9 @@ class KVSlots:
             if usage.reserved_bytes + usage.cached_bytes + more > self.budget_bytes:
                 return False
             self._reserved[slot] = want
+            claim = getattr(self.storage, "claim", None)
+            if claim is not None:
+                claim(slot, want, keep=True)
         self._written[slot] = min(tokens, self._reserved[slot])
         return True
 
@@ -289,12 +294,24 @@ class KVSlots:
         there = self._kept.pop(slot, None)
         if there is not None:  # a kept prefix in the way: to the highest free slot
             dst = self._highest_free(exclude=slot)
-            self.storage.move(dst, slot, there.tokens)
+            self._relocate(dst, slot, there.tokens)
             there.slot = dst
             self._kept[dst] = there
         self._reserved.append(self.held(tokens))
         self._written.append(0)
+        claim = getattr(self.storage, "claim", None)  # a block pool (kv_pool): the slot's blocks for its reservation
+        if claim is not None:
+            claim(slot, self._reserved[-1], keep=taken, private=taken)
         return slot
+
+    def _relocate(self, dst: int, src: int, length: int) -> None:
+        """Slot ``src``'s sequence (or kept prefix, ``length`` tokens) moved to slot ``dst``, ``src`` left free: a
+        block pool hands the blocks over, the slots' buffers copy the tokens."""
+        relocate = getattr(self.storage, "relocate", None)
+        if relocate is not None:
+            relocate(dst, src)
+        else:
+            self.storage.move(dst, src, length)
 
     def _highest_free(self, exclude: int | None = None) -> int:
         for slot in range(self.slots - 1, self.active - 1, -1):
@@ -318,7 +335,7 @@ class KVSlots:
                 self.storage.move(kept_at, slot, keep.tokens)
         moved = None
         if slot != last:
-            self.storage.move(slot, last, self._reserved[last])
+            self._relocate(slot, last, self._reserved[last])
             self._reserved[slot] = self._reserved[last]
             self._written[slot] = self._written[last]
             moved = last

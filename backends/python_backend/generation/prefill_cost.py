@@ -22,7 +22,12 @@ def measure_cost(model: CausalLM, slots: KVSlots, max_prefill_tokens: int) -> Co
     bucket = max(1, min(128, slots.max_context - 1))
     batch = min(8, slots.slots)
 
+    claim = getattr(slots.storage, "claim", None)  # a block pool (kv_pool): each row its own blocks, as served
+
     def run(n: int, length: int) -> None:
+        if claim is not None:
+            for row in range(n):
+                claim(row, length)
         model.prefill([[1] * length] * n, slots.views(0, n))
 
     try:

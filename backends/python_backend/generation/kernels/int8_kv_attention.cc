@@ -13,9 +13,15 @@
 //           1 key, 2 value [B, S, K * H] float (optional)   3 past_key [B, K, M, H] int8   4 past_value (same)
 //           5 seqlens_k [B] int32 (a row's total length - 1)   6 total_sequence_length int32
 //           7 cos_cache, 8 sin_cache [positions, R / 2] float    9 k_scale, 10 v_scale [K * H] float
+//           11 block_table [B, max_blocks] int32 (optional: the paged layout below)
 //   outputs 0 attention [B, S, N * H] float   1 present_key   2 present_value (written in place when bound to the past)
 //   attributes num_heads, kv_num_heads, scale (0: 1/sqrt(H)), softcap (0: none), local_window_size (-1: none),
-//              rotary_interleaved.
+//              rotary_interleaved, block_size (0: the pool's dim 2; checked against it when set).
+// With a block_table, past key and value are a pool of blocks [num_blocks, K, block_size, H] int8 shared by the rows:
+// row b's token at position p lives in block block_table[b][p / block_size], row p % block_size of it (a block holds
+// every KV head's rows, each head's block_size x H bytes contiguous), and its new keys and values are written there in
+// place. Two rows may name the same block (a shared prefix): what a step writes must fall in blocks of the row's own.
+// Without it, the contiguous layout above (max_context = max_blocks * block_size with it).
 // A first prompt (S == total_sequence_length) places token s at position s; otherwise row b's tokens follow its
 // seqlens_k[b] + 1 - S cached ones. Right-padding tokens (past a row's length) are skipped and their output is 0.
 // A new key is rotated, then stored as clamp(round(x / k_scale), -128, 127); attention reads keys and values back
@@ -46,7 +52,7 @@ namespace {
 using namespace ort_abi;
 
 struct Attention {
-  int64_t num_heads = 0, kv_heads = 0, window = -1, interleaved = 0;
+  int64_t num_heads = 0, kv_heads = 0, window = -1, interleaved = 0, block_size = 0;
   float scale = 0.f, softcap = 0.f;
 };
 
@@ -102,7 +108,25 @@ inline int8_t quantize(float x, float scale) {
   return static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, q)));
 }
 
-using TokenKernel = void (*)(const float*, const int8_t*, const int8_t*, const float*, int64_t, float, float*, float*);
+constexpr size_t kInputs = 12;
+constexpr size_t kBlockTable = 11;
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kPrefetchRows = 16;  // cached rows read ahead of use
+
+// A run of n cached rows of one (row, KV head), keys at k and values at v (head_dim bytes a row), and where the rows
+// the loops prefetch ahead of them lie (k_ahead + i * H: the row a prefetch distance past row i; with a block table
+// the next block's row i, the next run's start, so a prefetch never touches another head's or row's block).
+struct Span {
+  const int8_t* k;
+  const int8_t* v;
+  const int8_t* k_ahead;
+  const int8_t* v_ahead;
+  int64_t n;
+};
+
+using TokenKernel = void (*)(const float*, const Span*, int64_t, const float*, int64_t, float, float*, float*);
+using WideKernel = void (*)(const float*, const Span*, int64_t, const float*, int64_t, int64_t, float, float*,
+                            float*);
 
 struct Step {
   const Attention* op;
@@ -121,8 +145,9 @@ struct Step {
   int64_t batch, seq, max_context, head_dim, rotary_dim, positions, blocks;
   bool first_prompt;
   TokenKernel kernel = nullptr;  // specialized for (head_dim, group), else null
-  void (*wide)(const float*, const int8_t*, const int8_t*, const float*, int64_t, int64_t, float, float*, float*) =
-      nullptr;  // for a wide head (any head_dim in whole column blocks) where kernel is null
+  WideKernel wide = nullptr;  // for a wide head (any head_dim in whole column blocks) where kernel is null
+  const int32_t* table = nullptr;  // the block table [batch, table_width], or null: the contiguous layout
+  int64_t table_width = 0, block_size = 0;
   std::atomic<int> bad_position{0};  // set when a token's position is outside the cache
 
   // Row b's token s: its position, or -1 for right padding.
@@ -132,13 +157,46 @@ struct Step {
     return (pos < total && pos >= 0) ? pos : -1;
   }
   int8_t* cache(int8_t* base, int64_t b, int64_t h, int64_t pos) const {
+    if (table) {
+      const int64_t block = table[b * table_width + pos / block_size];
+      return base + ((block * op->kv_heads + h) * block_size + pos % block_size) * head_dim;
+    }
     return base + ((b * op->kv_heads + h) * max_context + pos) * head_dim;
   }
+  // Row b's KV head h's n cached rows from position lo as runs of contiguous rows: one run in the contiguous layout
+  // (its prefetches kPrefetchRows rows ahead, as before block tables), a run per block with a block table.
+  void spans(int64_t b, int64_t h, int64_t lo, int64_t n, std::vector<Span>& out) const {
+    out.clear();
+    if (!table) {
+      const int8_t* k = cache(key, b, h, lo);
+      const int8_t* v = cache(value, b, h, lo);
+      out.push_back({k, v, k + kPrefetchRows * head_dim, v + kPrefetchRows * head_dim, n});
+      return;
+    }
+    bool in_order = true;  // each block right after the one before (one KV head: a pool's blocks in order)
+    for (int64_t pos = lo, end = lo + n; pos < end;) {
+      const int64_t rows = std::min(end, (pos / block_size + 1) * block_size) - pos;
+      const int8_t* k = cache(key, b, h, pos);
+      const int8_t* v = cache(value, b, h, pos);
+      if (!out.empty())
+        in_order = in_order && k == out.back().k + out.back().n * head_dim && v == out.back().v + out.back().n * head_dim;
+      out.push_back({k, v, k, v, rows});
+      pos += rows;
+    }
+    if (in_order) {  // one run, read and prefetched as the contiguous layout's
+      out.resize(1);
+      out[0] = {out[0].k, out[0].v, out[0].k + kPrefetchRows * head_dim, out[0].v + kPrefetchRows * head_dim, n};
+      return;
+    }
+    // Each run prefetches the next one's rows: its row i, the next run's row i (a block later at one block a run),
+    // less the first run's offset in its block; the last run its own rows (already on their way).
+    for (size_t r = 0; r + 1 < out.size(); ++r) {
+      const int64_t offset = (r == 0 ? lo % block_size : 0) * head_dim;
+      out[r].k_ahead = out[r + 1].k + offset;
+      out[r].v_ahead = out[r + 1].v + offset;
+    }
+  }
 };
-
-constexpr size_t kInputs = 11;
-constexpr int64_t kQueryBlock = 16;
-constexpr int64_t kPrefetchRows = 16;  // cached rows read ahead of use
 
 // Phase 1, one (row, token): rotate and store the token's keys and values, rotate and scale its queries into `out`.
 void place_token(void* user, size_t index) {
@@ -260,41 +318,49 @@ void softmax_rows(float* scores, int64_t G, int64_t n, float softcap) {
 // One token's G query heads (query: G x H floats, the key scale folded in) over n cached rows, head_dim H = W * HV:
 // each cached key and value row is loaded and converted once and serves the G heads from registers.
 template <int HV, int G>
-void attend_token(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t n,
-                  float softcap, float* scores, float* out) {
+void attend_token(const float* query, const Span* spans, int64_t runs, const float* v_scale, int64_t n, float softcap,
+                  float* scores, float* out) {
   constexpr int64_t H = W * HV;
   vecf q[G][HV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < HV; ++v) q[g][v] = load_f(query + g * H + W * v);
   const vecf zero{};
-  for (int64_t j = 0; j < n; ++j) {
-    __builtin_prefetch(keys + (j + kPrefetchRows) * H);  // past a page the hardware prefetcher starts over
-    if (H > 64) __builtin_prefetch(keys + (j + kPrefetchRows) * H + 64);
-    vecf k[HV];
-    for (int v = 0; v < HV; ++v) k[v] = load_b(keys + j * H + W * v);
-    vecf a[G];
-    for (int g = 0; g < G; ++g) {
-      a[g] = q[g][0] * k[0];
-      for (int v = 1; v < HV; ++v) a[g] += q[g][v] * k[v];
-    }
-    for (int g0 = 0; g0 < G; g0 += 4) {
-      const v4f r = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
-                            g0 + 3 < G ? a[g0 + 3] : zero);
-      for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j] = r[t];
+  for (int64_t run = 0, j = 0; run < runs; ++run) {
+    const int8_t* keys = spans[run].k;
+    const int8_t* ahead = spans[run].k_ahead;
+    for (int64_t i = 0; i < spans[run].n; ++i, ++j) {
+      __builtin_prefetch(ahead + i * H);  // past a page the hardware prefetcher starts over
+      if (H > 64) __builtin_prefetch(ahead + i * H + 64);
+      vecf k[HV];
+      for (int v = 0; v < HV; ++v) k[v] = load_b(keys + i * H + W * v);
+      vecf a[G];
+      for (int g = 0; g < G; ++g) {
+        a[g] = q[g][0] * k[0];
+        for (int v = 1; v < HV; ++v) a[g] += q[g][v] * k[v];
+      }
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const v4f r = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
+                              g0 + 3 < G ? a[g0 + 3] : zero);
+        for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j] = r[t];
+      }
     }
   }
   softmax_rows(scores, G, n, softcap);
   vecf acc[G][HV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < HV; ++v) acc[g][v] = zero;
-  for (int64_t j = 0; j < n; ++j) {
-    __builtin_prefetch(values + (j + kPrefetchRows) * H);
-    if (H > 64) __builtin_prefetch(values + (j + kPrefetchRows) * H + 64);
-    vecf x[HV];
-    for (int v = 0; v < HV; ++v) x[v] = load_b(values + j * H + W * v);
-    for (int g = 0; g < G; ++g) {
-      const float p = scores[g * n + j];
-      for (int v = 0; v < HV; ++v) acc[g][v] += p * x[v];
+  for (int64_t run = 0, j = 0; run < runs; ++run) {
+    const int8_t* values = spans[run].v;
+    const int8_t* ahead = spans[run].v_ahead;
+    for (int64_t i = 0; i < spans[run].n; ++i, ++j) {
+      __builtin_prefetch(ahead + i * H);
+      if (H > 64) __builtin_prefetch(ahead + i * H + 64);
+      vecf x[HV];
+      for (int v = 0; v < HV; ++v) x[v] = load_b(values + i * H + W * v);
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * n + j];
+        for (int v = 0; v < HV; ++v) acc[g][v] += p * x[v];
+      }
     }
   }
   for (int g = 0; g < G; ++g)
@@ -338,60 +404,69 @@ constexpr int per_group(int G) {
 // through memory per row. Every cached byte still crosses from memory once: a row's later column blocks are read
 // again from L1/L2 in the next pass. The caller guarantees H % (W * CB) == 0.
 template <int G>
-void attend_token_wide(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t H,
+void attend_token_wide(const float* query, const Span* spans, int64_t runs, const float* v_scale, int64_t H,
                        int64_t n, float softcap, float* scores, float* out) {
   constexpr int R = per_group(G), CB = per_group(G);
   const int64_t HV = H / W;
   const vecf zero{};
-  int64_t j = 0;
-  for (; j + R <= n; j += R) {
-    vecf a[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) a[r][g] = zero;
-    const int8_t* row = keys + j * H;
-    for (int64_t line = 0; line < R * H; line += 64) __builtin_prefetch(row + kPrefetchRows * H + line);
-    for (int64_t v = 0; v < HV; ++v) {
-      vecf k[R];
-      for (int r = 0; r < R; ++r) k[r] = load_b(row + r * H + W * v);
-      for (int g = 0; g < G; ++g) {
-        const vecf q = load_f(query + g * H + W * v);
-        for (int r = 0; r < R; ++r) a[r][g] += q * k[r];
+  for (int64_t run = 0, j = 0; run < runs; ++run) {  // j: the run's first row among the n
+    const int8_t* keys = spans[run].k;
+    const int8_t* ahead = spans[run].k_ahead;
+    const int64_t m = spans[run].n;
+    int64_t i = 0;
+    for (; i + R <= m; i += R) {
+      vecf a[R][G];
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) a[r][g] = zero;
+      const int8_t* row = keys + i * H;
+      for (int64_t line = 0; line < R * H; line += 64) __builtin_prefetch(ahead + i * H + line);
+      for (int64_t v = 0; v < HV; ++v) {
+        vecf k[R];
+        for (int r = 0; r < R; ++r) k[r] = load_b(row + r * H + W * v);
+        for (int g = 0; g < G; ++g) {
+          const vecf q = load_f(query + g * H + W * v);
+          for (int r = 0; r < R; ++r) a[r][g] += q * k[r];
+        }
       }
+      for (int r = 0; r < R; ++r)
+        for (int g0 = 0; g0 < G; g0 += 4) {
+          const v4f s = reduce4(a[r][g0], g0 + 1 < G ? a[r][g0 + 1] : zero, g0 + 2 < G ? a[r][g0 + 2] : zero,
+                                g0 + 3 < G ? a[r][g0 + 3] : zero);
+          for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j + i + r] = s[t];
+        }
     }
-    for (int r = 0; r < R; ++r)
+    for (; i < m; ++i) {
+      vecf a[G];
+      for (int g = 0; g < G; ++g) a[g] = zero;
+      for (int64_t v = 0; v < HV; ++v) {
+        const vecf k = load_b(keys + i * H + W * v);
+        for (int g = 0; g < G; ++g) a[g] += load_f(query + g * H + W * v) * k;
+      }
       for (int g0 = 0; g0 < G; g0 += 4) {
-        const v4f s = reduce4(a[r][g0], g0 + 1 < G ? a[r][g0 + 1] : zero, g0 + 2 < G ? a[r][g0 + 2] : zero,
-                              g0 + 3 < G ? a[r][g0 + 3] : zero);
-        for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j + r] = s[t];
+        const v4f s = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
+                              g0 + 3 < G ? a[g0 + 3] : zero);
+        for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j + i] = s[t];
       }
-  }
-  for (; j < n; ++j) {
-    vecf a[G];
-    for (int g = 0; g < G; ++g) a[g] = zero;
-    for (int64_t v = 0; v < HV; ++v) {
-      const vecf k = load_b(keys + j * H + W * v);
-      for (int g = 0; g < G; ++g) a[g] += load_f(query + g * H + W * v) * k;
     }
-    for (int g0 = 0; g0 < G; g0 += 4) {
-      const v4f s = reduce4(a[g0], g0 + 1 < G ? a[g0 + 1] : zero, g0 + 2 < G ? a[g0 + 2] : zero,
-                            g0 + 3 < G ? a[g0 + 3] : zero);
-      for (int t = 0; t < 4 && g0 + t < G; ++t) scores[(g0 + t) * n + j] = s[t];
-    }
+    j += m;
   }
   softmax_rows(scores, G, n, softcap);
   for (int64_t c0 = 0; c0 < HV; c0 += CB) {
     vecf acc[G][CB];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CB; ++c) acc[g][c] = zero;
-    const int8_t* column = values + W * c0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (c0 == 0)  // the first pass asks for a row's every line: the later passes find them in L1 / L2
-        for (int64_t line = 0; line < H; line += 64) __builtin_prefetch(values + (i + kPrefetchRows) * H + line);
-      vecf x[CB];
-      for (int c = 0; c < CB; ++c) x[c] = load_b(column + i * H + W * c);
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[g * n + i];
-        for (int c = 0; c < CB; ++c) acc[g][c] += p * x[c];
+    for (int64_t run = 0, j = 0; run < runs; ++run) {
+      const int8_t* column = spans[run].v + W * c0;
+      const int8_t* ahead = spans[run].v_ahead;
+      for (int64_t i = 0; i < spans[run].n; ++i, ++j) {
+        if (c0 == 0)  // the first pass asks for a row's every line: the later passes find them in L1 / L2
+          for (int64_t line = 0; line < H; line += 64) __builtin_prefetch(ahead + i * H + line);
+        vecf x[CB];
+        for (int c = 0; c < CB; ++c) x[c] = load_b(column + i * H + W * c);
+        for (int g = 0; g < G; ++g) {
+          const float p = scores[g * n + j];
+          for (int c = 0; c < CB; ++c) acc[g][c] += p * x[c];
+        }
       }
     }
     for (int g = 0; g < G; ++g)
@@ -401,9 +476,6 @@ void attend_token_wide(const float* query, const int8_t* keys, const int8_t* val
       }
   }
 }
-
-using WideKernel = void (*)(const float*, const int8_t*, const int8_t*, const float*, int64_t, int64_t, float, float*,
-                            float*);
 
 // The wide-head kernel for group size G at head_dim H, or null (H not a whole number of its column blocks).
 WideKernel wide_kernel(int64_t H, int64_t G) {
@@ -425,21 +497,23 @@ TokenKernel token_kernel(int64_t H, int64_t G) {
 }
 
 // The same for any head_dim.
-void attend_token_any(const float* query, const int8_t* keys, const int8_t* values, const float* v_scale, int64_t G,
+void attend_token_any(const float* query, const Span* spans, int64_t runs, const float* v_scale, int64_t G,
                       int64_t H, int64_t n, float softcap, float* scores, float* acc, float* out) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot_int8(query + g * H, keys + j * H, H);
+  for (int64_t run = 0, j = 0; run < runs; ++run)
+    for (int64_t i = 0; i < spans[run].n; ++i, ++j)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot_int8(query + g * H, spans[run].k + i * H, H);
   softmax_rows(scores, G, n, softcap);
   std::fill(acc, acc + G * H, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* v = values + j * H;
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + j];
-      float* a = acc + g * H;
+  for (int64_t run = 0, j = 0; run < runs; ++run)
+    for (int64_t i = 0; i < spans[run].n; ++i, ++j) {
+      const int8_t* v = spans[run].v + i * H;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * n + j];
+        float* a = acc + g * H;
 #pragma omp simd
-      for (int64_t d = 0; d < H; ++d) a[d] += p * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < H; ++d) a[d] += p * static_cast<float>(v[d]);
+      }
     }
-  }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < H; ++d) out[g * H + d] = acc[g * H + d] * v_scale[d];
 }
@@ -455,6 +529,7 @@ void attend(void* user, size_t index) {
   const float* ks = st.k_scale + h * H;
   const float* vs = st.v_scale + h * H;
   thread_local std::vector<float> scores, query, acc;
+  thread_local std::vector<Span> spans;
   query.resize(static_cast<size_t>(G * H));
   acc.resize(static_cast<size_t>(G * H));
   for (int64_t s = block * kQueryBlock; s < std::min(st.seq, (block + 1) * kQueryBlock); ++s) {
@@ -466,14 +541,15 @@ void attend(void* user, size_t index) {
     float* out = st.out + (b * st.seq + s) * N * H + h * G * H;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < H; ++d) query[g * H + d] = out[g * H + d] * ks[d];  // the key's scale folded in
-    const int8_t* keys = st.cache(st.key, b, h, lo);
-    const int8_t* values = st.cache(st.value, b, h, lo);
+    st.spans(b, h, lo, n_keys, spans);
+    const Span* runs = spans.data();
+    const int64_t count = static_cast<int64_t>(spans.size());
     if (st.kernel)
-      st.kernel(query.data(), keys, values, vs, n_keys, op.softcap, scores.data(), out);
+      st.kernel(query.data(), runs, count, vs, n_keys, op.softcap, scores.data(), out);
     else if (st.wide)
-      st.wide(query.data(), keys, values, vs, H, n_keys, op.softcap, scores.data(), out);
+      st.wide(query.data(), runs, count, vs, H, n_keys, op.softcap, scores.data(), out);
     else
-      attend_token_any(query.data(), keys, values, vs, G, H, n_keys, op.softcap, scores.data(), acc.data(), out);
+      attend_token_any(query.data(), runs, count, vs, G, H, n_keys, op.softcap, scores.data(), acc.data(), out);
   }
 }
 
@@ -499,6 +575,7 @@ OrtStatus* create_kernel(const CustomOp*, const OrtApi*, const OrtKernelInfo* in
   if (!s) s = attr_int(info, "kv_num_heads", &op->kv_heads, true);
   if (!s) s = attr_int(info, "local_window_size", &op->window, false);
   if (!s) s = attr_int(info, "rotary_interleaved", &op->interleaved, false);
+  if (!s) s = attr_int(info, "block_size", &op->block_size, false);
   if (!s) s = attr_float(info, "scale", &op->scale);
   if (!s) s = attr_float(info, "softcap", &op->softcap);
   if (!s && (op->num_heads <= 0 || op->kv_heads <= 0 || op->num_heads % op->kv_heads != 0))
@@ -525,7 +602,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
     const OrtValue* value = nullptr;
     if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(context, i, &value)) return s;
     present[i] = value != nullptr;
-    if (!value && i != 1 && i != 2) return error(kOrtInvalidArgument, "Int8KVAttention: input " + std::to_string(i) + " is missing");
+    if (!value && i != 1 && i != 2 && i != kBlockTable) return error(kOrtInvalidArgument, "Int8KVAttention: input " + std::to_string(i) + " is missing");
     if (value)
       if (OrtStatus* s = describe(value, &in[i])) return s;
   }
@@ -544,9 +621,21 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
       if (t->type != kFloat || t->dims.size() != 3 || t->dims[0] != B || t->dims[1] != S || t->dims[2] != K * H)
         return error(kOrtInvalidArgument, "Int8KVAttention: key and value must be float [batch, seq, kv_num_heads * head_dim], got " + shape(*t));
   if (H > 1024) return error(kOrtInvalidArgument, "Int8KVAttention: head_dim above 1024");
-  for (const Tensor* t : {&past_k, &past_v})
-    if (t->type != kInt8 || t->dims.size() != 4 || t->dims[0] != B || t->dims[1] != K || t->dims[3] != H || t->dims[2] < 1)
-      return error(kOrtInvalidArgument, "Int8KVAttention: past key/value must be int8 [batch, kv_num_heads, max_context, head_dim], got " + shape(*t));
+  const bool paged = present[kBlockTable];
+  const Tensor& table = in[kBlockTable];
+  if (paged) {
+    for (const Tensor* t : {&past_k, &past_v})
+      if (t->type != kInt8 || t->dims.size() != 4 || t->dims != past_k.dims || t->dims[1] != K || t->dims[3] != H ||
+          t->dims[2] < 1 || (op.block_size > 0 && t->dims[2] != op.block_size))
+        return error(kOrtInvalidArgument, "Int8KVAttention: with a block table past key/value must be one int8 pool [num_blocks, kv_num_heads, block_size" +
+                                              (op.block_size > 0 ? " " + std::to_string(op.block_size) : std::string()) + ", head_dim], got " + shape(*t));
+    if (table.type != kInt32 || table.dims.size() != 2 || table.dims[0] != B || table.dims[1] < 1)
+      return error(kOrtInvalidArgument, "Int8KVAttention: block_table must be int32 [batch, max_blocks], got " + shape(table));
+  } else {
+    for (const Tensor* t : {&past_k, &past_v})
+      if (t->type != kInt8 || t->dims.size() != 4 || t->dims[0] != B || t->dims[1] != K || t->dims[3] != H || t->dims[2] < 1)
+        return error(kOrtInvalidArgument, "Int8KVAttention: past key/value must be int8 [batch, kv_num_heads, max_context, head_dim], got " + shape(*t));
+  }
   if (seqlens.type != kInt32 || seqlens.dims.size() != 1 || seqlens.dims[0] != B)
     return error(kOrtInvalidArgument, "Int8KVAttention: seqlens_k must be int32 [batch], got " + shape(seqlens));
   if (total.type != kInt32) return error(kOrtInvalidArgument, "Int8KVAttention: total_sequence_length must be int32");
@@ -568,7 +657,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (OrtStatus* s = describe(outs[0], &out)) return s;
   if (OrtStatus* s = describe(outs[1], &present_k)) return s;
   if (OrtStatus* s = describe(outs[2], &present_v)) return s;
-  const size_t cache_bytes = static_cast<size_t>(B * K * past_k.dims[2] * H);
+  const size_t cache_bytes = static_cast<size_t>(past_k.dims[0] * K * past_k.dims[2] * H);
   // Bound to the same buffers (the backend's KV slots) the cache is updated in place; else the present starts as a copy.
   if (present_k.data != past_k.data) std::memcpy(present_k.data, past_k.data, cache_bytes);
   if (present_v.data != past_v.data) std::memcpy(present_v.data, past_v.data, cache_bytes);
@@ -598,6 +687,25 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   st.batch = B;
   st.seq = S;
   st.max_context = past_k.dims[2];
+  if (paged) {
+    st.table = static_cast<const int32_t*>(table.data);
+    st.table_width = table.dims[1];
+    st.block_size = past_k.dims[2];
+    st.max_context = st.table_width * st.block_size;
+    // Every block a row's tokens occupy (positions up to seqlens_k) must be in the pool: checked here, once, so that
+    // the threads below index it without a check.
+    const int32_t* lengths = static_cast<const int32_t*>(seqlens.data);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t used = std::min<int64_t>(st.table_width, (std::max<int64_t>(lengths[b], 0)) / st.block_size + 1);
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t block = st.table[b * st.table_width + i];
+        if (block < 0 || block >= past_k.dims[0])
+          return error(kOrtInvalidArgument, "Int8KVAttention: block_table[" + std::to_string(b) + "][" + std::to_string(i) +
+                                                "] = " + std::to_string(block) + " is not a block of the pool (" +
+                                                std::to_string(past_k.dims[0]) + " blocks)");
+      }
+    }
+  }
   st.head_dim = H;
   st.rotary_dim = 2 * cos.dims[1];
   st.positions = cos.dims[0];
@@ -613,7 +721,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   return parallel(context, attend, static_cast<size_t>(B * K * st.blocks), 0, &st);
 }
 
-const int kInputTypes[kInputs] = {kFloat, kFloat, kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kFloat, kFloat};
+const int kInputTypes[kInputs] = {kFloat, kFloat, kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kFloat, kFloat,
+                                  kInt32};
 const int kOutputTypes[3] = {kFloat, kInt8, kInt8};
 
 CustomOp make_op() {
@@ -626,7 +735,9 @@ CustomOp make_op() {
   op.GetOutputType = [](const CustomOp*, size_t i) { return kOutputTypes[i]; };
   op.GetOutputTypeCount = [](const CustomOp*) { return size_t{3}; };
   op.KernelDestroy = [](void* k) { delete static_cast<Attention*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 1 || i == 2 ? 1 : 0; };  // optional: required
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) {  // optional: required
+    return i == 1 || i == 2 || i == kBlockTable ? 1 : 0;
+  };
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
   op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
