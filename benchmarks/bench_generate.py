@@ -154,6 +154,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
                  extra: dict | None = None) -> dict:
     """All prompts at once, one streamed ``/v1/completions`` request each.
 
+    Each stream's ``text`` is its streamed text joined (bench_prefix_cache compares outputs with it).
     ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
     "llamacpp": text prompts (the ids decoded), no usage in its stream: a stream that ends with
     ``finish_reason == "length"`` made ``max_tokens`` tokens.
@@ -176,7 +177,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
         body.update(extra or {})
         start = time.perf_counter()
         first = None
-        got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None}
+        got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None, "text": ""}
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             async for raw in resp.content:
@@ -188,6 +189,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
                     if first is None:
                         first = time.perf_counter() - start
                     got["chunks"] += 1
+                    got["text"] += choice.get("text") or ""
                     got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
                 if event.get("usage"):
                     got["prompt_tokens"] = event["usage"].get("prompt_tokens")
