@@ -483,16 +483,21 @@ def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> d
     return out
 
 
-def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
-                   weight_format: str, first_round: int = 0) -> tuple[dict, dict]:
-    """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
-    bindir = Path(python).parent
+def openvino_ir(python: str, hf: Path, work: Path, weight_format: str) -> Path:
+    """``work/ov-<weight_format>``: ``hf`` exported by optimum-intel (``python``'s venv), made when absent."""
     ov_dir = work / f"ov-{weight_format}"
     if not (ov_dir / "openvino_model.xml").is_file():
         say(f"openvino: exporting {weight_format}")
-        subprocess.run([str(bindir / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
+        subprocess.run([str(Path(python).parent / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
                         "text-generation-with-past", "--weight-format", weight_format, str(ov_dir)], check=True,
                        env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
+    return ov_dir
+
+
+def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
+                   weight_format: str, first_round: int = 0) -> tuple[dict, dict]:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
+    ov_dir = openvino_ir(python, hf, work, weight_format)
     cells = [{"round": r, "level": c, "prompts": _prompts(c, VOCAB, c + 1000 * r)}
              for r in range(first_round, first_round + rounds) for c in levels]
     spec = work / "openvino-prompts.json"

@@ -344,9 +344,9 @@ def served_main(args) -> int:
             steps += [(f"vLLM-CPU FP32, cache {s}", lambda s=s: vllm(s))
                       for s in (order if args.vllm_off else ("on",))]
         if "openvino" in servers:
-            ov_dir = args.work / "ov-int8"
-            if not (ov_dir / "openvino_model.xml").is_file():
-                raise SystemExit(f"{ov_dir}: no OpenVINO IR (bench_generate --peers openvino exports it there)")
+            from benchmarks.bench_generate import openvino_ir
+
+            ov_dir = openvino_ir(args.openvino_python, peer, args.work, "int8")
             steps += [(f"OpenVINO GenAI INT8, cache {s}", lambda s=s: served_openvino(args, ov_dir, s, warm, prompts))
                       for s in (order if args.openvino_off else ("on",))]
         for name, step in steps:
@@ -356,6 +356,7 @@ def served_main(args) -> int:
             say(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()
                                                        if isinstance(v, float)))
             (args.work / "prefix-served-runs.json").write_text(json.dumps(runs, indent=1))
+            (args.work / "prefix-served-info.json").write_text(json.dumps(info, indent=1))
             # written after each server (a run cut short leaves what it measured), the last one the whole run's
             last = r == args.rounds - 1 and name == steps[-1][0]
             section = served_section(args, runs, info, load.finish(), run_header, statistics, partial=not last)
@@ -388,6 +389,16 @@ def served_section(args, runs: dict, info: dict, load, run_header, statistics, p
         return "yes" if equal == total else f"no ({equal} of {total})"
 
     rows.append("| every request's output = cache off's | " + " | ".join(same(n) for n in names) + " |")
+    reference = next((n for n in names if n.startswith("ours fp32") and n.endswith("cache off")), None)
+
+    def as_reference(name: str) -> str:  # the texts of the HTTP servers against ours FP32's, request by request
+        if reference is None or name == reference or name.startswith("OpenVINO"):
+            return "–"
+        equal = sum(a == b for g, h in zip(runs[name], runs[reference]) for a, b in zip(g["outputs"], h["outputs"]))
+        return f"{equal} of {sum(len(g['outputs']) for g in runs[name])}"
+
+    if reference:
+        rows.append("| outputs = ours FP32 cache off's | " + " | ".join(as_reference(n) for n in names) + " |")
     rows.append("| 1-min load at its end | " + " | ".join(
         cell([g["load"] for g in runs[n]], 1) for n in names) + " |")
     medians = {n: statistics.median(g["later TTFT p50 (s)"] for g in runs[n]) for n in names}
@@ -401,7 +412,8 @@ def served_section(args, runs: dict, info: dict, load, run_header, statistics, p
                 f"; later TTFT p50 / vLLM-CPU's {medians[n] / vllm:.2f}x (target <= 1.0: "
                 f"{'met' if medians[n] <= vllm else 'not met'})" if vllm else ""))
     gemma = args.model == "gemma3"
-    starts = "; ".join(f"{k} {v:.0f}" for k, v in info.items() if k.startswith("vllm"))
+    starts = ", ".join(f"{v:.0f} s with prefix caching {k.split()[1]}" for k, v in info.items()
+                       if k.startswith("vllm"))
     text = (
         (f"Gemma 3 270M (the FP32 HF folder dequantized from the Q4_K_M GGUF of its PyPI packages). Ours: the "
          f"factory's `{args.gemma_build or 'int8kv8'}` build (INT8 dynamic + INT8 KV cache, the default gate; FP32 from "
@@ -430,7 +442,8 @@ def served_section(args, runs: dict, info: dict, load, run_header, statistics, p
         "--one-by-one). Ours: Triton + our OpenAI frontend, one server per precision and setting, "
         "`prefix_caching` off / on (nothing else changed). vLLM-CPU: FP32, `--enable-prefix-caching "
         "--enable-chunked-prefill` (its defaults), `--max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND="
-        f"{args.vllm_bind}`, `VLLM_CPU_KVCACHE_SPACE=2`" + (f"; ready after (s): {starts}" if starts else "")
+        f"{args.vllm_bind}`, `VLLM_CPU_KVCACHE_SPACE=2`, its server ready after {starts or '–'} (a wait for "
+        "`--vllm-lock` included)"
         + f". Wall: the {args.questions} timed requests. {args.rounds} round(s)"
         + (", medians and ranges; the settings' order alternates each round" if args.rounds > 1 else ", a single "
            "reading each") + ", one server at a time on a machine shared with other work. The output compared: "

