@@ -416,7 +416,8 @@ def served_section(args, runs: dict, info: dict, load, run_header, statistics, p
                        if k.startswith("vllm"))
     text = (
         (f"Gemma 3 270M (the FP32 HF folder dequantized from the Q4_K_M GGUF of its PyPI packages). Ours: the "
-         f"factory's `{args.gemma_build or 'int8kv8'}` build (INT8 dynamic + INT8 KV cache, the default gate; FP32 from "
+         f"factory's `{args.gemma_build or 'int8kv8'}` build (INT8 dynamic + INT8 KV cache, the default gate; FP32 "
+         "from "
          "the same version's `keep_all_precisions`), laid out with this checkout's backend and `max_context` "
          f"{MAX_CONTEXT} in generation.json (its recipe said 512; the graph's rotary tables hold 32,768 positions), "
          "`memory_budget_mib` 4096, `max_active_sequences` 32, everything else the build's; INT8 dynamic's outputs "
