@@ -154,6 +154,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
                  extra: dict | None = None) -> dict:
     """All prompts at once, one streamed ``/v1/completions`` request each.
 
+    Each stream's ``text`` is its streamed text joined (bench_prefix_cache compares outputs with it).
     ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
     "llamacpp": text prompts (the ids decoded), no usage in its stream: a stream that ends with
     ``finish_reason == "length"`` made ``max_tokens`` tokens.
@@ -178,7 +179,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
         body.update(extra or {})
         read = await stream_completion(session, url, body)
         got = {"prompt_tokens": read.usage_of("prompt_tokens"), "completion_tokens": read.usage_of("completion_tokens"),
-               "chunks": read.chunks, "finish_reason": read.finish_reason}
+               "chunks": read.chunks, "finish_reason": read.finish_reason, "text": read.text}
         if style == "llamacpp" and got["finish_reason"] == "length":
             got["completion_tokens"] = OUTPUT
         ttfts.append(read.ttft)
@@ -468,16 +469,21 @@ def bench_genai(onnx_dirs: dict[str, Path], levels: list[int], rounds: int) -> d
     return out
 
 
-def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
-                   weight_format: str, first_round: int = 0) -> tuple[dict, dict]:
-    """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
-    bindir = Path(python).parent
+def openvino_ir(python: str, hf: Path, work: Path, weight_format: str) -> Path:
+    """``work/ov-<weight_format>``: ``hf`` exported by optimum-intel (``python``'s venv), made when absent."""
     ov_dir = work / f"ov-{weight_format}"
     if not (ov_dir / "openvino_model.xml").is_file():
         say(f"openvino: exporting {weight_format}")
-        subprocess.run([str(bindir / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
+        subprocess.run([str(Path(python).parent / "optimum-cli"), "export", "openvino", "--model", str(hf), "--task",
                         "text-generation-with-past", "--weight-format", weight_format, str(ov_dir)], check=True,
                        env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
+    return ov_dir
+
+
+def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds: int, threads: int,
+                   weight_format: str, first_round: int = 0) -> tuple[dict, dict]:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on the folder exported by optimum-intel, in its own venv."""
+    ov_dir = openvino_ir(python, hf, work, weight_format)
     cells = [{"round": r, "level": c, "prompts": _prompts(c, VOCAB, c + 1000 * r)}
              for r in range(first_round, first_round + rounds) for c in levels]
     spec = work / "openvino-prompts.json"
