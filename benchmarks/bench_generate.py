@@ -150,9 +150,35 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+async def stream_completion(session, url: str, body: dict) -> tuple[dict, float | None]:
+    """One streamed ``/v1/completions`` request (``body`` as sent, ``stream`` set): its ``prompt_tokens``,
+    ``completion_tokens`` (from the streamed ``usage``, None without it), the number of chunks, the last
+    ``finish_reason`` and the text, and the time to its first chunk (seconds; None when none came)."""
+    start = time.perf_counter()
+    first = None
+    got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None, "text": ""}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or []:
+                if first is None:
+                    first = time.perf_counter() - start
+                got["chunks"] += 1
+                got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
+                got["text"] += choice.get("text") or ""
+            if event.get("usage"):
+                got["prompt_tokens"] = event["usage"].get("prompt_tokens")
+                got["completion_tokens"] = event["usage"].get("completion_tokens")
+    return got, first
+
+
 async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "openai",
                  extra: dict | None = None) -> dict:
-    """All prompts at once, one streamed ``/v1/completions`` request each.
+    """All prompts at once, one streamed ``/v1/completions`` request each (``stream_completion``).
 
     ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
     "llamacpp": text prompts (the ids decoded), no usage in its stream: a stream that ends with
@@ -174,24 +200,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
                     "ignore_eos": True, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
         body.update(extra or {})
-        start = time.perf_counter()
-        first = None
-        got = {"prompt_tokens": None, "completion_tokens": None, "chunks": 0, "finish_reason": None}
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                for choice in event.get("choices") or []:
-                    if first is None:
-                        first = time.perf_counter() - start
-                    got["chunks"] += 1
-                    got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
-                if event.get("usage"):
-                    got["prompt_tokens"] = event["usage"].get("prompt_tokens")
-                    got["completion_tokens"] = event["usage"].get("completion_tokens")
+        got, first = await stream_completion(session, url, body)
         if style == "llamacpp" and got["finish_reason"] == "length":
             got["completion_tokens"] = OUTPUT
         ttfts.append(first)
@@ -389,14 +398,20 @@ def _server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout_
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 
 
+def vllm_command(python: str, hf: Path, port: int, *extra: str) -> list[str]:
+    """vLLM-CPU's OpenAI server on ``hf`` as bench_generate starts it (FP32, served as "llm"), ``extra`` arguments
+    after (bench_structured: ``--structured-outputs-config``, which leaves its compiled graphs' cache key as is)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
+            "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
 def bench_vllm(python: str, hf: Path, levels: list[int], work: Path, rounds: int, bind: str,
                timeout_s: float, prime: bool) -> tuple[dict, dict]:
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
     info = {"bind": bind}
 
     def cmd(port):
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
-                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+        return vllm_command(python, hf, port)
 
     if prime:  # untimed: the first start compiles (torch.compile, cached in ~/.cache/vllm)
         port = _free_port()
