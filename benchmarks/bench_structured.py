@@ -307,7 +307,7 @@ def served_engine(who: str, vllm_python: str) -> str:
         import llguidance
 
         return f"llguidance {llguidance.__version__}"
-    code = "import vllm, xgrammar; print(vllm.__version__, xgrammar.__version__)"
+    code = "import vllm; from importlib.metadata import version; print(vllm.__version__, version('xgrammar'))"
     version = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     return f"vLLM {version[0]}, xgrammar {version[1]} (--structured-outputs-config '{json.dumps(VLLM_STRUCTURED)}')"
 
