@@ -326,12 +326,13 @@ def served_section(runs: list[dict]) -> str:
                 return " / ".join(f"{c[key]['tokens/s']:.1f}" for c in cells)
             ratios = [c["ratio"] for c in cells]
             valid = sum(c["guided"]["valid"] for c in cells)
+            parsed = sum(c["guided"]["parsed"] for c in cells)
             stop = sum(c["guided"]["stop"] for c in cells)
             cut = sum(c["guided"]["length"] for c in cells)
             off = sum(c["free"]["length"] + c["free"]["no_usage"] + c["guided"]["no_usage"] for c in cells)
             rows.append(f"| {run['who']} {run['precision']} | {streams} x {STREAMS[streams]} | {figs('free')} | "
                         f"{figs('guided')} | **{statistics.median(ratios):.2f}x** "
-                        f"({' / '.join(f'{x:.2f}' for x in ratios)}) | {valid} / {stop} ({cut})"
+                        f"({' / '.join(f'{x:.2f}' for x in ratios)}) | {valid} / {parsed} / {stop} ({cut})"
                         f"{f'; {off} counts off' if off else ''} |")
         notes.append(f"- {who_says[run['who']]}, {run['precision'].upper()}: {run['engine']}; "
                      + ("**cut short**: the rows are the rounds it finished; " if run.get("partial") else
@@ -347,13 +348,14 @@ def served_section(runs: list[dict]) -> str:
         f"each ({PROMPT}-token prompts as token ids, sampled at temperature 0.8 with a seed per request). With the "
         "schema the request carries vLLM's `structured_outputs: {json: SCHEMA}` (both servers take it) and ends "
         f"when its JSON is complete (at most {MAX_TOKENS} tokens); every complete answer is parsed and validated "
-        "against the schema (jsonschema). Without it the same prompts generate exactly as many tokens as the "
-        "level's first guided run made (`min_tokens` = `max_tokens`, `ignore_eos`), so the grammar is what differs. "
+        "against the schema (Python's `json`, strict as RFC 8259: a raw control character inside a string does not "
+        "parse; then jsonschema). Without it the same prompts generate exactly as many tokens as the level's first "
+        "guided run made (`min_tokens` = `max_tokens`, `ignore_eos`), so the grammar is what differs. "
         f"{rounds} round(s) per level, with and without interleaved, the order alternating (round 1 with the schema "
         "first); tokens are each server's streamed `usage`. Ratio: with the schema over without, the median of the "
         "rounds (each round's in brackets).", "",
         "| server | streams x requests | output tokens/s without (each round) | with the schema | ratio | answers "
-        f"valid against the schema / complete (cut at {MAX_TOKENS}) |",
+        f"valid against the schema / that parse (strict JSON) / complete (cut at {MAX_TOKENS}) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |", *rows, "", *notes, "", SERVED_END])
 
 

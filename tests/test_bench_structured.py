@@ -91,7 +91,7 @@ def test_a_guided_run_counts_valid_parsed_and_cut_answers_and_the_free_run_makes
 
 def test_the_served_section_has_a_row_per_server_and_level():
     cell = {"free": {"tokens/s": 10.0, "length": 0, "no_usage": 0},
-            "guided": {"tokens/s": 9.0, "valid": 4, "stop": 4, "length": 0, "no_usage": 0}}
+            "guided": {"tokens/s": 9.0, "valid": 4, "parsed": 4, "stop": 4, "length": 0, "no_usage": 0}}
     runs = [{"who": who, "precision": "fp32", "engine": who + " engine", "start_s": 3.0, "header": "Run X.",
              "cells": [{"streams": s, "round": r, "ratio": 0.9, **cell} for s in bs.STREAMS for r in (1, 2)]}
             for who in ("ours", "vllm")]
@@ -99,5 +99,5 @@ def test_the_served_section_has_a_row_per_server_and_level():
     assert section.startswith(bs.SERVED_START) and section.endswith(bs.SERVED_END)
     rows = [line for line in section.splitlines() if line.startswith("| ours") or line.startswith("| vllm")]
     assert len(rows) == 2 * len(bs.STREAMS)
-    assert "| ours fp32 | 8 x 3 | 10.0 / 10.0 | 9.0 / 9.0 | **0.90x** (0.90 / 0.90) | 8 / 8 (0) |" in rows
+    assert "| ours fp32 | 8 x 3 | 10.0 / 10.0 | 9.0 / 9.0 | **0.90x** (0.90 / 0.90) | 8 / 8 / 8 (0) |" in rows
     assert "vllm engine" in section
