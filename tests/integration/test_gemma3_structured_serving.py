@@ -1,6 +1,7 @@
 """The real Gemma 3 270M (the session's one build, ``gemma3_build`` in tests/conftest.py: INT8 served) on the real
 Triton server behind the OpenAI frontend, its schema-constrained answers driven by the ``openai`` client unchanged:
-``response_format`` json_schema (chat, and completions through ``extra_body``), ``guided_json``, a named tool call and
+``response_format`` json_schema (chat, and completions through ``extra_body``), ``guided_json``, vLLM's
+``structured_outputs`` (``extra_body``, chat and completions), a named tool call and
 a ``required`` one parse against their schemas every time, greedy and sampled; the grammar engine's view of the
 tokenizer covers Gemma's whole 262,144-token vocabulary (a token among its last ids allowed where the grammar wants
 it).
@@ -122,6 +123,26 @@ def test_response_format_json_schema_answers_parse_every_time(client, gemma):
         for choice in r.choices:
             assert choice.finish_reason == "stop", choice.text
             jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_vllms_structured_outputs_json_answers_parse_every_time(client, gemma):
+    """vLLM >= 0.10's own field, as its clients send it (``extra_body={"structured_outputs": {"json": schema}}``), on
+    chat and completions, greedy and sampled: every answer of the 262k-vocabulary model parses and validates."""
+    name, _ = gemma
+    extra = {"structured_outputs": {"json": PERSON}}
+    for prompt in PROMPTS[:2]:
+        for kw in SAMPLING:
+            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=160, extra_body=extra, **kw)
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+    r = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=160, n=2, temperature=1.0, seed=7,
+                                  extra_body=extra)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), PERSON)
 
 
 def test_a_named_tool_call_and_a_required_one_parse_every_time(client, gemma):

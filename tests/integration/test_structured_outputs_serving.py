@@ -150,6 +150,13 @@ def test_vllms_structured_outputs_through_extra_body(client):
                                                                              "disable_any_whitespace": True}})
     assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
     jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    # completions with n = 2, as test_gemma3_structured_serving sends it (and bench_structured --served, streamed)
+    r = client.completions.create(model=MODEL, prompt="Describe a person.", max_tokens=200, n=2, temperature=1.0,
+                                  seed=7, extra_body={"structured_outputs": {"json": PERSON}})
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), PERSON)
     r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=30,
                                   extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-[0-9]{2,4}"}})
     assert re.fullmatch(r"[A-Z]{3}-[0-9]{2,4}", r.choices[0].text)
