@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..contract import KV_DTYPES, past_name
-from .kv_slots import AdmissionError
+from .kv_slots import AdmissionError, SlotStorage
 from ..memory.pool import check, require_device
 
 
@@ -78,7 +78,7 @@ def device_slots(spec: Any, budget_bytes: int, wanted: int, max_context: int | N
     return max(1, min(int(wanted), fit))
 
 
-class DeviceKVBuffers:
+class DeviceKVBuffers(SlotStorage):
     """Per-layer KV buffers in device memory from ``pool``, with views by slot and device-side compaction (a
     storage of ``kv_slots.KVSlots``)."""
 

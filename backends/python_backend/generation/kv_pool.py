@@ -35,12 +35,12 @@ import numpy as np
 from ..contract import KV_DTYPES, KV_LAYOUT_BLOCKS, past_name
 from .int8_attention import BLOCK_TABLE
 from .prefix_cache import BLOCK_TOKENS
-from .kv_slots import _MADV_DONTNEED, _PAGE, _VIEWS_KEPT, _libc_madvise
+from .kv_slots import _MADV_DONTNEED, _PAGE, _VIEWS_KEPT, SlotStorage, _libc_madvise
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
-class BlockKVBuffers:
+class BlockKVBuffers(SlotStorage):
     """Per-layer pools of KV blocks in host memory and a block table per slot (module docstring)."""
 
     granule_bytes = _PAGE  # the account counts a sequence's tokens in pages, as the slots' (an upper bound here)
@@ -163,8 +163,9 @@ class BlockKVBuffers:
             self._drop(block)
         self._set(dst, held)
 
-    def relocate(self, dst: int, src: int) -> None:
-        """Compaction: slot ``src``'s blocks become slot ``dst``'s (what ``dst`` held let go), ``src`` holds none."""
+    def relocate(self, dst: int, src: int, length: int = 0) -> None:
+        """Compaction: slot ``src``'s blocks become slot ``dst``'s (what ``dst`` held let go), ``src`` holds none
+        (``length``, the tokens a slot layout would copy, is not needed: the blocks move whole)."""
         self.give_back(dst)
         held, self._held[src] = self._held[src], []
         self.table[src, :] = 0

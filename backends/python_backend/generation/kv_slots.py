@@ -26,8 +26,8 @@ tokens' keys and values stay valid, in a slot outside the active prefix that no 
 
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
 ``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool; ``kv_pool.BlockKVBuffers``, ``kv_layout =
-"blocks"``: a pool of blocks and a block table, whose ``claim`` (a slot's blocks for its reservation) and
-``relocate`` (compaction handing blocks over) the account calls too): :class:`KVSlots` keeps the account (slots,
+"blocks"``: a pool of blocks and a block table; each a :class:`SlotStorage`, whose ``claim`` (a slot's blocks for its
+reservation) and ``relocate`` (compaction: blocks handed over, or tokens copied) the account calls too): :class:`KVSlots` keeps the account (slots,
 reservations, the budget) and asks its storage for views, moves and the return of freed memory.
 """
 
@@ -111,7 +111,21 @@ class KeptKV:
     slot: int | None = None
 
 
-class HostKVBuffers:
+class SlotStorage:
+    """What :class:`KVSlots` asks of a storage beyond its views and moves, with a slot layout's answers: a slot
+    holds its whole context from the start (nothing to claim), and compaction copies a sequence's tokens.
+    ``kv_pool.BlockKVBuffers`` answers otherwise (blocks claimed as a slot grows, handed over when it moves)."""
+
+    def claim(self, slot: int, tokens: int, keep: bool = False, private: bool = False) -> None:
+        """Slot ``slot`` may hold ``tokens`` tokens from now on (``keep``: it keeps what it holds; ``private``: none of
+        it shared)."""
+
+    def relocate(self, dst: int, src: int, length: int) -> None:
+        """Slot ``src``'s first ``length`` tokens made slot ``dst``'s, ``src`` left free."""
+        self.move(dst, src, length)
+
+
+class HostKVBuffers(SlotStorage):
     """The KV buffers in host memory: numpy arrays of zero pages, a freed slot's pages given back to the system."""
 
     granule_bytes = _PAGE  # memory is committed a page at a time
@@ -270,9 +284,7 @@ class KVSlots:
             if usage.reserved_bytes + usage.cached_bytes + more > self.budget_bytes:
                 return False
             self._reserved[slot] = want
-            claim = getattr(self.storage, "claim", None)
-            if claim is not None:
-                claim(slot, want, keep=True)
+            self.storage.claim(slot, want, keep=True)
         self._written[slot] = min(tokens, self._reserved[slot])
         return True
 
@@ -299,19 +311,13 @@ class KVSlots:
             self._kept[dst] = there
         self._reserved.append(self.held(tokens))
         self._written.append(0)
-        claim = getattr(self.storage, "claim", None)  # a block pool (kv_pool): the slot's blocks for its reservation
-        if claim is not None:
-            claim(slot, self._reserved[-1], keep=taken, private=taken)
+        self.storage.claim(slot, self._reserved[-1], keep=taken, private=taken)  # a block pool: its blocks
         return slot
 
     def _relocate(self, dst: int, src: int, length: int) -> None:
         """Slot ``src``'s sequence (or kept prefix, ``length`` tokens) moved to slot ``dst``, ``src`` left free: a
         block pool hands the blocks over, the slots' buffers copy the tokens."""
-        relocate = getattr(self.storage, "relocate", None)
-        if relocate is not None:
-            relocate(dst, src)
-        else:
-            self.storage.move(dst, src, length)
+        self.storage.relocate(dst, src, length)
 
     def _highest_free(self, exclude: int | None = None) -> int:
         for slot in range(self.slots - 1, self.active - 1, -1):
