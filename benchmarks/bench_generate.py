@@ -150,9 +150,11 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "openai",
+async def _drive(url: str, model: str | list[str], prompts: list[list[int]], style: str = "openai",
                  extra: dict | None = None) -> dict:
-    """All prompts at once, one streamed ``/v1/completions`` request each (``harness.openai_stream``).
+    """All prompts at once, one streamed ``/v1/completions`` request each (``harness.openai_stream``); ``model``
+    names the served model of every request, or of each (a list as long as ``prompts``: bench_lora spreads the
+    requests over LoRA adapters).
 
     Each stream's ``text`` is its streamed text joined (bench_prefix_cache compares outputs with it).
     ``style`` "openai": token-id prompts, ``min_tokens`` + ``ignore_eos``, counts from the streamed ``usage``;
@@ -166,7 +168,11 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
     ttfts: list[float] = []
     streams: list[dict] = []
 
-    async def one(session, prompt):
+    models = [model] * len(prompts) if isinstance(model, str) else list(model)
+    if len(models) != len(prompts):
+        raise ValueError(f"{len(models)} model names for {len(prompts)} prompts")
+
+    async def one(session, prompt, model):
         if style == "llamacpp":
             # no min_tokens: llama-cpp-python 0.3.36 then drops every logits processor, logit_bias included
             # (llama.py: ``logits_processor = logits_processor.extend(...)``, which is None)
@@ -187,7 +193,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], style: str = "o
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(one(session, p) for p in prompts))
+        await asyncio.gather(*(one(session, p, m) for p, m in zip(prompts, models)))
         wall = time.perf_counter() - start
     tokens = sum(s["completion_tokens"] or 0 for s in streams)
     return {"wall": wall, "ttfts": ttfts, "tokens": tokens, "streams": streams}
