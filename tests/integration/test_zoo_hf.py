@@ -130,6 +130,19 @@ def _client(protocol: str, zoo: Zoo):
     return th, th.InferenceServerClient(zoo.server.http_url, connection_timeout=600.0, network_timeout=600.0)
 
 
+def _infer_unshed(module, client, model: str, inputs, outputs):
+    """``client.infer``, sent once more if Triton shed it by age (503 / UNAVAILABLE "Request timeout expired": the
+    default ``shed_by = "age"`` queue timeout), as a client retries a shed request. Two fresh-clone runs saw one such
+    shed of a lone request on the zoo's shared server (encoder-int8-http, reranker-fp16-grpc; not reproduced
+    alone): what these tests compare is the answer's numbers, not the shedding (tests/integration/test_shed_by_age.py)."""
+    try:
+        return client.infer(model, inputs, outputs=outputs)
+    except module.InferenceServerException as exc:
+        if "timeout expired" not in str(exc).lower() and "503" not in str(exc.status() or ""):
+            raise
+        return client.infer(model, inputs, outputs=outputs)
+
+
 def _bytes_input(module, name: str, values) -> object:
     t = module.InferInput(name, [len(values), 1], "BYTES")
     t.set_data_from_numpy(np.array([[v.encode()] for v in values], dtype=np.object_))
@@ -164,8 +177,9 @@ def test_text_requests_match_transformers(zoo, name, precision, protocol) -> Non
     try:
         scores = []
         for i, sample in enumerate(samples):
-            result = client.infer(deployment(name, precision), _text_inputs(module, member.task, [sample]),
-                                  outputs=[module.InferRequestedOutput(o) for o in outputs])
+            result = _infer_unshed(module, client, deployment(name, precision),
+                                   _text_inputs(module, member.task, [sample]),
+                                   outputs=[module.InferRequestedOutput(o) for o in outputs])
             for o in outputs:
                 # A scalar score is compared at the scale of the scores over every pair: on a CPU without integer
                 # dot products INT8 serves the 7-bit weight form (half the weights' resolution), whose error on a
