@@ -35,9 +35,7 @@ import numpy as np
 from ..contract import KV_DTYPES, KV_LAYOUT_BLOCKS, past_name
 from .int8_attention import BLOCK_TABLE
 from .prefix_cache import BLOCK_TOKENS
-from .kv_slots import _MADV_DONTNEED, _PAGE, _VIEWS_KEPT, SlotStorage, _libc_madvise
-
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+from .kv_slots import _MADV_DONTNEED, _NUMPY_DTYPES, _PAGE, _VIEWS_KEPT, SlotStorage, _libc_madvise
 
 
 class BlockKVBuffers(SlotStorage):
