@@ -48,3 +48,22 @@ def cuda_device() -> int:
     if cuda_device_count() < 1:
         pytest.skip("needs a CUDA device (cuda-bindings installed and a driver with a GPU)")
     return 0
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_int8_cache(tiny_llm, tmp_path_factory):
+    """tiny_llm's FP32 graph with its KV cache in INT8 (scales fitted on three prompts): FP32 weights, so outputs
+    are batch-independent and two attention kernels (or KV layouts) differ by float rounding alone. Read-only."""
+    import shutil
+
+    import numpy as np
+
+    from model_factory.build_engines.kv_int8 import fit_kv_scales, quantize_kv_cache
+
+    _hf, onnx_dir = tiny_llm
+    folder = tmp_path_factory.mktemp("kv8") / "g"
+    shutil.copytree(onnx_dir, folder)
+    rng = np.random.default_rng(1)
+    quantize_kv_cache(folder / "model.onnx",
+                      fit_kv_scales(onnx_dir / "model.onnx", 16, [rng.integers(3, 2000, n).tolist() for n in (5, 17, 40)]))
+    return folder / "model.onnx"

@@ -238,21 +238,6 @@ def test_a_source_that_does_not_compile_is_refused_with_the_compilers_words(monk
     assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))
 
 
-@pytest.fixture(scope="module")
-def tiny_llm_int8_cache(tiny_llm, tmp_path_factory):
-    """tiny_llm's FP32 graph with its KV cache in INT8 (scales fitted on three prompts): FP32 weights, so the two
-    attention kernels' outputs differ by float rounding alone."""
-    from model_factory.build_engines.kv_int8 import fit_kv_scales, quantize_kv_cache
-
-    _hf, onnx_dir = tiny_llm
-    folder = tmp_path_factory.mktemp("kv8") / "g"
-    shutil.copytree(onnx_dir, folder)
-    rng = np.random.default_rng(1)
-    quantize_kv_cache(folder / "model.onnx",
-                      fit_kv_scales(onnx_dir / "model.onnx", 16, [rng.integers(3, 2000, n).tolist() for n in (5, 17, 40)]))
-    return folder / "model.onnx"
-
-
 def _views(batch: int, layers: int = 2, kv_heads: int = 2, max_context: int = 64, head_dim: int = 16):
     return {f"past_key_values.{i}.{kind}": np.zeros((batch, kv_heads, max_context, head_dim), np.int8)
             for i in range(layers) for kind in ("key", "value")}

@@ -21,7 +21,6 @@ from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCa
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, Scheduler
 
-from tests.generative_repository import run_to_end
 
 
 def _spec() -> GenerationSpec:
@@ -130,22 +129,16 @@ GREEDY = SamplingParams(max_tokens=10, min_tokens=10)
 
 
 @pytest.fixture(scope="module")
-def layouts(tiny_llm, tmp_path_factory):
+def layouts(tiny_llm, tiny_llm_int8_cache):
     """(spec, the INT8-cache graph on the kernel over slots, the same over a block pool): tiny_llm's FP32 graph with
     its KV cache in INT8 (FP32 weights: batch-independent, so every layout's greedy tokens can be compared)."""
     from model_factory.backend.generation.causal_lm import CausalLM
-    from model_factory.build_engines.kv_int8 import fit_kv_scales, quantize_kv_cache
     from tests.generative_repository import generation_spec
 
-    hf, onnx_dir = tiny_llm
-    folder = tmp_path_factory.mktemp("kv-pool") / "g"
-    shutil.copytree(onnx_dir, folder)
-    rng = np.random.default_rng(1)
-    quantize_kv_cache(folder / "model.onnx",
-                      fit_kv_scales(onnx_dir / "model.onnx", 16, [rng.integers(3, 2000, n).tolist() for n in (5, 17, 40)]))
+    hf, _ = tiny_llm
     spec = dataclasses.replace(generation_spec(hf, {}), kv_dtype="int8", max_context=256)
-    slots = CausalLM(folder / "model.onnx", threads=1, int8_attention="kernel")
-    blocks = CausalLM(folder / "model.onnx", threads=1, int8_attention="kernel", kv_block_tokens=BLOCK_TOKENS)
+    slots = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel")
+    blocks = CausalLM(tiny_llm_int8_cache, threads=1, int8_attention="kernel", kv_block_tokens=BLOCK_TOKENS)
     assert slots.kv_block_tokens == 0 and blocks.kv_block_tokens == BLOCK_TOKENS
     assert "the KV cache in blocks of 16 tokens" in blocks.attention
     return spec, slots, blocks
