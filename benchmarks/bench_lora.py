@@ -258,7 +258,7 @@ def _med(values: list[float], fmt: str = "{:.1f}", suffix: str = "") -> str:
 def served_main(args: argparse.Namespace) -> int:
     import shutil
 
-    from benchmarks.bench_generate import VLLM_ENV, VOCAB, _free_port, _prompts, _server
+    from benchmarks.bench_generate import VLLM_ENV, VOCAB, _free_port, _prompts, _server, vllm_command
     from benchmarks.harness.run_header import LoadReading, run_header
 
     if args.work is None:
@@ -283,11 +283,9 @@ def served_main(args: argparse.Namespace) -> int:
     ours_port, vllm_port = _free_port(), _free_port()
     ours_cmd = [str(cli), "serve", "--policy", str(policy), "--http-port", "0", "--grpc-port", "0", "--metrics-port",
                 "0", "--openai-port", str(ours_port), str(repo)]
-    vllm_cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
-                "--served-model-name", BASE_NAME, "--dtype", "float32", "--max-model-len", "2048", "--host",
-                "127.0.0.1", "--port", str(vllm_port), "--enable-lora", "--max-loras", str(max(ADAPTER_COUNTS)),
-                "--max-lora-rank", str(RANK), "--max-num-seqs", str(max(SERVED_STREAMS)), "--lora-modules",
-                *(f"{p.name}={p}" for p in peft_dirs)]
+    vllm_cmd = vllm_command(args.vllm_python, hf, vllm_port, "--enable-lora", "--max-loras", str(max(ADAPTER_COUNTS)),
+                            "--max-lora-rank", str(RANK), "--max-num-seqs", str(max(SERVED_STREAMS)), "--lora-modules",
+                            *(f"{p.name}={p}" for p in peft_dirs), name=BASE_NAME)
     vllm_env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
     logs = work / "logs"
     shutil.rmtree(logs, ignore_errors=True)

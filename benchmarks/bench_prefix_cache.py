@@ -271,14 +271,12 @@ def served_ours(args, precision: str, setting: str, warm, prompts) -> dict:
 
 
 def served_vllm(args, folder: Path, setting: str, warm, prompts) -> tuple[dict, float]:
-    from benchmarks.bench_generate import VLLM_ENV, _free_port, _server
+    from benchmarks.bench_generate import VLLM_ENV, _free_port, _server, vllm_command
 
     port = _free_port()
-    cmd = (["flock", args.vllm_lock] if args.vllm_lock else []) + [
-        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
-        "llm", "--dtype", "float32", "--max-model-len", str(MAX_CONTEXT), "--enable-chunked-prefill",
-        "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching",
-        "--host", "127.0.0.1", "--port", str(port)]
+    cmd = (["flock", args.vllm_lock] if args.vllm_lock else []) + vllm_command(
+        args.vllm_python, folder, port, "--enable-chunked-prefill",
+        "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching")
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
     with _server(f"vllm (prefix caching {setting})", cmd, env, port, args.work / "vllm-prefix.log",
                  args.server_timeout) as (url, ready):
