@@ -50,8 +50,9 @@ CSTART, CEND = "<!-- decode_compare:start -->", "<!-- decode_compare:end -->"
 PROMPT = 128
 
 
-def _engine(vdir: Path, precision: str, profile_prefix: str | None = None):
-    """``(spec, CausalLM)`` of the version's ``precision`` as the stub loads it on a CPU (2 threads)."""
+def _engine(vdir: Path, precision: str, profile_prefix: str | None = None, int8_matmul: str = "auto"):
+    """``(spec, CausalLM)`` of the version's ``precision`` as the stub loads it on a CPU (2 threads); ``int8_matmul``
+    the contract's setting for grouped per-row INT8 MatMuls."""
     from model_factory.backend.contract import Files, GenerationSpec, onnx_file
     from model_factory.backend.generation.causal_lm import CausalLM, attention_kernel
     import model_factory.backend.engines.onnxruntime as engine
@@ -66,7 +67,7 @@ def _engine(vdir: Path, precision: str, profile_prefix: str | None = None):
         engine._cpu_session = profiled
     try:
         lm = CausalLM(vdir / onnx_file(precision), threads=2, pad_token_id=spec.pad_token_id or 0,
-                      int8_attention=attention_kernel("auto", spec.kv_dtype))
+                      int8_attention=attention_kernel("auto", spec.kv_dtype), int8_matmul=int8_matmul)
     finally:
         engine._cpu_session = made
     return spec, lm
@@ -183,6 +184,9 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--against", help="a second built version: the two compared round by round (decode_compare)")
     ap.add_argument("--labels", default="A,B", help="the two versions' names in the compare table")
+    ap.add_argument("--int8-matmul", default="auto,auto",
+                    help="the contract's int8_matmul for the version and --against (a comma pair; the same version "
+                         "twice with onnxruntime,auto compares the per-row MatMuls' standard ops with the kernel)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     vdir = Path(args.version)
@@ -191,8 +195,8 @@ def main() -> int:
     tokenizer.no_padding()
     if args.against:
         return compare(args, vdir, Path(args.against), tokenizer, load)
-    spec, lm = _engine(vdir, args.precision)
-    say(f"{vdir}: {args.precision}, attention {lm.attention}")
+    spec, lm = _engine(vdir, args.precision, int8_matmul=args.int8_matmul.split(",")[0])
+    say(f"{vdir}: {args.precision}, attention {lm.attention}; per-row MatMuls {lm.matmul or '-'}")
     one_run(lm, spec, tokenizer, 2, 4, True, 99)  # warm
     results: dict = collections.defaultdict(list)
     for r in range(args.rounds):
@@ -254,7 +258,10 @@ def compare(args, a: Path, b: Path, tokenizer, load) -> int:
     from benchmarks.harness.run_header import run_header
 
     labels = args.labels.split(",")
-    engines = [_engine(a, args.precision), _engine(b, args.precision)]
+    kernels = args.int8_matmul.split(",")
+    engines = [_engine(a, args.precision, int8_matmul=kernels[0]), _engine(b, args.precision, int8_matmul=kernels[-1])]
+    for label, (_spec, lm) in zip(labels, engines):
+        say(f"{label}: attention {lm.attention}; per-row MatMuls {lm.matmul or '-'}")
     for spec, lm in engines:
         one_run(lm, spec, tokenizer, 2, 4, True, 99)  # warm
     results: dict = collections.defaultdict(list)
@@ -275,7 +282,9 @@ def compare(args, a: Path, b: Path, tokenizer, load) -> int:
     lines = [CSTART, "## Two builds' decode steps, in-process (`decode_compare`)", "",
              run_header("benchmarks/bench_decode_profile.py --against", load.finish()), "",
              f"{labels[0]}: `{a}`; {labels[1]}: `{b}`; both at `{args.precision}`, loaded in one process, on the "
-             f"backend's scheduler (CausalLM, 2 threads, attention {engines[0][1].attention}); {PROMPT}-token prompts "
+             f"backend's scheduler (CausalLM, 2 threads, attention {engines[0][1].attention}; per-row INT8 MatMuls "
+             f"{labels[0]}: {engines[0][1].matmul or '-'}, {labels[1]}: {engines[1][1].matmul or '-'}); "
+             f"{PROMPT}-token prompts "
              f"submitted at once, {args.tokens} greedy tokens each; {args.rounds} rounds, each running every stream "
              "count on both builds, their order alternating round by round; per run the medians over its decode-only "
              "steps, then the median (range) over the rounds; CPU = every thread of the process. Ratio: "

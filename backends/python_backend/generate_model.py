@@ -201,6 +201,7 @@ class GenerativeModel:
                "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
                                      spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
+            + (f"; per-row INT8 MatMuls: {self.model.matmul}" if getattr(self.model, "matmul", "") else "")
             + layout_note(s.kv_layout, self.model)
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
@@ -231,7 +232,8 @@ class GenerativeModel:
                                      pad_token_id=spec.pad_token_id or 0,
                                      int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
                                      lora=prepare(src, modules) if modules else None,
-                                     kv_block_tokens=layout_block_tokens(s.kv_layout)))
+                                     kv_block_tokens=layout_block_tokens(s.kv_layout),
+                                     int8_matmul=s.int8_matmul))
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),
                             storage=kv_storage(model, spec, s.max_active_sequences),
                             block_tokens=block_tokens(s.kv_admission))
@@ -241,7 +243,8 @@ class GenerativeModel:
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
-        cache_file = cost_cache_file(version_dir, s, digests, model.device, model.attention)
+        cache_file = cost_cache_file(version_dir, s, digests, model.device,
+                                     model.attention + getattr(model, "matmul", ""))
         cached = cached_cost(cache_file)
         if cached is not None:
             return spec, model, tokenizer, slots, cached, f"measured at an earlier load, {cache_file.name}"

@@ -89,6 +89,7 @@ class Settings:
     preemption_wait_ms: int = 0
     max_tokens_grouping_ms: int = 0
     int8_attention: str = "auto"
+    int8_matmul: str = "auto"
     prefix_caching: str = "auto"
     kv_admission: str = "paged"  # generation/kv_blocks.py: paged | reserve
     kv_layout: str = "slots"  # generation/kv_pool.py: slots | blocks
@@ -196,6 +197,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         preemption_wait_ms=p.preemption_wait_ms,
         max_tokens_grouping_ms=p.max_tokens_grouping_ms,
         int8_attention=p.int8_attention,
+        int8_matmul=p.int8_matmul,
         prefix_caching=p.prefix_caching,
         kv_admission=p.kv_admission,
         kv_layout=p.kv_layout,

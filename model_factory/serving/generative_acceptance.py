@@ -104,7 +104,8 @@ def accept_generative(model_dir: Path, version: str, settings: Any, digests: Map
             model = load_verified_onnx(vdir, settings.onnx_file, d,
                                        lambda src: CausalLM(src, pad_token_id=spec.pad_token_id or 0,
                                                             int8_attention=attention_kernel(settings.int8_attention,
-                                                                                            spec.kv_dtype)))
+                                                                                            spec.kv_dtype),
+                                                            int8_matmul=settings.int8_matmul))
         tokenizer = _load_tokenizer(vdir, d)
     except Exception as exc:  # noqa: BLE001 - it would not load in Triton either: that is the verdict
         if gpu is not None:

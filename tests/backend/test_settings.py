@@ -126,6 +126,13 @@ def test_int8_kernels_parameter() -> None:
         _settings(int8_kernels="fast")
 
 
+def test_int8_matmul_parameter() -> None:
+    assert _settings().int8_matmul == "auto"  # the factory's per-row INT8 MatMul kernel where it builds
+    assert _settings(int8_matmul="onnxruntime").int8_matmul == "onnxruntime"
+    with pytest.raises(SettingsError, match="int8_matmul"):
+        _settings(int8_matmul="fast")
+
+
 def test_int8_attention_parameter() -> None:
     assert _settings().int8_attention == "auto"  # the factory's kernel where it builds
     assert _settings(int8_attention="onnxruntime").int8_attention == "onnxruntime"

@@ -79,14 +79,18 @@ class CausalLM:
 
     def __init__(self, source: Path | bytes, *, threads: int | None = None, spinning: bool = True,
                  pad_token_id: int = 0, cuda: CudaPlacement | None = None, precision: str = "this",
-                 int8_attention: str = "onnxruntime", lora: Any = None, kv_block_tokens: int = 0) -> None:
+                 int8_attention: str = "onnxruntime", lora: Any = None, kv_block_tokens: int = 0,
+                 int8_matmul: str = "auto") -> None:
         """``int8_attention`` (contract.INT8_ATTENTION), for a graph whose KV cache is INT8 on the CPU: ``auto`` runs
         its attention on the factory's kernel where it builds (``int8_attention.py``; else as packaged, the reason
         in :attr:`attention`), ``kernel`` requires it, ``onnxruntime`` runs the graph as packaged. ``lora``: a
         ``lora.LoraGraph`` (this graph with its adapters' inputs) run instead; the loader sets :attr:`lora_table` and
         each launch adds its rows' adapters (``adapters``: a slot per row, 0 the base). ``kv_block_tokens`` > 0
         (``kv_layout = "blocks"``): the kernel's paged layout, its pools and block table bound from ``kv_pool``'s
-        views; :attr:`kv_block_tokens` says whether it is in use (0 where the kernel is not: the slots then)."""
+        views; :attr:`kv_block_tokens` says whether it is in use (0 where the kernel is not: the slots then).
+        ``int8_matmul`` (contract.INT8_MATMUL): the graph's grouped per-row INT8 MatMuls (``row_int8_kernel``) on the
+        factory's operator, on the CPU: ``auto`` where it builds (else as packaged, the reason in :attr:`matmul`),
+        ``kernel`` required, ``onnxruntime`` as packaged."""
         from ..engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
@@ -96,6 +100,7 @@ class CausalLM:
             source = lora.model
         # Which kernel computes attention, and why (logged at load).
         self.attention = "onnxruntime GroupQueryAttention"
+        self.matmul = ""  # the grouped per-row INT8 MatMuls' kernel, where the graph has them (logged at load)
         self.kv_block_tokens = 0  # the paged layout's block when the graph reads one (kv_pool), else 0
         if cuda is not None:
             self.device, self._device_type, self._device_id = f"cuda:{cuda.device_id}", "cuda", int(cuda.device_id)
@@ -132,6 +137,10 @@ class CausalLM:
             if int8_attention != "onnxruntime":
                 kernel_graph = self._with_int8_attention(source, opts, required=int8_attention == "kernel",
                                                          block_tokens=kv_block_tokens)
+            if int8_matmul != "onnxruntime":
+                folder = lora.weights_folder if lora is not None else (
+                    None if isinstance(source, (bytes, bytearray)) else Path(source).resolve().parent)
+                kernel_graph = self._with_row_int8(kernel_graph, opts, folder, required=int8_matmul == "kernel")
             try:
                 self.session = session(kernel_graph, opts)
             except Exception as e:  # noqa: BLE001 - the kernel's session failed: "auto" keeps the packaged graph
@@ -139,6 +148,8 @@ class CausalLM:
                     raise
                 self.attention = ("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: a session on "
                                   f"it failed: {str(e).splitlines()[0][:300]})")
+                if self.matmul:
+                    self.matmul = "onnxruntime (the factory's kernels are not used: the session on them failed)"
                 self.kv_block_tokens = 0
                 self.session = session(source, options())
         self.input_names = tuple(i.name for i in self.session.get_inputs())
@@ -178,6 +189,29 @@ class CausalLM:
         if block_tokens:
             self.kv_block_tokens = int(block_tokens)
             self.attention += f", the KV cache in blocks of {block_tokens} tokens"
+        return prepared.model
+
+    def _with_row_int8(self, graph: Path | bytes, opts: Any, folder: Path | None, required: bool) -> Path | bytes:
+        """``graph`` with its grouped per-row INT8 MatMuls on the factory's operator (library registered in ``opts``),
+        or unchanged (none there, or the reason in :attr:`matmul`); ``required``: the reason raised (EngineError)."""
+        from .row_int8_kernel import prepare
+
+        try:
+            prepared = prepare(graph, folder)
+            if prepared is None:
+                return graph
+            opts.register_custom_ops_library(str(prepared.library))
+        except Exception as e:  # noqa: BLE001 - KernelUnavailable, ONNX Runtime refusing the library: "auto" goes on
+            if required:
+                from ..engines.base import EngineError
+
+                raise EngineError(f"int8_matmul = \"kernel\" but the kernel cannot be used: {e}. Where it cannot be, "
+                                  "set int8_matmul = \"auto\" (the graph's standard ops then)") from e
+            self.matmul = f"onnxruntime (the per-row INT8 MatMul kernel is not used: {e})"
+            return graph
+        if folder is not None:
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        self.matmul = f"model-factory RowInt8MatMul ({prepared.nodes} nodes, {prepared.library.name})"
         return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],

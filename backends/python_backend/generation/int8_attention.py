@@ -107,9 +107,10 @@ def compiler() -> str:
     return found
 
 
-def library(source: Path = SOURCE, isa: str = "native") -> Path:
+def library(source: Path = SOURCE, isa: str = "native", name: str = LIBRARY_NAME) -> Path:
     """The compiled operator library for this host, compiled on first use (a few seconds) and cached. ``isa``
-    "avx2" compiles the AVX2 path on a host that has AVX-512 too (:data:`ISA_FLAGS`)."""
+    "avx2" compiles the AVX2 path on a host that has AVX-512 too (:data:`ISA_FLAGS`). ``source`` and ``name``: another
+    of the factory's kernels (``row_int8_kernel``) built by the same rules."""
     source = Path(source)
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, not {isa!r}")
@@ -128,7 +129,7 @@ def library(source: Path = SOURCE, isa: str = "native") -> Path:
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), cxx, version,
                                      _cpu_flags()]).encode())
     folder = cache_dir() / key.hexdigest()[:24]
-    built = folder / LIBRARY_NAME
+    built = folder / name
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:

@@ -1,0 +1,348 @@
+// A MatMul with its activations quantized per row and per group of inputs, for ONNX Runtime's CPU provider (a custom
+// operator): the grouped form of build_engines/row_int8.py in one node.
+//
+// Why it exists (docs/generation.md, "down_proj in integers, in one node"): INT8 dynamic's gate ladder keeps Gemma 3's
+// down_proj in integers only with a scale per row and per 256 inputs, which the packaged graph writes in standard ops
+// (Reshape, Abs, ReduceMax, Max, Div, Div, Round, Add, Cast, Split, one MatMulInteger per group, Concat, Cast, Mul,
+// Mul, ReduceSum): about 24 nodes a layer whose fixed costs made down_proj a quarter of a decode step for a tenth of
+// its weights. This operator computes the same thing in one pass.
+//
+// Semantics (those of the standard-op form, checked against it in tests/backend/test_row_int8_kernel.py):
+//   inputs  0 X [..., K] float   1 W [N / 32, K / 4, 32, 4] int8: the 7-bit weight in tiles of 32 columns, each
+//           tile's inputs in order, 4 consecutive inputs of a column together
+//           2 column sums [K / G, N] int32 (each group's sum of W over its G inputs)   3 weight scales [K / G, N] float
+//   output  0 Y [..., N] float
+//   attribute group G (K % G == 0, G % 4 == 0; N % 32 == 0)
+// For each row r and group g of G inputs: s = max(max|x[r, g]|, 1e-12) / 127, q = round_half_even(x / s) + 128 as
+// uint8; the group's integer product sum_k (q - 128) W[k, n] in int32 (exact); then Y[r, n] = sum over g, in order,
+// of (float(product) * wscale[g, n]) * s[r, g]. The weights are 7-bit (|W| <= 64), so on AVX2 without VNNI the u8 x s8
+// pairs (vpmaddubsw) sum within int16: 2 x 255 x 64 = 32640.
+//
+// Built on the serving host with the INT8-cache attention's machinery (int8_attention.library): -march=native picks the
+// AVX-512 VNNI path or the AVX2 one.
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "ort_abi.h"
+
+namespace {
+
+using namespace ort_abi;
+
+struct RowInt8 {
+  int64_t group = 0;
+};
+
+// The weight comes in tiles of kTile columns, each tile's K inputs contiguous: [N / kTile, K / 4, kTile, 4], so a task
+// (one tile, every row) streams its 64 KB (K = 2048) in order and a group's part of it stays in L1 across the rows.
+constexpr int64_t kTile = 32;
+
+struct Step {
+  const uint8_t* q = nullptr;       // [M, K] quantized activations
+  const float* xs = nullptr;        // [M, K / G] the rows' scales
+  const int8_t* w = nullptr;        // [N / kTile, K / 4, kTile, 4]
+  const int32_t* colsum = nullptr;  // [K / G, N]
+  const float* ws = nullptr;        // [K / G, N]
+  float* y = nullptr;               // [M, N]
+  int64_t M = 0, K = 0, N = 0, G = 0;
+};
+
+// Group g's part of rows [r0, r0 + rows) in tile t: the portable form.
+void group_scalar(const Step& st, int64_t t, int64_t g, int64_t r0, int64_t rows) {
+  const int64_t groups = st.K / st.G;
+  const int8_t* tile = st.w + t * (st.K / 4) * kTile * 4;
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    const uint8_t* q = st.q + r * st.K;
+    for (int64_t c = 0; c < kTile; ++c) {
+      const int64_t n = t * kTile + c;
+      int32_t acc = 0;
+      for (int64_t k = g * st.G; k < (g + 1) * st.G; ++k) acc += static_cast<int32_t>(q[k]) * tile[((k / 4) * kTile + c) * 4 + k % 4];
+      acc -= 128 * st.colsum[g * st.N + n];
+      const float part = (static_cast<float>(acc) * st.ws[g * st.N + n]) * st.xs[r * groups + g];
+      float& y = st.y[r * st.N + n];
+      y = g == 0 ? part : y + part;
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 columns a vector: a tile is 2 vectors; 4 rows share each weight load (8 accumulators).
+constexpr int64_t kVec = 16;
+constexpr int kRows = 4;
+using VecI = __m512i;
+using VecF = __m512;
+inline VecI dot4(VecI acc, VecI a, VecI w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, a, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, w), _mm512_set1_epi16(1)));
+#endif
+}
+inline VecI set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecI zero() { return _mm512_setzero_si512(); }
+inline VecI load_i(const void* p) { return _mm512_loadu_si512(p); }
+inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline VecI sub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
+inline VecI mul128(VecI a) { return _mm512_slli_epi32(a, 7); }
+inline VecF to_float(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecF mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF add(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF set1f(float v) { return _mm512_set1_ps(v); }
+inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+#define MF_ROW_INT8_VECTOR 1
+#elif defined(__AVX2__)
+// 8 columns a vector: a tile is 4 vectors; 2 rows share each weight load (8 accumulators of the 16 registers).
+constexpr int64_t kVec = 8;
+constexpr int kRows = 2;
+using VecI = __m256i;
+using VecF = __m256;
+inline VecI dot4(VecI acc, VecI a, VecI w) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), _mm256_set1_epi16(1)));
+}
+inline VecI set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecI zero() { return _mm256_setzero_si256(); }
+inline VecI load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline VecI sub(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
+inline VecI mul128(VecI a) { return _mm256_slli_epi32(a, 7); }
+inline VecF to_float(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecF mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF add(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF set1f(float v) { return _mm256_set1_ps(v); }
+inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+#define MF_ROW_INT8_VECTOR 1
+#endif
+
+#ifdef MF_ROW_INT8_VECTOR
+constexpr int kVecs = static_cast<int>(kTile / kVec);
+
+// Group g's part of rows [r0, r0 + R) in tile t, added to Y (assigned for the first group: the groups summed in
+// order); R a constant so that the accumulators stay in registers.
+template <int R>
+void group_vector(const Step& st, int64_t t, int64_t g, int64_t r0) {
+  const int64_t groups = st.K / st.G, steps = st.G / 4;
+  VecI acc[R][kVecs];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = zero();
+  const int8_t* w = st.w + (t * (st.K / 4) + g * steps) * kTile * 4;
+  const uint8_t* q = st.q + r0 * st.K + g * st.G;
+  for (int64_t s = 0; s < steps; ++s, w += kTile * 4, q += 4) {
+    VecI wv[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) wv[v] = load_i(w + v * kVec * 4);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      int32_t four;
+      std::memcpy(&four, q + i * st.K, 4);
+      const VecI a = set1(four);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[i][v] = dot4(acc[i][v], a, wv[v]);
+    }
+  }
+  const int64_t n0 = t * kTile;
+#pragma GCC unroll 4
+  for (int v = 0; v < kVecs; ++v) {
+    const VecI c = mul128(load_i(st.colsum + g * st.N + n0 + v * kVec));
+    const VecF sc = load_f(st.ws + g * st.N + n0 + v * kVec);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const VecF part = mul(mul(to_float(sub(acc[i][v], c)), sc), set1f(st.xs[(r0 + i) * groups + g]));
+      float* y = st.y + (r0 + i) * st.N + n0 + v * kVec;
+      store_f(y, g == 0 ? part : add(load_f(y), part));
+    }
+  }
+}
+#endif
+
+// Task t: tile t's columns for every row, a group at a time (its weights read from L1 by every row tile).
+void columns(void* data, size_t task) {
+  const Step& st = *static_cast<const Step*>(data);
+  const int64_t t = static_cast<int64_t>(task);
+  for (int64_t g = 0; g < st.K / st.G; ++g) {
+#ifdef MF_ROW_INT8_VECTOR
+    int64_t r0 = 0;
+    for (; r0 + kRows <= st.M; r0 += kRows) group_vector<kRows>(st, t, g, r0);
+    for (; r0 < st.M; ++r0) group_vector<1>(st, t, g, r0);
+#else
+    group_scalar(st, t, g, 0, st.M);
+#endif
+  }
+}
+
+// One group of a row: its scale max(max|x|, 1e-12) / 127 returned, q = round_half_even(x / scale) + 128 written, the
+// float operations those of the standard-op form (an exact division, the rounding of Round).
+float quantize_group(const float* x, int64_t n, uint8_t* q) {
+  int64_t k = 0;
+  float peak = 0.f;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k + 16 <= n; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  peak = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) peak = std::max(peak, v);
+#endif
+  for (; k < n; ++k) peak = std::max(peak, std::fabs(x[k]));
+  const float scale = std::max(peak, 1e-12f) / 127.f;
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(scale), zero = _mm512_set1_ps(128.f);
+  for (; k + 16 <= n; k += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_add_ps(r, zero))));
+  }
+#elif defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(scale), zero = _mm256_set1_ps(128.f);
+  alignas(32) int32_t ints[8];
+  for (; k + 8 <= n; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), _mm256_cvttps_epi32(_mm256_add_ps(r, zero)));
+    for (int j = 0; j < 8; ++j) q[k + j] = static_cast<uint8_t>(ints[j]);
+  }
+#endif
+  for (; k < n; ++k) q[k] = static_cast<uint8_t>(std::nearbyint(x[k] / scale) + 128.f);
+  return scale;
+}
+
+OrtStatus* create_kernel(const CustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  auto* op = new (std::nothrow) RowInt8();
+  if (!op) return error(kOrtRuntimeException, "RowInt8MatMul: out of memory");
+  OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, "group", &op->group);
+  if (!s && (op->group <= 0 || op->group % 4 != 0)) s = error(kOrtInvalidArgument, "RowInt8MatMul: group must be a positive multiple of 4");
+  if (s) {
+    delete op;
+    return s;
+  }
+  *kernel = op;
+  return nullptr;
+}
+
+std::string shape(const Tensor& t) {
+  std::string out = "[";
+  for (size_t i = 0; i < t.dims.size(); ++i) out += (i ? ", " : "") + std::to_string(t.dims[i]);
+  return out + "]";
+}
+
+constexpr size_t kInputs = 4;
+const int kInputTypes[kInputs] = {kFloat, kInt8, kInt32, kFloat};
+
+OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+  const RowInt8& op = *static_cast<RowInt8*>(kernel);
+  Tensor in[kInputs];
+  for (size_t i = 0; i < kInputs; ++i) {
+    const OrtValue* value = nullptr;
+    if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(context, i, &value)) return s;
+    if (!value) return error(kOrtInvalidArgument, "RowInt8MatMul: input " + std::to_string(i) + " is missing");
+    if (OrtStatus* s = describe(value, &in[i])) return s;
+  }
+  const Tensor &x = in[0], &w = in[1], &colsum = in[2], &ws = in[3];
+  const int64_t G = op.group;
+  if (x.type != kFloat || x.dims.empty()) return error(kOrtInvalidArgument, "RowInt8MatMul: X must be float [..., K], got " + shape(x));
+  const int64_t K = x.dims.back();
+  if (K % G != 0) return error(kOrtInvalidArgument, "RowInt8MatMul: X's last dimension " + std::to_string(K) + " is not a multiple of group " + std::to_string(G));
+  if (w.type != kInt8 || w.dims.size() != 4 || w.dims[1] * 4 != K || w.dims[2] != kTile || w.dims[3] != 4)
+    return error(kOrtInvalidArgument, "RowInt8MatMul: W must be int8 [N / 32, K / 4, 32, 4] with K = " + std::to_string(K) + ", got " + shape(w));
+  const int64_t N = w.dims[0] * kTile;
+  for (const Tensor* t : {&colsum, &ws})
+    if (t->dims.size() != 2 || t->dims[0] != K / G || t->dims[1] != N)
+      return error(kOrtInvalidArgument, "RowInt8MatMul: column sums and weight scales must be [K / group, N] = [" +
+                                            std::to_string(K / G) + ", " + std::to_string(N) + "], got " + shape(*t));
+  if (colsum.type != kInt32 || ws.type != kFloat) return error(kOrtInvalidArgument, "RowInt8MatMul: column sums are int32, weight scales float");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+  std::vector<int64_t> out_dims(x.dims.begin(), x.dims.end());
+  out_dims.back() = N;
+  OrtValue* out = nullptr;
+  if (OrtStatus* s = fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+          context, 0, out_dims.data(), out_dims.size(), &out))
+    return s;
+  Tensor y;
+  if (OrtStatus* s = describe(out, &y)) return s;
+  if (M == 0 || N == 0) return nullptr;
+
+  // The rows' quantization: as the standard-op form computes it, in its order of float operations.
+  const int64_t groups = K / G;
+  thread_local std::vector<uint8_t> q;
+  thread_local std::vector<float> xs;
+  q.resize(static_cast<size_t>(M * K));
+  xs.resize(static_cast<size_t>(M * groups));
+  const float* xf = static_cast<const float*>(x.data);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* row = xf + r * K + g * G;
+      xs[r * groups + g] = quantize_group(row, G, q.data() + r * K + g * G);
+    }
+
+  Step st;
+  st.q = q.data();
+  st.xs = xs.data();
+  st.w = static_cast<const int8_t*>(w.data);
+  st.colsum = static_cast<const int32_t*>(colsum.data);
+  st.ws = static_cast<const float*>(ws.data);
+  st.y = static_cast<float*>(y.data);
+  st.M = M;
+  st.K = K;
+  st.N = N;
+  st.G = G;
+  const size_t tasks = static_cast<size_t>(N / kTile);
+  auto parallel = fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(kKernelContextParallelFor);
+  return parallel(context, columns, tasks, 0, &st);
+}
+
+CustomOp make_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = [](const CustomOp*) { return "RowInt8MatMul"; };
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) { return kInputs; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
+  op.GetOutputTypeCount = [](const CustomOp*) { return size_t{1}; };
+  op.KernelDestroy = [](void* k) { delete static_cast<RowInt8*>(k); };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  return op;
+}
+
+CustomOp g_op = make_op();
+OrtCustomOpDomain* g_domain = nullptr;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(kApiVersion);
+  if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
+  g_api = reinterpret_cast<const void* const*>(api);
+  if (!g_domain) {
+    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory.row_int8", &g_domain)) return s;
+    if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, &g_op)) return s;
+  }
+  return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain);
+}

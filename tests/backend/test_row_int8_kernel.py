@@ -1,0 +1,187 @@
+"""The grouped per-row INT8 MatMul in one node (backends/python_backend/generation/row_int8_kernel.py and its kernel,
+kernels/row_int8_matmul.cc): the same outputs as the standard-op form build_engines/row_int8.py writes, on one MatMul
+at several shapes and row counts (AVX-512 and AVX2 builds), and in a whole text-generation graph; forms it does not
+know are left as they are."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model_factory.backend.generation import int8_attention as ia
+from model_factory.backend.generation import row_int8_kernel as rk
+
+needs_compiler = pytest.mark.skipif(
+    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in ia._cpu_flags().split(),
+    reason="no C++ compiler (g++) to build the kernel, or a CPU without AVX2 (the kernel is not used there)")
+
+
+def _one_matmul(folder: Path, k: int, n: int, group: int, seed: int = 0) -> Path:
+    """A graph of one float MatMul named as a down_proj, rewritten by row_int8.py to its grouped form (weights
+    external, as a build writes them)."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    from model_factory.build_engines.row_int8 import per_row_matmuls
+
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.05, (k, n)).astype(np.float32)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="/model/layers.0/mlp/down_proj/MatMul")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, ["B", "T", n])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = folder / "model.onnx"
+    onnx.save(model, str(path))
+    assert per_row_matmuls(path, ("down_proj",), group=group) == 1
+    return path
+
+
+def _session(model_bytes: bytes, folder: Path, library: Path | None = None):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    if library is not None:
+        opts.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+
+
+def _inputs(rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (rows, 1, k)).astype(np.float32)
+    x[0, 0, 3] = 40.0  # a loud input in one group of the first row only
+    if rows > 2:
+        x[2, 0, :] = 0.0  # a silent row: its scale is the floor
+    return x
+
+
+def test_pack_puts_four_inputs_of_a_column_together_in_tiles_of_columns_and_sums_each_group():
+    w = (np.arange(16 * 64) % 129 - 64).astype(np.int8).reshape(16, 64)  # K = 16, N = 64: two tiles
+    packed, sums = rk.pack(w, 8)
+    assert packed.shape == (2, 4, rk.TILE, 4)
+    assert packed[1, 2, 5].tolist() == w[8:12, rk.TILE + 5].tolist()
+    assert sums.tolist() == [w[:8].astype(int).sum(0).tolist(), w[8:].astype(int).sum(0).tolist()]
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("k,n,group", [(2048, 640, 256), (512, 96, 128), (256, 32, 64)])
+def test_the_operator_gives_the_standard_form_s_outputs(tmp_path, monkeypatch, isa, k, n, group):
+    import onnx
+
+    path = _one_matmul(tmp_path, k, n, group)
+    packaged = _session(path.read_bytes(), tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    assert rk.rewrite(model, tmp_path) == 1
+    assert [nd.op_type for nd in model.graph.node] == [rk.OP_TYPE]
+    assert not [t.name for t in model.graph.initializer if ".weight_q." in t.name]
+    lib = ia.library(rk.SOURCE, isa=isa, name=rk.LIBRARY_NAME)
+    kernel = _session(model.SerializeToString(), tmp_path, lib)
+    for rows in (1, 3, 8, 33):  # whole row tiles and a remainder
+        x = _inputs(rows, k, rows)
+        want = packaged.run(None, {"x": x})[0]
+        got = kernel.run(None, {"x": x})[0]
+        assert got.shape == want.shape == (rows, 1, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
+
+
+@needs_compiler
+def test_prepare_leaves_a_graph_without_the_grouped_form_alone(tmp_path):
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="/model/layers.0/mlp/down_proj/MatMul")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["B", 8])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, ["B", 4])],
+                              [numpy_helper.from_array(np.ones((8, 4), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert rk.prepare(model.SerializeToString()) is None
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    assert rk.prepare(path) is None
+
+
+def test_a_form_missing_a_node_or_with_columns_off_the_tiles_is_left_as_packaged(tmp_path):
+    import onnx
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    model = onnx.load(str(_one_matmul(odd, 256, 40, 64)), load_external_data=False)
+    assert rk.rewrite(model, odd) == 0  # 40 columns: not whole tiles of 32
+
+    path = _one_matmul(tmp_path, 512, 32, 128)
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [nd for nd in model.graph.node if not nd.name.endswith("/row_int8/Concat")]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    assert rk.rewrite(model, tmp_path) == 0
+    assert all(nd.domain != rk.DOMAIN for nd in model.graph.node)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_rows(tiny_llm_int8_cache, tmp_path_factory):
+    """tiny_llm's INT8-cache graph with its down_proj in the grouped per-row form (groups of 32 inputs)."""
+    import shutil
+
+    from model_factory.build_engines.row_int8 import per_row_matmuls
+
+    folder = tmp_path_factory.mktemp("rows") / "g"
+    shutil.copytree(tiny_llm_int8_cache.parent, folder)
+    assert per_row_matmuls(folder / "model.onnx", ("down_proj",), group=32) == 2
+    return folder / "model.onnx"
+
+
+@needs_compiler
+def test_a_text_generation_graph_decodes_the_same_on_both_kernels(tiny_llm_rows):
+    """Three prompts of mixed lengths prefilled together, then 6 batched decode steps, the graph as packaged against
+    the graph with both of the factory's operators (attention and the per-row MatMuls): logits equal within float
+    rounding, every greedy token the same."""
+    from test_int8_attention import _views
+
+    from model_factory.backend.generation.causal_lm import CausalLM
+
+    packaged = CausalLM(tiny_llm_rows, threads=2, int8_attention="onnxruntime", int8_matmul="onnxruntime")
+    kernel = CausalLM(tiny_llm_rows, threads=2, int8_attention="kernel", int8_matmul="kernel")
+    assert packaged.matmul == ""
+    assert kernel.matmul == f"model-factory RowInt8MatMul (2 nodes, {rk.LIBRARY_NAME})"
+    assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
+    runs = []
+    for model in (packaged, kernel):
+        views = _views(len(prompts))
+        logits = [model.prefill(prompts, views)]
+        lengths = [len(p) for p in prompts]
+        for _ in range(6):
+            tokens = [int(t) for t in logits[-1].argmax(-1)]
+            logits.append(model.decode(tokens, lengths, views))
+            lengths = [n + 1 for n in lengths]
+        runs.append(logits)
+    for a, b in zip(*runs):
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_auto_keeps_the_standard_ops_where_no_kernel_builds_and_kernel_refuses(tiny_llm_rows, monkeypatch, tmp_path):
+    from model_factory.backend.engines.base import EngineError
+    from model_factory.backend.generation.causal_lm import CausalLM
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing compiled earlier to reuse
+    auto = CausalLM(tiny_llm_rows, threads=1, int8_attention="onnxruntime", int8_matmul="auto")
+    assert auto.matmul.startswith("onnxruntime (the per-row INT8 MatMul kernel is not used: no C++ compiler")
+    from test_int8_attention import _views
+
+    assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1  # the packaged graph runs
+    with pytest.raises(EngineError, match=r'int8_matmul = "kernel" but the kernel cannot be used: no C\+\+ compiler'):
+        CausalLM(tiny_llm_rows, threads=1, int8_attention="onnxruntime", int8_matmul="kernel")
