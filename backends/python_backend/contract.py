@@ -39,8 +39,8 @@ CPU_SPINNING = ("auto", "on", "off")
 # Attention over an INT8 KV cache on the CPU (int8_attention.py): auto (the factory's kernel, compiled on the host,
 # where it builds; else ONNX Runtime's, the reason logged), kernel (required: the load fails without it), onnxruntime.
 INT8_ATTENTION = ("auto", "kernel", "onnxruntime")
-# A graph's grouped per-row INT8 MatMuls on the CPU (row_int8_kernel.py): auto (the factory's operator, compiled on the
-# host, where it builds; else the graph's standard ops, the reason logged), kernel (required), onnxruntime.
+# A graph's INT8 MatMuls on the CPU (generation/int8_matmul.py): auto (the factory's operators, compiled on the host,
+# where they build; else the graph's standard ops, the reason logged), kernel (required), onnxruntime.
 INT8_MATMUL = ("auto", "kernel", "onnxruntime")
 PREFIX_CACHING = ("auto", "on", "off")  # generation/prefix_cache.py: auto is on where reuse is exact
 KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE = "paged", "reserve"  # generation/kv_blocks.py: what admission reserves
@@ -240,7 +240,7 @@ class ModelParameters:
     max_tokens_grouping_ms: int = _param("int", 0, minimum=0)
     # A CPU instance serving an INT8 KV cache: whose attention kernel reads it (INT8_ATTENTION).
     int8_attention: str = _param("choice", "auto", choices=INT8_ATTENTION)
-    # A CPU instance serving a graph with grouped per-row INT8 MatMuls: whose kernel runs them (INT8_MATMUL).
+    # A CPU instance serving a graph with INT8 MatMuls (MatMulInteger): whose kernels run them (INT8_MATMUL).
     int8_matmul: str = _param("choice", "auto", choices=INT8_MATMUL)
     # Prefix caching (generation/prefix_cache.py): auto (on where reuse is exact: not a batch-dependent precision),
     # on, off.

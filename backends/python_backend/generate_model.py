@@ -201,7 +201,7 @@ class GenerativeModel:
                "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
                                      spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
-            + (f"; per-row INT8 MatMuls: {self.model.matmul}" if getattr(self.model, "matmul", "") else "")
+            + (f"; INT8 MatMuls: {self.model.matmul}" if getattr(self.model, "matmul", "") else "")
             + layout_note(s.kv_layout, self.model)
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))

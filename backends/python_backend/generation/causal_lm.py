@@ -88,9 +88,9 @@ class CausalLM:
         each launch adds its rows' adapters (``adapters``: a slot per row, 0 the base). ``kv_block_tokens`` > 0
         (``kv_layout = "blocks"``): the kernel's paged layout, its pools and block table bound from ``kv_pool``'s
         views; :attr:`kv_block_tokens` says whether it is in use (0 where the kernel is not: the slots then).
-        ``int8_matmul`` (contract.INT8_MATMUL): the graph's grouped per-row INT8 MatMuls (``row_int8_kernel``) on the
-        factory's operator, on the CPU: ``auto`` where it builds (else as packaged, the reason in :attr:`matmul`),
-        ``kernel`` required, ``onnxruntime`` as packaged."""
+        ``int8_matmul`` (contract.INT8_MATMUL): the graph's INT8 MatMuls (``int8_matmul``) on the factory's
+        operators, on the CPU: ``auto`` where they build (else as packaged, the reason in :attr:`matmul`), ``kernel``
+        required, ``onnxruntime`` as packaged."""
         from ..engines.onnxruntime import _cpu_session, cuda_session, import_onnxruntime
 
         ort = import_onnxruntime()
@@ -100,7 +100,7 @@ class CausalLM:
             source = lora.model
         # Which kernel computes attention, and why (logged at load).
         self.attention = "onnxruntime GroupQueryAttention"
-        self.matmul = ""  # the grouped per-row INT8 MatMuls' kernel, where the graph has them (logged at load)
+        self.matmul = ""  # the INT8 MatMuls' kernels, where the graph has MatMulInteger (logged at load)
         self.kv_block_tokens = 0  # the paged layout's block when the graph reads one (kv_pool), else 0
         if cuda is not None:
             self.device, self._device_type, self._device_id = f"cuda:{cuda.device_id}", "cuda", int(cuda.device_id)
@@ -140,7 +140,7 @@ class CausalLM:
             if int8_matmul != "onnxruntime":
                 folder = lora.weights_folder if lora is not None else (
                     None if isinstance(source, (bytes, bytearray)) else Path(source).resolve().parent)
-                kernel_graph = self._with_row_int8(kernel_graph, opts, folder, required=int8_matmul == "kernel")
+                kernel_graph = self._with_int8_matmul(kernel_graph, opts, folder, required=int8_matmul == "kernel")
             try:
                 self.session = session(kernel_graph, opts)
             except Exception as e:  # noqa: BLE001 - the kernel's session failed: "auto" keeps the packaged graph
@@ -191,10 +191,10 @@ class CausalLM:
             self.attention += f", the KV cache in blocks of {block_tokens} tokens"
         return prepared.model
 
-    def _with_row_int8(self, graph: Path | bytes, opts: Any, folder: Path | None, required: bool) -> Path | bytes:
-        """``graph`` with its grouped per-row INT8 MatMuls on the factory's operator (library registered in ``opts``),
-        or unchanged (none there, or the reason in :attr:`matmul`); ``required``: the reason raised (EngineError)."""
-        from .row_int8_kernel import prepare
+    def _with_int8_matmul(self, graph: Path | bytes, opts: Any, folder: Path | None, required: bool) -> Path | bytes:
+        """``graph`` with its INT8 MatMuls on the factory's operators (library registered in ``opts``), or unchanged
+        (none there, or the reason in :attr:`matmul`); ``required``: the reason raised (EngineError)."""
+        from .int8_matmul import prepare
 
         try:
             prepared = prepare(graph, folder)
@@ -207,11 +207,12 @@ class CausalLM:
 
                 raise EngineError(f"int8_matmul = \"kernel\" but the kernel cannot be used: {e}. Where it cannot be, "
                                   "set int8_matmul = \"auto\" (the graph's standard ops then)") from e
-            self.matmul = f"onnxruntime (the per-row INT8 MatMul kernel is not used: {e})"
+            self.matmul = f"onnxruntime (the INT8 MatMul kernels are not used: {e})"
             return graph
         if folder is not None:
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        self.matmul = f"model-factory RowInt8MatMul ({prepared.nodes} nodes, {prepared.library.name})"
+        self.matmul = (f"model-factory Int8MatMulToFloat ({prepared.chains} nodes) and RowInt8MatMul "
+                       f"({prepared.nodes} nodes), {prepared.library.name}")
         return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],

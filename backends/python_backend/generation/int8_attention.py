@@ -110,7 +110,7 @@ def compiler() -> str:
 def library(source: Path = SOURCE, isa: str = "native", name: str = LIBRARY_NAME) -> Path:
     """The compiled operator library for this host, compiled on first use (a few seconds) and cached. ``isa``
     "avx2" compiles the AVX2 path on a host that has AVX-512 too (:data:`ISA_FLAGS`). ``source`` and ``name``: another
-    of the factory's kernels (``row_int8_kernel``) built by the same rules."""
+    of the factory's kernels (``int8_matmul``) built by the same rules."""
     source = Path(source)
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, not {isa!r}")

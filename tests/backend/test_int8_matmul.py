@@ -1,7 +1,7 @@
-"""The grouped per-row INT8 MatMul in one node (backends/python_backend/generation/row_int8_kernel.py and its kernel,
-kernels/row_int8_matmul.cc): the same outputs as the standard-op form build_engines/row_int8.py writes, on one MatMul
-at several shapes and row counts (AVX-512 and AVX2 builds), and in a whole text-generation graph; forms it does not
-know are left as they are."""
+"""INT8 MatMuls on the factory's operators (backends/python_backend/generation/int8_matmul.py and its kernel,
+kernels/int8_matmul.cc): the grouped per-row form that build_engines/row_int8.py writes and dynamic INT8's
+MatMulInteger -> Cast -> Mul chains give the same outputs in one node, on one MatMul at several shapes and row counts
+(AVX-512 and AVX2 builds) and in a whole text-generation graph; forms they do not take are left as they are."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from model_factory.backend.generation import int8_attention as ia
-from model_factory.backend.generation import row_int8_kernel as rk
+from model_factory.backend.generation import int8_matmul as rk
 
 needs_compiler = pytest.mark.skipif(
     not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in ia._cpu_flags().split(),
@@ -80,7 +80,7 @@ def test_the_operator_gives_the_standard_form_s_outputs(tmp_path, monkeypatch, i
     path = _one_matmul(tmp_path, k, n, group)
     packaged = _session(path.read_bytes(), tmp_path)
     model = onnx.load(str(path), load_external_data=False)
-    assert rk.rewrite(model, tmp_path) == 1
+    assert rk.rewrite(model, tmp_path) == (1, 0)
     assert [nd.op_type for nd in model.graph.node] == [rk.OP_TYPE]
     assert not [t.name for t in model.graph.initializer if ".weight_q." in t.name]
     lib = ia.library(rk.SOURCE, isa=isa, name=rk.LIBRARY_NAME)
@@ -116,14 +116,14 @@ def test_a_form_missing_a_node_or_with_columns_off_the_tiles_is_left_as_packaged
     odd = tmp_path / "odd"
     odd.mkdir()
     model = onnx.load(str(_one_matmul(odd, 256, 40, 64)), load_external_data=False)
-    assert rk.rewrite(model, odd) == 0  # 40 columns: not whole tiles of 32
+    assert rk.rewrite(model, odd) == (0, 0)  # 40 columns: not whole tiles of 32
 
     path = _one_matmul(tmp_path, 512, 32, 128)
     model = onnx.load(str(path), load_external_data=False)
     nodes = [nd for nd in model.graph.node if not nd.name.endswith("/row_int8/Concat")]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    assert rk.rewrite(model, tmp_path) == 0
+    assert rk.rewrite(model, tmp_path) == (0, 0)
     assert all(nd.domain != rk.DOMAIN for nd in model.graph.node)
 
 
@@ -152,7 +152,7 @@ def test_a_text_generation_graph_decodes_the_same_on_both_kernels(tiny_llm_rows)
     packaged = CausalLM(tiny_llm_rows, threads=2, int8_attention="onnxruntime", int8_matmul="onnxruntime")
     kernel = CausalLM(tiny_llm_rows, threads=2, int8_attention="kernel", int8_matmul="kernel")
     assert packaged.matmul == ""
-    assert kernel.matmul == f"model-factory RowInt8MatMul (2 nodes, {rk.LIBRARY_NAME})"
+    assert kernel.matmul == f"model-factory Int8MatMulToFloat (0 nodes) and RowInt8MatMul (2 nodes), {rk.LIBRARY_NAME}"
     assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
@@ -179,9 +179,102 @@ def test_auto_keeps_the_standard_ops_where_no_kernel_builds_and_kernel_refuses(t
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("MF_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing compiled earlier to reuse
     auto = CausalLM(tiny_llm_rows, threads=1, int8_attention="onnxruntime", int8_matmul="auto")
-    assert auto.matmul.startswith("onnxruntime (the per-row INT8 MatMul kernel is not used: no C++ compiler")
+    assert auto.matmul.startswith("onnxruntime (the INT8 MatMul kernels are not used: no C++ compiler")
     from test_int8_attention import _views
 
     assert auto.prefill([[5, 6, 7]], _views(1)).shape[0] == 1  # the packaged graph runs
     with pytest.raises(EngineError, match=r'int8_matmul = "kernel" but the kernel cannot be used: no C\+\+ compiler'):
         CausalLM(tiny_llm_rows, threads=1, int8_attention="onnxruntime", int8_matmul="kernel")
+
+
+def _chain(folder: Path, k: int, n: int, seed: int = 0, weight_max: int = 64) -> Path:
+    """DynamicQuantizeLinear -> MatMulInteger (a 7-bit weight, zero points 0) -> Cast -> Mul by the activation's scale
+    times the weight's per column: dynamic INT8's form of a projection, before ONNX Runtime fuses it."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-weight_max, weight_max + 1, (k, n)).astype(np.int8)
+    w_scale = rng.uniform(0.001, 0.01, n).astype(np.float32)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"], name="/m/q"),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"], name="/m/proj/MatMul_quant"),
+             helper.make_node("Cast", ["acc"], ["accf"], name="/m/cast", to=TP.FLOAT),
+             helper.make_node("Mul", ["xs", "ws"], ["s"], name="/m/scales"),
+             helper.make_node("Mul", ["accf", "s"], ["y"], name="/m/out")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, ["B", "T", n])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(n, np.int8), "wz"),
+                               numpy_helper.from_array(w_scale, "ws")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = folder / "chain.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="chain.onnx.data", size_threshold=0)
+    return path
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("k,n", [(640, 1536), (2048, 640), (64, 32)])
+def test_a_matmulinteger_chain_on_the_operator_is_bit_for_bit_the_same(tmp_path, isa, k, n):
+    import onnx
+    import onnxruntime as ort
+
+    path = _chain(tmp_path, k, n)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the nodes as written, unfused
+    packaged = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    model = onnx.load(str(path), load_external_data=False)
+    assert rk.rewrite(model, tmp_path) == (0, 1)
+    assert [nd.op_type for nd in model.graph.node] == ["DynamicQuantizeLinear", "Mul", rk.TO_FLOAT]
+    assert "w" not in {t.name for t in model.graph.initializer}
+    kernel = _session(model.SerializeToString(), tmp_path, ia.library(rk.SOURCE, isa=isa, name=rk.LIBRARY_NAME))
+    for rows in (1, 3, 8, 33):
+        x = _inputs(rows, k, rows)
+        want = packaged.run(None, {"x": x})[0]
+        got = kernel.run(None, {"x": x})[0]
+        assert got.shape == want.shape == (rows, 1, n)
+        assert np.array_equal(got, want)
+
+
+def test_an_8_bit_weight_keeps_its_standard_ops(tmp_path):
+    """8-bit weights would overflow AVX2's int16 pairs: such a chain is not taken."""
+    import onnx
+
+    model = onnx.load(str(_chain(tmp_path, 64, 32, weight_max=127)), load_external_data=False)
+    assert rk.rewrite(model, tmp_path) == (0, 0)
+
+
+@needs_compiler
+def test_a_dynamic_int8_text_generation_graph_decodes_the_same_on_the_operators(tiny_llm, tmp_path):
+    """tiny_llm at INT8 dynamic (every MatMul a chain, down_proj in the grouped per-row form): prefill of three
+    prompts and 6 batched decode steps on the operators against the graph as packaged: the same greedy tokens, the
+    logits within the activations' quantization (ONNX Runtime fuses the packaged chains and quantizes inside the fused
+    node; the operators keep its DynamicQuantizeLinear)."""
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.build_engines.lm_quantize import dynamic_int8
+    from model_factory.build_engines.row_int8 import per_row_matmuls
+
+    _hf, onnx_dir = tiny_llm
+    graph = dynamic_int8(onnx_dir / "model.onnx", tmp_path / "q", ("down_proj",))
+    assert per_row_matmuls(graph, ("down_proj",), group=32) == 2
+    packaged = CausalLM(graph, threads=2, int8_matmul="onnxruntime")
+    kernel = CausalLM(graph, threads=2, int8_matmul="kernel")
+    chains = int(kernel.matmul.split("Int8MatMulToFloat (")[1].split(" ")[0])
+    assert chains >= 4 and "RowInt8MatMul (2 nodes)" in kernel.matmul
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
+    runs = []
+    for model in (packaged, kernel):
+        views = {f"past_key_values.{i}.{kind}": np.zeros((len(prompts), 2, 64, 16), np.float32)
+                 for i in range(2) for kind in ("key", "value")}
+        logits = [model.prefill(prompts, views)]
+        lengths = [len(p) for p in prompts]
+        for _ in range(6):
+            tokens = [int(t) for t in logits[-1].argmax(-1)]
+            logits.append(model.decode(tokens, lengths, views))
+            lengths = [n + 1 for n in lengths]
+        runs.append(logits)
+    for a, b in zip(*runs):
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))

@@ -1,13 +1,14 @@
-// A MatMul with its activations quantized per row and per group of inputs, for ONNX Runtime's CPU provider (a custom
-// operator): the grouped form of build_engines/row_int8.py in one node.
+// Integer MatMuls for ONNX Runtime's CPU provider (custom operators of the domain ai.model_factory.int8_matmul): the
+// factory's INT8 graphs' products on the CPU's integer dot products (AVX-512 VNNI, or AVX2), their weights repacked in
+// tiles of 32 columns so that a task streams its columns in order.
 //
-// Why it exists (docs/generation.md, "down_proj in integers, in one node"): INT8 dynamic's gate ladder keeps Gemma 3's
-// down_proj in integers only with a scale per row and per 256 inputs, which the packaged graph writes in standard ops
-// (Reshape, Abs, ReduceMax, Max, Div, Div, Round, Add, Cast, Split, one MatMulInteger per group, Concat, Cast, Mul,
-// Mul, ReduceSum): about 24 nodes a layer whose fixed costs made down_proj a quarter of a decode step for a tenth of
-// its weights. This operator computes the same thing in one pass.
+// Why (docs/generation.md, "INT8 MatMuls on the factory's operator"): on Gemma 3 270M's INT8 dynamic build a decode step
+// is its projections and its 262,144-column LM head. ONNX Runtime runs them as DynamicQuantizeLinear + MatMulInteger +
+// Cast + Mul (fused to MatMulIntegerToFloat), reading the weights well below memory speed at a few rows; and the form
+// of down_proj that passes the gate (a scale per row and per 256 inputs, build_engines/row_int8.py) is about 24 small
+// nodes a layer whose fixed costs, not the arithmetic, were a quarter of a step.
 //
-// Semantics (those of the standard-op form, checked against it in tests/backend/test_row_int8_kernel.py):
+// RowInt8MatMul: the grouped per-row form in one node (checked against it in tests/backend/test_int8_matmul.py):
 //   inputs  0 X [..., K] float   1 W [N / 32, K / 4, 32, 4] int8: the 7-bit weight in tiles of 32 columns, each
 //           tile's inputs in order, 4 consecutive inputs of a column together
 //           2 column sums [K / G, N] int32 (each group's sum of W over its G inputs)   3 weight scales [K / G, N] float
@@ -15,11 +16,16 @@
 //   attribute group G (K % G == 0, G % 4 == 0; N % 32 == 0)
 // For each row r and group g of G inputs: s = max(max|x[r, g]|, 1e-12) / 127, q = round_half_even(x / s) + 128 as
 // uint8; the group's integer product sum_k (q - 128) W[k, n] in int32 (exact); then Y[r, n] = sum over g, in order,
-// of (float(product) * wscale[g, n]) * s[r, g]. The weights are 7-bit (|W| <= 64), so on AVX2 without VNNI the u8 x s8
-// pairs (vpmaddubsw) sum within int16: 2 x 255 x 64 = 32640.
+// of (float(product) * wscale[g, n]) * s[r, g].
 //
-// Built on the serving host with the INT8-cache attention's machinery (int8_attention.library): -march=native picks the
-// AVX-512 VNNI path or the AVX2 one.
+// Int8MatMulToFloat: MatMulInteger(A, W, a_zero, 0) -> Cast(float) -> Mul(scale) in one node, bit for bit:
+//   inputs  0 A [..., K] uint8   1 a_zero uint8 (one value)   2 W as above   3 column sums [1, N] int32
+//           4 scale float [N] or one value (the activation's scale times the weight's per column, as the graph has it)
+//   output  0 Y [..., N] float = float(sum_k (A[k] - a_zero) W[k, n]) * scale[n]
+//
+// The weights are 7-bit (|W| <= 64: the rewrite checks), so on AVX2 without VNNI the u8 x s8 pairs (vpmaddubsw) sum
+// within int16: 2 x 255 x 64 = 32640. Built on the serving host with the INT8-cache attention's machinery
+// (int8_attention.library): -march=native picks the AVX-512 VNNI path or the AVX2 one.
 
 #include <algorithm>
 #include <climits>
@@ -49,18 +55,27 @@ struct RowInt8 {
 // (one tile, every row) streams its 64 KB (K = 2048) in order and a group's part of it stays in L1 across the rows.
 constexpr int64_t kTile = 32;
 
+constexpr int kUint8 = 2;  // ONNX's TensorProto.UINT8
+constexpr int64_t kMaxTasks = 64;  // tiles are handed out in at most this many runs (the LM head has 8,192 tiles)
+
 struct Step {
   const uint8_t* q = nullptr;       // [M, K] quantized activations
-  const float* xs = nullptr;        // [M, K / G] the rows' scales
+  const float* xs = nullptr;        // RowInt8MatMul: [M, K / G] the rows' scales; else null
   const int8_t* w = nullptr;        // [N / kTile, K / 4, kTile, 4]
   const int32_t* colsum = nullptr;  // [K / G, N]
-  const float* ws = nullptr;        // [K / G, N]
+  const float* ws = nullptr;        // RowInt8MatMul: [K / G, N]; Int8MatMulToFloat: [N], or [1] when scalar_scale
   float* y = nullptr;               // [M, N]
-  int64_t M = 0, K = 0, N = 0, G = 0;
+  int64_t M = 0, K = 0, N = 0, G = 0, tiles_per_task = 1;
+  int32_t zero = 128;               // the activations' zero point
+  bool scalar_scale = false;
 };
 
+inline float column_scale(const Step& st, int64_t g, int64_t n) {
+  return st.scalar_scale ? st.ws[0] : st.ws[g * st.N + n];
+}
+
 // Group g's part of rows [r0, r0 + rows) in tile t: the portable form.
-void group_scalar(const Step& st, int64_t t, int64_t g, int64_t r0, int64_t rows) {
+[[maybe_unused]] void group_scalar(const Step& st, int64_t t, int64_t g, int64_t r0, int64_t rows) {
   const int64_t groups = st.K / st.G;
   const int8_t* tile = st.w + t * (st.K / 4) * kTile * 4;
   for (int64_t r = r0; r < r0 + rows; ++r) {
@@ -69,9 +84,13 @@ void group_scalar(const Step& st, int64_t t, int64_t g, int64_t r0, int64_t rows
       const int64_t n = t * kTile + c;
       int32_t acc = 0;
       for (int64_t k = g * st.G; k < (g + 1) * st.G; ++k) acc += static_cast<int32_t>(q[k]) * tile[((k / 4) * kTile + c) * 4 + k % 4];
-      acc -= 128 * st.colsum[g * st.N + n];
-      const float part = (static_cast<float>(acc) * st.ws[g * st.N + n]) * st.xs[r * groups + g];
+      acc -= st.zero * st.colsum[g * st.N + n];
       float& y = st.y[r * st.N + n];
+      if (!st.xs) {
+        y = static_cast<float>(acc) * column_scale(st, g, n);
+        continue;
+      }
+      const float part = (static_cast<float>(acc) * st.ws[g * st.N + n]) * st.xs[r * groups + g];
       y = g == 0 ? part : y + part;
     }
   }
@@ -95,7 +114,7 @@ inline VecI zero() { return _mm512_setzero_si512(); }
 inline VecI load_i(const void* p) { return _mm512_loadu_si512(p); }
 inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline VecI sub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
-inline VecI mul128(VecI a) { return _mm512_slli_epi32(a, 7); }
+inline VecI mullo(VecI a, VecI b) { return _mm512_mullo_epi32(a, b); }
 inline VecF to_float(VecI a) { return _mm512_cvtepi32_ps(a); }
 inline VecF mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF add(VecF a, VecF b) { return _mm512_add_ps(a, b); }
@@ -116,7 +135,7 @@ inline VecI zero() { return _mm256_setzero_si256(); }
 inline VecI load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
 inline VecI sub(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
-inline VecI mul128(VecI a) { return _mm256_slli_epi32(a, 7); }
+inline VecI mullo(VecI a, VecI b) { return _mm256_mullo_epi32(a, b); }
 inline VecF to_float(VecI a) { return _mm256_cvtepi32_ps(a); }
 inline VecF mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF add(VecF a, VecF b) { return _mm256_add_ps(a, b); }
@@ -154,9 +173,16 @@ void group_vector(const Step& st, int64_t t, int64_t g, int64_t r0) {
     }
   }
   const int64_t n0 = t * kTile;
+  const VecI zero_point = set1(st.zero);
 #pragma GCC unroll 4
   for (int v = 0; v < kVecs; ++v) {
-    const VecI c = mul128(load_i(st.colsum + g * st.N + n0 + v * kVec));
+    const VecI c = mullo(load_i(st.colsum + g * st.N + n0 + v * kVec), zero_point);
+    if (!st.xs) {  // Int8MatMulToFloat: one group, the scale per column
+      const VecF sc = st.scalar_scale ? set1f(st.ws[0]) : load_f(st.ws + n0 + v * kVec);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) store_f(st.y + (r0 + i) * st.N + n0 + v * kVec, mul(to_float(sub(acc[i][v], c)), sc));
+      continue;
+    }
     const VecF sc = load_f(st.ws + g * st.N + n0 + v * kVec);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -168,19 +194,28 @@ void group_vector(const Step& st, int64_t t, int64_t g, int64_t r0) {
 }
 #endif
 
-// Task t: tile t's columns for every row, a group at a time (its weights read from L1 by every row tile).
+// Task t: its run of tiles, each for every row a group at a time (the group's weights read from L1 by every row tile).
 void columns(void* data, size_t task) {
   const Step& st = *static_cast<const Step*>(data);
-  const int64_t t = static_cast<int64_t>(task);
-  for (int64_t g = 0; g < st.K / st.G; ++g) {
+  const int64_t tiles = st.N / kTile;
+  for (int64_t t = static_cast<int64_t>(task) * st.tiles_per_task; t < std::min(tiles, (static_cast<int64_t>(task) + 1) * st.tiles_per_task); ++t)
+    for (int64_t g = 0; g < st.K / st.G; ++g) {
 #ifdef MF_ROW_INT8_VECTOR
-    int64_t r0 = 0;
-    for (; r0 + kRows <= st.M; r0 += kRows) group_vector<kRows>(st, t, g, r0);
-    for (; r0 < st.M; ++r0) group_vector<1>(st, t, g, r0);
+      int64_t r0 = 0;
+      for (; r0 + kRows <= st.M; r0 += kRows) group_vector<kRows>(st, t, g, r0);
+      for (; r0 < st.M; ++r0) group_vector<1>(st, t, g, r0);
 #else
-    group_scalar(st, t, g, 0, st.M);
+      group_scalar(st, t, g, 0, st.M);
 #endif
-  }
+    }
+}
+
+OrtStatus* run_tiles(OrtKernelContext* context, Step& st) {
+  const int64_t tiles = st.N / kTile;
+  st.tiles_per_task = std::max<int64_t>(1, (tiles + kMaxTasks - 1) / kMaxTasks);
+  const size_t tasks = static_cast<size_t>((tiles + st.tiles_per_task - 1) / st.tiles_per_task);
+  auto parallel = fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(kKernelContextParallelFor);
+  return parallel(context, columns, tasks, 0, &st);
 }
 
 // One group of a row: its scale max(max|x|, 1e-12) / 127 returned, q = round_half_even(x / scale) + 128 written, the
@@ -222,7 +257,7 @@ float quantize_group(const float* x, int64_t n, uint8_t* q) {
   return scale;
 }
 
-OrtStatus* create_kernel(const CustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+OrtStatus* create_rows(const CustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
   auto* op = new (std::nothrow) RowInt8();
   if (!op) return error(kOrtRuntimeException, "RowInt8MatMul: out of memory");
   OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, "group", &op->group);
@@ -241,26 +276,46 @@ std::string shape(const Tensor& t) {
   return out + "]";
 }
 
-constexpr size_t kInputs = 4;
-const int kInputTypes[kInputs] = {kFloat, kInt8, kInt32, kFloat};
+constexpr size_t kRowInputs = 4;
+const int kRowInputTypes[kRowInputs] = {kFloat, kInt8, kInt32, kFloat};
 
-OrtStatus* compute(void* kernel, OrtKernelContext* context) {
-  const RowInt8& op = *static_cast<RowInt8*>(kernel);
-  Tensor in[kInputs];
-  for (size_t i = 0; i < kInputs; ++i) {
+OrtStatus* inputs(OrtKernelContext* context, const char* op, Tensor* in, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
     const OrtValue* value = nullptr;
     if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(context, i, &value)) return s;
-    if (!value) return error(kOrtInvalidArgument, "RowInt8MatMul: input " + std::to_string(i) + " is missing");
+    if (!value) return error(kOrtInvalidArgument, std::string(op) + ": input " + std::to_string(i) + " is missing");
     if (OrtStatus* s = describe(value, &in[i])) return s;
   }
+  return nullptr;
+}
+
+// The packed weight's shape for K inputs: its N, or -1.
+int64_t packed_columns(const Tensor& w, int64_t K) {
+  if (w.type != kInt8 || w.dims.size() != 4 || w.dims[1] * 4 != K || w.dims[2] != kTile || w.dims[3] != 4) return -1;
+  return w.dims[0] * kTile;
+}
+
+OrtStatus* output(OrtKernelContext* context, const Tensor& x, int64_t N, Tensor* y) {
+  std::vector<int64_t> out_dims(x.dims.begin(), x.dims.end());
+  out_dims.back() = N;
+  OrtValue* out = nullptr;
+  if (OrtStatus* s = fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+          context, 0, out_dims.data(), out_dims.size(), &out))
+    return s;
+  return describe(out, y);
+}
+
+OrtStatus* compute_rows(void* kernel, OrtKernelContext* context) {
+  const RowInt8& op = *static_cast<RowInt8*>(kernel);
+  Tensor in[kRowInputs];
+  if (OrtStatus* s = inputs(context, "RowInt8MatMul", in, kRowInputs)) return s;
   const Tensor &x = in[0], &w = in[1], &colsum = in[2], &ws = in[3];
   const int64_t G = op.group;
   if (x.type != kFloat || x.dims.empty()) return error(kOrtInvalidArgument, "RowInt8MatMul: X must be float [..., K], got " + shape(x));
   const int64_t K = x.dims.back();
   if (K % G != 0) return error(kOrtInvalidArgument, "RowInt8MatMul: X's last dimension " + std::to_string(K) + " is not a multiple of group " + std::to_string(G));
-  if (w.type != kInt8 || w.dims.size() != 4 || w.dims[1] * 4 != K || w.dims[2] != kTile || w.dims[3] != 4)
-    return error(kOrtInvalidArgument, "RowInt8MatMul: W must be int8 [N / 32, K / 4, 32, 4] with K = " + std::to_string(K) + ", got " + shape(w));
-  const int64_t N = w.dims[0] * kTile;
+  const int64_t N = packed_columns(w, K);
+  if (N < 0) return error(kOrtInvalidArgument, "RowInt8MatMul: W must be int8 [N / 32, K / 4, 32, 4] with K = " + std::to_string(K) + ", got " + shape(w));
   for (const Tensor* t : {&colsum, &ws})
     if (t->dims.size() != 2 || t->dims[0] != K / G || t->dims[1] != N)
       return error(kOrtInvalidArgument, "RowInt8MatMul: column sums and weight scales must be [K / group, N] = [" +
@@ -268,14 +323,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (colsum.type != kInt32 || ws.type != kFloat) return error(kOrtInvalidArgument, "RowInt8MatMul: column sums are int32, weight scales float");
   int64_t M = 1;
   for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
-  std::vector<int64_t> out_dims(x.dims.begin(), x.dims.end());
-  out_dims.back() = N;
-  OrtValue* out = nullptr;
-  if (OrtStatus* s = fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-          context, 0, out_dims.data(), out_dims.size(), &out))
-    return s;
   Tensor y;
-  if (OrtStatus* s = describe(out, &y)) return s;
+  if (OrtStatus* s = output(context, x, N, &y)) return s;
   if (M == 0 || N == 0) return nullptr;
 
   // The rows' quantization: as the standard-op form computes it, in its order of float operations.
@@ -302,21 +351,57 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   st.K = K;
   st.N = N;
   st.G = G;
-  const size_t tasks = static_cast<size_t>(N / kTile);
-  auto parallel = fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(kKernelContextParallelFor);
-  return parallel(context, columns, tasks, 0, &st);
+  return run_tiles(context, st);
 }
 
-CustomOp make_op() {
+constexpr size_t kFloatInputs = 5;
+const int kFloatInputTypes[kFloatInputs] = {kUint8, kUint8, kInt8, kInt32, kFloat};
+
+OrtStatus* compute_to_float(void*, OrtKernelContext* context) {
+  Tensor in[kFloatInputs];
+  if (OrtStatus* s = inputs(context, "Int8MatMulToFloat", in, kFloatInputs)) return s;
+  const Tensor &a = in[0], &zero = in[1], &w = in[2], &colsum = in[3], &scale = in[4];
+  if (a.type != kUint8 || a.dims.empty()) return error(kOrtInvalidArgument, "Int8MatMulToFloat: A must be uint8 [..., K], got " + shape(a));
+  const int64_t K = a.dims.back();
+  const int64_t N = packed_columns(w, K);
+  if (N < 0) return error(kOrtInvalidArgument, "Int8MatMulToFloat: W must be int8 [N / 32, K / 4, 32, 4] with K = " + std::to_string(K) + ", got " + shape(w));
+  int64_t zeros = 1, scales = 1;
+  for (int64_t d : zero.dims) zeros *= d;
+  for (int64_t d : scale.dims) scales *= d;
+  if (zeros != 1) return error(kOrtInvalidArgument, "Int8MatMulToFloat: a_zero must be one uint8 value, got " + shape(zero));
+  if (colsum.type != kInt32 || colsum.dims.size() != 2 || colsum.dims[0] != 1 || colsum.dims[1] != N)
+    return error(kOrtInvalidArgument, "Int8MatMulToFloat: column sums must be int32 [1, " + std::to_string(N) + "], got " + shape(colsum));
+  if (scale.type != kFloat || (scales != 1 && scales != N))
+    return error(kOrtInvalidArgument, "Int8MatMulToFloat: scale must be float [" + std::to_string(N) + "] or one value, got " + shape(scale));
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < a.dims.size(); ++i) M *= a.dims[i];
+  Tensor y;
+  if (OrtStatus* s = output(context, a, N, &y)) return s;
+  if (M == 0 || N == 0) return nullptr;
+  Step st;
+  st.q = static_cast<const uint8_t*>(a.data);
+  st.w = static_cast<const int8_t*>(w.data);
+  st.colsum = static_cast<const int32_t*>(colsum.data);
+  st.ws = static_cast<const float*>(scale.data);
+  st.scalar_scale = scales == 1;
+  st.zero = static_cast<const uint8_t*>(zero.data)[0];
+  st.y = static_cast<float*>(y.data);
+  st.M = M;
+  st.K = K;
+  st.N = N;
+  st.G = K;
+  return run_tiles(context, st);
+}
+
+// What the two descriptors share (a CustomOp holds function pointers only: each op's name and input types are set by
+// its own maker below).
+CustomOp make_op(OrtStatus* (*create)(const CustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                 OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
   CustomOp op{};
   op.version = kApiVersion;
-  op.GetName = [](const CustomOp*) { return "RowInt8MatMul"; };
   op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
-  op.GetInputTypeCount = [](const CustomOp*) { return kInputs; };
   op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
   op.GetOutputTypeCount = [](const CustomOp*) { return size_t{1}; };
-  op.KernelDestroy = [](void* k) { delete static_cast<RowInt8*>(k); };
   op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
@@ -324,14 +409,39 @@ CustomOp make_op() {
   op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
   op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
   op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = create_kernel;
+  op.CreateKernelV2 = create;
   op.KernelComputeV2 = compute;
+  op.KernelDestroy = destroy;
   op.GetStartVersion = [](const CustomOp*) { return 1; };
   op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
   return op;
 }
 
-CustomOp g_op = make_op();
+CustomOp make_rows_op() {
+  CustomOp op = make_op(create_rows, compute_rows,
+                        [](void* k) { delete static_cast<RowInt8*>(k); });
+  op.GetName = [](const CustomOp*) { return "RowInt8MatMul"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return kRowInputTypes[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) { return kRowInputs; };
+  return op;
+}
+
+OrtStatus* create_to_float(const CustomOp*, const OrtApi*, const OrtKernelInfo*, void** kernel) {
+  *kernel = nullptr;  // no attributes: nothing to keep
+  return nullptr;
+}
+
+CustomOp make_to_float_op() {
+  CustomOp op = make_op(create_to_float, compute_to_float,
+                        [](void*) {});
+  op.GetName = [](const CustomOp*) { return "Int8MatMulToFloat"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return kFloatInputTypes[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) { return kFloatInputs; };
+  return op;
+}
+
+CustomOp g_rows = make_rows_op();
+CustomOp g_to_float = make_to_float_op();
 OrtCustomOpDomain* g_domain = nullptr;
 
 }  // namespace
@@ -341,8 +451,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
   g_api = reinterpret_cast<const void* const*>(api);
   if (!g_domain) {
-    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory.row_int8", &g_domain)) return s;
-    if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, &g_op)) return s;
+    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory.int8_matmul", &g_domain)) return s;
+    for (const CustomOp* op : {&g_rows, &g_to_float})
+      if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, op)) return s;
   }
   return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain);
 }
