@@ -44,8 +44,8 @@ def take_next_blocks(sched: Any) -> int:
         while not slots.grow(gen.slot, gen.cached + 1):
             if not slots.block_tokens:
                 break  # a whole reservation covers every token the sequence writes: never reached
-            cache = sched.prefix_cache
-            kept = cache.least_recent() if cache is not None else None
+            cache = sched.prefix_cache  # a kept prefix whose dropping frees memory (kv_slots.KVSlots.freed_by_drop)
+            kept = cache.least_recent(where=lambda e: slots.freed_by_drop(e) > 0) if cache is not None else None
             if kept is not None:
                 sched._drop_kept(kept)
                 continue
