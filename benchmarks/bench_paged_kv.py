@@ -15,6 +15,25 @@ admission) against paged (blocks of 16 tokens as the sequence grows, preempting 
 sequences running at once, the mean over decode steps, output tokens/s, time to first token p50 and the last
 request's completion, the preemptions and tokens prefilled again. Rounds alternate the settings' order; medians and
 ranges. The section between ``<!-- paged-kv:start -->`` and ``<!-- paged-kv:end -->`` is replaced.
+
+``--shared``: issue 51's document Q&A at one KV budget, the KV layout in blocks against slots (``kv_layout``; a block
+several sequences share counted once against the budget on blocks, once per holder on slots)::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_paged_kv.py --shared [--work DIR] [--rounds 2] [--write]
+
+The same build, its attention on the factory's INT8-cache kernel in both layouts (``int8_attention = "kernel"``; with
+``kv_block_tokens`` 16 for blocks), paged admission, prefix caching on (INT8 dynamic's outputs depend on the batch,
+so ``auto`` would leave it off: the tokens of the two layouts are compared, not required equal), ``SHARED_SLOTS``
+slots. A first request (bench_prefix_cache's 1,024-token document and its first question) runs alone to its end, its
+prefix kept; then ``QUESTIONS`` requests on the same document, each its own question of 16-40 tokens, are submitted at
+once, each generating ``SHARED_TOKENS`` greedy tokens. The budget is what ``SHARED_BUDGET_SEQUENCES`` such sequences
+(the document, the longest question and the tokens) commit on slots. Per run: the sequences running after the burst's
+first step (admitted at once) and the most at once, output tokens/s of the burst (its submission to its last token),
+TTFT p50, the last request done, the KV bytes held at most (``KVSlots.held_bytes``) against what the sequences reserve
+one by one (each holder's own count), the prompt tokens prefilled, preemptions, and how many requests' tokens equal
+the other layout's in the same round; before the rounds, 3 requests sent one at a time on each layout (the same
+launches on both: their tokens must agree). The factory's build is kept in ``--work`` (``int8kv8-repo``) and reused.
+Section ``<!-- paged-kv-shared:start -->``.
 """
 
 from __future__ import annotations
@@ -39,6 +58,190 @@ START, END = "<!-- paged-kv:start -->", "<!-- paged-kv:end -->"
 PROMPT, TEXT, BOUND = 128, 128, 1024
 BUDGET_SEQUENCES, REQUESTS, SLOTS = 8, 48, 64
 SETTINGS = [("reserve", 1024), ("paged", 1024), ("reserve", 128), ("paged", 128)]
+SHARED_START, SHARED_END = "<!-- paged-kv-shared:start -->", "<!-- paged-kv-shared:end -->"
+SHARED_SLOTS, SHARED_BUDGET_SEQUENCES, SHARED_TOKENS, QUESTION_MAX = 32, 8, 64, 40
+LAYOUTS = ("slots", "blocks")
+
+
+def shared_run(lm, spec, layout: str, seed: int) -> dict:
+    """``--shared``: the document's first question alone, then the burst of questions, on a fresh scheduler over
+    ``lm``'s layout; its counts, timings and every burst request's tokens."""
+    from bench_prefix_cache import DOCUMENT, QUESTIONS, workload
+    from model_factory.backend.generation.kv_pool import kv_storage
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.prefix_cache import PrefixCache, identity
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
+
+    probe = KVSlots(spec, 1, 1 << 40, block_tokens=16)
+    budget = SHARED_BUDGET_SEQUENCES * probe.bytes_for(probe.held(DOCUMENT + QUESTION_MAX + SHARED_TOKENS))
+    storage = kv_storage(lm, spec, SHARED_SLOTS)
+    assert (storage is not None) == (layout == "blocks"), "the engine's layout is not the one asked for"
+    slots = KVSlots(spec, SHARED_SLOTS, budget, storage=storage, block_tokens=16)
+    counted = {"preempted": 0, "prefilled": 0}
+
+    class Metrics:  # what the scheduler reports, the preemptions counted
+        def preempted(self) -> None:
+            counted["preempted"] += 1
+
+        def __getattr__(self, _name):
+            return lambda *a, **k: None
+
+    class Counting:  # the engine, the prompt tokens it prefills counted
+        def prefill(self, prompts, views, past=None, **kw):
+            counted["prefilled"] += sum(len(p) for p in prompts)
+            return lm.prefill(prompts, views, past=past, **kw)
+
+        def decode(self, tokens, lengths, views, **kw):
+            return lm.decode(tokens, lengths, views, **kw)
+
+    sched = Scheduler(Counting(), slots, None, spec.eos_token_ids, max_waiting=QUESTIONS, metrics=Metrics(),
+                      cancel_check_s=0.0, prefix_cache=PrefixCache(identity(bench="paged-kv-shared")))
+    document, questions = workload(spec.vocab_size, seed)
+    params = SamplingParams(max_tokens=SHARED_TOKENS, min_tokens=SHARED_TOKENS, ignore_eos=True)
+    times = TokenTimes()
+    peak = {"held": 0, "one by one": 0}
+
+    def step() -> None:
+        sched.step()
+        held = slots.held_bytes()
+        assert held <= slots.budget_bytes, (held, slots.budget_bytes)
+        usage = slots.usage()  # a pool's reservations and kept prefixes are whole blocks: counted exactly
+        one_by_one = slots.bytes_for(usage.reserved_tokens + usage.cached_tokens) if slots.shares_blocks else held
+        peak["held"] = max(peak["held"], held)
+        peak["one by one"] = max(peak["one by one"], one_by_one)
+
+    sched.submit(Generation(document + questions[0], params, times.emit))
+    while sched.has_work():
+        step()
+    start = time.perf_counter()
+    counted["prefilled"] = 0
+    gens = [sched.submit(Generation(document + q, params, times.emit)) for q in questions]
+    step()
+    at_once = len(sched.running)
+    running = [at_once]
+    while sched.has_work():
+        step()
+        running.append(len(sched.running))
+    wall = time.perf_counter() - start
+    assert all(len(g.generated) == SHARED_TOKENS for g in gens)
+    mib = 1 << 20
+    return {"admitted at once": float(at_once), "most running at once": float(max(running)),
+            "output tokens/s": sum(len(g.generated) for g in gens) / wall,
+            "TTFT p50 (s)": pct(times.ttft(gens), 0.5), "last request done (s)": max(times.last.values()) - start,
+            "KV held at most (MiB)": peak["held"] / mib,
+            "the same counted per holder (MiB)": peak["one by one"] / mib,
+            "prompt tokens prefilled": float(counted["prefilled"]), "preemptions": float(counted["preempted"]),
+            "budget (MiB)": slots.budget_bytes / mib,
+            "tokens": [g.generated for g in gens]}
+
+
+def shared_main(args) -> int:
+    """``--shared``: both layouts, rounds alternating their order, and the section."""
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from bench_prefix_cache import DOCUMENT, QUESTIONS
+
+    engines = {"slots": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel"),
+               "blocks": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel",
+                                         kv_block_tokens=16)}
+    say("warm-up")
+    for layout, (spec, lm) in engines.items():
+        shared_warm(lm, spec)
+    alone = {layout: one_at_a_time(lm, spec) for layout, (spec, lm) in engines.items()}
+    alike = sum(a == b for a, b in zip(alone["slots"], alone["blocks"]))
+    say(f"one request at a time (the same launches on both layouts): {alike} of {len(alone['slots'])} the same")
+    load = LoadReading.begin()
+    runs: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    same: list[float] = []
+    for r in range(args.rounds):
+        for layout in (LAYOUTS if r % 2 == 0 else tuple(reversed(LAYOUTS))):
+            spec, lm = engines[layout]
+            got = shared_run(lm, spec, layout, seed=r)
+            runs[layout].append(got)
+            say(f"round {r + 1} {layout}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if k != "tokens"))
+        pair = [runs[layout][-1]["tokens"] for layout in LAYOUTS]
+        same.append(float(sum(a == b for a, b in zip(*pair))))
+    load = load.finish()
+
+    def cell(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+    keys = [k for k in runs["slots"][0] if k != "tokens"]
+    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions"}
+    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[layout]], 0 if k in whole else 2)
+                                     for layout in LAYOUTS) + " |" for k in keys]
+
+    def ratio(key: str) -> str:
+        blocks, slots = (statistics.median(r[key] for r in runs[layout]) for layout in ("blocks", "slots"))
+        return f"{blocks / slots:.2f}x"
+
+    section = "\n".join([
+        SHARED_START, "## Shared prefix blocks counted once: the KV layout in blocks against slots "
+        "(benchmarks/bench_paged_kv.py --shared)", "",
+        run_header("benchmarks/bench_paged_kv.py --shared", load), "",
+        "The 110M Llama of bench_generate (random weights), INT8 dynamic with the INT8 cache, its attention on the "
+        "factory's kernel in both layouts, on the backend's scheduler in-process (no Triton, no HTTP; 2 threads; "
+        f"{SHARED_SLOTS} slots, paged admission, prefix caching on). A first request (a {DOCUMENT}-token document and "
+        "its first question) runs alone, its prefix kept; then "
+        f"{QUESTIONS} requests on the same document, each its own question of 16-{QUESTION_MAX} tokens, are submitted "
+        f"at once, {SHARED_TOKENS} greedy tokens each. The KV budget is what {SHARED_BUDGET_SEQUENCES} such sequences "
+        "commit on slots. `kv_layout` slots (a prefix-cache hit copies the document and counts it again; the kept "
+        "prefix is taken over by the first question, the others of that step find no holder yet and prefill the "
+        "document) against blocks (a hit shares the document's blocks, counted once; a step admits at most "
+        "`max_prefill_batch`, 16, hits). "
+        f"{args.rounds} rounds alternating the order: medians, the range in brackets; times from the burst's "
+        "submission. 'KV held at most' is the account's figure the budget bounds (`KVSlots.held_bytes`); 'the "
+        "same counted per holder' adds up each running sequence's blocks and the kept prefixes as if none were "
+        "shared.", "",
+        "| per run | slots | blocks |", "| --- | ---: | ---: |", *rows, "",
+        f"Blocks against slots: admitted at once {ratio('admitted at once')}, most running at once "
+        f"{ratio('most running at once')}, output tokens/s {ratio('output tokens/s')}, TTFT p50 "
+        f"{ratio('TTFT p50 (s)')}, last request done {ratio('last request done (s)')}. Requests whose {SHARED_TOKENS} "
+        f"tokens are the same in both layouts, round by round: {', '.join(f'{n:.0f}' for n in same)} of {QUESTIONS} "
+        "(INT8 dynamic's activation scales are per launch: the batches differ, so the tokens do). Sent one at a "
+        f"time (the same launches in both layouts: the first whole, the next two as hits on it), {alike} of "
+        f"{len(alone['slots'])} requests give the same tokens.", "",
+        SHARED_END])
+    publish(section, HERE / "RESULTS.md", SHARED_START, SHARED_END, args.write)
+    return 0
+
+
+def one_at_a_time(lm, spec, count: int = 3) -> list[list[int]]:
+    """``count`` requests on the document sent one after another (each alone in its launches: the first prefilled
+    whole, the others hits on it), 24 greedy tokens each; their tokens."""
+    from bench_prefix_cache import workload
+    from model_factory.backend.generation.kv_pool import kv_storage
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.prefix_cache import PrefixCache, identity
+    from model_factory.backend.generation.sampling import SamplingParams
+    from model_factory.backend.generation.scheduler import Generation, Scheduler
+
+    slots = KVSlots(spec, 4, 1 << 30, storage=kv_storage(lm, spec, 4), block_tokens=16)
+    sched = Scheduler(lm, slots, None, spec.eos_token_ids, prefix_cache=PrefixCache(identity(bench="alone")))
+    document, questions = workload(spec.vocab_size, 0)
+    params = SamplingParams(max_tokens=24, min_tokens=24, ignore_eos=True)
+    out = []
+    for q in questions[:count]:
+        gen = sched.submit(Generation(document + q, params, lambda g, e: None))
+        while sched.has_work():
+            sched.step()
+        out.append(gen.generated)
+    slots.close()
+    return out
+
+
+def shared_warm(lm, spec) -> None:
+    """One untimed prefill and decode through the layout's own storage (the kernel built, the pool's pages touched)."""
+    from model_factory.backend.generation.kv_pool import kv_storage
+    from model_factory.backend.generation.kv_slots import KVSlots
+
+    warm = KVSlots(spec, 8, 1 << 40, storage=kv_storage(lm, spec, 8), block_tokens=16)
+    for slot in range(8):
+        warm.admit(PROMPT + 1)
+    lm.prefill([[5] * PROMPT] * 8, warm.views(0, 8))
+    lm.decode([5] * 8, [PROMPT] * 8, warm.views(0, 8))
+    warm.clear()
+    warm.close()
 
 
 def one_run(lm, spec, admission: str, max_tokens: int, seed: int) -> dict[str, float]:
@@ -102,7 +305,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--shared", action="store_true", help="the document Q&A, kv_layout blocks against slots")
     args = ap.parse_args()
+    if args.shared:
+        return shared_main(args)
     spec, lm = int8_kv8_engine(args.work, "bench-paged-kv-")
     say("warm-up")
     from model_factory.backend.generation.kv_slots import KVSlots

@@ -29,19 +29,31 @@ def llama_folder(work: Path | None, prefix: str) -> Path:
     return hf
 
 
-def int8_kv8_engine(work: Path | None, prefix: str) -> tuple[Any, Any]:
-    """``(spec, CausalLM)``: the factory's build of the 110M Llama at INT8 dynamic with the INT8 cache (the precision
-    bench_generate serves best), on the backend's engine with 2 threads."""
-    from model_factory.backend.generation.causal_lm import CausalLM
-    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+def int8_kv8_version(work: Path | None, prefix: str) -> Path:
+    """The version folder of the factory's build of the 110M Llama at INT8 dynamic with the INT8 cache (the precision
+    bench_generate serves best): ``work``/int8kv8-repo's when an earlier run built it there (the build takes 15 minutes
+    or more on a loaded 2-core machine), else built now (into ``work`` when given, so the next run reuses it)."""
+    from model_factory.backend.contract import Files
     from tests.generative_repository import layout_generative_model
 
     hf = llama_folder(work, prefix)
-    repo = Path(tempfile.mkdtemp(prefix=f"{prefix}repo-"))
-    vdir = layout_generative_model(hf, None, repo, "llm", precision="int8",
+    repo = work / "int8kv8-repo" if work is not None else Path(tempfile.mkdtemp(prefix=f"{prefix}repo-"))
+    built = sorted(repo.glob(f"llm/*/{Files.GENERATION}")) if work is not None else []
+    if built:
+        return built[-1].parent
+    return layout_generative_model(hf, None, repo, "llm", precision="int8",
                                    quantization='int8_method = "dynamic"\nkv_cache = "int8"')
+
+
+def int8_kv8_engine(work: Path | None, prefix: str, **engine: Any) -> tuple[Any, Any]:
+    """``(spec, CausalLM)``: :func:`int8_kv8_version`'s graph on the backend's engine with 2 threads (``engine``: more
+    ``CausalLM`` arguments, e.g. ``int8_attention="kernel", kv_block_tokens=16`` for the layout in blocks)."""
+    from model_factory.backend.generation.causal_lm import CausalLM
+    from model_factory.backend.contract import Files, GenerationSpec, onnx_file
+
+    vdir = int8_kv8_version(work, prefix)
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("int8")
-    return spec, CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0)
+    return spec, CausalLM(vdir / onnx_file("int8"), threads=2, pad_token_id=spec.pad_token_id or 0, **engine)
 
 
 def step_while_arriving(sched: Any, arrivals: Callable[[], None]) -> float:

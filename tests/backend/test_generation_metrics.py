@@ -22,7 +22,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.tokens(0, 3)
     m.finished("length")
     m.finished("cancelled")
-    m.state(2, 5, KVUsage(2, 8, 96, 4096, 8192, written_tokens=72, block_tokens=16, block_bytes=512))
+    m.state(2, 5, KVUsage(2, 8, 96, 4096, 8192, written_tokens=72, block_tokens=16, block_bytes=512,
+                          blocks_used=6))
     m.prefill_chunks(2)
     m.prefill_chunks(1)
     m.chunked_step(32, 0.07, 0.08)

@@ -16,11 +16,11 @@ import pytest
 from model_factory.backend.contract import GenerationSpec
 from model_factory.backend.generation import int8_attention as ia
 from model_factory.backend.generation.kv_pool import BlockKVBuffers, kv_storage, layout_block_tokens, layout_note
-from model_factory.backend.generation.kv_slots import KeptKV, KVSlots
-from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, identity
+from model_factory.backend.generation.kv_slots import HostKVBuffers, KeptKV, KVSlots
+from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, CachedPrefix, PrefixCache, chain, identity
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, Scheduler
-
+from tests.generative_repository import run_to_end
 
 
 def _spec() -> GenerationSpec:
@@ -67,7 +67,9 @@ def test_a_copy_shares_the_full_blocks_and_copies_the_last_partly_filled_one() -
     for buf in pool.buffers.values():
         assert np.array_equal(buf[shared[2]], buf[2])
     assert pool.blocks_in_use == 4  # 3 of slot 0 and the copy: one copy of the shared prefix in memory
-    assert own[0] not in shared and own[1] not in shared  # the destination's replaced blocks went back
+    # The destination's replaced blocks went back before the copy was taken (the pool never holds more than before
+    # and after): the copy is the lowest of them.
+    assert shared[2] == own[0] and own[1] not in shared
     pool.give_back(0)  # the source ends: the shared blocks stay for the copy
     assert pool.references(0) == 1 and pool.blocks_in_use == 3
     pool.give_back(1)
@@ -103,6 +105,105 @@ def test_the_account_over_a_pool_compacts_by_handing_blocks_over() -> None:
     assert pool.blocks_in_use == 3  # slot 0 now holds b's blocks
     slots.clear()
     assert pool.blocks_in_use == 0
+
+
+def _exact(storage):
+    """``storage`` counted exactly (a granule of one byte: the tiny spec's page would hold 1,024 tokens a head row and
+    hide the blocks), so slots and a pool count a sequence of whole blocks alike."""
+    storage.granule_bytes = 1
+    return storage
+
+
+def _account(blocks: bool, slots: int, budget_blocks: int) -> KVSlots:
+    """Paged admission over a pool (``blocks``) or the slots' buffers, with a budget of ``budget_blocks`` blocks."""
+    spec = _spec()
+    storage = _exact(BlockKVBuffers(spec, slots, 64, 16) if blocks else HostKVBuffers(spec, slots, 64))
+    kv = KVSlots(spec, slots, budget_blocks * 2 * 16 * 4, storage=storage, block_tokens=16)
+    assert kv.bytes_for(16) == 128 and kv.budget_bytes == budget_blocks * 128  # a pool of exact pages: nothing off
+    return kv
+
+
+def test_a_shared_prefix_is_counted_once_in_a_pool_and_once_per_holder_in_slots() -> None:
+    """A budget of 3 sequences of 48 tokens (9 blocks): in slots a holder and 2 sequences copying its 32-token prefix
+    fill it; in a pool the holder and 6 sharing it (each adding its one block of its own) fit, the budget still bounds
+    the blocks in use and the memory under the highest block taken."""
+    admitted = {}
+    for blocks in (False, True):
+        kv = _account(blocks, 8, 9)
+        holder = kv.admit(48)
+        while kv.can_admit(48, shared=32):
+            kv.admit(48, source=(holder, 32))
+            assert kv.held_bytes() <= kv.budget_bytes
+        admitted[blocks] = kv.active
+        if blocks:
+            pool = kv.storage
+            assert all(pool.blocks(s)[:2] == pool.blocks(holder)[:2] for s in range(kv.active))
+            assert pool.references(pool.blocks(holder)[0]) == kv.active
+            assert kv.held_bytes() == pool.blocks_in_use * 128 == 9 * 128
+            highest = max(b for s in range(kv.active) for b in pool.blocks(s))
+            assert (highest + 1) * 128 <= kv.budget_bytes  # lowest first: the pool's memory stays under the budget
+            usage = kv.usage()
+            assert usage.reserved_bytes == 9 * 128 and usage.blocks_used == 9 and usage.blocks_free == 0
+            assert usage.reserved_tokens == 7 * 48  # the tokens each holder reserves: shared ones once per holder
+            assert kv.free == 1 and not kv.can_admit(48, shared=32)  # a slot is free, the memory is not
+            assert kv.can_admit(32, shared=32)  # one holding only the shared blocks adds none
+    assert admitted == {False: 3, True: 7}
+
+
+def test_a_holder_ending_or_preempted_frees_only_the_blocks_no_one_else_holds() -> None:
+    kv = _account(True, 4, 100)
+    pool = kv.storage
+    holder = kv.admit(48)
+    _fill(pool, holder, 5)
+    shared = pool.blocks(holder)[:2]
+    a = kv.admit(48, source=(holder, 32))
+    b = kv.admit(40, source=(holder, 32))
+    assert kv.held_bytes() == (3 + 1 + 1) * 128
+    assert kv.release(holder) == b  # the holder ends (or is preempted: released, nothing kept); b moves into slot 0
+    assert kv.held_bytes() == (1 + 1 + 2) * 128  # its third block went back, the two it shared stay
+    assert pool.blocks(0)[:2] == shared == pool.blocks(a)[:2] and [pool.references(x) for x in shared] == [2, 2]
+    for buf in pool.buffers.values():
+        assert (buf[list(shared)] == 5).all()  # unwritten: still the holder's keys and values
+    kv.release(a)
+    assert kv.held_bytes() == 3 * 128 and [pool.references(x) for x in shared] == [1, 1]
+    kv.release(0)
+    assert kv.held_bytes() == 0 and pool.blocks_in_use == 0
+
+
+def test_dropping_a_kept_prefix_frees_only_its_unshared_blocks_and_one_that_frees_nothing_stays() -> None:
+    """A finished sequence's 40 tokens kept (3 blocks, its reservation's 4th let go), a running sequence sharing its
+    first two, and a kept 32-token prefix whose two blocks a running sequence shares: under pressure the least recently
+    used prefix that frees memory is the first; dropping it frees its third block only."""
+    kv = _account(True, 6, 100)
+    pool = kv.storage
+    first = kv.admit(64)
+    _fill(pool, first, 9)
+    ids = list(range(3, 43))
+    kept = CachedPrefix(tokens=40, ids=ids, hashes=chain(ids, identity(graph="t")))
+    kv.release(first, keep=kept)
+    assert kept.slot == 0 and len(pool.blocks(0)) == 3 and kv.held_bytes() == 3 * 128
+    runner = kv.admit(48, source=(kept.slot, 32))  # the kept prefix was in the way: moved aside, its blocks shared
+    assert runner == 0 and kept.slot != 0 and pool.blocks(runner)[:2] == pool.blocks(kept.slot)[:2]
+    other = kv.admit(32, source=(kept.slot, 32))
+    short = CachedPrefix(tokens=32, ids=ids[:32], hashes=chain(ids[:32], identity(graph="t")))
+    kv.release(other, keep=short)  # kept in place: its two blocks, both shared
+    sharer = kv.admit(48, source=(short.slot, 32))
+    cache = PrefixCache(identity(graph="t"))
+    for entry in (short, kept):  # the fully shared one used longest ago
+        cache.entries[id(entry)] = entry
+    assert kv.freed_by_drop(short) == 0 and kv.freed_by_drop(kept) == 128
+    assert cache.least_recent() is short
+    frees = cache.least_recent(where=lambda e: kv.freed_by_drop(e) > 0)
+    assert frees is kept
+    before = kv.held_bytes()
+    doc = pool.blocks(runner)[:2]
+    kv.drop(kept)
+    assert kv.held_bytes() == before - 128
+    assert pool.blocks(runner)[:2] == pool.blocks(sharer)[:2] == doc and all(pool.references(x) == 3 for x in doc)
+    for buf in pool.buffers.values():
+        assert (buf[list(doc)] == 9).all()
+    usage = kv.usage()
+    assert usage.cached_slots == 1 and usage.cached_bytes == 0  # the kept one left holds only shared blocks
 
 
 def test_the_layout_setting_and_its_load_note() -> None:
@@ -213,3 +314,100 @@ def test_the_prefill_cost_is_measured_in_blocks_of_each_rows_own_and_leaves_the_
     cost = measure_cost(on_blocks, slots, 64)
     assert hasattr(cost, "a") and taken and {slot for slot, _ in taken} == set(range(4))
     assert slots.storage.blocks_in_use == 0 and slots.active == 0
+
+
+def _document_run(spec, model, budget_blocks: int, *, blocks: bool):
+    """A document's first question run to its end (its prefix kept), then 8 more questions on it at once, half greedy
+    and half seeded, on paged admission with a budget of ``budget_blocks`` blocks counted exactly; returns the
+    sequences admitted by the step after they arrived, the most running at once and every sequence's tokens. Each
+    step checks the account within the budget, and in a pool the blocks in use and the highest one taken too."""
+    storage = _exact(kv_storage(model, spec, 12) if blocks else HostKVBuffers(spec, 12, spec.max_context))
+    per_block = 2 * spec.num_layers * spec.num_kv_heads * BLOCK_TOKENS * spec.head_dim
+    kv = KVSlots(spec, 12, budget_blocks * per_block, storage=storage, block_tokens=16)
+    sched = Scheduler(model, kv, None, spec.eos_token_ids, max_waiting=64,
+                      prefix_cache=PrefixCache(identity(graph="kv-shared")))
+    rng = random.Random(11)
+    document = [rng.randrange(3, spec.vocab_size) for _ in range(64)]
+    questions = [[rng.randrange(3, spec.vocab_size) for _ in range(8)] for _ in range(9)]
+    seeded = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.9, top_k=40)
+    params = [GREEDY if i % 2 == 0 else dataclasses.replace(seeded, seed=100 + i) for i in range(9)]
+
+    def within() -> None:
+        assert kv.held_bytes() <= kv.budget_bytes
+        if blocks:
+            held = [b for s in range(kv.slots) for b in kv.storage.blocks(s)]
+            assert kv.held_bytes() == kv.storage.blocks_in_use * per_block
+            assert (max(held, default=-1) + 1) * per_block <= kv.budget_bytes
+
+    first = sched.submit(Generation(document + questions[0], dataclasses.replace(GREEDY, max_tokens=8),
+                                    lambda g, e: None))
+    run_to_end(sched, within)
+    assert len(sched.prefix_cache.entries) == 1  # its 79 tokens kept: 5 blocks
+    gens = [sched.submit(Generation(document + q, p, lambda g, e: None)) for q, p in zip(questions[1:], params[1:])]
+    sched.step()
+    within()
+    at_once = len(sched.running)
+    peak = max(at_once, run_to_end(sched, within))
+    return at_once, peak, [first.generated] + [g.generated for g in gens], gens
+
+
+@needs_kernel
+def test_sequences_sharing_a_documents_prefix_are_admitted_past_what_slots_admit_with_the_same_tokens(layouts) -> None:
+    """A budget holding 4 whole sequences (64 + 8 + 8 tokens: 5 blocks each, 20 blocks): in slots the kept prefix is
+    taken over by the first question and the others in its step copy the document (they find no holder yet), 3 at
+    once; in a pool every question shares the kept document's 4 blocks and adds one, 7 at once; each sequence's tokens
+    are the slot layout's, greedy and seeded."""
+    spec, on_slots, on_blocks = layouts
+    slots_at_once, slots_peak, want, _gens = _document_run(spec, on_slots, 20, blocks=False)
+    blocks_at_once, blocks_peak, got, gens = _document_run(spec, on_blocks, 20, blocks=True)
+    assert got == want
+    assert slots_at_once <= slots_peak <= 4
+    assert blocks_at_once >= 4 + 3 and blocks_peak >= 7, (blocks_at_once, blocks_peak)
+    assert all(g.prefix_hit == 64 for g in gens)
+
+
+@needs_kernel
+def test_under_pressure_a_kept_prefix_is_dropped_freeing_its_own_blocks_only(layouts) -> None:
+    """A kept document (5 blocks), a running question sharing its 4 document blocks, then an unrelated prompt the
+    budget holds only once the kept prefix goes: the kept prefix is dropped, 1 block freed, the runner's blocks
+    untouched, and both sequences give the tokens they give on slots with room to spare."""
+    spec, on_slots, on_blocks = layouts
+    rng = random.Random(12)
+    document = [rng.randrange(3, spec.vocab_size) for _ in range(64)]
+    question = [rng.randrange(3, spec.vocab_size) for _ in range(8)]
+    other = [rng.randrange(3, spec.vocab_size) for _ in range(40)]
+    long = SamplingParams(max_tokens=24, min_tokens=24)
+
+    def run(model, blocks: bool, budget_blocks: int):
+        storage = _exact(kv_storage(model, spec, 6) if blocks else HostKVBuffers(spec, 6, spec.max_context))
+        per_block = 2 * spec.num_layers * spec.num_kv_heads * BLOCK_TOKENS * spec.head_dim
+        kv = KVSlots(spec, 6, budget_blocks * per_block, storage=storage, block_tokens=16)
+        sched = Scheduler(model, kv, None, spec.eos_token_ids, prefix_cache=PrefixCache(identity(graph="evict")))
+        sched.submit(Generation(document + [7] * 8, dataclasses.replace(GREEDY, max_tokens=8), lambda g, e: None))
+        run_to_end(sched)
+        runner = sched.submit(Generation(document + question, long, lambda g, e: None))
+        sched.step()
+        seen = {}
+        if blocks:
+            pool = kv.storage
+            seen["doc"] = pool.blocks(runner.slot)[:4]
+            seen["bytes"] = {name: buf[list(seen["doc"])].copy() for name, buf in pool.buffers.items()}
+            seen["held"] = kv.held_bytes()
+            assert runner.prefix_hit == 64 and len(sched.prefix_cache.entries) == 1
+            assert kv.freed_by_drop(next(iter(sched.prefix_cache.entries.values()))) == per_block
+        newcomer = sched.submit(Generation(other, GREEDY, lambda g, e: None))
+        sched.step()
+        if blocks:
+            assert newcomer.slot is not None and not sched.prefix_cache.entries  # admitted, the kept prefix dropped
+            assert pool.blocks(runner.slot)[:4] == seen["doc"] and all(pool.references(b) == 1 for b in seen["doc"])
+            for name, buf in pool.buffers.items():
+                assert np.array_equal(buf[list(seen["doc"])], seen["bytes"][name])
+            # The kept prefix's block of its own freed; the newcomer's 3 blocks taken (its 40 + 1 tokens).
+            assert kv.held_bytes() == seen["held"] - per_block + 3 * per_block
+        run_to_end(sched, lambda: kv.held_bytes() <= kv.budget_bytes)
+        return runner.generated, newcomer.generated
+
+    # 6 blocks held (the document's 4, the kept prefix's and the runner's own one), the newcomer's 3 and a block of
+    # room for each of the two: 11 blocks; the budget has 10.
+    got = run(on_blocks, True, 10)
+    assert got == run(on_slots, False, 100)

@@ -6,7 +6,8 @@ token its first decode writes (``KVSlots.admission_tokens``: its context and one
 for ``prompt + max_tokens``: a client's ``max_tokens`` is a bound, most sequences end well before it, and reserving it
 up front kept memory idle that other sequences could run in. Before each step :func:`take_next_blocks` gives every
 decoding sequence the block its next token falls into (``KVSlots.grow``); when the budget has none left the seed's
-formula still guards it: kept prefixes are dropped (least recently used first), then the running sequence with the
+formula still guards it: kept prefixes are dropped (least recently used first, of those whose dropping frees memory:
+in a pool of blocks, one whose blocks running sequences share frees nothing), then the running sequence with the
 most tokens left (the youngest of equals) is preempted, its memory freed, and it waits at the head of the queue to
 resume as a preempted sequence does (its prompt and what it had generated prefilled again, its own sampler: its output
 unchanged). Nothing is launched that the cache cannot hold: a sequence decodes only once its block is reserved, and a
@@ -44,8 +45,8 @@ def take_next_blocks(sched: Any) -> int:
         while not slots.grow(gen.slot, gen.cached + 1):
             if not slots.block_tokens:
                 break  # a whole reservation covers every token the sequence writes: never reached
-            cache = sched.prefix_cache
-            kept = cache.least_recent() if cache is not None else None
+            cache = sched.prefix_cache  # a kept prefix whose dropping frees memory (kv_slots.KVSlots.freed_by_drop)
+            kept = cache.least_recent(where=lambda e: slots.freed_by_drop(e) > 0) if cache is not None else None
             if kept is not None:
                 sched._drop_kept(kept)
                 continue

@@ -4,23 +4,25 @@ Each layer's keys and values are one pool ``[num_blocks, kv_heads, block_tokens,
 read and written by the factory's INT8-cache kernel through a block table (``int8_attention.rewrite(model,
 block_size=...)``; ``kernels/int8_kv_attention.cc``): slot s's token at position p lives in block ``table[s][p //
 block_tokens]``. :class:`BlockKVBuffers` is a storage of ``kv_slots.KVSlots`` beside ``HostKVBuffers``: the account
-(slots, reservations, the budget) is unchanged; what differs is what a slot is, a row of the table, and what its
-storage calls do:
+keeps its slots, reservations and budget, and counts what the pool holds in its blocks in use (``KVSlots.held_bytes``:
+a block several slots hold, once); what differs is what a slot is, a row of the table, and what its storage calls do:
 
 - a slot holds the blocks its reservation covers (:meth:`BlockKVBuffers.claim` at admission, again as it grows),
   taken from a free list lowest first, so a sequence admitted into a fresh pool holds its blocks in order (which the
   kernel reads as one run);
-- :meth:`~BlockKVBuffers.move` (compaction, a kept prefix moved aside, ``KVSlots.copy``: a prefix-cache hit from
-  another slot, a request's sibling choices) gives the destination the source's full blocks, shared and reference
-  counted, and a copy of its last, partly filled one (whose free rows the source may still write): a shared prefix
-  is one copy in memory, the slot layout's second copy gone;
+- :meth:`~BlockKVBuffers.move` (a prefix-cache hit admitted from another slot, ``KVSlots.admit(source=...)``; a
+  request's sibling choices after their leader's prefill, ``KVSlots.copy``) gives the destination the source's full
+  blocks, shared and reference counted, and a copy of its last, partly filled one (whose free rows the source may
+  still write): a shared prefix is one copy in memory, the slot layout's second copy gone;
+- :meth:`~BlockKVBuffers.relocate` (compaction, a finished sequence's prefix kept aside) hands a slot's blocks over;
 - :meth:`~BlockKVBuffers.give_back` drops the slot's references; a block no slot holds returns to the free list and
   its whole pages to the system.
 
 The pool has as many blocks as the slots at full context (address space, zero pages until written, as the slots'
-buffers are), so a block is always there for what the account admits; the account still counts a shared block once
-per holder (it admits no more for the sharing yet: docs/generation.md). A step's view is every layer's whole pool and
-the table's rows of the launched slots (``BLOCK_TABLE``), bound by pointer like the slots' views.
+buffers are), so a block is always there for what the account admits. Blocks are taken lowest first, so the pool's
+memory never reaches past the most blocks held at once, which the budget bounds (less :attr:`overhead_bytes`, the
+page a buffer's last blocks may share with free ones). A step's view is every layer's whole pool and the table's rows
+of the launched slots (``BLOCK_TABLE``), bound by pointer like the slots' views.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from .kv_slots import _MADV_DONTNEED, _NUMPY_DTYPES, _PAGE, _VIEWS_KEPT, SlotSto
 class BlockKVBuffers(SlotStorage):
     """Per-layer pools of KV blocks in host memory and a block table per slot (module docstring)."""
 
-    granule_bytes = _PAGE  # the account counts a sequence's tokens in pages, as the slots' (an upper bound here)
+    granule_bytes = _PAGE  # memory is committed a page at a time (a block may be a part of one)
+    shares_blocks = True  # the account counts the blocks in use, a shared one once
 
     def __init__(self, spec: Any, slots: int, max_context: int, block_tokens: int) -> None:
         if block_tokens < 1:
@@ -81,6 +84,28 @@ class BlockKVBuffers(SlotStorage):
         """Blocks some slot holds (a shared one once)."""
         return self.num_blocks - len(self._free)
 
+    @property
+    def overhead_bytes(self) -> int:
+        """What the pool may commit beyond its blocks in use: each buffer's last blocks share a page with free ones (the
+        account takes it off the budget)."""
+        return len(self.names) * (int(self.granule_bytes) - 1)
+
+    def unshared(self, slot: int) -> int:
+        """How many of ``slot``'s blocks no other slot holds (what letting it go frees)."""
+        return sum(1 for block in self._held[slot] if self._refs[block] == 1)
+
+    def distinct(self, slots: Any) -> int:
+        """How many blocks the ``slots`` hold, a block several of them hold once."""
+        return len({block for slot in slots for block in self._held[slot]})
+
+    def claim_blocks(self, slot: int, tokens: int, private: bool = False) -> int:
+        """The blocks ``claim(slot, tokens, keep=True, private=private)`` takes from the free list: the missing ones,
+        and with ``private`` a copy of each kept one another slot shares."""
+        want = -(-int(tokens) // self.block_tokens)
+        held = self._held[slot]
+        copies = sum(1 for block in held[:want] if self._refs[block] > 1) if private else 0
+        return copies + max(0, want - len(held))
+
     def _take(self) -> int:
         if not self._free:  # the account admits no more than the slots at full context: never reached
             raise RuntimeError(f"the KV pool's {self.num_blocks} blocks are all held")
@@ -101,14 +126,17 @@ class BlockKVBuffers(SlotStorage):
 
     def claim(self, slot: int, tokens: int, keep: bool = False, private: bool = False) -> None:
         """Make ``slot`` hold blocks for its first ``tokens`` tokens. ``keep`` False (a new sequence in the slot): what
-        it held before is let go first; True: its blocks stay (a reservation growing, a kept prefix taken over in
-        place) and only the missing ones are added. ``private``: each kept block another slot shares is replaced by a
-        copy of its own first (a kept prefix taken over in place is written from the hit on, and no shared block may
-        be written)."""
+        it held before is let go first; True: its blocks for those tokens stay (a reservation growing, a hit's shared
+        blocks, a kept prefix taken over in place or kept where it is), those past them are let go, and only the
+        missing ones are added. ``private``: each kept block another slot shares is replaced by a copy of its own
+        first (a kept prefix taken over in place is written from the hit on, and no shared block may be written)."""
+        want = -(-int(tokens) // self.block_tokens)
+        if want > self.max_blocks:
+            raise ValueError(f"{tokens} tokens are more than a slot's {self.max_context}")
         held = list(self._held[slot]) if keep else []
-        if not keep:
-            for block in self._held[slot]:
-                self._drop(block)
+        for block in (held[want:] if keep else self._held[slot]):
+            self._drop(block)
+        held = held[:want]
         if private:
             for i, block in enumerate(held):
                 if self._refs[block] > 1:
@@ -117,9 +145,6 @@ class BlockKVBuffers(SlotStorage):
                         buf[copy] = buf[block]
                     self._refs[block] -= 1
                     held[i] = copy
-        want = -(-int(tokens) // self.block_tokens)
-        if want > self.max_blocks:
-            raise ValueError(f"{tokens} tokens are more than a slot's {self.max_context}")
         while len(held) < want:
             held.append(self._take())
         self._set(slot, held)
@@ -140,7 +165,7 @@ class BlockKVBuffers(SlotStorage):
     def move(self, dst: int, src: int, length: int) -> None:
         """Slot ``src``'s first ``length`` tokens into slot ``dst``: its full blocks shared, its last partly filled one
         copied into a block of ``dst``'s own (``src`` may still write its free rows); the blocks ``dst`` held for
-        those tokens are let go, those past them kept."""
+        those tokens are let go first (so the pool never holds more than before and after), those past them kept."""
         length = int(length)
         full, part = divmod(length, self.block_tokens)
         covered = full + (1 if part else 0)
@@ -151,23 +176,26 @@ class BlockKVBuffers(SlotStorage):
         held = list(source[:full])
         for block in held:
             self._refs[block] += 1
+        for block in old[:covered]:
+            self._drop(block)
         if part:
             copy = self._take()
             for buf in self.buffers.values():
                 buf[copy] = buf[source[full]]
             held.append(copy)
         held += old[covered:]
-        for block in old[:covered]:
-            self._drop(block)
         self._set(dst, held)
 
-    def relocate(self, dst: int, src: int, length: int = 0) -> None:
-        """Compaction: slot ``src``'s blocks become slot ``dst``'s (what ``dst`` held let go), ``src`` holds none
-        (``length``, the tokens a slot layout would copy, is not needed: the blocks move whole)."""
+    def relocate(self, dst: int, src: int, length: int) -> None:
+        """Compaction, a prefix kept aside: slot ``src``'s blocks for its first ``length`` tokens become slot ``dst``'s
+        (what ``dst`` held, and ``src``'s blocks past them, let go), ``src`` holds none; nothing copied."""
         self.give_back(dst)
         held, self._held[src] = self._held[src], []
         self.table[src, :] = 0
-        self._set(dst, held)
+        want = -(-int(length) // self.block_tokens)
+        for block in held[want:]:
+            self._drop(block)
+        self._set(dst, held[:want])
 
     def give_back(self, slot: int) -> None:
         """Let go of every block ``slot`` holds; a block no slot holds any more returns to the free list."""

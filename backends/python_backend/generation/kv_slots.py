@@ -24,6 +24,16 @@ A finished sequence's slot may be kept instead of freed (:class:`KeptKV`, prefix
 tokens' keys and values stay valid, in a slot outside the active prefix that no sequence holds, counted in the budget
 (``KVUsage.cached_bytes``) until the scheduler drops it (least recently used first) for the memory or the slot.
 
+What the cache holds is one definition, :meth:`KVSlots.held_bytes`, which admission, growth and the dropping of kept
+prefixes all compare with the budget. In slots, each reservation and each kept prefix in the pages its tokens commit
+(a prefix a slot copies from another is a second copy, counted again). Where the storage shares blocks
+(``kv_pool.BlockKVBuffers``, ``kv_layout = "blocks"``: what the slots copy, a prefix-cache hit or a kept prefix, is
+the same blocks, reference counted), the pool's blocks in use, a block several slots hold counted once: a sequence
+admitted with a hit adds only the blocks past the ones it shares (:meth:`KVSlots.admission_bytes`), and dropping a
+kept prefix frees only the blocks no other slot holds (:meth:`KVSlots.freed_by_drop`). Either way nothing is held past
+the budget: the pool takes the lowest free block first, so its memory never reaches past the most blocks ever held at
+once, and its budget is the configured one less the page a buffer's last blocks may share with free ones.
+
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
 ``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool; ``kv_pool.BlockKVBuffers``, ``kv_layout =
 "blocks"``: a pool of blocks and a block table; each a :class:`SlotStorage`, whose ``claim`` (a slot's blocks for its
@@ -66,20 +76,16 @@ class KVUsage:
     cached_bytes: int = 0
     written_tokens: int = 0  # of the reserved tokens, those the running sequences' keys and values fill
     block_tokens: int = 0  # paged admission's block (0: whole reservations)
-    block_bytes: int = 0  # one block's keys and values, every layer (0: whole reservations)
+    block_bytes: int = 0  # one block's keys and values, every layer (0: whole reservations in slots)
+    blocks_used: int = 0  # blocks the running sequences and kept prefixes hold (a shared one once in a pool)
 
     @property
     def ratio(self) -> float:
         return self.reserved_bytes / self.budget_bytes if self.budget_bytes else 0.0
 
     @property
-    def blocks_used(self) -> int:
-        """Blocks the running sequences and the kept prefixes hold (paged admission; 0 otherwise)."""
-        return (self.reserved_tokens + self.cached_tokens) // self.block_tokens if self.block_tokens else 0
-
-    @property
     def blocks_free(self) -> int:
-        """Blocks the budget has left (paged admission; 0 otherwise): its bytes not committed, in blocks."""
+        """Blocks the budget has left (paged admission or a pool; 0 otherwise): its bytes not held, in blocks."""
         left = self.budget_bytes - self.reserved_bytes - self.cached_bytes
         return max(0, left // self.block_bytes) if self.block_bytes else 0
 
@@ -113,12 +119,18 @@ class KeptKV:
 
 class SlotStorage:
     """What :class:`KVSlots` asks of a storage beyond its views and moves, with a slot layout's answers: a slot
-    holds its whole context from the start (nothing to claim), and compaction copies a sequence's tokens.
-    ``kv_pool.BlockKVBuffers`` answers otherwise (blocks claimed as a slot grows, handed over when it moves)."""
+    holds its whole context from the start (nothing to claim), compaction copies a sequence's tokens, and a copy is a
+    second copy in memory (``shares_blocks`` False: the account counts every slot's tokens). ``kv_pool.BlockKVBuffers``
+    answers otherwise (blocks claimed as a slot grows, handed over when it moves, shared when copied: the account then
+    counts its blocks in use, through ``blocks_in_use``, ``block_bytes``, ``block_tokens``, ``unshared`` and
+    ``distinct``)."""
+
+    shares_blocks = False
+    overhead_bytes = 0  # memory the storage may commit beyond what the account counts (taken off the budget)
 
     def claim(self, slot: int, tokens: int, keep: bool = False, private: bool = False) -> None:
-        """Slot ``slot`` may hold ``tokens`` tokens from now on (``keep``: it keeps what it holds; ``private``: none of
-        it shared)."""
+        """Slot ``slot`` holds ``tokens`` tokens from now on (``keep``: it keeps what it holds of them, and lets go of
+        what lies past them; ``private``: none of it shared)."""
 
     def relocate(self, dst: int, src: int, length: int) -> None:
         """Slot ``src``'s first ``length`` tokens made slot ``dst``'s, ``src`` left free."""
@@ -179,7 +191,9 @@ class KVSlots:
         """``spec``: the model's ``contract.GenerationSpec``; ``budget_bytes``: what the cache may hold
         (the configured budget less the weights); ``storage``: where the buffers live (default: host memory,
         :class:`HostKVBuffers`; on a GPU ``kv_device.DeviceKVBuffers`` of the same slots and context);
-        ``block_tokens``: paged admission's block (0: a sequence reserves ``prompt + max_tokens`` at admission)."""
+        ``block_tokens``: paged admission's block (0: a sequence reserves ``prompt + max_tokens`` at admission).
+        A storage that shares blocks (a pool) is counted in its blocks, and its ``overhead_bytes`` (the pages its
+        buffers' last blocks in use may share with free ones) come off the budget, so the budget bounds its memory."""
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         self.spec = spec
@@ -196,6 +210,11 @@ class KVSlots:
         self.buffers = storage.buffers  # name -> numpy array (host) or device pointer
         self._granule = int(storage.granule_bytes)
         self.block_tokens = max(0, int(block_tokens))
+        # A storage sharing blocks: the account counts its blocks in use, a block several slots hold once.
+        self._pool = storage if storage.shares_blocks else None
+        if self._pool is not None:
+            self.budget_bytes -= int(storage.overhead_bytes)
+            self._pool_block_bytes = len(self.names) * int(storage.block_bytes)
         self._reserved: list[int] = []  # tokens reserved by the sequence in each active slot
         self._written: list[int] = []  # tokens whose keys and values it holds (after its next step)
         self._kept: dict[int, KeptKV] = {}  # slot -> the prefix kept there (outside the active prefix)
@@ -206,8 +225,10 @@ class KVSlots:
     # ------------------------------------------------------------------ sizes
 
     def bytes_for(self, tokens: int) -> int:
-        """Bytes ``tokens`` tokens of one sequence commit: whole granules (host: pages) per head row, every
-        layer, K and V."""
+        """Bytes ``tokens`` tokens of one sequence commit, held alone: whole granules (host: pages) per head row, every
+        layer, K and V; in a pool, the blocks that hold them."""
+        if self._pool is not None:
+            return -(-int(tokens) // self._pool.block_tokens) * self._pool_block_bytes
         per_token = self.spec.head_dim * KV_DTYPES[self.spec.kv_dtype]
         granules = -(-int(tokens) * per_token // self._granule)
         return len(self.names) * self.spec.num_kv_heads * granules * self._granule
@@ -237,13 +258,53 @@ class KVSlots:
     def active(self) -> int:
         return len(self._reserved)
 
+    @property
+    def shares_blocks(self) -> bool:
+        """Whether what a slot copies from another is the same memory (a pool's blocks), counted once."""
+        return self._pool is not None
+
+    def held_bytes(self) -> int:
+        """What the running sequences' reservations and the kept prefixes hold: the one figure admission, growth and
+        the dropping of kept prefixes compare with the budget. In a pool its blocks in use (a block several slots hold
+        once); in slots each reservation and kept prefix in its pages."""
+        if self._pool is not None:
+            return self._pool.blocks_in_use * self._pool_block_bytes
+        return (sum(self.bytes_for(t) for t in self._reserved)
+                + sum(self.bytes_for(self.held(k.tokens)) for k in self._kept.values()))
+
+    def admission_bytes(self, tokens: int, shared: int = 0) -> int:
+        """What admitting a sequence that reserves ``tokens`` adds to :meth:`held_bytes`, its first ``shared`` tokens
+        another slot's (a prefix-cache hit): a pool shares their full blocks, so only the blocks past them count;
+        the slots copy them, so every token counts."""
+        if self._pool is not None:
+            blocks = -(-self.held(tokens) // self._pool.block_tokens) - int(shared) // self._pool.block_tokens
+            return max(0, blocks) * self._pool_block_bytes
+        return self.bytes_for(self.held(tokens))
+
+    def freed_by_drop(self, kept: KeptKV) -> int:
+        """What dropping ``kept`` frees: in a pool only the blocks no other slot holds (a prefix a running sequence
+        shares frees nothing of it), in slots all it holds."""
+        if kept.slot is None or self._kept.get(kept.slot) is not kept:
+            return 0
+        if self._pool is not None:
+            return self._pool.unshared(kept.slot) * self._pool_block_bytes
+        return self.bytes_for(self.held(kept.tokens))
+
     def usage(self) -> KVUsage:
         kept = [self.held(k.tokens) for k in self._kept.values()]
         block = self.block_tokens
-        return KVUsage(self.active, self.slots, sum(self._reserved),
-                       sum(self.bytes_for(t) for t in self._reserved), self.budget_bytes,
-                       len(kept), sum(kept), sum(self.bytes_for(t) for t in kept),
-                       written_tokens=sum(self._written), block_tokens=block, block_bytes=self._block_bytes())
+        if self._pool is not None:  # the blocks the running sequences hold, and those only kept prefixes hold
+            held = self.held_bytes()
+            reserved_bytes = self._pool.distinct(range(self.active)) * self._pool_block_bytes
+            cached_bytes, block_bytes, used = held - reserved_bytes, self._pool_block_bytes, self._pool.blocks_in_use
+        else:
+            reserved_bytes = sum(self.bytes_for(t) for t in self._reserved)
+            cached_bytes = sum(self.bytes_for(t) for t in kept)
+            block_bytes = self._block_bytes()
+            used = (sum(self._reserved) + sum(kept)) // block if block else 0
+        return KVUsage(self.active, self.slots, sum(self._reserved), reserved_bytes, self.budget_bytes,
+                       len(kept), sum(kept), cached_bytes, written_tokens=sum(self._written), block_tokens=block,
+                       block_bytes=block_bytes, blocks_used=used)
 
     @property
     def kept(self) -> list[KeptKV]:
@@ -259,13 +320,12 @@ class KVSlots:
         """Whether a sequence of ``tokens`` could be admitted into an empty cache."""
         return tokens <= self.max_context and self.bytes_for(self.held(tokens)) <= self.budget_bytes
 
-    def can_admit(self, tokens: int) -> bool:
-        """Whether a sequence reserving ``tokens`` fits now: a free slot and the budget (kept prefixes included:
-        drop them first to make room)."""
+    def can_admit(self, tokens: int, shared: int = 0) -> bool:
+        """Whether a sequence reserving ``tokens`` fits now, its first ``shared`` tokens another slot's
+        (:meth:`admission_bytes`): a free slot and the budget (kept prefixes included: drop them first to make room)."""
         if self.free < 1 or tokens > self.max_context:
             return False
-        usage = self.usage()
-        return usage.reserved_bytes + usage.cached_bytes + self.bytes_for(self.held(tokens)) <= self.budget_bytes
+        return self.held_bytes() + self.admission_bytes(tokens, shared) <= self.budget_bytes
 
     def grow(self, slot: int, tokens: int) -> bool:
         """Make active ``slot``'s reservation cover ``tokens`` (what it holds after its next step), a block at a time
@@ -279,9 +339,8 @@ class KVSlots:
         if want > have:
             if not self.block_tokens or tokens > self.max_context:
                 return False
-            usage = self.usage()
-            more = self.bytes_for(want) - self.bytes_for(have)
-            if usage.reserved_bytes + usage.cached_bytes + more > self.budget_bytes:
+            more = self.bytes_for(want) - self.bytes_for(have)  # blocks of its own: a pool's new ones are unshared
+            if self.held_bytes() + more > self.budget_bytes:
                 return False
             self._reserved[slot] = want
             self.storage.claim(slot, want, keep=True)
@@ -290,16 +349,27 @@ class KVSlots:
 
     # ------------------------------------------------------------------ slots
 
-    def admit(self, tokens: int, take: KeptKV | None = None) -> int:
+    def admit(self, tokens: int, take: KeptKV | None = None, source: tuple[int, int] | None = None) -> int:
         """Reserve the next slot (the end of the active prefix) for ``tokens``; returns its index. A prefix kept in
         that slot moves to a free one, unless it is ``take``: then the new sequence takes it over in place (its
-        keys and values are the sequence's first tokens; the prefix is no longer kept)."""
+        keys and values are the sequence's first tokens; the prefix is no longer kept). ``source`` ``(slot,
+        length)``: the new sequence's first ``length`` tokens are that active or kept slot's (a prefix-cache hit),
+        shared in a pool (only the blocks past them counted against the budget), copied in slots."""
         slot = self.active
+        if source is not None:
+            src, length = int(source[0]), int(source[1])
+            if not (0 <= src < self.active or src in self._kept) or take is not None:
+                raise IndexError(f"admit from slot {src}: it must be active or kept (active: {self.active}), and "
+                                 "not with a prefix taken over")
         taken = take is not None and take.slot == slot and self._kept.get(slot) is take
         if taken:
             del self._kept[slot]
             take.slot = None
-        if not self.can_admit(tokens):
+        if self._pool is not None and taken:  # its blocks held already: the missing ones and private copies count
+            more = self._pool.claim_blocks(slot, self.held(tokens), private=True) * self._pool_block_bytes
+        else:
+            more = self.admission_bytes(tokens, length if source is not None else 0)
+        if self.free < 1 or tokens > self.max_context or self.held_bytes() + more > self.budget_bytes:
             if taken:
                 self._kept[slot], take.slot = take, slot
             raise AdmissionError(f"no room for {tokens} tokens ({self.usage()})")
@@ -309,9 +379,13 @@ class KVSlots:
             self._relocate(dst, slot, there.tokens)
             there.slot = dst
             self._kept[dst] = there
+            if source is not None and src == slot:
+                src = dst
         self._reserved.append(self.held(tokens))
         self._written.append(0)
-        self.storage.claim(slot, self._reserved[-1], keep=taken, private=taken)  # a block pool: its blocks
+        if source is not None:  # a pool: the source's full blocks shared (its partly filled last one copied)
+            self.storage.move(slot, src, length)
+        self.storage.claim(slot, self._reserved[-1], keep=taken or source is not None, private=taken)
         return slot
 
     def _relocate(self, dst: int, src: int, length: int) -> None:
@@ -336,9 +410,10 @@ class KVSlots:
         if keep is not None and keep.tokens > 0:
             if slot == last:
                 kept_at = slot  # in place: it is outside the active prefix once released
+                self.storage.claim(slot, keep.tokens, keep=True)  # a pool: the blocks past the kept tokens let go
             elif self.free > 0:
                 kept_at = self._highest_free()
-                self.storage.move(kept_at, slot, keep.tokens)
+                self._relocate(kept_at, slot, keep.tokens)  # a pool: its blocks handed over, none copied
         moved = None
         if slot != last:
             self._relocate(slot, last, self._reserved[last])

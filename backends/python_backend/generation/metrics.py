@@ -55,10 +55,12 @@ GAUGES: dict[str, str] = {
     "waiting_sequences": "Sequences waiting for KV cache memory.",
     "kv_cache_usage_ratio": "KV cache bytes reserved by running sequences / the KV budget.",
     "kv_cache_reserved_bytes": "KV cache bytes reserved by running sequences (kv_admission paged: the blocks each "
-                               "holds; reserve: prompt + max_tokens each).",
-    "kv_cache_blocks_used": "Blocks of 16 tokens the running sequences and kept prefixes hold (kv_admission paged; "
-                            "0 when reserving prompt + max_tokens).",
-    "kv_cache_blocks_free": "Blocks of 16 tokens the KV budget has left (kv_admission paged; 0 otherwise).",
+                               "holds; reserve: prompt + max_tokens each; kv_layout blocks: a block several "
+                               "share counted once).",
+    "kv_cache_blocks_used": "Blocks of 16 tokens the running sequences and kept prefixes hold (kv_admission paged or "
+                            "kv_layout blocks, a shared block once; 0 when reserving prompt + max_tokens in slots).",
+    "kv_cache_blocks_free": "Blocks of 16 tokens the KV budget has left (kv_admission paged or kv_layout blocks; "
+                            "0 otherwise).",
     "kv_cache_fragmentation_ratio": "Share of the running sequences' reservation no key or value fills yet (paged: "
                                     "each last block's unwritten tail; reserve: the max_tokens not generated yet).",
     "kv_cache_budget_bytes": "KV cache budget: the memory budget less the weights.",

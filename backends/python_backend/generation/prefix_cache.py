@@ -32,7 +32,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -146,9 +146,12 @@ class PrefixCache:
         self.entries.pop(id(entry), None)
         self._remove(entry)
 
-    def least_recent(self, exclude: Sequence[Any] = ()) -> CachedPrefix | None:
+    def least_recent(self, exclude: Sequence[Any] = (), where: Callable[[CachedPrefix], bool] | None = None
+                     ) -> CachedPrefix | None:
+        """The kept prefix used longest ago, not one of ``exclude``, and one ``where`` accepts (e.g. whose dropping
+        frees memory: ``KVSlots.freed_by_drop``)."""
         skip = {id(e) for e in exclude}
-        return next((e for e in self.entries.values() if id(e) not in skip), None)
+        return next((e for e in self.entries.values() if id(e) not in skip and (where is None or where(e))), None)
 
     def blocks(self) -> int:
         """Whole blocks the kept slots hold."""

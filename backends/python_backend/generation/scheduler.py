@@ -9,7 +9,9 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    waiting sequences are admitted in arrival order while their KV reservation fits
    (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes`` of every running sequence's reservation and the
    new one's: paged, the blocks of its context and next token and a block of room per sequence; otherwise
-   ``prompt + max_tokens``); the first that does not fit waits, and nothing overtakes it. With
+   ``prompt + max_tokens``; in a pool of blocks, ``KVSlots.held_bytes``, a block several sequences share counted
+   once, and a prefix-cache hit's shared blocks not counted again); the first that does not fit waits, and nothing
+   overtakes it. With
    ``max_tokens_grouping_s`` set, the waiting are taken grouped by ``max_tokens`` instead (power-of-two
    buckets, the smallest first, arrival order within one) until one has waited that long: those go first;
 3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
@@ -40,9 +42,10 @@ from the timed decode launches and the cost model, so the step stays within the 
 
 With a ``prefix_cache`` (``prefix_cache.PrefixCache``), a waiting sequence whose context starts with whole blocks a
 running sequence's slot or a kept slot holds gets its slot at once, those tokens' keys and values copied in (or, a
-kept slot at the end of the active prefix, taken over in place), and prefills only the rest, alone in its launch
-(ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its prefix; kept slots are
-dropped least recently used first when a waiting sequence needs their memory or their slot, before any preemption.
+kept slot at the end of the active prefix, taken over in place; in a pool of blocks, shared), and prefills only the
+rest, alone in its launch (ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its
+prefix; kept slots are dropped least recently used first when a waiting sequence needs their memory (only those
+whose dropping frees some) or their slot, before any preemption.
 
 With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
 decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
@@ -250,9 +253,8 @@ class Scheduler:
                 break  # the split prompt's group is the step's last
             if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
                 break  # this step's prefill budget is spent: it waits, holding no memory
-            need = self.slots.bytes_for(self._held(head))
             room = self.slots.headroom_bytes(len(self.running) + len(chosen) + 1)  # paged: the next blocks' room
-            fits, hit = self._make_room(need + pending + room, len(chosen) + 1, hit)
+            fits, hit = self._make_room(head, pending + room, len(chosen) + 1, hit)
             if not fits:
                 # A sequence admitted with a hit already holds a slot: no preemption may move it this step.
                 if not hits and not split_hit and self._preempt_for(head):
@@ -261,6 +263,7 @@ class Scheduler:
             self.waiting.popleft()
             if self.prefix_cache is not None:
                 self.metrics.prefix_lookup(len(head.context()), hit.tokens if hit is not None else 0)
+            need = self.slots.admission_bytes(self._held(head))  # admitted whole (no hit): every block its own
             if sharing:
                 chosen.append(head)
                 pending += need
@@ -326,20 +329,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the prefix cache
 
-    def _make_room(self, need: int, slots_needed: int, hit: Hit | None) -> tuple[bool, Hit | None]:
-        """Drop kept prefixes, least recently used first (``hit``'s last), until ``need`` more bytes and
-        ``slots_needed`` more slots fit; returns whether they fit, and the hit (None when its prefix was dropped)."""
+    def _make_room(self, head: Generation, extra: int, slots_needed: int,
+                   hit: Hit | None) -> tuple[bool, Hit | None]:
+        """Drop kept prefixes, least recently used first (``hit``'s last), until ``head`` (with ``hit``'s blocks shared
+        where the storage shares them: ``KVSlots.admission_bytes``), ``extra`` more bytes and ``slots_needed`` more
+        slots fit; for the memory only a prefix whose dropping frees some is dropped (in a pool, one whose blocks
+        running sequences share frees nothing). Returns whether they fit, and the hit (None when its prefix was
+        dropped)."""
         cache = self.prefix_cache
         while True:
-            usage = self.slots.usage()
-            if (usage.reserved_bytes + usage.cached_bytes + need <= self.budget
-                    and self.slots.free >= slots_needed):
+            need = self.slots.admission_bytes(self._held(head), hit.tokens if hit is not None else 0) + extra
+            short = self.slots.held_bytes() + need > self.budget
+            if not short and self.slots.free >= slots_needed:
                 return True, hit
             if cache is None:
                 return False, hit
             keep = [hit.holder] if hit is not None and hit.kept else []
-            victim = cache.least_recent(exclude=keep) or (keep[0] if keep else None)
-            if victim is None:  # nothing kept: what the running sequences reserve decides
+            frees = (lambda e: self.slots.freed_by_drop(e) > 0) if short else None
+            victim = cache.least_recent(exclude=keep, where=frees) or next(
+                (k for k in keep if frees is None or frees(k)), None)
+            if victim is None:  # nothing kept that helps: what the running sequences reserve decides
                 return False, hit
             if hit is not None and victim is hit.holder:
                 hit = None
@@ -358,19 +367,19 @@ class Scheduler:
         self.slots.drop(entry)
 
     def _admit_hit(self, gen: Generation, hit: Hit) -> bool:
-        """Give ``gen`` its slot now, with the hit's keys and values in it: a kept slot at the end of the active
-        prefix is taken over in place when the hit is at least half of it, anything else copied. False (nothing
-        done) when the slots refuse it."""
+        """Give ``gen`` its slot now, with the hit's keys and values in it: in slots, a kept slot at the end of the
+        active prefix is taken over in place when the hit is at least half of it, anything else copied; in a pool,
+        the hit's blocks shared (the kept prefix stays kept, for the prompts after it). False (nothing done) when the
+        slots refuse it."""
         holder, n = hit.holder, hit.tokens
-        take = holder if hit.kept and holder.slot == self.slots.active and 2 * n >= holder.tokens else None
+        take = holder if (hit.kept and holder.slot == self.slots.active and 2 * n >= holder.tokens
+                          and not self.slots.shares_blocks) else None
         try:
-            gen.slot = self.slots.admit(self._held(gen), take=take)
+            gen.slot = self.slots.admit(self._held(gen), take=take, source=None if take else (holder.slot, n))
         except AdmissionError:
             return False
         if take is not None:
             self.prefix_cache.forget(take)
-        else:
-            self.slots.copy(gen.slot, holder.slot, n)
         gen.cached = gen.prefix_hit = n
         gen.prefill_from = None
         self.running.append(gen)
