@@ -3,10 +3,10 @@
 
 Each request is checked (``openai_encoders``, ``tei_protocol``), sent to the model through Triton's KServe
 ``infer`` like any client's (``kserve_infer``: one call, or one per ``max_batch_size`` rows, sent together, and
-token-id rows grouped by length), and answered in the shape its API reads. The request id (the client's
-``X-Request-ID``, else one generated) goes to Triton in the same header, so the backend's events name it, and comes
-back on the answer. Tokens for ``usage`` are counted with the model's own tokenizer (``encoder_models``), beside
-the infer call (a large request's off the event loop).
+token-id rows grouped by length, over the routes' own kept-alive loopback connections), and answered in the shape
+its API reads. The request id (the client's ``X-Request-ID``, else one generated) goes to Triton in the same
+header, so the backend's events name it, and comes back on the answer. Tokens for ``usage`` are counted with the
+model's own tokenizer (``encoder_models``), beside the infer call (a large request's off the event loop).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from model_factory.serving.encoder_models import CLASSIFICATION, EMBEDDING, RERANKER, EncoderModel
-from model_factory.serving.kserve_infer import infer
+from model_factory.serving.kserve_infer import LoopbackClient, infer
 from model_factory.serving.openai_encoders import embeddings_request, embeddings_response, shape_vectors
 from model_factory.serving.openai_protocol import OpenAIError
 from model_factory.serving.tei_protocol import (cohere_rerank_request, cohere_rerank_response, predict_request,
@@ -38,14 +38,17 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 class EncoderRoutes:
-    """The handlers; ``session()`` gives the frontend's aiohttp client session, ``request_id`` its id rule."""
+    """The handlers; ``request_id`` is the frontend's id rule. The calls to Triton (``triton``: its HTTP URL) go
+    over one :class:`~model_factory.serving.kserve_infer.LoopbackClient`, closed by :meth:`close`."""
 
-    def __init__(self, triton: str, models: Mapping[str, EncoderModel], session: Callable[[], Any],
-                 request_id: Callable[[Any], str]) -> None:
+    def __init__(self, triton: str, models: Mapping[str, EncoderModel], request_id: Callable[[Any], str]) -> None:
         self.triton = triton
         self.models = dict(models)
-        self._session = session
+        self._client = LoopbackClient(triton)
         self._request_id = request_id
+
+    def close(self) -> None:
+        self._client.close()
 
     def of(self, task: str) -> dict[str, EncoderModel]:
         return {n: m for n, m in self.models.items() if m.task == task}
@@ -64,7 +67,7 @@ class EncoderRoutes:
         """``rows`` rows through the model's infer, ``max_batch`` rows a call (sent together), joined in order."""
         async def part(a: int, b: int) -> dict[str, np.ndarray]:
             try:
-                return await infer(self._session(), self.triton, model.name, inputs(a, b), outputs, parameters, rid)
+                return await infer(self._client, model.name, inputs(a, b), outputs, parameters, rid)
             except OpenAIError as err:
                 if a:  # the backend numbers the rows of the call it was sent: name them as the client sent them
                     err.message = _ROW.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + a}]", err.message)

@@ -62,7 +62,10 @@ class TokenCounter:
         """Tokens of each text (or (query, passage) pair); zeros when the model has no tokenizer."""
         if self.path is None or not texts:
             return [0] * len(texts)
-        return [len(enc.ids) for enc in self._tokenizer().encode_batch(list(texts))]
+        tok = self._tokenizer()
+        # Without offsets where this tokenizers has it (0.20+): a fifth less CPU a text, the same ids.
+        encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+        return [len(enc.ids) for enc in encode(list(texts))]
 
 
 @dataclass(frozen=True)
