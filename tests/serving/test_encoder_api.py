@@ -179,3 +179,18 @@ def test_an_inference_server_out_of_reach_is_a_503() -> None:
     with OpenAIFrontend(f"127.0.0.1:{port}", {}, encoders=encoders) as front:
         status, headers, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": "x"})
     assert status == 503 and "cannot be reached" in body["error"]["message"] and headers["Retry-After"] == "1"
+
+
+def test_concurrent_requests_each_get_their_own_vectors(frontend) -> None:
+    """Sent at once over the frontend's kept-alive loopback connections: each answer holds its own texts' vectors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    front, fake = frontend
+    fake.calls.clear()
+    batches = [["x" * (k + 1)] * (1 + k % 3) for k in range(24)]
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda b: _post(f"{front.url}/v1/embeddings", {"model": "e", "input": b}), batches))
+    assert all(status == 200 for status, _, _ in answers)
+    assert [[d["embedding"][0] for d in body["data"]] for _, _, body in answers] == \
+        [[float(len(b[0]))] * len(b) for b in batches]
+    assert sum(len(c[1]["inputs"][0]["data"]) for c in fake.calls) == sum(len(b) for b in batches)
