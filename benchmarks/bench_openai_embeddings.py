@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_openai_embeddings.py                  # ~3 min on 2 cores, writes RESULTS.md
     .venv/bin/python benchmarks/bench_openai_embeddings.py --rounds 5 --seconds 15
     .venv/bin/python benchmarks/bench_openai_embeddings.py --infinity /work/peers/infinity/bin/infinity_emb
+    .venv/bin/python benchmarks/bench_openai_embeddings.py --precision int8 --infinity ...   # section ..._int8
 
 With ``--infinity`` (infinity-emb's CLI: ``benchmarks/install_peers.sh infinity``) a third path in each round:
 infinity-emb's own OpenAI endpoint (``POST /embeddings``, base64) serving the same MiniLM folder (the
@@ -10,7 +11,11 @@ infinity-emb's own OpenAI endpoint (``POST /embeddings``, base64) serving the sa
 its process tree's CPU is read as the server's.
 
 One ``model-factory serve --openai-port`` on the example MiniLM (FP32, ONNX Runtime CPU, its two instances), as
-deployed. The same texts (benchmarks/texts.txt) at the same concurrency go either straight to Triton's KServe
+deployed; ``--precision int8`` serves the factory's INT8 build of it instead (quantized by ``quantize_model`` with the
+example's calibration and held-out sentences, passing its default 0.99 gate, served as ``repository.serve = "int8"``),
+into a section of its own (``openai_embeddings_int8``): infinity-emb still serves FP32 torch, its own default, so
+only the FP32 section is like for like. The same texts (benchmarks/texts.txt) at the same concurrency go either
+straight to Triton's KServe
 ``/v2/models/minilm/infer`` (a BYTES ``text`` input, the ``embedding`` output in the binary extension, as
 ``tritonclient.http`` asks for it) or to the frontend's ``/v1/embeddings`` (``encoding_format`` base64, as the
 ``openai`` client asks by default), which makes that same KServe call on loopback. Both ask for texts over 128
@@ -179,6 +184,28 @@ def _start_infinity(cli: str, port: int = 0) -> tuple[subprocess.Popen, str]:
     raise SystemExit("infinity-emb did not answer within 600 s")
 
 
+def _quantized(root: Path) -> tuple[object, Path, str]:
+    """The example recipe built in INT8 (its default gate on the example's held-out sentences) and packaged to serve
+    it: (recipe, repository, the gate's words)."""
+    import dataclasses
+
+    from benchmarks.harness.minilm import EXAMPLE, export_minilm, package_variant
+    from model_factory.build_engines.quantize import quantize_model
+
+    examples = EXAMPLE.parent
+    recipe, exported = export_minilm(root, {"repository.path": str(root / "repo"), "precisions": ["fp32", "int8"],
+                                            "quantization.calibration_data": str(examples / "calibration.txt"),
+                                            "quantization.heldout_data": str(examples / "heldout.txt")})
+    say("quantize (INT8, the recipe's gate)")
+    quantized = quantize_model(recipe, exported)
+    result = quantized.report.result("int8")
+    served = dataclasses.replace(recipe, repository=dataclasses.replace(recipe.repository, serve="int8"))
+    repo = package_variant(served, exported, artifacts={"model.int8.onnx": quantized.models["int8"]},
+                           extra_files=[quantized.report_path])
+    return served, repo, (f", its gate: {result.metric} {result.gate_score:.5f} against min_accuracy "
+                          f"{quantized.report.min_accuracy:g} on the held-out sentences")
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -187,11 +214,22 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
-    lines = [START,
-             "## Embeddings through /v1/embeddings against the KServe path (benchmarks/bench_openai_embeddings.py)",
+def _markers(precision: str) -> tuple[str, str]:
+    """The RESULTS.md section of a precision: FP32's is the original one."""
+    return (START, END) if precision == "fp32" else (START.replace(":start", f"_{precision}:start"),
+                                                     END.replace(":end", f"_{precision}:end"))
+
+
+def _section(turns: list[Turn], args: argparse.Namespace, header: str, gate: str = "") -> str:
+    start, end = _markers(args.precision)
+    title = "" if args.precision == "fp32" else f", {args.precision.upper()} build"
+    what = ("MiniLM FP32 (the example recipe" if args.precision == "fp32" else
+            f"MiniLM {args.precision.upper()} (the factory's build of the example recipe{gate}")
+    lines = [start,
+             f"## Embeddings through /v1/embeddings against the KServe path{title} "
+             "(benchmarks/bench_openai_embeddings.py)",
              "", header, "",
-             f"MiniLM FP32 (the example recipe: ONNX Runtime CPU, two instances) behind one `model-factory serve "
+             f"{what}: ONNX Runtime CPU, two instances) behind one `model-factory serve "
              f"--openai-port`; the same texts of benchmarks/texts.txt at the same concurrency sent to Triton's KServe "
              f"`infer` (binary output, as tritonclient asks) or to `/v1/embeddings` (base64, as the openai client "
              f"asks), which makes that KServe call on loopback; both with `truncate` (texts over 128 tokens cut, "
@@ -218,8 +256,10 @@ def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
                      f"{min(costs):.3f}-{max(costs):.3f}x |")
     if any(t.path == INFINITY for t in turns):
         lines += ["", "Beside infinity-emb's OpenAI endpoint (`infinity_emb v2 --engine torch --device cpu`, the same "
-                  "MiniLM folder, its own dynamic batching; it cuts texts at the model's 256 tokens where ours cut at "
-                  "128: texts.txt's longest, 19 of 300 at 129-153 tokens, are embedded whole by it), the same client and texts, interleaved in the same rounds:",
+                  "MiniLM folder in FP32, its own default" + (
+                      "" if args.precision == "fp32" else f": ours {args.precision.upper()} against its FP32, not "
+                      "like for like") + "; its own dynamic batching; it cuts texts at the model's 256 tokens where "
+                  "ours cut at 128: texts.txt's longest, 19 of 300 at 129-153 tokens, are embedded whole by it), the same client and texts, interleaved in the same rounds:",
                   "", "| shape | /v1/embeddings texts/s (median) | infinity-emb texts/s (median) | ratio per round: "
                   "median | range | server CPU per text, ours over infinity-emb: median |",
                   "| --- | ---: | ---: | ---: | --- | ---: |"]
@@ -238,7 +278,7 @@ def _section(turns: list[Turn], args: argparse.Namespace, header: str) -> str:
               "a process that shares the cores with Triton, its stubs and the client. Server CPU per text (user + "
               "system seconds of `serve`, where the frontend runs, of tritonserver and of the stubs, read around "
               "each turn) is steadier than texts/s on a shared machine: its ratio is what the frontend adds per "
-              "text.", END]
+              "text.", end]
     return "\n".join(lines)
 
 
@@ -250,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1x8,16x4", help="texts per request x requests in flight, comma-separated")
     ap.add_argument("--infinity", default="", help="infinity-emb's CLI (infinity_emb): its OpenAI endpoint as a "
                     "third path (benchmarks/install_peers.sh infinity)")
+    ap.add_argument("--precision", choices=("fp32", "int8"), default="fp32",
+                    help="which of the factory's builds serves (int8: quantized with the example's data, its gate)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
@@ -263,8 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     turns: list[Turn] = []
     with tempfile.TemporaryDirectory(prefix="bench-openai-emb-") as tmp:
         root = Path(tmp)
-        recipe, exported = export_minilm(root, {"repository.path": str(root / "repo")})
-        repo = package_variant(recipe, exported)
+        gate = ""
+        if args.precision == "fp32":
+            recipe, exported = export_minilm(root, {"repository.path": str(root / "repo")})
+            repo = package_variant(recipe, exported)
+        else:
+            recipe, repo, gate = _quantized(root)
         proc, kserve, openai = _start_serve(repo)
         served = SimpleNamespace(process=proc)  # serve, its tritonserver and the stubs: one process tree
         urls = {"kserve": f"{kserve}/v2/models/minilm/infer", "openai": f"{openai}/v1/embeddings"}
@@ -295,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server.wait(timeout=120)
     header = run_header("benchmarks/bench_openai_embeddings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                         load.finish(), own_processes=4)
-    publish(_section(turns, args, header), args.results, START, END, not args.no_write)
+    start, end = _markers(args.precision)
+    publish(_section(turns, args, header, gate), args.results, start, end, not args.no_write)
     return 0
 
 

@@ -3,10 +3,10 @@
 
 Each request is checked (``openai_encoders``, ``tei_protocol``), sent to the model through Triton's KServe
 ``infer`` like any client's (``kserve_infer``: one call, or one per ``max_batch_size`` rows, sent together, and
-token-id rows grouped by length), and answered in the shape its API reads. The request id (the client's
-``X-Request-ID``, else one generated) goes to Triton in the same header, so the backend's events name it, and comes
-back on the answer. Tokens for ``usage`` are counted with the model's own tokenizer (``encoder_models``), beside
-the infer call (a large request's off the event loop).
+token-id rows grouped by length, over the routes' own kept-alive loopback connections), and answered in the shape
+its API reads. The request id (the client's ``X-Request-ID``, else one generated) goes to Triton in the same
+header, so the backend's events name it, and comes back on the answer. Tokens for ``usage`` are counted with the
+model's own tokenizer (``encoder_models``), beside the infer call (a large request's off the event loop).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from model_factory.serving.encoder_models import CLASSIFICATION, EMBEDDING, RERANKER, EncoderModel
-from model_factory.serving.kserve_infer import infer
+from model_factory.serving.kserve_infer import LoopbackClient, infer
 from model_factory.serving.openai_encoders import embeddings_request, embeddings_response, shape_vectors
 from model_factory.serving.openai_protocol import OpenAIError
 from model_factory.serving.tei_protocol import (cohere_rerank_request, cohere_rerank_response, predict_request,
@@ -38,14 +38,17 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 class EncoderRoutes:
-    """The handlers; ``session()`` gives the frontend's aiohttp client session, ``request_id`` its id rule."""
+    """The handlers; ``request_id`` is the frontend's id rule. The calls to Triton (``triton``: its HTTP URL) go
+    over one :class:`~model_factory.serving.kserve_infer.LoopbackClient`, closed by :meth:`close`."""
 
-    def __init__(self, triton: str, models: Mapping[str, EncoderModel], session: Callable[[], Any],
-                 request_id: Callable[[Any], str]) -> None:
+    def __init__(self, triton: str, models: Mapping[str, EncoderModel], request_id: Callable[[Any], str]) -> None:
         self.triton = triton
         self.models = dict(models)
-        self._session = session
+        self._client = LoopbackClient(triton)
         self._request_id = request_id
+
+    def close(self) -> None:
+        self._client.close()
 
     def of(self, task: str) -> dict[str, EncoderModel]:
         return {n: m for n, m in self.models.items() if m.task == task}
@@ -64,7 +67,7 @@ class EncoderRoutes:
         """``rows`` rows through the model's infer, ``max_batch`` rows a call (sent together), joined in order."""
         async def part(a: int, b: int) -> dict[str, np.ndarray]:
             try:
-                return await infer(self._session(), self.triton, model.name, inputs(a, b), outputs, parameters, rid)
+                return await infer(self._client, model.name, inputs(a, b), outputs, parameters, rid)
             except OpenAIError as err:
                 if a:  # the backend numbers the rows of the call it was sent: name them as the client sent them
                     err.message = _ROW.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + a}]", err.message)
@@ -75,8 +78,10 @@ class EncoderRoutes:
         return {o: np.concatenate([p[o] for p in parts]) if o in parts[0] else None for o in outputs}
 
     async def _text_outputs(self, model: EncoderModel, inputs: dict[str, Sequence[str]], rows: int,
-                            parameters: Mapping[str, Any] | None, rid: str) -> tuple[np.ndarray, np.ndarray]:
-        outputs = (model.output, TRUNCATED) if model.text_input else (model.output,)
+                            parameters: Mapping[str, Any] | None, rid: str,
+                            truncated: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The model's output for text rows, and (``truncated``) the tokens cut from each, else zeros."""
+        outputs = (model.output, TRUNCATED) if truncated and model.text_input else (model.output,)
         got = await self._run(model, rows, lambda a, b: {k: v[a:b] for k, v in inputs.items()}, outputs,
                               parameters, rid)
         truncated = got.get(TRUNCATED)
@@ -102,12 +107,15 @@ class EncoderRoutes:
         return out
 
     async def _count(self, model: EncoderModel, texts: Sequence[Any]) -> int:
-        """Tokens of ``texts`` for ``usage``: a few inline (tens of microseconds, less than a thread's hand-over),
+        """Tokens of ``texts`` for ``usage``."""
+        return int(sum(await self._counts(model, texts)))
+
+    async def _counts(self, model: EncoderModel, texts: Sequence[Any]) -> list[int]:
+        """Each text's tokens, untruncated: a few inline (tens of microseconds, less than a thread's hand-over),
         many off the event loop."""
         if len(texts) <= INLINE_COUNT:
-            return int(sum(model.tokens.count(list(texts))))
-        counts = await asyncio.get_running_loop().run_in_executor(None, model.tokens.count, list(texts))
-        return int(sum(counts))
+            return model.tokens.count(list(texts))
+        return await asyncio.get_running_loop().run_in_executor(None, model.tokens.count, list(texts))
 
     # ------------------------------------------------------------------ handlers
 
@@ -132,10 +140,16 @@ class EncoderRoutes:
             call = embeddings_request(body, self.of(EMBEDDING))
             model = self.models[call.model]
             if call.texts:
-                (vectors, truncated), counted = await asyncio.gather(
-                    self._text_outputs(model, {"text": call.texts}, call.count, call.parameters, rid),
-                    self._count(model, call.texts))
-                tokens = counted - int(truncated.sum())
+                mode = long_input_mode(call.parameters, model)
+                cut_here = mode in ("refuse", "truncate") and model.max_length is not None
+                (vectors, truncated), counts = await asyncio.gather(
+                    self._text_outputs(model, {"text": call.texts}, call.count, call.parameters, rid,
+                                       truncated=not cut_here),
+                    self._counts(model, call.texts))
+                if cut_here:  # what the backend kept: the whole text, or its first max_length tokens (refuse: all)
+                    tokens = sum(min(n, model.max_length) for n in counts)
+                else:  # chunk (or limits unknown): the backend says what it dropped
+                    tokens = int(sum(counts)) - int(truncated.sum())
             else:
                 vectors = await self._id_outputs(model, call.token_ids, rid)
                 tokens = sum(len(row) for row in call.token_ids)
@@ -184,6 +198,18 @@ class EncoderRoutes:
             return predict_response(call, logits, model.labels)
 
         return await self._answer(request, handle, tei=True)
+
+
+def long_input_mode(parameters: Mapping[str, Any] | None, model: EncoderModel) -> str:
+    """The long-input mode the backend applies to a request: its ``long_inputs``, its ``truncate`` (true: truncate,
+    false: refuse), else the model's default (as the backend's ``TextEncoder.mode_for`` reads them; both already
+    checked by ``openai_encoders.long_input_parameters``)."""
+    params = parameters or {}
+    if "long_inputs" in params:
+        return str(params["long_inputs"])
+    if "truncate" in params:
+        return "truncate" if params["truncate"] else "refuse"
+    return model.long_inputs
 
 
 def _dumps(obj: Any) -> str:

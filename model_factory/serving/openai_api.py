@@ -166,6 +166,7 @@ class OpenAIFrontend:
         self._thread: threading.Thread | None = None
         self._runner: Any = None
         self._session: Any = None
+        self._encoder_routes: Any = None
         self._started = threading.Event()
         self._error: BaseException | None = None
 
@@ -210,8 +211,9 @@ class OpenAIFrontend:
         app.router.add_post("/v1/chat/completions", self._chat)
         from model_factory.serving.encoder_api import EncoderRoutes
 
-        EncoderRoutes(self.triton, self.encoders, lambda: self._session,
-                      lambda request: request_id_for(request.headers.get(REQUEST_ID_HEADER))).add_to(app)
+        self._encoder_routes = EncoderRoutes(self.triton, self.encoders,
+                                             lambda request: request_id_for(request.headers.get(REQUEST_ID_HEADER)))
+        self._encoder_routes.add_to(app)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                               connector=aiohttp.TCPConnector(limit=0))
         # The model-server protocol's metrics, for an InferencePool's endpoint picker.
@@ -228,6 +230,8 @@ class OpenAIFrontend:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self._encoder_routes is not None:
+            self._encoder_routes.close()
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():

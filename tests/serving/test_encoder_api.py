@@ -179,3 +179,36 @@ def test_an_inference_server_out_of_reach_is_a_503() -> None:
     with OpenAIFrontend(f"127.0.0.1:{port}", {}, encoders=encoders) as front:
         status, headers, body = _post(f"{front.url}/v1/embeddings", {"model": "e", "input": "x"})
     assert status == 503 and "cannot be reached" in body["error"]["message"] and headers["Retry-After"] == "1"
+
+
+def test_concurrent_requests_each_get_their_own_vectors(frontend) -> None:
+    """Sent at once over the frontend's kept-alive loopback connections: each answer holds its own texts' vectors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    front, fake = frontend
+    fake.calls.clear()
+    batches = [["x" * (k + 1)] * (1 + k % 3) for k in range(24)]
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda b: _post(f"{front.url}/v1/embeddings", {"model": "e", "input": b}), batches))
+    assert all(status == 200 for status, _, _ in answers)
+    assert [[d["embedding"][0] for d in body["data"]] for _, _, body in answers] == \
+        [[float(len(b[0]))] * len(b) for b in batches]
+    assert sum(len(c[1]["inputs"][0]["data"]) for c in fake.calls) == sum(len(b) for b in batches)
+
+
+def test_truncated_tokens_is_asked_for_only_where_the_frontend_cannot_count_the_cut() -> None:
+    """A model whose limit the frontend knows: refuse and truncate count usage here (min(tokens, limit) a text), so
+    Triton is asked for the embedding alone; chunk still asks the backend what it dropped."""
+    from model_factory.serving.encoder_api import long_input_mode
+
+    fake = FakeTriton()
+    model = EncoderModel("t", "embedding", max_batch=4, dimensions=DIMS, max_length=8, long_inputs="truncate")
+    assert [long_input_mode(p, model) for p in (None, {"truncate": False}, {"long_inputs": "chunk"})] == \
+        ["truncate", "refuse", "chunk"]
+    with OpenAIFrontend(f"127.0.0.1:{fake.port}", {}, encoders={"t": model}) as front:
+        asked = []
+        for extra in ({}, {"truncate": True}, {"truncate": False}, {"long_inputs": "chunk"}):
+            fake.calls.clear()
+            assert _post(f"{front.url}/v1/embeddings", {"model": "t", "input": ["a", "b"], **extra})[0] == 200
+            asked.append([o["name"] for o in fake.calls[-1][1]["outputs"]])
+    assert asked == [["embedding"]] * 3 + [["embedding", "truncated_tokens"]]

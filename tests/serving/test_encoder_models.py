@@ -24,6 +24,7 @@ def test_an_embedding_model_as_the_frontend_calls_it(minilm_recipe, tmp_path: Pa
     assert (model.task, model.output, model.dimensions, model.normalized, model.text_input) == \
         ("embedding", "embedding", 384, True, True)
     assert model.max_batch == 64 and model.matryoshka_dimensions == ()
+    assert (model.max_length, model.long_inputs) == (128, "refuse")  # read as the backend reads them (contract)
     assert model.tokens.count(["a b"]) == [0]  # packaged without a tokenizer: nothing to count with
 
 
