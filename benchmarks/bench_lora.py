@@ -21,6 +21,14 @@ replaced.
     flock /tmp/vllm.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_lora.py --served --work DIR \
         [--rounds N] [--write]
 
+``--shape gemma3``: Gemma 3 270M, the real model (``--hf`` its FP32 folder, ``--data`` the held-out text's folder):
+the base is the FP32 graph of the factory's ``--gemma-build`` build (default ``int8kv8``, ``keep_all_precisions``;
+``benchmarks/harness/gemma3.build_ours``, reused from ``--work/builds``) laid out serving FP32 with this checkout's
+backend, vLLM reads the folder in transformers 4's form (``gemma3.peer_folder``), the PEFT pairs' std is
+``LORA_STD_GEMMA`` and the prompts are words (bench_generate's pool). ``--build-only`` builds the base and the adapters
+and stops: one Gemma adapter's build (transformers + peft and the graph, greedy and gate) took about 7 minutes on this
+2-core box, so build first, then run the comparison under vLLM's lock.
+
 The same 110M Llama's HF folder; 16 rank-16 PEFT LoRA folders on its seven projections (``q k v o gate up down``,
 ``lora_alpha`` 16, random pairs of std ``LORA_STD``, made here with ``peft``, reused from ``--work``). Ours: the base
 built by the factory in FP32 (``max_loras`` 16, ``max_active_sequences`` 32) and signed, each PEFT folder built onto it
@@ -67,6 +75,7 @@ STREAMS = {8: 2, 32: 1}  # streams: requests each stream sends
 ADAPTER_COUNTS = (1, 4, 16)
 PROMPT, TOKENS, RANK = 64, 32, 16
 SERVED_START, SERVED_END = "<!-- lora_served:start -->", "<!-- lora_served:end -->"
+GEMMA_START, GEMMA_END = "<!-- lora_served_gemma3:start -->", "<!-- lora_served_gemma3:end -->"  # --shape gemma3
 SERVED_STREAMS = (8, 32)
 SERVED_TOKENS = 64
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,7 +88,11 @@ BASE_NAME = "llm"
 SMALL_SHAPE = dict(hidden=256, layers=8, heads=4, kv_heads=2, intermediate=768, vocab_size=6294, max_positions=2048,
                    tie=True)
 SHAPE_NAMES = {"110m": "110M Llama (SmolLM-135M's shape, random weights)",
-               "small": "6M Llama (hidden 256, 8 layers, 4 heads, 2 KV heads, random weights)"}
+               "small": "6M Llama (hidden 256, 8 layers, 4 heads, 2 KV heads, random weights)",
+               "gemma3": "Gemma 3 270M (the real model)"}
+# --shape gemma3: the weights' std is about 0.04 (0.02 in down_proj), so a rank-16 product of pairs of std 0.03 adds
+# about 4 x 0.03^2 / 0.04 = 9 % to a projection's output, as LORA_STD does to the 110M Llama's.
+LORA_STD_GEMMA = 0.03
 CHECK_TOKENS = 16
 
 
@@ -148,9 +161,9 @@ def one_run(lm, spec, streams: int, table, count: int, seed: int) -> float:
 # --------------------------------------------------------------------------- served, beside vLLM-CPU (--served)
 
 
-def peft_adapters(hf: Path, folder: Path, count: int) -> list[Path]:
+def peft_adapters(hf: Path, folder: Path, count: int, std: float = LORA_STD) -> list[Path]:
     """``count`` PEFT LoRA folders ``a0`` .. on every projection of ``hf``: rank ``RANK``, ``lora_alpha`` = rank (scale
-    1), both matrices random (std ``LORA_STD``, seed = the adapter's number); reused when already written."""
+    1), both matrices random (std ``std``, seed = the adapter's number); reused when already written."""
     out = [folder / f"a{n}" for n in range(count)]
     if all((p / "adapter_config.json").is_file() for p in out):
         return out
@@ -158,7 +171,7 @@ def peft_adapters(hf: Path, folder: Path, count: int) -> list[Path]:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    say(f"writing {count} PEFT adapters (rank {RANK}, random, std {LORA_STD})")
+    say(f"writing {count} PEFT adapters (rank {RANK}, random, std {std})")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(PEFT_MODULES),
                                                   lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
@@ -167,15 +180,16 @@ def peft_adapters(hf: Path, folder: Path, count: int) -> list[Path]:
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
                 if "lora_" in name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
         peft_model.save_pretrained(str(path))
     return out
 
 
-def served_repository(hf: Path, work: Path, peft_dirs: list[Path]) -> tuple[Path, Path]:
+def served_repository(hf: Path, work: Path, peft_dirs: list[Path], gemma: dict | None = None) -> tuple[Path, Path]:
     """``(repository, policy)``: the base built by the factory and signed, each PEFT folder built onto it by the
     factory and signed (``build_adapter``), a policy trusting the key; what ``work`` holds already is reused (the base,
-    each adapter built)."""
+    each adapter built). ``gemma`` (--shape gemma3: the ``gemma3.build_ours`` dict of the build whose FP32 graph is
+    served): that version laid out with this checkout's backend instead of a build made here."""
     from model_factory.build.adapter import build_adapter
     from model_factory.demo import write_key_policy
     from model_factory.recipe import load_recipe
@@ -190,25 +204,60 @@ def served_repository(hf: Path, work: Path, peft_dirs: list[Path]) -> tuple[Path
 
         shutil.rmtree(root, ignore_errors=True)
         generate_keypair(root / "keys")
-        say("building the FP32 base with the factory (max_loras 16)")
-        layout_generative_model(hf, None, repo, BASE_NAME, memory_budget_mib=4096,
-                                max_active_sequences=max(SERVED_STREAMS), max_waiting_sequences=64,
-                                max_loras=max(ADAPTER_COUNTS))
+        params = dict(memory_budget_mib=4096, max_active_sequences=max(SERVED_STREAMS), max_waiting_sequences=64,
+                      max_loras=max(ADAPTER_COUNTS))
+        if gemma is not None:
+            from benchmarks.harness import gemma3
+            from model_factory.backend.contract import onnx_file
+
+            say(f"laying out {gemma['version_dir']} serving FP32 (max_loras 16) with this checkout's backend")
+            vdir = Path(gemma["version_dir"])
+            gemma3.layout(vdir, repo, BASE_NAME, precision="fp32", onnx_file=onnx_file("fp32"), **params)
+            shutil.rmtree(repo / BASE_NAME / vdir.name / "mf_backend")  # the build's (hard links): this checkout's
+            shutil.copytree(HERE.parent / "backends" / "python_backend", repo / BASE_NAME / vdir.name / "mf_backend",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            say("building the FP32 base with the factory (max_loras 16)")
+            layout_generative_model(hf, None, repo, BASE_NAME, **params)
         (root / "base-built").write_text("built\n")
     keys = root / "keys"
     signer = SignerConfig(private_key=keys / "signing-key.pem", password=None)
     from model_factory.signing.layout import signature_path
 
-    if not signature_path(repo / BASE_NAME, 1).is_file():
-        sign_model_version(repo / BASE_NAME, 1, signer)
+    if _backend_refreshed(repo / BASE_NAME / "1") or not signature_path(repo / BASE_NAME, 1).is_file():
+        sign_model_version(repo / BASE_NAME, 1, signer)  # the adapters' base digests do not cover the backend
     for path in peft_dirs:
         if signature_path(repo / path.name, 1).is_file():  # built and signed by an earlier run (signed last)
             continue
         say(f"building adapter {path.name} with the factory")
+        began = time.perf_counter()
         build_adapter(load_recipe(adapter_recipe(root / "recipes", path.name, path, repo / BASE_NAME, hf, repo)),
                       signer=signer)
+        (root / f"{path.name}.build-seconds").write_text(f"{time.perf_counter() - began:.0f}\n")
     write_key_policy(policy, [keys / "signing-key.pub"], require_provenance=False)
     return repo, policy
+
+
+def _backend_refreshed(vdir: Path) -> bool:
+    """The version's backend replaced by this checkout's where they differ (a base reused from an earlier run):
+    whether it was."""
+    import filecmp
+    import shutil
+
+    ours, theirs = HERE.parent / "backends" / "python_backend", vdir / "mf_backend"
+
+    def same(a: Path, b: Path) -> bool:
+        cmp = filecmp.dircmp(a, b, ignore=["__pycache__"])
+        _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
+        return (not cmp.left_only and not cmp.right_only and not mismatch and not errors
+                and all(same(a / d, b / d) for d in cmp.common_dirs))
+
+    if theirs.is_dir() and same(ours, theirs):
+        return False
+    shutil.rmtree(theirs, ignore_errors=True)
+    shutil.copytree(ours, theirs, ignore=shutil.ignore_patterns("__pycache__"))
+    say(f"{theirs}: this checkout's backend")
+    return True
 
 
 def _answer(url: str, model: str, prompt: list[int]) -> str:
@@ -265,8 +314,26 @@ def served_main(args: argparse.Namespace) -> int:
         raise SystemExit("--served needs --work DIR (the builds are reused from it)")
     work = args.work.resolve()
     load = LoadReading.begin()
+    gemma, vllm_hf = None, None
     if args.shape == "110m":
         hf = llama_folder(work, "mf-bench-lora-")
+    elif args.shape == "gemma3":
+        import benchmarks.bench_generate as bench_generate
+        from tokenizers import Tokenizer
+
+        from benchmarks.harness import gemma3
+
+        hf = gemma3.hf_folder(args.hf, work)
+        calibration, heldout = gemma3.data_files(args.data, work)
+        gemma = gemma3.build_ours(hf, args.gemma_build, work, calibration, heldout, say)
+        if gemma["version_dir"] is None:
+            raise SystemExit(f"the {args.gemma_build} build failed: {gemma['error']}")
+        tokenizer = Tokenizer.from_file(str(hf / "tokenizer.json"))  # prompts of words, as bench_generate's
+        bench_generate._TOKENIZER = tokenizer
+        bench_generate.MODEL.update(name="gemma3", pool=gemma3.prompt_pool(tokenizer),
+                                    bos=tokenizer.token_to_id("<bos>"), eog=("<eos>", "<end_of_turn>"))
+        if "vllm" in args.servers.split(",") and bench_generate._transformers_major(args.vllm_python) < 5:
+            vllm_hf = gemma3.peer_folder(hf, work)  # transformers 4's config form
     else:
         from tests.generative_models import make_causal_lm
 
@@ -276,14 +343,18 @@ def served_main(args: argparse.Namespace) -> int:
             make_causal_lm("llama", hf, **SMALL_SHAPE)
     counts = [int(c) for c in args.counts.split(",")]
     count = max(counts)  # the adapters built and served (16 PEFT folders are written whatever the counts)
-    peft_dirs = peft_adapters(hf, work / "peft", max(ADAPTER_COUNTS))[:count]
+    std = LORA_STD_GEMMA if args.shape == "gemma3" else LORA_STD
+    peft_dirs = peft_adapters(hf, work / "peft", max(ADAPTER_COUNTS), std)[:count]
     names = [p.name for p in peft_dirs]
-    repo, policy = served_repository(hf, work, peft_dirs)
+    repo, policy = served_repository(hf, work, peft_dirs, gemma)
+    if args.build_only:
+        say(f"built: {repo} (the base and {len(peft_dirs)} adapters)")
+        return 0
     cli = Path(sys.executable).parent / "model-factory"
     ours_port, vllm_port = _free_port(), _free_port()
     ours_cmd = [str(cli), "serve", "--policy", str(policy), "--http-port", "0", "--grpc-port", "0", "--metrics-port",
                 "0", "--openai-port", str(ours_port), str(repo)]
-    vllm_cmd = vllm_command(args.vllm_python, hf, vllm_port, "--enable-lora", "--max-loras", str(max(ADAPTER_COUNTS)),
+    vllm_cmd = vllm_command(args.vllm_python, vllm_hf or hf, vllm_port, "--enable-lora", "--max-loras", str(max(ADAPTER_COUNTS)),
                             "--max-lora-rank", str(RANK), "--max-num-seqs", str(max(SERVED_STREAMS)), "--lora-modules",
                             *(f"{p.name}={p}" for p in peft_dirs), name=BASE_NAME)
     vllm_env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
@@ -325,10 +396,16 @@ def served_main(args: argparse.Namespace) -> int:
                     results.setdefault((who, streams, c), []).append(tps)
                     say(f"{label}: {tps:.1f} tokens/s, load {os.getloadavg()[0]:.1f}")
             n += 1  # the next round starts with the other server
-    lines = [SERVED_START, "## LoRA adapters served, beside vLLM-CPU's multi-LoRA (`lora_served`)", "",
+    start, end, key = ((GEMMA_START, GEMMA_END, "lora_served_gemma3") if gemma else
+                       (SERVED_START, SERVED_END, "lora_served"))
+    lines = [start, f"## LoRA adapters served, beside vLLM-CPU's multi-LoRA (`{key}`)"
+             + (", Gemma 3 270M" if gemma else ""), "",
              run_header("benchmarks/bench_lora.py --served", load.finish(), own_processes=3), "",
-             f"{SHAPE_NAMES[args.shape]}, FP32; {count} rank-{RANK} PEFT adapters on the seven "
-             f"projections (random pairs, std {LORA_STD}); the servers up at once, {args.rounds} rounds, every cell "
+             f"{SHAPE_NAMES[args.shape]}, FP32"
+             + (f" (the graph of the factory's `{args.gemma_build}` build, `keep_all_precisions`; 128-token prompts "
+                "of lower-case words, as bench_generate's)" if gemma else "")
+             + f"; {count} rank-{RANK} PEFT adapters on the seven "
+             f"projections (random pairs, std {std}); the servers up at once, {args.rounds} rounds, every cell "
              f"on each server one after the other, the order alternating. Each cell: N streamed requests at once "
              f"through the OpenAI API (`/v1/completions`), 128-token prompts, exactly {SERVED_TOKENS} greedy tokens "
              "each, `model` the base or request j on adapter j mod A. Ours: `model-factory serve --policy P "
@@ -363,14 +440,19 @@ def served_main(args: argparse.Namespace) -> int:
         lines += ["", f"Issue 52's target, ours at 4 adapters at least 0.8x its base alone: "
                       f"{', '.join(f'{r:.2f}x at {s} streams' for r, s in zip(at4, SERVED_STREAMS))} "
                       f"({'met' if min(at4) >= 0.8 else 'not met'})."]
+    took = {n: (work / "served" / f"{n}.build-seconds").read_text().strip() for n in names
+            if (work / "served" / f"{n}.build-seconds").is_file()}
+    if took:
+        lines += ["", "Each adapter's factory build (check against transformers + peft, gate, package, sign), seconds: "
+                      + ", ".join(f"{n} {t}" for n, t in took.items()) + " (load as it was then)."]
     missing = [c for c in ADAPTER_COUNTS if c not in counts]
     if missing:
         lines += ["", f"Not run here: {', '.join(map(str, missing))} adapters (`--counts` "
                       f"{args.counts}: only {count} adapters built)."]
     if problems:
         lines += ["", "Count problems: " + "; ".join(problems)]
-    lines.append(SERVED_END)
-    publish("\n".join(lines), HERE / "RESULTS.md", SERVED_START, SERVED_END, args.write)
+    lines.append(end)
+    publish("\n".join(lines), HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 
@@ -402,7 +484,17 @@ def main() -> int:
     ap.add_argument("--servers", default="ours,vllm",
                     help="--served: the servers run (comma list of ours, vllm; both by default)")
     ap.add_argument("--shape", choices=sorted(SHAPE_NAMES), default="110m",
-                    help="--served: the Llama served (small: about 6M parameters, for a loaded machine)")
+                    help="--served: the model served (small: a 6M Llama, for a loaded machine; gemma3: Gemma 3 270M, "
+                         "--hf, --data, its base the FP32 graph of --gemma-build, built once in --work/builds)")
+    ap.add_argument("--hf", default=None, help="--shape gemma3: its FP32 HF folder (default: made from the PyPI "
+                    "packages' GGUF, benchmarks/harness/gemma3.py)")
+    ap.add_argument("--data", default=None, help="--shape gemma3: a folder with calibration.txt and heldout.txt")
+    ap.add_argument("--gemma-build", default="int8kv8",
+                    help="--shape gemma3: the build (bench_generate's GEMMA_BUILDS key, or fp32) whose FP32 graph is "
+                         "the base; reused from --work/builds/<it>/build.json")
+    ap.add_argument("--build-only", action="store_true",
+                    help="--served: build (or reuse) the base and the adapters in --work and stop (the builds outside "
+                         "vLLM's lock)")
     ap.add_argument("--server-timeout", type=float, default=1800.0, help="--served: seconds a server may take to start")
     args = ap.parse_args()
     if args.served:

@@ -58,13 +58,14 @@ class DecoderRunner:
     """One sequence at a time through a shared-slot decoder graph (CPU, ONNX Runtime)."""
 
     def __init__(self, onnx_path: Path | bytes, max_context: int, head_dim: int, threads: int | None = None,
-                 feeds: dict[str, np.ndarray] | None = None) -> None:
+                 feeds: dict[str, np.ndarray] | None = None, data_folder: Path | None = None) -> None:
         """``onnx_path``: the graph's file, or its bytes (a graph rewritten in memory: ``lora``); ``feeds``: more
-        inputs bound at every step (a LoRA graph's adapter stacks and row)."""
+        inputs bound at every step (a LoRA graph's adapter stacks and row); ``data_folder``: where the bytes'
+        external weights lie (a packaged graph rewritten without reading its weights in)."""
         from model_factory.build_engines.ort_session import onnxruntime_session
 
         self.session = onnxruntime_session(onnx_path if isinstance(onnx_path, bytes) else Path(onnx_path),
-                                           threads=threads)
+                                           threads=threads, data_folder=data_folder)
         self.feeds = dict(feeds or {})
         self.shape = graph_shape(self.session, head_dim)
         self.max_context = int(max_context)

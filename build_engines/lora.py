@@ -160,10 +160,10 @@ def lora_runner(graph: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], ma
     from model_factory.backend.generation.lora import prepare, stacked
     from model_factory.build_engines.lm_graph import DecoderRunner
 
-    import onnx
-
-    model = onnx.load(str(graph))  # external weights read in: the rewritten graph is run from memory
-    prepared = prepare(model.SerializeToString(), sorted(pairs))
+    # The graph rewritten without its weights, which ONNX Runtime reads from the version folder: onnx's own loader
+    # refuses a data file with several hard links ("hardlink attack"), as every packaged base's is (the build folder's
+    # and the repository's), and a 1 GB graph read into a proto would be one more copy in memory.
+    prepared = prepare(Path(graph), sorted(pairs))
     rank = max(a.shape[1] for a, _ in pairs.values())
     one = stacked(pairs, prepared.shapes, rank)
     feeds: dict[str, np.ndarray] = {LORA_MASK: np.ones((1, 1, rank), np.float32)}  # broadcast over the rows
@@ -171,7 +171,7 @@ def lora_runner(graph: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], ma
         name_a, name_b = lora_inputs(module)
         feeds[name_a] = np.ascontiguousarray(a.T)
         feeds[name_b] = b
-    return DecoderRunner(prepared.model, max_context, head_dim, feeds=feeds)
+    return DecoderRunner(prepared.model, max_context, head_dim, feeds=feeds, data_folder=prepared.weights_folder)
 
 
 def _graph_modules(graph: Path) -> set[str]:

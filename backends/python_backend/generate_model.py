@@ -58,7 +58,7 @@ from .lora_contract import ADAPTER_WEIGHTS
 from .generation.kv_blocks import block_tokens
 from .generation.kv_slots import KVSlots
 from .generation.kv_pool import kv_storage, layout_block_tokens, layout_note
-from .generation.lora import AdapterError, AdapterTable, discover, prepare
+from .generation.lora import AdapterError, AdapterTable, discover, prepare_or_refuse
 from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
 from .generation.sampling import SamplingError, choice_seed
@@ -231,7 +231,7 @@ class GenerativeModel:
                 lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
                                      pad_token_id=spec.pad_token_id or 0,
                                      int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
-                                     lora=prepare(src, modules) if modules else None,
+                                     lora=prepare_or_refuse(src, found, refused, modules, s.precision),
                                      kv_block_tokens=layout_block_tokens(s.kv_layout),
                                      int8_matmul=s.int8_matmul))
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),

@@ -29,7 +29,9 @@ ADAPTER_SPEC = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.npz"
 LORA_NAME = "lora_name"  # the sampling_parameters key that names a request's adapter
 LORA_MASK = "lora_mask"  # the rewritten graph's input [batch, 1, k]: ones over each row's adapter's columns
-_MODULE = re.compile(r"^/model/(layers\.\d+)/(attn|mlp)/(\w+)/(MatMul|MatMulNBits)$")
+# The builder's MatMul, its MatMulNBits, or the factory's weight-only INT8 / INT4 of it (lm_blockwise: "MatMul_Q8",
+# "MatMul_Q4", a MatMulNBits under the MatMul's name and its bits).
+_MODULE = re.compile(r"^/model/(layers\.\d+)/(attn|mlp)/(\w+)/(MatMul|MatMulNBits|MatMul_Q\d+)$")
 
 
 def file_sha256(path: Path) -> str:
@@ -42,7 +44,8 @@ def file_sha256(path: Path) -> str:
 
 
 def graph_module(node_name: str) -> str | None:
-    """``layers.0.attn.qkv_proj`` for the builder's ``/model/layers.0/attn/qkv_proj/MatMul`` (or its MatMulNBits);
+    """``layers.0.attn.qkv_proj`` for the builder's ``/model/layers.0/attn/qkv_proj/MatMul`` (or its MatMulNBits, or
+    the factory's weight-only ``.../MatMul_Q8`` / ``MatMul_Q4``);
     None for a node that is no layer's projection (the LM head, attention's own MatMuls)."""
     m = _MODULE.match(node_name)
     return f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else None

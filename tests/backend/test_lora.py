@@ -175,3 +175,56 @@ def test_a_request_names_its_adapter_in_sampling_parameters() -> None:
     assert read_generate_request(sent({}).get, None, spec, 64).adapter is None
     with pytest.raises(SamplingError, match="lora_name"):
         read_generate_request(sent({"lora_name": 7}).get, None, spec, 64)
+
+
+def test_adapters_beside_an_int8_dynamic_base_are_refused_by_name_and_the_base_loads(tiny_llm, tmp_path) -> None:
+    """INT8 dynamic's graph computes each projection with MatMulInteger (``.../MatMul_quant``): the rewrite finds no
+    MatMul to add to, so the adapters are refused with why and the base loads without them (before, the rewrite's
+    ValueError stopped the base's load)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from model_factory.backend.generation.lora import prepare_or_refuse
+
+    _, onnx_dir = tiny_llm
+    int8 = tmp_path / "model.int8.onnx"
+    quantize_dynamic(str(onnx_dir / "model.onnx"), str(int8), weight_type=QuantType.QInt8)
+    shapes = prepare(onnx_dir / "model.onnx", MODULES).shapes
+    found = [_adapter(tmp_path / "adapters", "a", shapes, 2, 1)]
+    refused: dict[str, str] = {}
+    modules = list(MODULES)
+    assert prepare_or_refuse(int8, found, refused, modules, "int8") is None
+    assert found == [] and modules == []
+    assert "adapter a is not served on this base's int8 graph" in refused["a"] and "Fix: " in refused["a"]
+    table = AdapterTable(found, refused, {}, max_loras=4)
+    with pytest.raises(AdapterError, match="int8 graph"):
+        table.acquire("a")
+    model = CausalLM(int8, threads=1, lora=None)  # the base as the stub then loads it
+    assert model.lora_shapes == {}
+    # The FP32 graph keeps them: rewritten.
+    found, modules = [_adapter(tmp_path / "fp32", "a", shapes, 2, 1)], list(MODULES)
+    assert prepare_or_refuse(onnx_dir / "model.onnx", found, {}, modules, "fp32").shapes == shapes
+    assert len(found) == 1 and modules == MODULES
+
+
+def test_the_factorys_weight_only_int4_graph_is_rewritten_as_its_fp32_graph(lora_model, tiny_llm, tmp_path) -> None:
+    """The factory's weight-only INT8 / INT4 (lm_blockwise) names each projection ``.../MatMul_Q4`` (a MatMulNBits):
+    the same modules and shapes as the FP32 graph, slot 0 the quantized graph's logits exactly, an adapter's row its
+    own (before, no module was found there and the adapters stopped the base's load)."""
+    from model_factory.build_engines.lm_blockwise import blockwise_graph
+
+    spec, fp32_model, _, table = lora_model
+    _, onnx_dir = tiny_llm
+    int4, _ = blockwise_graph(onnx_dir / "model.onnx", tmp_path / "int4", 32, lambda names, head: set())
+    prepared = prepare(int4, MODULES)
+    assert prepared.shapes == fp32_model.lora_shapes
+    model = CausalLM(int4, threads=1, lora=prepared)
+    model.lora_table = table
+    prompt = [5, 9, 200, 31]
+    a = table.acquire("a")
+    try:
+        got = model.prefill([prompt, prompt], KVSlots(spec, 2, 1 << 28).views(0, 2), adapters=[0, a])
+    finally:
+        table.release(a)
+    alone = CausalLM(int4, threads=1).prefill([prompt], KVSlots(spec, 1, 1 << 28).views(0, 1))[0]
+    np.testing.assert_allclose(got[0], alone, rtol=1e-5, atol=1e-5)
+    assert np.abs(got[1] - got[0]).max() > 1e-2

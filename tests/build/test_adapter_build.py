@@ -102,3 +102,50 @@ def test_an_adapter_is_checked_gated_packaged_and_signed_tied_to_its_base(tiny_l
     policy = load_policy(write_key_policy(tmp_path / "policy.toml", [keys.public_key], require_provenance=False))
     results = {r.model: r for r in verify_repository(repo, policy)}
     assert results["contracts"].ok, results["contracts"].reasons
+
+
+@pytest.mark.slow
+def test_a_gemma3_adapter_builds_onto_a_base_whose_weights_are_hard_linked_data(tmp_path) -> None:
+    """Gemma 3's graph (the builder's packed qkv_proj, head_dim given by the config) with its weights in a data file
+    of several hard links, as every packaged build's is (Gemma 3 270M's 1.1 GB): onnx's own loader refuses such a
+    file as a "hardlink attack", so the check reads the graph without its weights and ONNX Runtime reads them."""
+    import os
+
+    import onnx
+    import torch
+    from peft import LoraConfig, get_peft_model
+    import transformers
+
+    from model_factory.build.adapter import build_adapter
+    from model_factory.recipe import load_recipe
+    from tests.generative_models import make_causal_lm
+    from tests.generative_repository import layout_generative_model
+    from tests.lora_adapters import adapter_recipe
+
+    hf = make_causal_lm("gemma3_text", tmp_path / "hf", hidden=64, heads=4, kv_heads=1, layers=2)
+    repo = tmp_path / "repo"
+    vdir = layout_generative_model(hf, None, repo, "llm")
+    graph = vdir / "model.onnx"
+    model = onnx.load(str(graph))
+    graph.unlink()
+    onnx.save_model(model, str(graph), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    os.link(vdir / "model.onnx.data", tmp_path / "another-link")  # as the build folder's copy is
+    assert (vdir / "model.onnx.data").stat().st_nlink == 2
+    peft_model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    built = build_adapter(load_recipe(adapter_recipe(tmp_path / "r", "g", tmp_path / "peft", repo / "llm", hf, repo)))
+    report = json.loads((built.version_dir / "accuracy.json").read_text())
+    spec = json.loads((built.version_dir / "adapter.json").read_text())
+    assert report["check"]["greedy_identical"] and report["gate"]["passed"], report
+    assert report["check"]["tokens_differing_from_base"] > 0
+    assert "model.onnx.data" in spec["base_digests"]
+    assert sorted(m.rsplit(".", 1)[1] for m in spec["modules"] if m.startswith("layers.0.")) == [
+        "down_proj", "gate_proj", "o_proj", "qkv_proj", "up_proj"]

@@ -118,6 +118,25 @@ def prepare(source: Path | bytes, modules: Sequence[str]) -> LoraGraph:
     return LoraGraph(model.SerializeToString(), folder, shapes)
 
 
+def prepare_or_refuse(source: Path | bytes, found: list, refused: dict[str, str], modules: list[str],
+                      precision: str) -> LoraGraph | None:
+    """``prepare(source, modules)``, or None with every adapter of ``found`` moved to ``refused`` (and ``found``,
+    ``modules`` emptied) where the served graph has not the projections they add to: the base then loads and
+    serves without them, each adapter's request answered with why (INT8 dynamic's graph computes a projection in
+    integers, ``MatMulInteger``, under other node names: no ``MatMul`` to add to)."""
+    if not modules:
+        return None
+    try:
+        return prepare(source, modules)
+    except ValueError as exc:
+        refused.update({f.spec.name: f"adapter {f.spec.name} is not served on this base's {precision} graph: {exc}. "
+                        "Fix: serve the base at a precision whose projections are MatMul or MatMulNBits (fp32, int8 "
+                        "weight-only, int4)" for f in found})
+        found.clear()
+        modules.clear()
+        return None
+
+
 def stacked(pairs: dict[str, tuple[np.ndarray, np.ndarray]], shapes: dict[str, tuple[int, int]],
             rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """One adapter's pairs zero-padded to ``rank`` for every module of the table (zeros where it adds nothing)."""
