@@ -278,3 +278,16 @@ def test_a_dynamic_int8_text_generation_graph_decodes_the_same_on_the_operators(
     for a, b in zip(*runs):
         assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
         assert np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_compiler
+def test_without_vnni_the_chains_stay_on_onnxruntime_and_the_grouped_forms_still_go(tmp_path, monkeypatch):
+    """On AVX2 alone the operator's u8 x s8 products are slower than with VNNI: prepare leaves the chains to ONNX
+    Runtime there and still replaces the grouped per-row forms (two dozen nodes each)."""
+    monkeypatch.setattr(rk, "_cpu_flags", lambda: "sse4_2 avx2 fma")
+    assert rk.prepare(_chain(tmp_path, 64, 32)) is None
+    rows = rk.prepare(_one_matmul(tmp_path, 512, 64, 128))
+    assert rows is not None and (rows.nodes, rows.chains) == (1, 0)
+    monkeypatch.setattr(rk, "_cpu_flags", lambda: "avx2 avx512f avx512_vnni")
+    chains = rk.prepare(_chain(tmp_path, 64, 32))
+    assert chains is not None and (chains.nodes, chains.chains) == (0, 1)

@@ -97,9 +97,9 @@ inline float column_scale(const Step& st, int64_t g, int64_t n) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 columns a vector: a tile is 2 vectors; 4 rows share each weight load (8 accumulators).
+// 16 columns a vector: a tile is 2 vectors; 8 rows share each weight load (16 accumulators of the 32 registers).
 constexpr int64_t kVec = 16;
-constexpr int kRows = 4;
+constexpr int kRows = 8;
 using VecI = __m512i;
 using VecF = __m512;
 inline VecI dot4(VecI acc, VecI a, VecI w) {
@@ -203,7 +203,9 @@ void columns(void* data, size_t task) {
 #ifdef MF_ROW_INT8_VECTOR
       int64_t r0 = 0;
       for (; r0 + kRows <= st.M; r0 += kRows) group_vector<kRows>(st, t, g, r0);
-      for (; r0 < st.M; ++r0) group_vector<1>(st, t, g, r0);
+      if (kRows > 4 && r0 + 4 <= st.M) group_vector<4>(st, t, g, r0), r0 += 4;
+      if (r0 + 2 <= st.M) group_vector<2>(st, t, g, r0), r0 += 2;
+      if (r0 < st.M) group_vector<1>(st, t, g, r0);
 #else
       group_scalar(st, t, g, 0, st.M);
 #endif
