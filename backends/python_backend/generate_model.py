@@ -238,7 +238,7 @@ class GenerativeModel:
                             storage=kv_storage(model, spec, s.max_active_sequences),
                             block_tokens=block_tokens(s.kv_admission))
         self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
-                                     self.pb.Logger.log_info)
+                                     self.pb.Logger.log_info, ranks=getattr(model, "lora_ranks", None) or None)
         model.lora_table = self.adapters if modules else None
         tokenizer = _load_tokenizer(version_dir, digests)
         if s.cost_model:

@@ -228,3 +228,52 @@ def test_the_factorys_weight_only_int4_graph_is_rewritten_as_its_fp32_graph(lora
     alone = CausalLM(int4, threads=1).prefill([prompt], KVSlots(spec, 1, 1 << 28).views(0, 1))[0]
     np.testing.assert_allclose(got[0], alone, rtol=1e-5, atol=1e-5)
     assert np.abs(got[1] - got[0]).max() > 1e-2
+
+
+def _mixed_adapter(folder, name: str, shapes: dict, ranks: dict, seed: int) -> Found:
+    """An adapter whose pairs have a rank of their own per module (as Gemma's packed qkv_proj: 3x the others)."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        arrays[module + ".A"] = rng.normal(0, 0.5, (fan_in, ranks[module])).astype(np.float32)
+        arrays[module + ".B"] = rng.normal(0, 0.5, (ranks[module], fan_out)).astype(np.float32)
+    vdir = folder / name / "1"
+    vdir.mkdir(parents=True)
+    np.savez(vdir / ADAPTER_WEIGHTS, **arrays)
+    spec = AdapterSpec(name, 1, "tiny_llm", 1, {}, max(ranks.values()), tuple(sorted(shapes)),
+                       (vdir / ADAPTER_WEIGHTS).stat().st_size)
+    (vdir / ADAPTER_SPEC).write_text(spec.to_json())
+    return Found(spec, vdir, None)
+
+
+def test_each_projection_is_as_wide_as_its_widest_pair_and_gives_the_padded_tables_logits(lora_model, tiny_llm,
+                                                                                           tmp_path) -> None:
+    """Two adapters whose qkv_proj pairs are wider than their down_proj ones: the graph gets a mask per width
+    (lora_mask for the widest, lora_mask.<w>), the table each module's own width; a launch of the base and both
+    adapters gives each row what the one-width (padded) table gives."""
+    from model_factory.backend.generation.lora import pair_ranks
+
+    spec, padded_model, _plain, _ = lora_model
+    _hf, onnx_dir = tiny_llm
+    shapes = padded_model.lora_shapes
+    found = [_mixed_adapter(tmp_path, "w", shapes, {MODULES[0]: 6, MODULES[1]: 2}, 31),
+             _mixed_adapter(tmp_path, "v", shapes, {MODULES[0]: 3, MODULES[1]: 4}, 32)]
+    ranks = pair_ranks(found)
+    assert ranks == {MODULES[0]: 6, MODULES[1]: 4}
+    graph = prepare(onnx_dir / "model.onnx", MODULES, ranks)
+    narrow = CausalLM(onnx_dir / "model.onnx", threads=1, lora=graph)
+    names = {i.name for i in narrow.session.get_inputs()}
+    assert {"lora_mask", "lora_mask.4"} <= names
+    table = AdapterTable(found, {}, narrow.lora_shapes, max_loras=2, ranks=narrow.lora_ranks)
+    assert table.ranks == ranks and table.stacks[MODULES[1]][0].shape[0] == 2 * 4
+    narrow.lora_table = table
+    wide = CausalLM(onnx_dir / "model.onnx", threads=1, lora=prepare(onnx_dir / "model.onnx", MODULES))
+    wide.lora_table = AdapterTable(found, {}, wide.lora_shapes, max_loras=2)
+    assert wide.lora_table.ranks == {MODULES[0]: 6, MODULES[1]: 6}
+    prompts = [[5, 9, 200, 31], [5, 9, 200, 31], [5, 9, 200, 31, 17, 3]]
+    got = []
+    for model in (narrow, wide):
+        rows = [0, model.lora_table.acquire("w"), model.lora_table.acquire("v")]
+        got.append(model.prefill(prompts, KVSlots(spec, 3, 1 << 28).views(0, 3), adapters=rows))
+    np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(got[0][1] - got[0][0]).max() > 1e-2 and np.abs(got[0][2] - got[0][1]).max() > 1e-2

@@ -96,6 +96,7 @@ class CausalLM:
         ort = import_onnxruntime()
         self.lora_table: Any = None  # lora.AdapterTable, set by the loader when ``lora`` rewrote the graph
         self.lora_shapes = dict(lora.shapes) if lora is not None else {}
+        self.lora_ranks = dict(getattr(lora, "ranks", {}) or {}) if lora is not None else {}
         if lora is not None:
             source = lora.model
         # Which kernel computes attention, and why (logged at load).

@@ -6,7 +6,11 @@ The base graph is rewritten in memory at load (as ``int8_attention`` rewrites at
 launch uses side by side (``A`` transposed, ``k`` = adapters x rank), ``lora_mask`` [batch, 1, k] has ones over each
 row's own adapter's ``rank`` columns (none for a row of the base). So a prefill or decode launch mixes rows of the base
 and of several adapters: one continuous batch, one launch per step; each row's own product survives the mask, the
-others' are multiplied by zero (exact). A rank below the table's is zero-padded (exact).
+others' are multiplied by zero (exact). A rank below the table's is zero-padded (exact). Each projection's columns are
+as wide as the widest pair any adapter has for it (``ranks``), not the widest of any projection: Gemma's packed
+``qkv_proj`` carries q, k and v's pairs side by side (rank 48 for rank-16 adapters) and the other projections 16, so a
+mask per width (``lora_mask`` for the widest, ``lora_mask.<w>`` for each narrower) instead of every projection padded
+to 48, which made 16 adapters cost 2.28x the base's CPU against 1.38x unpadded (docs/generation.md).
 
 Measured against the first form, a ``Gather`` of each row's ``A`` and ``B`` and two batched MatMuls: that copied
 every row's pairs, base rows too, at every step (a decode step of 8 rows on the 110M Llama copied about 140 MB), where
@@ -30,7 +34,7 @@ from __future__ import annotations
 import io as _io
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -51,11 +55,28 @@ class AdapterError(Exception):
 
 @dataclass(frozen=True)
 class LoraGraph:
-    """The base graph rewritten: its bytes, the folder of its external weights (or None), each module's (in, out)."""
+    """The base graph rewritten: its bytes, the folder of its external weights (or None), each module's (in, out),
+    and each module's width where they differ (``ranks``; empty: one width, one mask)."""
 
     model: bytes
     weights_folder: Path | None
     shapes: dict[str, tuple[int, int]]
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+def mask_name(width: int, widest: int) -> str:
+    """The graph input holding the row masks of the projections ``width`` wide: ``lora_mask`` for the widest."""
+    return LORA_MASK if width == widest else f"{LORA_MASK}.{width}"
+
+
+def pair_ranks(found: Sequence["Found"]) -> dict[str, int]:
+    """Each module's widest pair over ``found`` adapters, read from their verified weight files."""
+    ranks: dict[str, int] = {}
+    for f in found:
+        data = read_checked(f.folder.parent, f"{f.folder.name}/{ADAPTER_WEIGHTS}", f.digests)
+        for module, (a, _b) in read_pairs(data).items():
+            ranks[module] = max(ranks.get(module, 1), int(a.shape[1]))
+    return ranks
 
 
 def _weight_shape(node: Any, inits: dict[str, Any]) -> tuple[int, int]:
@@ -66,15 +87,19 @@ def _weight_shape(node: Any, inits: dict[str, Any]) -> tuple[int, int]:
     return int(w.dims[0]), int(w.dims[1])
 
 
-def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
+def rewrite(model: Any, modules: Sequence[str], ranks: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
     """Add each of ``modules``' low-rank product to its MatMul in ``model`` (an onnx ModelProto, changed in place);
-    returns each module's (in, out). ValueError naming a module the graph does not have."""
+    returns each module's (in, out). ``ranks``: each module's width, the projections of one width masked by one input
+    (:func:`mask_name`); None: one mask for all. ValueError naming a module the graph does not have."""
     from onnx import TensorProto, helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     wanted, shapes = set(modules), {}
-    added = [helper.make_tensor_value_info(LORA_MASK, TensorProto.FLOAT, ["lora_batch", 1, "lora_k"])]
+    widths = {ranks.get(m, 1) for m in modules} if ranks else {1}
+    widest = max(widths)
+    added = [helper.make_tensor_value_info(mask_name(w, widest), TensorProto.FLOAT, ["lora_batch", 1, f"lora_k{w}"])
+             for w in sorted(widths, reverse=True)]
     new_nodes = []
     for node in g.node:
         module = graph_module(node.name)
@@ -84,14 +109,16 @@ def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
         fan_in, fan_out = _weight_shape(node, inits)
         shapes[module] = (fan_in, fan_out)
         a_name, b_name = lora_inputs(module)
-        added += [helper.make_tensor_value_info(a_name, TensorProto.FLOAT, ["lora_k", fan_in]),
-                  helper.make_tensor_value_info(b_name, TensorProto.FLOAT, ["lora_k", fan_out])]
+        width = ranks.get(module, 1) if ranks else widest
+        mask, k = mask_name(width, widest), f"lora_k{width}"
+        added += [helper.make_tensor_value_info(a_name, TensorProto.FLOAT, [k, fan_in]),
+                  helper.make_tensor_value_info(b_name, TensorProto.FLOAT, [k, fan_out])]
         out, base_out, p = node.output[0], node.output[0] + "/lora_base", f"/lora/{module}"
         node.output[0] = base_out
         # X·Aᵀ without a transposed copy: FusedMatMul (ONNX Runtime's contrib op) reads A [k, in] as transposed.
         new_nodes += [helper.make_node("FusedMatMul", [node.input[0], a_name], [p + "/XA"], name=p + "/MatMulA",
                                        domain="com.microsoft", transB=1, alpha=1.0),
-                      helper.make_node("Mul", [p + "/XA", LORA_MASK], [p + "/XAm"], name=p + "/Mask"),
+                      helper.make_node("Mul", [p + "/XA", mask], [p + "/XAm"], name=p + "/Mask"),
                       helper.make_node("MatMul", [p + "/XAm", b_name], [p + "/XAB"], name=p + "/MatMulB"),
                       helper.make_node("Add", [base_out, p + "/XAB"], [out], name=p + "/Add")]
     missing = sorted(wanted - set(shapes))
@@ -106,16 +133,17 @@ def rewrite(model: Any, modules: Sequence[str]) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def prepare(source: Path | bytes, modules: Sequence[str]) -> LoraGraph:
-    """``source`` (the graph's bytes, or its path when its weights are external) with ``modules`` rewritten."""
+def prepare(source: Path | bytes, modules: Sequence[str], ranks: dict[str, int] | None = None) -> LoraGraph:
+    """``source`` (the graph's bytes, or its path when its weights are external) with ``modules`` rewritten, each
+    ``ranks`` wide where given (else one width)."""
     import onnx
 
     if isinstance(source, (bytes, bytearray)):
         model, folder = onnx.load_from_string(bytes(source)), None
     else:
         model, folder = onnx.load(str(source), load_external_data=False), Path(source).resolve().parent
-    shapes = rewrite(model, modules)
-    return LoraGraph(model.SerializeToString(), folder, shapes)
+    shapes = rewrite(model, modules, ranks)
+    return LoraGraph(model.SerializeToString(), folder, shapes, dict(ranks or {}))
 
 
 def prepare_or_refuse(source: Path | bytes, found: list, refused: dict[str, str], modules: list[str],
@@ -127,7 +155,7 @@ def prepare_or_refuse(source: Path | bytes, found: list, refused: dict[str, str]
     if not modules:
         return None
     try:
-        return prepare(source, modules)
+        return prepare(source, modules, pair_ranks(found))
     except ValueError as exc:
         refused.update({f.spec.name: f"adapter {f.spec.name} is not served on this base's {precision} graph: {exc}. "
                         "Fix: serve the base at a precision whose projections are MatMul or MatMulNBits (fp32, int8 "
@@ -138,11 +166,13 @@ def prepare_or_refuse(source: Path | bytes, found: list, refused: dict[str, str]
 
 
 def stacked(pairs: dict[str, tuple[np.ndarray, np.ndarray]], shapes: dict[str, tuple[int, int]],
-            rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """One adapter's pairs zero-padded to ``rank`` for every module of the table (zeros where it adds nothing)."""
+            rank: int | dict[str, int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One adapter's pairs zero-padded to ``rank`` (one width, or each module's) for every module of the table (zeros
+    where it adds nothing)."""
     out = {}
     for module, (fan_in, fan_out) in shapes.items():
-        a, b = np.zeros((fan_in, rank), np.float32), np.zeros((rank, fan_out), np.float32)
+        r = rank.get(module, 1) if isinstance(rank, dict) else rank
+        a, b = np.zeros((fan_in, r), np.float32), np.zeros((r, fan_out), np.float32)
         if module in pairs:
             pa, pb = pairs[module]
             a[:, :pa.shape[1]], b[:pb.shape[0], :] = pa, pb
@@ -207,14 +237,18 @@ class AdapterTable:
     rows ``(s - 1) x rank`` to ``s x rank``, so the slots a launch uses are one contiguous view of each."""
 
     def __init__(self, found: Sequence[Found], refused: dict[str, str], shapes: dict[str, tuple[int, int]],
-                 max_loras: int, log: Callable[[str], None] = lambda m: None) -> None:
+                 max_loras: int, log: Callable[[str], None] = lambda m: None,
+                 ranks: dict[str, int] | None = None) -> None:
         self.found = {f.spec.name: f for f in found}
         self.refused = dict(refused)
         self.max_loras = max(1, int(max_loras))
-        self.rank = max((f.spec.rank for f in found), default=1)
+        # Each module's width: ``ranks`` (the graph's, LoraGraph.ranks) where given, else every module the widest.
+        uniform = max((f.spec.rank for f in found), default=1)
+        self.ranks = {m: (ranks.get(m, 1) if ranks else uniform) for m in shapes}
+        self.rank = max(self.ranks.values(), default=uniform)  # the widest: lora_mask's
         slots = min(self.max_loras, len(found)) + 1
-        k = (slots - 1) * self.rank
-        self.stacks = {m: (np.zeros((k, i), np.float32), np.zeros((k, o), np.float32)) for m, (i, o) in shapes.items()}
+        self.stacks = {m: (np.zeros(((slots - 1) * self.ranks[m], i), np.float32),
+                           np.zeros(((slots - 1) * self.ranks[m], o), np.float32)) for m, (i, o) in shapes.items()}
         self.shapes = dict(shapes)
         self.bytes = sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
         self._slots: OrderedDict[str, int] = OrderedDict()  # loaded adapter -> slot, least recently used first
@@ -240,7 +274,8 @@ class AdapterTable:
     def pair(self, module: str, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """``slot``'s pair of ``module`` as the adapter file holds it: ``A`` [in, rank], ``B`` [rank, out] (views)."""
         a, b = self.stacks[module]
-        rows = slice((slot - 1) * self.rank, slot * self.rank)
+        r = self.ranks[module]
+        rows = slice((slot - 1) * r, slot * r)
         return a[rows].T, b[rows]
 
     def acquire(self, name: str) -> int:
@@ -285,46 +320,50 @@ class AdapterTable:
     def _load(self, f: Found, slot: int) -> None:
         data = read_checked(f.folder.parent, f"{f.folder.name}/{ADAPTER_WEIGHTS}", f.digests)
         pairs = read_pairs(data)
-        for module, (a, b) in stacked(pairs, self.shapes, self.rank).items():
+        for module, (a, b) in stacked(pairs, self.shapes, self.ranks).items():
             sa, sb = self.pair(module, slot)
             sa[...], sb[...] = a, b
         self._loads[slot] += 1
         self._log(f"adapter {f.spec.name} version {f.spec.version} loaded into slot {slot} (rank {f.spec.rank})")
 
-    def mask(self, rows: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    def mask(self, rows: Sequence[int], width: int | None = None) -> tuple[np.ndarray, list[int]]:
         """``(lora_mask [len(rows), 1, k], the slots bound in column order)`` for a launch whose rows use ``rows``
-        (0: the base): each row's ones over its own slot's ``rank`` columns."""
+        (0: the base): each row's ones over its own slot's ``width`` columns (the widest's by default)."""
+        w = self.rank if width is None else int(width)
         used = sorted({int(r) for r in rows if r})
         at = {slot: i for i, slot in enumerate(used)}
-        mask = np.zeros((len(rows), 1, len(used) * self.rank), np.float32)
+        mask = np.zeros((len(rows), 1, len(used) * w), np.float32)
         for i, r in enumerate(rows):
             if r:
-                mask[i, 0, at[int(r)] * self.rank:(at[int(r)] + 1) * self.rank] = 1.0
+                mask[i, 0, at[int(r)] * w:(at[int(r)] + 1) * w] = 1.0
         return mask, used
 
     def _bound(self, used: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Each module's pairs of the ``used`` slots side by side: a view of the stacks where the slots are
         contiguous, else the compact copy (remade only when the slots or their contents changed)."""
-        r = self.rank
         if not used or used[-1] - used[0] + 1 == len(used):
-            rows = slice((used[0] - 1) * r if used else 0, used[-1] * r if used else 0)
-            return {m: (a[rows], b[rows]) for m, (a, b) in self.stacks.items()}
+            first, last = (used[0] - 1, used[-1]) if used else (0, 0)
+            return {m: (a[first * self.ranks[m]:last * self.ranks[m]], b[first * self.ranks[m]:last * self.ranks[m]])
+                    for m, (a, b) in self.stacks.items()}
         key = tuple((s, self._loads[s]) for s in used)
         if self._compact_key != key:
             if self._compact is None:
                 self._compact = {m: (np.empty_like(a), np.empty_like(b)) for m, (a, b) in self.stacks.items()}
             for m, (a, b) in self.stacks.items():
                 ca, cb = self._compact[m]
+                r = self.ranks[m]
                 for i, s in enumerate(used):
                     ca[i * r:(i + 1) * r], cb[i * r:(i + 1) * r] = a[(s - 1) * r:s * r], b[(s - 1) * r:s * r]
             self._compact_key = key
-        k = len(used) * r
-        return {m: (a[:k], b[:k]) for m, (a, b) in self._compact.items()}
+        return {m: (a[:len(used) * self.ranks[m]], b[:len(used) * self.ranks[m]]) for m, (a, b) in self._compact.items()}
 
     def bind(self, io: Any, rows: Sequence[int]) -> None:
         """Bind ``lora_mask`` and the used slots' pairs (by pointer) on an I/O binding."""
-        mask, used = self.mask(rows)
-        io.bind_cpu_input(LORA_MASK, mask)
+        widths = sorted(set(self.ranks.values()) or {self.rank}, reverse=True)
+        used: list[int] = []
+        for w in widths:
+            mask, used = self.mask(rows, w)
+            io.bind_cpu_input(mask_name(w, widths[0]), mask)
         for module, pair in self._bound(used).items():
             for name, arr in zip(lora_inputs(module), pair):
                 io.bind_input(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
