@@ -145,7 +145,7 @@ class CausalLM:
             try:
                 self.session = session(kernel_graph, opts)
             except Exception as e:  # noqa: BLE001 - the kernel's session failed: "auto" keeps the packaged graph
-                if kernel_graph is source or int8_attention == "kernel":
+                if kernel_graph is source or "kernel" in (int8_attention, int8_matmul):
                     raise
                 self.attention = ("onnxruntime GroupQueryAttention (the INT8-cache kernel is not used: a session on "
                                   f"it failed: {str(e).splitlines()[0][:300]})")
