@@ -63,6 +63,33 @@ SHARED_SLOTS, SHARED_BUDGET_SEQUENCES, SHARED_TOKENS, QUESTION_MAX = 32, 8, 64, 
 LAYOUTS = ("slots", "blocks")
 
 
+class _Metrics:
+    """What the scheduler reports, its preemptions counted in ``counted``."""
+
+    def __init__(self, counted: dict) -> None:
+        self.counted = counted
+
+    def preempted(self) -> None:
+        self.counted["preempted"] += 1
+
+    def __getattr__(self, _name):
+        return lambda *a, **k: None
+
+
+class _Counting:
+    """``engine`` (a CausalLM or a stand-in of it), the prompt tokens it prefills counted in ``counted``."""
+
+    def __init__(self, engine, counted: dict) -> None:
+        self.engine, self.counted = engine, counted
+
+    def prefill(self, prompts, views, past=None, **kw):
+        self.counted["prefilled"] += sum(len(p) for p in prompts)
+        return self.engine.prefill(prompts, views, past=past, **kw)
+
+    def decode(self, tokens, lengths, views, **kw):
+        return self.engine.decode(tokens, lengths, views, **kw)
+
+
 def shared_run(lm, spec, layout: str, seed: int) -> dict:
     """``--shared``: the document's first question alone, then the burst of questions, on a fresh scheduler over
     ``lm``'s layout; its counts, timings and every burst request's tokens."""
@@ -79,24 +106,8 @@ def shared_run(lm, spec, layout: str, seed: int) -> dict:
     assert (storage is not None) == (layout == "blocks"), "the engine's layout is not the one asked for"
     slots = KVSlots(spec, SHARED_SLOTS, budget, storage=storage, block_tokens=16)
     counted = {"preempted": 0, "prefilled": 0}
-
-    class Metrics:  # what the scheduler reports, the preemptions counted
-        def preempted(self) -> None:
-            counted["preempted"] += 1
-
-        def __getattr__(self, _name):
-            return lambda *a, **k: None
-
-    class Counting:  # the engine, the prompt tokens it prefills counted
-        def prefill(self, prompts, views, past=None, **kw):
-            counted["prefilled"] += sum(len(p) for p in prompts)
-            return lm.prefill(prompts, views, past=past, **kw)
-
-        def decode(self, tokens, lengths, views, **kw):
-            return lm.decode(tokens, lengths, views, **kw)
-
-    sched = Scheduler(Counting(), slots, None, spec.eos_token_ids, max_waiting=QUESTIONS, metrics=Metrics(),
-                      cancel_check_s=0.0, prefix_cache=PrefixCache(identity(bench="paged-kv-shared")))
+    sched = Scheduler(_Counting(lm, counted), slots, None, spec.eos_token_ids, max_waiting=QUESTIONS,
+                      metrics=_Metrics(counted), cancel_check_s=0.0, prefix_cache=PrefixCache(identity(bench="paged-kv-shared")))
     document, questions = workload(spec.vocab_size, seed)
     params = SamplingParams(max_tokens=SHARED_TOKENS, min_tokens=SHARED_TOKENS, ignore_eos=True)
     times = TokenTimes()
@@ -256,25 +267,9 @@ def one_run(lm, spec, admission: str, max_tokens: int, seed: int) -> dict[str, f
     budget = BUDGET_SEQUENCES * probe.bytes_for(PROMPT + BOUND)
     slots = KVSlots(spec, SLOTS, budget, block_tokens=block_tokens(admission))
     counted = {"preempted": 0, "prefilled": 0}
-
-    class Metrics:  # what the scheduler reports, the preemptions counted
-        def preempted(self) -> None:
-            counted["preempted"] += 1
-
-        def __getattr__(self, _name):
-            return lambda *a, **k: None
-
     ending = EndsAt(lm, spec.eos_token_ids[0], PROMPT, TEXT)
-
-    class Counting:  # the runtime, its prefilled tokens counted
-        def prefill(self, prompts, views, past=None, **kw):
-            counted["prefilled"] += sum(len(p) for p in prompts)
-            return ending.prefill(prompts, views, past=past, **kw)
-
-        def decode(self, tokens, lengths, views, **kw):
-            return ending.decode(tokens, lengths, views, **kw)
-
-    sched = Scheduler(Counting(), slots, None, spec.eos_token_ids, max_waiting=REQUESTS, metrics=Metrics(),
+    sched = Scheduler(_Counting(ending, counted), slots, None, spec.eos_token_ids, max_waiting=REQUESTS,
+                      metrics=_Metrics(counted),
                       cancel_check_s=0.0)
     rng = np.random.default_rng(seed)
     times = TokenTimes()

@@ -238,8 +238,20 @@ def test_a_source_that_does_not_compile_is_refused_with_the_compilers_words(monk
     assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))
 
 
-def _views(batch: int, layers: int = 2, kv_heads: int = 2, max_context: int = 64, head_dim: int = 16):
-    return {f"past_key_values.{i}.{kind}": np.zeros((batch, kv_heads, max_context, head_dim), np.int8)
+def decode_logits(model, prompts: list, views: dict, steps: int = 6) -> list:
+    """``prompts`` prefilled together on ``views``, then ``steps`` batched greedy decode steps: each launch's logits."""
+    logits = [model.prefill(prompts, views)]
+    lengths = [len(p) for p in prompts]
+    for _ in range(steps):
+        tokens = [int(t) for t in logits[-1].argmax(-1)]
+        logits.append(model.decode(tokens, lengths, views))
+        lengths = [n + 1 for n in lengths]
+    return logits
+
+
+def _views(batch: int, layers: int = 2, kv_heads: int = 2, max_context: int = 64, head_dim: int = 16,
+           dtype=np.int8):
+    return {f"past_key_values.{i}.{kind}": np.zeros((batch, kv_heads, max_context, head_dim), dtype)
             for i in range(layers) for kind in ("key", "value")}
 
 
@@ -255,16 +267,7 @@ def test_a_text_generation_graph_decodes_the_same_on_the_kernel(tiny_llm_int8_ca
     assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
-    runs = []
-    for model in (packaged, kernel):
-        views = _views(len(prompts))
-        logits = [model.prefill(prompts, views)]
-        lengths = [len(p) for p in prompts]
-        for _ in range(6):
-            tokens = [int(t) for t in logits[-1].argmax(-1)]
-            logits.append(model.decode(tokens, lengths, views))
-            lengths = [n + 1 for n in lengths]
-        runs.append(logits)
+    runs = [decode_logits(model, prompts, _views(len(prompts))) for model in (packaged, kernel)]
     for a, b in zip(*runs):
         assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
         assert np.array_equal(a.argmax(-1), b.argmax(-1))

@@ -145,7 +145,7 @@ def test_a_text_generation_graph_decodes_the_same_on_both_kernels(tiny_llm_rows)
     """Three prompts of mixed lengths prefilled together, then 6 batched decode steps, the graph as packaged against
     the graph with both of the factory's operators (attention and the per-row MatMuls): logits equal within float
     rounding, every greedy token the same."""
-    from test_int8_attention import _views
+    from test_int8_attention import _views, decode_logits
 
     from model_factory.backend.generation.causal_lm import CausalLM
 
@@ -156,16 +156,7 @@ def test_a_text_generation_graph_decodes_the_same_on_both_kernels(tiny_llm_rows)
     assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
-    runs = []
-    for model in (packaged, kernel):
-        views = _views(len(prompts))
-        logits = [model.prefill(prompts, views)]
-        lengths = [len(p) for p in prompts]
-        for _ in range(6):
-            tokens = [int(t) for t in logits[-1].argmax(-1)]
-            logits.append(model.decode(tokens, lengths, views))
-            lengths = [n + 1 for n in lengths]
-        runs.append(logits)
+    runs = [decode_logits(model, prompts, _views(len(prompts))) for model in (packaged, kernel)]
     for a, b in zip(*runs):
         assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
         assert np.array_equal(a.argmax(-1), b.argmax(-1))
@@ -251,6 +242,8 @@ def test_a_dynamic_int8_text_generation_graph_decodes_the_same_on_the_operators(
     prompts and 6 batched decode steps on the operators against the graph as packaged: the same greedy tokens, the
     logits within the activations' quantization (ONNX Runtime fuses the packaged chains and quantizes inside the fused
     node; the operators keep its DynamicQuantizeLinear)."""
+    from test_int8_attention import _views, decode_logits
+
     from model_factory.backend.generation.causal_lm import CausalLM
     from model_factory.build_engines.lm_quantize import dynamic_int8
     from model_factory.build_engines.row_int8 import per_row_matmuls
@@ -264,17 +257,7 @@ def test_a_dynamic_int8_text_generation_graph_decodes_the_same_on_the_operators(
     assert chains >= 4 and "RowInt8MatMul (2 nodes)" in kernel.matmul
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
-    runs = []
-    for model in (packaged, kernel):
-        views = {f"past_key_values.{i}.{kind}": np.zeros((len(prompts), 2, 64, 16), np.float32)
-                 for i in range(2) for kind in ("key", "value")}
-        logits = [model.prefill(prompts, views)]
-        lengths = [len(p) for p in prompts]
-        for _ in range(6):
-            tokens = [int(t) for t in logits[-1].argmax(-1)]
-            logits.append(model.decode(tokens, lengths, views))
-            lengths = [n + 1 for n in lengths]
-        runs.append(logits)
+    runs = [decode_logits(model, prompts, _views(len(prompts), dtype=np.float32)) for model in (packaged, kernel)]
     for a, b in zip(*runs):
         assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
         assert np.array_equal(a.argmax(-1), b.argmax(-1))

@@ -588,12 +588,6 @@ OrtStatus* create_kernel(const CustomOp*, const OrtApi*, const OrtKernelInfo* in
   return nullptr;
 }
 
-std::string shape(const Tensor& t) {
-  std::string out = "[";
-  for (size_t i = 0; i < t.dims.size(); ++i) out += (i ? ", " : "") + std::to_string(t.dims[i]);
-  return out + "]";
-}
-
 OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const Attention& op = *static_cast<Attention*>(kernel);
   Tensor in[kInputs];
@@ -726,28 +720,15 @@ const int kInputTypes[kInputs] = {kFloat, kFloat, kFloat, kInt8, kInt8, kInt32, 
 const int kOutputTypes[3] = {kFloat, kInt8, kInt8};
 
 CustomOp make_op() {
-  CustomOp op{};
-  op.version = kApiVersion;
+  CustomOp op = cpu_op(create_kernel, compute, [](void* k) { delete static_cast<Attention*>(k); });
   op.GetName = [](const CustomOp*) { return "Int8KVAttention"; };
-  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
   op.GetInputTypeCount = [](const CustomOp*) { return kInputs; };
   op.GetOutputType = [](const CustomOp*, size_t i) { return kOutputTypes[i]; };
   op.GetOutputTypeCount = [](const CustomOp*) { return size_t{3}; };
-  op.KernelDestroy = [](void* k) { delete static_cast<Attention*>(k); };
   op.GetInputCharacteristic = [](const CustomOp*, size_t i) {  // optional: required
     return i == 1 || i == 2 || i == kBlockTable ? 1 : 0;
   };
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
   return op;
 }
 
@@ -757,12 +738,5 @@ OrtCustomOpDomain* g_domain = nullptr;
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  const OrtApi* api = base->GetApi(kApiVersion);
-  if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
-  g_api = reinterpret_cast<const void* const*>(api);
-  if (!g_domain) {
-    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory", &g_domain)) return s;
-    if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, &g_op)) return s;
-  }
-  return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain);
+  return register_ops(options, base, "ai.model_factory", &g_domain, {&g_op});
 }

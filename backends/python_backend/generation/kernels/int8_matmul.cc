@@ -272,12 +272,6 @@ OrtStatus* create_rows(const CustomOp*, const OrtApi*, const OrtKernelInfo* info
   return nullptr;
 }
 
-std::string shape(const Tensor& t) {
-  std::string out = "[";
-  for (size_t i = 0; i < t.dims.size(); ++i) out += (i ? ", " : "") + std::to_string(t.dims[i]);
-  return out + "]";
-}
-
 constexpr size_t kRowInputs = 4;
 const int kRowInputTypes[kRowInputs] = {kFloat, kInt8, kInt32, kFloat};
 
@@ -395,36 +389,14 @@ OrtStatus* compute_to_float(void*, OrtKernelContext* context) {
   return run_tiles(context, st);
 }
 
-// What the two descriptors share (a CustomOp holds function pointers only: each op's name and input types are set by
-// its own maker below).
-CustomOp make_op(OrtStatus* (*create)(const CustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
-                 OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
-  CustomOp op{};
-  op.version = kApiVersion;
-  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
-  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](const CustomOp*) { return size_t{1}; };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = create;
-  op.KernelComputeV2 = compute;
-  op.KernelDestroy = destroy;
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
-  return op;
-}
-
 CustomOp make_rows_op() {
-  CustomOp op = make_op(create_rows, compute_rows,
+  CustomOp op = cpu_op(create_rows, compute_rows,
                         [](void* k) { delete static_cast<RowInt8*>(k); });
   op.GetName = [](const CustomOp*) { return "RowInt8MatMul"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return kRowInputTypes[i]; };
   op.GetInputTypeCount = [](const CustomOp*) { return kRowInputs; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
+  op.GetOutputTypeCount = [](const CustomOp*) { return size_t{1}; };
   return op;
 }
 
@@ -434,11 +406,13 @@ OrtStatus* create_to_float(const CustomOp*, const OrtApi*, const OrtKernelInfo*,
 }
 
 CustomOp make_to_float_op() {
-  CustomOp op = make_op(create_to_float, compute_to_float,
+  CustomOp op = cpu_op(create_to_float, compute_to_float,
                         [](void*) {});
   op.GetName = [](const CustomOp*) { return "Int8MatMulToFloat"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return kFloatInputTypes[i]; };
   op.GetInputTypeCount = [](const CustomOp*) { return kFloatInputs; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
+  op.GetOutputTypeCount = [](const CustomOp*) { return size_t{1}; };
   return op;
 }
 
@@ -449,13 +423,5 @@ OrtCustomOpDomain* g_domain = nullptr;
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  const OrtApi* api = base->GetApi(kApiVersion);
-  if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
-  g_api = reinterpret_cast<const void* const*>(api);
-  if (!g_domain) {
-    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.model_factory.int8_matmul", &g_domain)) return s;
-    for (const CustomOp* op : {&g_rows, &g_to_float})
-      if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(g_domain, op)) return s;
-  }
-  return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain);
+  return register_ops(options, base, "ai.model_factory.int8_matmul", &g_domain, {&g_rows, &g_to_float});
 }

@@ -1,4 +1,5 @@
-// The slice of ONNX Runtime's C API that the factory's kernels call (kernels/int8_kv_attention.cc).
+// The slice of ONNX Runtime's C API that the factory's kernels call (kernels/int8_kv_attention.cc, kernels/int8_matmul.cc),
+// and what their operators share (shape, cpu_op, register_ops).
 //
 // ONNX Runtime's C API is a table of function pointers whose order is fixed (new entries are only appended) and its
 // custom-operator descriptor a struct whose fields are only appended, so this header declares the entries used by
@@ -8,8 +9,10 @@
 
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -92,6 +95,35 @@ struct Tensor {
   int64_t dim(size_t i) const { return i < dims.size() ? dims[i] : -1; }
 };
 
+// A tensor's dimensions as "[a, b, c]" (the kernels' error messages).
+inline std::string shape(const Tensor& t) {
+  std::string out = "[";
+  for (size_t i = 0; i < t.dims.size(); ++i) out += (i ? ", " : "") + std::to_string(t.dims[i]);
+  return out + "]";
+}
+
+// A CPU operator's descriptor with what the factory's kernels share: every input and output required and on the CPU,
+// no variadic arity, versions 1 and up; the maker sets its name, input and output types (and any optional inputs).
+inline CustomOp cpu_op(OrtStatus* (*create)(const CustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                       OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // default (CPU)
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  op.KernelDestroy = destroy;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  return op;
+}
+
 inline OrtStatus* describe(const OrtValue* value, Tensor* out) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
   if (OrtStatus* s = fn<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(value, &info)) return s;
@@ -105,6 +137,21 @@ inline OrtStatus* describe(const OrtValue* value, Tensor* out) {
   fn<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
   if (!s) s = fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(value), &out->data);
   return s;
+}
+
+// A library's RegisterCustomOps: the API table kept, ``domain`` made once (in ``*made``) with ``ops``, and added to
+// the session's ``options``.
+inline OrtStatus* register_ops(OrtSessionOptions* options, const OrtApiBase* base, const char* domain,
+                               OrtCustomOpDomain** made, std::initializer_list<const CustomOp*> ops) {
+  const OrtApi* api = base->GetApi(kApiVersion);
+  if (!api) return nullptr;  // cannot even report: ORT older than 1.17 (the backend checks its version first)
+  g_api = reinterpret_cast<const void* const*>(api);
+  if (!*made) {
+    if (OrtStatus* s = fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)(domain, made)) return s;
+    for (const CustomOp* op : ops)
+      if (OrtStatus* s = fn<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(*made, op)) return s;
+  }
+  return fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, *made);
 }
 
 }  // namespace ort_abi
