@@ -11,7 +11,11 @@ shape as a one-node graph on random weights (the speed does not depend on their 
 - ``dynamic``: DynamicQuantizeLinear + MatMulInteger (u8 activations, s8 weights per output channel) + the scales, as
   ``int8_method = "dynamic"`` writes it (ONNX Runtime fuses it into DynamicQuantizeMatMul);
 - ``nbits8`` / ``nbits4``: MatMulNBits at 8 / 4 bits, block 32, accuracy level 4 (int8 activations), ONNX Runtime's
-  own quantizer, as INT8 weight-only and INT4 write it.
+  own quantizer, as INT8 weight-only and INT4 write it;
+- ``kernel``: the ``dynamic`` graph with its MatMulInteger -> Cast -> Mul on the factory's ``Int8MatMulToFloat``
+  (``backends/python_backend/generation/int8_matmul.py``, compiled for this host: AVX-512 VNNI, or AVX2's
+  vpmaddubsw), as ``int8_matmul = "kernel"`` serves it. ``dynamic`` and ``kernel`` both take 7-bit weights (what
+  INT8 dynamic writes, so AVX2's u8 x s8 pairs stay within int16); the CPU's flags are in the header.
 
 CPU milliseconds per call (process time: both threads), the median over the rounds with the range; the wall time
 beside it. The section between ``<!-- matmul_kernels:start -->`` and ``<!-- matmul_kernels:end -->`` is replaced.
@@ -32,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.results_file import publish, say  # noqa: E402
 
 START, END = "<!-- matmul_kernels:start -->", "<!-- matmul_kernels:end -->"
-KINDS = ("fp32", "dynamic", "nbits8", "nbits4")
+KINDS = ("fp32", "dynamic", "kernel", "nbits8", "nbits4")
 
 
 def _options(ort):
@@ -60,16 +64,25 @@ def sessions(k: int, n: int) -> dict:
 
     out = {"fp32": session(graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
                                  [numpy_helper.from_array(w, "w")]))}
-    scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
-    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
-    out["dynamic"] = session(graph([
+    scale = (np.abs(w).max(axis=0) / 63.0).astype(np.float32)  # 7-bit, as INT8 dynamic writes its weights
+    q = np.clip(np.round(w / scale), -63, 63).astype(np.int8)
+    dynamic = graph([
         helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
         helper.make_node("MatMulInteger", ["xq", "wq", "xz", "wz"], ["yi"]),
         helper.make_node("Cast", ["yi"], ["yf"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["xs", "ws"], ["sc"]),
         helper.make_node("Mul", ["yf", "sc"], ["y"])],
         [numpy_helper.from_array(q, "wq"), numpy_helper.from_array(np.zeros(n, np.int8), "wz"),
-         numpy_helper.from_array(scale, "ws")]))
+         numpy_helper.from_array(scale, "ws")])
+    out["dynamic"] = session(dynamic)
+    from model_factory.backend.generation import int8_matmul
+
+    lib = int8_matmul.library(int8_matmul.SOURCE, name=int8_matmul.LIBRARY_NAME)
+    if int8_matmul.rewrite_chains(dynamic) != 1:
+        raise SystemExit("the factory's operator did not take the dynamic graph's MatMulInteger chain")
+    opts = _options(ort)
+    opts.register_custom_ops_library(str(lib))
+    out["kernel"] = ort.InferenceSession(dynamic.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     for bits in (8, 4):
@@ -126,7 +139,8 @@ def main() -> int:
              run_header("benchmarks/bench_matmul_kernels.py", load.finish()), "",
              "One-node graphs, random weights, 2 intra-op threads; CPU ms per call (both threads), median (range) over "
              f"{args.rounds} rounds, [wall ms median]. `dynamic`: DynamicQuantizeLinear + MatMulInteger (INT8 "
-             "dynamic); `nbits8` / `nbits4`: MatMulNBits block 32, accuracy level 4 (INT8 weight-only / INT4).", "",
+             "dynamic, 7-bit weights); `kernel`: the same graph on the factory's Int8MatMulToFloat (`int8_matmul = "
+             "\"kernel\"`); `nbits8` / `nbits4`: MatMulNBits block 32, accuracy level 4 (INT8 weight-only / INT4).", "",
              "| weight (K x N) | rows | " + " | ".join(KINDS) + " |", "| --- | ---: |" + " ---: |" * len(KINDS)]
     for shape in args.shapes.split(","):
         for m in rows:

@@ -448,26 +448,33 @@ def _inputs_for(tc: Any, payload: Payload, send: str) -> list[Any]:
     return inputs
 
 
-def settled_scrape(url: str, model: str, pause_s: float = 0.1, timeout_s: float = 5.0) -> list[Sample]:
+SUCCESS_METRIC = "nv_inference_request_success"
+
+
+def settled_scrape(url: str, model: str, pause_s: float = 0.1, timeout_s: float = 5.0,
+                   requests: int | None = None) -> list[Sample]:
     """A scrape of ``url`` once the counters for ``model`` agree (or after ``timeout_s``).
 
-    Triton counts an execution just after the responses leave, and the model-factory backend sends
-    its counters about once a second: until its executions equal Triton's, its counters lag. (A
-    backend without our counters is scraped after ``pause_s``.)
+    Triton counts a request and its execution just after the responses leave, and the model-factory
+    backend sends its counters about once a second: until Triton has counted ``requests`` successful
+    requests (when given: the caller knows how many it saw answered) and the backend's executions
+    equal Triton's, the counters lag. (A backend without our counters is scraped after ``pause_s``
+    once Triton's count is reached.)
     """
     deadline = time.monotonic() + timeout_s
     time.sleep(pause_s)
     while True:
         samples = scrape_metrics(url)
+        answered = requests is None or (metric_total(samples, SUCCESS_METRIC, model=model) or 0) >= requests
         ours = metric_total(samples, EXECUTIONS_METRIC, model=model)
-        if ours is None or ours >= (metric_total(samples, "nv_inference_exec_count", model=model) or 0) \
+        if answered and (ours is None or ours >= (metric_total(samples, "nv_inference_exec_count", model=model) or 0)) \
                 or time.monotonic() > deadline:
             return samples
         time.sleep(0.1)
 
 
-async def _settled_scrape(url: str, model: str) -> list[Sample]:
-    return await asyncio.to_thread(settled_scrape, url, model)
+async def _settled_scrape(url: str, model: str, requests: int | None = None) -> list[Sample]:
+    return await asyncio.to_thread(settled_scrape, url, model, requests=requests)
 
 
 def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str = "http", concurrency: int = 8,
@@ -519,12 +526,17 @@ def run_load(url: str, model: str, payloads: Sequence[Payload], *, protocol: str
                     await client.infer(model, inputs[i % len(inputs)], outputs=outputs, client_timeout=timeout_s,
                                        parameters=params)
 
+            # Triton counts a request just after its response leaves: each scrape waits until Triton has
+            # counted every request answered so far (from a count taken before the first one).
+            start = (metric_total(await asyncio.to_thread(scrape_metrics, metrics_url), SUCCESS_METRIC, model=model)
+                     or 0) if metrics_url else 0
+            answered = start
             if warmup:
-                await drive(one, warmup, concurrency)
-            # Triton counts an execution just after the responses leave: let the counters settle.
-            before = await _settled_scrape(metrics_url, model) if metrics_url else None
+                answered += len((await drive(one, warmup, concurrency))[0].latencies)
+            before = await _settled_scrape(metrics_url, model, answered) if metrics_url else None
             tally, seconds = await drive(one, len(inputs), concurrency)
-            after = await _settled_scrape(metrics_url, model) if metrics_url else None
+            answered += len(tally.latencies)
+            after = await _settled_scrape(metrics_url, model, answered) if metrics_url else None
             return tally, seconds, before, after
         finally:
             await client.close()
