@@ -130,6 +130,8 @@ def test_a_shared_prefix_is_counted_once_in_a_pool_and_once_per_holder_in_slots(
     admitted = {}
     for blocks in (False, True):
         kv = _account(blocks, 8, 9)
+        assert kv.shared_tokens(40) == (32 if blocks else 0)  # a pool shares full blocks; a slot's copy is a copy
+        assert kv.admission_bytes(48, shared=40) == kv.admission_bytes(48, shared=32)
         holder = kv.admit(48)
         while kv.can_admit(48, shared=32):
             kv.admit(48, source=(holder, 32))
@@ -411,3 +413,118 @@ def test_under_pressure_a_kept_prefix_is_dropped_freeing_its_own_blocks_only(lay
     # room for each of the two: 11 blocks; the budget has 10.
     got = run(on_blocks, True, 10)
     assert got == run(on_slots, False, 100)
+
+
+# --------------------------------------------------------------------------- a request's choices in a pool
+
+class _Prefilled:
+    """The engine, with the prompt tokens each prefill launch wrote counted."""
+
+    def __init__(self, model):
+        self.model, self.tokens, self.kv_block_tokens = model, 0, model.kv_block_tokens
+
+    def prefill(self, contexts, views, **kw):
+        self.tokens += sum(len(c) for c in contexts)
+        return self.model.prefill(contexts, views, **kw)
+
+    def decode(self, *args, **kw):
+        return self.model.decode(*args, **kw)
+
+
+def _choices(prompt, params, n, **leader_kw):
+    gens = []
+    for i in range(n):
+        gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                               lambda g, e: None, index=i, leader=gens[0] if gens else None,
+                               **(leader_kw if i == 0 else {})))
+    return gens
+
+
+def _choices_scheduler(spec, model, budget_blocks: int, *, blocks: bool, **kw):
+    """Paged admission over a pool (``blocks``) or the slots' buffers, 6 slots, a budget of ``budget_blocks`` blocks
+    counted exactly; and the check that the account (and in a pool the blocks in use) stays within the budget."""
+    storage = _exact(kv_storage(model, spec, 6) if blocks else HostKVBuffers(spec, 6, spec.max_context))
+    per_block = 2 * spec.num_layers * spec.num_kv_heads * BLOCK_TOKENS * spec.head_dim
+    kv = KVSlots(spec, 6, budget_blocks * per_block, storage=storage, block_tokens=16)
+    sched = Scheduler(model, kv, None, spec.eos_token_ids, max_waiting=64, **kw)
+
+    def within() -> None:
+        assert kv.held_bytes() <= kv.budget_bytes
+        if blocks:
+            assert kv.held_bytes() == kv.storage.blocks_in_use * per_block
+    return sched, within
+
+
+@needs_kernel
+def test_a_requests_choices_share_their_leaders_prompt_blocks_from_admission_and_are_admitted_at_once(layouts):
+    """A 100-token prompt and 20 tokens each, n = 4: a sequence takes 7 blocks at admission (its prompt and first
+    token), 8 by its end. A budget of 16 blocks holds the prompt's 6 full blocks once, each choice's 7th and 8th and
+    the blocks of room, not 4 whole copies (28 at admission): in a pool the 4 choices are admitted in one step (the
+    leader's 7 blocks, one of each sibling's own and 4 of room: 14), the siblings sharing the leader's prefill; in
+    slots, where each copy is a copy, 2 at once. Each choice's tokens are those of the request run with room to
+    spare, greedy and seeded, and the account never passes the budget."""
+    spec, on_slots, on_blocks = layouts
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, spec.vocab_size) for _ in range(100)]
+    for params in (SamplingParams(max_tokens=20, min_tokens=20),
+                   SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9, top_k=40, seed=31)):
+        sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+        spare = sched.submit_all(_choices(prompt, params, 4))
+        run_to_end(sched, within)
+        counting = _Prefilled(on_blocks)
+        sched, within = _choices_scheduler(spec, counting, 16, blocks=True)
+        gens = sched.submit_all(_choices(prompt, params, 4))
+        sched.step()
+        within()
+        assert len(sched.running) == 4 and all(len(g.generated) == 1 for g in gens)
+        assert [g.prefill_from for g in gens] == [None] + [gens[0]] * 3 and counting.tokens == len(prompt)
+        pool = sched.slots.storage
+        leader_blocks = pool.blocks(gens[0].slot)
+        assert all(pool.blocks(g.slot)[:6] == leader_blocks[:6] for g in gens)
+        assert all(pool.references(b) == 4 for b in leader_blocks[:6]) and pool.blocks_in_use == 6 + 4
+        run_to_end(sched, within)
+        assert [g.generated for g in gens] == [g.generated for g in spare]
+        assert pool.blocks_in_use == 0 and sched.slots.active == 0
+        sched, within = _choices_scheduler(spec, on_slots, 16, blocks=False)
+        apart = sched.submit_all(_choices(prompt, params, 4))
+        sched.step()
+        within()
+        assert len(sched.running) == 2  # the leader and one sibling: the rest wait, and prefill themselves
+        run_to_end(sched, within)
+        assert [g.generated for g in apart] == [g.generated for g in spare]
+
+
+@needs_kernel
+def test_a_leader_cancelled_mid_prefill_hands_its_prompt_to_one_sibling_that_continues_it(layouts):
+    """Chunked prefill beside a decoding stream: a request of 3 choices whose leader is cancelled after its first
+    chunk. In a pool the siblings share the leader's full prompt blocks from admission, so the first of them
+    continues the prompt from the leader's written tokens and the other copies it: the prompt's tokens are
+    prefilled once in all, the blocks never written by two, and the siblings' tokens are those of the request run
+    whole with room to spare."""
+    spec, _, on_blocks = layouts
+    rng = random.Random(22)
+    prompt = [rng.randrange(3, spec.vocab_size) for _ in range(100)]
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.9, top_k=40, seed=41)
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+    spare = sched.submit_all(_choices(prompt, params, 3))
+    run_to_end(sched, within)
+    counting = _Prefilled(on_blocks)
+    gone = {"now": False}
+    sched, within = _choices_scheduler(spec, counting, 40, blocks=True, chunk_tokens=32, cancel_check_s=0.0)
+    stream = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=40, min_tokens=40), lambda g, e: None))
+    sched.step()
+    gens = sched.submit_all(_choices(prompt, params, 3, is_cancelled=lambda: gone["now"]))
+    sched.step()
+    within()
+    leader, first, second = gens
+    assert leader.prefilling and 0 < leader.cached < len(prompt)
+    assert first.prefill_from is leader and second.prefill_from is leader
+    pool = sched.slots.storage
+    assert pool.blocks(first.slot)[:6] == pool.blocks(second.slot)[:6] == pool.blocks(leader.slot)[:6]
+    gone["now"] = True
+    sched.step()
+    within()
+    assert leader.finish_reason == "cancelled" and second.prefill_from is first
+    run_to_end(sched, within)
+    assert counting.tokens == len(stream.prompt) + len(prompt)
+    assert [first.generated, second.generated] == [g.generated for g in spare[1:]]
