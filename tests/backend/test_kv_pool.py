@@ -495,12 +495,13 @@ def test_a_requests_choices_share_their_leaders_prompt_blocks_from_admission_and
 
 
 @needs_kernel
-def test_a_leader_cancelled_mid_prefill_hands_its_prompt_to_one_sibling_that_continues_it(layouts):
-    """Chunked prefill beside a decoding stream: a request of 3 choices whose leader is cancelled after its first
-    chunk. In a pool the siblings share the leader's full prompt blocks from admission, so the first of them
-    continues the prompt from the leader's written tokens and the other copies it: the prompt's tokens are
-    prefilled once in all, the blocks never written by two, and the siblings' tokens are those of the request run
-    whole with room to spare."""
+@pytest.mark.parametrize("stop", ["cancelled", "preempted"])
+def test_a_leader_stopped_mid_prefill_hands_its_prompt_to_one_sibling(layouts, stop):
+    """Chunked prefill beside a decoding stream: a request of 3 choices whose leader stops after its first chunk. In a
+    pool the siblings share the leader's full prompt blocks from admission, so the first of them prefills the prompt
+    in its place and the other waits on it (a shared block has one writer): cancelled, from the tokens the leader
+    wrote (the prompt prefilled once in all); preempted, from the start (the leader prefills its own again when it
+    resumes). Every choice's tokens are those of the request run whole with room to spare."""
     spec, _, on_blocks = layouts
     rng = random.Random(22)
     prompt = [rng.randrange(3, spec.vocab_size) for _ in range(100)]
@@ -517,14 +518,23 @@ def test_a_leader_cancelled_mid_prefill_hands_its_prompt_to_one_sibling_that_con
     sched.step()
     within()
     leader, first, second = gens
-    assert leader.prefilling and 0 < leader.cached < len(prompt)
+    chunk = leader.cached
+    assert leader.prefilling and 0 < chunk < len(prompt)
     assert first.prefill_from is leader and second.prefill_from is leader
     pool = sched.slots.storage
     assert pool.blocks(first.slot)[:6] == pool.blocks(second.slot)[:6] == pool.blocks(leader.slot)[:6]
-    gone["now"] = True
+    if stop == "cancelled":
+        gone["now"] = True
+    else:
+        sched.preempt(leader)
     sched.step()
     within()
-    assert leader.finish_reason == "cancelled" and second.prefill_from is first
+    assert second.prefill_from is first
     run_to_end(sched, within)
-    assert counting.tokens == len(stream.prompt) + len(prompt)
-    assert [first.generated, second.generated] == [g.generated for g in spare[1:]]
+    if stop == "cancelled":
+        assert leader.finish_reason == "cancelled"
+        assert counting.tokens == len(stream.prompt) + len(prompt)
+        assert [first.generated, second.generated] == [g.generated for g in spare[1:]]
+    else:
+        assert counting.tokens == len(stream.prompt) + chunk + 2 * len(prompt)
+        assert [g.generated for g in gens] == [g.generated for g in spare]

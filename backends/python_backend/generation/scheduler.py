@@ -458,11 +458,13 @@ class Scheduler:
         heirs: dict[int, Generation] = {}  # a stopped leader -> the sibling prefilling in its place
         for gen in sorted(prefilling, key=lambda g: g.id):
             leader = gen.prefill_from
-            if leader is not None and (leader.slot is None or leader.finish_reason is not None):
+            # Stopped: cancelled, or preempted (even if admitted again since: it prefills for itself, in other blocks).
+            if leader is not None and (leader.slot is None or leader.finish_reason is not None or leader.preemptions):
                 heir = heirs.get(id(leader))
                 if heir is None:  # its slot shares the leader's full prompt blocks (a pool): their written tokens
                     heirs[id(leader)] = gen
-                    gen.cached = min(leader.cached, self.slots.shared_tokens(len(gen.context())))
+                    written = 0 if leader.preemptions else leader.cached  # a preempted one's count is gone
+                    gen.cached = min(written, self.slots.shared_tokens(len(gen.context())))
                 gen.prefill_from = heir
             if gen.prefill_from is not None:
                 continue  # its leader's last chunk fills its slot
