@@ -23,7 +23,7 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    leader's logits row with its own sampler. In a pool of blocks each is admitted from its leader's slot
    (``KVSlots.admit(source=...)``): it holds the leader's full prompt blocks, shared, from admission and reserves
    only its own (the copied partly filled last block, its next token's), so the prompt is counted once. A sibling
-   admitted apart from its leader (the budget split them) prefills its prompt itself, counted whole;
+   admitted apart from its leader (the budget split them) prefills its prompt itself, counted whole (``siblings``);
 4. every sequence that was already running decodes one token, all in one launch, each at its own length. The
    token masks of the rows with a grammar (``Generation.grammar``: structured outputs) are computed on a worker
    thread while that launch runs when there are many, in place when few (``structured.grammar.StepMasks``), and
@@ -73,6 +73,7 @@ from .kv_slots import AdmissionError, KVSlots
 from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
 from .sampling import Sampler, SamplingError
+from .siblings import admission_source, placeholder_at, shares_prefill, sharing_last, take_over
 from .structured.grammar import StepMasks
 from .sequence import Generation, NullMetrics, QueueFull, TokenEvent, _adapters, _count
 
@@ -249,7 +250,7 @@ class Scheduler:
                 break  # no slot, even with every kept prefix dropped
             head = self.waiting[0]
             # A sibling choice whose leader this step prefills shares its prefill, and in a pool its full blocks.
-            sharing = self._shares_prefill(head, chosen)
+            sharing = shares_prefill(head, chosen)
             shared = len(head.leader.context()) if sharing else 0
             hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None and not sharing else None
             rest = len(head.context()) - (hit.tokens if hit is not None else 0)
@@ -304,7 +305,7 @@ class Scheduler:
         if not whole:
             return []
         # The launched rows planned; each sibling sharing a leader's prefill placed in its leader's group.
-        sharing = [g for g in whole if self._shares_prefill(g, whole)]
+        sharing = [g for g in whole if shares_prefill(g, whole)]
         launched = [g for g in whole if not any(g is s for s in sharing)]
         lengths = [len(g.context()) for g in launched]
         groups = plan_groups(lengths, self.cost, max_batch=len(launched),
@@ -327,11 +328,9 @@ class Scheduler:
         choice kept within the budget) what was placed, and every sequence of ``chosen`` not placed back at the head
         of the queue: nothing is lost."""
         members: list[Generation] = []
-        for gen in self._sharing_last(group):
-            leader = gen.prefill_from
-            source = (leader.slot, len(leader.context())) if leader is not None and self.slots.shares_blocks else None
+        for gen in sharing_last(group):
             try:
-                gen.slot = self.slots.admit(self._held(gen), source=source)
+                gen.slot = self.slots.admit(self._held(gen), source=admission_source(gen, self.slots))
             except AdmissionError as exc:
                 self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
                                "admitted wait again at the head of the queue")
@@ -400,25 +399,6 @@ class Scheduler:
         self.running.append(gen)
         return True
 
-    @staticmethod
-    def _shares_prefill(gen: Generation, among: list[Generation]) -> bool:
-        """Whether ``gen`` is a sibling choice that shares its leader's prefill, its leader ``among`` the sequences
-        admitted with it: both fresh (nothing generated, never preempted)."""
-        leader = gen.leader
-        return (leader is not None and not gen.generated and not gen.preemptions and not leader.generated
-                and not leader.preemptions and any(g is leader for g in among))
-
-    @classmethod
-    def _sharing_last(cls, group: list[Generation]) -> list[Generation]:
-        """The group with the siblings that will share a leader's prefill (``prefill_from`` set) after the rest:
-        the launch binds the group's first slots, the sharing ones take the slots behind them."""
-        own, sharing = [], []
-        for gen in group:
-            share = cls._shares_prefill(gen, group)
-            gen.prefill_from = gen.leader if share else None
-            (sharing if share else own).append(gen)
-        return own + sharing
-
     def _preempt_for(self, head: Generation) -> bool:
         """Free the most recently admitted running sequence for ``head`` when it waited past the bound."""
         if self.preemption_wait_s <= 0 or not self.running or self.clock() - head.arrival < self.preemption_wait_s:
@@ -443,9 +423,8 @@ class Scheduler:
         """The sequences mid-prefill that continue this step (oldest first) and their chunks' tokens, and the prompt
         tokens left for new prompts (None: no bound, when chunked prefill is off or no sequence decodes: there is no
         stream to keep level, and whole prompts waste no launch). When a leader stops before its last chunk
-        (cancelled, preempted), the first of its siblings waiting on it prefills the prompt in its place, from what the
-        leader left valid in the blocks they share (a pool of blocks; from the start in slots), and the others wait on
-        that one: a block several of them share has one writer."""
+        (cancelled, preempted), the first of its siblings waiting on it prefills the prompt in its place and the
+        others wait on that one (``siblings.take_over``)."""
         prefilling = [g for g in self.running if g.prefilling]
         if not self.chunk_tokens and not prefilling:
             return [], None
@@ -457,15 +436,7 @@ class Scheduler:
         plan: list[tuple[Generation, int]] = []
         heirs: dict[int, Generation] = {}  # a stopped leader -> the sibling prefilling in its place
         for gen in sorted(prefilling, key=lambda g: g.id):
-            leader = gen.prefill_from
-            # Stopped: cancelled, or preempted (even if admitted again since: it prefills for itself, in other blocks).
-            if leader is not None and (leader.slot is None or leader.finish_reason is not None or leader.preemptions):
-                heir = heirs.get(id(leader))
-                if heir is None:  # its slot shares the leader's full prompt blocks (a pool): their written tokens
-                    heirs[id(leader)] = gen
-                    written = 0 if leader.preemptions else leader.cached  # a preempted one's count is gone
-                    gen.cached = min(written, self.slots.shared_tokens(len(gen.context())))
-                gen.prefill_from = heir
+            take_over(gen, heirs, self.slots)
             if gen.prefill_from is not None:
                 continue  # its leader's last chunk fills its slot
             rest = len(gen.context()) - gen.cached
@@ -563,8 +534,7 @@ class Scheduler:
         if active:
             self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while it runs
             began = self.clock()
-            at = [self._placeholder_at(g) if g.prefilling and g.prefill_from is not None else g.cached
-                  for g in active]
+            at = [placeholder_at(g, self.slots) for g in active]
             tokens = [g.context()[min(p, len(g.context()) - 1)] for g, p in zip(active, at)]
             logits = self.model.decode(tokens, at, self.slots.views(0, len(active)), **_adapters(active))
             if self.itl is not None:  # the decode launch the ITL budget measures chunks against
@@ -577,12 +547,6 @@ class Scheduler:
         for gen, drafts in drafting.values():
             self.speculator.verify(gen, drafts, self.model, self.slots.views(gen.slot, 1), self._accept,
                                    _adapters([gen]))
-
-    def _placeholder_at(self, gen: Generation) -> int:
-        """Where a sibling waiting on its leader's prefill writes as a placeholder row: past the leader's full prompt
-        blocks, which a pool shares with it (the leader writes them; the leader's copy replaces what it writes here),
-        at the start of its slot in slots."""
-        return self.slots.shared_tokens(len(gen.context()))
 
     # ------------------------------------------------------------------ tokens out
 
