@@ -20,6 +20,7 @@ from model_factory.backend.generation.kv_slots import HostKVBuffers, KeptKV, KVS
 from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, CachedPrefix, PrefixCache, chain, identity
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, Scheduler
+from model_factory.backend.generation.sequence import NullMetrics
 from tests.generative_repository import run_to_end
 
 
@@ -170,6 +171,29 @@ def test_a_holder_ending_or_preempted_frees_only_the_blocks_no_one_else_holds() 
     assert kv.held_bytes() == 3 * 128 and [pool.references(x) for x in shared] == [1, 1]
     kv.release(0)
     assert kv.held_bytes() == 0 and pool.blocks_in_use == 0
+
+
+def test_what_releasing_a_slot_frees_is_what_the_account_loses_when_it_goes() -> None:
+    """``KVSlots.freed_by_release``: in a pool the blocks no other slot or kept prefix holds (a holder whose prefix
+    others share, its own block; a sequence holding only shared blocks, nothing; one sharing a kept prefix, its own
+    block), in slots the whole reservation; each time what ``held_bytes`` loses when the slot is released."""
+    for blocks in (False, True):
+        kv = _account(blocks, 6, 100)
+        holder = kv.admit(48)
+        a = kv.admit(48, source=(holder, 32))
+        b = kv.admit(32, source=(holder, 32))  # in a pool both its blocks the holder's
+        kept = KeptKV(tokens=32)
+        kv.release(kv.admit(40), keep=kept)  # a finished sequence's 32 tokens kept (2 blocks)
+        d = kv.admit(40, source=(kept.slot, 32))
+        freed = [kv.freed_by_release(s) // 128 for s in (holder, a, b, d)]
+        assert freed == ([1, 1, 0, 1] if blocks else [3, 3, 2, 3])
+        for slot in reversed(range(kv.active)):  # the last first: none moves, each freed as it stands then
+            before, frees = kv.held_bytes(), kv.freed_by_release(slot)
+            kv.release(slot)
+            assert kv.held_bytes() == before - frees
+        assert kv.held_bytes() == kv.freed_by_drop(kept) == 2 * 128
+        with pytest.raises(IndexError):
+            kv.freed_by_release(0)
 
 
 def test_dropping_a_kept_prefix_frees_only_its_unshared_blocks_and_one_that_frees_nothing_stays() -> None:
@@ -538,3 +562,61 @@ def test_a_leader_stopped_mid_prefill_hands_its_prompt_to_one_sibling(layouts, s
     else:
         assert counting.tokens == len(stream.prompt) + chunk + 2 * len(prompt)
         assert [g.generated for g in gens] == [g.generated for g in spare]
+
+
+# --------------------------------------------------------------------------- preemption in a pool
+
+class _Preemptions(NullMetrics):
+    """The preemptions metric, counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def preempted(self) -> None:
+        self.count += 1
+
+
+@needs_kernel
+def test_a_blocks_preemption_takes_a_sequence_whose_release_frees_memory(layouts) -> None:
+    """Two requests with one prompt and one greedy answer (the most tokens left) and a shorter one, all at a block's
+    end. The first two's identical blocks are then held once (the second shares the first's, as a sharing of decoded
+    blocks would hold them: admission today always leaves a sequence a block of its own) and the budget is what they
+    hold. The shorter one's next block must come from a preemption: by tokens left alone the second would go, freeing
+    nothing (the first holds its blocks), then the first, two preemptions; the shorter one is preempted instead, once,
+    and every sequence's tokens are those of the run with room to spare."""
+    spec, _, on_blocks = layouts
+    rng = random.Random(23)
+    prompt, other = ([rng.randrange(3, spec.vocab_size) for _ in range(16)] for _ in range(2))
+    long, short = SamplingParams(max_tokens=40, min_tokens=40), SamplingParams(max_tokens=24, min_tokens=24)
+
+    def submit(sched):
+        return [sched.submit(Generation(list(p), params, lambda g, e: None))
+                for p, params in ((other, short), (prompt, long), (prompt, long))]
+
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+    spare = submit(sched)
+    run_to_end(sched, within)
+    metrics = _Preemptions()
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True, metrics=metrics)
+    kv, pool = sched.slots, sched.slots.storage
+    shorter, first, second = submit(sched)
+    while first.cached < 2 * BLOCK_TOKENS:
+        sched.step()
+        within()
+    trio = (shorter, first, second)
+    assert [g.cached for g in trio] == [32] * 3 and [len(pool.blocks(g.slot)) for g in trio] == [2] * 3
+    for buf in pool.buffers.values():  # the same keys and values: holding them once changes no token
+        assert np.array_equal(buf[list(pool.blocks(first.slot))], buf[list(pool.blocks(second.slot))])
+    kv.copy(second.slot, first.slot, 32)
+    assert pool.blocks(second.slot) == pool.blocks(first.slot)
+    assert [kv.freed_by_release(g.slot) // kv.bytes_for(1) for g in trio] == [2, 0, 0]
+    roomy, kv.budget_bytes = kv.budget_bytes, kv.held_bytes()  # no next block without a preemption
+    assert kv.budget_bytes == 4 * kv.bytes_for(1)
+    sched.step()
+    within()
+    assert metrics.count == 1 and shorter.preemptions == 1 and shorter.slot is None
+    assert not first.preemptions and not second.preemptions and len(first.generated) == len(second.generated) == 18
+    kv.budget_bytes = roomy
+    run_to_end(sched, within)
+    assert metrics.count == 1
+    assert [g.generated for g in trio] == [g.generated for g in spare]

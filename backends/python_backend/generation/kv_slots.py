@@ -31,10 +31,11 @@ prefixes all compare with the budget. In slots, each reservation and each kept p
 the same blocks, reference counted), the pool's blocks in use, a block several slots hold counted once: a sequence
 admitted with a hit, or a request's sibling choice admitted from its leader's slot before its prompt is prefilled
 (``admit(source=...)``), adds only the blocks past the full ones it shares (:meth:`KVSlots.admission_bytes`,
-:meth:`KVSlots.shared_tokens`), and dropping a
-kept prefix frees only the blocks no other slot holds (:meth:`KVSlots.freed_by_drop`). Either way nothing is held past
-the budget: the pool takes the lowest free block first, so its memory never reaches past the most blocks ever held at
-once, and its budget is the configured one less the page a buffer's last blocks may share with free ones.
+:meth:`KVSlots.shared_tokens`), and dropping a kept prefix, or releasing a running sequence's slot, frees only the
+blocks no other slot holds (:meth:`KVSlots.freed_by_drop`, :meth:`KVSlots.freed_by_release`: a preemption's victim is
+chosen among those whose release frees memory). Either way nothing is held past the budget: the pool takes the lowest
+free block first, so its memory never reaches past the most blocks ever held at once, and its budget is the
+configured one less the page a buffer's last blocks may share with free ones.
 
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
 ``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool; ``kv_pool.BlockKVBuffers``, ``kv_layout =
@@ -301,6 +302,16 @@ class KVSlots:
         if self._pool is not None:
             return self._pool.unshared(kept.slot) * self._pool_block_bytes
         return self.bytes_for(self.held(kept.tokens))
+
+    def freed_by_release(self, slot: int) -> int:
+        """What releasing active ``slot`` (its sequence preempted or ended, nothing kept) frees: in a pool only the
+        blocks no other slot or kept prefix holds (a sequence whose blocks others share frees only its own, possibly
+        none), in slots its whole reservation. A preemption's victim is chosen by it (``kv_blocks.choose_victim``)."""
+        if not 0 <= slot < self.active:
+            raise IndexError(f"slot {slot} is not active (active: {self.active})")
+        if self._pool is not None:
+            return self._pool.unshared(slot) * self._pool_block_bytes
+        return self.bytes_for(self._reserved[slot])
 
     def usage(self) -> KVUsage:
         kept = [self.held(k.tokens) for k in self._kept.values()]

@@ -33,9 +33,10 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
 :meth:`Scheduler.submit` raises :class:`QueueFull` (the frontends answer 503 with Retry-After), so the
 cache never holds more than it can, and nothing runs out of memory. With ``preemption_wait_s`` set, a
-request that waited longer than that for memory preempts the running sequence with the most tokens left
-(each at most once; its slot freed, its tokens kept: it resumes behind the request it made room for by
-prefilling its prompt and what it had generated, with its own sampler, so its output does not change).
+request that waited longer than that for memory preempts the running sequence with the most tokens left of those
+whose release frees memory (``kv_blocks.choose_victim``: in a pool of blocks, what no other slot holds), each at most
+once; its slot freed, its tokens kept: it resumes behind the request it made room for by prefilling its prompt and
+what it had generated, with its own sampler, so its output does not change.
 
 With ``chunk_tokens`` (``chunked_prefill``: chunked prefill), a step prefills at most that many prompt tokens beside
 the decode launch: sequences mid-prefill continue first, a prompt longer than what is left is split over steps, and a
@@ -68,7 +69,7 @@ import numpy as np
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
-from .kv_blocks import take_next_blocks
+from .kv_blocks import choose_victim, take_next_blocks
 from .kv_slots import AdmissionError, KVSlots
 from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
@@ -400,14 +401,17 @@ class Scheduler:
         return True
 
     def _preempt_for(self, head: Generation) -> bool:
-        """Free the most recently admitted running sequence for ``head`` when it waited past the bound."""
+        """Preempt a running sequence for ``head`` when it waited past the bound: of those whose release frees memory
+        (``kv_blocks.choose_victim``; in a pool one whose blocks are all shared frees none), the one that would hold it
+        longest (most tokens left), each preempted at most once. None freeing any, none is: ``head`` waits for the
+        running sequences to end (they take their blocks or are preempted for them: nothing deadlocks)."""
         if self.preemption_wait_s <= 0 or not self.running or self.clock() - head.arrival < self.preemption_wait_s:
             return False
-        # The sequence that would hold its memory longest (most tokens left), each preempted at most once.
         candidates = [g for g in self.running if not g.preemptions and g.finish_reason is None]
-        if not candidates:
+        victim = choose_victim(candidates, self.slots, last_resort=False,
+                               key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
+        if victim is None:
             return False
-        victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
         self.preempt(victim, at=1)  # right behind the request it made room for
         return True
 
