@@ -23,6 +23,10 @@ loop ends, at worst with that sequence preempted itself. Under today's admission
 practice: every running sequence holds a block of its own (the one its last written or next token lies in: a partly
 filled block is copied, never shared, and admission reserves the token after the context); one whose blocks are all
 full and shared is what a sharing of decoded blocks would bring.
+
+With ``kv_admission = "reserve"`` each sequence reserves ``prompt + max_tokens`` at admission (the account's whole
+reservations, ``KVSlots`` without ``block_tokens``): it never needs more memory, and :func:`take_next_blocks` only
+records what each holds (the fragmentation metric's numerator).
 """
 
 from __future__ import annotations
