@@ -5,12 +5,13 @@ budget has none left, against whole reservations of ``prompt + max_tokens``."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from model_factory.backend.contract import GenerationSpec
 from model_factory.backend.generation.causal_lm import CausalLM
-from model_factory.backend.generation.kv_blocks import block_tokens
+from model_factory.backend.generation.kv_blocks import block_tokens, choose_victim
 from model_factory.backend.generation.kv_slots import HostKVBuffers, KVSlots, KVUsage
 from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, identity
 from model_factory.backend.generation.sampling import SamplingParams
@@ -178,3 +179,28 @@ def test_a_sequence_alone_fills_the_whole_budget(engine):
     gen = sched.submit(Generation(list(range(3, 23)), SamplingParams(max_tokens=12, min_tokens=12), lambda g, e: None))
     run_to_end(sched)
     assert gen.finish_reason == "length" and len(gen.generated) == 12 and gen.preemptions == 0
+
+
+def test_a_preemptions_victim_frees_memory_and_is_otherwise_the_one_with_the_most_tokens_left():
+    """``choose_victim``: in a pool of blocks a sequence whose blocks another holds frees nothing, so the one that
+    frees is taken though others have more tokens left; when none frees, the order as before (the block's
+    preemption) or none (the preemption for a waiting request). In slots every release frees: the order alone."""
+    from tests.backend.test_kv_pool import _account
+
+    def key(gen):
+        return gen.left, gen.arrival
+
+    for blocks in (False, True):
+        kv = _account(blocks, 4, 100)
+        x = SimpleNamespace(slot=kv.admit(32), left=23, arrival=1)
+        y = SimpleNamespace(slot=kv.admit(32, source=(x.slot, 32)), left=23, arrival=2)  # a pool: x's 2 blocks
+        z = SimpleNamespace(slot=kv.admit(20), left=7, arrival=3)
+        if blocks:
+            assert [kv.freed_by_release(g.slot) for g in (x, y)] == [0, 0] and kv.freed_by_release(z.slot) > 0
+            assert choose_victim([x, y, z], kv, key) is z
+            assert choose_victim([x, y], kv, key) is y  # none frees: the most tokens left, the youngest of equals
+            assert choose_victim([x, y], kv, key, last_resort=False) is None
+        else:
+            for among in ([x, y, z], [x, y]):
+                for last_resort in (True, False):
+                    assert choose_victim(among, kv, key, last_resort=last_resort) is y

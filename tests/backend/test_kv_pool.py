@@ -20,6 +20,7 @@ from model_factory.backend.generation.kv_slots import HostKVBuffers, KeptKV, KVS
 from model_factory.backend.generation.prefix_cache import BLOCK_TOKENS, CachedPrefix, PrefixCache, chain, identity
 from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, Scheduler
+from model_factory.backend.generation.sequence import NullMetrics
 from tests.generative_repository import run_to_end
 
 
@@ -130,6 +131,8 @@ def test_a_shared_prefix_is_counted_once_in_a_pool_and_once_per_holder_in_slots(
     admitted = {}
     for blocks in (False, True):
         kv = _account(blocks, 8, 9)
+        assert kv.shared_tokens(40) == (32 if blocks else 0)  # a pool shares full blocks; a slot's copy is a copy
+        assert kv.admission_bytes(48, shared=40) == kv.admission_bytes(48, shared=32)
         holder = kv.admit(48)
         while kv.can_admit(48, shared=32):
             kv.admit(48, source=(holder, 32))
@@ -168,6 +171,29 @@ def test_a_holder_ending_or_preempted_frees_only_the_blocks_no_one_else_holds() 
     assert kv.held_bytes() == 3 * 128 and [pool.references(x) for x in shared] == [1, 1]
     kv.release(0)
     assert kv.held_bytes() == 0 and pool.blocks_in_use == 0
+
+
+def test_what_releasing_a_slot_frees_is_what_the_account_loses_when_it_goes() -> None:
+    """``KVSlots.freed_by_release``: in a pool the blocks no other slot or kept prefix holds (a holder whose prefix
+    others share, its own block; a sequence holding only shared blocks, nothing; one sharing a kept prefix, its own
+    block), in slots the whole reservation; each time what ``held_bytes`` loses when the slot is released."""
+    for blocks in (False, True):
+        kv = _account(blocks, 6, 100)
+        holder = kv.admit(48)
+        a = kv.admit(48, source=(holder, 32))
+        b = kv.admit(32, source=(holder, 32))  # in a pool both its blocks the holder's
+        kept = KeptKV(tokens=32)
+        kv.release(kv.admit(40), keep=kept)  # a finished sequence's 32 tokens kept (2 blocks)
+        d = kv.admit(40, source=(kept.slot, 32))
+        freed = [kv.freed_by_release(s) // 128 for s in (holder, a, b, d)]
+        assert freed == ([1, 1, 0, 1] if blocks else [3, 3, 2, 3])
+        for slot in reversed(range(kv.active)):  # the last first: none moves, each freed as it stands then
+            before, frees = kv.held_bytes(), kv.freed_by_release(slot)
+            kv.release(slot)
+            assert kv.held_bytes() == before - frees
+        assert kv.held_bytes() == kv.freed_by_drop(kept) == 2 * 128
+        with pytest.raises(IndexError):
+            kv.freed_by_release(0)
 
 
 def test_dropping_a_kept_prefix_frees_only_its_unshared_blocks_and_one_that_frees_nothing_stays() -> None:
@@ -411,3 +437,186 @@ def test_under_pressure_a_kept_prefix_is_dropped_freeing_its_own_blocks_only(lay
     # room for each of the two: 11 blocks; the budget has 10.
     got = run(on_blocks, True, 10)
     assert got == run(on_slots, False, 100)
+
+
+# --------------------------------------------------------------------------- a request's choices in a pool
+
+class _Prefilled:
+    """The engine, with the prompt tokens each prefill launch wrote counted."""
+
+    def __init__(self, model):
+        self.model, self.tokens, self.kv_block_tokens = model, 0, model.kv_block_tokens
+
+    def prefill(self, contexts, views, **kw):
+        self.tokens += sum(len(c) for c in contexts)
+        return self.model.prefill(contexts, views, **kw)
+
+    def decode(self, *args, **kw):
+        return self.model.decode(*args, **kw)
+
+
+def _choices(prompt, params, n, **leader_kw):
+    gens = []
+    for i in range(n):
+        gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                               lambda g, e: None, index=i, leader=gens[0] if gens else None,
+                               **(leader_kw if i == 0 else {})))
+    return gens
+
+
+def _choices_scheduler(spec, model, budget_blocks: int, *, blocks: bool, **kw):
+    """Paged admission over a pool (``blocks``) or the slots' buffers, 6 slots, a budget of ``budget_blocks`` blocks
+    counted exactly; and the check that the account (and in a pool the blocks in use) stays within the budget."""
+    storage = _exact(kv_storage(model, spec, 6) if blocks else HostKVBuffers(spec, 6, spec.max_context))
+    per_block = 2 * spec.num_layers * spec.num_kv_heads * BLOCK_TOKENS * spec.head_dim
+    kv = KVSlots(spec, 6, budget_blocks * per_block, storage=storage, block_tokens=16)
+    sched = Scheduler(model, kv, None, spec.eos_token_ids, max_waiting=64, **kw)
+
+    def within() -> None:
+        assert kv.held_bytes() <= kv.budget_bytes
+        if blocks:
+            assert kv.held_bytes() == kv.storage.blocks_in_use * per_block
+    return sched, within
+
+
+@needs_kernel
+def test_a_requests_choices_share_their_leaders_prompt_blocks_from_admission_and_are_admitted_at_once(layouts):
+    """A 100-token prompt and 20 tokens each, n = 4: a sequence takes 7 blocks at admission (its prompt and first
+    token), 8 by its end. A budget of 16 blocks holds the prompt's 6 full blocks once, each choice's 7th and 8th and
+    the blocks of room, not 4 whole copies (28 at admission): in a pool the 4 choices are admitted in one step (the
+    leader's 7 blocks, one of each sibling's own and 4 of room: 14), the siblings sharing the leader's prefill; in
+    slots, where each copy is a copy, 2 at once. Each choice's tokens are those of the request run with room to
+    spare, greedy and seeded, and the account never passes the budget."""
+    spec, on_slots, on_blocks = layouts
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, spec.vocab_size) for _ in range(100)]
+    for params in (SamplingParams(max_tokens=20, min_tokens=20),
+                   SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9, top_k=40, seed=31)):
+        sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+        spare = sched.submit_all(_choices(prompt, params, 4))
+        run_to_end(sched, within)
+        counting = _Prefilled(on_blocks)
+        sched, within = _choices_scheduler(spec, counting, 16, blocks=True)
+        gens = sched.submit_all(_choices(prompt, params, 4))
+        sched.step()
+        within()
+        assert len(sched.running) == 4 and all(len(g.generated) == 1 for g in gens)
+        assert [g.prefill_from for g in gens] == [None] + [gens[0]] * 3 and counting.tokens == len(prompt)
+        pool = sched.slots.storage
+        leader_blocks = pool.blocks(gens[0].slot)
+        assert all(pool.blocks(g.slot)[:6] == leader_blocks[:6] for g in gens)
+        assert all(pool.references(b) == 4 for b in leader_blocks[:6]) and pool.blocks_in_use == 6 + 4
+        run_to_end(sched, within)
+        assert [g.generated for g in gens] == [g.generated for g in spare]
+        assert pool.blocks_in_use == 0 and sched.slots.active == 0
+        sched, within = _choices_scheduler(spec, on_slots, 16, blocks=False)
+        apart = sched.submit_all(_choices(prompt, params, 4))
+        sched.step()
+        within()
+        assert len(sched.running) == 2  # the leader and one sibling: the rest wait, and prefill themselves
+        run_to_end(sched, within)
+        assert [g.generated for g in apart] == [g.generated for g in spare]
+
+
+@needs_kernel
+@pytest.mark.parametrize("stop", ["cancelled", "preempted"])
+def test_a_leader_stopped_mid_prefill_hands_its_prompt_to_one_sibling(layouts, stop):
+    """Chunked prefill beside a decoding stream: a request of 3 choices whose leader stops after its first chunk. In a
+    pool the siblings share the leader's full prompt blocks from admission, so the first of them prefills the prompt
+    in its place and the other waits on it (a shared block has one writer): cancelled, from the tokens the leader
+    wrote (the prompt prefilled once in all); preempted, from the start (the leader prefills its own again when it
+    resumes). Every choice's tokens are those of the request run whole with room to spare."""
+    spec, _, on_blocks = layouts
+    rng = random.Random(22)
+    prompt = [rng.randrange(3, spec.vocab_size) for _ in range(100)]
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.9, top_k=40, seed=41)
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+    spare = sched.submit_all(_choices(prompt, params, 3))
+    run_to_end(sched, within)
+    counting = _Prefilled(on_blocks)
+    gone = {"now": False}
+    sched, within = _choices_scheduler(spec, counting, 40, blocks=True, chunk_tokens=32, cancel_check_s=0.0)
+    stream = sched.submit(Generation([5, 6, 7], SamplingParams(max_tokens=40, min_tokens=40), lambda g, e: None))
+    sched.step()
+    gens = sched.submit_all(_choices(prompt, params, 3, is_cancelled=lambda: gone["now"]))
+    sched.step()
+    within()
+    leader, first, second = gens
+    chunk = leader.cached
+    assert leader.prefilling and 0 < chunk < len(prompt)
+    assert first.prefill_from is leader and second.prefill_from is leader
+    pool = sched.slots.storage
+    assert pool.blocks(first.slot)[:6] == pool.blocks(second.slot)[:6] == pool.blocks(leader.slot)[:6]
+    if stop == "cancelled":
+        gone["now"] = True
+    else:
+        sched.preempt(leader)
+    sched.step()
+    within()
+    assert second.prefill_from is first
+    run_to_end(sched, within)
+    if stop == "cancelled":
+        assert leader.finish_reason == "cancelled"
+        assert counting.tokens == len(stream.prompt) + len(prompt)
+        assert [first.generated, second.generated] == [g.generated for g in spare[1:]]
+    else:
+        assert counting.tokens == len(stream.prompt) + chunk + 2 * len(prompt)
+        assert [g.generated for g in gens] == [g.generated for g in spare]
+
+
+# --------------------------------------------------------------------------- preemption in a pool
+
+class _Preemptions(NullMetrics):
+    """The preemptions metric, counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def preempted(self) -> None:
+        self.count += 1
+
+
+@needs_kernel
+def test_a_blocks_preemption_takes_a_sequence_whose_release_frees_memory(layouts) -> None:
+    """Two requests with one prompt and one greedy answer (the most tokens left) and a shorter one, all at a block's
+    end. The first two's identical blocks are then held once (the second shares the first's, as a sharing of decoded
+    blocks would hold them: admission today always leaves a sequence a block of its own) and the budget is what they
+    hold. The shorter one's next block must come from a preemption: by tokens left alone the second would go, freeing
+    nothing (the first holds its blocks), then the first, two preemptions; the shorter one is preempted instead, once,
+    and every sequence's tokens are those of the run with room to spare."""
+    spec, _, on_blocks = layouts
+    rng = random.Random(23)
+    prompt, other = ([rng.randrange(3, spec.vocab_size) for _ in range(16)] for _ in range(2))
+    long, short = SamplingParams(max_tokens=40, min_tokens=40), SamplingParams(max_tokens=24, min_tokens=24)
+
+    def submit(sched):
+        return [sched.submit(Generation(list(p), params, lambda g, e: None))
+                for p, params in ((other, short), (prompt, long), (prompt, long))]
+
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True)
+    spare = submit(sched)
+    run_to_end(sched, within)
+    metrics = _Preemptions()
+    sched, within = _choices_scheduler(spec, on_blocks, 100, blocks=True, metrics=metrics)
+    kv, pool = sched.slots, sched.slots.storage
+    shorter, first, second = submit(sched)
+    while first.cached < 2 * BLOCK_TOKENS:
+        sched.step()
+        within()
+    trio = (shorter, first, second)
+    assert [g.cached for g in trio] == [32] * 3 and [len(pool.blocks(g.slot)) for g in trio] == [2] * 3
+    for buf in pool.buffers.values():  # the same keys and values: holding them once changes no token
+        assert np.array_equal(buf[list(pool.blocks(first.slot))], buf[list(pool.blocks(second.slot))])
+    kv.copy(second.slot, first.slot, 32)
+    assert pool.blocks(second.slot) == pool.blocks(first.slot)
+    assert [kv.freed_by_release(g.slot) // kv.bytes_for(1) for g in trio] == [2, 0, 0]
+    roomy, kv.budget_bytes = kv.budget_bytes, kv.held_bytes()  # no next block without a preemption
+    assert kv.budget_bytes == 4 * kv.bytes_for(1)
+    sched.step()
+    within()
+    assert metrics.count == 1 and shorter.preemptions == 1 and shorter.slot is None
+    assert not first.preemptions and not second.preemptions and len(first.generated) == len(second.generated) == 18
+    kv.budget_bytes = roomy
+    run_to_end(sched, within)
+    assert metrics.count == 1
+    assert [g.generated for g in trio] == [g.generated for g in spare]

@@ -205,11 +205,11 @@ def test_an_admission_that_fails_midway_loses_no_sequence(engine, monkeypatch):
             for i in range(5)]
     real_admit, calls = slots.admit, {"n": 0}
 
-    def admit_refusing_the_third(tokens):
+    def admit_refusing_the_third(tokens, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise AdmissionError("refused for the test")
-        return real_admit(tokens)
+        return real_admit(tokens, **kw)
 
     monkeypatch.setattr(slots, "admit", admit_refusing_the_third)
     sched.step()

@@ -11,7 +11,8 @@ then at most ``C`` prompt tokens of prefill:
 * then new prompts are admitted with what is left of the budget: whole ones grouped into launches as before, and the
   first that does not fit whole starts its prefill with a first chunk of what is left (at least :data:`MIN_CHUNK`
   tokens, else it waits in the queue, holding no memory). The siblings of a request with ``n`` choices are admitted
-  with their leader and wait for its last chunk (its keys and values are then copied into their slots).
+  with their leader and wait for its last chunk (its keys and values are then copied into their slots; in a pool of
+  blocks they share its full prompt blocks from admission, and one takes its place if it stops: ``siblings``).
 
 While no sequence decodes there is no stream to keep level: new prompts, and one left mid-prefill when the streams
 ended, are prefilled whole, as with the budget off.

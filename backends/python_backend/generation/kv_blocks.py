@@ -7,12 +7,22 @@ for ``prompt + max_tokens``: a client's ``max_tokens`` is a bound, most sequence
 up front kept memory idle that other sequences could run in. Before each step :func:`take_next_blocks` gives every
 decoding sequence the block its next token falls into (``KVSlots.grow``); when the budget has none left the seed's
 formula still guards it: kept prefixes are dropped (least recently used first, of those whose dropping frees memory:
-in a pool of blocks, one whose blocks running sequences share frees nothing), then the running sequence with the
-most tokens left (the youngest of equals) is preempted, its memory freed, and it waits at the head of the queue to
-resume as a preempted sequence does (its prompt and what it had generated prefilled again, its own sampler: its output
-unchanged). Nothing is launched that the cache cannot hold: a sequence decodes only once its block is reserved, and a
-sequence alone in the cache always finishes (``Scheduler.submit`` refuses one whose ``prompt + max_tokens`` could
-never fit).
+in a pool of blocks, one whose blocks running sequences share frees nothing), then a running sequence is preempted,
+its memory freed, and it waits at the head of the queue to resume as a preempted sequence does (its prompt and what it
+had generated prefilled again, its own sampler: its output unchanged). Nothing is launched that the cache cannot hold:
+a sequence decodes only once its block is reserved, and a sequence alone in the cache always finishes
+(``Scheduler.submit`` refuses one whose ``prompt + max_tokens`` could never fit).
+
+The victim (:func:`choose_victim`, the scheduler's preemption for a waiting request too) is, of the running
+sequences whose release frees memory (``KVSlots.freed_by_release``: in slots every one, its whole reservation; in a
+pool of blocks the blocks no other slot or kept prefix holds), the one with the most tokens left (the youngest of
+equals): a sequence whose every block is shared (with another sequence, or a kept prefix) would lose its work and free
+nothing. Here one that frees nothing is taken only when none frees anything: the sequence needing the block cannot
+decode without it, and each preemption lets go of references (a co-holder, or a kept prefix, then frees them), so the
+loop ends, at worst with that sequence preempted itself. Under today's admission no victim here frees nothing in
+practice: every running sequence holds a block of its own (the one its last written or next token lies in: a partly
+filled block is copied, never shared, and admission reserves the token after the context); one whose blocks are all
+full and shared is what a sharing of decoded blocks would bring.
 
 With ``kv_admission = "reserve"`` each sequence reserves ``prompt + max_tokens`` at admission (the account's whole
 reservations, ``KVSlots`` without ``block_tokens``): it never needs more memory, and :func:`take_next_blocks` only
@@ -21,12 +31,12 @@ records what each holds (the fragmentation metric's numerator).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..contract import KV_ADMISSION, KV_ADMISSION_PAGED
 from .prefix_cache import BLOCK_TOKENS
 
-__all__ = ["KV_ADMISSION", "block_tokens", "take_next_blocks"]
+__all__ = ["KV_ADMISSION", "block_tokens", "choose_victim", "take_next_blocks"]
 
 
 def block_tokens(setting: str) -> int:
@@ -50,7 +60,7 @@ def take_next_blocks(sched: Any) -> int:
             if kept is not None:
                 sched._drop_kept(kept)
                 continue
-            victim = _victim(sched.running)
+            victim = _victim(sched.running, slots)
             sched.preempt(victim)
             preempted += 1
             if victim is gen:
@@ -58,7 +68,17 @@ def take_next_blocks(sched: Any) -> int:
     return preempted
 
 
-def _victim(running: list[Any]) -> Any:
-    """The running sequence that would hold its memory longest: the most tokens left, the youngest of equals."""
+def choose_victim(candidates: list[Any], slots: Any, key: Callable[[Any], Any], last_resort: bool = True) -> Any:
+    """The running sequence to preempt of ``candidates``: the first by ``key`` (the greatest) of those whose release
+    frees memory (``KVSlots.freed_by_release``); of the others, only when none frees anything and ``last_resort``
+    (None when there is none to take)."""
+    freeing = [g for g in candidates if slots.freed_by_release(g.slot) > 0]
+    chosen = freeing or (list(candidates) if last_resort else [])
+    return max(chosen, key=key) if chosen else None
+
+
+def _victim(running: list[Any], slots: Any) -> Any:
+    """The running sequence to preempt for a block: of those whose release frees memory (any, as a last resort), the
+    one that would hold its memory longest: the most tokens left, the youngest of equals."""
     live = [g for g in running if g.finish_reason is None] or running
-    return max(live, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival, g.id))
+    return choose_victim(live, slots, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival, g.id))

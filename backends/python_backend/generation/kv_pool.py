@@ -10,8 +10,9 @@ a block several slots hold, once); what differs is what a slot is, a row of the 
 - a slot holds the blocks its reservation covers (:meth:`BlockKVBuffers.claim` at admission, again as it grows),
   taken from a free list lowest first, so a sequence admitted into a fresh pool holds its blocks in order (which the
   kernel reads as one run);
-- :meth:`~BlockKVBuffers.move` (a prefix-cache hit admitted from another slot, ``KVSlots.admit(source=...)``; a
-  request's sibling choices after their leader's prefill, ``KVSlots.copy``) gives the destination the source's full
+- :meth:`~BlockKVBuffers.move` (a prefix-cache hit admitted from another slot, or a request's sibling choice from its
+  leader's before the prompt is written, ``KVSlots.admit(source=...)``; the sibling again after its leader's prefill,
+  ``KVSlots.copy``, the same full blocks and the now written last one) gives the destination the source's full
   blocks, shared and reference counted, and a copy of its last, partly filled one (whose free rows the source may
   still write): a shared prefix is one copy in memory, the slot layout's second copy gone;
 - :meth:`~BlockKVBuffers.relocate` (compaction, a finished sequence's prefix kept aside) hands a slot's blocks over;

@@ -29,10 +29,13 @@ prefixes all compare with the budget. In slots, each reservation and each kept p
 (a prefix a slot copies from another is a second copy, counted again). Where the storage shares blocks
 (``kv_pool.BlockKVBuffers``, ``kv_layout = "blocks"``: what the slots copy, a prefix-cache hit or a kept prefix, is
 the same blocks, reference counted), the pool's blocks in use, a block several slots hold counted once: a sequence
-admitted with a hit adds only the blocks past the ones it shares (:meth:`KVSlots.admission_bytes`), and dropping a
-kept prefix frees only the blocks no other slot holds (:meth:`KVSlots.freed_by_drop`). Either way nothing is held past
-the budget: the pool takes the lowest free block first, so its memory never reaches past the most blocks ever held at
-once, and its budget is the configured one less the page a buffer's last blocks may share with free ones.
+admitted with a hit, or a request's sibling choice admitted from its leader's slot before its prompt is prefilled
+(``admit(source=...)``), adds only the blocks past the full ones it shares (:meth:`KVSlots.admission_bytes`,
+:meth:`KVSlots.shared_tokens`), and dropping a kept prefix, or releasing a running sequence's slot, frees only the
+blocks no other slot holds (:meth:`KVSlots.freed_by_drop`, :meth:`KVSlots.freed_by_release`: a preemption's victim is
+chosen among those whose release frees memory). Either way nothing is held past the budget: the pool takes the lowest
+free block first, so its memory never reaches past the most blocks ever held at once, and its budget is the
+configured one less the page a buffer's last blocks may share with free ones.
 
 Where the buffers live is the storage's business (:class:`HostKVBuffers` here, numpy in host memory;
 ``kv_device.DeviceKVBuffers`` on a GPU, from the instance's pool; ``kv_pool.BlockKVBuffers``, ``kv_layout =
@@ -272,12 +275,22 @@ class KVSlots:
         return (sum(self.bytes_for(t) for t in self._reserved)
                 + sum(self.bytes_for(self.held(k.tokens)) for k in self._kept.values()))
 
+    def shared_tokens(self, length: int) -> int:
+        """Of another slot's first ``length`` tokens given to a slot (:meth:`copy`, ``admit(source=...)``), those it
+        shares rather than holds: in a pool the tokens of their full blocks (the last, partly filled one is copied
+        into a block of its own); in slots none (a copy is a second copy)."""
+        if self._pool is None:
+            return 0
+        return int(length) // self._pool.block_tokens * self._pool.block_tokens
+
     def admission_bytes(self, tokens: int, shared: int = 0) -> int:
         """What admitting a sequence that reserves ``tokens`` adds to :meth:`held_bytes`, its first ``shared`` tokens
-        another slot's (a prefix-cache hit): a pool shares their full blocks, so only the blocks past them count;
-        the slots copy them, so every token counts."""
+        another slot's (a prefix-cache hit, or a sibling choice's prompt its leader prefills): a pool shares their
+        full blocks (:meth:`shared_tokens`), so only the blocks past them count; the slots copy them, so every token
+        counts."""
         if self._pool is not None:
-            blocks = -(-self.held(tokens) // self._pool.block_tokens) - int(shared) // self._pool.block_tokens
+            block = self._pool.block_tokens
+            blocks = -(-self.held(tokens) // block) - self.shared_tokens(shared) // block
             return max(0, blocks) * self._pool_block_bytes
         return self.bytes_for(self.held(tokens))
 
@@ -289,6 +302,16 @@ class KVSlots:
         if self._pool is not None:
             return self._pool.unshared(kept.slot) * self._pool_block_bytes
         return self.bytes_for(self.held(kept.tokens))
+
+    def freed_by_release(self, slot: int) -> int:
+        """What releasing active ``slot`` (its sequence preempted or ended, nothing kept) frees: in a pool only the
+        blocks no other slot or kept prefix holds (a sequence whose blocks others share frees only its own, possibly
+        none), in slots its whole reservation. A preemption's victim is chosen by it (``kv_blocks.choose_victim``)."""
+        if not 0 <= slot < self.active:
+            raise IndexError(f"slot {slot} is not active (active: {self.active})")
+        if self._pool is not None:
+            return self._pool.unshared(slot) * self._pool_block_bytes
+        return self.bytes_for(self._reserved[slot])
 
     def usage(self) -> KVUsage:
         kept = [self.held(k.tokens) for k in self._kept.values()]
@@ -353,8 +376,10 @@ class KVSlots:
         """Reserve the next slot (the end of the active prefix) for ``tokens``; returns its index. A prefix kept in
         that slot moves to a free one, unless it is ``take``: then the new sequence takes it over in place (its
         keys and values are the sequence's first tokens; the prefix is no longer kept). ``source`` ``(slot,
-        length)``: the new sequence's first ``length`` tokens are that active or kept slot's (a prefix-cache hit),
-        shared in a pool (only the blocks past them counted against the budget), copied in slots."""
+        length)``: the new sequence's first ``length`` tokens are that active or kept slot's (a prefix-cache hit; a
+        sibling choice's prompt, its leader's, not written yet: its :meth:`copy` after the prefill brings the partly
+        filled last block), shared in a pool (only the blocks past the full ones counted against the budget), copied
+        in slots."""
         slot = self.active
         if source is not None:
             src, length = int(source[0]), int(source[1])

@@ -10,17 +10,20 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
    (``kv_slots.KVSlots.can_admit``: ``budget - weights >= kv bytes`` of every running sequence's reservation and the
    new one's: paged, the blocks of its context and next token and a block of room per sequence; otherwise
    ``prompt + max_tokens``; in a pool of blocks, ``KVSlots.held_bytes``, a block several sequences share counted
-   once, and a prefix-cache hit's shared blocks not counted again); the first that does not fit waits, and nothing
-   overtakes it. With
+   once, and neither a prefix-cache hit's shared blocks nor a sibling choice's share of its leader's full prompt
+   blocks counted again); the first that does not fit waits, and nothing overtakes it. With
    ``max_tokens_grouping_s`` set, the waiting are taken grouped by ``max_tokens`` instead (power-of-two
    buckets, the smallest first, arrival order within one) until one has waited that long: those go first;
 3. the admitted prompts are prefilled in groups of similar length, split by the cost model the encoders use
    (``grouping.plan_groups``: a launch costs ``a + b n L + c n L^2``), each group in one launch on contiguous
    slots; each new sequence gets its first token. The sibling sequences of a request with ``n`` choices
-   (``Generation.leader``: choice 0) share their prompt's prefill: admitted in the same group as their leader,
-   they take the slots after the group's launched rows, the leader's keys and values are copied into them
-   (``KVSlots.copy``), and each samples its first token from the leader's logits row with its own sampler. A
-   sibling admitted apart from its leader (the budget split them) prefills its prompt itself;
+   (``Generation.leader``: choice 0) share their prompt's prefill: admitted in the same group as their leader (the
+   groups are planned over the launched prompts), they take the slots after the group's launched rows, the
+   leader's keys and values are copied into them (``KVSlots.copy``), and each samples its first token from the
+   leader's logits row with its own sampler. In a pool of blocks each is admitted from its leader's slot
+   (``KVSlots.admit(source=...)``): it holds the leader's full prompt blocks, shared, from admission and reserves
+   only its own (the copied partly filled last block, its next token's), so the prompt is counted once. A sibling
+   admitted apart from its leader (the budget split them) prefills its prompt itself, counted whole (``siblings``);
 4. every sequence that was already running decodes one token, all in one launch, each at its own length. The
    token masks of the rows with a grammar (``Generation.grammar``: structured outputs) are computed on a worker
    thread while that launch runs when there are many, in place when few (``structured.grammar.StepMasks``), and
@@ -30,9 +33,10 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
 :meth:`Scheduler.submit` raises :class:`QueueFull` (the frontends answer 503 with Retry-After), so the
 cache never holds more than it can, and nothing runs out of memory. With ``preemption_wait_s`` set, a
-request that waited longer than that for memory preempts the running sequence with the most tokens left
-(each at most once; its slot freed, its tokens kept: it resumes behind the request it made room for by
-prefilling its prompt and what it had generated, with its own sampler, so its output does not change).
+request that waited longer than that for memory preempts the running sequence with the most tokens left of those
+whose release frees memory (``kv_blocks.choose_victim``: in a pool of blocks, what no other slot holds), each at most
+once; its slot freed, its tokens kept: it resumes behind the request it made room for by prefilling its prompt and
+what it had generated, with its own sampler, so its output does not change.
 
 With ``chunk_tokens`` (``chunked_prefill``: chunked prefill), a step prefills at most that many prompt tokens beside
 the decode launch: sequences mid-prefill continue first, a prompt longer than what is left is split over steps, and a
@@ -65,11 +69,12 @@ import numpy as np
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
-from .kv_blocks import take_next_blocks
+from .kv_blocks import choose_victim, take_next_blocks
 from .kv_slots import AdmissionError, KVSlots
 from .chunked_prefill import MIN_CHUNK
 from .prefix_cache import Hit, PrefixCache
 from .sampling import Sampler, SamplingError
+from .siblings import admission_source, placeholder_at, shares_prefill, sharing_last, take_over
 from .structured.grammar import StepMasks
 from .sequence import Generation, NullMetrics, QueueFull, TokenEvent, _adapters, _count
 
@@ -245,16 +250,18 @@ class Scheduler:
             if self.slots.slots - self.slots.active - len(chosen) < 1:
                 break  # no slot, even with every kept prefix dropped
             head = self.waiting[0]
-            sharing = split is not None and head.leader is split and not head.generated and not head.preemptions
+            # A sibling choice whose leader this step prefills shares its prefill, and in a pool its full blocks.
+            sharing = shares_prefill(head, chosen)
+            shared = len(head.leader.context()) if sharing else 0
             hit = self.prefix_cache.lookup(head.context()) if self.prefix_cache is not None and not sharing else None
             rest = len(head.context()) - (hit.tokens if hit is not None else 0)
             budget = left if rest > self.whole_below else None  # a short prompt: whole, outside the budget
-            if split is not None and not sharing:
+            if split is not None and not (sharing and head.leader is split):
                 break  # the split prompt's group is the step's last
             if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
                 break  # this step's prefill budget is spent: it waits, holding no memory
             room = self.slots.headroom_bytes(len(self.running) + len(chosen) + 1)  # paged: the next blocks' room
-            fits, hit = self._make_room(head, pending + room, len(chosen) + 1, hit)
+            fits, hit = self._make_room(head, pending + room, len(chosen) + 1, hit, shared)
             if not fits:
                 # A sequence admitted with a hit already holds a slot: no preemption may move it this step.
                 if not hits and not split_hit and self._preempt_for(head):
@@ -263,7 +270,8 @@ class Scheduler:
             self.waiting.popleft()
             if self.prefix_cache is not None:
                 self.metrics.prefix_lookup(len(head.context()), hit.tokens if hit is not None else 0)
-            need = self.slots.admission_bytes(self._held(head))  # admitted whole (no hit): every block its own
+            # Admitted whole (no hit): every block its own, but a sharing sibling's of its leader's prompt (a pool).
+            need = self.slots.admission_bytes(self._held(head), shared)
             if sharing:
                 chosen.append(head)
                 pending += need
@@ -297,12 +305,17 @@ class Scheduler:
         contiguous; stops short (the rest of ``chosen`` back in the queue) when the slots refuse one."""
         if not whole:
             return []
-        lengths = [len(g.context()) for g in whole]
-        groups = plan_groups(lengths, self.cost, max_batch=len(whole),
+        # The launched rows planned; each sibling sharing a leader's prefill placed in its leader's group.
+        sharing = [g for g in whole if shares_prefill(g, whole)]
+        launched = [g for g in whole if not any(g is s for s in sharing)]
+        lengths = [len(g.context()) for g in launched]
+        groups = plan_groups(lengths, self.cost, max_batch=len(launched),
                              max_tokens=max(self.max_prefill_tokens, max(lengths)))
         ordered: list[list[Generation]] = []
         for group in groups:
-            got = self._place_group([whole[i] for i in group], ordered, chosen)
+            members = [launched[i] for i in group]
+            group = members + [g for g in sharing if any(g.leader is m for m in members)]
+            got = self._place_group(group, ordered, chosen)
             ordered += got
             if sum(map(len, got)) < len(group):
                 break
@@ -310,13 +323,15 @@ class Scheduler:
 
     def _place_group(self, group: list[Generation], ordered: list[list[Generation]],
                      chosen: list[Generation]) -> list[list[Generation]]:
-        """Slots for one prefill group (the siblings sharing a prefill last); when the slots refuse one (not
-        expected: the choice kept within the budget) what was placed, and every sequence of ``chosen`` not placed
-        back at the head of the queue: nothing is lost."""
+        """Slots for one prefill group (the siblings sharing a prefill last: in a pool of blocks each admitted with
+        its leader's full prompt blocks shared, ``KVSlots.admit(source=...)``, so only its own blocks count; their
+        keys and values are the leader's once its prefill writes them); when the slots refuse one (not expected: the
+        choice kept within the budget) what was placed, and every sequence of ``chosen`` not placed back at the head
+        of the queue: nothing is lost."""
         members: list[Generation] = []
-        for gen in self._sharing_last(group):
+        for gen in sharing_last(group):
             try:
-                gen.slot = self.slots.admit(self._held(gen))
+                gen.slot = self.slots.admit(self._held(gen), source=admission_source(gen, self.slots))
             except AdmissionError as exc:
                 self.log_error(f"model-factory backend: admission stopped short ({exc}); the sequences not "
                                "admitted wait again at the head of the queue")
@@ -330,15 +345,15 @@ class Scheduler:
     # ------------------------------------------------------------------ the prefix cache
 
     def _make_room(self, head: Generation, extra: int, slots_needed: int,
-                   hit: Hit | None) -> tuple[bool, Hit | None]:
-        """Drop kept prefixes, least recently used first (``hit``'s last), until ``head`` (with ``hit``'s blocks shared
-        where the storage shares them: ``KVSlots.admission_bytes``), ``extra`` more bytes and ``slots_needed`` more
-        slots fit; for the memory only a prefix whose dropping frees some is dropped (in a pool, one whose blocks
-        running sequences share frees nothing). Returns whether they fit, and the hit (None when its prefix was
-        dropped)."""
+                   hit: Hit | None, shared: int = 0) -> tuple[bool, Hit | None]:
+        """Drop kept prefixes, least recently used first (``hit``'s last), until ``head`` (with ``hit``'s blocks, or
+        the blocks of its first ``shared`` tokens (a sibling sharing its leader's prompt), shared where the storage
+        shares them: ``KVSlots.admission_bytes``), ``extra`` more bytes and ``slots_needed`` more slots fit; for the
+        memory only a prefix whose dropping frees some is dropped (in a pool, one whose blocks running sequences share
+        frees nothing). Returns whether they fit, and the hit (None when its prefix was dropped)."""
         cache = self.prefix_cache
         while True:
-            need = self.slots.admission_bytes(self._held(head), hit.tokens if hit is not None else 0) + extra
+            need = self.slots.admission_bytes(self._held(head), hit.tokens if hit is not None else shared) + extra
             short = self.slots.held_bytes() + need > self.budget
             if not short and self.slots.free >= slots_needed:
                 return True, hit
@@ -385,27 +400,18 @@ class Scheduler:
         self.running.append(gen)
         return True
 
-    @staticmethod
-    def _sharing_last(group: list[Generation]) -> list[Generation]:
-        """The group with the siblings that will share a leader's prefill (``prefill_from`` set) after the rest:
-        the launch binds the group's first slots, the sharing ones take the slots behind them."""
-        fresh = {id(g) for g in group if not g.generated and not g.preemptions}
-        own, sharing = [], []
-        for gen in group:
-            share = gen.leader is not None and id(gen) in fresh and id(gen.leader) in fresh
-            gen.prefill_from = gen.leader if share else None
-            (sharing if share else own).append(gen)
-        return own + sharing
-
     def _preempt_for(self, head: Generation) -> bool:
-        """Free the most recently admitted running sequence for ``head`` when it waited past the bound."""
+        """Preempt a running sequence for ``head`` when it waited past the bound: of those whose release frees memory
+        (``kv_blocks.choose_victim``; in a pool one whose blocks are all shared frees none), the one that would hold it
+        longest (most tokens left), each preempted at most once. None freeing any, none is: ``head`` waits for the
+        running sequences to end (they take their blocks or are preempted for them: nothing deadlocks)."""
         if self.preemption_wait_s <= 0 or not self.running or self.clock() - head.arrival < self.preemption_wait_s:
             return False
-        # The sequence that would hold its memory longest (most tokens left), each preempted at most once.
         candidates = [g for g in self.running if not g.preemptions and g.finish_reason is None]
-        if not candidates:
+        victim = choose_victim(candidates, self.slots, last_resort=False,
+                               key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
+        if victim is None:
             return False
-        victim = max(candidates, key=lambda g: (g.params.max_tokens - len(g.generated), g.arrival))
         self.preempt(victim, at=1)  # right behind the request it made room for
         return True
 
@@ -420,8 +426,9 @@ class Scheduler:
     def _plan_chunks(self) -> tuple[list[tuple[Generation, int]], int | None]:
         """The sequences mid-prefill that continue this step (oldest first) and their chunks' tokens, and the prompt
         tokens left for new prompts (None: no bound, when chunked prefill is off or no sequence decodes: there is no
-        stream to keep level, and whole prompts waste no launch). A sibling whose leader stopped before its last
-        chunk (cancelled, preempted) prefills its prompt itself."""
+        stream to keep level, and whole prompts waste no launch). When a leader stops before its last chunk
+        (cancelled, preempted), the first of its siblings waiting on it prefills the prompt in its place and the
+        others wait on that one (``siblings.take_over``)."""
         prefilling = [g for g in self.running if g.prefilling]
         if not self.chunk_tokens and not prefilling:
             return [], None
@@ -431,10 +438,9 @@ class Scheduler:
         rows = max((i + 1 for i, g in enumerate(self.running) if not g.prefilling), default=0)
         self._seconds = self.itl.allowance(rows) if self.itl is not None and left is not None else None
         plan: list[tuple[Generation, int]] = []
+        heirs: dict[int, Generation] = {}  # a stopped leader -> the sibling prefilling in its place
         for gen in sorted(prefilling, key=lambda g: g.id):
-            leader = gen.prefill_from
-            if leader is not None and (leader.slot is None or leader.finish_reason is not None):
-                gen.prefill_from = None
+            take_over(gen, heirs, self.slots)
             if gen.prefill_from is not None:
                 continue  # its leader's last chunk fills its slot
             rest = len(gen.context()) - gen.cached
@@ -532,8 +538,9 @@ class Scheduler:
         if active:
             self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while it runs
             began = self.clock()
-            logits = self.model.decode([g.context()[g.cached] for g in active], [g.cached for g in active],
-                                       self.slots.views(0, len(active)), **_adapters(active))
+            at = [placeholder_at(g, self.slots) for g in active]
+            tokens = [g.context()[min(p, len(g.context()) - 1)] for g, p in zip(active, at)]
+            logits = self.model.decode(tokens, at, self.slots.views(0, len(active)), **_adapters(active))
             if self.itl is not None:  # the decode launch the ITL budget measures chunks against
                 self._predicted += self.itl.decode_seconds(len(active)) or 0.0
                 self.itl.observe_decode(len(active), self.clock() - began)
