@@ -1,0 +1,62 @@
+"""The benchmarks' run header (benchmarks/harness/run_header.py): what it says ran beside a run comes from the CPU the
+machine spent outside the run's own processes, not from the load averages (which count the run's own servers too)."""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.harness.run_header import OTHER_WORK_CORES, CpuSnapshot, LoadReading, load_sentence, other_work
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _snap(busy_s: float, at: float, **procs: tuple[int, int, float]) -> CpuSnapshot:
+    """A snapshot from ``name=(pid, ppid, cpu seconds)`` (every process started at tick 1)."""
+    return CpuSnapshot(int(busy_s * TICK), {pid: (ppid, 1, int(secs * TICK), name) for name, (pid, ppid, secs) in
+                                            procs.items()}, at)
+
+
+def test_the_run_s_own_processes_are_not_other_work_and_the_others_are_named():
+    # The run (pid 10) starts a server (11) that starts a stub (12); a test runner (20) runs beside it.
+    start = _snap(100.0, 0.0, bench=(10, 1, 5.0), pytest=(20, 1, 50.0))
+    end = _snap(100.0 + 18.0, 10.0, bench=(10, 1, 6.0), tritonserver=(11, 10, 4.0), stub=(12, 11, 5.0),
+                pytest=(20, 1, 58.0))
+    other = other_work(start, end, root=10)
+    assert round(other.seconds, 2) == 8.0  # 18 busy: 1 + 4 + 5 ours (the server and stub started since: all theirs)
+    assert round(other.cores, 2) == 0.8 and other.busiest == (("pytest", 0.8),)
+
+
+def test_the_sentence_says_other_work_from_the_cpu_outside_the_run():
+    me = os.getpid()
+    start = _snap(100.0, 0.0, bench=(me, 1, 5.0), pytest=(me + 1, 1, 50.0))
+    busy = _snap(118.0, 10.0, bench=(me, 1, 15.0), pytest=(me + 1, 1, 58.0))
+    quiet = _snap(110.5, 10.0, bench=(me, 1, 15.0), pytest=(me + 1, 1, 50.5))
+    said = load_sentence(LoadReading((1.0, 1.0), (1.5, 1.0), start, busy))
+    assert "CPU outside this run's processes 0.80 of a core" in said and "pytest 0.80" in said
+    assert said.endswith("other work shared the cores, compare only figures from this one run")
+    # A load average of 2.5 on 2 cores from the run's own processes alone: quiet, as the CPU outside says.
+    said = load_sentence(LoadReading((2.5, 2.5), (2.5, 2.5), start, quiet))
+    assert "0.05 of a core" in said and said.endswith("no sign of other work on the cores")
+
+
+def test_a_quiet_machine_says_so_whatever_the_load_average_of_the_run_itself():
+    start = _snap(100.0, 0.0, bench=(10, 1, 5.0), sshd=(30, 1, 1.0))
+    end = _snap(100.0 + 19.05, 10.0, bench=(10, 1, 6.0), tritonserver=(11, 10, 18.0), sshd=(30, 1, 1.05))
+    other = other_work(start, end, root=10)
+    assert other.cores < OTHER_WORK_CORES and other.busiest == ()  # 0.05 s: under 2 % of a core, not named
+
+
+def test_a_header_from_real_snapshots_names_the_busy_loop_of_another_process_not_its_own_child():
+    import subprocess
+    import sys
+    import time
+
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 1.2: pass"
+    start = CpuSnapshot.take()
+    assert start is not None, "/proc is readable on Linux"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    child.wait()
+    end = CpuSnapshot.take()
+    other = other_work(start, end)
+    assert not any(name.startswith("python") and share > 0.5 for name, share in other.busiest)
+    assert end.processes[os.getpid()][2] - start.processes[os.getpid()][2] >= 1.0 * TICK  # the child's CPU, reaped
