@@ -22,9 +22,10 @@ equal what a whole prefill writes, so its tokens are the same (``tests/backend/t
 
 A prompt admitted in a step is no holder until that step prefills it, so a burst of prompts on a document nobody holds
 yet would each prefill it. :class:`PendingBlocks` (``PrefixCache.pending``: one per admission) holds the block hashes
-the step's admitted prompts will have written once the step is done (a split prompt's first chunk only); a waiting
-prompt sharing at least one whole block with them, more than its own hit, is held back a step by the scheduler
-(:meth:`PendingBlocks.hold_back`: once, and never a sibling choice), and next step its lookup finds them.
+the step's admitted prompts will have written once the step is done (a prompt split in chunks: its first chunk); a
+waiting prompt sharing at least one whole block with them, more than its own hit, is held back a step by the
+scheduler (:meth:`PendingBlocks.hold_back`: once, and never a sibling choice), and next step its lookup finds them.
+A running holder mid-prefill (chunked prefill) gives what it has written, ``context()[:cached]``, and no more.
 
 Exactness: the slot layout keeps every position of every layer, sliding-window layers included (the build writes
 no window-sized ring: ``build_engines/attention_config.py``), so a cached prefix is what the graph itself wrote.

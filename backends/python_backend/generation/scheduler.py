@@ -52,7 +52,8 @@ prefix; kept slots are dropped least recently used first when a waiting sequence
 whose dropping frees some) or their slot, before any preemption. A waiting sequence sharing at least a whole block
 with a prompt admitted earlier in the same step (not prefilled yet, so no holder), more than its own hit, is held
 back a step, once, and admission stops there (``prefix_cache.PendingBlocks``; not a sibling choice): next step its
-lookup finds that prompt's blocks, so a burst on a new document prefills it once.
+lookup finds that prompt's blocks, so a burst on a new document prefills it once (behind a prompt split in chunks it
+waits anyway, that group being the step's last, and its lookup then takes what the chunks wrote).
 
 With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
 decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
