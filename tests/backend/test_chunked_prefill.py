@@ -425,3 +425,32 @@ def test_the_itl_budget_keeps_each_step_within_the_ratio_of_the_decode_step_with
     assert not errors and metrics.chunk_tokens == 200 + 209 and metrics.predicted == pytest.approx(metrics.measured)
     for g in streams + longs:
         assert g.generated == _alone(model, spec, g.prompt, g.params)
+
+
+class _HeldBack(NullMetrics):
+    def __init__(self):
+        self.held_back = 0
+
+    def prefix_held_back(self) -> None:
+        self.held_back += 1
+
+
+def test_a_burst_behind_a_split_prompt_takes_what_its_chunks_wrote(engine):
+    """Two questions on a new 100-token document at once beside a stream, chunks of 48: the first is split, and the
+    second waits behind it (the split prompt's group is the step's last; nothing to hold back), then is admitted when
+    the budget allows with the blocks the first has written by then as its hit, each with its tokens alone."""
+    spec, model = engine
+    rng = random.Random(17)
+    document = _prompt(rng, spec.vocab_size, 100)
+    metrics = _HeldBack()
+    sched = Scheduler(model, KVSlots(spec, 4, 1 << 30), None, spec.eos_token_ids, chunk_tokens=48, metrics=metrics,
+                      prefix_cache=PrefixCache(identity(graph="chunked-burst")))
+    _decoding(sched, tokens=60)
+    first, second = (sched.submit(Generation(document + q, GREEDY, lambda g, e: None)) for q in ([7, 8], [9, 10, 11]))
+    sched.step()
+    assert first.prefilling and first.cached == 48 and second.slot is None
+    run_to_end(sched)
+    assert metrics.held_back == 0 and first.prefix_hit == 0
+    assert second.prefix_hit == len(document) // BLOCK_TOKENS * BLOCK_TOKENS  # the document prefilled once
+    assert first.generated == _alone(model, spec, first.prompt, GREEDY)
+    assert second.generated == _alone(model, spec, second.prompt, GREEDY)

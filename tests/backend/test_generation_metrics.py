@@ -29,6 +29,8 @@ def test_observations_are_summed_and_sent_once_per_flush():
     m.chunked_step(32, 0.07, 0.08)
     m.chunked_step(16, 0.0, 0.05)  # no ITL budget: nothing predicted
     m.speculated(4, 3)
+    m.prefix_held_back()
+    m.prefix_held_back()
     m.speculated(4, 0)
     before = FakeMetric.calls
     m.flush()
@@ -52,6 +54,7 @@ def test_observations_are_summed_and_sent_once_per_flush():
     assert abs(v[("chunked_step_predicted_seconds_total", ())] - 0.07) < 1e-9
     assert v[("spec_decode_num_drafts_total", ())] == 2 and v[("spec_decode_num_draft_tokens_total", ())] == 8
     assert v[("spec_decode_num_accepted_tokens_total", ())] == 3
+    assert v[("prefix_cache_held_back_total", ())] == 2
     sent = FakeMetric.calls - before
     m.flush()
     assert FakeMetric.calls - before == sent  # nothing new: nothing sent

@@ -380,16 +380,48 @@ def _document_run(spec, model, budget_blocks: int, *, blocks: bool):
 @needs_kernel
 def test_sequences_sharing_a_documents_prefix_are_admitted_past_what_slots_admit_with_the_same_tokens(layouts) -> None:
     """A budget holding 4 whole sequences (64 + 8 + 8 tokens: 5 blocks each, 20 blocks): in slots the kept prefix is
-    taken over by the first question and the others in its step copy the document (they find no holder yet), 3 at
-    once; in a pool every question shares the kept document's 4 blocks and adds one, 7 at once; each sequence's tokens
-    are the slot layout's, greedy and seeded."""
+    taken over by the first question and the others wait a step for it (held back: it is no holder until its
+    prefill), then copy the document from it, at most 4 at once; in a pool every question shares the kept document's
+    4 blocks and adds one, 7 at once; each sequence's tokens are the slot layout's, greedy and seeded."""
     spec, on_slots, on_blocks = layouts
     slots_at_once, slots_peak, want, _gens = _document_run(spec, on_slots, 20, blocks=False)
     blocks_at_once, blocks_peak, got, gens = _document_run(spec, on_blocks, 20, blocks=True)
     assert got == want
-    assert slots_at_once <= slots_peak <= 4
+    assert slots_at_once == 1 and slots_peak <= 4  # the first alone: the others share its blocks, held back a step
     assert blocks_at_once >= 4 + 3 and blocks_peak >= 7, (blocks_at_once, blocks_peak)
     assert all(g.prefix_hit == 64 for g in gens)
+
+
+@needs_kernel
+def test_a_burst_on_a_document_nobody_holds_prefills_it_once_in_both_layouts(layouts) -> None:
+    """8 questions on a 4-block document at once, the cache empty, on the INT8 cache's kernel: the first is prefilled
+    whole and the 7 others held back a step, then admitted with its 4 blocks as their hit (in a pool, shared: the
+    document's blocks held once); the document's tokens are prefilled once, and both layouts give the tokens each
+    question gives alone without a cache."""
+    spec, on_slots, on_blocks = layouts
+    rng = random.Random(13)
+    document = [rng.randrange(3, spec.vocab_size) for _ in range(4 * BLOCK_TOKENS)]
+    prompts = [document + [rng.randrange(3, spec.vocab_size) for _ in range(1 + i)] for i in range(8)]
+    alone = []
+    for prompt in prompts:
+        sched = _scheduler(spec, on_slots, 2, 1 << 28)
+        g = sched.submit(Generation(prompt, GREEDY, lambda g, e: None))
+        run_to_end(sched)
+        alone.append(g.generated)
+    for model in (on_slots, on_blocks):
+        counting = _Prefilled(model)
+        sched = _scheduler(spec, counting, 8, 1 << 28, prefix_cache=PrefixCache(identity(graph="burst")))
+        gens = [sched.submit(Generation(p, GREEDY, lambda g, e: None)) for p in prompts]
+        sched.step()
+        assert len(sched.running) == 1 and all(g.held_back for g in gens[1:2]) and not gens[2].held_back
+        sched.step()
+        assert len(sched.running) == 8 and [g.prefix_hit for g in gens] == [0] + [len(document)] * 7
+        if model is on_blocks:
+            pool = sched.slots.storage
+            assert all(pool.references(b) == 8 for b in pool.blocks(gens[0].slot)[:4])
+        run_to_end(sched)
+        assert counting.tokens == sum(map(len, prompts)) - 7 * len(document)
+        assert [g.generated for g in gens] == alone
 
 
 @needs_kernel

@@ -4,6 +4,7 @@ used first under the budget, and the account never holds more than the budget; o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,8 +14,9 @@ from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.generation.kv_slots import KVSlots
 from model_factory.backend.generation.prefix_cache import (BLOCK_TOKENS, CachedPrefix, PrefixCache, chain, enabled,
                                                            identity)
-from model_factory.backend.generation.sampling import SamplingParams
+from model_factory.backend.generation.sampling import SamplingParams, choice_seed
 from model_factory.backend.generation.scheduler import Generation, Scheduler
+from model_factory.backend.generation.sequence import NullMetrics
 
 from tests.generative_repository import ZOO_VARIANTS, int8_kernel_engine, run_to_end, zoo_engine
 
@@ -82,6 +84,28 @@ def test_kept_slots_are_counted_moved_out_of_the_way_and_taken_over():
     slots.drop(third)
     slots.drop(entry)
     assert slots.free == 2 and slots.usage().cached_bytes == 0
+
+
+def test_pending_blocks_say_what_a_step_will_hold_by_the_caches_hashes():
+    """What this step's admitted prompts will have written, in whole blocks (a split prompt's first chunk only),
+    against a waiting prompt, its last token left to run as a lookup leaves it."""
+    pending = PrefixCache(SEED).pending()
+    ids = list(range(3, 3 + 4 * BLOCK_TOKENS))
+    assert pending.shared(ids + [1]) == 0  # nothing admitted yet
+    pending.add(ids + [7, 8], written=2 * BLOCK_TOKENS + 5)  # split: its first chunk writes 2 whole blocks
+    assert pending.shared(ids + [1]) == 2 * BLOCK_TOKENS
+    pending.add(ids + [9], written=len(ids) + 1)
+    assert pending.shared(ids + [1]) == 4 * BLOCK_TOKENS and pending.shared(ids) == 3 * BLOCK_TOKENS
+    assert pending.shared(ids[:20] + [0] * 30) == BLOCK_TOKENS  # parts in the second block
+    assert pending.shared([0] + ids[1:]) == 0 and pending.shared(ids[:BLOCK_TOKENS - 1] + [0] * 40) == 0
+    gen = Generation(ids + [1], GREEDY, lambda g, e: None)
+    sibling = Generation(ids + [1], GREEDY, lambda g, e: None, index=1, leader=gen)
+    cached = PrefixCache(SEED)
+    cached.kept(CachedPrefix(tokens=len(ids), slot=0, ids=ids, hashes=chain(ids, SEED)))
+    assert not pending.hold_back(gen, cached.lookup(ids + [1]))  # its own hit is as long: nothing to wait for
+    assert not pending.hold_back(sibling, None)  # a sibling choice never waits
+    assert pending.hold_back(gen, None) and gen.held_back
+    assert not pending.hold_back(gen, None)  # once: next step it is admitted whatever it finds
 
 
 def test_auto_is_on_unless_the_precision_depends_on_the_batch():
@@ -195,6 +219,86 @@ def test_kept_prefixes_are_dropped_least_recently_used_first_within_the_budget(e
     assert sum(1 for g in gens if g.prefix_hit) >= 20
     for g in gens[::7]:
         assert g.generated == _alone(model, spec, g.prompt, g.params)
+
+
+class _Counting(NullMetrics):
+    """The scheduler's reports, the admissions held back for a shared prefix counted."""
+
+    def __init__(self):
+        self.held_back = 0
+
+    def prefix_held_back(self) -> None:
+        self.held_back += 1
+
+
+def _choices(prompt, params, n: int) -> list[Generation]:
+    """A request's ``n`` choices: choice 0 the leader, each seeded as the frontends seed them."""
+    gens: list[Generation] = []
+    for i in range(n):
+        gens.append(Generation(list(prompt), dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                               lambda g, e: None, index=i, leader=gens[0] if gens else None))
+    return gens
+
+
+def _burst(model, spec, prompts, params, *, n: int = 1):
+    """Every prompt submitted at once (``n`` choices each) to a scheduler with an empty prefix cache and room for
+    all; returns the recording engine, the metrics, the sequences and how many ran after the first step."""
+    recording, metrics = _Recording(model), _Counting()
+    sched = Scheduler(recording, KVSlots(spec, 12, 1 << 28), None, spec.eos_token_ids, metrics=metrics,
+                      prefix_cache=PrefixCache(SEED))
+    gens = [g for prompt in prompts for g in sched.submit_all(_choices(prompt, params, n))]
+    sched.step()
+    first = len(sched.running)
+    run_to_end(sched)
+    return recording, metrics, gens, first
+
+
+def test_a_burst_on_a_document_nobody_holds_prefills_it_once(engine):
+    """8 questions on one 4-block document at once, the cache empty: the first is admitted and prefilled whole, the
+    7 others held back a step (the admission stops at the first of them), then admitted with the first's 4 blocks
+    as their hit; the document's tokens run once, and every output is its output alone without a cache."""
+    spec, model = engine
+    document, questions = _document_questions(spec.vocab_size, seed=4, doc=4 * BLOCK_TOKENS, questions=8)
+    prompts = [document + q for q in questions]
+    recording, metrics, gens, first = _burst(model, spec, prompts, GREEDY)
+    assert first == 1 and metrics.held_back == 1  # one held back; the 6 behind it wait in their places
+    assert [g.prefix_hit for g in gens] == [0] + [len(document)] * 7
+    assert recording.prefilled[0] == ([len(prompts[0])], [0])
+    assert sorted(recording.prefilled[1:]) == sorted(([len(q)], [len(document)]) for q in questions[1:])
+    assert sum(sum(rows) for rows, _ in recording.prefilled) == len(document) + sum(map(len, questions))
+    assert [g.generated for g in gens] == [_alone(model, spec, p, GREEDY) for p in prompts]
+
+
+def test_a_burst_sharing_less_than_a_block_is_admitted_at_once(engine):
+    """A shared beginning under one block (a <bos> and a chat header) holds nothing back: all 8 are prefilled in
+    the first step, none with a hit, each with its tokens alone."""
+    spec, model = engine
+    rng = random.Random(6)
+    header = [rng.randrange(3, spec.vocab_size) for _ in range(BLOCK_TOKENS - 1)]
+    prompts = [header + [3 + i] + [rng.randrange(3, spec.vocab_size) for _ in range(20)] for i in range(8)]
+    recording, metrics, gens, first = _burst(model, spec, prompts, GREEDY)
+    assert first == 8 and metrics.held_back == 0 and not any(g.prefix_hit for g in gens)
+    assert sum(sum(rows) for rows, _ in recording.prefilled) == sum(map(len, prompts))
+    assert [g.generated for g in gens] == [_alone(model, spec, p, GREEDY) for p in prompts]
+
+
+def test_a_requests_choices_are_not_held_back_and_the_next_request_waits_for_their_prefix(engine):
+    """Two requests of 3 seeded choices on one document at once: the first's choices share its prefill in the
+    first step (no sibling held back), the second request waits a step and its leader then hits the document; its
+    own siblings share its prefill as before. Every choice gives its tokens without a cache."""
+    spec, model = engine
+    document, questions = _document_questions(spec.vocab_size, seed=5, doc=3 * BLOCK_TOKENS + 4, questions=2)
+    prompts = [document + q for q in questions]
+    recording, metrics, gens, first = _burst(model, spec, prompts, SEEDED, n=3)
+    assert first == 3 and metrics.held_back == 1
+    assert [g.prefill_from for g in gens[:3]] == [None, gens[0], gens[0]]
+    assert gens[3].prefix_hit == 3 * BLOCK_TOKENS and not any(g.held_back for g in gens[1:3] + gens[4:])
+    plain = Scheduler(model, KVSlots(spec, 12, 1 << 28), None, spec.eos_token_ids)
+    alone = []
+    for prompt in prompts:
+        alone += plain.submit_all(_choices(prompt, SEEDED, 3))
+        run_to_end(plain)
+    assert [g.generated for g in gens] == [g.generated for g in alone]
 
 
 def test_off_by_default_in_the_scheduler_and_preemption_keeps_nothing(engine):

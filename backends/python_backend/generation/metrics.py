@@ -36,6 +36,9 @@ COUNTERS: dict[str, str] = {
     "prefix_cache_queried_tokens_total": "Context tokens of admitted sequences looked up in the prefix cache.",
     "prefix_cache_hit_tokens_total": "Of those, tokens found cached (not prefilled again): hits / queried is the "
                                      "hit rate.",
+    "prefix_cache_held_back_total": "Admissions held back a step for a prefix (a whole block or more) that a prompt "
+                                    "admitted before them in the same step was about to write: the next step finds "
+                                    "it cached.",
     "prefill_chunks_total": "Prefill launches that ran part of a prompt split by the chunk budget "
                             "(prefill_chunk_tokens: chunked prefill), its last chunk included.",
     "chunked_prefill_steps_total": "Engine steps that ran at least one such chunk.",
@@ -177,6 +180,10 @@ class GenerationMetrics:
             self._add("prefix_cache_queried_tokens_total", float(queried))
             if hit:
                 self._add("prefix_cache_hit_tokens_total", float(hit))
+
+    def prefix_held_back(self) -> None:
+        with self._lock:
+            self._add("prefix_cache_held_back_total", 1.0)
 
     def prefill_chunks(self, chunks: int) -> None:
         with self._lock:

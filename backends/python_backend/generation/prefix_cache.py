@@ -20,6 +20,13 @@ last token is always run: its logits give the first new token), its tokens compa
 sequence then prefills only the rest, from that position (``CausalLM.prefill`` with ``past``): its keys and values
 equal what a whole prefill writes, so its tokens are the same (``tests/backend/test_prefix_cache.py``).
 
+A prompt admitted in a step is no holder until that step prefills it, so a burst of prompts on a document nobody holds
+yet would each prefill it. :class:`PendingBlocks` (``PrefixCache.pending``: one per admission) holds the block hashes
+the step's admitted prompts will have written once the step is done (a prompt split in chunks: its first chunk); a
+waiting prompt sharing at least one whole block with them, more than its own hit, is held back a step by the
+scheduler (:meth:`PendingBlocks.hold_back`: once, and never a sibling choice), and next step its lookup finds them.
+A running holder mid-prefill (chunked prefill) gives what it has written, ``context()[:cached]``, and no more.
+
 Exactness: the slot layout keeps every position of every layer, sliding-window layers included (the build writes
 no window-sized ring: ``build_engines/attention_config.py``), so a cached prefix is what the graph itself wrote.
 Where a precision's outputs depend on the batch (dynamic INT8: one activation scale per launch), a prefix computed
@@ -40,7 +47,8 @@ from ..contract import PREFIX_CACHING
 from .kv_slots import KeptKV
 
 BLOCK_TOKENS = 16
-__all__ = ["BLOCK_TOKENS", "PREFIX_CACHING", "CachedPrefix", "Hit", "PrefixCache", "chain", "enabled", "identity"]
+__all__ = ["BLOCK_TOKENS", "PREFIX_CACHING", "CachedPrefix", "Hit", "PendingBlocks", "PrefixCache", "chain", "enabled",
+           "identity"]
 
 
 def identity(**fields: Any) -> bytes:
@@ -85,6 +93,42 @@ class Hit:
     @property
     def kept(self) -> bool:
         return isinstance(self.holder, CachedPrefix)
+
+
+class PendingBlocks:
+    """The block hashes the prompts admitted in one step will hold once it is done (admitted, not prefilled yet: a
+    lookup finds nothing of theirs). The hashes are chained, so a prompt shares ``d`` whole blocks with one of them
+    exactly when its ``d``-th hash is here."""
+
+    def __init__(self, seed: bytes, block: int) -> None:
+        self.seed, self.block = seed, int(block)
+        self._hashes: set[bytes] = set()
+
+    def add(self, tokens: Sequence[int], written: int) -> None:
+        """A prompt admitted this step whose first ``written`` tokens this step writes (all but a split one's)."""
+        self._hashes.update(chain(tokens, self.seed, self.block, blocks=written // self.block))
+
+    def shared(self, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens``' whole blocks (its last token left to run, as :meth:`PrefixCache.lookup` leaves it)
+        that one of the step's prompts will hold."""
+        if not self._hashes:
+            return 0
+        depth = 0
+        for h in chain(tokens, self.seed, self.block, blocks=(len(tokens) - 1) // self.block):
+            if h not in self._hashes:
+                break
+            depth += 1
+        return depth * self.block
+
+    def hold_back(self, gen: Any, hit: Hit | None) -> bool:
+        """Whether ``gen`` waits a step for this step's prompts to write the prefix it shares with them: at least a
+        whole block, more than its own ``hit``; never a sibling choice (``Generation.leader``: it shares its leader's
+        prefill or prefills alone) nor one held back before (``Generation.held_back``, set here: once, so nothing
+        starves)."""
+        if gen.leader is not None or gen.held_back or self.shared(gen.context()) <= (hit.tokens if hit else 0):
+            return False
+        gen.held_back = True
+        return True
 
 
 class PrefixCache:
@@ -158,6 +202,10 @@ class PrefixCache:
         return sum(len(e.hashes) for e in self.entries.values())
 
     # ------------------------------------------------------------------ lookup
+
+    def pending(self) -> PendingBlocks:
+        """An empty table of what one step's admitted prompts will hold (the scheduler's admission fills it)."""
+        return PendingBlocks(self.seed, self.block)
 
     def lookup(self, tokens: Sequence[int]) -> Hit | None:
         """The longest run of ``tokens``' whole blocks a holder has (its last token always left to run), a kept

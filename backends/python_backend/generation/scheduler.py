@@ -49,7 +49,11 @@ running sequence's slot or a kept slot holds gets its slot at once, those tokens
 kept slot at the end of the active prefix, taken over in place; in a pool of blocks, shared), and prefills only the
 rest, alone in its launch (ONNX Runtime's rule for a continued prompt). A finished sequence's slot is kept for its
 prefix; kept slots are dropped least recently used first when a waiting sequence needs their memory (only those
-whose dropping frees some) or their slot, before any preemption.
+whose dropping frees some) or their slot, before any preemption. A waiting sequence sharing at least a whole block
+with a prompt admitted earlier in the same step (not prefilled yet, so no holder), more than its own hit, is held
+back a step, once, and admission stops there (``prefix_cache.PendingBlocks``; not a sibling choice): next step its
+lookup finds that prompt's blocks, so a burst on a new document prefills it once (behind a prompt split in chunks it
+waits anyway, that group being the step's last, and its lookup then takes what the chunks wrote).
 
 With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
 decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
@@ -246,6 +250,7 @@ class Scheduler:
         split: Generation | None = None  # the one whose prompt does not fit what is left: its first chunk now
         split_hit: list[list[Generation]] = []  # the same, for one admitted with a prefix-cache hit
         pending = 0  # bytes the chosen (not yet in the slots) will reserve
+        coming = self.prefix_cache.pending() if self.prefix_cache is not None else None  # what this step will hold
         while self.waiting and len(chosen) + len(hits) + len(split_hit) < self.max_prefill_batch:
             if self.slots.slots - self.slots.active - len(chosen) < 1:
                 break  # no slot, even with every kept prefix dropped
@@ -260,6 +265,9 @@ class Scheduler:
                 break  # the split prompt's group is the step's last
             if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
                 break  # this step's prefill budget is spent: it waits, holding no memory
+            if coming is not None and not sharing and coming.hold_back(head, hit):
+                self.metrics.prefix_held_back()
+                break  # a prompt admitted before it writes their shared prefix now: it waits, and nothing overtakes it
             room = self.slots.headroom_bytes(len(self.running) + len(chosen) + 1)  # paged: the next blocks' room
             fits, hit = self._make_room(head, pending + room, len(chosen) + 1, hit, shared)
             if not fits:
@@ -277,6 +285,8 @@ class Scheduler:
                 pending += need
             elif hit is not None and self._admit_hit(head, hit):
                 rest = len(head.context()) - head.cached
+                if coming is not None:
+                    coming.add(head.context(), head.cached + (rest if budget is None else min(rest, budget)))
                 if budget is not None and rest > budget:
                     split_hit.append([head])  # its first chunk after the whole prompts' launches
                 else:
@@ -286,11 +296,13 @@ class Scheduler:
             else:
                 chosen.append(head)
                 pending += need
-                rest = len(head.context())
+                rest = written = len(head.context())
                 if left is not None and rest > self.whole_below:
                     if rest > left:
-                        split = head
+                        split, written = head, left  # its first chunk this step
                     left -= min(left, rest)
+                if coming is not None:
+                    coming.add(head.context(), written)
         if not chosen:
             return hits + split_hit
         whole = chosen[:chosen.index(split)] if split is not None else chosen
