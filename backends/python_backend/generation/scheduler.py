@@ -551,7 +551,7 @@ class Scheduler:
             self.masks.start(g for g in active if not g.prefilling)  # grammar masks, on a worker while it runs
             began = self.clock()
             at = [placeholder_at(g, self.slots) for g in active]
-            tokens = [g.context()[min(p, len(g.context()) - 1)] for g, p in zip(active, at)]
+            tokens = [(c := g.context())[min(p, len(c) - 1)] for g, p in zip(active, at)]  # one list a row
             logits = self.model.decode(tokens, at, self.slots.views(0, len(active)), **_adapters(active))
             if self.itl is not None:  # the decode launch the ITL budget measures chunks against
                 self._predicted += self.itl.decode_seconds(len(active)) or 0.0
