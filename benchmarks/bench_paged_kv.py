@@ -34,6 +34,10 @@ one by one (each holder's own count), the prompt tokens prefilled, preemptions, 
 the other layout's in the same round; before the rounds, 3 requests sent one at a time on each layout (the same
 launches on both: their tokens must agree). The factory's build is kept in ``--work`` (``int8kv8-repo``) and reused.
 Section ``<!-- paged-kv-shared:start -->``.
+
+``--cold``: the same burst without the first request, on a document nobody holds yet, the prefix cache's hold-back
+(``prefix_cache.PendingBlocks``) on against off (``PrefixCache.pending`` returning None), in both layouts; the same
+columns and the admissions held back. Section ``<!-- paged-kv-cold:start -->``.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ SETTINGS = [("reserve", 1024), ("paged", 1024), ("reserve", 128), ("paged", 128)
 SHARED_START, SHARED_END = "<!-- paged-kv-shared:start -->", "<!-- paged-kv-shared:end -->"
 SHARED_SLOTS, SHARED_BUDGET_SEQUENCES, SHARED_TOKENS, QUESTION_MAX = 32, 8, 64, 40
 LAYOUTS = ("slots", "blocks")
+COLD_START, COLD_END = "<!-- paged-kv-cold:start -->", "<!-- paged-kv-cold:end -->"
 
 
 class _Metrics:
@@ -72,8 +77,22 @@ class _Metrics:
     def preempted(self) -> None:
         self.counted["preempted"] += 1
 
+    def prefix_held_back(self) -> None:
+        self.counted["held back"] += 1
+
     def __getattr__(self, _name):
         return lambda *a, **k: None
+
+
+def _no_hold_back():
+    """A :class:`PrefixCache` without the hold-back (``pending`` None: the scheduler then admits as before it)."""
+    from model_factory.backend.generation.prefix_cache import PrefixCache
+
+    class NoHoldBack(PrefixCache):
+        def pending(self):
+            return None
+
+    return NoHoldBack
 
 
 class _Counting:
@@ -90,9 +109,12 @@ class _Counting:
         return self.engine.decode(tokens, lengths, views, **kw)
 
 
-def shared_run(lm, spec, layout: str, seed: int) -> dict:
+def shared_run(lm, spec, layout: str, seed: int, first_alone: bool = True, hold_back: bool = True) -> dict:
     """``--shared``: the document's first question alone, then the burst of questions, on a fresh scheduler over
-    ``lm``'s layout; its counts, timings and every burst request's tokens."""
+    ``lm``'s layout; its counts, timings and every burst request's tokens. ``first_alone`` False (``--cold``): the
+    burst alone, on a document nobody holds; ``hold_back`` False: the prefix cache without its hold-back (a waiting
+    prompt sharing a block with one admitted in the same step is admitted at once and prefills it too, as before
+    ``PendingBlocks``)."""
     from bench_prefix_cache import DOCUMENT, QUESTIONS, workload
     from model_factory.backend.generation.kv_pool import kv_storage
     from model_factory.backend.generation.kv_slots import KVSlots
@@ -105,9 +127,10 @@ def shared_run(lm, spec, layout: str, seed: int) -> dict:
     storage = kv_storage(lm, spec, SHARED_SLOTS)
     assert (storage is not None) == (layout == "blocks"), "the engine's layout is not the one asked for"
     slots = KVSlots(spec, SHARED_SLOTS, budget, storage=storage, block_tokens=16)
-    counted = {"preempted": 0, "prefilled": 0}
+    counted = {"preempted": 0, "prefilled": 0, "held back": 0}
+    cache = (PrefixCache if hold_back else _no_hold_back())(identity(bench="paged-kv-shared"))
     sched = Scheduler(_Counting(lm, counted), slots, None, spec.eos_token_ids, max_waiting=QUESTIONS,
-                      metrics=_Metrics(counted), cancel_check_s=0.0, prefix_cache=PrefixCache(identity(bench="paged-kv-shared")))
+                      metrics=_Metrics(counted), cancel_check_s=0.0, prefix_cache=cache)
     document, questions = workload(spec.vocab_size, seed)
     params = SamplingParams(max_tokens=SHARED_TOKENS, min_tokens=SHARED_TOKENS, ignore_eos=True)
     times = TokenTimes()
@@ -122,9 +145,10 @@ def shared_run(lm, spec, layout: str, seed: int) -> dict:
         peak["held"] = max(peak["held"], held)
         peak["one by one"] = max(peak["one by one"], one_by_one)
 
-    sched.submit(Generation(document + questions[0], params, times.emit))
-    while sched.has_work():
-        step()
+    if first_alone:
+        sched.submit(Generation(document + questions[0], params, times.emit))
+        while sched.has_work():
+            step()
     start = time.perf_counter()
     counted["prefilled"] = 0
     gens = [sched.submit(Generation(document + q, params, times.emit)) for q in questions]
@@ -143,7 +167,7 @@ def shared_run(lm, spec, layout: str, seed: int) -> dict:
             "KV held at most (MiB)": peak["held"] / mib,
             "the same counted per holder (MiB)": peak["one by one"] / mib,
             "prompt tokens prefilled": float(counted["prefilled"]), "preemptions": float(counted["preempted"]),
-            "budget (MiB)": slots.budget_bytes / mib,
+            "held back": float(counted["held back"]), "budget (MiB)": slots.budget_bytes / mib,
             "tokens": [g.generated for g in gens]}
 
 
@@ -178,7 +202,7 @@ def shared_main(args) -> int:
         return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
     keys = [k for k in runs["slots"][0] if k != "tokens"]
-    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions"}
+    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions", "held back"}
     rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[layout]], 0 if k in whole else 2)
                                      for layout in LAYOUTS) + " |" for k in keys]
 
@@ -215,6 +239,75 @@ def shared_main(args) -> int:
         f"{len(alone['slots'])} requests give the same tokens.", "",
         SHARED_END])
     publish(section, HERE / "RESULTS.md", SHARED_START, SHARED_END, args.write)
+    return 0
+
+
+COLD_SETTINGS = (("slots", True), ("slots", False), ("blocks", True), ("blocks", False))
+
+
+def cold_main(args) -> int:
+    """``--cold``: the burst on a document nobody holds yet, the prefix cache's hold-back on against off, in both
+    layouts; rounds rotating the order, and the section."""
+    from benchmarks.harness.run_header import LoadReading, run_header
+    from bench_prefix_cache import DOCUMENT, QUESTIONS
+
+    engines = {"slots": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel"),
+               "blocks": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel",
+                                         kv_block_tokens=16)}
+    say("warm-up")
+    for layout, (spec, lm) in engines.items():
+        shared_warm(lm, spec)
+    load = LoadReading.begin()
+    runs: dict[tuple[str, bool], list[dict]] = {s: [] for s in COLD_SETTINGS}
+    for r in range(args.rounds):
+        order = COLD_SETTINGS[r % len(COLD_SETTINGS):] + COLD_SETTINGS[:r % len(COLD_SETTINGS)]
+        for layout, hold in (order if r % 2 == 0 else tuple(reversed(order))):
+            spec, lm = engines[layout]
+            got = shared_run(lm, spec, layout, seed=r, first_alone=False, hold_back=hold)
+            runs[(layout, hold)].append(got)
+            say(f"round {r + 1} {layout} hold-back {'on' if hold else 'off'}: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if k != "tokens"))
+    load = load.finish()
+    same = {layout: sum(a == b for r_on, r_off in zip(runs[(layout, True)], runs[(layout, False)])
+                        for a, b in zip(r_on["tokens"], r_off["tokens"])) for layout in LAYOUTS}
+
+    def cell(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+    keys = [k for k in runs[COLD_SETTINGS[0]][0] if k != "tokens"]
+    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions", "held back"}
+    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[s]], 0 if k in whole else 2)
+                                     for s in COLD_SETTINGS) + " |" for k in keys]
+
+    def ratio(layout: str, key: str) -> str:
+        on, off = (statistics.median(r[key] for r in runs[(layout, hold)]) for hold in (True, False))
+        return f"{on / off:.2f}x"
+
+    section = "\n".join([
+        COLD_START, "## A burst on a document nobody holds yet: the prefix cache's hold-back on against off "
+        "(benchmarks/bench_paged_kv.py --cold)", "",
+        run_header("benchmarks/bench_paged_kv.py --cold", load), "",
+        "The same build and scheduler as `--shared` (the 110M Llama, random weights, INT8 dynamic with the INT8 cache, "
+        f"the factory's kernel; in-process, 2 threads; {SHARED_SLOTS} slots, paged admission, prefix caching on, the "
+        f"KV budget of {SHARED_BUDGET_SEQUENCES} sequences on slots), without the first request: {QUESTIONS} requests "
+        f"on one {DOCUMENT}-token document nobody holds, each its own question of 16-{QUESTION_MAX} tokens, are "
+        f"submitted at once, {SHARED_TOKENS} greedy tokens each. Hold-back on (`prefix_cache.PendingBlocks`, SGLang's "
+        "rule: a waiting prompt that shares a whole block or more with one admitted in the same step waits a step, "
+        "once, and finds it in the cache) against off (the same cache with `PrefixCache.pending` returning None: "
+        "each prompt admitted in that first step prefills the document itself). "
+        f"{args.rounds} rounds rotating the order: medians, the range in brackets; times from the burst's "
+        "submission; 'held back' counts the admissions that waited.", "",
+        "| per run | slots, hold-back on | slots, off | blocks, hold-back on | blocks, off |",
+        "| --- | ---: | ---: | ---: | ---: |", *rows, "",
+        "Hold-back on against off: " + "; ".join(
+            f"{layout}: prompt tokens prefilled {ratio(layout, 'prompt tokens prefilled')}, TTFT p50 "
+            f"{ratio(layout, 'TTFT p50 (s)')}, last request done {ratio(layout, 'last request done (s)')}, output "
+            f"tokens/s {ratio(layout, 'output tokens/s')}" for layout in LAYOUTS)
+        + ". Requests whose tokens are the same on and off, over all rounds: " + ", ".join(
+            f"{layout} {same[layout]} of {QUESTIONS * args.rounds}" for layout in LAYOUTS)
+        + " (INT8 dynamic's activation scales are per launch: different batches, different tokens).", "",
+        COLD_END])
+    publish(section, HERE / "RESULTS.md", COLD_START, COLD_END, args.write)
     return 0
 
 
@@ -267,7 +360,7 @@ def one_run(lm, spec, admission: str, max_tokens: int, seed: int) -> dict[str, f
     probe = KVSlots(spec, 1, 1 << 40)
     budget = BUDGET_SEQUENCES * probe.bytes_for(PROMPT + BOUND)
     slots = KVSlots(spec, SLOTS, budget, block_tokens=block_tokens(admission))
-    counted = {"preempted": 0, "prefilled": 0}
+    counted = {"preempted": 0, "prefilled": 0, "held back": 0}
     ending = EndsAt(lm, spec.eos_token_ids[0], PROMPT, TEXT)
     sched = Scheduler(_Counting(ending, counted), slots, None, spec.eos_token_ids, max_waiting=REQUESTS,
                       metrics=_Metrics(counted),
@@ -302,7 +395,11 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--shared", action="store_true", help="the document Q&A, kv_layout blocks against slots")
+    ap.add_argument("--cold", action="store_true",
+                    help="the burst on a document nobody holds: the prefix cache's hold-back on against off")
     args = ap.parse_args()
+    if args.cold:
+        return cold_main(args)
     if args.shared:
         return shared_main(args)
     spec, lm = int8_kv8_engine(args.work, "bench-paged-kv-")

@@ -30,3 +30,9 @@ def test_each_precision_has_its_own_section_and_the_ratios_per_round() -> None:
     assert int8.startswith(start) and int8.endswith(end) and be.START not in int8
     assert "MiniLM INT8 (the factory's build of the example recipe, its gate: mean cosine 0.99312" in int8
     assert "ours INT8 against its FP32, not like for like" in int8
+    # A run on another machine kept beside the first: its own markers and title.
+    args.precision, args.section_suffix = "fp32", "epyc"
+    epyc = be._section(_turns(), args, "HEADER")
+    assert be._markers("fp32", "epyc") == ("<!-- openai_embeddings-epyc:start -->", "<!-- openai_embeddings-epyc:end -->")
+    assert epyc.startswith("<!-- openai_embeddings-epyc:start -->") and be.START not in epyc
+    assert "against the KServe path (epyc) (benchmarks" in epyc

@@ -292,7 +292,7 @@ def test_sigkill_of_the_rollout_command_changes_nothing_and_a_second_rollout_wor
 
     with Load(env.server.http_url) as load:
         cmd = [sys.executable, "-m", "model_factory.cli.main", "rollout", MODEL, "3", "--serve-url", env.endpoint.url,
-               "--admin-key-file", str(env.key_file), "--min-requests", "100000", "--timeout", "15"]
+               "--admin-key-file", str(env.key_file), "--min-requests", "100000", "--timeout", "8"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen = []
         for line in proc.stdout:
