@@ -60,3 +60,48 @@ def test_a_header_from_real_snapshots_names_the_busy_loop_of_another_process_not
     other = other_work(start, end)
     assert not any(name.startswith("python") and share > 0.5 for name, share in other.busiest)
     assert end.processes[os.getpid()][2] - start.processes[os.getpid()][2] >= 1.0 * TICK  # the child's CPU, reaped
+
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
+MIDDLE = "import subprocess, sys\nsubprocess.Popen([sys.executable, sys.argv[1]])\n"  # exits at once: an orphan
+RUN = """
+import os, subprocess, sys, time
+from benchmarks.harness.run_header import adopt_orphans, CpuSnapshot
+assert adopt_orphans()
+subprocess.run([sys.executable, sys.argv[1], sys.argv[2]], check=True)
+def children():
+    return [p for p in os.listdir("/proc") if p.isdigit()
+            and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+deadline = time.time() + 30
+while time.time() < deadline:  # the orphan, adopted here, burns its second and exits: a zombie, not reaped
+    states = [open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] for p in children()]
+    if states and all(s == "Z" for s in states):
+        break
+    time.sleep(0.1)
+end = CpuSnapshot.take()
+mine = end.descendants(os.getpid()) - {os.getpid()}
+print(len(mine), sum(end.processes[p][2] for p in mine) / os.sysconf("SC_CLK_TCK"))
+"""
+
+
+def test_an_orphan_of_the_run_stays_the_run_s_and_is_not_other_work(tmp_path):
+    """A grandchild whose parent exits first (as vLLM's engine core when its API server stops) is adopted by the run
+    (a zombie under it, its CPU time with it) instead of by init, whose reaped children would read as other work.
+    In a child process: the subreaper setting is per process, and pytest must not become one."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_CHILD_SUBREAPER is Linux's")
+    for name, text in (("burn.py", BURN), ("middle.py", MIDDLE), ("run.py", RUN)):
+        (tmp_path / name).write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "middle.py"),
+                          str(tmp_path / "burn.py")], capture_output=True, text=True, cwd=root, timeout=60,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    count, seconds = out.stdout.split()
+    assert int(count) == 1 and float(seconds) >= 0.9, out.stdout  # the orphan and its second, under the run

@@ -30,6 +30,9 @@ def test_gemma3_exports_token_identical_to_transformers(gemma3_build, record_pro
     report = json.loads((result.version_dir / Files.EXPORT_REPORT).read_text())
     record_property("export_max_abs_error", report["max_abs_error"])
     record_property("export_relative_error", report["relative_error"])
+    record_property("stage_seconds", json.dumps(result.seconds))  # where the suite's one Gemma build spends its time
+    print("stage seconds:", json.dumps(result.seconds))
+    assert set(result.seconds) >= {"export", "quantize", "package"}, result.seconds
     assert report["family"] == "gemma3_text"
     assert report["check"]["greedy_identical"], report["check"]["prompts"]
     assert report["relative_error"] <= recipe.export.tolerance
