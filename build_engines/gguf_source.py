@@ -18,7 +18,7 @@ from typing import Any, Callable
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, digest_path
 from model_factory.recipe import Recipe
-from model_factory.recipe.gguf import EXTRA, SOURCE_DIR, read_header
+from model_factory.recipe.gguf import EXTRA, SOURCE_DIR, one_reader_per_file, read_header
 
 RECORD = "gguf_source.json"
 
@@ -55,7 +55,6 @@ def convert_gguf(recipe: Recipe, out_dir: Path | None = None,
     out_dir = Path(out_dir or Path(recipe.work_dir) / SOURCE_DIR)
     scan = scan_files([gguf_path], gguf_path.parent, allow_pickle=False).check().to_dict()
     say(f"[scan] {scan_summary(scan)}")
-    header = read_header(gguf_path)
     sha = digest_path(gguf_path)
     done = gguf_record(out_dir)
     if done.get("sha256") == sha and (out_dir / "config.json").is_file():
@@ -63,6 +62,13 @@ def convert_gguf(recipe: Recipe, out_dir: Path | None = None,
         return {**done, "source_scan": scan}
     for module in ("gguf", "accelerate", "torch", "transformers"):
         _require(module)
+    with one_reader_per_file():  # the header and transformers' three loads: one metadata read, not four
+        record = _convert(gguf_path, out_dir, sha, say)
+    return {**record, "source_scan": scan}
+
+
+def _convert(gguf_path: Path, out_dir: Path, sha: str, say: Callable[[str], None]) -> dict[str, Any]:
+    header = read_header(gguf_path)
     import torch
     import transformers
 
@@ -98,4 +104,4 @@ def convert_gguf(recipe: Recipe, out_dir: Path | None = None,
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     del model
     say(f"[source] {gguf_path.name} -> {out_dir} (FP32, sha256 {sha[:12]}...)")
-    return {**record, "source_scan": scan}
+    return record

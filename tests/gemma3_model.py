@@ -46,9 +46,12 @@ def fp32_folder(cache: Path) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     gguf_pkg = importlib.import_module(PACKAGE)
     gguf = gguf_pkg.assemble(Path(cache) / "gguf" / gguf_pkg.MODEL_NAME)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32)
+    from model_factory.recipe.gguf import one_reader_per_file
+
+    with one_reader_per_file():  # transformers' tokenizer, config and weights loads: one metadata read, not three
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
     model.hf_quantizer = None  # save_pretrained refuses a model loaded from a GGUF until its quantizer is gone
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -105,3 +105,21 @@ def test_an_orphan_of_the_run_stays_the_run_s_and_is_not_other_work(tmp_path):
     assert out.returncode == 0, out.stderr
     count, seconds = out.stdout.split()
     assert int(count) == 1 and float(seconds) >= 0.9, out.stdout  # the orphan and its second, under the run
+
+
+def test_a_load_reading_in_a_test_runner_does_not_make_it_the_reaper():
+    """Under pytest (a test calling a benchmark's section code) ``begin`` leaves the runner as it is: orphans of later
+    tests (a killed server's stubs) must go to init, which reaps them."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        import pytest
+
+        pytest.skip("PR_GET_CHILD_SUBREAPER is Linux's")
+    import ctypes
+
+    LoadReading.begin()
+    libc = ctypes.CDLL(None)
+    flag = ctypes.c_int(-1)
+    assert libc.prctl(37, ctypes.byref(flag), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    assert flag.value == 0

@@ -49,3 +49,33 @@ def test_gguf_precision_is_refused_on_another_source(tmp_path: Path) -> None:
             "source": {"kind": "onnx", "path": "m.onnx"}}
     with pytest.raises(FactoryError, match="recipe field 'precisions': gguf carries a GGUF's own quantized blocks"):
         parse_recipe(data, tmp_path)
+
+
+def test_one_reader_per_file_reads_each_file_once_and_puts_the_reader_back(tmp_path: Path) -> None:
+    """Converting a GGUF reads its metadata four times (the header, transformers' config, weights and tokenizer):
+    inside ``one_reader_per_file`` each file gets one reader, the same object each time, and outside it
+    ``gguf.GGUFReader`` is gguf-py's class again."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from model_factory.recipe.gguf import one_reader_per_file
+
+    files = []
+    for name in ("a.gguf", "b.gguf"):
+        writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        writer.add_uint32("test.value", len(files))
+        writer.add_tensor("w", np.zeros((2, 4), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        files.append(tmp_path / name)
+    original = gguf.GGUFReader
+    with one_reader_per_file():
+        from gguf import GGUFReader  # as transformers imports it, at call time
+
+        first, again, other = GGUFReader(str(files[0])), gguf.GGUFReader(files[0]), gguf.GGUFReader(str(files[1]))
+        assert first is again and other is not first
+        assert int(first.fields["test.value"].parts[-1][0]) == 0 and int(other.fields["test.value"].parts[-1][0]) == 1
+        assert [t.name for t in first.tensors] == ["w"]
+    assert gguf.GGUFReader is original and isinstance(gguf.GGUFReader(str(files[0])), original)
