@@ -496,7 +496,8 @@ def main() -> int:
     ap.add_argument("--servers", default="ours,vllm",
                     help="--served: the servers run (comma list of ours, vllm; both by default)")
     ap.add_argument("--shape", choices=sorted(SHAPE_NAMES), default="110m",
-                    help="the model (in-process: 110m or gemma3; --served also small: a 6M Llama, for a loaded machine; gemma3: Gemma 3 270M, "
+                    help="the model (in-process: 110m or gemma3; --served also small: a 6M Llama, for a loaded "
+                         "machine; gemma3: Gemma 3 270M, "
                          "--hf, --data, its base the FP32 graph of --gemma-build, built once in --work/builds)")
     ap.add_argument("--hf", default=None, help="--shape gemma3: its FP32 HF folder (default: made from the PyPI "
                     "packages' GGUF, benchmarks/harness/gemma3.py)")
@@ -578,7 +579,8 @@ def main() -> int:
              f"{model}, FP32, the backend's scheduler in-process with 2 threads; "
              f"rank-{RANK} adapters on all {len(modules)} projections (random pairs: the speed does not depend on "
              f"their values; a packed projection's pair {RANK} x its parts wide, as the factory converts PEFT's, each "
-             "width its own mask), every adapter in a slot of one table (`max_loras` {max(ADAPTER_COUNTS)}); request j of a "
+             "width its own mask), every adapter in a slot of one table "
+             f"(`max_loras` {max(ADAPTER_COUNTS)}); request j of a "
              f"stream on adapter j mod A; closed loop, {PROMPT}-token prompts of random ids, "
              f"{TOKENS} greedy tokens each; {args.rounds} rounds in alternating order.", "",
              "| streams | adapters | base tokens/s | with adapters tokens/s | ratio (each round) |",
@@ -587,7 +589,8 @@ def main() -> int:
         lines.append(f"| {streams} | {count} | {' / '.join(f'{b:.1f}' for b, _ in pairs)} | "
                      f"{' / '.join(f'{a:.1f}' for _, a in pairs)} | "
                      f"{', '.join(f'{a / b:.2f}x' for b, a in pairs)} |")
-    lines += ["", "The rewrite measured: each row's adapter columns kept by a mask over the pairs of the adapters a launch "
+    lines += ["", "The rewrite measured: each row's adapter columns kept by a mask over the pairs of the adapters a "
+              "launch "
               "binds (generation/lora.py), each projection as wide as its widest adapter's rank. The form before it, "
               "each row's pairs gathered (`Gather` on a row index, paid by base rows too), ran 0.70-0.79x the base at "
               "8 streams on the 110M Llama in this script's run of 2026-12-06 09:45 UTC (the `lora` section in git "

@@ -224,7 +224,8 @@ def _markers(precision: str, suffix: str = "") -> tuple[str, str]:
 def _section(turns: list[Turn], args: argparse.Namespace, header: str, gate: str = "") -> str:
     suffix = getattr(args, "section_suffix", "")
     start, end = _markers(args.precision, suffix)
-    title = ("" if args.precision == "fp32" else f", {args.precision.upper()} build") + (f" ({suffix})" if suffix else "")
+    title = ("" if args.precision == "fp32" else f", {args.precision.upper()} build")
+    title += f" ({suffix})" if suffix else ""
     what = ("MiniLM FP32 (the example recipe" if args.precision == "fp32" else
             f"MiniLM {args.precision.upper()} (the factory's build of the example recipe{gate}")
     lines = [start,
