@@ -316,6 +316,19 @@ def _med(values: list[float], fmt: str = "{:.1f}", suffix: str = "") -> str:
     return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def gemma_build(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
+    """``--shape gemma3``: (its FP32 HF folder, the ``gemma3.build_ours`` dict of ``--gemma-build``), made or reused
+    in ``work``; exits naming the error where the build failed."""
+    from benchmarks.harness import gemma3
+
+    hf = gemma3.hf_folder(args.hf, work)
+    calibration, heldout = gemma3.data_files(args.data, work)
+    built = gemma3.build_ours(hf, args.gemma_build, work, calibration, heldout, say)
+    if built["version_dir"] is None:
+        raise SystemExit(f"the {args.gemma_build} build failed: {built['error']}")
+    return hf, built
+
+
 def served_main(args: argparse.Namespace) -> int:
     import shutil
 
@@ -335,11 +348,7 @@ def served_main(args: argparse.Namespace) -> int:
 
         from benchmarks.harness import gemma3
 
-        hf = gemma3.hf_folder(args.hf, work)
-        calibration, heldout = gemma3.data_files(args.data, work)
-        gemma = gemma3.build_ours(hf, args.gemma_build, work, calibration, heldout, say)
-        if gemma["version_dir"] is None:
-            raise SystemExit(f"the {args.gemma_build} build failed: {gemma['error']}")
+        hf, gemma = gemma_build(args, work)
         tokenizer = Tokenizer.from_file(str(hf / "tokenizer.json"))  # prompts of words, as bench_generate's
         bench_generate._TOKENIZER = tokenizer
         bench_generate.MODEL.update(name="gemma3", pool=gemma3.prompt_pool(tokenizer),
@@ -518,16 +527,11 @@ def main() -> int:
         raise SystemExit("--shape small is --served only (in-process: 110m or gemma3)")
     gemma = args.shape == "gemma3"
     if gemma:  # the real model: its factory build's FP32 graph (keep_all_precisions), built once in --work/builds
-        from benchmarks.harness import gemma3
         from model_factory.backend.contract import onnx_file
 
         if args.work is None:
             raise SystemExit("--shape gemma3 needs --work (the Gemma build is kept there)")
-        hf = gemma3.hf_folder(args.hf, args.work)
-        calibration, heldout = gemma3.data_files(args.data, args.work)
-        built = gemma3.build_ours(hf, args.gemma_build, args.work, calibration, heldout, say)
-        if built["version_dir"] is None:
-            raise SystemExit(f"the {args.gemma_build} build failed: {built['error']}")
+        hf, built = gemma_build(args, args.work)
         vdir = Path(built["version_dir"])
         graph = vdir / onnx_file("fp32")
     else:

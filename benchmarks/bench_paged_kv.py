@@ -171,17 +171,36 @@ def shared_run(lm, spec, layout: str, seed: int, first_alone: bool = True, hold_
             "tokens": [g.generated for g in gens]}
 
 
+def _cell(values: list[float], digits: int) -> str:
+    """A table cell: the median, the range in brackets."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+WHOLE = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions", "held back"}
+
+
+def _shared_rows(runs: dict, columns, keys: list[str]) -> list[str]:
+    """``shared_run``'s figures as table rows, one column per setting of ``columns`` (counts whole)."""
+    return [f"| {k} | " + " | ".join(_cell([run[k] for run in runs[c]], 0 if k in WHOLE else 2) for c in columns)
+            + " |" for k in keys]
+
+
+def _layout_engines(work):
+    """The INT8-cache build on the factory's kernel in both layouts (``LAYOUTS``), each warmed up once."""
+    engines = {"slots": int8_kv8_engine(work, "bench-paged-kv-", int8_attention="kernel"),
+               "blocks": int8_kv8_engine(work, "bench-paged-kv-", int8_attention="kernel", kv_block_tokens=16)}
+    say("warm-up")
+    for spec, lm in engines.values():
+        shared_warm(lm, spec)
+    return engines
+
+
 def shared_main(args) -> int:
     """``--shared``: both layouts, rounds alternating their order, and the section."""
     from benchmarks.harness.run_header import LoadReading, run_header
     from bench_prefix_cache import DOCUMENT, QUESTIONS
 
-    engines = {"slots": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel"),
-               "blocks": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel",
-                                         kv_block_tokens=16)}
-    say("warm-up")
-    for layout, (spec, lm) in engines.items():
-        shared_warm(lm, spec)
+    engines = _layout_engines(args.work)
     alone = {layout: one_at_a_time(lm, spec) for layout, (spec, lm) in engines.items()}
     alike = sum(a == b for a, b in zip(alone["slots"], alone["blocks"]))
     say(f"one request at a time (the same launches on both layouts): {alike} of {len(alone['slots'])} the same")
@@ -198,13 +217,8 @@ def shared_main(args) -> int:
         same.append(float(sum(a == b for a, b in zip(*pair))))
     load = load.finish()
 
-    def cell(values: list[float], digits: int) -> str:
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
-
     keys = [k for k in runs["slots"][0] if k != "tokens"]
-    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions", "held back"}
-    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[layout]], 0 if k in whole else 2)
-                                     for layout in LAYOUTS) + " |" for k in keys]
+    rows = _shared_rows(runs, LAYOUTS, keys)
 
     def ratio(key: str) -> str:
         blocks, slots = (statistics.median(r[key] for r in runs[layout]) for layout in ("blocks", "slots"))
@@ -251,12 +265,7 @@ def cold_main(args) -> int:
     from benchmarks.harness.run_header import LoadReading, run_header
     from bench_prefix_cache import DOCUMENT, QUESTIONS
 
-    engines = {"slots": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel"),
-               "blocks": int8_kv8_engine(args.work, "bench-paged-kv-", int8_attention="kernel",
-                                         kv_block_tokens=16)}
-    say("warm-up")
-    for layout, (spec, lm) in engines.items():
-        shared_warm(lm, spec)
+    engines = _layout_engines(args.work)
     load = LoadReading.begin()
     runs: dict[tuple[str, bool], list[dict]] = {s: [] for s in COLD_SETTINGS}
     for r in range(args.rounds):
@@ -271,13 +280,8 @@ def cold_main(args) -> int:
     same = {layout: sum(a == b for r_on, r_off in zip(runs[(layout, True)], runs[(layout, False)])
                         for a, b in zip(r_on["tokens"], r_off["tokens"])) for layout in LAYOUTS}
 
-    def cell(values: list[float], digits: int) -> str:
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
-
     keys = [k for k in runs[COLD_SETTINGS[0]][0] if k != "tokens"]
-    whole = {"admitted at once", "most running at once", "prompt tokens prefilled", "preemptions", "held back"}
-    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[s]], 0 if k in whole else 2)
-                                     for s in COLD_SETTINGS) + " |" for k in keys]
+    rows = _shared_rows(runs, COLD_SETTINGS, keys)
 
     def ratio(layout: str, key: str) -> str:
         on, off = (statistics.median(r[key] for r in runs[(layout, hold)]) for hold in (True, False))
@@ -421,12 +425,9 @@ def main() -> int:
                 + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))
     load = load.finish()
 
-    def cell(values: list[float], digits: int) -> str:
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
-
     keys = list(runs[SETTINGS[0]][0])
     whole = {"most running at once", "preemptions", "tokens prefilled again"}
-    rows = [f"| {k} | " + " | ".join(cell([run[k] for run in runs[s]], 0 if k in whole else 2) for s in SETTINGS)
+    rows = [f"| {k} | " + " | ".join(_cell([run[k] for run in runs[s]], 0 if k in whole else 2) for s in SETTINGS)
             + " |" for k in keys]
 
     def ratio(key: str, bound: int) -> str:
