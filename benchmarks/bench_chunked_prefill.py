@@ -43,6 +43,13 @@ from results_file import publish, say  # noqa: E402
 from benchmarks.harness.scheduler_run import SHAPE, pct  # noqa: E402
 
 START, END = "<!-- chunked-prefill:start -->", "<!-- chunked-prefill:end -->"
+
+
+def markers(start: str, end: str, suffix: str) -> tuple[str, str, str]:
+    """The section's markers with ``suffix`` (``chunked-prefill-epyc``) and its title's tail (`` (epyc)``)."""
+    if not suffix:
+        return start, end, ""
+    return start.replace(":start", f"-{suffix}:start"), end.replace(":end", f"-{suffix}:end"), f" ({suffix})"
 STREAMS, PROMPT, STREAM_TOKENS = 8, 128, 560
 LONG, LONG_TOKENS, LONGS, FIRST_S, GAP_S = 2000, 16, 3, 1.0, 2.5
 FRESH_TOKENS = 64
@@ -278,8 +285,9 @@ def gemma(args, load_reading, header) -> None:
                          for a, b in zip(runs[s], runs["off"]) for x, y in zip(a["texts"], b["texts"])) else "no"
             for s in ("auto", "itl")]
     rows.append(f"| every request's tokens = chunking off's (the tokens both have) | – | {same[0]} | {same[1]} |")
+    start, end, title = markers(GEMMA_START, GEMMA_END, args.section_suffix)
     section = "\n".join([
-        GEMMA_START, "## Chunked prefill on Gemma 3 270M, in-process (benchmarks/bench_chunked_prefill.py --gemma)", "",
+        start, f"## Chunked prefill on Gemma 3 270M, in-process{title} (benchmarks/bench_chunked_prefill.py --gemma)", "",
         header("benchmarks/bench_chunked_prefill.py --gemma", load), "",
         f"Gemma 3 270M (the real weights: the FP32 graph of the factory's build, float KV cache, its slots sized to "
         f"2,048 tokens) on the backend's scheduler in-process (2 threads; no Triton, no HTTP), the workload above: "
@@ -291,8 +299,8 @@ def gemma(args, load_reading, header) -> None:
         f"{chunk_tokens('auto', cost, 2048)} tokens. ITL: the time between two tokens of one stream as the scheduler "
         f"emits them. {args.rounds} round(s), medians and ranges, the settings' order rotated each round.", "",
         "| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |", "| --- | ---: | ---: | ---: |",
-        *rows, "", GEMMA_END])
-    publish(section, HERE / "RESULTS.md", GEMMA_START, GEMMA_END, args.write)
+        *rows, "", end])
+    publish(section, HERE / "RESULTS.md", start, end, args.write)
 
 
 def _cell(values: list[float], digits: int) -> str:
@@ -327,6 +335,8 @@ def main() -> int:
     ap.add_argument("--gemma", type=Path, nargs="?", const=GEMMA_VERSION, default=None,
                     help="instead: the workload on Gemma 3 270M in-process (a version folder of its build, with the "
                          f"FP32 graph; default {GEMMA_VERSION})")
+    ap.add_argument("--section-suffix", default="", help="appended to the section's markers and title (a run on "
+                    "another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS,
                     help="with --gemma: the tokens each running stream decodes (it must outlast the long prompts)")
     args = ap.parse_args()
@@ -389,8 +399,10 @@ def main() -> int:
         return ["| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |",
                 "| --- | ---: | ---: | ---: |", *rows]
 
+    start, end, title = markers(START, END, args.section_suffix)
     section = "\n".join([
-        START, "## Chunked prefill: 8 streams while 2,000-token prompts arrive (benchmarks/bench_chunked_prefill.py)",
+        start, f"## Chunked prefill: 8 streams while 2,000-token prompts arrive{title} "
+        "(benchmarks/bench_chunked_prefill.py)",
         "", run_header("benchmarks/bench_chunked_prefill.py", load), "",
         f"{MODEL_TEXT[args.shape]} (random weights, FP32, the factory's build), served three times by one Triton "
         f"server (`prefill_chunk_tokens` auto with `max_itl_ratio` 2: each step's chunk sized to keep the step within "
@@ -414,8 +426,8 @@ def main() -> int:
         "| ---: | " + " | ".join("---:" for _ in CHUNKS) + " |",
         f"| {steps['decode']:.1f} | " + " | ".join(f"{steps[c]:.1f}" for c in CHUNKS) + " |", "",
         f"Fresh prompts alone ({STREAMS} streams of {PROMPT}-token prompts, {FRESH_TOKENS} tokens each, all at once):",
-        "", *table("fresh"), "", END])
-    publish(section, HERE / "RESULTS.md", START, END, args.write)
+        "", *table("fresh"), "", end])
+    publish(section, HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 
