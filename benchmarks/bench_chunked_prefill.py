@@ -80,30 +80,50 @@ def llama_folder(work: Path | None, shape: str) -> Path:
     return hf
 
 
-async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: the arrival time of each token event, and its text."""
+async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int,
+                  record: dict | None = None) -> dict:
+    """One streamed completion: the arrival time of each token event, and its text, filled into ``record`` as they
+    arrive (a stream cancelled before its end keeps what it had)."""
     from benchmarks.harness.openai_stream import stream_completion
+
+    record = {} if record is None else record
+    record.update(sent=time.perf_counter(), times=[], text="")
+
+    def seen(at: float, text: str) -> None:
+        record["times"].append(at)
+        record["text"] += text
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    read = await stream_completion(session, url, body)
-    return {"sent": read.sent, "times": list(read.times), "text": read.text}
+    await stream_completion(session, url, body, on_event=seen)
+    return record
 
 
-async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[list[int]]) -> dict:
+async def _mixed(url: str, model: str, streams: list[list[int]], longs: list[list[int]],
+                 stream_tokens: int = STREAM_TOKENS, cancel_after_s: float | None = None) -> dict:
+    """The mixed workload through an OpenAI API at ``url``. ``cancel_after_s``: the streams are closed that long after
+    the last long prompt has ended (the server cancels them) instead of decoding all their ``stream_tokens``."""
     import aiohttp
 
+    records: list[dict] = [{} for _ in streams]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        running = [asyncio.create_task(_stream(session, url, model, p, STREAM_TOKENS)) for p in streams]
+        running = [asyncio.create_task(_stream(session, url, model, p, stream_tokens, records[i]))
+                   for i, p in enumerate(streams)]
 
         async def late(i: int, prompt: list[int]) -> dict:
             await asyncio.sleep(FIRST_S + i * GAP_S)
             return await _stream(session, url, model, prompt, LONG_TOKENS)
 
         arriving = [asyncio.create_task(late(i, p)) for i, p in enumerate(longs)]
-        got_streams = await asyncio.gather(*running)
         got_longs = await asyncio.gather(*arriving)
-    return _window(got_streams, got_longs)
+        if cancel_after_s is not None:
+            await asyncio.sleep(cancel_after_s)
+            for task in running:
+                task.cancel()
+        results = await asyncio.gather(*running, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+        assert not failed, failed
+    return _window(records, got_longs, stream_tokens if cancel_after_s is None else 0)
 
 
 def _window(got_streams: list[dict], got_longs: list[dict], stream_tokens: int = STREAM_TOKENS) -> dict:

@@ -217,10 +217,7 @@ def figures(ttft: list[float], wall: float, counts: list, outputs: list, prompt_
 
 def layout_ours(args, precision: str, setting: str, repo: Path) -> None:
     """``repo/llm``: the model at ``precision`` with ``prefix_caching = setting``, this checkout's backend."""
-    import json
     import shutil
-
-    from model_factory.backend.contract import Files, onnx_file
 
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
@@ -235,16 +232,7 @@ def layout_ours(args, precision: str, setting: str, repo: Path) -> None:
         if info["version_dir"] is None:
             raise RuntimeError(f"the {built} build failed its gate: {info['error']}")
         base = "fp32" if precision == "fp32" else GEMMA_BUILDS[precision][0]
-        vdir = Path(info["version_dir"])
-        gemma3.layout(vdir, repo, "llm", precision=base, onnx_file=onnx_file(base), **params)
-        version = repo / "llm" / vdir.name
-        shutil.rmtree(version / "mf_backend")  # the build's backend (hard links): this checkout's instead
-        shutil.copytree(HERE.parent / "backends" / "python_backend", version / "mf_backend",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        generation = json.loads((version / Files.GENERATION).read_text())
-        generation["max_context"] = MAX_CONTEXT  # the recipe's 512 cannot hold the document
-        (version / Files.GENERATION).unlink()  # a hard link to the build's file: replaced, not written through
-        (version / Files.GENERATION).write_text(json.dumps(generation, indent=1))
+        gemma3.layout_served(Path(info["version_dir"]), repo, "llm", base, MAX_CONTEXT, **params)
     else:
         from tests.generative_repository import layout_generative_model
 

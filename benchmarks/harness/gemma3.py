@@ -222,3 +222,22 @@ def layout(vdir: Path, repository: Path, name: str, **parameters) -> None:
     for path in (model_dir / vdir.name / Files.CONFIG, model_dir / Files.CONFIG):
         path.unlink()  # a hard link to the build's own file: replaced, not written through
         path.write_text(text_format.MessageToString(config))
+
+
+def layout_served(vdir: Path, repository: Path, name: str, precision: str, max_context: int, **parameters) -> Path:
+    """:func:`layout` serving ``precision`` (its graph file) with this checkout's backend in place of the build's and
+    generation.json's ``max_context`` raised to ``max_context`` (the recipe's 512 holds no long prompt); returns the
+    laid-out version folder."""
+    from model_factory.backend.contract import Files, onnx_file
+
+    vdir = Path(vdir)
+    layout(vdir, repository, name, precision=precision, onnx_file=onnx_file(precision), **parameters)
+    version = Path(repository) / name / vdir.name
+    shutil.rmtree(version / "mf_backend")  # the build's backend (hard links): this checkout's instead
+    shutil.copytree(Path(__file__).resolve().parents[2] / "backends" / "python_backend", version / "mf_backend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    generation = json.loads((version / Files.GENERATION).read_text())
+    generation["max_context"] = max_context
+    (version / Files.GENERATION).unlink()  # a hard link to the build's file: replaced, not written through
+    (version / Files.GENERATION).write_text(json.dumps(generation, indent=1))
+    return version

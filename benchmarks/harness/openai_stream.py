@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,11 @@ class Streamed:
         return (self.usage or {}).get(key)
 
 
-async def stream_completion(session, url: str, body: dict, path: str = "/v1/completions") -> Streamed:
+async def stream_completion(session, url: str, body: dict, path: str = "/v1/completions",
+                            on_event: Callable[[float, str], None] | None = None) -> Streamed:
     """POST ``body`` (``"stream": True``) to ``url + path`` on an aiohttp ``session`` and read its server-sent events
-    to ``[DONE]``; a status other than 200 fails with the server's answer."""
+    to ``[DONE]``; a status other than 200 fails with the server's answer. ``on_event(time, text)`` is called at each
+    choice event as it arrives (what a reader cancelled before the end has seen)."""
     sent = time.perf_counter()
     times: list[float] = []
     pieces: list[str] = []
@@ -50,6 +53,8 @@ async def stream_completion(session, url: str, body: dict, path: str = "/v1/comp
             for choice in event.get("choices") or []:
                 times.append(time.perf_counter())
                 pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                if on_event is not None:
+                    on_event(times[-1], pieces[-1])
                 finish = choice.get("finish_reason") or finish
             usage = event.get("usage") or usage
     return Streamed(sent, tuple(times), tuple(pieces), finish, usage)
