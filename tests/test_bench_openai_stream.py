@@ -76,3 +76,32 @@ def test_bench_generate_counts_tokens_and_first_tokens_through_the_reader():
     assert all(b["ignore_eos"] and b["stream"] for b in seen)
     assert out["tokens"] == 8 and len(out["ttfts"]) == 2 and all(t > 0 for t in out["ttfts"])
     assert [s["chunks"] for s in out["streams"]] == [4, 4]
+
+
+def test_on_event_sees_each_event_as_it_arrives_and_a_cancelled_reader_keeps_them():
+    """bench_chunked_prefill closes its streams mid-way: what each saw until then is in its record."""
+    from benchmarks import bench_chunked_prefill as bc
+    from benchmarks.harness.openai_stream import stream_completion
+
+    async def run():
+        seen: list[dict] = []
+        runner, url = await _serve([f"t{i}" for i in range(400)], seen)
+        try:
+            async with aiohttp.ClientSession() as session:
+                events: list[tuple[float, str]] = []
+                whole = await stream_completion(session, url, {"model": "m", "prompt": [1], "stream": True},
+                                                on_event=lambda at, text: events.append((at, text)))
+                record: dict = {}
+                task = asyncio.create_task(bc._stream(session, url, "m", [1], 400, record))
+                while len(record.get("times", [])) < 5:
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return whole, events, record
+        finally:
+            await runner.cleanup()
+
+    whole, events, record = asyncio.run(run())
+    assert [t for _, t in events] == list(whole.pieces) and tuple(at for at, _ in events) == whole.times
+    assert 5 <= len(record["times"]) < 400 and record["text"] == "".join(f"t{i}" for i in range(len(record["times"])))
+    assert record["sent"] <= record["times"][0]
