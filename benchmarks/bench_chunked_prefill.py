@@ -39,17 +39,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say  # noqa: E402
+from results_file import publish, say, suffixed  # noqa: E402
 from benchmarks.harness.scheduler_run import SHAPE, pct  # noqa: E402
 
 START, END = "<!-- chunked-prefill:start -->", "<!-- chunked-prefill:end -->"
 
-
-def markers(start: str, end: str, suffix: str) -> tuple[str, str, str]:
-    """The section's markers with ``suffix`` (``chunked-prefill-epyc``) and its title's tail (`` (epyc)``)."""
-    if not suffix:
-        return start, end, ""
-    return start.replace(":start", f"-{suffix}:start"), end.replace(":end", f"-{suffix}:end"), f" ({suffix})"
 STREAMS, PROMPT, STREAM_TOKENS = 8, 128, 560
 LONG, LONG_TOKENS, LONGS, FIRST_S, GAP_S = 2000, 16, 3, 1.0, 2.5
 FRESH_TOKENS = 64
@@ -305,7 +299,7 @@ def gemma(args, load_reading, header) -> None:
                          for a, b in zip(runs[s], runs["off"]) for x, y in zip(a["texts"], b["texts"])) else "no"
             for s in ("auto", "itl")]
     rows.append(f"| every request's tokens = chunking off's (the tokens both have) | – | {same[0]} | {same[1]} |")
-    start, end, title = markers(GEMMA_START, GEMMA_END, args.section_suffix)
+    start, end, title = suffixed(GEMMA_START, GEMMA_END, args.section_suffix)
     section = "\n".join([
         start, f"## Chunked prefill on Gemma 3 270M, in-process{title} (benchmarks/bench_chunked_prefill.py --gemma)", "",
         header("benchmarks/bench_chunked_prefill.py --gemma", load), "",
@@ -419,7 +413,7 @@ def main() -> int:
         return ["| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |",
                 "| --- | ---: | ---: | ---: |", *rows]
 
-    start, end, title = markers(START, END, args.section_suffix)
+    start, end, title = suffixed(START, END, args.section_suffix)
     section = "\n".join([
         start, f"## Chunked prefill: 8 streams while 2,000-token prompts arrive{title} "
         "(benchmarks/bench_chunked_prefill.py)",

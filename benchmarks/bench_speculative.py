@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say  # noqa: E402
+from results_file import publish, say, suffixed  # noqa: E402
 
 START, END = "<!-- speculative:start -->", "<!-- speculative:end -->"
 VERSION_DIR = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gemma3/1")
@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--section-suffix", default="", help="appended to the section's markers and title (a run on "
+                    "another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     vdir = args.version_dir
@@ -155,8 +157,9 @@ def main() -> int:
         rows.append(f"| {name} | {cell([x['tokens/s'] for x in off])} | {cell([x['tokens/s'] for x in on])} | "
                     f"**{cell(ratio)}x** | {on[0]['verifications']} | {on[0]['drafted']} / {on[0]['accepted']} | "
                     f"{rate} | {'yes' if same else '**no**'} |")
+    start, end, title = suffixed(START, END, args.section_suffix)
     section = "\n".join([
-        START, "## Speculative decoding by prompt lookup (benchmarks/bench_speculative.py)", "",
+        start, f"## Speculative decoding by prompt lookup{title} (benchmarks/bench_speculative.py)", "",
         run_header("benchmarks/bench_speculative.py", load), "",
         f"Gemma 3 270M, the FP32 graph of `{vdir}` (the factory's build of the FP32 folder from the GGUF; float KV "
         f"cache, 512 positions), on the backend's scheduler in-process (2 threads; no Triton, no HTTP). {TOKENS} greedy "
@@ -171,8 +174,8 @@ def main() -> int:
         "| workload | off tokens/s | on tokens/s | on / off | verifications (round 1) | drafted / accepted "
         "(round 1) | acceptance rate (all rounds) | tokens = off's |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows, "",
-        f"The first extractive answer (off): `{example[:300]!r}`", "", END])
-    publish(section, HERE / "RESULTS.md", START, END, args.write)
+        f"The first extractive answer (off): `{example[:300]!r}`", "", end])
+    publish(section, HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 

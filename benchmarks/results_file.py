@@ -21,6 +21,14 @@ def write_section(path: Path, start: str, end: str, section: str) -> None:
     path.write_text(text)
 
 
+def suffixed(start: str, end: str, suffix: str) -> tuple[str, str, str]:
+    """A section's markers with ``suffix`` (``<!-- chunked-prefill-epyc:start -->``) and its title's tail
+    (`` (epyc)``): a run on another machine kept beside the first (the scripts' ``--section-suffix``)."""
+    if not suffix:
+        return start, end, ""
+    return start.replace(":start", f"-{suffix}:start"), end.replace(":end", f"-{suffix}:end"), f" ({suffix})"
+
+
 def say(msg: str) -> None:
     """A benchmark's progress line on stderr, ``[HH:MM:SS] msg`` (stdout keeps the section)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
