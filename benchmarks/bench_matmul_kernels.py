@@ -33,7 +33,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.results_file import publish, say  # noqa: E402
+from benchmarks.results_file import publish, say, suffixed  # noqa: E402
 
 START, END = "<!-- matmul_kernels:start -->", "<!-- matmul_kernels:end -->"
 KINDS = ("fp32", "dynamic", "kernel", "nbits8", "nbits4")
@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="640x262144,2048x640", help="K x N of the weight, a comma list")
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--section-suffix", default="", help="appended to the section's markers and title (a run on "
+                    "another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     load = LoadReading.begin()
@@ -135,7 +137,8 @@ def main() -> int:
         return (f"{statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f})" if len(cpu) > 1
                 else f"{cpu[0]:.2f}") + f" [{wall:.2f}]"
 
-    lines = [START, "## One quantized MatMul's kernels at a model's shape (`matmul_kernels`)", "",
+    start, end, title = suffixed(START, END, args.section_suffix)
+    lines = [start, f"## One quantized MatMul's kernels at a model's shape (`matmul_kernels`){title}", "",
              run_header("benchmarks/bench_matmul_kernels.py", load.finish()), "",
              "One-node graphs, random weights, 2 intra-op threads; CPU ms per call (both threads), median (range) over "
              f"{args.rounds} rounds, [wall ms median]. `dynamic`: DynamicQuantizeLinear + MatMulInteger (INT8 "
@@ -145,8 +148,8 @@ def main() -> int:
     for shape in args.shapes.split(","):
         for m in rows:
             lines.append(f"| {shape} | {m} | " + " | ".join(cell(table[(shape, m, kind)]) for kind in KINDS) + " |")
-    lines.append(END)
-    publish("\n".join(lines), HERE / "RESULTS.md", START, END, args.write)
+    lines.append(end)
+    publish("\n".join(lines), HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 

@@ -85,22 +85,48 @@ class DecoderRunner:
         if cached + len(ids) > self.max_context:
             raise ValueError(f"{cached + len(ids)} tokens exceed max_context {self.max_context}")
         positions = np.asarray([[len(ids) - 1]] if last_only else [list(range(len(ids)))], np.int64)
+        io = self._bound([list(ids)], cached, positions, self._cache)
+        self.session.run_with_iobinding(io)
+        # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
+        logits = np.asarray(io.get_outputs()[0].numpy()[0], np.float32)
+        return logits if self.selects_positions else logits[positions[0]]
+
+    def _bound(self, ids: list[list[int]], cached: int, positions: np.ndarray,
+               cache: dict[tuple[int, str], np.ndarray]) -> Any:
+        """An I/O binding of one launch: ``ids`` [rows, new] after ``cached`` tokens of each row in ``cache``'s
+        buffers (past and present the same memory), ``positions`` the logits asked for."""
         io = self.session.io_binding()
-        io.bind_cpu_input(INPUT_IDS, np.asarray([list(ids)], np.int64))
-        io.bind_cpu_input(ATTENTION_MASK, np.ones((1, cached + len(ids)), np.int64))
+        io.bind_cpu_input(INPUT_IDS, np.asarray(ids, np.int64))
+        io.bind_cpu_input(ATTENTION_MASK, np.ones((len(ids), cached + len(ids[0])), np.int64))
         if self.selects_positions:
             io.bind_cpu_input(LOGITS_POSITIONS, positions)
         for name, value in self.feeds.items():
             io.bind_cpu_input(name, value)
         io.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
-        for (layer, kind), buf in self._cache.items():
+        for (layer, kind), buf in cache.items():
             shape = list(buf.shape)
             io.bind_input(past_name(layer, kind), "cpu", 0, buf.dtype, shape, buf.ctypes.data)
             io.bind_output(present_name(layer, kind), "cpu", 0, buf.dtype, shape, buf.ctypes.data)
-        self.session.run_with_iobinding(io)
-        # Only the logits are read: copy_outputs_to_cpu() would also copy every KV buffer (the presents).
-        logits = np.asarray(io.get_outputs()[0].numpy()[0], np.float32)
-        return logits if self.selects_positions else logits[positions[0]]
+        return io
+
+    def decode_launch(self, rows: int, cached: int, repeats: int = 3) -> tuple[float, np.ndarray]:
+        """(the best of ``repeats`` timings in seconds, the last logits [rows, vocab]) of one decode launch of ``rows``
+        sequences, one new token each after ``cached`` tokens (KV of zeros, its own buffers): the step a server
+        runs while ``rows`` streams decode, timed after one untimed launch."""
+        import time
+
+        if cached + 1 > self.max_context:
+            raise ValueError(f"{cached + 1} tokens exceed max_context {self.max_context}")
+        kv = (rows, self.shape.num_kv_heads, self.max_context, self.shape.head_dim)
+        cache = {key: np.zeros(kv, self.shape.kv_dtype) for key in self._cache}
+        io = self._bound([[1]] * rows, cached, np.zeros((rows, 1), np.int64), cache)
+        best = float("inf")
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            self.session.run_with_iobinding(io)
+            if i:
+                best = min(best, time.perf_counter() - start)
+        return best, np.asarray(io.get_outputs()[0].numpy()[:, -1], np.float32)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits of every position of ``ids`` in one prefill (a fresh sequence)."""

@@ -90,6 +90,11 @@ class GenerativeResult:
     # decoded Gemma 3 270M 20x slower than FP32 and nothing said so).
     tokens_per_s: float = 0.0
     tokens_per_s_fp32: float = 0.0
+    # The same at SPEED_ROWS streams (one decode launch of that many rows): where a precision's kernel does not scale
+    # with the batch (8-bit MatMulNBits on a CPU without VNNI: 1.5x FP32's time at 32 rows, faster at one) the one
+    # stream figure alone would not show it.
+    tokens_per_s_rows: float = 0.0
+    tokens_per_s_rows_fp32: float = 0.0
     weights: str = ""  # INT4 written by lm_blockwise: how its blocks were fitted (zero points, the search)
     smoothed: tuple[str, ...] = ()  # dynamic INT8: the MatMuls whose input was smoothed first (build_engines/smooth.py)
     per_row: tuple[str, ...] = ()  # dynamic INT8: the MatMuls whose activations have a scale per row (row_int8.py)
@@ -98,7 +103,7 @@ class GenerativeResult:
         d = asdict(self)
         # The speeds are this build machine's timings: said in the gate's table, kept out of the signed accuracy.json
         # (and metadata.json), whose bytes ``rebuild --check`` compares.
-        for timed in ("tokens_per_s", "tokens_per_s_fp32"):
+        for timed in ("tokens_per_s", "tokens_per_s_fp32", "tokens_per_s_rows", "tokens_per_s_rows_fp32"):
             d.pop(timed)
         d["extra"] = {"perplexity_ratio": self.perplexity_ratio}
         d["float_nodes"] = list(self.int8_matmuls or self.float_matmuls)
@@ -163,7 +168,11 @@ class GenerativeAccuracy:
 
 
 def _speed(r: GenerativeResult) -> str:
-    return f"{r.tokens_per_s:.1f} (fp32 {r.tokens_per_s_fp32:.1f})" if r.tokens_per_s else "-"
+    if not r.tokens_per_s:
+        return "-"
+    one = f"{r.tokens_per_s:.1f} (fp32 {r.tokens_per_s_fp32:.1f})"
+    return one + (f"; {SPEED_ROWS} streams {r.tokens_per_s_rows:.0f} (fp32 {r.tokens_per_s_rows_fp32:.0f})"
+                  if r.tokens_per_s_rows else "")
 
 
 def _wider(r: GenerativeResult) -> str:
@@ -187,6 +196,7 @@ class GenerativeQuantizeResult:
 
 
 SPEED_TOKENS = 16
+SPEED_ROWS = 32  # the batched figure: a decode launch of this many streams (bench_generate's highest level)
 
 
 def decode_tokens_per_s(runner: DecoderRunner, prompt: Sequence[int], tokens: int = SPEED_TOKENS) -> float:
@@ -226,6 +236,14 @@ class Scorer:
         prompt = self.reference[0].prompt_ids if self.reference else (0,)
         fp32 = decode_tokens_per_s(DecoderRunner(self.fp32, self.context, self.head_dim), prompt)
         return decode_tokens_per_s(DecoderRunner(path, self.context, self.head_dim), prompt), fp32
+
+    def speed_rows(self, path: Path, rows: int = SPEED_ROWS) -> tuple[float, float]:
+        """(tokens/s of ``path``, FP32's) in one decode launch of ``rows`` streams after a golden prompt's length of
+        context, timed one after the other on this machine."""
+        cached = min(len(self.reference[0].prompt_ids) if self.reference else 1, self.context - 1)
+        fp32, _ = DecoderRunner(self.fp32, self.context, self.head_dim).decode_launch(rows, cached)
+        got, _ = DecoderRunner(path, self.context, self.head_dim).decode_launch(rows, cached)
+        return rows / got, rows / fp32
 
     def _perplexity(self, runner: DecoderRunner) -> float:
         total = count = 0.0
@@ -516,9 +534,14 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                     f"{agree:.4f}, perplexity ratio {ratio:.4f} -> {'pass' if ok else 'below the gate'}")
                 if ok:
                     break
-            speed, speed_fp32 = scorer.speed(graph) if scorer.reference and SPEED_TOKENS < scorer.context else (0.0, 0.0)
-            say(f"[quantize] {precision}: {speed:.1f} tokens/s decoding one stream here, FP32 {speed_fp32:.1f}"
-                + (" (slower than FP32)" if speed < speed_fp32 else ""))
+            timed = scorer.reference and SPEED_TOKENS < scorer.context
+            speed, speed_fp32 = scorer.speed(graph) if timed else (0.0, 0.0)
+            many, many_fp32 = scorer.speed_rows(graph) if timed else (0.0, 0.0)
+            slower = [f"at {n}" for n, (a, b) in (("one stream", (speed, speed_fp32)),
+                                                  (f"{SPEED_ROWS} streams", (many, many_fp32))) if a < b]
+            say(f"[quantize] {precision}: {speed:.1f} tokens/s decoding one stream here, FP32 {speed_fp32:.1f}; "
+                f"{many:.0f} at {SPEED_ROWS} streams, FP32 {many_fp32:.0f}"
+                + (f" (slower than FP32 {' and '.join(slower)})" if slower else ""))
             name = onnx_file(precision)
             shutil.move(str(graph), tmp / name)
             shutil.move(str(work / data_name(graph)), tmp / data_name(tmp / name))
@@ -530,8 +553,8 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 precision, method, agree, ppl, scorer.ppl_fp32, ratio, err, len(heldout), compared, ok,
                 tuple(wider) if method != "dynamic" else (), weights_bytes(tmp / name),
                 float_matmuls=tuple(wider) if method == "dynamic" else (), kv_cache=kv, tokens_per_s=speed,
-                tokens_per_s_fp32=speed_fp32, weights=layout["method"] if layout else "", smoothed=smoothed,
-                per_row=per_row))
+                tokens_per_s_fp32=speed_fp32, tokens_per_s_rows=many, tokens_per_s_rows_fp32=many_fp32,
+                weights=layout["method"] if layout else "", smoothed=smoothed, per_row=per_row))
             models[precision] = out_dir / name
         report = GenerativeAccuracy(
             model=recipe.name, heldout_source=str(split.heldout.source.name), heldout_samples=len(heldout),

@@ -120,6 +120,23 @@ def test_the_build_runner_reads_both_graphs_alike(graphs):
     assert a.token_nll(prompt)[1] == b.token_nll(prompt)[1] == len(prompt) - 1
 
 
+def test_the_build_runners_batched_decode_launch_gives_each_row_the_one_row_logits(graphs):
+    """DecoderRunner.decode_launch (the gate's speed at many streams): one launch of several rows after the same
+    cached zeros gives every row the logits a one-row step gives, on both graphs."""
+    from model_factory.build_engines.lm_graph import DecoderRunner
+
+    _, whole, rewritten, spec = graphs
+    for path in (whole, rewritten):
+        runner = DecoderRunner(path, 32, spec.head_dim, threads=1)
+        seconds, logits = runner.decode_launch(5, 12)
+        one = DecoderRunner(path, 32, spec.head_dim, threads=1)._step([1], 12, last_only=True)[-1]
+        assert seconds > 0 and logits.shape == (5, one.shape[-1])
+        for row in logits:
+            np.testing.assert_allclose(row, one, atol=1e-4)
+        with pytest.raises(ValueError, match="exceed max_context"):
+            runner.decode_launch(2, 32)
+
+
 def test_a_graph_without_a_normalized_lm_head_is_refused(tmp_path):
     import onnx
     from onnx import TensorProto, helper
