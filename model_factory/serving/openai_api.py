@@ -348,6 +348,18 @@ class OpenAIFrontend:
                                  headers={REQUEST_ID_HEADER: rid})
 
     async def _stream(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
+        """Relay the generation's events as server-sent events. A client that goes away mid-stream ends it quietly:
+        the next write raises ConnectionResetError (aiohttp's ClientConnectionResetError), leaving the upstream
+        request closes its connection, and Triton cancels the generation (its sequence and cache freed)."""
+        try:
+            return await self._relay(request, call, chat, request_id)
+        except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not the client's connection: the upstream's, an error to answer
+            _, web = _aiohttp()
+            return web.Response(status=499, text="the client closed the stream")  # nginx's "client closed request"
+
+    async def _relay(self, request: Any, call: Any, chat: bool, request_id: str) -> Any:
         _, web = _aiohttp()
         url = f"{self.triton}/v2/models/{call.triton_model}/generate_stream"
         rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
