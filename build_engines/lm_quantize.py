@@ -231,19 +231,17 @@ class Scorer:
         self.fp32 = Path(fp32)
         self.last_tokens_per_s = 0.0
 
-    def speed(self, path: Path) -> tuple[float, float]:
-        """(tokens/s of ``path``, FP32's) decoding one stream, timed one after the other on this machine."""
+    def speed(self, path: Path, rows: int = SPEED_ROWS) -> tuple[float, float, float, float]:
+        """Tokens/s of ``path`` and FP32's (timed one after the other on this machine) decoding one stream, then in one
+        decode launch of ``rows`` streams after a golden prompt's length of context: (one, FP32's, rows', FP32's)."""
         prompt = self.reference[0].prompt_ids if self.reference else (0,)
-        fp32 = decode_tokens_per_s(DecoderRunner(self.fp32, self.context, self.head_dim), prompt)
-        return decode_tokens_per_s(DecoderRunner(path, self.context, self.head_dim), prompt), fp32
-
-    def speed_rows(self, path: Path, rows: int = SPEED_ROWS) -> tuple[float, float]:
-        """(tokens/s of ``path``, FP32's) in one decode launch of ``rows`` streams after a golden prompt's length of
-        context, timed one after the other on this machine."""
-        cached = min(len(self.reference[0].prompt_ids) if self.reference else 1, self.context - 1)
-        fp32, _ = DecoderRunner(self.fp32, self.context, self.head_dim).decode_launch(rows, cached)
-        got, _ = DecoderRunner(path, self.context, self.head_dim).decode_launch(rows, cached)
-        return rows / got, rows / fp32
+        cached = min(len(prompt), self.context - 1)
+        out = []
+        for graph in (path, self.fp32):
+            runner = DecoderRunner(graph, self.context, self.head_dim)
+            out.append((decode_tokens_per_s(runner, prompt), rows / runner.decode_launch(rows, cached)[0]))
+        (one, one_fp32), (many, many_fp32) = zip(*out)
+        return one, one_fp32, many, many_fp32
 
     def _perplexity(self, runner: DecoderRunner) -> float:
         total = count = 0.0
@@ -535,8 +533,7 @@ def quantize_causal_lm(recipe: Recipe, export: Any, out_dir: Path | None = None,
                 if ok:
                     break
             timed = scorer.reference and SPEED_TOKENS < scorer.context
-            speed, speed_fp32 = scorer.speed(graph) if timed else (0.0, 0.0)
-            many, many_fp32 = scorer.speed_rows(graph) if timed else (0.0, 0.0)
+            speed, speed_fp32, many, many_fp32 = scorer.speed(graph) if timed else (0.0, 0.0, 0.0, 0.0)
             slower = [f"at {n}" for n, (a, b) in (("one stream", (speed, speed_fp32)),
                                                   (f"{SPEED_ROWS} streams", (many, many_fp32))) if a < b]
             say(f"[quantize] {precision}: {speed:.1f} tokens/s decoding one stream here, FP32 {speed_fp32:.1f}; "
