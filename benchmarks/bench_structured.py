@@ -52,7 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say  # noqa: E402
+from results_file import publish, say, suffixed  # noqa: E402
 from benchmarks.harness.scheduler_run import int8_kv8_engine, llama_folder  # noqa: E402
 
 START, END = "<!-- structured:start -->", "<!-- structured:end -->"
@@ -409,6 +409,8 @@ def main() -> int:
                     "who start vLLM: one compile at a time)")
     ap.add_argument("--server-timeout", type=float, default=3600, help="seconds vLLM may take to start (its first "
                     "start compiles; the wait for --vllm-lock counts)")
+    ap.add_argument("--section-suffix", default="", help="appended to the in-process section's markers and title (a "
+                    "run on another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     work = args.work or Path(__import__("tempfile").mkdtemp(prefix="bench-structured-"))
@@ -461,8 +463,9 @@ def main() -> int:
                     f"{g1['parsed'] + g2['parsed']} / {g1['stop'] + g2['stop']} ({g1['length'] + g2['length']}) |")
     load = load.finish()
     ms = sorted(x * 1e3 for x in mask_times)
+    start, end, title = suffixed(START, END, args.section_suffix)
     section = "\n".join([
-        START, "## Structured outputs: a JSON schema against none (benchmarks/bench_structured.py)", "",
+        start, f"## Structured outputs: a JSON schema against none{title} (benchmarks/bench_structured.py)", "",
         run_header("benchmarks/bench_structured.py", load), "",
         "The 110M Llama of bench_generate (random weights, a 6,294-token vocabulary), INT8 dynamic with the INT8 cache, "
         "on the backend's scheduler in-process (no Triton, no HTTP; 2 threads). N closed-loop streams of R requests "
@@ -477,8 +480,8 @@ def main() -> int:
         f"llguidance's view of the tokenizer built in {engine_s * 1e3:.0f} ms (once per model, at the first guided "
         f"request); the schema compiled in {compile_s * 1e3:.1f} ms (once: cached by its canonical JSON); a mask "
         f"took p50 {statistics.median(ms):.3f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.3f} ms over {len(ms)} "
-        "tokens (made in place: below StepMasks' threshold for the worker thread).", "", END])
-    publish(section, HERE / "RESULTS.md", START, END, args.write)
+        "tokens (made in place: below StepMasks' threshold for the worker thread).", "", end])
+    publish(section, HERE / "RESULTS.md", start, end, args.write)
     return 0
 
 
