@@ -52,7 +52,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # results_file.py is beside this script
 sys.path.insert(0, str(HERE.parent))  # the repository root: benchmarks.harness
-from results_file import publish, say  # noqa: E402
+from results_file import publish, say, suffixed  # noqa: E402
 
 START, END = "<!-- openai_embeddings:start -->", "<!-- openai_embeddings:end -->"
 CLI = str(Path(sys.executable).parent / "model-factory")
@@ -217,8 +217,9 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def _markers(precision: str, suffix: str = "") -> tuple[str, str]:
     """The RESULTS.md section of a precision (FP32's is the original one), ``suffix`` appended to its marker (a run on
     another machine kept beside the first: ``--section-suffix epyc``)."""
-    name = ("" if precision == "fp32" else f"_{precision}") + (f"-{suffix}" if suffix else "")
-    return START.replace(":start", f"{name}:start"), END.replace(":end", f"{name}:end")
+    name = "" if precision == "fp32" else f"_{precision}"
+    start, end, _ = suffixed(START.replace(":start", f"{name}:start"), END.replace(":end", f"{name}:end"), suffix)
+    return start, end
 
 
 def _section(turns: list[Turn], args: argparse.Namespace, header: str, gate: str = "") -> str:
