@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say, suffixed  # noqa: E402
+from results_file import median_cell as _cell, publish, say, suffixed  # noqa: E402
 from benchmarks.harness.scheduler_run import SHAPE, pct  # noqa: E402
 
 START, END = "<!-- chunked-prefill:start -->", "<!-- chunked-prefill:end -->"
@@ -315,12 +315,6 @@ def gemma(args, load_reading, header) -> None:
         "| per run | chunked prefill off | auto, fixed chunk | auto, max_itl_ratio 2 |", "| --- | ---: | ---: | ---: |",
         *rows, "", end])
     publish(section, HERE / "RESULTS.md", start, end, args.write)
-
-
-def _cell(values: list[float], digits: int) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def _load_line(server, model: str) -> str:

@@ -32,9 +32,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say  # noqa: E402
+from results_file import median_cell, publish, say  # noqa: E402
 from benchmarks.bench_chunked_prefill import (FIRST_S, GAP_S, LAYOUT, LONG, LONG_TOKENS, LONGS, MODELS, PROMPT,  # noqa: E402
-                                              SETTINGS, STREAMS, _cell, _fresh, _load_line, _mixed, _prompts)
+                                              SETTINGS, STREAMS, _fresh, _load_line, _mixed, _prompts)
 
 START, END = "<!-- chunked-prefill-served-gemma3:start -->", "<!-- chunked-prefill-served-gemma3:end -->"
 MAX_CONTEXT = 2048
@@ -74,14 +74,11 @@ def serve_ours(args, vocab: int, rounds: list[tuple], runs: dict, info: dict) ->
 
 
 def serve_vllm(args, peer: Path, vocab: int, rounds: list[tuple], runs: dict, info: dict) -> None:
-    from benchmarks.bench_generate import VLLM_ENV, _free_port, _server, vllm_command
+    from benchmarks.bench_generate import vllm_server
 
-    port = _free_port()
-    cmd = (["flock", args.vllm_lock] if args.vllm_lock else []) + vllm_command(
-        args.vllm_python, peer, port, "--enable-chunked-prefill")
-    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
-    with _server("vllm (chunked prefill)", cmd, env, port, args.work / "vllm-chunked.log",
-                 args.server_timeout) as (url, ready):
+    with vllm_server("vllm (chunked prefill)", args.vllm_python, peer, args.work / "vllm-chunked.log",
+                     args.server_timeout, args.vllm_bind, "--enable-chunked-prefill",
+                     lock=args.vllm_lock) as (url, ready):
         info["vllm start (s)"] = ready
         warm_streams, warm_longs, _ = _prompts(vocab, 99)
         asyncio.run(_fresh(url, "llm", warm_streams[:2] + [warm_longs[0][:600]]))
@@ -100,7 +97,7 @@ def run(name: str, into: list, mixed) -> None:
 def section(args, runs: dict, info: dict, load, run_header) -> str:
     cols = [c for c in COLUMNS if c in runs]
     keys = [k for k in runs[cols[0]][0] if k != "texts"]
-    rows = [f"| {k} | " + " | ".join(_cell([r[k] for r in runs[c]], 2 if "over" in k else 1) for c in cols) + " |"
+    rows = [f"| {k} | " + " | ".join(median_cell([r[k] for r in runs[c]], 2 if "over" in k else 1) for c in cols) + " |"
             for k in keys]
     lines = []
     if "itl" in runs:

@@ -392,6 +392,17 @@ def vllm_command(python: str, hf: Path, port: int, *extra: str, name: str = "llm
             "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
+@contextlib.contextmanager
+def vllm_server(name: str, python: str, hf: Path, log: Path, timeout_s: float, bind: str, *extra: str,
+                lock: str | None = None):
+    """``vllm_command``'s server on a free port as :func:`_server` runs it (yields ``(url, seconds to ready)``), its
+    OpenMP threads bound to ``bind``, under ``flock lock`` where given (one vLLM at a time on a shared machine)."""
+    port = _free_port()
+    cmd = (["flock", lock] if lock else []) + vllm_command(python, hf, port, *extra)
+    with _server(name, cmd, {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, port, log, timeout_s) as served:
+        yield served
+
+
 def bench_vllm(python: str, hf: Path, levels: list[int], work: Path, rounds: int, bind: str,
                timeout_s: float, prime: bool) -> tuple[dict, dict]:
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}

@@ -54,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say  # noqa: E402
+from results_file import median_cell, publish, say  # noqa: E402
 from benchmarks.harness.scheduler_run import llama_folder, pct, step_while_arriving  # noqa: E402
 
 START, END = "<!-- prefix-cache:start -->", "<!-- prefix-cache:end -->"
@@ -259,15 +259,12 @@ def served_ours(args, precision: str, setting: str, warm, prompts) -> dict:
 
 
 def served_vllm(args, folder: Path, setting: str, warm, prompts) -> tuple[dict, float]:
-    from benchmarks.bench_generate import VLLM_ENV, _free_port, _server, vllm_command
+    from benchmarks.bench_generate import vllm_server
 
-    port = _free_port()
-    cmd = (["flock", args.vllm_lock] if args.vllm_lock else []) + vllm_command(
-        args.vllm_python, folder, port, "--enable-chunked-prefill",
-        "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching")
-    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
-    with _server(f"vllm (prefix caching {setting})", cmd, env, port, args.work / "vllm-prefix.log",
-                 args.server_timeout) as (url, ready):
+    with vllm_server(f"vllm (prefix caching {setting})", args.vllm_python, folder, args.work / "vllm-prefix.log",
+                     args.server_timeout, args.vllm_bind, "--enable-chunked-prefill",
+                     "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching",
+                     lock=args.vllm_lock) as (url, ready):
         return one_client(url, "llm", warm, prompts), ready
 
 
@@ -357,9 +354,7 @@ def served_section(args, runs: dict, info: dict, load, run_header, statistics, p
     names = list(runs)
 
     def cell(values: list[float], digits: int = 3) -> str:
-        if len(values) == 1:
-            return f"{values[0]:.{digits}f}"
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+        return median_cell(values, digits)
 
     keys = [k for k, v in runs[names[0]][0].items() if isinstance(v, float) and k != "load"]
     rows = [f"| {k} | " + " | ".join(cell([g[k] for g in runs[n]]) for n in names) + " |" for k in keys]
@@ -495,10 +490,7 @@ def main() -> int:
     same = {name: all(on["tokens"] == off["tokens"] for on, off in zip(runs[(name, "on")], runs[(name, "off")]))
             for name in names}
 
-    def cell(values: list[float], digits: int) -> str:
-        if len(values) == 1:
-            return f"{values[0]:.{digits}f}"
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    cell = median_cell
 
     keys = [k for k in next(iter(runs.values()))[0] if k != "tokens"]
     columns = [(name, setting) for name in names for setting in ("off", "on")]

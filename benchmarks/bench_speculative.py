@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from results_file import publish, say, suffixed  # noqa: E402
+from results_file import median_cell, publish, say, suffixed  # noqa: E402
 
 START, END = "<!-- speculative:start -->", "<!-- speculative:end -->"
 VERSION_DIR = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gemma3/1")
@@ -142,10 +141,8 @@ def main() -> int:
     load = load.finish()
     example = tok.decode(runs[("extractive, 1 stream", "off")][0]["tokens"][0])
 
-    def cell(values: list[float], digits: int = 2) -> str:
-        if len(values) == 1:
-            return f"{values[0]:.{digits}f}"
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    def cell(values: list[float]) -> str:
+        return median_cell(values, 2)
 
     rows = []
     for name in cases:

@@ -29,6 +29,15 @@ def suffixed(start: str, end: str, suffix: str) -> tuple[str, str, str]:
     return start.replace(":start", f"-{suffix}:start"), end.replace(":end", f"-{suffix}:end"), f" ({suffix})"
 
 
+def median_cell(values: list[float], digits: int) -> str:
+    """A table cell of a run's rounds: ``median (min–max)``, a single round's value alone."""
+    import statistics
+
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
 def say(msg: str) -> None:
     """A benchmark's progress line on stderr, ``[HH:MM:SS] msg`` (stdout keeps the section)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

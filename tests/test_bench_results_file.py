@@ -17,3 +17,10 @@ def test_a_suffixed_section_is_written_beside_the_first_and_replaced_in_place(tm
     text = path.read_text()
     assert "xeon 1" in text and "epyc 2" in text and "epyc 1" not in text
     assert text.index("xeon 1") < text.index("epyc 2") and text.count(s2) == 1
+
+
+def test_a_cell_is_the_median_and_range_of_the_rounds_or_one_rounds_value():
+    from benchmarks.results_file import median_cell
+
+    assert median_cell([2.0, 1.0, 4.0], 1) == "2.0 (1.0–4.0)"
+    assert median_cell([3.14159], 2) == "3.14"
