@@ -632,6 +632,24 @@ def format_parameters(parameters: ModelParameters) -> dict[str, str]:
     return out
 
 
+# The parameters a recipe's ``[serving]`` table sets (model_factory/recipe/schema.py makes the table's keys from these
+# fields: their kinds, choices and minimums): how a text-generation model is scheduled where it is served. The others
+# follow from the recipe's own tables (precision, shapes, batching, queue) or are the factory's to write.
+SERVING_PARAMETERS = (
+    "memory_budget_mib", "max_active_sequences", "max_waiting_sequences", "max_loras", "preemption_wait_ms",
+    "max_tokens_grouping_ms", "int8_attention", "int8_matmul", "prefix_caching", "kv_admission", "kv_layout",
+    "max_prefill_tokens", "prefill_chunk_tokens", "max_itl_ratio", "speculative", "num_speculative_tokens",
+    "prompt_lookup_max", "prompt_lookup_min", "speculative_max_sequences", "device_reserve_mib", "cpu_spinning",
+)
+
+
+def serving_fields() -> tuple[dataclasses.Field, ...]:
+    """The :data:`SERVING_PARAMETERS` fields of :class:`ModelParameters`, in that order (kind, choices, minimum in
+    each field's metadata)."""
+    by_name = {f.name: f for f in dataclasses.fields(ModelParameters)}
+    return tuple(by_name[n] for n in SERVING_PARAMETERS)
+
+
 def parameter_names() -> frozenset[str]:
     """The names this contract defines (a writer may add others only for readers outside the backend)."""
     return frozenset(f.name for f in dataclasses.fields(ModelParameters))

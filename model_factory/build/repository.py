@@ -408,6 +408,7 @@ def package_model(
     if unknown:
         raise FactoryError(f"parameters {', '.join(unknown)} are not model parameters the backend reads. Fix: use "
                            f"one of {', '.join(sorted(parameter_names()))}")
+    params.update(dict(recipe.serving))  # [serving]: checked against the contract when the recipe was read
     params.update(parameters or {})
     try:  # what the backend will parse: refused here, not at load
         parse_parameters(params)

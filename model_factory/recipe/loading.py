@@ -200,6 +200,28 @@ def _adapter_base(table: Any, base_dir: Path) -> AdapterBase:
     return AdapterBase(model_dir, int(version), source)
 
 
+def _serving(table: Any, task: str) -> tuple[tuple[str, str], ...]:
+    """[serving]'s keys set, as the ``config.pbtxt`` parameters the backend reads (``(name, text)``, the table's
+    order); checked as the backend checks them."""
+    from model_factory.backend.contract import ParameterError, parse_parameters
+
+    given = {k: v for k, v in table.model_dump().items() if v is not None}
+    if not given:
+        return ()
+    if task != "text-generation":
+        raise _err(f"serving.{next(iter(given))}", f"[serving] schedules a text-generation model, not task {task!r}",
+                   "remove the [serving] table")
+    params = {k: str(v) for k, v in given.items()}
+    try:
+        typed = parse_parameters(params)
+    except ParameterError as exc:  # the schema's types are the contract's: a value past them is named here too
+        raise _err("serving", str(exc), "correct the value") from None
+    if typed.prompt_lookup_min > typed.prompt_lookup_max:
+        raise _err("serving.prompt_lookup_min", f"{typed.prompt_lookup_min} is above prompt_lookup_max "
+                   f"{typed.prompt_lookup_max}", "the shortest n-gram looked up must be at most the longest")
+    return tuple(params.items())
+
+
 def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | None = None) -> Recipe:
     """Validate a recipe mapping (as read from TOML) and return a :class:`Recipe`."""
     doc = validate_recipe_data(data)
@@ -344,6 +366,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     batching = _batching(doc.batching, shapes.max_batch, shapes.max_sequence_length, inputs)
     repo = _repository(doc.repository, precisions, export, trt, base_dir)
+    serving = _serving(doc.serving, task)
 
     return Recipe(
         name=name, version=version, task=task,
@@ -353,7 +376,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
         batching=batching, repository=repo, pooling=doc.embedding.pooling, normalize=doc.embedding.normalize,
         matryoshka_dimensions=tuple(sorted(set(doc.embedding.matryoshka_dimensions or ()))),
         text_input=text_input, probabilities=probabilities, recipe_path=recipe_path, generation=generation,
-        adapter=adapter,
+        adapter=adapter, serving=serving,
         # Intermediate artifacts (ONNX, plans, reports) sit beside the repository, not in it.
         work_dir=repo.path.parent / "build" / name,
         raw=data,

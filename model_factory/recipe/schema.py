@@ -402,6 +402,77 @@ def _table(description: str) -> Fix:
     return Fix(f"write {description} as a table")
 
 
+# [serving]: what each key does (docs/generation.md has the measurements). The keys, their types, choices and minimums
+# are the backend contract's (contract.SERVING_PARAMETERS): one definition of what the backend reads.
+SERVING_DESCRIPTIONS = {
+    "memory_budget_mib": "Memory for the weights and the KV cache, in MiB (0: half the memory available at load).",
+    "max_active_sequences": "Sequences decoding at once (the KV slots).",
+    "max_waiting_sequences": "Sequences queued for admission; past it a request is answered 503 with Retry-After.",
+    "max_loras": "LoRA adapters loaded at once.",
+    "preemption_wait_ms": "How long an admissible request may wait before the newest running sequence is preempted "
+                          "for it (0: never).",
+    "max_tokens_grouping_ms": "How long admission may hold a request to group sequences by max_tokens (0: arrival "
+                              "order).",
+    "int8_attention": "An INT8 KV cache's attention: auto (the factory's CPU kernel where it builds), kernel "
+                      "(required), onnxruntime (as packaged).",
+    "int8_matmul": "INT8 MatMuls on the factory's CPU operators: auto, kernel (required), onnxruntime (as packaged).",
+    "prefix_caching": "Keep prompt prefixes' KV for later requests: auto (where reuse is exact), on, off.",
+    "kv_admission": "paged: KV blocks reserved as sequences grow; reserve: prompt + max_tokens at admission.",
+    "kv_layout": "slots: a contiguous slot per sequence; blocks: a pool of blocks with a block table (an INT8 cache on "
+                 "the factory's kernel).",
+    "max_prefill_tokens": "Prompt tokens one prefill launch may hold.",
+    "prefill_chunk_tokens": "Chunked prefill: auto (from the prefill cost model), a number of tokens a step, or off.",
+    "max_itl_ratio": "Under prefill_chunk_tokens = auto: keep a step with a chunk within this multiple of a "
+                     "decode-only step (0: the fixed auto chunk).",
+    "speculative": "Speculative decoding: off, or prompt_lookup (drafts from n-grams of the sequence's own context).",
+    "num_speculative_tokens": "Tokens drafted per verification.",
+    "prompt_lookup_max": "Longest n-gram prompt lookup matches.",
+    "prompt_lookup_min": "Shortest n-gram prompt lookup matches.",
+    "speculative_max_sequences": "Draft only while at most this many sequences decode.",
+    "device_reserve_mib": "A GPU instance: device memory kept beside the KV cache, in MiB.",
+    "cpu_spinning": "ONNX Runtime's threads spin between launches: auto (while the instances' threads fit the cores), "
+                    "on, off.",
+}
+
+
+def _serving_type(kind: str, choices: tuple[str, ...], minimum: int | None) -> Any:
+    """The TOML value of a contract parameter of ``kind`` (contract._param), or unset."""
+    if kind == "choice":
+        return Annotated[Optional[Literal[choices]], _one_of(choices)]  # type: ignore[valid-type]
+    if kind == "int":
+        low = minimum if minimum is not None else 0
+        return Annotated[Optional[Annotated[int, Field(ge=low, le=INT32_MAX)]],
+                         Fix(f"give a whole number of at least {low}")]
+    if kind == "auto-int":
+        return Annotated[Optional[Union[Literal["auto", "off"], Annotated[int, Field(ge=0, le=INT32_MAX)]]],
+                         Fix('give "auto", "off" or a whole number of tokens')]
+    if kind == "ratio":
+        return Annotated[Optional[Union[Literal[0], Annotated[float, Field(gt=1)]]],
+                         Fix("give 0 (off) or a number above 1")]
+    raise TypeError(f"a [serving] key of kind {kind!r} has no TOML type here")
+
+
+def _serving_table() -> type:
+    from pydantic import create_model
+
+    from model_factory.backend.contract import serving_fields
+
+    fields: dict[str, Any] = {}
+    for f in serving_fields():
+        m = f.metadata
+        fields[f.name] = (_serving_type(m["kind"], m["choices"], m["minimum"]),
+                          Field(None, description=f"{SERVING_DESCRIPTIONS[f.name]} Default: {_default_text(f.default)}."))
+    return create_model("ServingTable", __base__=_Table, __doc__="[serving]: how a text-generation model is "
+                        "scheduled where it is served (the backend's parameters, signed in config.pbtxt).", **fields)
+
+
+def _default_text(value: Any) -> str:
+    return "0" if value == 0 and not isinstance(value, str) else str(value)
+
+
+ServingTable = _serving_table()
+
+
 class RecipeFile(_Table):
     """A model-factory recipe: every setting for one model build. Paths are relative to the recipe's folder."""
 
@@ -443,6 +514,8 @@ class RecipeFile(_Table):
         BatchingTable(), description="Dynamic batching, queue policy and grouping.")
     repository: Annotated[RepositoryTable, _table("[repository]")] = Field(
         RepositoryTable(), description="The Triton model repository written.")
+    serving: Annotated[ServingTable, _table("[serving]")] = Field(  # type: ignore[valid-type]
+        ServingTable(), description="How a text-generation model is scheduled where it is served.")
 
 
 class _TomlJsonSchema(GenerateJsonSchema):

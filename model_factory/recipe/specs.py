@@ -214,6 +214,8 @@ class Recipe:
     recipe_path: Path | None = None
     generation: GenerationSettings | None = None  # text-generation only
     adapter: AdapterBase | None = None  # a LoRA adapter's base (source.kind = "lora")
+    # [serving]: the backend parameters that schedule a text-generation model, (name, text) as config.pbtxt holds them
+    serving: tuple[tuple[str, str], ...] = ()
     work_dir: Path = field(default_factory=lambda: Path("build"))
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
