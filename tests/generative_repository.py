@@ -44,13 +44,14 @@ def generation_spec(hf_dir: Path, weights_bytes: dict[str, int]):
     return replace(spec, weights_bytes=dict(weights_bytes))
 
 
-_BUILDS: dict[tuple[str, str], Path] = {}
+_BUILDS: dict[tuple[str, ...], Path] = {}
 
 
-def _built(hf_dir: Path, precision: str, quantization: str = "") -> Path:
+def _built(hf_dir: Path, precision: str, quantization: str = "", draft: str = "") -> Path:
     """The version folder the factory builds from ``hf_dir`` serving ``precision`` (built once per session);
-    ``quantization``: more lines of the recipe's [quantization] table (``int8_method = "dynamic"``)."""
-    key = (str(Path(hf_dir).resolve()), precision, quantization)
+    ``quantization``: more lines of the recipe's [quantization] table (``int8_method = "dynamic"``); ``draft``: a
+    precision built too and packaged beside the served one as its speculative draft (the recipe's [serving])."""
+    key = (str(Path(hf_dir).resolve()), precision, quantization, draft)
     if key in _BUILDS:
         return _BUILDS[key]
     from model_factory.build.pipeline import build
@@ -64,7 +65,7 @@ def _built(hf_dir: Path, precision: str, quantization: str = "") -> Path:
     from model_factory.recipe import read_hf_config
 
     positions = read_hf_config(Path(hf_dir))["max_position_embeddings"]  # GPT-2: its n_positions
-    precisions = ["fp32"] if precision == "fp32" else ["fp32", precision]
+    precisions = list(dict.fromkeys(["fp32", precision] + ([draft] if draft else [])))
     listed = ", ".join(f'"{p}"' for p in precisions)
     recipe = root / "llm.toml"
     recipe.write_text(f"""precisions = [{listed}]
@@ -85,7 +86,7 @@ max_perplexity_ratio = 100.0
 [repository]
 path = "repo"
 serve = "{precision}"
-""")
+""" + (f'[serving]\nspeculative = "draft"\nspeculative_draft = "{draft}"\n' if draft else ""))
     # Random weights: the serving tests and benchmarks need the graph, not a gate (min_accuracy 0 keeps every
     # precision the build makes; the gate itself is tested in tests/build).
     vdir = Path(build(load_recipe(recipe), min_accuracy=0.0).version_dir)
@@ -94,7 +95,7 @@ serve = "{precision}"
 
 
 def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Path, name: str = "tiny_llm",
-                            precision: str = "fp32", quantization: str = "", **parameters) -> Path:
+                            precision: str = "fp32", quantization: str = "", draft: str = "", **parameters) -> Path:
     """``<repository>/<name>``: the factory's build of ``hf_dir`` (serving ``precision``), with ``parameters``
     (contract.ModelParameters fields: memory_budget_mib, max_active_sequences, ...) set in its config.pbtxt;
     returns the version folder. ``onnx_dir`` is not used (the build exports the graph itself)."""
@@ -103,7 +104,7 @@ def layout_generative_model(hf_dir: Path, onnx_dir: Path | None, repository: Pat
 
     from model_factory.backend.contract import Files, ModelParameters, format_parameters
 
-    built = _built(Path(hf_dir), precision, quantization)
+    built = _built(Path(hf_dir), precision, quantization, draft)
     model_dir = Path(repository) / name
     if model_dir.exists():
         shutil.rmtree(model_dir)

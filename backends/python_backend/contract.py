@@ -51,7 +51,8 @@ KV_ADMISSION = (KV_ADMISSION_PAGED, KV_ADMISSION_RESERVE)
 KV_LAYOUT_SLOTS, KV_LAYOUT_BLOCKS = "slots", "blocks"
 KV_LAYOUT = (KV_LAYOUT_SLOTS, KV_LAYOUT_BLOCKS)
 PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
-SPECULATIVE = ("off", "prompt_lookup")  # generation/speculative.py: drafting by prompt lookup (vLLM's "ngram")
+SPECULATIVE = ("off", "prompt_lookup", "draft")  # generation/speculative.py: prompt lookup (vLLM's "ngram"), or a
+# cheaper precision's graph packaged beside the served one (generation/draft_model.py: speculative_draft)
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
 LONG_INPUTS = ("refuse", "truncate", "chunk")
@@ -266,6 +267,9 @@ class ModelParameters:
     prompt_lookup_max: int = _param("int", 4, minimum=1)
     prompt_lookup_min: int = _param("int", 2, minimum=1)
     speculative_max_sequences: int = _param("int", 1, minimum=1)
+    # speculative = "draft": the precision whose graph (packaged in the same version folder, signed with it) drafts
+    # greedily what the served one verifies; none otherwise.
+    speculative_draft: str = _param("choice", "none", choices=("none",) + PRECISIONS)
     # A GPU instance: device memory kept beside the KV cache (activations of the largest prefill launch, other
     # instances on the device); the cache gets what cudaMemGetInfo reports free at load less this (kv_device).
     device_reserve_mib: int = _param("int", 1024, minimum=0)
@@ -630,24 +634,6 @@ def format_parameters(parameters: ModelParameters) -> dict[str, str]:
         if value is not None:
             out[f.name] = _format(value, f.metadata["kind"])
     return out
-
-
-# The parameters a recipe's ``[serving]`` table sets (model_factory/recipe/schema.py makes the table's keys from these
-# fields: their kinds, choices and minimums): how a text-generation model is scheduled where it is served. The others
-# follow from the recipe's own tables (precision, shapes, batching, queue) or are the factory's to write.
-SERVING_PARAMETERS = (
-    "memory_budget_mib", "max_active_sequences", "max_waiting_sequences", "max_loras", "preemption_wait_ms",
-    "max_tokens_grouping_ms", "int8_attention", "int8_matmul", "prefix_caching", "kv_admission", "kv_layout",
-    "max_prefill_tokens", "prefill_chunk_tokens", "max_itl_ratio", "speculative", "num_speculative_tokens",
-    "prompt_lookup_max", "prompt_lookup_min", "speculative_max_sequences", "device_reserve_mib", "cpu_spinning",
-)
-
-
-def serving_fields() -> tuple[dataclasses.Field, ...]:
-    """The :data:`SERVING_PARAMETERS` fields of :class:`ModelParameters`, in that order (kind, choices, minimum in
-    each field's metadata)."""
-    by_name = {f.name: f for f in dataclasses.fields(ModelParameters)}
-    return tuple(by_name[n] for n in SERVING_PARAMETERS)
 
 
 def parameter_names() -> frozenset[str]:

@@ -61,6 +61,7 @@ from .generation.kv_pool import kv_storage, layout_block_tokens, layout_note
 from .generation.lora import AdapterError, AdapterTable, discover, prepare_or_refuse
 from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
+from .generation.draft_model import load_draft
 from .generation.sampling import SamplingError, choice_seed
 from .generation.scheduler import Generation, QueueFull, Scheduler, TokenEvent
 from .generation.structured.engines import load_engine
@@ -168,7 +169,7 @@ class GenerativeModel:
                                    itl_budget=itl_budget(s.prefill_chunk_tokens, s.max_itl_ratio, chunk, cost,
                                                          s.max_prefill_tokens))
         self.scheduler.loras = self.adapters if self.adapters.found else None
-        self.scheduler.speculator = _speculator(s, self.metrics)
+        self.scheduler.speculator = _speculator(s, self.metrics, self.draft)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each
@@ -196,10 +197,13 @@ class GenerativeModel:
                + (f", each step within {s.max_itl_ratio:g}x a decode-only one while sequences decode"
                   if self.scheduler.itl is not None else "") + ")"
                if chunk and s.prefill_chunk_tokens == "auto" else "")
-            + (f", speculative decoding by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
-               f"{s.prompt_lookup_min}-{s.prompt_lookup_max}, while at most {s.speculative_max_sequences} "
-               "sequences decode" + ("; not exact on this batch-dependent precision" if s.precision in
-                                     spec.batch_dependent else "") + ")" if self.scheduler.speculator is not None else "")
+            + (", speculative decoding " + (f"by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
+                                             f"{s.prompt_lookup_min}-{s.prompt_lookup_max}" if self.draft is None else
+                                             f"by the {s.speculative_draft} graph ({s.num_speculative_tokens} tokens, "
+                                             f"{s.speculative_max_sequences} draft slot(s) of {self.draft.max_context} tokens")
+               + f", while at most {s.speculative_max_sequences} sequences decode"
+               + ("; not exact on this batch-dependent precision" if s.precision in spec.batch_dependent else "")
+               + ")" if self.scheduler.speculator is not None else "")
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; INT8 MatMuls: {self.model.matmul}" if getattr(self.model, "matmul", "") else "")
             + layout_note(s.kv_layout, self.model)
@@ -237,6 +241,7 @@ class GenerativeModel:
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),
                             storage=kv_storage(model, spec, s.max_active_sequences),
                             block_tokens=block_tokens(s.kv_admission))
+        self.draft = load_draft(version_dir, digests, s, relpath, threads, cpus, slots.max_context, self._gpu)
         self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
                                      self.pb.Logger.log_info, ranks=getattr(model, "lora_ranks", None) or None)
         model.lora_table = self.adapters if modules else None
@@ -454,6 +459,8 @@ class GenerativeModel:
         if self.metrics is not None:
             self.metrics.close()
         self.model.close()
+        if self.draft is not None:
+            self.draft.close()
         if self._device is not None:
             self._device.close()  # the model again (idempotent), the KV buffers, the pool and the stream
 
@@ -488,15 +495,16 @@ def _prefix_cache(s: Settings, spec: GenerationSpec, version_dir: Path, model: A
                                 attention=getattr(model, "attention", ""), device=getattr(model, "device", "")))
 
 
-def _speculator(s: Settings, metrics: Any) -> Any:
-    """The scheduler's speculative decoding (``speculative``: off, or ``prompt_lookup``), else None."""
+def _speculator(s: Settings, metrics: Any, draft: Any = None) -> Any:
+    """The scheduler's speculative decoding (``speculative``: off, ``prompt_lookup``, or ``draft`` with ``draft``
+    loaded), else None."""
     if s.speculative == "off":
         return None
     from .generation.speculative import SpeculativeConfig, Speculator
 
     return Speculator(SpeculativeConfig(num_speculative_tokens=s.num_speculative_tokens,
                                         prompt_lookup_max=s.prompt_lookup_max, prompt_lookup_min=s.prompt_lookup_min,
-                                        max_sequences=s.speculative_max_sequences), metrics=metrics)
+                                        max_sequences=s.speculative_max_sequences), metrics=metrics, draft=draft)
 
 
 class GpuUnavailable(RuntimeError):

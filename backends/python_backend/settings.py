@@ -99,12 +99,13 @@ class Settings:
     # Under auto: a step's chunk keeps the step within this multiple of the decode-only step (0, the default: the
     # fixed chunk; generation/itl_budget.py).
     max_itl_ratio: float = 0.0
-    # Speculative decoding by prompt lookup (generation/speculative.py; "off" or "prompt_lookup").
+    # Speculative decoding (generation/speculative.py; "off", "prompt_lookup" or "draft": speculative_draft's graph).
     speculative: str = "off"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     speculative_max_sequences: int = 1
+    speculative_draft: str = "none"
     device_reserve_mib: int = 1024
     # Degrade before shedding (degrade.py): the cheaper precision a backlogged window runs on (None: never) and
     # the window size (requests) from which it does (0: half of max_batch_size).
@@ -149,6 +150,13 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
     if p.prompt_lookup_min > p.prompt_lookup_max:
         raise SettingsError(f"parameter prompt_lookup_min={p.prompt_lookup_min} is above prompt_lookup_max="
                             f"{p.prompt_lookup_max}: the shortest n-gram looked up must be at most the longest")
+    if (p.speculative == "draft") != (p.speculative_draft != "none"):
+        raise SettingsError(f"parameters speculative={p.speculative} and speculative_draft={p.speculative_draft} do "
+                            "not go together: speculative = draft takes the precision that drafts (speculative_draft), "
+                            "and only it")
+    if p.speculative == "draft" and p.speculative_draft == p.precision:
+        raise SettingsError(f"parameter speculative_draft={p.speculative_draft} is the precision served: a draft is "
+                            "a cheaper precision of the same model")
     inputs = _io(cfg.get("input"))
     # Older repositories do not say: an attention mask is what makes padding harmless.
     pad_sequences = p.pad_sequences if p.pad_sequences is not None else any(i.name == "attention_mask" for i in inputs)
@@ -209,6 +217,7 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         prompt_lookup_max=p.prompt_lookup_max,
         prompt_lookup_min=p.prompt_lookup_min,
         speculative_max_sequences=p.speculative_max_sequences,
+        speculative_draft=p.speculative_draft,
         device_reserve_mib=p.device_reserve_mib,
         degrade_to=p.degrade_to or None,
         degrade_backlog=p.degrade_backlog,

@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping
 from model_factory.backend.contract import (GENERATE_INPUTS, GENERATE_OUTPUTS, TEXT_GENERATION, Files,
                                             GenerationSpec, ModelParameters, SamplingDefaults, format_parameters,
                                             onnx_file, parse_parameters)
-from model_factory.build.repository import PackageResult, _stage_model, config_to_pbtxt, select_artifacts
+from model_factory.build.repository import (PackageResult, _stage_model, config_to_pbtxt, draft_precision,
+                                            select_artifacts)
 from model_factory.errors import FactoryError
 from model_factory.fileio import atomic_dir, remove_stale_staging
 from model_factory.locking import exclusive
@@ -196,7 +197,7 @@ def layout_generative_version(recipe: Recipe, artifacts: Mapping[str, Path], *, 
     if onnx_file(serve) not in artifacts:
         raise FactoryError(f"repository.serve = \"{serve}\" but {onnx_file(serve)} was not built. Fix: add "
                            f"\"{serve}\" to precisions, or serve one that is built")
-    files = select_artifacts(recipe, artifacts)
+    files = select_artifacts(recipe, artifacts, draft_precision(recipe, artifacts, parameters))
     graphs = {(n.split(".")[1] if n != Files.ONNX else "fp32"): Path(path) for n, path in files.items()
               if n.endswith(".onnx")}  # precision -> its graph, as packaged
     tokenizer_dir = Path(export_dir) / Files.TOKENIZER_DIR
@@ -204,6 +205,7 @@ def layout_generative_version(recipe: Recipe, artifacts: Mapping[str, Path], *, 
                            tuple(sorted(p for p, g in graphs.items() if p != "fp32" and batch_dependent(g))),
                            {p: kv_dtype_of(g) for p, g in graphs.items()})
     params = format_parameters(generation_parameters(recipe))
+    params.update(dict(recipe.serving))  # [serving]: checked against the contract when the recipe was read
     params.update(parameters or {})
     pbtxt = config_to_pbtxt(generative_config_dict(recipe, params))
     work = recipe.work_dir / "package"

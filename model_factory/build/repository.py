@@ -336,8 +336,23 @@ artifact_precision = file_precision  # the precision a version-folder file belon
 onnx_file_for = onnx_file  # the ONNX file name of one precision in the version folder
 
 
-def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path]) -> dict[str, Path]:
-    """The files the version folder gets: the served precision's (or every precision's) and the shared ones.
+def draft_precision(recipe: Recipe, artifacts: Mapping[str, Path],
+                    parameters: Mapping[str, str] | None) -> str | None:
+    """The precision whose graph drafts for the served one (``speculative_draft``: the recipe's [serving], or a
+    parameter given to packaging), None without one; refused when that graph was not built."""
+    draft = {**dict(recipe.serving), **(parameters or {})}.get("speculative_draft", "none")
+    if draft == "none":
+        return None
+    if onnx_file_for(draft) not in artifacts:
+        raise FactoryError(f"speculative_draft = \"{draft}\" but the {draft} model {onnx_file_for(draft)} was not built "
+                           f"(or missed its gate). Fix: add \"{draft}\" to precisions and build it, or draft with a "
+                           "precision that was built")
+    return draft
+
+
+def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path], draft: str | None = None) -> dict[str, Path]:
+    """The files the version folder gets: the served precision's (or every precision's), the degrade and ``draft``
+    precisions' (speculative decoding's draft graph) and the shared ones.
 
     Each ONNX file brings its external-data file (``<name>.data``) when it has one.
     """
@@ -350,7 +365,7 @@ def select_artifacts(recipe: Recipe, artifacts: Mapping[str, Path]) -> dict[str,
     chosen: dict[str, Path] = {}
     for name, src in artifacts.items():
         precision = artifact_precision(name)
-        if (precision is not None and not keep_all and precision not in (serve, recipe.repository.degrade_to)
+        if (precision is not None and not keep_all and precision not in (serve, recipe.repository.degrade_to, draft)
                 and not (fp32_for_cpu and name == Files.ONNX)):
             continue
         chosen[name] = Path(src)
@@ -396,7 +411,7 @@ def package_model(
             raise FactoryError(f"artifact {name} ({src}) is missing. Fix: re-run the stage that makes it")
     extra_files = tuple(extra_files)
     check_degrade(recipe, artifacts, extra_files)
-    files = select_artifacts(recipe, artifacts)
+    files = select_artifacts(recipe, artifacts, draft_precision(recipe, artifacts, parameters))
     plan_name = plan_file(serve)
     model_dir = recipe.repository.path / recipe.name
     version = str(recipe.version)

@@ -200,7 +200,7 @@ def _adapter_base(table: Any, base_dir: Path) -> AdapterBase:
     return AdapterBase(model_dir, int(version), source)
 
 
-def _serving(table: Any, task: str) -> tuple[tuple[str, str], ...]:
+def _serving(table: Any, task: str, precisions: tuple[str, ...], serve: str) -> tuple[tuple[str, str], ...]:
     """[serving]'s keys set, as the ``config.pbtxt`` parameters the backend reads (``(name, text)``, the table's
     order); checked as the backend checks them."""
     from model_factory.backend.contract import ParameterError, parse_parameters
@@ -219,6 +219,18 @@ def _serving(table: Any, task: str) -> tuple[tuple[str, str], ...]:
     if typed.prompt_lookup_min > typed.prompt_lookup_max:
         raise _err("serving.prompt_lookup_min", f"{typed.prompt_lookup_min} is above prompt_lookup_max "
                    f"{typed.prompt_lookup_max}", "the shortest n-gram looked up must be at most the longest")
+    draft = typed.speculative_draft
+    if typed.speculative == "draft" and draft == "none":
+        raise _err("serving.speculative", "draft takes the precision whose graph drafts, and none is named",
+                   f"set speculative_draft to one of the precisions built other than {serve!r}")
+    if draft != "none":
+        if typed.speculative != "draft":
+            raise _err("serving.speculative_draft", f"a draft precision ({draft}) is for speculative = \"draft\"",
+                       "set speculative = \"draft\", or remove speculative_draft")
+        if draft not in precisions or draft == serve:
+            raise _err("serving.speculative_draft", f"{draft!r} is " + ("the precision served" if draft == serve
+                                                                         else "not among the precisions built"),
+                       f"name a precision of precisions other than the one served ({serve})")
     return tuple(params.items())
 
 
@@ -366,7 +378,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     batching = _batching(doc.batching, shapes.max_batch, shapes.max_sequence_length, inputs)
     repo = _repository(doc.repository, precisions, export, trt, base_dir)
-    serving = _serving(doc.serving, task)
+    serving = _serving(doc.serving, task, precisions, repo.serve)
 
     return Recipe(
         name=name, version=version, task=task,

@@ -402,8 +402,17 @@ def _table(description: str) -> Fix:
     return Fix(f"write {description} as a table")
 
 
-# [serving]: what each key does (docs/generation.md has the measurements). The keys, their types, choices and minimums
-# are the backend contract's (contract.SERVING_PARAMETERS): one definition of what the backend reads.
+# [serving]: the backend contract's parameters a recipe sets, which schedule a text-generation model where it is
+# served (the others follow from the recipe's own tables: precision, shapes, batching, queue). Their types, choices
+# and minimums are the contract's fields' (contract.ModelParameters): one definition of what the backend reads.
+SERVING_PARAMETERS = (
+    "memory_budget_mib", "max_active_sequences", "max_waiting_sequences", "max_loras", "preemption_wait_ms",
+    "max_tokens_grouping_ms", "int8_attention", "int8_matmul", "prefix_caching", "kv_admission", "kv_layout",
+    "max_prefill_tokens", "prefill_chunk_tokens", "max_itl_ratio", "speculative", "num_speculative_tokens",
+    "prompt_lookup_max", "prompt_lookup_min", "speculative_max_sequences", "speculative_draft", "device_reserve_mib",
+    "cpu_spinning",
+)
+# What each key does (docs/generation.md has the measurements).
 SERVING_DESCRIPTIONS = {
     "memory_budget_mib": "Memory for the weights and the KV cache, in MiB (0: half the memory available at load).",
     "max_active_sequences": "Sequences decoding at once (the KV slots).",
@@ -424,11 +433,14 @@ SERVING_DESCRIPTIONS = {
     "prefill_chunk_tokens": "Chunked prefill: auto (from the prefill cost model), a number of tokens a step, or off.",
     "max_itl_ratio": "Under prefill_chunk_tokens = auto: keep a step with a chunk within this multiple of a "
                      "decode-only step (0: the fixed auto chunk).",
-    "speculative": "Speculative decoding: off, or prompt_lookup (drafts from n-grams of the sequence's own context).",
+    "speculative": "Speculative decoding: off, prompt_lookup (drafts from n-grams of the sequence's own context), or "
+                   "draft (a cheaper precision's graph drafts: speculative_draft).",
     "num_speculative_tokens": "Tokens drafted per verification.",
     "prompt_lookup_max": "Longest n-gram prompt lookup matches.",
     "prompt_lookup_min": "Shortest n-gram prompt lookup matches.",
     "speculative_max_sequences": "Draft only while at most this many sequences decode.",
+    "speculative_draft": "With speculative = \"draft\": the precision (built, not the one served) whose graph, packaged "
+                         "beside the served one, drafts greedily what it verifies.",
     "device_reserve_mib": "A GPU instance: device memory kept beside the KV cache, in MiB.",
     "cpu_spinning": "ONNX Runtime's threads spin between launches: auto (while the instances' threads fit the cores), "
                     "on, off.",
@@ -455,10 +467,13 @@ def _serving_type(kind: str, choices: tuple[str, ...], minimum: int | None) -> A
 def _serving_table() -> type:
     from pydantic import create_model
 
-    from model_factory.backend.contract import serving_fields
+    import dataclasses
 
+    from model_factory.backend.contract import ModelParameters
+
+    by_name = {f.name: f for f in dataclasses.fields(ModelParameters)}
     fields: dict[str, Any] = {}
-    for f in serving_fields():
+    for f in (by_name[n] for n in SERVING_PARAMETERS):
         m = f.metadata
         fields[f.name] = (_serving_type(m["kind"], m["choices"], m["minimum"]),
                           Field(None, description=f"{SERVING_DESCRIPTIONS[f.name]} Default: {_default_text(f.default)}."))

@@ -32,10 +32,10 @@ here, so a version still loaded can be loaded again within a rollout's grace per
 against the digests verified when they served, like any other.
 
 Of a version's weight files only those its loads read are copied (:func:`read_precisions`, from the model's
-configuration): the served precision's, a ``degrade_to`` precision's, and for encoders the FP32 files their
-engines may read beside (INT8's fallback, the torch program); a text-generation model reads its served graph
-alone. A version packaged with every precision (``keep_all_precisions``: FP32, FP16, INT8 and INT4 of an LLM) is
-no longer copied whole into the temporary folder.
+configuration): the served precision's, a ``degrade_to`` or ``speculative_draft`` precision's, and for encoders the
+FP32 files their engines may read beside (INT8's fallback, the torch program); a text-generation model reads its
+served graph alone (and its draft's). A version packaged with every precision (``keep_all_precisions``: FP32, FP16,
+INT8 and INT4 of an LLM) is no longer copied whole into the temporary folder.
 
 The price: the loaded versions take their size again on the disk of the temporary folder (``TMPDIR``), and a
 version is copied once before its first load (MiniLM's 89 MB: about 0.4 s here). The copy lives in the server's work
@@ -105,6 +105,8 @@ def read_precisions(parameters: Mapping[str, str]) -> frozenset[str] | None:
         read.add("fp32")  # an encoder's engines may read FP32 files beside (INT8's float fallback, the torch program)
     if parameters.get("degrade_to"):
         read.add(parameters["degrade_to"])
+    if parameters.get("speculative_draft", "none") != "none":  # speculative decoding's draft graph
+        read.add(parameters["speculative_draft"])
     for key in ("onnx_file", "plan_file", "torchscript_file"):
         named = file_precision(parameters.get(key) or "")
         if named:

@@ -172,6 +172,17 @@ def test_speculative_decoding_parameters() -> None:
         _settings(num_speculative_tokens="0")
     with pytest.raises(SettingsError, match="prompt_lookup_min=3 is above prompt_lookup_max=2"):
         _settings(prompt_lookup_max="2", prompt_lookup_min="3")
+    # A draft graph: a precision packaged beside the served one, named with speculative = draft and only with it.
+    s = _settings(speculative="draft", speculative_draft="int4")
+    assert (s.speculative, s.speculative_draft) == ("draft", "int4")
+    for bad in (dict(speculative="draft"), dict(speculative_draft="int4"),
+                dict(speculative="prompt_lookup", speculative_draft="int4")):
+        with pytest.raises(SettingsError, match="do not go together"):
+            _settings(**bad)
+    with pytest.raises(SettingsError, match="speculative_draft=fp32 is the precision served"):
+        _settings(speculative="draft", speculative_draft="fp32")
+    with pytest.raises(SettingsError, match="speculative_draft"):
+        _settings(speculative="draft", speculative_draft="int3")
 
 
 def test_kv_admission_parameter() -> None:

@@ -184,6 +184,9 @@ def test_only_the_weight_files_its_loads_read_are_copied(tmp_path: Path) -> None
 
     llm = copied({"precision": "int4", "task": "text-generation", "onnx_file": "model.int4.onnx"})
     assert llm == {"model.int4.onnx", "model.int4.onnx.data"}
+    drafting = copied({"precision": "fp32", "task": "text-generation", "onnx_file": "model.onnx",
+                       "speculative": "draft", "speculative_draft": "int4"})  # the draft's graph travels too
+    assert drafting == {"model.onnx", "model.onnx.data", "model.pt2", "model.int4.onnx", "model.int4.onnx.data"}
     assert copied({"precision": "int8"}) == {"model.onnx", "model.onnx.data", "model.pt2", "model.int8.onnx",
                                              "model.int8.onnx.data"}
     assert copied({"precision": "fp16", "degrade_to": "int8"}) == {

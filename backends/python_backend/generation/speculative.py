@@ -103,6 +103,7 @@ class Speculator:
 
     config: SpeculativeConfig
     metrics: Any = None
+    draft: Any = None  # draft_model.DraftModel: drafts from a second graph instead of prompt lookup
     _tracks: dict[int, tuple[Any, _Track]] = field(default_factory=dict)  # id(gen) -> (gen, its track)
 
     def plan(self, active: Sequence[Any]) -> dict[int, tuple[Any, list[int]]]:
@@ -111,6 +112,8 @@ class Speculator:
         live = {id(g) for g in decoding}
         for key in [k for k in self._tracks if k not in live]:  # sequences gone: their tracks too
             del self._tracks[key]
+        if self.draft is not None:  # and their slots of the draft's cache
+            self.draft.forget(active)
         if not decoding or len(decoding) > self.config.max_sequences:
             return {}
         c = self.config
@@ -123,7 +126,12 @@ class Speculator:
             if gen.matcher is not None:  # a grammar's mask per drafted token: not done
                 continue
             k = min(c.num_speculative_tokens, gen.params.max_tokens - len(gen.generated) - 1)
-            drafts = propose(gen.context(), k, c.prompt_lookup_max, c.prompt_lookup_min) if k >= 1 else []
+            if k < 1:
+                drafts = []
+            elif self.draft is not None:
+                drafts = self.draft.propose(gen, k)
+            else:
+                drafts = propose(gen.context(), k, c.prompt_lookup_max, c.prompt_lookup_min)
             if drafts:
                 out[id(gen)] = (gen, drafts)
         return out

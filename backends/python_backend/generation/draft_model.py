@@ -1,0 +1,152 @@
+"""Drafting by a second graph: the next tokens proposed greedily by a cheaper precision of the same model.
+
+With ``speculative = "draft"`` and ``speculative_draft`` a precision packaged in the same version folder (its graph
+signed and verified with the served one, the same tokenizer and vocabulary: e.g. ``int4`` drafting for ``fp32``),
+:class:`DraftModel` proposes a drafting sequence's next ``k`` tokens: the draft graph's greedy continuation of the
+sequence's context, from the draft's own KV cache. :class:`~.speculative.Speculator` verifies them in one launch of
+the served graph exactly as it verifies prompt lookup's drafts (``Speculator.verify``: the served model's sampler
+chooses every token, so the output is plain decoding's, greedy and seeded sampling alike); what changes is where the
+drafts come from and what they cost: a continued prompt on the draft's cache for the tokens it has not seen, then
+``k - 1`` one-row decode launches of the draft.
+
+The draft's cache. The draft holds one slot per drafting sequence (``speculative_max_sequences`` of them, host memory
+in zero pages, a slot's pages given back when its sequence is gone), each with the token ids whose keys and values
+it holds. Before drafting, the slot is brought to the sequence's context: the longest common prefix of what it holds
+and the context is kept, the rest run as a continued prompt (the rejected drafts of the last verification, and the
+served model's own token after them, are what differ; a sequence new to the slot runs its whole context once). Keys and
+values past the kept prefix are written over, never read (each launch's mask stops at the row's length), as in the
+served graph's slots.
+
+Where it pays: where the draft's launch is much cheaper than the served one's and agrees with it on most tokens
+(a quantized draft of the same model: docs/generation.md, "Speculative decoding"). Its cost is judged like prompt
+lookup's, per verification (``Speculator``'s back-off), and drafting runs only while at most
+``speculative_max_sequences`` sequences decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .kv_slots import HostKVBuffers
+
+__all__ = ["DRAFT", "DraftModel", "load_draft"]
+
+DRAFT = "draft"  # contract.SPECULATIVE's method
+
+
+@dataclass
+class _Held:
+    """One slot of the draft's cache: the sequence drafting there, the token ids whose keys and values it holds, and
+    when it last drafted (the least recently used slot goes to a sequence new to the cache)."""
+
+    gen: Any = None
+    tokens: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+class DraftModel:
+    """The draft graph (a ``causal_lm.CausalLM``) with its own KV slots; :meth:`propose` is the speculator's source of
+    drafts (``Speculator(draft=...)``)."""
+
+    def __init__(self, model: Any, spec: Any, slots: int, max_context: int) -> None:
+        self.model = model
+        self.spec = spec
+        self.max_context = int(max_context)
+        self.storage = HostKVBuffers(spec, max(1, int(slots)), self.max_context)
+        self._held = [_Held() for _ in range(self.storage.slots)]
+        self._clock = 0
+        self.launches = 0  # the draft's launches so far (prefills and decodes): what drafting cost
+
+    def propose(self, gen: Any, k: int) -> list[int]:
+        """The draft's greedy continuation of ``gen``'s context, ``k`` tokens (fewer where the context would pass the
+        draft's cache); empty for ``k`` < 1."""
+        context = list(gen.context())
+        k = min(int(k), self.max_context - len(context))
+        if k < 1 or not context:
+            return []
+        slot = self._slot_for(gen)
+        held = self._held[slot]
+        views = self.storage.views(slot, 1)
+        # Keep what the slot holds of the context (the last token is always run: its logits draft the first token).
+        keep = _common_prefix(held.tokens, context, len(context) - 1)
+        logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
+        self.launches += 1
+        drafts = [int(np.argmax(logits[0]))]
+        for i in range(1, k):
+            logits = self.model.decode([drafts[-1]], [len(context) + i - 1], views)
+            self.launches += 1
+            drafts.append(int(np.argmax(logits[0])))
+        held.tokens = context + drafts[:-1]  # the last draft was chosen, never run: its keys are not in the slot
+        return drafts
+
+    def _slot_for(self, gen: Any) -> int:
+        self._clock += 1
+        for i, held in enumerate(self._held):
+            if held.gen is gen:
+                held.used = self._clock
+                return i
+        # A slot whose sequence ended, else the least recently used.
+        free = [i for i, h in enumerate(self._held) if h.gen is None or h.gen.finish_reason is not None]
+        i = free[0] if free else min(range(len(self._held)), key=lambda j: self._held[j].used)
+        if self._held[i].tokens:
+            self.storage.give_back(i)
+        self._held[i] = _Held(gen, [], self._clock)
+        return i
+
+    def forget(self, live: Sequence[Any]) -> None:
+        """Let go of the slots of sequences no longer in ``live`` (their pages given back)."""
+        ids = {id(g) for g in live}
+        for i, held in enumerate(self._held):
+            if held.gen is not None and id(held.gen) not in ids:
+                if held.tokens:
+                    self.storage.give_back(i)
+                self._held[i] = _Held()
+
+    def close(self) -> None:
+        self.storage.close()
+        self.model.close()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    x, y = np.asarray(a[:n], dtype=np.int64), np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def load_draft(version_dir: Path, digests: Any, s: Any, spec_file: str, threads: int, cpus: int,
+               max_context: int, gpu: int | None) -> DraftModel | None:
+    """With ``speculative = "draft"`` (``s``: the model's ``settings.Settings``): the ``speculative_draft`` precision's graph of this version folder (its bytes
+    checked against the verified digests as the served graph's are) with its own KV slots; else None."""
+    if s.speculative != "draft":
+        return None
+    from ..settings import SettingsError, cpu_spinning
+
+    if gpu is not None:
+        raise SettingsError("speculative = \"draft\" drafts on a CPU instance only here: use prompt_lookup or off "
+                            "on a GPU instance")
+    from ..contract import GenerationSpec, onnx_file
+    from ..engines.loading import load_verified_onnx
+    from ..integrity import read_checked
+    from .causal_lm import CausalLM, attention_kernel
+
+    name = onnx_file(s.speculative_draft)
+    if not (version_dir / name).is_file():
+        raise SettingsError(f"speculative_draft = {s.speculative_draft}, and {version_dir.name}/{name} is not in the "
+                            "version folder: package the model with that precision built")
+    spec = GenerationSpec.from_json(read_checked(version_dir.parent, spec_file, digests).decode()).for_precision(
+        s.speculative_draft)
+    model = load_verified_onnx(version_dir, name, digests,
+                               lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
+                                                    pad_token_id=spec.pad_token_id or 0,
+                                                    int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
+                                                    int8_matmul=s.int8_matmul))
+    return DraftModel(model, spec, s.speculative_max_sequences, max_context)
+

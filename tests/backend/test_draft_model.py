@@ -1,0 +1,112 @@
+"""Speculative decoding with a draft graph (generation/draft_model.py), the scheduler in-process on real graphs: the
+tokens of plain decoding (greedy and seeded) whatever the draft proposes; a draft that is the served graph itself
+has every draft accepted; one that differs (the same weights, its KV cache in INT8) has some rejected, and its cache
+follows the sequence through the rejections; the draft's slots go to the sequences drafting and are let go after."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from model_factory.backend.generation.causal_lm import CausalLM
+from model_factory.backend.generation.draft_model import DraftModel, _common_prefix
+from model_factory.backend.generation.kv_slots import KVSlots
+from model_factory.backend.generation.sampling import SamplingParams
+from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
+from model_factory.backend.generation.speculative import SpeculativeConfig, Speculator
+from tests.generative_repository import run_to_end
+
+GREEDY = SamplingParams(max_tokens=40, min_tokens=40)
+SEEDED = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.8, seed=7)
+
+
+class _Counts(NullMetrics):
+    def __init__(self):
+        self.drafts, self.drafted, self.accepted = 0, 0, 0
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llm):
+    from tests.generative_repository import generation_spec
+
+    hf, onnx_dir = tiny_llm
+    return generation_spec(hf, {}), CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0)
+
+
+def _generate(model, spec, prompts, params, draft=None, metrics=None, config=SpeculativeConfig()):
+    sched = Scheduler(model, KVSlots(spec, 4, 1 << 30), None, spec.eos_token_ids, metrics=metrics)
+    if draft is not None:
+        sched.speculator = Speculator(config, metrics=metrics, draft=draft)
+    gens = [sched.submit(Generation(list(p), params, lambda g, e: None)) for p in prompts]
+    run_to_end(sched)
+    return gens
+
+
+def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
+    rng = random.Random(9)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 30))] for _ in range(n)]
+
+
+def test_the_served_graph_as_its_own_draft_has_every_draft_accepted_and_plain_decodings_tokens(tiny_llm, engine):
+    spec, model = engine
+    _, onnx_dir = tiny_llm
+    draft = DraftModel(CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0), spec, 1, spec.max_context)
+    for params in (GREEDY, SEEDED):
+        for prompt in _prompts(spec.vocab_size):
+            plain = _generate(model, spec, [prompt], params)[0]
+            counts = _Counts()
+            got = _generate(model, spec, [prompt], params, draft, counts)[0]
+            assert (got.generated, got.finish_reason) == (plain.generated, plain.finish_reason)
+            if params is GREEDY:  # the same graph proposes the served model's own greedy tokens
+                # (float rounding between the draft's launch shapes and the verification's may flip a near-tie)
+                assert counts.drafts > 0 and counts.accepted >= 0.9 * counts.drafted
+            else:  # sampling keeps a draft only where the sampled token agrees with it
+                assert counts.drafts > 0 and counts.accepted < counts.drafted
+    # 39 tokens after the first, 4 drafted a verification: the greedy run took about a fifth of the launches.
+
+
+def test_a_draft_that_differs_is_partly_rejected_and_the_output_is_still_plain_decodings(engine, tiny_llm_int8_cache):
+    spec, model = engine
+    kv8 = dataclasses.replace(spec, kv_dtype="int8")
+    draft = DraftModel(CausalLM(tiny_llm_int8_cache, threads=1, pad_token_id=0, int8_attention="onnxruntime"), kv8,
+                       1, spec.max_context)
+    counts = _Counts()
+    rejected = 0
+    for params in (GREEDY, SEEDED):
+        for prompt in _prompts(spec.vocab_size, 4):
+            plain = _generate(model, spec, [prompt], params)[0]
+            before = counts.drafted - counts.accepted
+            got = _generate(model, spec, [prompt], params, draft, counts)[0]
+            assert (got.generated, got.finish_reason) == (plain.generated, plain.finish_reason)
+            rejected += counts.drafted - counts.accepted - before
+    assert counts.accepted > 0 and rejected > 0  # both paths ran: the draft's cache followed the rejections
+
+
+def test_several_sequences_share_the_drafts_slots_and_let_them_go(tiny_llm, engine):
+    """Two sequences decoding with two draft slots: each drafts in a slot of its own, the output is plain decoding's,
+    and once they end their slots hold nothing."""
+    spec, model = engine
+    _, onnx_dir = tiny_llm
+    draft = DraftModel(CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0), spec, 2, spec.max_context)
+    prompts = _prompts(spec.vocab_size, 2)
+    plain = _generate(model, spec, prompts, GREEDY)
+    counts = _Counts()
+    got = _generate(model, spec, prompts, GREEDY, draft, counts, SpeculativeConfig(max_sequences=2))
+    assert [g.generated for g in got] == [g.generated for g in plain]
+    assert counts.drafts > 0 and counts.accepted >= 0.9 * counts.drafted
+    draft.forget([])
+    assert all(h.gen is None and not h.tokens for h in draft._held)
+
+
+def test_the_common_prefix_is_bounded_and_exact():
+    assert _common_prefix([1, 2, 3, 4], [1, 2, 9, 4], 10) == 2
+    assert _common_prefix([1, 2, 3], [1, 2, 3, 4], 10) == 3
+    assert _common_prefix([1, 2, 3, 4], [1, 2, 3, 4], 3) == 3  # the context's last token is always run again
+    assert _common_prefix([], [1], 5) == 0 and _common_prefix([5], [1], 5) == 0
