@@ -1,6 +1,11 @@
 """Speculative decoding by prompt lookup on and off: an extractive task (answers quoting a document in the prompt).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py [--version-dir DIR] [--rounds 2] [--write]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py --draft int4 --version-dir DIR [--write]
+
+With ``--draft PRECISION`` the drafts come from that precision's graph of the same version folder instead
+(``speculative = "draft"``: generation/draft_model.py), and the draft graph decoding alone is timed beside (what
+serving that precision instead would give, its tokens not FP32's); its own section (``speculative-draft-<p>``).
 
 The real Gemma 3 270M (random weights quote nothing): the FP32 graph (``model.onnx``, float KV cache) of a packaged
 version folder of the factory's build (``--version-dir``; default the gemma-bench build's, which keeps every
@@ -79,7 +84,7 @@ class Counts:
         return lambda *a, **k: None
 
 
-def run(lm, spec, prompts: list[list[int]], at_once: bool, speculate: bool, k: int) -> dict:
+def run(lm, spec, prompts: list[list[int]], at_once: bool, speculate: bool, k: int, draft=None) -> dict:
     from model_factory.backend.generation.kv_slots import KVSlots
     from model_factory.backend.generation.sampling import SamplingParams
     from model_factory.backend.generation.scheduler import Generation, Scheduler
@@ -88,7 +93,7 @@ def run(lm, spec, prompts: list[list[int]], at_once: bool, speculate: bool, k: i
     counts = Counts()
     sched = Scheduler(lm, KVSlots(spec, STREAMS, 1 << 34), None, spec.eos_token_ids, metrics=counts)
     if speculate:
-        sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=k), metrics=counts)
+        sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=k), metrics=counts, draft=draft)
     params = SamplingParams(max_tokens=TOKENS)
     gens = []
     start = time.perf_counter()
@@ -117,27 +122,49 @@ def main() -> int:
     ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--section-suffix", default="", help="appended to the section's markers and title (a run on "
                     "another machine kept beside the first: --section-suffix epyc)")
+    ap.add_argument("--draft", default="", help="a precision of the version folder whose graph drafts "
+                    "(speculative = draft) instead of prompt lookup, e.g. int4")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     vdir = args.version_dir
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
+    draft = draft_lm = alone_lm = None
+    if args.draft:
+        from model_factory.backend.contract import onnx_file
+        from model_factory.backend.generation.causal_lm import attention_kernel
+        from model_factory.backend.generation.draft_model import DraftModel
+
+        dspec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision(args.draft)
+        draft_lm = CausalLM(vdir / onnx_file(args.draft), threads=2, pad_token_id=dspec.pad_token_id or 0,
+                            spinning=False,  # as the backend loads a draft (draft_model.load_draft)
+                            int8_attention=attention_kernel("auto", dspec.kv_dtype))
+        draft = DraftModel(draft_lm, dspec, 1, spec.max_context)
+        # Served alone its session spins, as any served model's (cpu_spinning auto on these cores).
+        alone_lm = CausalLM(vdir / onnx_file(args.draft), threads=2, pad_token_id=dspec.pad_token_id or 0,
+                            int8_attention=attention_kernel("auto", dspec.kv_dtype))
+        args.section_suffix = args.section_suffix or f"draft-{args.draft}"
     tok = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
     loads = workloads(tok, args.data)
     cases = {"extractive, 1 stream": (loads["extractive"][:ONE_STREAM], False),
              f"extractive, {STREAMS} streams": (loads["extractive"], True),
              "free text, 1 stream": (loads["free"][:FREE], False)}
     say("warm-up")
-    run(lm, spec, loads["free"][:1], False, True, args.k)
+    run(lm, spec, loads["free"][:1], False, True, args.k, draft)
+    alone: dict[str, list[dict]] = {}  # --draft: the draft graph decoding alone, the 1-stream workloads
     load = LoadReading.begin()
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for name, (prompts, at_once) in cases.items():
             for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                got = run(lm, spec, prompts, at_once, setting == "on", args.k)
+                got = run(lm, spec, prompts, at_once, setting == "on", args.k, draft)
                 runs.setdefault((name, setting), []).append(got)
                 say(f"round {r + 1} {name} {setting}: {got['tokens/s']:.2f} tokens/s, drafted {got['drafted']}, "
                     f"accepted {got['accepted']}")
+            if alone_lm is not None and not at_once:
+                got = run(alone_lm, draft.spec, prompts, at_once, False, args.k)
+                alone.setdefault(name, []).append(got)
+                say(f"round {r + 1} {name} {args.draft} alone: {got['tokens/s']:.2f} tokens/s")
     load = load.finish()
     example = tok.decode(runs[("extractive, 1 stream", "off")][0]["tokens"][0])
 
@@ -155,22 +182,39 @@ def main() -> int:
                     f"**{cell(ratio)}x** | {on[0]['verifications']} | {on[0]['drafted']} / {on[0]['accepted']} | "
                     f"{rate} | {'yes' if same else '**no**'} |")
     start, end, title = suffixed(START, END, args.section_suffix)
+    how = (f"`speculative = \"draft\"`, `speculative_draft = \"{args.draft}\"` (the {args.draft} graph of the same "
+           f"version folder drafts greedily from its own KV slot), `num_speculative_tokens` {args.k}, "
+           "`speculative_max_sequences` 1 (drafting only while one sequence decodes)" if args.draft else
+           f"`speculative = \"prompt_lookup\"`, `num_speculative_tokens` {args.k}, `prompt_lookup_max` 4, `_min` 2, "
+           "`speculative_max_sequences` 1 (drafting only while one sequence decodes)")
+    extra = []
+    if alone:
+        extra = ["", f"The {args.draft} graph decoding alone (plain decoding, its own tokens: what serving {args.draft} "
+                 "instead gives), same prompts and rounds:", "",
+                 f"| workload | {args.draft} alone tokens/s | FP32 with its drafts / {args.draft} alone | its tokens = FP32's |",
+                 "| --- | ---: | ---: | --- |"]
+        for name, got in alone.items():
+            on = runs[(name, "on")]
+            same = sum(a == b for g, o in zip(got, on) for a, b in zip(g["tokens"], o["tokens"]))
+            total = sum(len(g["tokens"]) for g in got)
+            extra.append(f"| {name} | {cell([x['tokens/s'] for x in got])} | "
+                         f"{cell([o['tokens/s'] / g['tokens/s'] for o, g in zip(on, got)])}x | {same} of {total} answers |")
     section = "\n".join([
-        start, f"## Speculative decoding by prompt lookup{title} (benchmarks/bench_speculative.py)", "",
+        start, f"## Speculative decoding by {'a draft graph' if args.draft else 'prompt lookup'}{title} "
+        "(benchmarks/bench_speculative.py)", "",
         run_header("benchmarks/bench_speculative.py", load), "",
         f"Gemma 3 270M, the FP32 graph of `{vdir}` (the factory's build of the FP32 folder from the GGUF; float KV "
         f"cache, 512 positions), on the backend's scheduler in-process (2 threads; no Triton, no HTTP). {TOKENS} greedy "
         f"tokens a request. Extractive: {STREAMS} prompts of 240-410 tokens, five definitions of the Apache License "
         f"2.0 and a question asking to quote one of them; at 1 stream the first {ONE_STREAM} sent one after another, "
         f"at {STREAMS} streams all {STREAMS} at once. Free text: {FREE} prompts asking for a story, one after another "
-        "(the base model's stories repeat their own phrases: prompt lookup drafts those too). Speculation: `speculative = "
-        f"\"prompt_lookup\"`, `num_speculative_tokens` {args.k}, `prompt_lookup_max` 4, `_min` 2, "
-        "`speculative_max_sequences` 1 (drafting only while one sequence decodes). "
+        "(the base model's stories repeat their own phrases: prompt lookup drafts those too). Speculation: "
+        f"{how}. "
         f"{args.rounds} round(s), the settings in alternating order{', medians and ranges' if args.rounds > 1 else ''}"
-        "; a machine shared with other work.", "",
+        " (the load in the line above).", "",
         "| workload | off tokens/s | on tokens/s | on / off | verifications (round 1) | drafted / accepted "
         "(round 1) | acceptance rate (all rounds) | tokens = off's |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows, "",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows, *extra, "",
         f"The first extractive answer (off): `{example[:300]!r}`", "", end])
     publish(section, HERE / "RESULTS.md", start, end, args.write)
     return 0

@@ -241,7 +241,7 @@ class GenerativeModel:
             slots = KVSlots(spec, s.max_active_sequences, kv_budget_bytes(s, spec, available_memory_bytes()),
                             storage=kv_storage(model, spec, s.max_active_sequences),
                             block_tokens=block_tokens(s.kv_admission))
-        self.draft = load_draft(version_dir, digests, s, relpath, threads, cpus, slots.max_context, self._gpu)
+        self.draft = load_draft(version_dir, digests, s, relpath, threads, slots.max_context, self._gpu)
         self.adapters = AdapterTable(found if modules else [], refused, getattr(model, "lora_shapes", {}), s.max_loras,
                                      self.pb.Logger.log_info, ranks=getattr(model, "lora_ranks", None) or None)
         model.lora_table = self.adapters if modules else None

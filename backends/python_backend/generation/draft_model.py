@@ -73,7 +73,10 @@ class DraftModel:
         views = self.storage.views(slot, 1)
         # Keep what the slot holds of the context (the last token is always run: its logits draft the first token).
         keep = _common_prefix(held.tokens, context, len(context) - 1)
-        logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
+        if keep == len(context) - 1 and keep:  # one token new (a draft rejected): a decode launch, the cheaper one
+            logits = self.model.decode([context[-1]], [keep], views)
+        else:
+            logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
         self.launches += 1
         drafts = [int(np.argmax(logits[0]))]
         for i in range(1, k):
@@ -121,13 +124,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def load_draft(version_dir: Path, digests: Any, s: Any, spec_file: str, threads: int, cpus: int,
-               max_context: int, gpu: int | None) -> DraftModel | None:
+def load_draft(version_dir: Path, digests: Any, s: Any, spec_file: str, threads: int, max_context: int,
+               gpu: int | None) -> DraftModel | None:
     """With ``speculative = "draft"`` (``s``: the model's ``settings.Settings``): the ``speculative_draft`` precision's graph of this version folder (its bytes
     checked against the verified digests as the served graph's are) with its own KV slots; else None."""
     if s.speculative != "draft":
         return None
-    from ..settings import SettingsError, cpu_spinning
+    from ..settings import SettingsError
 
     if gpu is not None:
         raise SettingsError("speculative = \"draft\" drafts on a CPU instance only here: use prompt_lookup or off "
@@ -143,8 +146,10 @@ def load_draft(version_dir: Path, digests: Any, s: Any, spec_file: str, threads:
                             "version folder: package the model with that precision built")
     spec = GenerationSpec.from_json(read_checked(version_dir.parent, spec_file, digests).decode()).for_precision(
         s.speculative_draft)
+    # Its threads never spin: between its launches the served graph's launches run on the same cores, and a second
+    # session's spinning threads took them from it (Gemma 3 270M, int4 drafting for fp32: 1.01x spinning, 1.08x not).
     model = load_verified_onnx(version_dir, name, digests,
-                               lambda src: CausalLM(src, threads=threads, spinning=cpu_spinning(s, cpus, threads),
+                               lambda src: CausalLM(src, threads=threads, spinning=False,
                                                     pad_token_id=spec.pad_token_id or 0,
                                                     int8_attention=attention_kernel(s.int8_attention, spec.kv_dtype),
                                                     int8_matmul=s.int8_matmul))
