@@ -200,9 +200,10 @@ def _adapter_base(table: Any, base_dir: Path) -> AdapterBase:
     return AdapterBase(model_dir, int(version), source)
 
 
-def _serving(table: Any, task: str, precisions: tuple[str, ...], serve: str) -> tuple[tuple[str, str], ...]:
-    """[serving]'s keys set, as the ``config.pbtxt`` parameters the backend reads (``(name, text)``, the table's
-    order); checked as the backend checks them."""
+def _serving(table: Any, task: str, kind: str, precisions: tuple[str, ...],
+             serve: str) -> tuple[tuple[str, str], ...]:
+    """[serving]'s keys set, as the ``config.pbtxt`` parameters the backend reads (``(name, text)`` in
+    ``SERVING_PARAMETERS``' order); checked as the backend checks them."""
     from model_factory.backend.contract import ParameterError, parse_parameters
 
     given = {k: v for k, v in table.model_dump().items() if v is not None}
@@ -211,6 +212,9 @@ def _serving(table: Any, task: str, precisions: tuple[str, ...], serve: str) -> 
     if task != "text-generation":
         raise _err(f"serving.{next(iter(given))}", f"[serving] schedules a text-generation model, not task {task!r}",
                    "remove the [serving] table")
+    if kind == "lora":
+        raise _err(f"serving.{next(iter(given))}", "a LoRA adapter is served by its base's instances, which its base's "
+                   "recipe schedules", "set [serving] in the base's recipe and remove it here")
     params = {k: str(v) for k, v in given.items()}
     try:
         typed = parse_parameters(params)
@@ -378,7 +382,7 @@ def parse_recipe(data: Mapping[str, Any], base_dir: Path, recipe_path: Path | No
 
     batching = _batching(doc.batching, shapes.max_batch, shapes.max_sequence_length, inputs)
     repo = _repository(doc.repository, precisions, export, trt, base_dir)
-    serving = _serving(doc.serving, task, precisions, repo.serve)
+    serving = _serving(doc.serving, task, kind, precisions, repo.serve)
 
     return Recipe(
         name=name, version=version, task=task,

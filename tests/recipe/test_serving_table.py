@@ -123,3 +123,12 @@ def test_packaging_keeps_the_draft_precisions_graph_beside_the_served_one(minilm
     del files["model.int8.onnx"]
     with pytest.raises(FactoryError, match='speculative_draft = "int8" but the int8 model model.int8.onnx was not built'):
         package_model(recipe, files)
+
+
+def test_an_adapters_recipe_leaves_scheduling_to_its_base() -> None:
+    from model_factory.recipe.loading import _serving
+    from model_factory.recipe.schema import ServingTable
+
+    assert _serving(ServingTable(), "text-generation", "lora", ("fp32",), "fp32") == ()  # nothing set: nothing to say
+    with pytest.raises(FactoryError, match="recipe field 'serving.max_loras': a LoRA adapter is served by its base's"):
+        _serving(ServingTable(max_loras=8), "text-generation", "lora", ("fp32",), "fp32")
