@@ -6,14 +6,15 @@ signed and verified with the served one, the same tokenizer and vocabulary: e.g.
 sequence's context, from the draft's own KV cache. :class:`~.speculative.Speculator` verifies them in one launch of
 the served graph exactly as it verifies prompt lookup's drafts (``Speculator.verify``: the served model's sampler
 chooses every token, so the output is plain decoding's, greedy and seeded sampling alike); what changes is where the
-drafts come from and what they cost: a continued prompt on the draft's cache for the tokens it has not seen, then
-``k - 1`` one-row decode launches of the draft.
+drafts come from and what they cost: one launch of the draft for the tokens its cache has not seen, then ``k - 1``
+one-row decode launches.
 
 The draft's cache. The draft holds one slot per drafting sequence (``speculative_max_sequences`` of them, host memory
 in zero pages, a slot's pages given back when its sequence is gone), each with the token ids whose keys and values
 it holds. Before drafting, the slot is brought to the sequence's context: the longest common prefix of what it holds
-and the context is kept, the rest run as a continued prompt (the rejected drafts of the last verification, and the
-served model's own token after them, are what differ; a sequence new to the slot runs its whole context once). Keys and
+and the context is kept, the rest runs as one launch: a decode where one token is new (a draft was rejected: the
+served model's own token), a continued prompt otherwise (all drafts accepted: the last draft and the served model's
+token; a sequence new to the slot: its whole context, once). Keys and
 values past the kept prefix are written over, never read (each launch's mask stops at the row's length), as in the
 served graph's slots.
 
