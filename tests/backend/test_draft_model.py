@@ -67,9 +67,10 @@ def test_the_served_graph_as_its_own_draft_has_every_draft_accepted_and_plain_de
             if params is GREEDY:  # the same graph proposes the served model's own greedy tokens
                 # (float rounding between the draft's launch shapes and the verification's may flip a near-tie)
                 assert counts.drafts > 0 and counts.accepted >= 0.9 * counts.drafted
+                # ... and the 39 tokens after the first took far fewer launches of the served graph than 39 decodes
+                assert counts.drafts <= (GREEDY.max_tokens - 1) // 2
             else:  # sampling keeps a draft only where the sampled token agrees with it
                 assert counts.drafts > 0 and counts.accepted < counts.drafted
-    # 39 tokens after the first, 4 drafted a verification: the greedy run took about a fifth of the launches.
 
 
 def test_a_draft_that_differs_is_partly_rejected_and_the_output_is_still_plain_decodings(engine, tiny_llm_int8_cache):
