@@ -92,13 +92,20 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo"),
 
 
 def kv_budget_bytes(settings: Settings, spec: GenerationSpec, available: int) -> int:
-    """The KV cache's share: the configured memory budget (or half of ``available``) less the weights."""
+    """The KV cache's share: the configured memory budget (or half of ``available``) less the weights, and less a
+    draft graph's weights and its slots at their whole context (``speculative = "draft"``: draft_model)."""
     budget = settings.memory_budget_mib * _MIB if settings.memory_budget_mib else available // 2
     weights = int(spec.weights_bytes.get(settings.precision, 0))
+    if settings.speculative == "draft":
+        draft = spec.for_precision(settings.speculative_draft)
+        weights += int(spec.weights_bytes.get(settings.speculative_draft, 0)) + (
+            settings.speculative_max_sequences * spec.max_context * draft.kv_bytes_per_token)
     kv = budget - weights
     if kv <= 0:
         raise SettingsError(f"parameter memory_budget_mib={budget // _MIB} leaves no room for the KV cache beside "
-                            f"{weights // _MIB} MiB of weights: raise it")
+                            f"{weights // _MIB} MiB of weights" + (" (the draft's and its slots' included)"
+                                                                   if settings.speculative == "draft" else "")
+                            + ": raise it")
     return kv
 
 

@@ -111,3 +111,26 @@ def test_the_common_prefix_is_bounded_and_exact():
     assert _common_prefix([1, 2, 3], [1, 2, 3, 4], 10) == 3
     assert _common_prefix([1, 2, 3, 4], [1, 2, 3, 4], 3) == 3  # the context's last token is always run again
     assert _common_prefix([], [1], 5) == 0 and _common_prefix([5], [1], 5) == 0
+
+
+def test_the_draft_graph_and_its_slots_come_off_the_kv_budget(engine):
+    """memory_budget_mib covers the served graph's weights, the draft's and its slots at their whole context; the
+    cache gets the rest, and a budget that leaves none says the draft's share is in it."""
+    from model_factory.backend.generate_model import kv_budget_bytes
+    from model_factory.backend.settings import SettingsError, parse_settings
+
+    def settings(**params: str):
+        return parse_settings({"name": "m", "max_batch_size": 4,
+                               "parameters": {k: {"string_value": v} for k, v in params.items()}})
+
+    spec, _ = engine
+    mib = 1 << 20
+    spec = dataclasses.replace(spec, weights_bytes={"fp32": 40 * mib, "int4": 6 * mib})
+    plain = settings(memory_budget_mib="256")
+    drafting = settings(memory_budget_mib="256", speculative="draft", speculative_draft="int4",
+                        speculative_max_sequences="2")
+    slots = 2 * spec.max_context * spec.for_precision("int4").kv_bytes_per_token
+    assert kv_budget_bytes(plain, spec, 0) == 216 * mib
+    assert kv_budget_bytes(drafting, spec, 0) == 216 * mib - 6 * mib - slots
+    with pytest.raises(SettingsError, match=r"the draft's and its slots' included\): raise it"):
+        kv_budget_bytes(dataclasses.replace(drafting, memory_budget_mib=46), spec, 0)
