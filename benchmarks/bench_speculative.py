@@ -129,20 +129,20 @@ def main() -> int:
     vdir = args.version_dir
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
-    draft = draft_lm = alone_lm = None
+    draft = alone_lm = None
     if args.draft:
         from model_factory.backend.contract import onnx_file
         from model_factory.backend.generation.causal_lm import attention_kernel
-        from model_factory.backend.generation.draft_model import DraftModel
+        from model_factory.backend.generation.draft_model import load_draft
+        from model_factory.backend.settings import parse_settings
 
-        dspec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision(args.draft)
-        draft_lm = CausalLM(vdir / onnx_file(args.draft), threads=2, pad_token_id=dspec.pad_token_id or 0,
-                            spinning=False,  # as the backend loads a draft (draft_model.load_draft)
-                            int8_attention=attention_kernel("auto", dspec.kv_dtype))
-        draft = DraftModel(draft_lm, dspec, 1, spec.max_context)
+        # The draft as the backend loads it for [serving] speculative = "draft" (its session never spins).
+        settings = parse_settings({"name": "gemma3", "max_batch_size": 1, "parameters": {
+            k: {"string_value": v} for k, v in {"speculative": "draft", "speculative_draft": args.draft}.items()}})
+        draft = load_draft(vdir, None, settings, f"{vdir.name}/{Files.GENERATION}", 2, spec.max_context, None)
         # Served alone its session spins, as any served model's (cpu_spinning auto on these cores).
-        alone_lm = CausalLM(vdir / onnx_file(args.draft), threads=2, pad_token_id=dspec.pad_token_id or 0,
-                            int8_attention=attention_kernel("auto", dspec.kv_dtype))
+        alone_lm = CausalLM(vdir / onnx_file(args.draft), threads=2, pad_token_id=draft.spec.pad_token_id or 0,
+                            int8_attention=attention_kernel("auto", draft.spec.kv_dtype))
         args.section_suffix = args.section_suffix or f"draft-{args.draft}"
     tok = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
     loads = workloads(tok, args.data)

@@ -22,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from model_factory.backend.generation.sequence import NullMetrics
+
 NEAR_TIE = 1e-3
 
 
@@ -283,6 +285,19 @@ class EndsAt:
 
     def decode(self, tokens, lengths, views, **kw):
         return self._ending(self.model.decode(tokens, lengths, views, **kw), [n + 1 for n in lengths])
+
+
+class SpeculationCounts(NullMetrics):
+    """A scheduler's metrics that count speculative decoding's verifications (``drafts``), the tokens drafted and
+    those accepted (every other report dropped)."""
+
+    def __init__(self) -> None:
+        self.drafts, self.drafted, self.accepted = 0, 0, 0
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
 
 
 def run_to_end(sched: Any, check: Any = lambda: None, limit: int = 20_000) -> int:

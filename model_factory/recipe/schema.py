@@ -403,16 +403,9 @@ def _table(description: str) -> Fix:
 
 
 # [serving]: the backend contract's parameters a recipe sets, which schedule a text-generation model where it is
-# served (the others follow from the recipe's own tables: precision, shapes, batching, queue). Their types, choices
-# and minimums are the contract's fields' (contract.ModelParameters): one definition of what the backend reads.
-SERVING_PARAMETERS = (
-    "memory_budget_mib", "max_active_sequences", "max_waiting_sequences", "max_loras", "preemption_wait_ms",
-    "max_tokens_grouping_ms", "int8_attention", "int8_matmul", "prefix_caching", "kv_admission", "kv_layout",
-    "max_prefill_tokens", "prefill_chunk_tokens", "max_itl_ratio", "speculative", "num_speculative_tokens",
-    "prompt_lookup_max", "prompt_lookup_min", "speculative_max_sequences", "speculative_draft", "device_reserve_mib",
-    "cpu_spinning",
-)
-# What each key does (docs/generation.md has the measurements).
+# served (the others follow from the recipe's own tables: precision, shapes, batching, queue), each with what it does
+# (docs/generation.md has the measurements). Their types, choices and minimums are the contract's fields'
+# (contract.ModelParameters): one definition of what the backend reads.
 SERVING_DESCRIPTIONS = {
     "memory_budget_mib": "Memory for the weights and the KV cache, in MiB (0: half the memory available at load).",
     "max_active_sequences": "Sequences decoding at once (the KV slots).",
@@ -445,6 +438,7 @@ SERVING_DESCRIPTIONS = {
     "cpu_spinning": "ONNX Runtime's threads spin between launches: auto (while the instances' threads fit the cores), "
                     "on, off.",
 }
+SERVING_PARAMETERS = tuple(SERVING_DESCRIPTIONS)  # the table's keys, in its order
 
 
 def _serving_type(kind: str, choices: tuple[str, ...], minimum: int | None) -> Any:

@@ -14,22 +14,12 @@ from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.generation.draft_model import DraftModel, _common_prefix
 from model_factory.backend.generation.kv_slots import KVSlots
 from model_factory.backend.generation.sampling import SamplingParams
-from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
+from model_factory.backend.generation.scheduler import Generation, Scheduler
 from model_factory.backend.generation.speculative import SpeculativeConfig, Speculator
-from tests.generative_repository import run_to_end
+from tests.generative_repository import SpeculationCounts, run_to_end
 
 GREEDY = SamplingParams(max_tokens=40, min_tokens=40)
 SEEDED = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.8, seed=7)
-
-
-class _Counts(NullMetrics):
-    def __init__(self):
-        self.drafts, self.drafted, self.accepted = 0, 0, 0
-
-    def speculated(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted += drafted
-        self.accepted += accepted
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +51,7 @@ def test_the_served_graph_as_its_own_draft_has_every_draft_accepted_and_plain_de
     for params in (GREEDY, SEEDED):
         for prompt in _prompts(spec.vocab_size):
             plain = _generate(model, spec, [prompt], params)[0]
-            counts = _Counts()
+            counts = SpeculationCounts()
             got = _generate(model, spec, [prompt], params, draft, counts)[0]
             assert (got.generated, got.finish_reason) == (plain.generated, plain.finish_reason)
             if params is GREEDY:  # the same graph proposes the served model's own greedy tokens
@@ -78,7 +68,7 @@ def test_a_draft_that_differs_is_partly_rejected_and_the_output_is_still_plain_d
     kv8 = dataclasses.replace(spec, kv_dtype="int8")
     draft = DraftModel(CausalLM(tiny_llm_int8_cache, threads=1, pad_token_id=0, int8_attention="onnxruntime"), kv8,
                        1, spec.max_context)
-    counts = _Counts()
+    counts = SpeculationCounts()
     rejected = 0
     for params in (GREEDY, SEEDED):
         for prompt in _prompts(spec.vocab_size, 4):
@@ -98,7 +88,7 @@ def test_several_sequences_share_the_drafts_slots_and_let_them_go(tiny_llm, engi
     draft = DraftModel(CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0), spec, 2, spec.max_context)
     prompts = _prompts(spec.vocab_size, 2)
     plain = _generate(model, spec, prompts, GREEDY)
-    counts = _Counts()
+    counts = SpeculationCounts()
     got = _generate(model, spec, prompts, GREEDY, draft, counts, SpeculativeConfig(max_sequences=2))
     assert [g.generated for g in got] == [g.generated for g in plain]
     assert counts.drafts > 0 and counts.accepted >= 0.9 * counts.drafted

@@ -13,10 +13,10 @@ import pytest
 from model_factory.backend.generation.causal_lm import CausalLM
 from model_factory.backend.generation.kv_slots import KVSlots
 from model_factory.backend.generation.sampling import SamplingParams
-from model_factory.backend.generation.scheduler import Generation, NullMetrics, Scheduler
+from model_factory.backend.generation.scheduler import Generation, Scheduler
 from model_factory.backend.generation.speculative import (PAUSE_STEPS, WINDOW, SpeculativeConfig, Speculator,
                                                             propose)
-from tests.generative_repository import ZOO_VARIANTS, int8_kernel_engine, run_to_end, zoo_engine
+from tests.generative_repository import SpeculationCounts, ZOO_VARIANTS, int8_kernel_engine, run_to_end, zoo_engine
 
 # --------------------------------------------------------------------------- the drafts
 
@@ -48,16 +48,6 @@ def test_no_draft_without_a_match_below_the_shortest_ngram_or_for_no_tokens():
 # (the penalty is applied per token as in plain decoding: the drafts' acceptance goes through it).
 GREEDY = SamplingParams(max_tokens=48, min_tokens=48, repetition_penalty=0.7)
 SEEDED = SamplingParams(max_tokens=48, min_tokens=48, temperature=0.2, repetition_penalty=0.5, seed=11)
-
-
-class _Counts(NullMetrics):
-    def __init__(self):
-        self.drafts, self.drafted, self.accepted = 0, 0, 0
-
-    def speculated(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted += drafted
-        self.accepted += accepted
 
 
 class _Recording:
@@ -102,9 +92,9 @@ def engine(tiny_llm):
     return generation_spec(hf, {}), CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0)
 
 
-def _check_same(model, spec, params, prompts, config=SpeculativeConfig()) -> tuple[_Counts, _Recording]:
+def _check_same(model, spec, params, prompts, config=SpeculativeConfig()) -> tuple[SpeculationCounts, _Recording]:
     plain = _generate(model, spec, prompts, params, None)
-    counts, recording = _Counts(), _Recording(model)
+    counts, recording = SpeculationCounts(), _Recording(model)
     spec_gens = [_generate(recording, spec, [p], params, config, counts)[0] for p in prompts]  # one stream each
     for a, b in zip(plain, spec_gens):
         assert b.generated == a.generated and b.finish_reason == a.finish_reason
@@ -226,7 +216,7 @@ def test_log_probabilities_of_accepted_tokens_are_plain_decodings(engine):
     events: dict[bool, list] = {}
     for on in (False, True):
         sched = Scheduler(model, KVSlots(spec, 2, 1 << 30), None, spec.eos_token_ids)
-        counts = _Counts()
+        counts = SpeculationCounts()
         sched.speculator = Speculator(SpeculativeConfig(), metrics=counts) if on else None
         out: list = []
         sched.submit(Generation(list(prompt), params, lambda g, e: out.append(e)))
@@ -245,7 +235,7 @@ def test_no_drafts_while_more_sequences_decode_than_the_bound(engine):
     spec, model = engine
     rng = random.Random(3)
     prompts = [_repetitive(rng, spec.vocab_size) for _ in range(3)]
-    counts, recording = _Counts(), _Recording(model)
+    counts, recording = SpeculationCounts(), _Recording(model)
     plain = _generate(model, spec, prompts, GREEDY, None)
     got = _generate(recording, spec, prompts, GREEDY, SpeculativeConfig(max_sequences=2), counts)
     assert [g.generated for g in got] == [g.generated for g in plain]
@@ -348,7 +338,7 @@ def test_paged_admission_reserves_the_blocks_a_draft_writes_or_the_row_does_not_
     slots = KVSlots(spec, 2, 1 << 30, storage=storage, block_tokens=block_tokens("paged"))
     budget = slots.bytes_for(slots.held(len(prompt) + GREEDY.max_tokens))  # the blocks it holds at its end
     slots = KVSlots(spec, 2, budget, storage=storage, block_tokens=block_tokens("paged"))
-    counts = _Counts()
+    counts = SpeculationCounts()
     sched = Scheduler(model, slots, None, spec.eos_token_ids, metrics=counts)
     sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=6), metrics=counts)
     gen = sched.submit(Generation(list(prompt), GREEDY, lambda g, e: None))

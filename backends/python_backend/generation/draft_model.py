@@ -34,9 +34,7 @@ import numpy as np
 
 from .kv_slots import HostKVBuffers
 
-__all__ = ["DRAFT", "DraftModel", "load_draft"]
-
-DRAFT = "draft"  # contract.SPECULATIVE's method
+__all__ = ["DraftModel", "load_draft"]
 
 
 @dataclass
@@ -60,7 +58,6 @@ class DraftModel:
         self.storage = HostKVBuffers(spec, max(1, int(slots)), self.max_context)
         self._held = [_Held() for _ in range(self.storage.slots)]
         self._clock = 0
-        self.launches = 0  # the draft's launches so far (prefills and decodes): what drafting cost
 
     def propose(self, gen: Any, k: int) -> list[int]:
         """The draft's greedy continuation of ``gen``'s context, ``k`` tokens (fewer where the context would pass the
@@ -78,11 +75,9 @@ class DraftModel:
             logits = self.model.decode([context[-1]], [keep], views)
         else:
             logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
-        self.launches += 1
         drafts = [int(np.argmax(logits[0]))]
         for i in range(1, k):
             logits = self.model.decode([drafts[-1]], [len(context) + i - 1], views)
-            self.launches += 1
             drafts.append(int(np.argmax(logits[0])))
         held.tokens = context + drafts[:-1]  # the last draft was chosen, never run: its keys are not in the slot
         return drafts
