@@ -119,13 +119,19 @@ def main() -> int:
     ap.add_argument("--version-dir", type=Path, default=VERSION_DIR)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("-k", type=int, default=0, help="num_speculative_tokens (default: the method's, "
+                    "contract.SPECULATIVE_TOKENS)")
     ap.add_argument("--section-suffix", default="", help="appended to the section's markers and title (a run on "
                     "another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--draft", default="", help="a precision of the version folder whose graph drafts "
                     "(speculative = draft) instead of prompt lookup, e.g. int4")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
+    from model_factory.backend.contract import SPECULATIVE_TOKENS
+    from model_factory.backend.generation.speculative import SpeculativeConfig
+
+    args.k = args.k or SPECULATIVE_TOKENS["draft" if args.draft else "prompt_lookup"]
+    lookup = SpeculativeConfig()
     vdir = args.version_dir
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
     lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
@@ -185,7 +191,9 @@ def main() -> int:
     how = (f"`speculative = \"draft\"`, `speculative_draft = \"{args.draft}\"` (the {args.draft} graph of the same "
            f"version folder drafts greedily from its own KV slot), `num_speculative_tokens` {args.k}, "
            "`speculative_max_sequences` 1 (drafting only while one sequence decodes)" if args.draft else
-           f"`speculative = \"prompt_lookup\"`, `num_speculative_tokens` {args.k}, `prompt_lookup_max` 4, `_min` 2, "
+           f"`speculative = \"prompt_lookup\"`, `num_speculative_tokens` {args.k} (at most: a match of n tokens drafts "
+           "n + 1), "
+           f"`prompt_lookup_max` {lookup.prompt_lookup_max}, `_min` {lookup.prompt_lookup_min}, "
            "`speculative_max_sequences` 1 (drafting only while one sequence decodes)")
     extra = []
     if alone:

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .contract import (ENGINES, PRECISIONS, TEXT_GENERATION, Files, ParameterError, parse_parameters,  # noqa: F401
-                       plan_file, bounds_from_parameters, string_parameters)
+from .contract import (ENGINES, PRECISIONS, SPECULATIVE_TOKENS, TEXT_GENERATION, Files,  # noqa: F401
+                       ParameterError, parse_parameters, plan_file, bounds_from_parameters, string_parameters)
 
 
 class SettingsError(ValueError):
@@ -101,9 +101,9 @@ class Settings:
     max_itl_ratio: float = 0.0
     # Speculative decoding (generation/speculative.py; "off", "prompt_lookup" or "draft": speculative_draft's graph).
     speculative: str = "off"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    num_speculative_tokens: int = SPECULATIVE_TOKENS["prompt_lookup"]  # the method's where the parameter is unset
+    prompt_lookup_max: int = 8
+    prompt_lookup_min: int = 1
     speculative_max_sequences: int = 1
     speculative_draft: str = "none"
     device_reserve_mib: int = 1024
@@ -213,7 +213,8 @@ def parse_settings(model_config: str | Mapping[str, Any]) -> Settings:
         prefill_chunk_tokens=p.prefill_chunk_tokens,
         max_itl_ratio=p.max_itl_ratio,
         speculative=p.speculative,
-        num_speculative_tokens=p.num_speculative_tokens,
+        num_speculative_tokens=p.num_speculative_tokens or SPECULATIVE_TOKENS.get(p.speculative,
+                                                                                   SPECULATIVE_TOKENS["prompt_lookup"]),
         prompt_lookup_max=p.prompt_lookup_max,
         prompt_lookup_min=p.prompt_lookup_min,
         speculative_max_sequences=p.speculative_max_sequences,

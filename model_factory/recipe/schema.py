@@ -428,9 +428,10 @@ SERVING_DESCRIPTIONS = {
                      "decode-only step (0: the fixed auto chunk).",
     "speculative": "Speculative decoding: off, prompt_lookup (drafts from n-grams of the sequence's own context), or "
                    "draft (a cheaper precision's graph drafts: speculative_draft).",
-    "num_speculative_tokens": "Tokens drafted per verification.",
-    "prompt_lookup_max": "Longest n-gram prompt lookup matches.",
-    "prompt_lookup_min": "Shortest n-gram prompt lookup matches.",
+    "num_speculative_tokens": "Tokens drafted per verification, at most (prompt lookup drafts as many as its match "
+                              "is long, plus one). Default: 8 for prompt_lookup, 4 for draft.",
+    "prompt_lookup_max": "Longest match prompt lookup counts (tokens).",
+    "prompt_lookup_min": "Shortest match prompt lookup drafts from (tokens).",
     "speculative_max_sequences": "Draft only while at most this many sequences decode.",
     "speculative_draft": "With speculative = \"draft\": the precision (built, not the one served) whose graph, packaged "
                          "beside the served one, drafts greedily what it verifies.",
@@ -445,7 +446,7 @@ def _serving_type(kind: str, choices: tuple[str, ...], minimum: int | None) -> A
     """The TOML value of a contract parameter of ``kind`` (contract._param), or unset."""
     if kind == "choice":
         return Annotated[Optional[Literal[choices]], _one_of(choices)]  # type: ignore[valid-type]
-    if kind == "int":
+    if kind in ("int", "int?"):  # unset either way: the contract's default
         low = minimum if minimum is not None else 0
         return Annotated[Optional[Annotated[int, Field(ge=low, le=INT32_MAX)]],
                          Fix(f"give a whole number of at least {low}")]
@@ -469,8 +470,9 @@ def _serving_table() -> type:
     fields: dict[str, Any] = {}
     for f in (by_name[n] for n in SERVING_PARAMETERS):
         m = f.metadata
+        default = "" if f.default is None else f" Default: {_default_text(f.default)}."  # None: the text says it
         fields[f.name] = (_serving_type(m["kind"], m["choices"], m["minimum"]),
-                          Field(None, description=f"{SERVING_DESCRIPTIONS[f.name]} Default: {_default_text(f.default)}."))
+                          Field(None, description=f"{SERVING_DESCRIPTIONS[f.name]}{default}"))
     return create_model("ServingTable", __base__=_Table, __doc__="[serving]: how a text-generation model is "
                         "scheduled where it is served (the backend's parameters, signed in config.pbtxt).", **fields)
 

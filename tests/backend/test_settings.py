@@ -161,7 +161,13 @@ def test_prefill_chunk_tokens_parameter() -> None:
 def test_speculative_decoding_parameters() -> None:
     s = _settings()
     assert (s.speculative, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min,
-            s.speculative_max_sequences) == ("off", 4, 4, 2, 1)
+            s.speculative_max_sequences) == ("off", 8, 8, 1, 1)
+    # num_speculative_tokens unset: the method's (prompt lookup's drafts follow their match, 8 at most; a draft
+    # graph's cost every token: 4).
+    assert _settings(speculative="prompt_lookup").num_speculative_tokens == 8
+    assert _settings(speculative="draft", speculative_draft="int4").num_speculative_tokens == 4
+    drafting = _settings(speculative="draft", speculative_draft="int4", num_speculative_tokens="3")
+    assert drafting.num_speculative_tokens == 3
     s = _settings(speculative="prompt_lookup", num_speculative_tokens="6", prompt_lookup_max="3",
                   prompt_lookup_min="3", speculative_max_sequences="2")
     assert (s.speculative, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min,

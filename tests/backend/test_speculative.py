@@ -21,23 +21,49 @@ from tests.generative_repository import SpeculationCounts, ZOO_VARIANTS, int8_ke
 # --------------------------------------------------------------------------- the drafts
 
 
-def test_the_longest_ngram_found_earlier_drafts_what_followed_its_latest_occurrence():
+def test_the_place_matching_longest_drafts_as_many_tokens_as_it_matched_plus_one():
     ctx = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 0, 2, 3, 4]
-    # 3-gram (2, 3, 4): at 1 (then 5, 9) and at 6 (then 7, 8, 0): the latest wins.
-    assert propose(ctx, 3, n_max=3, n_min=1) == [7, 8, 0]
-    # Past the context's end the repetition goes on with its period (6 here: 7 8 0 2 3 4, 7 8 ...).
-    assert propose(ctx, 8, n_max=3, n_min=1) == [7, 8, 0, 2, 3, 4, 7, 8]
-    assert propose([5, 9, 9, 9], 4, n_max=2, n_min=2) == [9, 9, 9, 9]  # a loop of one token: k of it
-    assert propose([1, 2, 3, 1, 2], 5, n_max=2, n_min=2) == [3, 1, 2, 3, 1]
-    # A longer n-gram is preferred: (9, 2, 3, 4) -> 7 only matters when 4-grams are asked for.
+    # (2, 3, 4) matched 3 long at 1 (then 5, 9) and at 6 (then 7, 8, 0): the latest wins, 3 + 1 tokens of it.
+    assert propose(ctx, 3, n_max=3, n_min=1) == [7, 8, 0]  # k at most
+    assert propose(ctx, 8, n_max=3, n_min=1) == [7, 8, 0, 2]
+    assert propose(ctx, 8, n_max=8, n_min=1) == [7, 8, 0, 2]  # (9 | 0, 2, 3, 4): no longer match there
+    # Past the context's end the repetition goes on with its period (3 here: 3 1 2, 3 1 2).
+    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 8, n_max=8, n_min=1) == [3, 1, 2, 3, 1, 2]  # matched 5: 6 tokens
+    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 4, n_max=8, n_min=1) == [3, 1, 2, 3]
+    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 8, n_max=2, n_min=1) == [3, 1, 2]  # the match counted to n_max
+    assert propose([5, 9, 9, 9], 4, n_max=2, n_min=2) == [9, 9, 9]  # a loop of one token: more of it
+    assert propose([1, 2, 3, 1, 2], 5, n_max=2, n_min=2) == [3, 1, 2]
+    # A longer match is preferred to a later one, up to n_max.
     assert propose([5, 1, 2, 6, 0, 1, 2, 7, 5, 1, 2], 2, n_max=3, n_min=2) == [6, 0]  # (5,1,2) beats the later (1,2)
     assert propose([5, 1, 2, 6, 0, 1, 2, 7, 5, 1, 2], 2, n_max=2, n_min=2) == [7, 5]
+
+
+def test_the_match_found_is_the_longest_latest_one_as_a_plain_search_finds_it():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        ctx = rng.integers(0, 4, int(rng.integers(2, 40))).tolist()
+        n_max, n_min, k = int(rng.integers(1, 7)), int(rng.integers(1, 3)), int(rng.integers(1, 9))
+        best = None  # (length, end): every earlier end's match length, capped at n_max
+        for end in range(1, len(ctx)):
+            n = 0
+            while n < min(n_max, end) and ctx[end - 1 - n] == ctx[len(ctx) - 1 - n]:
+                n += 1
+            if n and (best is None or n >= best[0]):
+                best = (n, end)
+        if best is None or best[0] < min(n_min, n_max):
+            want = [] if best is None or best[0] < n_min else None
+        else:
+            n, end = best
+            follow, period = ctx[end:], len(ctx) - end
+            want = [follow[j % period] for j in range(min(k, n + 1))]
+        if want is not None and n_min <= n_max:
+            assert propose(ctx, k, n_max, n_min) == want, (ctx, k, n_max, n_min)
 
 
 def test_no_draft_without_a_match_below_the_shortest_ngram_or_for_no_tokens():
     assert propose([1, 2, 3, 4, 5], 4, n_max=3, n_min=1) == []
     assert propose([1, 2, 9, 2], 4, n_max=3, n_min=2) == []  # only the 1-gram (2) recurs
-    assert propose([1, 2, 9, 2], 4, n_max=3, n_min=1) == [9, 2, 9, 2]
+    assert propose([1, 2, 9, 2], 4, n_max=3, n_min=1) == [9, 2]
     assert propose([1, 2, 1, 2], 0, n_max=2, n_min=1) == []
     assert propose([7], 3, n_max=2, n_min=1) == []
 
@@ -260,37 +286,84 @@ class _Gen:
         return self.prompt + self.generated
 
 
-class _Disagreeing:
-    """A model whose every position's token is 0, never drafted here."""
+class _Clock:
+    """Seconds that pass only where a launch says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class _Timed:
+    """A model whose verification launch takes ``seconds`` on ``clock`` and whose token at every position is
+    ``tokens[i]`` (0 past them)."""
+
+    def __init__(self, clock, seconds, tokens=()):
+        self.clock, self.seconds, self.tokens = clock, seconds, list(tokens)
 
     def continued_logits(self, tokens, past, views, **kw):
+        self.clock.now += self.seconds
         logits = np.zeros((len(tokens), 8), np.float32)
-        logits[:, 0] = 1.0
+        for i in range(len(tokens)):
+            logits[i, self.tokens[i] if i < len(self.tokens) else 0] = 1.0
         return logits
 
 
-def test_a_sequence_whose_drafts_are_rejected_pauses_then_drafts_again():
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
-    gen = _Gen([1, 2, 3, 1, 2, 3, 1, 2] * 2)
-
-    def accept(g, row):
-        g.generated.append(int(np.argmax(row)))
-
+def _verify_window(speculator, gen, model):
+    """WINDOW verifications of ``gen``'s drafts on ``model``, its context set back after each (drafts keep coming);
+    the tokens each gave."""
+    gave = []
     for _ in range(WINDOW):
         plan = speculator.plan([gen])
         assert id(gen) in plan
         drafts = plan[id(gen)][1]
-        assert len(drafts) == 4 and speculator.verify(gen, drafts, _Disagreeing(), {}, accept, {}) == 0
-        assert gen.generated == [0] and gen.cached == len(gen.prompt)  # the model's own token; the cache set back
-        gen.generated.clear()  # the context stays repetitive: drafts keep coming
+        speculator.verify(gen, drafts, model, {}, lambda g, row: g.generated.append(int(np.argmax(row))), {})
+        gave.append(len(gen.generated))
+        assert gen.cached == len(gen.prompt) - 1 + len(gen.generated)  # the cache holds what was taken
+        gen.generated.clear()
         gen.cached = len(gen.prompt) - 1
-    gen.generated.clear()
-    assert all(not speculator.plan([gen]) for _ in range(PAUSE_STEPS))  # 0 accepted a verification: paused
+    return gave
+
+
+def test_nothing_drafts_until_a_decode_launch_was_timed():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=_Clock())
+    gen = _Gen([1, 2, 3, 1, 2, 3, 1, 2] * 2)
+    assert not speculator.plan([gen])
+    speculator.observe_decode(1.0)
     assert id(gen) in speculator.plan([gen])
+    speculator.observe_decode(2.0)  # smoothed, not replaced
+    assert 1.0 < speculator.decode_seconds < 2.0
+
+
+def test_a_sequence_whose_verifications_take_longer_than_plain_decoding_pauses_then_drafts_again():
+    clock = _Clock()
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock)
+    speculator.observe_decode(1.0)
+    gen = _Gen([1, 2, 3, 1, 2, 3, 1, 2] * 2)
+    # Rejected drafts (the model's token 0, never drafted): one token a verification of 1.2 decode launches.
+    assert _verify_window(speculator, gen, _Timed(clock, 1.2)) == [1] * WINDOW
+    assert all(not speculator.plan([gen]) for _ in range(PAUSE_STEPS))  # slower than plain decoding: paused
+    assert id(gen) in speculator.plan([gen])
+
+
+def test_a_sequence_whose_verifications_gain_time_keeps_drafting():
+    clock = _Clock()
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock)
+    speculator.observe_decode(1.0)
+    gen = _Gen([1, 2, 3] * 5 + [1, 2])  # drafts 3 1 2 3
+    # The first draft token (3) agreed, the second not: two tokens from a launch of 1.5 decode launches.
+    for _ in range(3):
+        assert _verify_window(speculator, gen, _Timed(clock, 1.5, [3])) == [2] * WINDOW
+    # The same launch giving one token: paused.
+    _verify_window(speculator, gen, _Timed(clock, 1.5))
+    assert not speculator.plan([gen])
 
 
 def test_grammar_rows_and_rows_near_max_tokens_draft_nothing():
     speculator = Speculator(SpeculativeConfig())
+    speculator.observe_decode(1.0)
     ctx = [1, 2, 3, 1, 2, 3, 1, 2]
     assert not speculator.plan([_Gen(ctx, matcher=object())])
     assert not speculator.plan([_Gen(ctx, max_tokens=1)])

@@ -56,7 +56,9 @@ lookup finds that prompt's blocks, so a burst on a new document prefills it once
 waits anyway, that group being the step's last, and its lookup then takes what the chunks wrote).
 
 With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
-decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
+decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``;
+each decode launch is timed for it (a token's time in plain decoding: what its verifications are judged
+against).
 
 Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
 """
@@ -553,6 +555,8 @@ class Scheduler:
             at = [placeholder_at(g, self.slots) for g in active]
             tokens = [(c := g.context())[min(p, len(c) - 1)] for g, p in zip(active, at)]  # one list a row
             logits = self.model.decode(tokens, at, self.slots.views(0, len(active)), **_adapters(active))
+            if self.speculator is not None and not all(g.prefilling for g in active):
+                self.speculator.observe_decode(self.clock() - began)  # what a verification's tokens are judged against
             if self.itl is not None:  # the decode launch the ITL budget measures chunks against
                 self._predicted += self.itl.decode_seconds(len(active)) or 0.0
                 self.itl.observe_decode(len(active), self.clock() - began)

@@ -2,10 +2,13 @@
 
 Extractive answers (a document's sentences quoted, code edited in place, a form filled from the prompt) repeat spans of
 their context. Prompt lookup (vLLM's ``ngram`` method, ``prompt_lookup_max`` / ``_min``) drafts them for free: the
-sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
-its context (the prompt and what it generated; the latest occurrence wins) and the ``num_speculative_tokens`` tokens
-that followed it there are the draft (:func:`propose`; near the context's end the repetition is continued with its
-period). No draft model, nothing learned.
+earlier place in the sequence's context (the prompt and what it generated) whose tokens before it match the
+sequence's last tokens longest (``n`` of them, from ``prompt_lookup_min`` up to ``prompt_lookup_max``; the latest such
+place wins) is where it drafts from: the ``n + 1`` tokens that followed it there, ``num_speculative_tokens`` at most
+(:func:`propose`; near the context's end the repetition is continued with its period). A longer match is likelier to
+go on, and a short one costs little when it does not: a draft's length follows its match (measured on Gemma 3 270M,
+docs/generation.md: more tokens from fewer launches than drafting ``num_speculative_tokens`` after every match). No
+draft model, nothing learned.
 
 Verification (:meth:`Speculator.verify`) is one launch: the sequence's last token and its ``k`` drafted tokens as a
 continued prompt on its slot (``CausalLM.continued_logits``: the attention mask covers the cached tokens, as a
@@ -31,49 +34,59 @@ launch of its own. While one sequence decodes, the verification replaces the dec
 launch, more with ``k``); with more sequences decoding, the batched decode launch still runs for the others (the
 speculating row a placeholder in it, as a row mid-prefill is) and each verification is a launch added to the step, which
 every other stream waits for. So drafting is on while at most ``max_sequences`` sequences decode
-(``speculative_max_sequences``, default 1: measured, docs/generation.md), and per sequence it backs off where the
-drafts are rejected: every :data:`WINDOW` verifications the sequence's accepted tokens per verification are checked,
-and below :data:`MIN_ACCEPTED` it stops drafting for :data:`PAUSE_STEPS` steps (then tries again: an answer can turn
-from free text to a quotation). Judged per verification, not per drafted token: a rejected draft of 8 costs what one
-of 4 does (the launch is bound by reading the weights), so what decides is the tokens a launch gains.
+(``speculative_max_sequences``, default 1: measured, docs/generation.md), and per sequence it backs off where it does
+not pay, judged by time: every :data:`WINDOW` verifications the seconds they took (their drafts' proposals included)
+are set against what plain decoding would have taken for the tokens they gave (a decode launch's time each: a
+sequence gets one token a launch; :meth:`Speculator.observe_decode`, the scheduler's launches timed); where they took
+longer the sequence stops drafting for :data:`PAUSE_STEPS` steps, then tries again (an answer can turn from free text
+to a quotation). Until a decode launch has been timed nothing drafts, so the first decode step of a new speculator (a
+loaded model) is a plain one. Judged in seconds, not
+accepted tokens: what a rejected draft costs depends on its length, the model and the machine (a verification of one
+token costs a decode launch; on Gemma 3 270M FP32 each more token about 6 % of one), so no fixed acceptance bound
+fits them all.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 PROMPT_LOOKUP = "prompt_lookup"  # contract.SPECULATIVE's method
-WINDOW = 4  # verifications over which a sequence's acceptance is judged
-PAUSE_STEPS = 32  # steps a sequence drafts nothing after its acceptance fell below the bound
-# Accepted tokens per verification below which a sequence pauses: a verification costs a decode launch and about half
-# of one more on Gemma 3 270M (docs/generation.md, "Speculative decoding"), so fewer than half a token gained loses.
-MIN_ACCEPTED = 0.5
+WINDOW = 8  # verifications over which a sequence's drafting is judged
+PAUSE_STEPS = 8  # steps a sequence drafts nothing after its verifications took longer than plain decoding
+DECODE_SMOOTHING = 0.2  # weight of the newest decode launch in the time verifications are judged against
 
-__all__ = ["MIN_ACCEPTED", "PAUSE_STEPS", "PROMPT_LOOKUP", "WINDOW", "SpeculativeConfig", "Speculator", "propose"]
+__all__ = ["PAUSE_STEPS", "PROMPT_LOOKUP", "WINDOW", "SpeculativeConfig", "Speculator", "propose"]
 
 
 def propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """The ``k`` tokens that followed the latest earlier occurrence of ``context``'s last ``n`` tokens, for the
-    longest ``n`` from ``n_max`` down to ``n_min`` that occurs; empty when none does. Where fewer than ``k`` tokens
-    follow it before the context's end, the repetition continues with the same period (a loop of one token, ``a a a``,
-    drafts ``k`` of them, not the one token left before the end)."""
+    """The tokens that followed the earlier place in ``context`` whose preceding tokens match ``context``'s last ones
+    longest (``n`` of them, ``n_min`` <= ``n`` <= ``n_max``; the latest place among the longest): ``n + 1`` of them,
+    ``k`` at most; empty where not even ``n_min`` tokens match. Where fewer follow it before the context's end, the
+    repetition continues with the same period (a loop of one token, ``a a a``, drafts ``k`` of them, not the one
+    token left before the end)."""
     size = len(context)
     if k < 1 or size < n_min + 1:
         return []
     arr = np.asarray(context, dtype=np.int64)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        # Windows of n tokens starting before the last n: the suffix itself is not a match of itself.
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == arr[size - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            period = size - start  # the match repeats the text `period` tokens back: continue that repetition
-            follow = arr[start:].tolist()
-            return [follow[j % period] for j in range(k)]
-    return []
+    # ends: the places (exclusive ends of earlier spans) whose last token is the context's last: a match of 1.
+    ends = np.flatnonzero(arr[:-1] == arr[-1]) + 1
+    n = 1
+    while ends.size and n < n_max:  # lengthen the match a token at a time while some place still matches
+        longer = ends[ends > n]
+        longer = longer[arr[longer - n - 1] == arr[size - n - 1]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if not ends.size or n < n_min:
+        return []
+    start = int(ends[-1])
+    period = size - start  # the match repeats the text `period` tokens back: continue that repetition
+    follow = arr[start:].tolist()
+    return [follow[j % period] for j in range(min(k, n + 1))]
 
 
 @dataclass(frozen=True)
@@ -81,19 +94,20 @@ class SpeculativeConfig:
     """The serving settings (contract: ``speculative``, ``num_speculative_tokens``, ``prompt_lookup_max`` / ``_min``,
     ``speculative_max_sequences``)."""
 
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    num_speculative_tokens: int = 8  # at most (prompt lookup: as many as the match is long, plus one)
+    prompt_lookup_max: int = 8
+    prompt_lookup_min: int = 1
     max_sequences: int = 1  # drafting only while at most this many sequences decode
-    min_accepted: float = MIN_ACCEPTED  # accepted tokens per verification, judged over WINDOW verifications
 
 
 @dataclass
 class _Track:
-    """One sequence's recent drafts: verifications and tokens accepted since the last judgement, steps left paused."""
+    """One sequence's recent drafts since the last judgement: verifications, the tokens they gave and the seconds they
+    took (proposals included); steps left paused."""
 
     verified: int = 0
-    accepted: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
     paused: int = 0
 
 
@@ -104,6 +118,8 @@ class Speculator:
     config: SpeculativeConfig
     metrics: Any = None
     draft: Any = None  # draft_model.DraftModel: drafts from a second graph instead of prompt lookup
+    clock: Callable[[], float] = time.perf_counter
+    decode_seconds: float | None = None  # a decode launch (observe_decode), smoothed; None: none timed yet
     _tracks: dict[int, tuple[Any, _Track]] = field(default_factory=dict)  # id(gen) -> (gen, its track)
 
     def plan(self, active: Sequence[Any]) -> dict[int, tuple[Any, list[int]]]:
@@ -114,7 +130,7 @@ class Speculator:
             del self._tracks[key]
         if self.draft is not None:  # and their slots of the draft's cache
             self.draft.forget(active)
-        if not decoding or len(decoding) > self.config.max_sequences:
+        if not decoding or len(decoding) > self.config.max_sequences or self.decode_seconds is None:
             return {}
         c = self.config
         out: dict[int, tuple[Any, list[int]]] = {}
@@ -127,11 +143,13 @@ class Speculator:
                 continue
             k = min(c.num_speculative_tokens, gen.params.max_tokens - len(gen.generated) - 1)
             if k < 1:
-                drafts = []
-            elif self.draft is not None:
+                continue
+            began = self.clock()
+            if self.draft is not None:
                 drafts = self.draft.propose(gen, k)
             else:
                 drafts = propose(gen.context(), k, c.prompt_lookup_max, c.prompt_lookup_min)
+            track.seconds += self.clock() - began
             if drafts:
                 out[id(gen)] = (gen, drafts)
         return out
@@ -141,6 +159,7 @@ class Speculator:
         """Run ``gen``'s last token and ``drafts`` in one launch on its slot and hand the positions' logits to
         ``accept`` (the scheduler's per-token acceptance) while the drafts agree; returns the drafts accepted."""
         past = gen.cached
+        began = self.clock()
         logits = model.continued_logits([gen.context()[past]] + list(drafts), past, views, **adapters)
         agreed = 0
         for i, row in enumerate(logits):
@@ -149,19 +168,29 @@ class Speculator:
             if gen.finish_reason is not None or i == len(drafts) or gen.generated[-1] != drafts[i]:
                 break
             agreed += 1
-        self._judge(gen, len(drafts), agreed)
+        self._judge(gen, len(drafts), agreed, self.clock() - began)
         return agreed
 
-    def _judge(self, gen: Any, drafted: int, accepted: int) -> None:
+    def observe_decode(self, seconds: float) -> None:
+        """A decode launch took ``seconds`` (the scheduler's, timed; one token for each of its rows): what a
+        verification's tokens are judged against."""
+        if self.decode_seconds is None:
+            self.decode_seconds = float(seconds)
+        else:
+            self.decode_seconds += DECODE_SMOOTHING * (float(seconds) - self.decode_seconds)
+
+    def _judge(self, gen: Any, drafted: int, accepted: int, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.speculated(drafted, accepted)
         track = self._track(gen)
         track.verified += 1
-        track.accepted += accepted
+        track.tokens += accepted + 1  # the agreeing drafts and the model's own token (at most: a stop ends it early)
+        track.seconds += seconds
         if track.verified >= WINDOW:
-            if track.accepted < self.config.min_accepted * track.verified:
+            if track.seconds > track.tokens * (self.decode_seconds or 0.0):  # plain decoding was faster
                 track.paused = PAUSE_STEPS
-            track.verified = track.accepted = 0
+            track.verified = track.tokens = 0
+            track.seconds = 0.0
 
     def _track(self, gen: Any) -> _Track:
         """``gen``'s track (a new one where its id was another sequence's: ids are reused once an object is gone)."""
