@@ -2,10 +2,17 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py [--version-dir DIR] [--rounds 2] [--write]
     PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py --draft int4 --version-dir DIR [--write]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_speculative.py --served --version-dir DIR [--write]
 
 With ``--draft PRECISION`` the drafts come from that precision's graph of the same version folder instead
 (``speculative = "draft"``: generation/draft_model.py), and the draft graph decoding alone is timed beside (what
 serving that precision instead would give, its tokens not FP32's); its own section (``speculative-draft-<p>``).
+
+With ``--served`` the same workloads go through Triton and our OpenAI API instead (``/v1/completions``, the prompts as
+token ids, greedy): the FP32 graph laid out twice in one repository with this checkout's backend, ``speculative``
+off and ``prompt_lookup`` (the contract's defaults otherwise), one server, our frontend; tokens from each response's
+``usage``, the drafts from the server's ``/metrics``, the answers' texts compared; its own section
+(``speculative-served``).
 
 The real Gemma 3 270M (random weights quote nothing): the FP32 graph (``model.onnx``, float KV cache) of a packaged
 version folder of the factory's build (``--version-dir``; default the gemma-bench build's, which keeps every
@@ -28,10 +35,14 @@ between ``<!-- speculative:start -->`` and ``<!-- speculative:end -->`` is repla
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
@@ -44,6 +55,7 @@ VERSION_DIR = Path("/work/gemma-cache/gemma-bench/work/builds/int8kv8/repo/gemma
 DATA = Path("/work/gemma-cache/data/heldout.txt")
 TOKENS, STREAMS = 64, 8
 ONE_STREAM, FREE = 4, 2  # requests of the 1-stream workloads (extractive, free text)
+SERVED = {"off": "gemma3-plain", "on": "gemma3-lookup"}  # --served: the model of each setting
 
 
 def definitions(data: Path) -> list[str]:
@@ -108,6 +120,68 @@ def run(lm, spec, prompts: list[list[int]], at_once: bool, speculate: bool, k: i
             "verifications": counts.drafts, "tokens": [g.generated for g in gens]}
 
 
+@contextlib.contextmanager
+def served(vdir: Path, max_context: int, work: Path, lookup: Any, spinning: str = "auto"):
+    """Triton serving the FP32 graph of ``vdir`` twice (:data:`SERVED`: speculation off, prompt lookup with ``lookup``'s
+    settings: a build's config.pbtxt may hold older defaults) and our OpenAI frontend over it; yields
+    ``measure(prompts, at_once, speculate)``, :func:`run`'s result through the API (the answers' texts as its
+    ``tokens``)."""
+    from benchmarks.harness import gemma3
+    from model_factory.serving.openai_api import OpenAIFrontend, generative_models
+    from model_factory.serving.server import ServerOptions, TritonServer
+    from tests.generative_repository import metric_sum
+
+    repo = work / "repo-speculative-served"
+    shutil.rmtree(repo, ignore_errors=True)
+    for setting, model in SERVED.items():
+        gemma3.layout_served(vdir, repo, model, "fp32", max_context, max_active_sequences=STREAMS, cpu_spinning=spinning,
+                             **({"speculative": "prompt_lookup", "num_speculative_tokens": lookup.num_speculative_tokens,
+                                 "prompt_lookup_max": lookup.prompt_lookup_max,
+                                 "prompt_lookup_min": lookup.prompt_lookup_min} if setting == "on" else {}))
+    server = TritonServer(repo, options=ServerOptions(0, 0, 0, startup_timeout_s=900)).start()
+    try:
+        assert not server.load_errors, server.load_errors
+        with OpenAIFrontend(server.http_url, generative_models(repo, server.ready_models)) as fe:
+            def counters(model: str) -> tuple[float, ...]:
+                return tuple(metric_sum(server, f"spec_decode_num_{n}_total", model)
+                             for n in ("drafts", "draft_tokens", "accepted_tokens"))
+
+            def measure(prompts: list[list[int]], at_once: bool, speculate: bool) -> dict:
+                model = SERVED["on" if speculate else "off"]
+                before = counters(model)
+                start = time.perf_counter()
+                got = asyncio.run(_complete(fe.url, model, prompts, at_once))
+                wall = time.perf_counter() - start
+                time.sleep(1.5)  # the backend's metrics are flushed each second
+                drafts, drafted, accepted = (b - a for a, b in zip(before, counters(model)))
+                return {"tokens/s": sum(n for _, n in got) / wall, "output tokens": sum(n for _, n in got),
+                        "drafted": int(drafted), "accepted": int(accepted), "verifications": int(drafts),
+                        "tokens": [text for text, _ in got]}
+
+            yield measure
+    finally:
+        server.stop()
+
+
+async def _complete(url: str, model: str, prompts: list[list[int]], at_once: bool) -> list[tuple[str, int]]:
+    """Each prompt's greedy answer through ``/v1/completions``: (text, completion tokens); one after another, or all at
+    once."""
+    import aiohttp
+
+    async def one(session, prompt: list[int]) -> tuple[str, int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"{model}: HTTP {resp.status}: {answer}")
+        return answer["choices"][0]["text"], int(answer["usage"]["completion_tokens"])
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        if at_once:
+            return list(await asyncio.gather(*(one(session, p) for p in prompts)))
+        return [await one(session, p) for p in prompts]
+
+
 def main() -> int:
     from tokenizers import Tokenizer
 
@@ -125,8 +199,15 @@ def main() -> int:
                     "another machine kept beside the first: --section-suffix epyc)")
     ap.add_argument("--draft", default="", help="a precision of the version folder whose graph drafts "
                     "(speculative = draft) instead of prompt lookup, e.g. int4")
+    ap.add_argument("--served", action="store_true", help="through Triton and our OpenAI API (prompt lookup only)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-speculative"), help="--served: the repository's "
+                    "parent folder")
+    ap.add_argument("--spinning", default="auto", help="--served: both models' cpu_spinning (auto: off, their threads "
+                    "outnumbering the cores; on: as one model served alone would)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
+    if args.served and args.draft:
+        ap.error("--served measures prompt lookup; --draft runs in-process")
     from model_factory.backend.contract import SPECULATIVE_TOKENS
     from model_factory.backend.generation.speculative import SpeculativeConfig
 
@@ -134,7 +215,7 @@ def main() -> int:
     lookup = SpeculativeConfig()
     vdir = args.version_dir
     spec = GenerationSpec.from_json((vdir / Files.GENERATION).read_text()).for_precision("fp32")
-    lm = CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
+    lm = None if args.served else CausalLM(vdir / Files.ONNX, threads=2, pad_token_id=spec.pad_token_id or 0)
     draft = alone_lm = None
     if args.draft:
         from model_factory.backend.contract import onnx_file
@@ -155,24 +236,34 @@ def main() -> int:
     cases = {"extractive, 1 stream": (loads["extractive"][:ONE_STREAM], False),
              f"extractive, {STREAMS} streams": (loads["extractive"], True),
              "free text, 1 stream": (loads["free"][:FREE], False)}
-    say("warm-up")
-    run(lm, spec, loads["free"][:1], False, True, args.k, draft)
     alone: dict[str, list[dict]] = {}  # --draft: the draft graph decoding alone, the 1-stream workloads
-    load = LoadReading.begin()
     runs: dict[tuple[str, str], list[dict]] = {}
-    for r in range(args.rounds):
-        for name, (prompts, at_once) in cases.items():
-            for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                got = run(lm, spec, prompts, at_once, setting == "on", args.k, draft)
-                runs.setdefault((name, setting), []).append(got)
-                say(f"round {r + 1} {name} {setting}: {got['tokens/s']:.2f} tokens/s, drafted {got['drafted']}, "
-                    f"accepted {got['accepted']}")
-            if alone_lm is not None and not at_once:
-                got = run(alone_lm, draft.spec, prompts, at_once, False, args.k)
-                alone.setdefault(name, []).append(got)
-                say(f"round {r + 1} {name} {args.draft} alone: {got['tokens/s']:.2f} tokens/s")
-    load = load.finish()
-    example = tok.decode(runs[("extractive, 1 stream", "off")][0]["tokens"][0])
+    with contextlib.ExitStack() as stack:
+        if args.served:
+            args.section_suffix = args.section_suffix or "served"
+            measure = stack.enter_context(served(vdir, spec.max_context, args.work,
+                                                 SpeculativeConfig(num_speculative_tokens=args.k), args.spinning))
+        else:
+            def measure(prompts: list[list[int]], at_once: bool, speculate: bool) -> dict:
+                return run(lm, spec, prompts, at_once, speculate, args.k, draft)
+        say("warm-up")
+        for speculate in (False, True) if args.served else (True,):
+            measure(loads["free"][:1], False, speculate)
+        load = LoadReading.begin()
+        for r in range(args.rounds):
+            for name, (prompts, at_once) in cases.items():
+                for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    got = measure(prompts, at_once, setting == "on")
+                    runs.setdefault((name, setting), []).append(got)
+                    say(f"round {r + 1} {name} {setting}: {got['tokens/s']:.2f} tokens/s, drafted {got['drafted']}, "
+                        f"accepted {got['accepted']}")
+                if alone_lm is not None and not at_once:
+                    got = run(alone_lm, draft.spec, prompts, at_once, False, args.k)
+                    alone.setdefault(name, []).append(got)
+                    say(f"round {r + 1} {name} {args.draft} alone: {got['tokens/s']:.2f} tokens/s")
+        load = load.finish()
+    example = runs[("extractive, 1 stream", "off")][0]["tokens"][0]
+    example = example if isinstance(example, str) else tok.decode(example)
 
     def cell(values: list[float]) -> str:
         return median_cell(values, 2)
@@ -195,6 +286,12 @@ def main() -> int:
            "n + 1), "
            f"`prompt_lookup_max` {lookup.prompt_lookup_max}, `_min` {lookup.prompt_lookup_min}, "
            "`speculative_max_sequences` 1 (drafting only while one sequence decodes)")
+    where = ("on the backend's scheduler in-process (2 threads; no Triton, no HTTP)" if not args.served else
+             "served by Triton through our OpenAI API (`/v1/completions`, the prompts as token ids, `temperature` 0; "
+             f"laid out twice in one repository with this checkout's backend, `{SERVED['off']}` with `speculative` "
+             f"off and `{SERVED['on']}` with `prompt_lookup` as below, written over the build's config.pbtxt; both sessions' "
+             f"2 threads on the 2 cores, `cpu_spinning` {args.spinning}); tokens from each response's `usage`, the drafts from the server's "
+             "`/metrics`, the answers' texts compared")
     extra = []
     if alone:
         extra = ["", f"The {args.draft} graph decoding alone (plain decoding, its own tokens: what serving {args.draft} "
@@ -212,7 +309,7 @@ def main() -> int:
         "(benchmarks/bench_speculative.py)", "",
         run_header("benchmarks/bench_speculative.py", load), "",
         f"Gemma 3 270M, the FP32 graph of `{vdir}` (the factory's build of the FP32 folder from the GGUF; float KV "
-        f"cache, 512 positions), on the backend's scheduler in-process (2 threads; no Triton, no HTTP). {TOKENS} greedy "
+        f"cache, 512 positions), {where}. {TOKENS} greedy "
         f"tokens a request. Extractive: {STREAMS} prompts of 240-410 tokens, five definitions of the Apache License "
         f"2.0 and a question asking to quote one of them; at 1 stream the first {ONE_STREAM} sent one after another, "
         f"at {STREAMS} streams all {STREAMS} at once. Free text: {FREE} prompts asking for a story, one after another "

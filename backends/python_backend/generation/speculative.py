@@ -161,6 +161,9 @@ class Speculator:
         past = gen.cached
         began = self.clock()
         logits = model.continued_logits([gen.context()[past]] + list(drafts), past, views, **adapters)
+        # The launch alone is judged, as the decode launch it is set against: taking each token (sampling, stop
+        # strings, sending it) costs the same either way.
+        seconds = self.clock() - began
         agreed = 0
         for i, row in enumerate(logits):
             gen.cached += 1  # the token at this position is now in the slot: its keys and values are the model's
@@ -168,7 +171,7 @@ class Speculator:
             if gen.finish_reason is not None or i == len(drafts) or gen.generated[-1] != drafts[i]:
                 break
             agreed += 1
-        self._judge(gen, len(drafts), agreed, self.clock() - began)
+        self._judge(gen, len(drafts), agreed, seconds)
         return agreed
 
     def observe_decode(self, seconds: float) -> None:
