@@ -124,3 +124,34 @@ def test_the_draft_graph_and_its_slots_come_off_the_kv_budget(engine):
     assert kv_budget_bytes(drafting, spec, 0) == 216 * mib - 6 * mib - slots
     with pytest.raises(SettingsError, match=r"the draft's and its slots' included\): raise it"):
         kv_budget_bytes(dataclasses.replace(drafting, memory_budget_mib=46), spec, 0)
+
+
+class _Sequence:
+    """What the draft reads of a sequence: its context."""
+
+    def __init__(self, tokens):
+        self.tokens, self.finish_reason = list(tokens), None
+
+    def context(self):
+        return self.tokens
+
+
+def test_only_a_launch_bringing_its_slot_more_than_two_tokens_forward_is_a_catch_up(tiny_llm, engine):
+    """The speculator leaves the catch-up out of its judgement: the prompt once, or what a pause decoded; a rejected
+    draft (one token new) or every draft taken (the last draft and the served model's token) is drafting's own."""
+    spec, _ = engine
+    _, onnx_dir = tiny_llm
+    draft = DraftModel(CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0), spec, 1, spec.max_context)
+    seq = _Sequence(_prompts(spec.vocab_size, 1)[0])
+    drafts = draft.propose(seq, 3)
+    assert len(drafts) == 3 and draft.catch_up_seconds > 0  # the whole prompt
+    other = next(t for t in range(3, spec.vocab_size) if t != drafts[1])
+    seq.tokens += [drafts[0], other]  # the first draft taken, the second rejected: one token new to the slot
+    drafts = draft.propose(seq, 3)
+    assert draft.catch_up_seconds == 0.0
+    seq.tokens += drafts + [5]  # all taken, and the served model's own token: two new
+    drafts = draft.propose(seq, 3)
+    assert draft.catch_up_seconds == 0.0
+    seq.tokens += [7, 8, 9, 10]  # decoded while drafting paused
+    draft.propose(seq, 3)
+    assert draft.catch_up_seconds > 0

