@@ -204,8 +204,9 @@ class GenerativeModel:
                + (f", each step within {s.max_itl_ratio:g}x a decode-only one while sequences decode"
                   if self.scheduler.itl is not None else "") + ")"
                if chunk and s.prefill_chunk_tokens == "auto" else "")
-            + (", speculative decoding " + (f"by prompt lookup ({s.num_speculative_tokens} tokens from n-grams of "
-                                             f"{s.prompt_lookup_min}-{s.prompt_lookup_max}" if self.draft is None else
+            + (", speculative decoding " + (f"by prompt lookup (up to {s.num_speculative_tokens} tokens, a match's "
+                                             f"length plus one, from matches of {s.prompt_lookup_min}-"
+                                             f"{s.prompt_lookup_max} tokens" if self.draft is None else
                                              f"by the {s.speculative_draft} graph ({s.num_speculative_tokens} tokens, "
                                              f"{s.speculative_max_sequences} draft slot(s) of {self.draft.max_context} tokens")
                + f", while at most {s.speculative_max_sequences} sequences decode"

@@ -327,20 +327,22 @@ def _verify_window(speculator, gen, model):
     return gave
 
 
-def test_nothing_drafts_until_a_decode_launch_was_timed():
+def test_nothing_drafts_until_a_decode_launch_of_as_many_rows_was_timed():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=_Clock())
     gen = _Gen([1, 2, 3, 1, 2, 3, 1, 2] * 2)
     assert not speculator.plan([gen])
-    speculator.observe_decode(1.0)
+    speculator.observe_decode(2, 1.5)  # a launch of two rows: not what one decoding sequence's verifications replace
+    assert not speculator.plan([gen])
+    speculator.observe_decode(1, 1.0)
     assert id(gen) in speculator.plan([gen])
-    speculator.observe_decode(2.0)  # smoothed, not replaced
-    assert 1.0 < speculator.decode_seconds < 2.0
+    speculator.observe_decode(1, 2.0)  # smoothed, not replaced
+    assert 1.0 < speculator.decode_seconds[1] < 2.0 and speculator.decode_seconds[2] == 1.5
 
 
 def test_a_sequence_whose_verifications_take_longer_than_plain_decoding_pauses_then_drafts_again():
     clock = _Clock()
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock)
-    speculator.observe_decode(1.0)
+    speculator.observe_decode(1, 1.0)
     gen = _Gen([1, 2, 3, 1, 2, 3, 1, 2] * 2)
     # Rejected drafts (the model's token 0, never drafted): one token a verification of 1.2 decode launches.
     assert _verify_window(speculator, gen, _Timed(clock, 1.2)) == [1] * WINDOW
@@ -351,7 +353,7 @@ def test_a_sequence_whose_verifications_take_longer_than_plain_decoding_pauses_t
 def test_a_sequence_whose_verifications_gain_time_keeps_drafting():
     clock = _Clock()
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock)
-    speculator.observe_decode(1.0)
+    speculator.observe_decode(1, 1.0)
     gen = _Gen([1, 2, 3] * 5 + [1, 2])  # drafts 3 1 2 3
     # The first draft token (3) agreed, the second not: two tokens from a launch of 1.5 decode launches.
     for _ in range(3):
@@ -380,7 +382,7 @@ class _Drafting:
 def test_a_draft_models_catch_up_is_left_out_of_the_judgement():
     clock = _Clock()
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), clock=clock, draft=_Drafting(clock, 100.0))
-    speculator.observe_decode(1.0)
+    speculator.observe_decode(1, 1.0)
     gen = _Gen([1, 2, 3] * 5 + [1, 2])
     # Two tokens from 0.1 s of drafting and a launch of 1.0: paying, whatever the first proposal's 100 s catch-up.
     assert _verify_window(speculator, gen, _Timed(clock, 1.0, [3])) == [2] * WINDOW
@@ -389,7 +391,7 @@ def test_a_draft_models_catch_up_is_left_out_of_the_judgement():
 
 def test_grammar_rows_and_rows_near_max_tokens_draft_nothing():
     speculator = Speculator(SpeculativeConfig())
-    speculator.observe_decode(1.0)
+    speculator.observe_decode(1, 1.0)
     ctx = [1, 2, 3, 1, 2, 3, 1, 2]
     assert not speculator.plan([_Gen(ctx, matcher=object())])
     assert not speculator.plan([_Gen(ctx, max_tokens=1)])

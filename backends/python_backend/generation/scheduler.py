@@ -556,7 +556,7 @@ class Scheduler:
             tokens = [(c := g.context())[min(p, len(c) - 1)] for g, p in zip(active, at)]  # one list a row
             logits = self.model.decode(tokens, at, self.slots.views(0, len(active)), **_adapters(active))
             if self.speculator is not None and not all(g.prefilling for g in active):
-                self.speculator.observe_decode(self.clock() - began)  # what a verification's tokens are judged against
+                self.speculator.observe_decode(len(active), self.clock() - began)  # verifications are judged by it
             if self.itl is not None:  # the decode launch the ITL budget measures chunks against
                 self._predicted += self.itl.decode_seconds(len(active)) or 0.0
                 self.itl.observe_decode(len(active), self.clock() - began)

@@ -35,15 +35,15 @@ launch, more with ``k``); with more sequences decoding, the batched decode launc
 speculating row a placeholder in it, as a row mid-prefill is) and each verification is a launch added to the step, which
 every other stream waits for. So drafting is on while at most ``max_sequences`` sequences decode
 (``speculative_max_sequences``, default 1: measured, docs/generation.md), and per sequence it backs off where it does
-not pay, judged by time: every :data:`WINDOW` verifications the seconds they took (their drafts' proposals included)
-are set against what plain decoding would have taken for the tokens they gave (a decode launch's time each: a
-sequence gets one token a launch; :meth:`Speculator.observe_decode`, the scheduler's launches timed); where they took
-longer the sequence stops drafting for :data:`PAUSE_STEPS` steps, then tries again (an answer can turn from free text
-to a quotation). Until a decode launch has been timed nothing drafts, so the first decode step of a new speculator (a
-loaded model) is a plain one. Judged in seconds, not
-accepted tokens: what a rejected draft costs depends on its length, the model and the machine (a verification of one
-token costs a decode launch; on Gemma 3 270M FP32 each more token about 6 % of one), so no fixed acceptance bound
-fits them all.
+not pay, judged by time: every :data:`WINDOW` verifications the seconds they took (their launches, and their drafts'
+proposals less a draft graph's catch-up, ``DraftModel.catch_up_seconds``) are set against what plain decoding would
+have taken for the tokens they gave (a sequence gets one token a decode launch: the launch's time each, of as many
+rows as there are decoding sequences; :meth:`Speculator.observe_decode`, the scheduler's launches timed); where they
+took longer the sequence stops drafting for :data:`PAUSE_STEPS` steps, then tries again (an answer can turn from free
+text to a quotation). Until a decode launch of that many rows has been timed nothing drafts: the first step with
+as many sequences decoding is a plain one. Judged in seconds, not accepted tokens: what a rejected draft costs
+depends on its length, the model and the machine (a verification of one token costs a decode launch; on Gemma 3 270M
+FP32 each more token about 6 % of one), so no fixed acceptance bound fits them all.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ class Speculator:
     metrics: Any = None
     draft: Any = None  # draft_model.DraftModel: drafts from a second graph instead of prompt lookup
     clock: Callable[[], float] = time.perf_counter
-    decode_seconds: float | None = None  # a decode launch (observe_decode), smoothed; None: none timed yet
+    decode_seconds: dict[int, float] = field(default_factory=dict)  # rows -> a decode launch of them, smoothed
     _tracks: dict[int, tuple[Any, _Track]] = field(default_factory=dict)  # id(gen) -> (gen, its track)
+    _rows: int = 1  # the sequences decoding when the last plan was made (whose launch the verifications replace)
 
     def plan(self, active: Sequence[Any]) -> dict[int, tuple[Any, list[int]]]:
         """``{id(gen): (gen, drafted tokens)}`` for the rows of this decode step that draft."""
@@ -130,8 +131,9 @@ class Speculator:
             del self._tracks[key]
         if self.draft is not None:  # and their slots of the draft's cache
             self.draft.forget(active)
-        if not decoding or len(decoding) > self.config.max_sequences or self.decode_seconds is None:
-            return {}
+        if not decoding or len(decoding) > self.config.max_sequences or len(decoding) not in self.decode_seconds:
+            return {}  # (a launch of as many rows not timed yet: this step's is)
+        self._rows = len(decoding)
         c = self.config
         out: dict[int, tuple[Any, list[int]]] = {}
         for gen in decoding:
@@ -175,13 +177,12 @@ class Speculator:
         self._judge(gen, len(drafts), agreed, seconds)
         return agreed
 
-    def observe_decode(self, seconds: float) -> None:
-        """A decode launch took ``seconds`` (the scheduler's, timed; one token for each of its rows): what a
-        verification's tokens are judged against."""
-        if self.decode_seconds is None:
-            self.decode_seconds = float(seconds)
-        else:
-            self.decode_seconds += DECODE_SMOOTHING * (float(seconds) - self.decode_seconds)
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        """A decode launch of ``rows`` rows took ``seconds`` (the scheduler's, timed; one token for each row): what
+        the verifications of as many decoding sequences are judged against."""
+        last = self.decode_seconds.get(int(rows))
+        self.decode_seconds[int(rows)] = float(seconds) if last is None else (
+            last + DECODE_SMOOTHING * (float(seconds) - last))
 
     def _judge(self, gen: Any, drafted: int, accepted: int, seconds: float) -> None:
         if self.metrics is not None:
@@ -191,7 +192,7 @@ class Speculator:
         track.tokens += accepted + 1  # the agreeing drafts and the model's own token (at most: a stop ends it early)
         track.seconds += seconds
         if track.verified >= WINDOW:
-            if track.seconds > track.tokens * (self.decode_seconds or 0.0):  # plain decoding was faster
+            if track.seconds > track.tokens * self.decode_seconds.get(self._rows, 0.0):  # plain decoding was faster
                 track.paused = PAUSE_STEPS
             track.verified = track.tokens = 0
             track.seconds = 0.0
