@@ -53,9 +53,8 @@ KV_LAYOUT = (KV_LAYOUT_SLOTS, KV_LAYOUT_BLOCKS)
 PREFILL_CHUNK_AUTO, PREFILL_CHUNK_OFF = "auto", "off"  # prefill_chunk_tokens' words ("off" is read as 0)
 SPECULATIVE = ("off", "prompt_lookup", "draft")  # generation/speculative.py: prompt lookup (vLLM's "ngram"), or a
 # cheaper precision's graph packaged beside the served one (generation/draft_model.py: speculative_draft)
-# num_speculative_tokens where not given, by method: prompt lookup drafts as many as its match is long plus one, this
-# many at most (a long quotation goes on; a short match's draft stays short); a draft graph pays for every token it
-# drafts, so fewer (measured on Gemma 3 270M: docs/generation.md).
+# num_speculative_tokens where not given, by method (prompt lookup's drafts are its match's length plus one, this many
+# at most; a draft graph pays for every token it drafts): docs/generation.md.
 SPECULATIVE_TOKENS = {"prompt_lookup": 8, "draft": 4}
 # A text longer than max_sequence_length (docs/inputs.md): refused (400), truncated (said in the response and
 # counted), or cut into overlapping windows pooled into one vector (embeddings only).
@@ -263,10 +262,9 @@ class ModelParameters:
     # this multiple of the decode-only step (generation/itl_budget.py); 0 (the default): the cost model's fixed chunk
     # (the budget's small chunks cost the long prompts 3-5x their time to first token: docs/generation.md).
     max_itl_ratio: float = _param("ratio", 0.0, why="0 (off: the fixed auto chunk) or above 1")
-    # Speculative decoding (generation/speculative.py): off, or prompt_lookup (drafted from the sequence's context
-    # where its last prompt_lookup_min..prompt_lookup_max tokens occurred before, as many tokens as matched plus one,
-    # num_speculative_tokens at most, verified in one launch), or draft, while at most speculative_max_sequences
-    # sequences decode. vLLM's names. num_speculative_tokens None: SPECULATIVE_TOKENS of the method.
+    # Speculative decoding (generation/speculative.py): off, prompt_lookup (from the longest earlier match, of
+    # prompt_lookup_min..max tokens, of the context's end) or draft, while at most speculative_max_sequences sequences
+    # decode. vLLM's names. num_speculative_tokens None: SPECULATIVE_TOKENS of the method.
     speculative: str = _param("choice", "off", choices=SPECULATIVE)
     num_speculative_tokens: int | None = _param("int?", None, minimum=1)
     prompt_lookup_max: int = _param("int", 8, minimum=1)
