@@ -27,8 +27,8 @@ One :meth:`Scheduler.step` is one iteration of the engine loop:
 4. every sequence that was already running decodes one token, all in one launch, each at its own length. The
    token masks of the rows with a grammar (``Generation.grammar``: structured outputs) are computed on a worker
    thread while that launch runs when there are many, in place when few (``structured.grammar.StepMasks``), and
-   applied to their logits before sampling;
-   each matcher advances with its sequence's token, and a sequence whose grammar is complete ends (``stop``).
+   applied to their logits before sampling; each matcher advances with its sequence's token, and a sequence whose
+   grammar is complete ends (``stop``).
 
 New requests therefore join the running batch at the next step. The waiting queue is bounded: past it
 :meth:`Scheduler.submit` raises :class:`QueueFull` (the frontends answer 503 with Retry-After), so the
@@ -55,10 +55,8 @@ back a step, once, and admission stops there (``prefix_cache.PendingBlocks``; no
 lookup finds that prompt's blocks, so a burst on a new document prefills it once (behind a prompt split in chunks it
 waits anyway, that group being the step's last, and its lookup then takes what the chunks wrote).
 
-With a ``speculator`` (``speculative.Speculator``: prompt lookup), a decoding row with a draft is a placeholder in the
-decode launch and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``;
-each decode launch is timed for it (a token's time in plain decoding: what its verifications are judged
-against).
+With a ``speculator`` (``speculative.Speculator``), a drafting row is a placeholder in the decode launch (timed for
+it) and verified in a launch of its own, its agreeing drafts and the model's next token taken by ``_accept``.
 
 Pure Python and numpy, no Triton: the Triton model (``generate_model``) feeds it and sends what it emits.
 """
@@ -96,11 +94,10 @@ class Scheduler:
     def __init__(self, model: Any, slots: KVSlots, tokenizer: Any, eos_token_ids: Sequence[int], *,
                  max_waiting: int = 64, cost: CostModel | None = None, max_prefill_tokens: int = 2048,
                  max_prefill_batch: int = 16, preemption_wait_s: float = 0.0, max_tokens_grouping_s: float = 0.0,
-                 retry_after_s: float = 1.0,
-                 metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
+                 retry_after_s: float = 1.0, metrics: Any = None, clock: Callable[[], float] = time.perf_counter,
                  log_error: Callable[[str], None] = lambda _m: None, cancel_check_s: float = 0.05,
-                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0,
-                 whole_below: int = 0, itl_budget: Any = None) -> None:
+                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 0, whole_below: int = 0,
+                 itl_budget: Any = None) -> None:
         self.model, self.slots, self.tokenizer = model, slots, tokenizer
         self.eos = tuple(int(e) for e in eos_token_ids)
         self.max_waiting = int(max_waiting)
@@ -110,9 +107,7 @@ class Scheduler:
         self.preemption_wait_s = float(preemption_wait_s)
         self.max_tokens_grouping_s = float(max_tokens_grouping_s)
         self.retry_after_s = float(retry_after_s)
-        self.metrics = metrics or NullMetrics()
-        self.clock = clock
-        self.log_error = log_error
+        self.metrics, self.clock, self.log_error = metrics or NullMetrics(), clock, log_error
         # is_cancelled() is a round trip to the Triton process per sequence: asked at most this often.
         self.cancel_check_s = float(cancel_check_s)
         self.prefix_cache = prefix_cache
@@ -127,8 +122,7 @@ class Scheduler:
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
-        self._arrivals: list[Generation] = []
-        self._lock = threading.Lock()
+        self._arrivals, self._lock = [], threading.Lock()  # arrivals: submitted, not yet in the queue
         self.wake = threading.Event()  # set when work arrives (the engine loop sleeps on it when idle)
         self.masks = StepMasks()  # grammar rows' token masks, computed beside the batched step
 
@@ -278,14 +272,20 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            hit_taken = hit is not None and not sharing and self._admit_hit(head, hit)
+            whole = len(head.context())  # its hit gone (the holder dropped for room) or refused: the whole prompt
+            if not (sharing or hit_taken) and left is not None and whole > self.whole_below and (
+                    left <= 0 or (whole > left and left < MIN_CHUNK)):
+                self.waiting.appendleft(head)  # over what is left of the budget: it waits (no chunk of nothing)
+                break
             if self.prefix_cache is not None:
-                self.metrics.prefix_lookup(len(head.context()), hit.tokens if hit is not None else 0)
+                self.metrics.prefix_lookup(len(head.context()), head.cached if hit_taken else 0)
             # Admitted whole (no hit): every block its own, but a sharing sibling's of its leader's prompt (a pool).
             need = self.slots.admission_bytes(self._held(head), shared)
             if sharing:
                 chosen.append(head)
                 pending += need
-            elif hit is not None and self._admit_hit(head, hit):
+            elif hit_taken:
                 rest = len(head.context()) - head.cached
                 if coming is not None:
                     coming.add(head.context(), head.cached + (rest if budget is None else min(rest, budget)))
