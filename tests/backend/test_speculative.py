@@ -1,7 +1,7 @@
 """Speculative decoding by prompt lookup (generation/speculative.py): the drafts, and on the real graph the tokens of
 plain decoding with it on (greedy and seeded, eos / stop tokens and max_tokens met inside a draft, log-probabilities),
-the batch bound, the back-off where drafts are rejected, grammar rows left out; on every family of the zoo, a sliding
-window crossed by the verified drafts too."""
+the batch bound, the back-off where verifications take longer than plain decoding (by a clock the fake models
+advance), grammar rows left out; on every family of the zoo, a sliding window crossed by the verified drafts too."""
 
 from __future__ import annotations
 
