@@ -10,7 +10,8 @@ serving that precision instead would give, its tokens not FP32's); its own secti
 
 With ``--served`` the same workloads go through Triton and our OpenAI API instead (``/v1/completions``, the prompts as
 token ids, greedy): the FP32 graph laid out twice in one repository with this checkout's backend, ``speculative``
-off and ``prompt_lookup`` (the contract's defaults otherwise), one server, our frontend; tokens from each response's
+off and ``prompt_lookup`` at this checkout's settings (written over the build's config.pbtxt, which may hold older
+defaults), one server, our frontend; tokens from each response's
 ``usage``, the drafts from the server's ``/metrics``, the answers' texts compared; its own section
 (``speculative-served``).
 
