@@ -48,7 +48,7 @@ MIN_CHUNK = 16  # tokens: a chunk shorter than this is not launched (a launch's 
 AUTO_MIN, AUTO_MAX = 64, 512  # tokens: the range "auto" chooses in (also bounded by max_prefill_tokens)
 AUTO_WHOLE_CHUNKS = 4  # under "auto", a prompt of at most this many chunks is prefilled whole, grouped
 
-__all__ = ["AUTO_MAX", "AUTO_MIN", "AUTO_WHOLE_CHUNKS", "MIN_CHUNK", "chunk_tokens", "whole_below"]
+__all__ = ["AUTO_MAX", "AUTO_MIN", "AUTO_WHOLE_CHUNKS", "MIN_CHUNK", "chunk_tokens", "over_budget", "whole_below"]
 
 
 def chunk_tokens(setting: int | str, cost: Any, max_prefill_tokens: int) -> int:
@@ -72,3 +72,10 @@ def whole_below(setting: int | str, chunk: int) -> int:
     prompts that hold the streams still (:data:`AUTO_WHOLE_CHUNKS` chunks and more); a number given splits every
     prompt longer than what the step has left."""
     return AUTO_WHOLE_CHUNKS * chunk if setting == PREFILL_CHUNK_AUTO and chunk else 0
+
+
+def over_budget(rest: int, left: int | None, whole_below: int) -> bool:
+    """Whether a prompt of ``rest`` tokens to prefill waits for the next step: over ``whole_below`` (shorter ones go
+    whole, outside the budget) with nothing of the step's ``left`` prompt tokens (None: no bound) left, or too little
+    for a first chunk of :data:`MIN_CHUNK`."""
+    return left is not None and rest > whole_below and (left <= 0 or (rest > left and left < MIN_CHUNK))

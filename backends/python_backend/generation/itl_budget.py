@@ -36,7 +36,14 @@ from .chunked_prefill import AUTO_MAX, MIN_CHUNK
 ALPHA = 0.3  # weight of a new measurement in the exponential averages
 SCALE_MIN, SCALE_MAX = 0.25, 8.0  # the bounds of the chunk cost's measured / modelled correction
 
-__all__ = ["ALPHA", "ItlBudget", "SCALE_MAX", "SCALE_MIN", "itl_budget"]
+__all__ = ["ALPHA", "ItlBudget", "SCALE_MAX", "SCALE_MIN", "itl_budget", "observe_launch"]
+
+
+def observe_launch(times: dict[int, float], rows: int, seconds: float, alpha: float = ALPHA) -> None:
+    """``times[rows]``, the exponential average of a decode launch of ``rows`` rows, moved by one launch of ``seconds``
+    (its first one: that launch). The ITL budget's ``d`` and the speculator's reference (speculative.py) both."""
+    old = times.get(rows)
+    times[rows] = seconds if old is None else old + alpha * (seconds - old)
 
 
 class ItlBudget:
@@ -98,8 +105,7 @@ class ItlBudget:
     # ------------------------------------------------------------------ measurements
 
     def observe_decode(self, rows: int, seconds: float) -> None:
-        old = self._decode.get(rows)
-        self._decode[rows] = seconds if old is None else old + ALPHA * (seconds - old)
+        observe_launch(self._decode, rows, seconds)
 
     def observe_chunk(self, tokens: int, past: int, seconds: float) -> None:
         modelled = self.modelled(tokens, past)

@@ -75,7 +75,7 @@ from .detokenize import IncrementalDetokenizer, StopMatcher
 from ..batching.grouping import CostModel, plan_groups
 from .kv_blocks import choose_victim, take_next_blocks
 from .kv_slots import AdmissionError, KVSlots
-from .chunked_prefill import MIN_CHUNK
+from .chunked_prefill import MIN_CHUNK, over_budget
 from .prefix_cache import Hit, PrefixCache
 from .sampling import Sampler, SamplingError
 from .siblings import admission_source, placeholder_at, shares_prefill, sharing_last, take_over
@@ -122,7 +122,8 @@ class Scheduler:
         self._last_cancel_check = float("-inf")
         self.running: list[Generation] = []  # running[i].slot == i
         self.waiting: collections.deque[Generation] = collections.deque()
-        self._arrivals, self._lock = [], threading.Lock()  # arrivals: submitted, not yet in the queue
+        self._arrivals: list[Generation] = []
+        self._lock = threading.Lock()
         self.wake = threading.Event()  # set when work arrives (the engine loop sleeps on it when idle)
         self.masks = StepMasks()  # grammar rows' token masks, computed beside the batched step
 
@@ -259,7 +260,7 @@ class Scheduler:
             budget = left if rest > self.whole_below else None  # a short prompt: whole, outside the budget
             if split is not None and not (sharing and head.leader is split):
                 break  # the split prompt's group is the step's last
-            if budget is not None and not sharing and (budget <= 0 or (rest > budget and budget < MIN_CHUNK)):
+            if not sharing and over_budget(rest, left, self.whole_below):
                 break  # this step's prefill budget is spent: it waits, holding no memory
             if coming is not None and not sharing and coming.hold_back(head, hit):
                 self.metrics.prefix_held_back()
@@ -273,10 +274,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             hit_taken = hit is not None and not sharing and self._admit_hit(head, hit)
-            whole = len(head.context())  # its hit gone (the holder dropped for room) or refused: the whole prompt
-            if not (sharing or hit_taken) and left is not None and whole > self.whole_below and (
-                    left <= 0 or (whole > left and left < MIN_CHUNK)):
-                self.waiting.appendleft(head)  # over what is left of the budget: it waits (no chunk of nothing)
+            # Its hit gone (the holder dropped for room) or refused: the whole prompt, against what is left.
+            if not (sharing or hit_taken) and over_budget(len(head.context()), left, self.whole_below):
+                self.waiting.appendleft(head)  # it waits (a first chunk of nothing is no launch)
                 break
             if self.prefix_cache is not None:
                 self.metrics.prefix_lookup(len(head.context()), head.cached if hit_taken else 0)

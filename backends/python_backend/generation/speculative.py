@@ -54,6 +54,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..contract import SPECULATIVE_TOKENS
+from .itl_budget import observe_launch
+
 PROMPT_LOOKUP = "prompt_lookup"  # contract.SPECULATIVE's method
 WINDOW = 8  # verifications over which a sequence's drafting is judged
 PAUSE_STEPS = 8  # steps a sequence drafts nothing after its verifications took longer than plain decoding
@@ -94,7 +97,7 @@ class SpeculativeConfig:
     """The serving settings (contract: ``speculative``, ``num_speculative_tokens``, ``prompt_lookup_max`` / ``_min``,
     ``speculative_max_sequences``)."""
 
-    num_speculative_tokens: int = 8  # at most (prompt lookup: as many as the match is long, plus one)
+    num_speculative_tokens: int = SPECULATIVE_TOKENS[PROMPT_LOOKUP]  # at most (prompt lookup: its match's length + 1)
     prompt_lookup_max: int = 8
     prompt_lookup_min: int = 1
     max_sequences: int = 1  # drafting only while at most this many sequences decode
@@ -180,9 +183,7 @@ class Speculator:
     def observe_decode(self, rows: int, seconds: float) -> None:
         """A decode launch of ``rows`` rows took ``seconds`` (the scheduler's, timed; one token for each row): what
         the verifications of as many decoding sequences are judged against."""
-        last = self.decode_seconds.get(int(rows))
-        self.decode_seconds[int(rows)] = float(seconds) if last is None else (
-            last + DECODE_SMOOTHING * (float(seconds) - last))
+        observe_launch(self.decode_seconds, int(rows), float(seconds), DECODE_SMOOTHING)
 
     def _judge(self, gen: Any, drafted: int, accepted: int, seconds: float) -> None:
         if self.metrics is not None:
