@@ -177,6 +177,8 @@ class GenerativeModel:
                                                          s.max_prefill_tokens))
         self.scheduler.loras = self.adapters if self.adapters.found else None
         self.scheduler.speculator = _speculator(s, self.metrics, self.draft)
+        if self.draft is not None:  # its catch-up chunked as the served prompts are
+            self.draft.chunk_tokens, self.draft.whole_below = chunk, self.scheduler.whole_below
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._final = final
         # Off the engine loop: the cancellation questions (cancel_watch) and the building and sending of each

@@ -155,3 +155,46 @@ def test_only_a_launch_bringing_its_slot_more_than_two_tokens_forward_is_a_catch
     seq.tokens += [7, 8, 9, 10]  # decoded while drafting paused
     draft.propose(seq, 3)
     assert draft.catch_up_seconds > 0
+
+
+class _Launches:
+    """The draft graph with its prefill launches' token counts recorded."""
+
+    def __init__(self, model):
+        self.model, self.prefills = model, []
+
+    def prefill(self, rows, views, **kw):
+        self.prefills.append(len(rows[0]))
+        return self.model.prefill(rows, views, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_under_chunked_prefill_a_long_catch_up_runs_a_chunk_a_step_and_the_output_is_plain_decodings(tiny_llm, engine):
+    """A catch-up longer than the scheduler prefills whole runs ``chunk_tokens`` a proposal, drafting nothing until its
+    last chunk (the sequence decodes plainly meanwhile); the slot then holds the whole context and drafts follow."""
+    spec, model = engine
+    _, onnx_dir = tiny_llm
+    draft = DraftModel(_Launches(CausalLM(onnx_dir / "model.onnx", threads=1, pad_token_id=0)), spec, 1,
+                       spec.max_context)
+    draft.chunk_tokens = 8
+    seq = _Sequence(random.Random(3).choices(range(3, spec.vocab_size), k=30))
+    assert [draft.propose(seq, 3) for _ in range(3)] == [[], [], []]  # 8, 16 and 24 of the 30 tokens
+    assert draft.model.prefills == [8, 8, 8] and draft.catch_up_seconds > 0
+    assert draft._held[0].tokens == seq.tokens[:24]
+    assert len(draft.propose(seq, 3)) == 3 and draft.model.prefills[-1] == 6  # the rest, its last token's logits
+    draft.whole_below = 64  # a catch-up the scheduler would prefill whole runs whole here too
+    draft.forget([])
+    assert len(draft.propose(seq, 3)) == 3 and draft.model.prefills[-1] == 30
+
+    draft.whole_below = 0
+    prompts = [random.Random(5 + i).choices(range(3, spec.vocab_size), k=45) for i in range(2)]
+    for params in (GREEDY, SEEDED):
+        for prompt in prompts:
+            draft.model.prefills.clear()
+            plain = _generate(model, spec, [prompt], params)[0]
+            counts = SpeculationCounts()
+            got = _generate(model, spec, [prompt], params, draft, counts)[0]
+            assert (got.generated, got.finish_reason) == (plain.generated, plain.finish_reason)
+            assert max(draft.model.prefills) <= 8 and counts.drafts > 0

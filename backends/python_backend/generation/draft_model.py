@@ -16,7 +16,10 @@ and the context is kept, the rest runs as one launch: a decode where one token i
 served model's own token), a continued prompt otherwise (all drafts accepted: the last draft and the served model's
 token; a sequence new to the slot: its whole context, once). Keys and
 values past the kept prefix are written over, never read (each launch's mask stops at the row's length), as in the
-served graph's slots.
+served graph's slots. Under chunked prefill (:attr:`DraftModel.chunk_tokens`, the scheduler's chunk), a catch-up of
+more than the scheduler prefills whole (``whole_below``) runs ``chunk_tokens`` tokens a step and drafts nothing until
+the last chunk: the sequence decodes plainly meanwhile, and no step holds the streams for a long prompt's whole
+prefill on the draft graph any more than on the served one.
 
 Where it pays: where the draft's launch is much cheaper than the served one's and agrees with it on most tokens
 (a quantized draft of the same model: docs/generation.md, "Speculative decoding"). Its cost is judged like prompt
@@ -62,11 +65,13 @@ class DraftModel:
         self._held = [_Held() for _ in range(self.storage.slots)]
         # The last proposal's catch-up launch (more than two tokens new to its slot), in seconds; 0.0 when it had none.
         self.catch_up_seconds = 0.0
+        # Chunked prefill's bounds (the scheduler's chunk_tokens and whole_below; 0: a catch-up runs whole).
+        self.chunk_tokens = self.whole_below = 0
         self._clock = 0
 
     def propose(self, gen: Any, k: int) -> list[int]:
         """The draft's greedy continuation of ``gen``'s context, ``k`` tokens (fewer where the context would pass the
-        draft's cache); empty for ``k`` < 1."""
+        draft's cache); empty for ``k`` < 1, and while a chunked catch-up is not done."""
         context = list(gen.context())
         k = min(int(k), self.max_context - len(context))
         if k < 1 or not context:
@@ -77,12 +82,18 @@ class DraftModel:
         # Keep what the slot holds of the context (the last token is always run: its logits draft the first token).
         keep = _common_prefix(held.tokens, context, len(context) - 1)
         began = time.perf_counter()
+        new = len(context) - keep
+        if self.chunk_tokens and new > max(self.chunk_tokens, self.whole_below):  # a chunk of the catch-up this step
+            self.model.prefill([context[keep:keep + self.chunk_tokens]], views, past=[keep] if keep else None)
+            held.tokens = context[:keep + self.chunk_tokens]
+            self.catch_up_seconds = time.perf_counter() - began
+            return []
         if keep == len(context) - 1 and keep:  # one token new (a draft rejected): a decode launch, the cheaper one
             logits = self.model.decode([context[-1]], [keep], views)
         else:
             logits = self.model.prefill([context[keep:]], views, past=[keep] if keep else None)
         # Two tokens new is drafting's own step (every draft taken: the last one and the served model's token).
-        self.catch_up_seconds = time.perf_counter() - began if len(context) - keep > 2 else 0.0
+        self.catch_up_seconds = time.perf_counter() - began if new > 2 else 0.0
         drafts = [int(np.argmax(logits[0]))]
         for i in range(1, k):
             logits = self.model.decode([drafts[-1]], [len(context) + i - 1], views)
