@@ -85,7 +85,7 @@ def test_the_operator_gives_the_standard_form_s_outputs(tmp_path, monkeypatch, i
     assert not [t.name for t in model.graph.initializer if ".weight_q." in t.name]
     lib = ia.library(rk.SOURCE, isa=isa, name=rk.LIBRARY_NAME)
     kernel = _session(model.SerializeToString(), tmp_path, lib)
-    for rows in (1, 3, 8, 33):  # whole row tiles and a remainder
+    for rows in (1, 3, 8, 16, 33):  # whole row tiles and a remainder (AMX tiles from 2 rows where the CPU has them)
         x = _inputs(rows, k, rows)
         want = packaged.run(None, {"x": x})[0]
         got = kernel.run(None, {"x": x})[0]
@@ -152,7 +152,9 @@ def test_a_text_generation_graph_decodes_the_same_on_both_kernels(tiny_llm_rows)
     packaged = CausalLM(tiny_llm_rows, threads=2, int8_attention="onnxruntime", int8_matmul="onnxruntime")
     kernel = CausalLM(tiny_llm_rows, threads=2, int8_attention="kernel", int8_matmul="kernel")
     assert packaged.matmul == ""
-    assert kernel.matmul == f"model-factory Int8MatMulToFloat (0 nodes) and RowInt8MatMul (2 nodes), {rk.LIBRARY_NAME}"
+    tiles = rk.tile_rows(ia.library(rk.SOURCE, name=rk.LIBRARY_NAME))  # AMX where this CPU and kernel have it
+    assert kernel.matmul == (f"model-factory Int8MatMulToFloat (0 nodes) and RowInt8MatMul (2 nodes), {rk.LIBRARY_NAME}"
+                             + (f", AMX tiles from {tiles} rows" if tiles else ""))
     assert kernel.attention.startswith("model-factory Int8KVAttention (2 nodes")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (7, 23, 2)]
@@ -220,12 +222,22 @@ def test_a_matmulinteger_chain_on_the_operator_is_bit_for_bit_the_same(tmp_path,
     assert [nd.op_type for nd in model.graph.node] == ["DynamicQuantizeLinear", "Mul", rk.TO_FLOAT]
     assert "w" not in {t.name for t in model.graph.initializer}
     kernel = _session(model.SerializeToString(), tmp_path, ia.library(rk.SOURCE, isa=isa, name=rk.LIBRARY_NAME))
-    for rows in (1, 3, 8, 33):
+    for rows in (1, 3, 8, 16, 33):
         x = _inputs(rows, k, rows)
         want = packaged.run(None, {"x": x})[0]
         got = kernel.run(None, {"x": x})[0]
         assert got.shape == want.shape == (rows, 1, n)
         assert np.array_equal(got, want)
+
+
+@needs_compiler
+def test_the_library_says_whether_it_multiplies_on_amx_tiles():
+    """Where the CPU has AMX (amx_int8, amx_tile), a compiler that targets it and a kernel that grants the tile
+    state, the native library takes its tile path from 2 rows (the outputs above are checked at 3 to 33 rows on
+    it); the AVX2 build and a CPU without AMX never do."""
+    native = rk.tile_rows(ia.library(rk.SOURCE, name=rk.LIBRARY_NAME))
+    assert native in ((0, 2) if {"amx_int8", "amx_tile"} <= set(ia._cpu_flags().split()) else (0,))
+    assert rk.tile_rows(ia.library(rk.SOURCE, isa="avx2", name=rk.LIBRARY_NAME)) == 0
 
 
 def test_an_8_bit_weight_keeps_its_standard_ops(tmp_path):

@@ -213,7 +213,8 @@ class CausalLM:
         if folder is not None:
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         self.matmul = (f"model-factory Int8MatMulToFloat ({prepared.chains} nodes) and RowInt8MatMul "
-                       f"({prepared.nodes} nodes), {prepared.library.name}")
+                       f"({prepared.nodes} nodes), {prepared.library.name}"
+                       + (f", AMX tiles from {prepared.tile_rows} rows" if prepared.tile_rows else ""))
         return prepared.model
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, views: dict[str, Any],

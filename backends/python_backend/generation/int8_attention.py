@@ -43,7 +43,7 @@ COMPILE_TIMEOUT_S = 120
 # The instruction sets a library may be compiled for: the host's own (what serving uses), or AVX2 without AVX-512 (the
 # kernel's path on an AVX2-only CPU such as AMD's EPYC up to Zen 3, which a test and bench_decode_attention force on an
 # AVX-512 host to run and time it there too).
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")}
 GQA = "GroupQueryAttention"
 # The standard node's inputs the operator takes, in its order (the query, or query, key and value packed; the key
 # and value when separate; past key and value; seqlens_k; total_sequence_length; cos and sin caches; k_scale and

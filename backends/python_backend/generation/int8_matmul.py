@@ -15,7 +15,8 @@ step. Two operators compute the same things:
 
 Both multiply with the CPU's integer dot products (AVX-512 VNNI, or AVX2: 7-bit weights keep its u8 x s8 pairs
 within int16), the weight repacked at load in tiles of 32 columns, each tile's inputs in order, so a task streams its
-columns. As for the INT8-cache attention (``int8_attention``): the packaged graph keeps the standard ops (what was
+columns; where the CPU has Intel AMX (and the compiler and Linux allow it) from 2 rows as AMX tile products over the
+same packed weight, the same exact integer sums (:func:`tile_rows` says whether; docs/generation.md, "AMX tiles"). As for the INT8-cache attention (``int8_attention``): the packaged graph keeps the standard ops (what was
 gated and signed, what any ONNX Runtime runs); at load :func:`rewrite` replaces what it recognises in memory, and the
 library is compiled on the host by ``int8_attention.library``'s rules (the same cache, compiler and ownership checks).
 Where it cannot be used the graph runs as packaged and the reason is logged (``int8_matmul = "kernel"``: the load fails
@@ -57,6 +58,7 @@ class Prepared:
     library: Path
     nodes: int
     chains: int = 0
+    tile_rows: int = 0  # from this many rows the products are AMX tile products (0: never here: tile_rows())
 
 
 def pack(weight_q: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -253,4 +255,15 @@ def prepare(source: Path | bytes, weights_folder: Path | None = None) -> Prepare
     rows, chains = rewrite(model, weights_folder, chains=vnni())
     if not rows and not chains:
         return None
-    return Prepared(model.SerializeToString(), lib, rows, chains)
+    return Prepared(model.SerializeToString(), lib, rows, chains, tile_rows(lib))
+
+
+def tile_rows(lib: Path) -> int:
+    """The fewest rows the compiled library multiplies on AMX tiles in this process (compiled with them where
+    ``-march=native`` has them, and granted the tile state by the kernel); 0 where it does not."""
+    import ctypes
+
+    try:
+        return int(ctypes.CDLL(str(lib)).MfInt8MatMulTileRows())
+    except (OSError, AttributeError):  # a library without the symbol, or one that does not load here
+        return 0
