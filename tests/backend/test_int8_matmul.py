@@ -240,6 +240,26 @@ def test_the_library_says_whether_it_multiplies_on_amx_tiles():
     assert rk.tile_rows(ia.library(rk.SOURCE, isa="avx2", name=rk.LIBRARY_NAME)) == 0
 
 
+@needs_compiler
+def test_tiles_off_in_the_environment_keeps_the_vector_path(tmp_path, monkeypatch):
+    """MF_INT8_MATMUL_TILES=off (read when a session registers the library): no tile products, the same outputs."""
+    import onnx
+
+    path = _chain(tmp_path, 640, 64)
+    model = onnx.load(str(path), load_external_data=False)
+    assert rk.rewrite(model, tmp_path) == (0, 1)
+    lib = ia.library(rk.SOURCE, name=rk.LIBRARY_NAME)
+    x = _inputs(8, 640, 1)
+    on = _session(model.SerializeToString(), tmp_path, lib).run(None, {"x": x})[0]
+    tiles = rk.tile_rows(lib)
+    monkeypatch.setenv("MF_INT8_MATMUL_TILES", "off")
+    off = _session(model.SerializeToString(), tmp_path, lib).run(None, {"x": x})[0]
+    assert rk.tile_rows(lib) == 0 and np.array_equal(on, off)
+    monkeypatch.delenv("MF_INT8_MATMUL_TILES")
+    _session(model.SerializeToString(), tmp_path, lib)
+    assert rk.tile_rows(lib) == tiles  # back on where the host has them
+
+
 def test_an_8_bit_weight_keeps_its_standard_ops(tmp_path):
     """8-bit weights would overflow AVX2's int16 pairs: such a chain is not taken."""
     import onnx

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
@@ -210,8 +211,11 @@ constexpr int64_t kAmxMinRows = 2;  // one row stays on the vector path (on the 
 bool g_amx = false;  // granted the tile state (amx_granted)
 
 // Linux gives a process AMX's tile data state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-// refused (an older kernel, a sandbox), the vector path runs.
+// refused (an older kernel, a sandbox), or MF_INT8_MATMUL_TILES=off in the process's environment (to compare, or to
+// rule the tiles out), the vector path runs.
 bool amx_granted() {
+  const char* setting = std::getenv("MF_INT8_MATMUL_TILES");
+  if (setting && std::strcmp(setting, "off") == 0) return g_amx = false;
   if (!g_amx) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return g_amx;
 }
