@@ -153,11 +153,33 @@ inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 #ifdef MF_ROW_INT8_VECTOR
 constexpr int kVecs = static_cast<int>(kTile / kVec);
 
+// The float steps from a group's integer sums to the outputs, one vector of columns [n, n + kVec) at a time: both
+// the vector path and the AMX tiles' end here, so their outputs are the same bit for bit.
+// The zero point's term of the sums: zero x the column sums.
+inline VecI zero_point_term(const Step& st, int64_t g, int64_t n) {
+  return mullo(load_i(st.colsum + g * st.N + n), set1(st.zero));
+}
+// The weight's scales (Int8MatMulToFloat: one group, the scale per column or one value).
+inline VecF weight_scale(const Step& st, int64_t g, int64_t n) {
+  if (!st.xs) return st.scalar_scale ? set1f(st.ws[0]) : load_f(st.ws + n);
+  return load_f(st.ws + g * st.N + n);
+}
+// Row `row`'s outputs from its sums: written (one group), or its group's part added in order (RowInt8MatMul).
+inline void finish(const Step& st, int64_t g, int64_t row, int64_t n, VecI sums, VecI zero_term, VecF scale) {
+  float* y = st.y + row * st.N + n;
+  if (!st.xs) {
+    store_f(y, mul(to_float(sub(sums, zero_term)), scale));
+    return;
+  }
+  const VecF part = mul(mul(to_float(sub(sums, zero_term)), scale), set1f(st.xs[row * (st.K / st.G) + g]));
+  store_f(y, g == 0 ? part : add(load_f(y), part));
+}
+
 // Group g's part of rows [r0, r0 + R) in tile t, added to Y (assigned for the first group: the groups summed in
 // order); R a constant so that the accumulators stay in registers.
 template <int R>
 void group_vector(const Step& st, int64_t t, int64_t g, int64_t r0) {
-  const int64_t groups = st.K / st.G, steps = st.G / 4;
+  const int64_t steps = st.G / 4;
   VecI acc[R][kVecs];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
@@ -179,23 +201,12 @@ void group_vector(const Step& st, int64_t t, int64_t g, int64_t r0) {
     }
   }
   const int64_t n0 = t * kTile;
-  const VecI zero_point = set1(st.zero);
 #pragma GCC unroll 4
   for (int v = 0; v < kVecs; ++v) {
-    const VecI c = mullo(load_i(st.colsum + g * st.N + n0 + v * kVec), zero_point);
-    if (!st.xs) {  // Int8MatMulToFloat: one group, the scale per column
-      const VecF sc = st.scalar_scale ? set1f(st.ws[0]) : load_f(st.ws + n0 + v * kVec);
+    const VecI c = zero_point_term(st, g, n0 + v * kVec);
+    const VecF sc = weight_scale(st, g, n0 + v * kVec);
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) store_f(st.y + (r0 + i) * st.N + n0 + v * kVec, mul(to_float(sub(acc[i][v], c)), sc));
-      continue;
-    }
-    const VecF sc = load_f(st.ws + g * st.N + n0 + v * kVec);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const VecF part = mul(mul(to_float(sub(acc[i][v], c)), sc), set1f(st.xs[(r0 + i) * groups + g]));
-      float* y = st.y + (r0 + i) * st.N + n0 + v * kVec;
-      store_f(y, g == 0 ? part : add(load_f(y), part));
-    }
+    for (int i = 0; i < R; ++i) finish(st, g, r0 + i, n0 + v * kVec, acc[i][v], c, sc);
   }
 }
 #endif
@@ -213,10 +224,12 @@ bool g_amx = false;  // granted the tile state (amx_granted)
 // Linux gives a process AMX's tile data state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // refused (an older kernel, a sandbox), or MF_INT8_MATMUL_TILES=off in the process's environment (to compare, or to
 // rule the tiles out), the vector path runs.
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl's ARCH_REQ_XCOMP_PERM (asm/prctl.h)
+constexpr int kXfeatureXtiledata = 18;     // the AMX tile data state component (XFEATURE_XTILEDATA)
 bool amx_granted() {
   const char* setting = std::getenv("MF_INT8_MATMUL_TILES");
   if (setting && std::strcmp(setting, "off") == 0) return g_amx = false;
-  if (!g_amx) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  if (!g_amx) g_amx = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return g_amx;
 }
 
@@ -254,25 +267,13 @@ void amx_sums(const Step& st, int64_t t, int64_t g, int64_t r0, int32_t* acc) {
   _tile_stored(1, acc + 16, kTile * 4);
 }
 
-// group_vector's float steps for rows [r0, r0 + rows) from sums already made (acc [rows, kTile]).
+// The float steps (finish) for rows [r0, r0 + rows) from sums already made (acc [rows, kTile]).
 void epilogue(const Step& st, int64_t t, int64_t g, int64_t r0, int64_t rows, const int32_t* acc) {
-  const int64_t groups = st.K / st.G;
   const int64_t n0 = t * kTile;
-  const VecI zero_point = set1(st.zero);
   for (int v = 0; v < kVecs; ++v) {
-    const VecI c = mullo(load_i(st.colsum + g * st.N + n0 + v * kVec), zero_point);
-    if (!st.xs) {
-      const VecF sc = st.scalar_scale ? set1f(st.ws[0]) : load_f(st.ws + n0 + v * kVec);
-      for (int64_t i = 0; i < rows; ++i)
-        store_f(st.y + (r0 + i) * st.N + n0 + v * kVec, mul(to_float(sub(load_i(acc + i * kTile + v * kVec), c)), sc));
-      continue;
-    }
-    const VecF sc = load_f(st.ws + g * st.N + n0 + v * kVec);
-    for (int64_t i = 0; i < rows; ++i) {
-      const VecF part = mul(mul(to_float(sub(load_i(acc + i * kTile + v * kVec), c)), sc), set1f(st.xs[(r0 + i) * groups + g]));
-      float* y = st.y + (r0 + i) * st.N + n0 + v * kVec;
-      store_f(y, g == 0 ? part : add(load_f(y), part));
-    }
+    const VecI c = zero_point_term(st, g, n0 + v * kVec);
+    const VecF sc = weight_scale(st, g, n0 + v * kVec);
+    for (int64_t i = 0; i < rows; ++i) finish(st, g, r0 + i, n0 + v * kVec, load_i(acc + i * kTile + v * kVec), c, sc);
   }
 }
 
