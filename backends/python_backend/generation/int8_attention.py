@@ -40,9 +40,9 @@ LIBRARY_NAME = "libmf_int8_kv_attention.so"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared",
          "-fvisibility=hidden", "-Wno-psabi")
 COMPILE_TIMEOUT_S = 120
-# The instruction sets a library may be compiled for: the host's own (what serving uses), or AVX2 without AVX-512 (the
-# kernel's path on an AVX2-only CPU such as AMD's EPYC up to Zen 3, which a test and bench_decode_attention force on an
-# AVX-512 host to run and time it there too).
+# The instruction sets a library may be compiled for: the host's own (what serving uses), or AVX2 without AVX-512 and
+# AMX (the kernel's path on an AVX2-only CPU such as AMD's EPYC up to Zen 3, which a test and bench_decode_attention
+# force on an AVX-512 host to run and time it there too).
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")}
 GQA = "GroupQueryAttention"
 # The standard node's inputs the operator takes, in its order (the query, or query, key and value packed; the key

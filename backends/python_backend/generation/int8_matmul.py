@@ -16,7 +16,8 @@ step. Two operators compute the same things:
 Both multiply with the CPU's integer dot products (AVX-512 VNNI, or AVX2: 7-bit weights keep its u8 x s8 pairs
 within int16), the weight repacked at load in tiles of 32 columns, each tile's inputs in order, so a task streams its
 columns; where the CPU has Intel AMX (and the compiler and Linux allow it) from 2 rows as AMX tile products over the
-same packed weight, the same exact integer sums (:func:`tile_rows` says whether; docs/generation.md, "AMX tiles"). As for the INT8-cache attention (``int8_attention``): the packaged graph keeps the standard ops (what was
+same packed weight, the same exact integer sums (:func:`tile_rows` says whether; docs/generation.md, "AMX tiles").
+As for the INT8-cache attention (``int8_attention``): the packaged graph keeps the standard ops (what was
 gated and signed, what any ONNX Runtime runs); at load :func:`rewrite` replaces what it recognises in memory, and the
 library is compiled on the host by ``int8_attention.library``'s rules (the same cache, compiler and ownership checks).
 Where it cannot be used the graph runs as packaged and the reason is logged (``int8_matmul = "kernel"``: the load fails
