@@ -15,6 +15,7 @@ from tests.generative_repository import generate_ids, metric_sum, served_variant
 pytestmark = pytest.mark.integration
 
 CHUNKED, WHOLE = "tiny_llm_chunked", "tiny_llm_whole"
+SHORT = 480  # tokens each short request decodes
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,10 @@ def server(tiny_llm, tmp_path_factory):
 
 def test_long_prompts_among_decoding_streams_give_the_same_tokens_chunked_and_count_the_chunks(server):
     rng = random.Random(9)
-    # The short requests decode long enough to outlast the long prompts' chunks (their prefill is whole once no
-    # stream decodes), with a second's head start: on a loaded CI machine 0.2 s was not always enough.
-    shorts = [{"prompt_ids": [rng.randrange(3, 2000) for _ in range(6)], "max_tokens": 160, "min_tokens": 160}
+    # The short requests decode long enough to outlast the head start and the long prompts' chunks (their prefill is
+    # whole once no stream decodes), with a second's head start: on a loaded CI machine 0.2 s was not always enough,
+    # and on a calm fast one 160 tokens each were done within the second (no chunk then).
+    shorts = [{"prompt_ids": [rng.randrange(3, 2000) for _ in range(6)], "max_tokens": SHORT, "min_tokens": SHORT}
               for _ in range(4)]
     longs = [{"prompt_ids": [rng.randrange(3, 2000) for _ in range(300 + 13 * i)], "max_tokens": 12,
               "min_tokens": 12, **extra} for i, extra in enumerate(({}, {"temperature": 0.8, "seed": 3}, {}))]
@@ -41,7 +43,7 @@ def test_long_prompts_among_decoding_streams_give_the_same_tokens_chunked_and_co
             time.sleep(1.0)  # the streams decode when the long prompts arrive
             got[model] = [f.result() for f in running + [pool.submit(generate_ids, server, model, b) for b in longs]]
     assert got[CHUNKED] == got[WHOLE]
-    assert all(len(ids) == 160 for ids in got[CHUNKED][:4]) and all(len(ids) == 12 for ids in got[CHUNKED][4:])
+    assert all(len(ids) == SHORT for ids in got[CHUNKED][:4]) and all(len(ids) == 12 for ids in got[CHUNKED][4:])
     deadline = time.monotonic() + 15  # the instance sends its metrics about once a second
     want = len(longs)  # each long prompt split at least once (exact chunk counts: tests/backend/test_chunked_prefill.py)
     while time.monotonic() < deadline and metric_sum(server, "prefill_chunks_total", CHUNKED) < want:
