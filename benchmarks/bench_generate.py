@@ -182,7 +182,7 @@ async def _drive(url: str, model: str | list[str], prompts: list[list[int]], sty
         else:
             body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT, "min_tokens": OUTPUT,
                     "ignore_eos": True, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
+                    "stream_options": {"include_usage": True}, **SAMPLING}
         body.update(extra or {})
         read = await stream_completion(session, url, body)
         got = {"prompt_tokens": read.usage_of("prompt_tokens"), "completion_tokens": read.usage_of("completion_tokens"),
@@ -203,6 +203,29 @@ async def _drive(url: str, model: str | list[str], prompts: list[list[int]], sty
 COUNT_PROBLEMS: list[str] = []
 # ``--driver aiperf``: NVIDIA's aiperf (its own venv) drives the OpenAI-API servers instead of ``_drive``.
 AIPERF: dict = {"path": None, "tokenizer": None, "work": None}
+# --sampling: what every request of ours and OpenVINO GenAI samples with instead of greedy (temperature, top_k, top_p)
+SAMPLING: dict = {}
+SAMPLING_NAMES = ("temperature", "top_k", "top_p")
+
+
+def sampling_setting(text: str) -> dict:
+    """``temperature=1,top_k=64,top_p=0.95`` as a dict (a ValueError naming what is wrong)."""
+    out: dict = {}
+    for part in (p for p in text.split(",") if p):
+        name, _, value = part.partition("=")
+        if name not in SAMPLING_NAMES or not value:
+            raise ValueError(f"--sampling {part!r}: give name=value pairs of {', '.join(SAMPLING_NAMES)}")
+        out[name] = int(value) if name == "top_k" else float(value)
+    if not out.get("temperature"):
+        raise ValueError("--sampling needs temperature > 0 (without it the requests are greedy)")
+    return out
+
+
+def sampling_words() -> str:
+    """How the requests choose their tokens, for the section's text."""
+    if not SAMPLING:
+        return "greedy"
+    return "sampled (" + ", ".join(f"`{k}` {v}" for k, v in SAMPLING.items()) + ", no seed)"
 
 
 def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
@@ -514,7 +537,8 @@ def bench_openvino(python: str, hf: Path, levels: list[int], work: Path, rounds:
     spec = work / "openvino-prompts.json"
     spec.write_text(json.dumps(cells))
     run = subprocess.run([python, str(ROOT / "benchmarks" / "openvino_peer.py"), "--model", str(ov_dir),
-                          "--prompts", str(spec), "--output", str(OUTPUT), "--threads", str(threads)],
+                          "--prompts", str(spec), "--output", str(OUTPUT), "--threads", str(threads),
+                          *(["--sampling", json.dumps(SAMPLING)] if SAMPLING else [])],
                          check=True, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     out: dict = {}
     for line in run.stdout.splitlines():
@@ -777,11 +801,21 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true", help="with --peers openvino alone: the rounds "
                         "alternate, ours (its server started for the round) then OpenVINO GenAI, instead of all of "
                         "ours first: the machine's drift over the run then falls on both alike; ratios paired by round")
+    parser.add_argument("--sampling", default="", help="e.g. temperature=1,top_k=64,top_p=0.95: ours and OpenVINO "
+                        "GenAI sample with it instead of greedy (the other peers are not driven with it)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.levels.split(",")]
     peers = [p for p in args.peers.split(",") if p]
+    if args.sampling:
+        try:
+            SAMPLING.update(sampling_setting(args.sampling))
+        except ValueError as exc:
+            parser.error(str(exc))
+        if set(peers) - {"openvino"} or args.driver == "aiperf":
+            parser.error("--sampling drives ours and OpenVINO GenAI only: give --peers openvino (or none) and the "
+                         "client driver")
     if args.interleave and "openvino" not in peers:
         parser.error("--interleave pairs ours with OpenVINO GenAI: give --peers openvino (others run after)")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-generate-"))
@@ -924,7 +958,8 @@ def main() -> None:
                 f"{'` / `'.join(ov_formats)}` (weights {' / '.join(f.upper() for f in ov_formats)}; INT8 is its LLM "
                 "default on the CPU), "
                 f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
-                "greedy, `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
+                + sampling_words().replace("`temperature`", "`do_sample`, `temperature`")
+                + ", `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
                 "token read (benchmarks/openvino_peer.py).")
         counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"
                   + (", as aiperf read it (`--use-server-token-count`)" if AIPERF["path"] else "")
@@ -964,7 +999,7 @@ def main() -> None:
             + ("aiperf's synthetic ones through the OpenAI API, the same token ids for the others" if AIPERF["path"]
                else "the same token ids for every runtime") + (
                 ": `<bos>` and 127 lower-case English word pieces drawn at random" if MODEL["name"] == "gemma3" else "")
-            + f"), exactly {OUTPUT} output tokens, greedy; "
+            + f"), exactly {OUTPUT} output tokens, {sampling_words()}; "
             f"{rounds}, after one warm-up request; every round and level its own prompts (none repeats: vLLM caches "
             "prefixes). Output tokens/s = all streams' tokens / wall time. One server at "
             "a time on the 2 cores, " + ("the rounds interleaved (`--interleave`: each round ours, its server started for "

@@ -2,8 +2,8 @@
 
 Runs inside its own venv (``openvino-genai``, ``optimum-intel``: ``/work/peers/install_openvino.sh``), never the
 factory's. Reads the prompts ``bench_generate`` drew (token ids, one list per round and level), adds each level's
-requests to one ``ContinuousBatchingPipeline`` at once and steps it until all are done; greedy, exactly
-``--output`` new tokens (``min_new_tokens`` = ``max_new_tokens``, ``ignore_eos``). Prints one JSON line per cell:
+requests to one ``ContinuousBatchingPipeline`` at once and steps it until all are done; greedy (``--sampling``:
+sampled with its temperature, top_k, top_p), exactly ``--output`` new tokens (``min_new_tokens`` = ``max_new_tokens``, ``ignore_eos``). Prints one JSON line per cell:
 output tokens/s over the wall time, the time to first token of every request.
 
     python benchmarks/openvino_peer.py --model OV_DIR --prompts prompts.json --output 128 --threads 2
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=int, default=2)
     ap.add_argument("--one-by-one", action="store_true", help="each request when the one before it has ended")
     ap.add_argument("--prefix-caching", action="store_true", help="SchedulerConfig.enable_prefix_caching")
+    ap.add_argument("--sampling", default="", help="JSON {temperature, top_k, top_p}: sampled instead of greedy")
     args = ap.parse_args()
     cells = json.loads(open(args.prompts).read())
     sched = og.SchedulerConfig()
@@ -43,6 +44,13 @@ def main() -> None:
     config.max_new_tokens = config.min_new_tokens = args.output
     config.ignore_eos = True
     config.do_sample = False
+    if args.sampling:
+        sampling = json.loads(args.sampling)
+        config.do_sample = True
+        config.temperature = float(sampling["temperature"])
+        if sampling.get("top_k"):
+            config.top_k = int(sampling["top_k"])
+        config.top_p = float(sampling.get("top_p", 1.0))
     warm = pipe.add_request(10**6, ov.Tensor(np.asarray([cells[0].get("warm") or cells[0]["prompts"][0]], np.int64)),
                             config)
     while pipe.has_non_finished_requests():

@@ -113,3 +113,10 @@ def test_a_draw_rejected_outside_the_nucleus_is_made_again_from_the_same_nucleus
     assert counts[2:].sum() == 0
     share = counts[0] / 20_000
     assert abs(share - 0.3 / 0.55) <= 4 * np.sqrt(0.3 / 0.55 * 0.25 / 0.55 / 20_000)
+
+
+def test_a_temperature_near_zero_draws_the_most_likely_token():
+    x = np.random.default_rng(5).normal(size=262_144).astype(np.float32)
+    best = int(np.argmax(x))
+    assert {sample_token(x, 1e-40, 0, 1.0, lambda u=u: u) for u in (0.0, 0.5, 0.999)} == {best}
+    assert {sample_token(x, 1e-40, 0, 0.9, np.random.default_rng(1).random) for _ in range(3)} == {best}

@@ -416,6 +416,7 @@ class Sampler:
 
 
 _DRAW_BLOCK = 256  # tokens a block of the two-level draw (a 262k vocabulary: 1,024 blocks)
+_MAX_REJECTIONS = 64  # top-p's draws before the most likely token is taken (a bound, not a figure ever reached)
 _EXACT_NEAR = 1e-4  # a float32 sum's error over 262k tokens is ~1e-6 of it: within this of the edge, float64
 
 
@@ -449,7 +450,7 @@ def sample_token(x: np.ndarray, temperature: float, top_k: int, top_p: float, un
     if not np.isfinite(peak):
         return int(np.argmax(x))  # nothing finite to weigh: every token blocked but the best
     probs = np.subtract(vals, peak, out=_scratch(vals.size))  # a thread's own buffer: no fresh pages to fault in
-    probs *= np.float32(1.0 / temperature)
+    probs *= np.float32(min(1.0 / temperature, 1e30))  # a temperature near 0 stays finite: greedy, ties drawn
     np.exp(probs, out=probs)  # relative to the most likely token's: 1 at the peak
     pos = _draw(probs, uniform()) if top_p >= 1.0 else _draw_nucleus(probs, top_p, uniform)
     return int(pos if idx is None else idx[pos])
@@ -468,7 +469,7 @@ def _draw_nucleus(probs: np.ndarray, top_p: float, uniform: Callable[[], float])
     overwritten (the rejected tails zeroed)."""
     total = float(probs.sum(dtype=np.float64))
     need = top_p * total
-    while True:
+    for _ in range(_MAX_REJECTIONS):
         pos = _draw(probs, uniform())
         edge = probs[pos]
         before = _mass_above(probs, edge)
@@ -481,6 +482,8 @@ def _draw_nucleus(probs: np.ndarray, top_p: float, uniform: Callable[[], float])
             return pos
         probs[probs < edge] = 0.0  # less likely than a token outside the nucleus: outside too
         probs[ties[ties >= pos]] = 0.0  # the token itself, and the ties after it
+    return int(np.argmax(probs))  # a bound, not a path taken (each rejection drops the token drawn and every one less
+    # likely, so the draws close in on the nucleus fast): the most likely token is in every nucleus
 
 
 def _mass_above(probs: np.ndarray, edge: np.float32) -> float:
