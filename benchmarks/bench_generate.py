@@ -324,7 +324,8 @@ def bench_ours(hf: Path, precisions: list[str], levels: list[int], work: Path, r
     return out
 
 
-GEMMA: dict = {"builds": {}, "data": None}  # --model gemma3: the builds (gemma3.build_ours' dicts), the text
+# --model gemma3: the builds (gemma3.build_ours' dicts), the text files, whether ours runs this checkout's backend
+GEMMA: dict = {"builds": {}, "data": None, "checkout_backend": False}
 
 
 def _layout_gemma(hf: Path, precisions: list[str], levels: list[int], work: Path, repo: Path) -> list[str]:
@@ -353,6 +354,10 @@ def _layout_gemma(hf: Path, precisions: list[str], levels: list[int], work: Path
         gemma3.layout(Path(fp32_from), repo, "llm_fp32", precision="fp32", onnx_file=onnx_file("fp32"),
                       memory_budget_mib=4096, max_active_sequences=max(levels))
         served.insert(0, "fp32")
+    if GEMMA["checkout_backend"]:
+        for precision in served:
+            for backend in (repo / f"llm_{precision}").glob("*/mf_backend"):
+                gemma3.checkout_backend(backend.parent)
     if not served:
         raise RuntimeError("no precision of ours built: " + "; ".join(str(i["error"]) for i in
                                                                        GEMMA["builds"].values()))
@@ -803,8 +808,12 @@ def main() -> None:
                         "ours first: the machine's drift over the run then falls on both alike; ratios paired by round")
     parser.add_argument("--sampling", default="", help="e.g. temperature=1,top_k=64,top_p=0.95: ours and OpenVINO "
                         "GenAI sample with it instead of greedy (the other peers are not driven with it)")
+    parser.add_argument("--checkout-backend", action="store_true", help="--model gemma3: ours served with this "
+                        "checkout's backend in place of the one packaged in each build (a build reused from --work "
+                        "keeps the backend of the day it was built)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    GEMMA["checkout_backend"] = args.checkout_backend
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.levels.split(",")]
     peers = [p for p in args.peers.split(",") if p]
@@ -980,7 +989,9 @@ def main() -> None:
                      + f"--precisions {args.precisions} --peers {args.peers} "
                      + (f"--openvino-weights {args.openvino_weights} " if args.openvino_weights != "int8" else "")
                      + f"--levels {args.levels} --rounds {args.rounds}"
-                     + (" --interleave" if args.interleave else "") + f" --section {args.section}`")
+                     + (" --interleave" if args.interleave else "")
+                     + (f" --sampling {args.sampling}" if args.sampling else "")
+                     + (" --checkout-backend" if args.checkout_backend else "") + f" --section {args.section}`")
         kv8 = [p for p in args.precisions.split(",") if _built(p).endswith(KV_INT8_SUFFIX)]
         section = "\n".join([
             start, title,
@@ -1025,7 +1036,11 @@ def main() -> None:
                if MODEL["name"] == "gemma3" else
                "(onnxruntime-genai's builder's FP32 graph; INT8 dynamic, 7-bit weights per channel and activations "
                "quantized per tensor at run time, so a sequence's output depends on its batch; INT4 MatMulNBits, awq, "
-               "batch-independent)") + " behind Triton and our OpenAI frontend."
+               "batch-independent)") + " behind Triton and our OpenAI frontend"
+            + (", each served with this checkout's backend in place of the one packaged in its build "
+               "(`--checkout-backend`)." if GEMMA["checkout_backend"] else
+               (", each served with the backend packaged in its build (a build reused from `--work` keeps the "
+                "backend of the day it was built)." if MODEL["name"] == "gemma3" else "."))
             + (f" {', '.join(kv8)}: the same precision built with `quantization.kv_cache = \"int8\"` (its KV cache in "
                "INT8, a float scale per channel fitted on the calibration text: build_engines/kv_int8.py), its attention "
                "on the factory's kernel (`int8_attention = \"auto\"`: backends/python_backend/generation/int8_attention.py)"

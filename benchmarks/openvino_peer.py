@@ -3,8 +3,9 @@
 Runs inside its own venv (``openvino-genai``, ``optimum-intel``: ``/work/peers/install_openvino.sh``), never the
 factory's. Reads the prompts ``bench_generate`` drew (token ids, one list per round and level), adds each level's
 requests to one ``ContinuousBatchingPipeline`` at once and steps it until all are done; greedy (``--sampling``:
-sampled with its temperature, top_k, top_p), exactly ``--output`` new tokens (``min_new_tokens`` = ``max_new_tokens``, ``ignore_eos``). Prints one JSON line per cell:
-output tokens/s over the wall time, the time to first token of every request.
+sampled with its temperature, top_k, top_p), exactly ``--output`` new tokens (``min_new_tokens`` =
+``max_new_tokens``, ``ignore_eos``). Prints one JSON line per cell: output tokens/s over the wall time, the time to
+first token of every request.
 
     python benchmarks/openvino_peer.py --model OV_DIR --prompts prompts.json --output 128 --threads 2
 

@@ -224,6 +224,13 @@ def layout(vdir: Path, repository: Path, name: str, **parameters) -> None:
         path.write_text(text_format.MessageToString(config))
 
 
+def checkout_backend(version: Path) -> None:
+    """A laid-out version folder's backend replaced by this checkout's (the build's own, hard links, removed)."""
+    shutil.rmtree(Path(version) / "mf_backend")
+    shutil.copytree(Path(__file__).resolve().parents[2] / "backends" / "python_backend", Path(version) / "mf_backend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def layout_served(vdir: Path, repository: Path, name: str, precision: str, max_context: int, **parameters) -> Path:
     """:func:`layout` serving ``precision`` (its graph file) with this checkout's backend in place of the build's and
     generation.json's ``max_context`` raised to ``max_context`` (the recipe's 512 holds no long prompt); returns the
@@ -233,9 +240,7 @@ def layout_served(vdir: Path, repository: Path, name: str, precision: str, max_c
     vdir = Path(vdir)
     layout(vdir, repository, name, precision=precision, onnx_file=onnx_file(precision), **parameters)
     version = Path(repository) / name / vdir.name
-    shutil.rmtree(version / "mf_backend")  # the build's backend (hard links): this checkout's instead
-    shutil.copytree(Path(__file__).resolve().parents[2] / "backends" / "python_backend", version / "mf_backend",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    checkout_backend(version)
     generation = json.loads((version / Files.GENERATION).read_text())
     generation["max_context"] = max_context
     (version / Files.GENERATION).unlink()  # a hard link to the build's file: replaced, not written through
