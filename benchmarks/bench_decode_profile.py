@@ -80,15 +80,23 @@ def _prompts(tokenizer, count: int, seed: int, bos: int) -> list[list[int]]:
     return [[bos] + rng.choice(pool, PROMPT - 1).tolist() for _ in range(count)]
 
 
+def scheduler_for(lm, spec, tokenizer, streams: int, length: int, max_waiting: int = 64):
+    """The backend's scheduler over ``lm`` in this process, with KV room for ``streams`` sequences of ``length`` tokens
+    and all of them prefilled in one group (no cancellation checks: nobody cancels here)."""
+    from model_factory.backend.generation.kv_slots import KVSlots
+    from model_factory.backend.generation.scheduler import Scheduler
+
+    slots = KVSlots(spec, streams, KVSlots(spec, 1, 1 << 40).bytes_for(length) * streams)
+    return Scheduler(lm, slots, tokenizer, spec.eos_token_ids, max_waiting=max_waiting, cancel_check_s=0.0,
+                     max_prefill_batch=streams)
+
+
 def one_run(lm, spec, tokenizer, streams: int, tokens: int, in_place: bool, seed: int) -> dict:
     """Per decode-only step: wall and CPU of the step, of its launch and of its tokens out (medians), tokens/s."""
-    from model_factory.backend.generation.kv_slots import KVSlots
     from model_factory.backend.generation.sampling import SamplingParams
-    from model_factory.backend.generation.scheduler import Generation, Scheduler
+    from model_factory.backend.generation.scheduler import Generation
 
-    slots = KVSlots(spec, streams, KVSlots(spec, 1, 1 << 40).bytes_for(PROMPT + tokens) * streams)
-    sched = Scheduler(lm, slots, tokenizer, spec.eos_token_ids, max_waiting=64, cancel_check_s=0.0,
-                      max_prefill_batch=streams)
+    sched = scheduler_for(lm, spec, tokenizer, streams, PROMPT + tokens)
     clock = {"launch": 0.0, "launch_cpu": 0.0, "accept": 0.0, "accept_cpu": 0.0, "prefill": False}
     decode, prefill, accept = lm.decode, lm.prefill, sched._accept
 

@@ -221,11 +221,12 @@ def sampling_setting(text: str) -> dict:
     return out
 
 
-def sampling_words() -> str:
-    """How the requests choose their tokens, for the section's text."""
+def sampling_words(flag: str = "") -> str:
+    """How the requests choose their tokens, for the section's text (``flag``: the peer's own switch, named first)."""
     if not SAMPLING:
         return "greedy"
-    return "sampled (" + ", ".join(f"`{k}` {v}" for k, v in SAMPLING.items()) + ", no seed)"
+    return ("sampled (" + ", ".join([f"`{flag}`"] * bool(flag) + [f"`{k}` {v}" for k, v in SAMPLING.items()])
+            + ", no seed)")
 
 
 def _aiperf(url: str, model: str, streams: int, seed: int) -> dict:
@@ -967,7 +968,7 @@ def main() -> None:
                 f"{'` / `'.join(ov_formats)}` (weights {' / '.join(f.upper() for f in ov_formats)}; INT8 is its LLM "
                 "default on the CPU), "
                 f"`INFERENCE_NUM_THREADS={v['threads']}`, a 2 GB KV cache; the same token-id prompts added at once, "
-                + sampling_words().replace("`temperature`", "`do_sample`, `temperature`")
+                + sampling_words("do_sample")
                 + ", `min_new_tokens` = `max_new_tokens` and `ignore_eos`; TTFT from the request's add to its first "
                 "token read (benchmarks/openvino_peer.py).")
         counts = ("Every stream's count checked (the streamed `usage` for ours and vLLM"

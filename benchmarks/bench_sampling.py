@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -73,16 +72,12 @@ def full_vocabulary_draw(x: np.ndarray, temperature: float, top_k: int, top_p: f
 
 def run(lm, spec, tokenizer, prompts: list[list[int]], tokens: int, setting: dict, arm: str) -> dict:
     """The prompts on the scheduler with ``setting``'s sampling, the draw of ``arm``: tokens/s, choose ms / token."""
+    from benchmarks.bench_decode_profile import scheduler_for
     from model_factory.backend.generation import sampling
-    from model_factory.backend.generation.kv_slots import KVSlots
     from model_factory.backend.generation.sampling import SamplingParams
-    from model_factory.backend.generation.scheduler import Generation, Scheduler
+    from model_factory.backend.generation.scheduler import Generation
 
-    n = len(prompts)
-    total = len(prompts[0]) + tokens
-    slots = KVSlots(spec, n, KVSlots(spec, 1, 1 << 40).bytes_for(total) * n)
-    sched = Scheduler(lm, slots, tokenizer, spec.eos_token_ids, max_waiting=256, cancel_check_s=0.0,
-                      max_prefill_batch=n)
+    sched = scheduler_for(lm, spec, tokenizer, len(prompts), len(prompts[0]) + tokens, max_waiting=256)
     out: list[list[int]] = [[] for _ in prompts]
     spent = [0.0]
     choose, draw = sampling.Sampler.choose, sampling.Sampler._sample
@@ -142,9 +137,8 @@ def main() -> int:
     load = LoadReading.begin()
     tokenizer = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
     tokenizer.no_padding()
-    meta = json.loads((vdir / "generation.json").read_text())
-    bos = meta.get("bos_token_id") if meta.get("bos_token_id") is not None else 2
     spec, lm = _engine(vdir, args.precision)
+    bos = spec.bos_token_id if spec.bos_token_id is not None else 2
     results: dict = collections.defaultdict(list)
     problems: list[str] = []
     loads: list[float] = []

@@ -49,20 +49,15 @@ def in_process(vdir: Path, precision: str, prompts: list[list[int]], tokens: int
     """The prompts on the backend's scheduler in this process: tokens/s, CPU ms per token, each stream's text."""
     from tokenizers import Tokenizer
 
-    from benchmarks.bench_decode_profile import _engine
-    from model_factory.backend.generation.kv_slots import KVSlots
+    from benchmarks.bench_decode_profile import _engine, scheduler_for
     from model_factory.backend.generation.sampling import SamplingParams
-    from model_factory.backend.generation.scheduler import Generation, Scheduler
+    from model_factory.backend.generation.scheduler import Generation
 
     tokenizer = Tokenizer.from_file(str(vdir / "tokenizer" / "tokenizer.json"))
     tokenizer.no_padding()
     spec, lm = _engine(vdir, precision)
     try:
-        n = len(prompts)
-        total = len(prompts[0]) + tokens
-        slots = KVSlots(spec, n, KVSlots(spec, 1, 1 << 40).bytes_for(total) * n)
-        sched = Scheduler(lm, slots, tokenizer, spec.eos_token_ids, max_waiting=256, cancel_check_s=0.0,
-                          max_prefill_batch=n)
+        sched = scheduler_for(lm, spec, tokenizer, len(prompts), len(prompts[0]) + tokens, max_waiting=256)
         texts = [[] for _ in prompts]
         count = {"tokens": 0}
 

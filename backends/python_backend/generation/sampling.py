@@ -472,16 +472,15 @@ def _draw_nucleus(probs: np.ndarray, top_p: float, uniform: Callable[[], float])
     for _ in range(_MAX_REJECTIONS):
         pos = _draw(probs, uniform())
         edge = probs[pos]
-        before = _mass_above(probs, edge)
-        ties = np.flatnonzero(probs == edge)
-        before += float(edge) * int(np.searchsorted(ties, pos))  # as likely and earlier in token order
+        earlier = float(edge) * int(np.count_nonzero(probs[:pos] == edge))  # as likely and earlier in token order
+        before = _mass_above(probs, edge) + earlier
         if abs(before - need) <= _EXACT_NEAR * need:  # near the edge: the sum again, in float64
-            before = (float(probs[probs > edge].sum(dtype=np.float64))
-                      + float(edge) * int(np.searchsorted(ties, pos)))
+            before = float(probs[probs > edge].sum(dtype=np.float64)) + earlier
         if before < need:
             return pos
         probs[probs < edge] = 0.0  # less likely than a token outside the nucleus: outside too
-        probs[ties[ties >= pos]] = 0.0  # the token itself, and the ties after it
+        tail = probs[pos:]
+        tail[tail == edge] = 0.0  # the token itself, and the ties after it
     return int(np.argmax(probs))  # a bound, not a path taken (each rejection drops the token drawn and every one less
     # likely, so the draws close in on the nucleus fast): the most likely token is in every nucleus
 
