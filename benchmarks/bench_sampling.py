@@ -16,13 +16,16 @@ seeded (stream i: seed i), for each setting:
 - ``gemma``: ``temperature`` 1, ``top_k`` 64, ``top_p`` 0.95 (Gemma 3's generation config);
 - ``p09``: ``temperature`` 0.7, ``top_p`` 0.9 (a common client setting).
 
-Arms: ``sampler`` the backend's ``Sampler`` as it is (``sampling.sample_token``); ``full`` the same ``Sampler`` with
-its draw replaced by :func:`full_vocabulary_draw` (the backend's draw before, kept here). Without top-p both draw by
-the inverse CDF in token order with one uniform from the same seeded generator, so their tokens agree until a draw
-lands within float rounding of a boundary; with top-p the backend draws by rejection (more uniforms where a draw falls
-outside the nucleus), so the streams part at the first rejection (the distribution is checked in
-tests/backend/test_sampling_draw.py). Output tokens/s, and the time inside ``Sampler.choose`` per token (timed around
-each call). Arms alternate within each round (the order reversed every other round).
+Arms: ``kernel`` the backend's ``Sampler`` as the stub serves it (``sampling.sample_token`` on the compiled draw,
+``sampling_kernel``); ``numpy`` the same without the kernel (numpy's draw: float32 probabilities, a two-level inverse
+CDF, top-k from the blocks' maxima, top-p by rejection; what the stub keeps where the kernel cannot be compiled);
+``full`` the same ``Sampler`` with its draw replaced by :func:`full_vocabulary_draw` (the backend's draw before both,
+kept here). Without top-p all three draw by the inverse CDF in token order with one uniform from the same seeded
+generator, so their tokens agree until a draw lands within float rounding of a boundary; with top-p the backend's
+draws are by rejection (more uniforms where a draw falls outside the nucleus), so the streams part at the first
+rejection one of them makes (the distribution is checked in tests/backend/test_sampling_draw.py, on both draws).
+Output tokens/s, and the time inside ``Sampler.choose`` per token (timed around each call). Arms alternate within
+each round (the order reversed every other round).
 The section between ``<!-- sampling:start -->`` and ``<!-- sampling:end -->`` is replaced.
 """
 
@@ -46,7 +49,7 @@ from benchmarks.results_file import publish, say  # noqa: E402
 START, END = "<!-- sampling:start -->", "<!-- sampling:end -->"
 SETTINGS = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0},
             "gemma": {"temperature": 1.0, "top_k": 64, "top_p": 0.95}, "p09": {"temperature": 0.7, "top_p": 0.9}}
-ARMS = ("sampler", "full")
+ARMS = ("kernel", "numpy", "full")
 
 
 def full_vocabulary_draw(x: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
@@ -73,7 +76,7 @@ def full_vocabulary_draw(x: np.ndarray, temperature: float, top_k: int, top_p: f
 def run(lm, spec, tokenizer, prompts: list[list[int]], tokens: int, setting: dict, arm: str) -> dict:
     """The prompts on the scheduler with ``setting``'s sampling, the draw of ``arm``: tokens/s, choose ms / token."""
     from benchmarks.bench_decode_profile import scheduler_for
-    from model_factory.backend.generation import sampling
+    from model_factory.backend.generation import sampling, sampling_kernel
     from model_factory.backend.generation.sampling import SamplingParams
     from model_factory.backend.generation.scheduler import Generation
 
@@ -96,6 +99,12 @@ def run(lm, spec, tokenizer, prompts: list[list[int]], tokens: int, setting: dic
     sampling.Sampler.choose = timed_choose
     if arm == "full":
         sampling.Sampler._sample = full_draw
+    if arm == "kernel":
+        why = sampling_kernel.load()
+        if why:
+            raise SystemExit(f"the kernel arm cannot run: {why}")
+    else:
+        sampling_kernel.unload()
     try:
         def sink(i):
             def emit(_gen, event):
@@ -112,6 +121,7 @@ def run(lm, spec, tokenizer, prompts: list[list[int]], tokens: int, setting: dic
         wall = time.perf_counter() - wall
     finally:
         sampling.Sampler.choose, sampling.Sampler._sample = choose, draw
+        sampling_kernel.unload()
     made = sum(len(o) for o in out)
     return {"tps": made / wall, "tokens": made, "choose_ms": 1000 * spent[0] / max(made, 1), "ids": out}
 
@@ -143,7 +153,8 @@ def main() -> int:
     problems: list[str] = []
     loads: list[float] = []
     try:
-        run(lm, spec, tokenizer, _prompts(tokenizer, 2, 7, bos), 4, SETTINGS["t1"], "sampler")  # warm-up
+        for arm in ARMS:  # warm-up (the kernel compiled, if this host has not yet)
+            run(lm, spec, tokenizer, _prompts(tokenizer, 2, 7, bos), 4, SETTINGS["t1"], arm)
         for r in range(args.rounds):
             for streams in levels:
                 prompts = _prompts(tokenizer, streams, 1000 * r + streams, bos)
@@ -157,10 +168,11 @@ def main() -> int:
                             problems.append(f"round {r + 1} S={streams} {name} {arm}: {got[arm]['tokens']} tokens")
                         say(f"round {r + 1} S={streams} {name} {arm}: {got[arm]['tps']:.1f} tok/s, "
                             f"choose {got[arm]['choose_ms']:.3f} ms/token, load {loads[-1]:.1f}")
-                    same = sum(a == b for a, b in zip(got["sampler"]["ids"], got["full"]["ids"])) / streams
                     for arm in ARMS:
                         results[(streams, name, arm)].append(got[arm])
-                    results[(streams, name, "same")].append({"same": same})
+                    for other in ("numpy", "full"):
+                        same = sum(a == b for a, b in zip(got["kernel"]["ids"], got[other]["ids"])) / streams
+                        results[(streams, name, "same", other)].append({"same": same})
     finally:
         lm.close()
     lines = section(results, levels, settings, args, load, loads, problems, run_header)
@@ -181,27 +193,34 @@ def section(results, levels, settings, args, load, loads, problems, run_header) 
              f"{args.rounds} rounds, the arms alternating; load average during the runs {min(loads):.1f}-"
              f"{max(loads):.1f}. Settings: " + "; ".join(f"`{k}` " + ", ".join(f"{a} {b}" for a, b in v.items())
                                                         for k, v in SETTINGS.items() if k in settings) + ". "
-             "Arms: `sampler` the backend's draw (`sampling.sample_token`: float32 probabilities, a two-level "
-             "inverse CDF, top-k from the blocks' maxima, top-p by rejection); `full` full-vocabulary sampling (the "
-             "backend's draw before: float64 row, `np.partition`, a stable argsort of the whole row for top-p). "
-             "`choose` is the time in `Sampler.choose` per output token.", "",
-             "| streams | setting | sampler tokens/s | full tokens/s | sampler / full | choose ms / token: sampler | "
-             "full | streams with the same tokens |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "Arms: `kernel` the backend's draw as the stub serves it (`sampling.sample_token` on the compiled "
+             "`kernels/sampling.cc`: a pass for the 256-token blocks' maxima, a pass for their sums of the weights in "
+             "play, top-p's check over the blocks that reach the drawn logit); `numpy` the same draw in numpy (float32 "
+             "probabilities, a two-level inverse CDF, top-k from the blocks' maxima, top-p by rejection; kept where "
+             "the kernel cannot be compiled); `full` full-vocabulary sampling (the draw before both: float64 row, "
+             "`np.partition`, a stable argsort of the whole row for top-p). `choose` is the time in `Sampler.choose` "
+             "per output token.", "",
+             "| streams | setting | kernel tokens/s | numpy tokens/s | full tokens/s | kernel / numpy | "
+             "kernel / full | choose ms / token: kernel | numpy | full | same tokens as numpy | as full |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for streams in levels:
         for name in settings:
-            new, old = results[(streams, name, "sampler")], results[(streams, name, "full")]
-            ratios = [a["tps"] / b["tps"] for a, b in zip(new, old)]
+            arms = {arm: results[(streams, name, arm)] for arm in ARMS}
+            ratio = {other: [a["tps"] / b["tps"] for a, b in zip(arms["kernel"], arms[other])]
+                     for other in ("numpy", "full")}
             lines.append(
-                f"| {streams} | {name} | {cell([x['tps'] for x in new], '{:.1f}')} | "
-                f"{cell([x['tps'] for x in old], '{:.1f}')} | **{cell(ratios, '{:.2f}x')}** | "
-                f"{cell([x['choose_ms'] for x in new], '{:.3f}')} | {cell([x['choose_ms'] for x in old], '{:.3f}')} | "
-                f"{cell([x['same'] for x in results[(streams, name, 'same')]], '{:.0%}')} |")
-    lines += ["", "The last column: the share of streams whose tokens are the same in both arms. Without top-p both "
-              "draw by the inverse CDF with one uniform from the same seeded generator (float32 against float64 "
-              "probabilities move a boundary by rounding, and a stream differs from the first draw that lands there); "
-              "with top-p the backend's rejection takes another uniform after a draw outside the nucleus, so a stream "
-              "parts there (the distribution itself is tested in tests/backend/test_sampling_draw.py). The `int8` "
+                f"| {streams} | {name} | " + " | ".join(cell([x["tps"] for x in arms[a]], "{:.1f}") for a in ARMS)
+                + f" | **{cell(ratio['numpy'], '{:.2f}x')}** | {cell(ratio['full'], '{:.2f}x')} | "
+                + " | ".join(cell([x["choose_ms"] for x in arms[a]], "{:.3f}") for a in ARMS) + " | "
+                + " | ".join(cell([x["same"] for x in results[(streams, name, "same", o)]], "{:.0%}")
+                             for o in ("numpy", "full")) + " |")
+    lines += ["", "The last two columns: the share of streams whose tokens are the same as the kernel's in the other "
+              "arm. Without top-p every arm draws by the inverse CDF with one uniform from the same seeded generator "
+              "(the kernel's float32 sums and exponential, numpy's, and float64 move a boundary by rounding, and a "
+              "stream differs from the first draw that lands there); with top-p the backend's rejection takes another "
+              "uniform after a draw outside the nucleus (the kernel orders ties by the logits, numpy by the rounded "
+              "probabilities), so a stream parts there (the distribution itself is tested in "
+              "tests/backend/test_sampling_draw.py, on both draws). The `int8` "
               "precision (INT8 dynamic) quantizes each launch's activations with one scale, so once two streams "
               "differ their batch-mates' logits may too.",
               "Every stream made its tokens." if not problems else "Problems: " + "; ".join(problems), END]

@@ -63,6 +63,7 @@ from .engines.loading import available_cpus, load_verified_onnx
 from .generation.detokenize import TokenTexts
 from .generation.draft_model import load_draft
 from .generation.sampling import SamplingError, choice_seed
+from .generation.sampling_kernel import LIBRARY_NAME as SAMPLING_LIBRARY, load as load_sampling_kernel
 from .generation.scheduler import Generation, QueueFull, Scheduler, TokenEvent
 from .generation.structured.engines import load_engine
 from .generation.structured.grammar import LazyGrammars
@@ -120,6 +121,7 @@ class GenerativeModel:
                      if args.get("model_instance_kind", "CPU") == "GPU" else None)
         self._device: GpuGeneration | None = None
         self.placement_note = ""
+        self.sampling_note = ""  # which draw samples (_load): the compiled kernel, or numpy's and why
         cpus = available_cpus()
         threads = cpu_threads_per_instance(s, cpus)
         started = time.monotonic()
@@ -217,6 +219,7 @@ class GenerativeModel:
             + (f"; attention: {self.model.attention}" if spec.kv_dtype == "int8" and self.model.device == "cpu" else "")
             + (f"; INT8 MatMuls: {self.model.matmul}" if getattr(self.model, "matmul", "") else "")
             + layout_note(s.kv_layout, self.model)
+            + self.sampling_note
             + (f"; {s.precision}'s outputs depend on the batch (its activations share one scale per step: "
                "dynamic INT8)" if s.precision in spec.batch_dependent else ""))
 
@@ -256,6 +259,8 @@ class GenerativeModel:
                                      self.pb.Logger.log_info, ranks=getattr(model, "lora_ranks", None) or None)
         model.lora_table = self.adapters if modules else None
         tokenizer = _load_tokenizer(version_dir, digests)
+        why = load_sampling_kernel()  # compiled on this host (first load), else numpy's draw and why
+        self.sampling_note = f"; sampling: {why or f'the factory kernel ({SAMPLING_LIBRARY})'}"
         if s.cost_model:
             return spec, model, tokenizer, slots, CostModel(*s.cost_model), "configured"
         cache_file = cost_cache_file(version_dir, s, digests, model.device,

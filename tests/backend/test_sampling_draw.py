@@ -3,14 +3,35 @@ way (float64 softmax, a full sort for top-p). Without top-p one uniform draws by
 even grid of ``u`` each token gets its probability's share of the grid to within a step, and the very token the
 plain inverse CDF gives; with top-p (drawn by rejection, more uniforms where a draw falls outside the nucleus) the
 counts of seeded draws must match the nucleus' distribution to within 4 standard deviations, and nothing outside it
-is drawn. Small vocabularies (one level) and Gemma's 262,144 tokens (two levels); masked tokens never drawn."""
+is drawn. Small vocabularies (one level) and Gemma's 262,144 tokens (two levels); masked tokens never drawn.
+
+Every test runs on each draw the backend has: numpy's, and the compiled kernel (``sampling_kernel``; on a host with
+AVX-512 its AVX2 build too), where this host can compile it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from model_factory.backend.generation import sampling_kernel
+from model_factory.backend.generation.int8_attention import _cpu_flags
 from model_factory.backend.generation.sampling import Sampler, SamplingParams, sample_token
+
+DRAWS = ["numpy", "kernel"] + (["kernel-avx2"] if "avx512f" in _cpu_flags().split() else [])
+
+
+@pytest.fixture(autouse=True, params=DRAWS)
+def draw(request):
+    """The draw sample_token uses for the test: numpy's, or the kernel (skipped, with the reason, where it cannot be
+    compiled here)."""
+    sampling_kernel.unload()
+    if request.param != "numpy":
+        why = sampling_kernel.load(isa="avx2" if request.param == "kernel-avx2" else "native")
+        if why:
+            pytest.skip(why)
+        assert sampling_kernel.loaded()
+    yield request.param
+    sampling_kernel.unload()
 
 GRID = 20_000  # draws a case (1,000 at 262k tokens: about a millisecond each)
 
@@ -120,3 +141,28 @@ def test_a_temperature_near_zero_draws_the_most_likely_token():
     best = int(np.argmax(x))
     assert {sample_token(x, 1e-40, 0, 1.0, lambda u=u: u) for u in (0.0, 0.5, 0.999)} == {best}
     assert {sample_token(x, 1e-40, 0, 0.9, np.random.default_rng(1).random) for _ in range(3)} == {best}
+
+
+def test_ties_at_the_kth_value_are_kept_and_the_nucleus_takes_ties_in_token_order():
+    x = np.zeros(3_000, dtype=np.float32)
+    x[[10, 2_000]] = 3.0
+    x[[5, 700, 1_500, 2_999]] = 2.0  # the 3rd largest value, four times: top-k 3 keeps all six
+    us = (np.arange(6_000) + 0.5) / 6_000
+    counts = np.bincount([sample_token(x, 1.0, 3, 1.0, lambda u=u: float(u)) for u in us], minlength=x.size)
+    dist = _distribution(x, 1.0, 3, 1.0)
+    assert set(np.flatnonzero(counts)) == {5, 10, 700, 1_500, 2_000, 2_999}
+    assert np.abs(counts - dist * us.size).max() <= 2.0
+    flat = np.zeros(100, dtype=np.float32)  # 100 equal tokens: the nucleus of 0.05 is the first five
+    uniforms = np.random.default_rng(9)
+    counts = np.bincount([sample_token(flat, 1.0, 0, 0.05, uniforms.random) for _ in range(5_000)], minlength=100)
+    assert set(np.flatnonzero(counts)) == {0, 1, 2, 3, 4}
+    assert (np.abs(counts[:5] - 1_000) <= 4 * np.sqrt(1_000 * 0.8)).all()
+
+
+def test_a_nan_or_infinite_logit_takes_the_argmax_as_numpy_does():
+    x = np.random.default_rng(4).normal(size=5_000).astype(np.float32)
+    x[1_234] = np.inf
+    assert sample_token(x, 1.0, 0, 0.9, np.random.default_rng(0).random) == 1_234
+    x[1_234], x[77] = 0.0, np.nan
+    assert sample_token(x, 1.0, 40, 1.0, np.random.default_rng(0).random) == int(np.argmax(x)) == 77
+

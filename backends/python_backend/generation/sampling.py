@@ -36,6 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from . import sampling_kernel
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20  # OpenAI's chat top_logprobs bound (completions' logprobs are at most 5: the frontend says so)
@@ -435,10 +437,15 @@ def sample_token(x: np.ndarray, temperature: float, top_k: int, top_p: float, un
     200x greedy's argmax (Gemma 3 270M's vocabulary, whose generation config samples with top-k 64 and top-p 0.95).
     ``x`` is not changed; tokens at -inf (a grammar's mask, eos before min_tokens) are never drawn while any other
     is possible."""
-    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if sampling_kernel.loaded():
+        token = sampling_kernel.draw(x, temperature, top_k, top_p, uniform)
+        return int(np.argmax(x)) if token is None else token
     idx = None
     if top_k and top_k < x.size:
         maxima = block_maxima(x) if x.size > 4 * _BLOCK else None
+        if np.isnan(x if maxima is None else maxima).any():
+            return int(np.argmax(x))  # a NaN logit (its block's maximum is NaN): the argmax, as without top-k
         kth = x[top_ids(x, int(top_k), maxima)[-1]]
         if maxima is None:
             idx = np.flatnonzero(x >= kth)  # ties at the k-th kept, in token order
