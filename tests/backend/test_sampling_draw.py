@@ -116,7 +116,12 @@ def test_the_sampler_draws_from_the_row_unchanged_and_blocks_eos_before_min_toke
     assert np.array_equal(x, before)
     held = Sampler(SamplingParams(max_tokens=9, min_tokens=5, temperature=1.0, seed=4), (7,), ())
     assert 7 not in {held.choose(x, i) for i in range(5)}
+    assert np.array_equal(x, before)  # blocked for the draw in the row itself, and put back
     assert held.choose(x, 5) == 7
+    frozen = x.copy()
+    frozen.flags.writeable = False  # a row that cannot be written: blocked in a copy
+    assert 7 not in {held.choose(frozen, i) for i in range(5)}
+    assert np.array_equal(frozen, before)
     again = Sampler(SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=4), (7,), ())
     first = Sampler(SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=4), (7,), ())
     x[7] = 0.0

@@ -13,7 +13,8 @@ else the batch holds, and a sequence preempted and resumed keeps its generator. 
 request with ``n`` choices samples from :func:`choice_seed` (the request's seed and ``i``), so a seeded
 request with ``n`` choices is reproducible too. A greedy sequence with nothing that changes its logits takes its row's
 argmax in place, without the copy the adjustments make (a 262k vocabulary's row is 1 MiB); one that samples with
-nothing to adjust draws from the row in place too. The draw (:func:`sample_token`) never sorts or copies the
+nothing to adjust draws from the row in place too (before ``min_tokens``, its stopping tokens set to -inf in the row
+for the draw and put back). The draw (:func:`sample_token`) never sorts or copies the
 vocabulary in float64: float32 probabilities in a per-thread buffer, a two-level inverse CDF, top-k by blocks, top-p by
 rejection (each under a millisecond a row at Gemma's 262k tokens, where a full-vocabulary draw took 2-30 ms).
 
@@ -390,9 +391,10 @@ class Sampler:
         plain = self._plain and allowed is None and isinstance(logits, np.ndarray) and logits.dtype == np.float32
         token = self._plain_greedy(logits, generated) if plain else None
         if token is None:
-            if (not p.greedy and self._unadjusted and allowed is None
-                    and not (generated < p.min_tokens and self.eos.size)):
-                token = self._sample(logits)  # nothing to adjust: drawn from the row as it is (not changed)
+            if not p.greedy and self._unadjusted and allowed is None:
+                # Nothing to adjust but, before min_tokens, the stopping tokens' block: drawn from the row itself.
+                blocked = generated < p.min_tokens and self.eos.size
+                token = self._sample_blocking(logits, generated) if blocked else self._sample(logits)
             else:
                 x = self.adjusted(logits, generated, allowed)
                 token = int(np.argmax(x)) if p.greedy else self._sample(x)
@@ -412,6 +414,21 @@ class Sampler:
         if generated < self.params.min_tokens and self.eos.size and token in self._blocked:
             return None
         return token
+
+    def _sample_blocking(self, logits: np.ndarray, generated: int) -> int:
+        """A draw from ``logits`` with the stopping tokens blocked (before ``min_tokens``) without a copy of the row:
+        their logits set to -inf for the draw and put back after it (the row is as it was when this returns; the
+        engine loop is the only one to read it meanwhile). A row that cannot be written is copied."""
+        row = logits.reshape(-1) if isinstance(logits, np.ndarray) and logits.dtype == np.float32 else None
+        if row is None or not row.flags.writeable or not np.shares_memory(row, logits):
+            return self._sample(self.adjusted(logits, generated))
+        ids = self.eos[self.eos < row.size]
+        saved = row[ids]  # a copy (fancy indexing)
+        row[ids] = -np.inf
+        try:
+            return self._sample(row)
+        finally:
+            row[ids] = saved
 
     def _sample(self, x: np.ndarray) -> int:
         return sample_token(x, self.params.temperature, self.params.top_k, self.params.top_p, self.rng.random)
