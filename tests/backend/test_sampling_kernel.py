@@ -65,3 +65,25 @@ def _numpy_draw(x: np.ndarray, temperature: float, u: float) -> int:
     p = np.exp((x.astype(np.float64) - x.max()) / temperature)
     cdf = np.cumsum(p)
     return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+
+
+@needs_compiler
+def test_log_probabilities_on_the_kernel_are_numpy_s():
+    """token_logprobs on the kernel's normalizer (and its blocks' maxima for the top ids): numpy's log-softmax to
+    within float rounding, the same top ids; an impossible token and a row with nothing finite read as the floor."""
+    from model_factory.backend.generation.sampling import LOGPROB_FLOOR, token_logprobs
+
+    rng = np.random.default_rng(3)
+    rows = [rng.normal(scale=4.0, size=262_144).astype(np.float32), rng.normal(size=1_000).astype(np.float32),
+            np.array([0.0, -np.inf, 1.0], dtype=np.float32)]
+    rows[0][[5, 77_000]] = 30.0  # a tie at the top
+    cases = [(rows[0], 17, 20), (rows[0], 77_000, 5), (rows[1], 3, 0), (rows[1], 999, 7), (rows[2], 1, 3),
+             (rows[2], 0, 5), (np.full(600, -np.inf, dtype=np.float32), 4, 2)]
+    want = [token_logprobs(x, t, k) for x, t, k in cases]
+    assert sampling_kernel.load() is None
+    got = [token_logprobs(x, t, k) for x, t, k in cases]
+    for g, w in zip(got, want):
+        assert abs(g.logprob - w.logprob) <= 1e-5 and g.top_ids == w.top_ids, (g, w)
+        assert np.allclose(g.top_logprobs, w.top_logprobs, rtol=0, atol=1e-5)
+    assert got[1].top_ids[:2] == (5, 77_000)
+    assert got[4].logprob == got[6].logprob == LOGPROB_FLOOR

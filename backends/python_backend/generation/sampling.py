@@ -107,11 +107,17 @@ def _scratch(size: int) -> np.ndarray:
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     """Log-softmax of ``logits`` at ``token`` and at the ``top`` most likely ids (argpartition, then a sort of
-    those ``top`` only: a 262k vocabulary costs one pass for the normalizer and one for the partition)."""
-    x = np.asarray(logits, dtype=np.float32).reshape(-1)
-    peak = float(x.max())
-    work = np.subtract(x, np.float32(peak), out=_scratch(x.size))
-    lse = peak + math.log(float(np.exp(work, out=work).sum(dtype=np.float64)))
+    those ``top`` only: a 262k vocabulary costs one pass for the normalizer and one for the partition; on the
+    compiled kernel the normalizer's first pass gives the blocks' maxima :func:`top_ids` reads)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+    maxima = None
+    if sampling_kernel.loaded():  # one pass for the blocks' maxima (top_ids reads them too), one for the sum
+        lse, maxima = sampling_kernel.log_normalizer(x)
+    else:
+        peak = float(x.max())
+        with np.errstate(invalid="ignore"):  # nothing finite (-inf - -inf): NaN, read as the floor below
+            work = np.subtract(x, np.float32(peak), out=_scratch(x.size))
+        lse = peak + math.log(float(np.exp(work, out=work).sum(dtype=np.float64)))
 
     def lp(value: float) -> float:
         out = float(value) - lse
@@ -119,7 +125,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
 
     if top <= 0:
         return TokenLogprobs(lp(x[token]))
-    idx = top_ids(x, int(top))
+    idx = top_ids(x, int(top), maxima)
     return TokenLogprobs(lp(x[token]), tuple(int(i) for i in idx), tuple(lp(x[i]) for i in idx))
 
 

@@ -60,6 +60,8 @@ def load(isa: str = "native") -> str | None:
         lib.mf_sample.restype = ctypes.c_int64
         lib.mf_sample_again.argtypes = _AGAIN_ARGS
         lib.mf_sample_again.restype = ctypes.c_int64
+        lib.mf_log_normalizer.argtypes = (_f32p, ctypes.c_int64, _f32p)
+        lib.mf_log_normalizer.restype = ctypes.c_double
         _lib = lib
         return None
 
@@ -114,3 +116,11 @@ def draw(x: np.ndarray, temperature: float, top_k: int, top_p: float, uniform: C
             return int(np.argmax(x))  # a bound, not a path taken: the most likely token is in every nucleus
         token = lib.mf_sample_again(ptr, n, inv_temp, top_p, uniform(), bmax, bsum, state)
     return None if token < 0 else int(token)
+
+
+def log_normalizer(x: np.ndarray) -> tuple[float, np.ndarray]:
+    """``log(sum(exp(x)))`` of one contiguous float32 row (NaN where no logit is finite, or one is NaN or +inf), and
+    its 256-token blocks' maxima (for ``sampling.top_ids``; this thread's buffer, valid until its next call)."""
+    s = _scratch(x.size)
+    lse = _lib.mf_log_normalizer(x.__array_interface__["data"][0], x.size, s.pointers[0])
+    return float(lse), s.bmax[:-(-x.size // _BLOCK)]

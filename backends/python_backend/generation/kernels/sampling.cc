@@ -51,6 +51,27 @@ inline float exp_nonpositive(float v) {
 
 inline int64_t blocks_of(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
+// The maxima of x's 256-token blocks into bmax, and the row's: NaN where a logit is NaN.
+float block_maxima(const float* x, int64_t n, float* bmax) {
+    const float ninf = -std::numeric_limits<float>::infinity();
+    float peak = ninf;
+    bool nan = false;
+    for (int64_t b = 0, nb = blocks_of(n); b < nb; ++b) {
+        const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+        float m = ninf;
+        int bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+        for (int64_t j = begin; j < end; ++j) {
+            m = x[j] > m ? x[j] : m;  // not std::max: its NaN rule keeps the loop scalar
+            bad |= x[j] != x[j] ? 1 : 0;
+        }
+        bmax[b] = m;
+        peak = m > peak ? m : peak;
+        nan = nan || bad;
+    }
+    return nan ? std::numeric_limits<float>::quiet_NaN() : peak;
+}
+
 // The tokens of block b in play: their weights' sum (0 for a block wholly out of play).
 double block_sum(const float* x, int64_t n, int64_t b, float inv_temp, float peak, float lo, int64_t lo_pos,
                  const float* bmax) {
@@ -162,22 +183,8 @@ MF_EXPORT int64_t mf_sample(const float* x, int64_t n, float inv_temp, int64_t t
                             float* bmax, double* bsum, float* work, double* state) {
     const int64_t nb = blocks_of(n);
     const float ninf = -std::numeric_limits<float>::infinity();
-    float peak = ninf;
-    bool nan = false;
-    for (int64_t b = 0; b < nb; ++b) {
-        const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-        float m = ninf;
-        int bad = 0;
-#pragma omp simd reduction(max : m) reduction(| : bad)
-        for (int64_t j = begin; j < end; ++j) {
-            m = x[j] > m ? x[j] : m;  // not std::max: its NaN rule keeps the loop scalar
-            bad |= x[j] != x[j] ? 1 : 0;
-        }
-        bmax[b] = m;
-        peak = std::max(peak, m);
-        nan = nan || bad;
-    }
-    if (nan || !std::isfinite(peak)) return -1;
+    const float peak = block_maxima(x, n, bmax);
+    if (!std::isfinite(peak)) return -1;
     float lo = ninf;
     if (top_k > 0 && top_k < n) {
         // The k-th largest value: the top k lie in the k blocks of the largest maxima, and are at least the k-th
@@ -208,4 +215,22 @@ MF_EXPORT int64_t mf_sample(const float* x, int64_t n, float inv_temp, int64_t t
 MF_EXPORT int64_t mf_sample_again(const float* x, int64_t n, float inv_temp, double top_p, double u,
                                   const float* bmax, double* bsum, double* state) {
     return draw_or_reject(x, n, inv_temp, top_p, u, bmax, bsum, state);
+}
+
+// The log of softmax's normalizer over row x of n logits, log(sum(exp(x))), in two passes (the blocks' maxima into
+// bmax, float[ceil(n / 256)], then the sums of exp(x - peak)); NaN where no logit is finite or one is NaN or +inf (as
+// numpy's log-softmax reads then). A token's log-probability is x[token] minus it; bmax serves top_ids.
+MF_EXPORT double mf_log_normalizer(const float* x, int64_t n, float* bmax) {
+    const float peak = block_maxima(x, n, bmax);
+    if (!std::isfinite(peak)) return std::numeric_limits<double>::quiet_NaN();
+    const int64_t nb = blocks_of(n);
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = begin; j < end; ++j) s += exp_nonpositive(x[j] - peak);
+        total += s;
+    }
+    return static_cast<double>(peak) + std::log(total);
 }
