@@ -426,7 +426,7 @@ class Sampler:
         their logits set to -inf for the draw and put back after it (the row is as it was when this returns; the
         engine loop is the only one to read it meanwhile). A row that cannot be written is copied."""
         row = logits.reshape(-1) if isinstance(logits, np.ndarray) and logits.dtype == np.float32 else None
-        if row is None or not row.flags.writeable or not np.shares_memory(row, logits):
+        if row is None or not row.flags.writeable or not np.may_share_memory(row, logits):
             return self._sample(self.adjusted(logits, generated))
         ids = self.eos[self.eos < row.size]
         saved = row[ids]  # a copy (fancy indexing)

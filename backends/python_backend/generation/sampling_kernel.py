@@ -3,8 +3,8 @@
 
 Over Gemma 3's 262,144 tokens numpy's draw reads and writes the 1 MiB row five times (maximum, subtract, scale, exp,
 the blocks' sums) and once more for each top-p check: 0.45 ms a row at temperature 1, 0.8 ms at top-p 0.9, about a
-third of a 32-row decode step's time when every request samples (docs/generation.md, "Sampling"). The kernel reads the
-row once for its blocks' maxima and once for the blocks' sums of the weights in play, never storing the
+third of a 32-row decode step's time when every request samples (docs/generation.md, "The engine loop"). The kernel
+reads the row once for its blocks' maxima and once for the blocks' sums of the weights in play, never storing the
 probabilities; top-k's candidates come from the maxima, and top-p's check sums only the blocks that reach the drawn
 token's logit. The library is compiled on the host by ``int8_attention.library``'s rules (``g++ -O3 -march=native``,
 the same cache and ownership checks); where it cannot be (no compiler, a CPU without AVX2) :func:`load` says why and
