@@ -5,7 +5,6 @@ MatMulInteger -> Cast -> Mul chains give the same outputs in one node, on one Ma
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -15,9 +14,7 @@ import pytest
 from model_factory.backend.generation import int8_attention as ia
 from model_factory.backend.generation import int8_matmul as rk
 
-needs_compiler = pytest.mark.skipif(
-    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in ia._cpu_flags().split(),
-    reason="no C++ compiler (g++) to build the kernel, or a CPU without AVX2 (the kernel is not used there)")
+needs_compiler = pytest.mark.skipif(ia.compile_problem() is not None, reason=str(ia.compile_problem()))
 
 
 def _one_matmul(folder: Path, k: int, n: int, group: int, seed: int = 0) -> Path:

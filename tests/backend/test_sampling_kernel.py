@@ -4,19 +4,15 @@ test_sampling_draw.py, which runs every test on both)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import numpy as np
 import pytest
 
 from model_factory.backend.generation import sampling_kernel
-from model_factory.backend.generation.int8_attention import _cpu_flags
+from model_factory.backend.generation.int8_attention import compile_problem
 from model_factory.backend.generation.sampling import sample_token
 
-needs_compiler = pytest.mark.skipif(
-    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) or "avx2" not in _cpu_flags().split(),
-    reason="no C++ compiler (g++) to build the kernel, or a CPU without AVX2 (the kernel is not used there)")
+needs_compiler = pytest.mark.skipif(compile_problem() is not None, reason=str(compile_problem()))
 
 
 @pytest.fixture(autouse=True)

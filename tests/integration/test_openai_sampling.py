@@ -170,14 +170,9 @@ def test_bad_values_are_refused_with_400_naming_them(client):
 def test_the_stub_samples_on_the_compiled_kernel_where_the_host_compiles_it(served):
     """The seeded sampled requests above drew through the stub's sampler; its load line says which draw: the factory's
     kernel (compiled on this host), or numpy's and why not."""
-    import os
-    import shutil
-
-    from model_factory.backend.generation.int8_attention import _cpu_flags
+    from model_factory.backend.generation.int8_attention import compile_problem
 
     log = served[0].log_file.read_text(errors="replace")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    compiles = bool(compiler) and "avx2" in _cpu_flags().split()
-    want = "the factory kernel (libmf_sampling.so)" if compiles else "the sampling kernel is not used"
+    want = "the factory kernel (libmf_sampling.so)" if compile_problem() is None else "the sampling kernel is not used"
     want = f"sampling: {want}"
     assert f"{MODEL} generates with" in log and want in log, log[-3000:]

@@ -107,6 +107,19 @@ def compiler() -> str:
     return found
 
 
+def compile_problem() -> str | None:
+    """Why the factory's kernels cannot be compiled on this host, else None: a CPU without AVX2 (their plain C path runs
+    slower than what they replace), or no C++ compiler found (whether it runs, :func:`library` finds out)."""
+    if "avx2" not in _cpu_flags().split():
+        return ("this CPU has no AVX2: the kernel's plain C path runs slower than ONNX Runtime's attention, so ONNX "
+                "Runtime's is kept")
+    try:
+        compiler()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
 def library(source: Path = SOURCE, isa: str = "native", name: str = LIBRARY_NAME) -> Path:
     """The compiled operator library for this host, compiled on first use (a few seconds) and cached. ``isa``
     "avx2" compiles the AVX2 path on a host that has AVX-512 too (:data:`ISA_FLAGS`). ``source`` and ``name``: another
@@ -115,9 +128,9 @@ def library(source: Path = SOURCE, isa: str = "native", name: str = LIBRARY_NAME
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, not {isa!r}")
     flags = (*FLAGS, *ISA_FLAGS[isa])
-    if "avx2" not in _cpu_flags().split():
-        raise KernelUnavailable("this CPU has no AVX2: the kernel's plain C path runs slower than ONNX Runtime's "
-                                "attention, so ONNX Runtime's is kept")
+    problem = compile_problem()
+    if problem:
+        raise KernelUnavailable(problem)
     if not source.is_file():
         raise KernelUnavailable(f"the kernel source {source} is missing (a backend copied without kernels/)")
     cxx = compiler()

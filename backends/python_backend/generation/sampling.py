@@ -129,7 +129,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(lp(x[token]), tuple(int(i) for i in idx), tuple(lp(x[i]) for i in idx))
 
 
-_BLOCK = 256
+_BLOCK = sampling_kernel.BLOCK  # top_ids' blocks: the kernel's, whose maxima token_logprobs hands it
 
 
 def block_maxima(x: np.ndarray) -> np.ndarray:
@@ -441,7 +441,7 @@ class Sampler:
 
 
 _DRAW_BLOCK = 256  # tokens a block of the two-level draw (a 262k vocabulary: 1,024 blocks)
-_MAX_REJECTIONS = 64  # top-p's draws before the most likely token is taken (a bound, not a figure ever reached)
+_MAX_REJECTIONS = sampling_kernel.MAX_REJECTIONS  # the same bound on both draws
 _EXACT_NEAR = 1e-4  # a float32 sum's error over 262k tokens is ~1e-6 of it: within this of the edge, float64
 
 

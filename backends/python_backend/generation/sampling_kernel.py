@@ -26,9 +26,9 @@ import numpy as np
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "sampling.cc"
 LIBRARY_NAME = "libmf_sampling.so"
-_BLOCK = 256  # the kernel's kBlock
+BLOCK = 256  # tokens a block of the kernel's maxima (its kBlock; sampling.top_ids reads them in blocks of this)
 _STATE = 5  # the kernel's kStateSize
-_MAX_REJECTIONS = 64  # as numpy's path: then the most likely token
+MAX_REJECTIONS = 64  # top-p's draws before the most likely token is taken (a bound, not a figure ever reached)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -82,7 +82,7 @@ class _Scratch:
     """A thread's buffers for rows of up to ``size`` tokens, and their addresses."""
 
     def __init__(self, size: int) -> None:
-        blocks = -(-size // _BLOCK)
+        blocks = -(-size // BLOCK)
         self.size = size
         self.bmax = np.empty(blocks, dtype=np.float32)
         self.bsum = np.empty(blocks, dtype=np.float64)
@@ -112,7 +112,7 @@ def draw(x: np.ndarray, temperature: float, top_k: int, top_p: float, uniform: C
     rejections = 0
     while token == -2:
         rejections += 1
-        if rejections >= _MAX_REJECTIONS:
+        if rejections >= MAX_REJECTIONS:
             return int(np.argmax(x))  # a bound, not a path taken: the most likely token is in every nucleus
         token = lib.mf_sample_again(ptr, n, inv_temp, top_p, uniform(), bmax, bsum, state)
     return None if token < 0 else int(token)
@@ -123,4 +123,4 @@ def log_normalizer(x: np.ndarray) -> tuple[float, np.ndarray]:
     its 256-token blocks' maxima (for ``sampling.top_ids``; this thread's buffer, valid until its next call)."""
     s = _scratch(x.size)
     lse = _lib.mf_log_normalizer(x.__array_interface__["data"][0], x.size, s.pointers[0])
-    return float(lse), s.bmax[:-(-x.size // _BLOCK)]
+    return float(lse), s.bmax[:-(-x.size // BLOCK)]

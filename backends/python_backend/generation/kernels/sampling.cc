@@ -16,6 +16,8 @@
 // Tokens in play: x > lo, or x == lo and index < lo_pos (initially all; top-k: x >= its k-th largest value, ties kept).
 //
 // The exponential is Cephes' expf polynomial (within 2 ulp; 0 below e^-87.3, where float32 has no normal number).
+// Not int8_kv_attention.cc's exp_nonpositive: that one clamps at -87 (a masked token, -inf, would weigh 2^-125.5 and
+// could be drawn where rounding lands on it) and rounds with std::floor, which keeps GCC's loop scalar here.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
