@@ -2,13 +2,12 @@
 ``sampling.sample_token``, in two passes over a row instead of five or more.
 
 Over Gemma 3's 262,144 tokens numpy's draw reads and writes the 1 MiB row five times (maximum, subtract, scale, exp,
-the blocks' sums) and once more for each top-p check: 0.45 ms a row at temperature 1, 0.8 ms at top-p 0.9, about a
-third of a 32-row decode step's time when every request samples (docs/generation.md, "The engine loop"). The kernel
-reads the row once for its blocks' maxima and once for the blocks' sums of the weights in play, never storing the
-probabilities; top-k's candidates come from the maxima, and top-p's check sums only the blocks that reach the drawn
-token's logit. The library is compiled on the host by ``int8_attention.library``'s rules (``g++ -O3 -march=native``,
-the same cache and ownership checks); where it cannot be (no compiler, a CPU without AVX2) :func:`load` says why and
-the sampler keeps numpy's draw. Both draw exactly from the same distribution (``tests/backend/test_sampling_draw.py``
+the blocks' sums) and once more for each top-p check (what each draw costs a token: benchmarks/RESULTS.md, "sampling";
+docs/generation.md, "The engine loop"). The kernel reads the row once for its blocks' maxima and once for the
+blocks' sums of the weights in play, never storing the probabilities; top-k's candidates come from the maxima, and
+top-p's check sums only the blocks that reach the drawn token's logit. The library is compiled on the host by
+``int8_attention.library``'s rules (``g++ -O3 -march=native``, the same cache and ownership checks); where it cannot
+be (no compiler, a CPU without AVX2) :func:`load` says why and the sampler keeps numpy's draw. Both draw exactly from the same distribution (``tests/backend/test_sampling_draw.py``
 checks each); a seeded stream's tokens agree between them until a uniform lands within float rounding of a boundary,
 or top-p rejects a draw one of them judges at its edge.
 
