@@ -7,9 +7,9 @@ docs/generation.md, "The engine loop"). The kernel reads the row once for its bl
 blocks' sums of the weights in play, never storing the probabilities; top-k's candidates come from the maxima, and
 top-p's check sums only the blocks that reach the drawn token's logit. The library is compiled on the host by
 ``int8_attention.library``'s rules (``g++ -O3 -march=native``, the same cache and ownership checks); where it cannot
-be (no compiler, a CPU without AVX2) :func:`load` says why and the sampler keeps numpy's draw. Both draw exactly from the same distribution (``tests/backend/test_sampling_draw.py``
-checks each); a seeded stream's tokens agree between them until a uniform lands within float rounding of a boundary,
-or top-p rejects a draw one of them judges at its edge.
+be (no compiler, a CPU without AVX2) :func:`load` says why and the sampler keeps numpy's draw. Both draw exactly from
+the same distribution (``tests/backend/test_sampling_draw.py`` checks each); a seeded stream's tokens agree between
+them until a uniform lands within float rounding of a boundary, or top-p rejects a draw one of them judges at its edge.
 
 ctypes releases the GIL for the call, so a draw does not hold other Python threads (the frontend, the cancel watch).
 """
